@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC stubs (do not edit; run scripts/gen-protos)."""

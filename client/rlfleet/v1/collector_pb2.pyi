@@ -1,0 +1,135 @@
+from rlfleet.v1 import sampling_pb2 as _sampling_pb2
+from rlfleet.v1 import tensor_pb2 as _tensor_pb2
+from rlfleet.v1 import weights_pb2 as _weights_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PushWeightsRequest(_message.Message):
+    __slots__ = ("manifest", "chunk")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    manifest: _weights_pb2.WeightManifest
+    chunk: _weights_pb2.WeightChunk
+    def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[_weights_pb2.WeightChunk, _Mapping]] = ...) -> None: ...
+
+class ReplicaPushResult(_message.Message):
+    __slots__ = ("address", "applied", "error")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    applied: bool
+    error: str
+    def __init__(self, address: _Optional[str] = ..., applied: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class PushWeightsResponse(_message.Message):
+    __slots__ = ("version", "replicas", "received_bytes", "seconds")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaPushResult]
+    received_bytes: int
+    seconds: float
+    def __init__(self, version: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaPushResult, _Mapping]]] = ..., received_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class GetPolicyVersionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetPolicyVersionResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class PromptSpec(_message.Message):
+    __slots__ = ("prompt_id", "prompt", "reward_fn", "ground_truth", "reward_args", "sampling")
+    class RewardArgsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FN_FIELD_NUMBER: _ClassVar[int]
+    GROUND_TRUTH_FIELD_NUMBER: _ClassVar[int]
+    REWARD_ARGS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    prompt_id: str
+    prompt: _sampling_pb2.Prompt
+    reward_fn: str
+    ground_truth: str
+    reward_args: _containers.ScalarMap[str, str]
+    sampling: _sampling_pb2.SamplingParams
+    def __init__(self, prompt_id: _Optional[str] = ..., prompt: _Optional[_Union[_sampling_pb2.Prompt, _Mapping]] = ..., reward_fn: _Optional[str] = ..., ground_truth: _Optional[str] = ..., reward_args: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class SubmitPromptsRequest(_message.Message):
+    __slots__ = ("prompts",)
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    prompts: _containers.RepeatedCompositeFieldContainer[PromptSpec]
+    def __init__(self, prompts: _Optional[_Iterable[_Union[PromptSpec, _Mapping]]] = ...) -> None: ...
+
+class SubmitPromptsResponse(_message.Message):
+    __slots__ = ("prompt_ids",)
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, prompt_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageStatus(_message.Message):
+    __slots__ = ("name", "queued", "in_flight", "items_per_second")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    queued: int
+    in_flight: int
+    items_per_second: float
+    def __init__(self, name: _Optional[str] = ..., queued: _Optional[int] = ..., in_flight: _Optional[int] = ..., items_per_second: _Optional[float] = ...) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("address", "healthy", "policy_version", "in_flight")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    healthy: bool
+    policy_version: int
+    in_flight: int
+    def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., policy_version: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("policy_version", "mode", "max_staleness", "stages", "replicas", "staleness_histogram", "trajectories", "discarded_samples", "extra")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    mode: str
+    max_staleness: int
+    stages: _containers.RepeatedCompositeFieldContainer[StageStatus]
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    staleness_histogram: _containers.RepeatedScalarFieldContainer[int]
+    trajectories: int
+    discarded_samples: int
+    extra: _tensor_pb2.TensorDict
+    def __init__(self, policy_version: _Optional[int] = ..., mode: _Optional[str] = ..., max_staleness: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., trajectories: _Optional[int] = ..., discarded_samples: _Optional[int] = ..., extra: _Optional[_Union[_tensor_pb2.TensorDict, _Mapping]] = ...) -> None: ...

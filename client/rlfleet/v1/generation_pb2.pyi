@@ -1,0 +1,99 @@
+from rlfleet.v1 import sampling_pb2 as _sampling_pb2
+from rlfleet.v1 import tensor_pb2 as _tensor_pb2
+from rlfleet.v1 import weights_pb2 as _weights_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: _sampling_pb2.Prompt
+    sampling: _sampling_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_sampling_pb2.Prompt, _Mapping]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class SampleTiming(_message.Message):
+    __slots__ = ("queued_seconds", "first_token_seconds", "total_seconds")
+    QUEUED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    queued_seconds: float
+    first_token_seconds: float
+    total_seconds: float
+    def __init__(self, queued_seconds: _Optional[float] = ..., first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "sample_index", "prompt_token_ids", "response_token_ids", "behavior_log_probs", "finish_reason", "stop_reason", "policy_version_start", "policy_version_end", "sampling", "timing")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BEHAVIOR_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_START_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_END_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    sample_index: int
+    prompt_token_ids: _tensor_pb2.Tensor
+    response_token_ids: _tensor_pb2.Tensor
+    behavior_log_probs: _tensor_pb2.Tensor
+    finish_reason: _sampling_pb2.FinishReason
+    stop_reason: str
+    policy_version_start: int
+    policy_version_end: int
+    sampling: _sampling_pb2.SamplingParams
+    timing: SampleTiming
+    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., response_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., behavior_log_probs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., finish_reason: _Optional[_Union[_sampling_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., policy_version_start: _Optional[int] = ..., policy_version_end: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., timing: _Optional[_Union[SampleTiming, _Mapping]] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("manifest", "chunk")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    manifest: _weights_pb2.WeightManifest
+    chunk: _weights_pb2.WeightChunk
+    def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[_weights_pb2.WeightChunk, _Mapping]] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("version", "received_bytes", "receive_seconds", "apply_seconds", "aborted_requests")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    received_bytes: int
+    receive_seconds: float
+    apply_seconds: float
+    aborted_requests: int
+    def __init__(self, version: _Optional[int] = ..., received_bytes: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., aborted_requests: _Optional[int] = ...) -> None: ...
+
+class GetEngineStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetEngineStatusResponse(_message.Message):
+    __slots__ = ("model", "policy_version", "running_requests", "waiting_requests", "tokens_per_second", "swapping", "max_queued_requests")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    SWAPPING_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    policy_version: int
+    running_requests: int
+    waiting_requests: int
+    tokens_per_second: float
+    swapping: bool
+    max_queued_requests: int
+    def __init__(self, model: _Optional[str] = ..., policy_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., swapping: _Optional[bool] = ..., max_queued_requests: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,95 @@
+from rlfleet.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AppendRequest(_message.Message):
+    __slots__ = ("trajectories", "idempotency_key")
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    trajectories: _tensor_pb2.TensorDict
+    idempotency_key: str
+    def __init__(self, trajectories: _Optional[_Union[_tensor_pb2.TensorDict, _Mapping]] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+
+class AppendResponse(_message.Message):
+    __slots__ = ("appended", "buffered")
+    APPENDED_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_FIELD_NUMBER: _ClassVar[int]
+    appended: int
+    buffered: int
+    def __init__(self, appended: _Optional[int] = ..., buffered: _Optional[int] = ...) -> None: ...
+
+class OpenBatchStream(_message.Message):
+    __slots__ = ("batch_size", "whole_groups", "min_policy_version", "lease_seconds", "prefetch", "consumer")
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    batch_size: int
+    whole_groups: bool
+    min_policy_version: int
+    lease_seconds: float
+    prefetch: int
+    consumer: str
+    def __init__(self, batch_size: _Optional[int] = ..., whole_groups: _Optional[bool] = ..., min_policy_version: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., prefetch: _Optional[int] = ..., consumer: _Optional[str] = ...) -> None: ...
+
+class AckBatch(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class NackBatch(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class StreamBatchesRequest(_message.Message):
+    __slots__ = ("open", "ack", "nack")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    NACK_FIELD_NUMBER: _ClassVar[int]
+    open: OpenBatchStream
+    ack: AckBatch
+    nack: NackBatch
+    def __init__(self, open: _Optional[_Union[OpenBatchStream, _Mapping]] = ..., ack: _Optional[_Union[AckBatch, _Mapping]] = ..., nack: _Optional[_Union[NackBatch, _Mapping]] = ...) -> None: ...
+
+class StreamBatchesResponse(_message.Message):
+    __slots__ = ("lease_id", "batch", "lease_expires_at", "redelivered")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    REDELIVERED_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    batch: _tensor_pb2.TensorDict
+    lease_expires_at: float
+    redelivered: bool
+    def __init__(self, lease_id: _Optional[str] = ..., batch: _Optional[_Union[_tensor_pb2.TensorDict, _Mapping]] = ..., lease_expires_at: _Optional[float] = ..., redelivered: _Optional[bool] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("ready", "leased", "acked", "capacity", "appended", "redelivered_batches", "dropped_stale")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    LEASED_FIELD_NUMBER: _ClassVar[int]
+    ACKED_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    APPENDED_FIELD_NUMBER: _ClassVar[int]
+    REDELIVERED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
+    ready: int
+    leased: int
+    acked: int
+    capacity: int
+    appended: int
+    redelivered_batches: int
+    dropped_stale: int
+    def __init__(self, ready: _Optional[int] = ..., leased: _Optional[int] = ..., acked: _Optional[int] = ..., capacity: _Optional[int] = ..., appended: _Optional[int] = ..., redelivered_batches: _Optional[int] = ..., dropped_stale: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,15 @@
+"""Wire codec: torch tensors, ragged tensors and TensorDicts <-> protobuf messages.
+
+Every decoder validates what it reads and raises ``WireError`` naming the field.
+"""
+
+from rlfleet.wire.errors import WireError
+from rlfleet.wire.ragged import Ragged, decode_ragged, encode_ragged
+from rlfleet.wire.tensor import SUPPORTED_DTYPES, decode_tensor, encode_tensor, tensor_bytes
+from rlfleet.wire.tensordict import decode_tensordict, encode_tensordict, get_ragged
+
+__all__ = [
+    "Ragged", "SUPPORTED_DTYPES", "WireError", "decode_ragged", "decode_tensor",
+    "decode_tensordict", "encode_ragged", "encode_tensor", "encode_tensordict",
+    "get_ragged", "tensor_bytes",
+]

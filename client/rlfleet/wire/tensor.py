@@ -1,0 +1,120 @@
+"""torch.Tensor <-> rlfleet.v1.Tensor: dtype, shape, raw little-endian bytes."""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+
+import torch
+
+from rlfleet.v1 import tensor_pb2
+from rlfleet.wire.errors import WireError
+
+if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in sight
+    raise ImportError("rlfleet's wire format assumes a little-endian host")
+
+_TO_WIRE: dict[torch.dtype, int] = {
+    torch.float32: tensor_pb2.DTYPE_FLOAT32,
+    torch.float16: tensor_pb2.DTYPE_FLOAT16,
+    torch.bfloat16: tensor_pb2.DTYPE_BFLOAT16,
+    torch.float64: tensor_pb2.DTYPE_FLOAT64,
+    torch.int64: tensor_pb2.DTYPE_INT64,
+    torch.int32: tensor_pb2.DTYPE_INT32,
+    torch.int16: tensor_pb2.DTYPE_INT16,
+    torch.int8: tensor_pb2.DTYPE_INT8,
+    torch.uint8: tensor_pb2.DTYPE_UINT8,
+    torch.bool: tensor_pb2.DTYPE_BOOL,
+}
+_FROM_WIRE: dict[int, torch.dtype] = {v: k for k, v in _TO_WIRE.items()}
+_INT64_MAX = 2**63 - 1
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(_TO_WIRE)
+
+
+def dtype_to_wire(dtype: torch.dtype) -> int:
+    """The wire enum value of a torch dtype (``WireError`` if unsupported)."""
+    try:
+        return _TO_WIRE[dtype]
+    except KeyError:
+        raise WireError("dtype", f"unsupported dtype {dtype}") from None
+
+
+def dtype_from_wire(value: int, field: str = "dtype") -> torch.dtype:
+    """The torch dtype of a wire enum value (``WireError`` if unknown)."""
+    try:
+        return _FROM_WIRE[value]
+    except KeyError:
+        raise WireError(field, f"unknown dtype {value}") from None
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """Raw little-endian C-contiguous bytes of a tensor (the one copy gRPC needs)."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return b""
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def encode_tensor(tensor: torch.Tensor, out: tensor_pb2.Tensor | None = None) -> tensor_pb2.Tensor:
+    """Encode a dense tensor (any device, any strides) into a Tensor message."""
+    if tensor.is_nested or tensor.layout != torch.strided:
+        raise WireError("", f"cannot encode a {tensor.layout} tensor densely; use encode_ragged")
+    msg = tensor_pb2.Tensor() if out is None else out
+    msg.dtype = dtype_to_wire(tensor.dtype)
+    msg.shape[:] = list(tensor.shape)
+    msg.data = tensor_bytes(tensor)
+    return msg
+
+
+def check_shape(shape, field: str = "shape") -> int:
+    """Validate dims (non-negative, no int64 overflow); return the element count."""
+    numel = 1
+    for i, dim in enumerate(shape):
+        if dim < 0:
+            raise WireError(f"{field}[{i}]", f"negative dimension {dim}")
+        numel *= dim
+        if numel > _INT64_MAX:
+            raise WireError(field, "element count overflows int64")
+    return numel
+
+
+def decode_tensor(msg: tensor_pb2.Tensor, field: str = "") -> torch.Tensor:
+    """Decode a Tensor message, viewing the received bytes without a copy.
+
+    The result is read-only memory owned by the message's bytes: clone it
+    before writing in place.
+    """
+
+    def where(name: str) -> str:
+        return f"{field}.{name}" if field else name
+
+    dtype = dtype_from_wire(msg.dtype, where("dtype"))
+    shape = list(msg.shape)
+    numel = check_shape(shape, where("shape"))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    data = msg.data
+    expected = numel * itemsize
+    if len(data) != expected:
+        raise WireError(
+            where("data"),
+            f"has {len(data)} bytes, expected {expected} = prod({shape}) * {itemsize}",
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    if len(data) <= 1:
+        # CPython caches one-byte bytes objects: never alias them.
+        data = bytearray(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
+        flat = torch.frombuffer(data, dtype=torch.uint8 if dtype == torch.bool else dtype)
+    if dtype == torch.bool:
+        if int(flat.max()) > 1:
+            raise WireError(where("data"), "bool tensor holds bytes other than 0 and 1")
+        flat = flat.view(torch.bool)
+    return flat.reshape(shape)
+
+
+def nbytes(shape, dtype: torch.dtype) -> int:
+    """Bytes a tensor of this shape and dtype takes on the wire."""
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()

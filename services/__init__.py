@@ -1,0 +1,1 @@
+"""rlfleet services: generation, reference, reward, trajectory, collector."""

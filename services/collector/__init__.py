@@ -1,0 +1,1 @@
+"""rlfleet collector service."""

@@ -1,0 +1,1 @@
+"""Scaffolding shared by every service: server bootstrap, config, errors, metrics."""

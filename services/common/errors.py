@@ -1,0 +1,55 @@
+"""Domain exceptions. Domain code raises these; one interceptor maps them to gRPC codes.
+
+Nothing here imports grpc: the mapping lives in ``interceptors.py``.
+"""
+
+from __future__ import annotations
+
+
+class RlfleetError(Exception):
+    """Base of every error a service deliberately reports to its caller."""
+
+    #: Name of the ``grpc.StatusCode`` this error maps to.
+    code: str = "INTERNAL"
+
+
+class InvalidArgument(RlfleetError):
+    """The request is malformed; the message names the offending field/sample."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class FailedPrecondition(RlfleetError):
+    """The request is well-formed but the service state refuses it (e.g. stale version)."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class ResourceExhausted(RlfleetError):
+    """A bounded queue or buffer is full; retry later."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class Aborted(RlfleetError):
+    """The operation was interrupted (e.g. a push cut off mid-stream); nothing was applied."""
+
+    code = "ABORTED"
+
+
+class NotFound(RlfleetError):
+    """A named entity (reward function, lease, replica) does not exist."""
+
+    code = "NOT_FOUND"
+
+
+class Unavailable(RlfleetError):
+    """The service (or a dependency) is not ready or is shutting down."""
+
+    code = "UNAVAILABLE"
+
+
+class Unauthenticated(RlfleetError):
+    """Missing or wrong credentials."""
+
+    code = "UNAUTHENTICATED"

@@ -1,0 +1,130 @@
+"""Domain errors -> gRPC status codes, in one place; plus auth and RPC metrics.
+
+Servicers stay thin and never call ``context.abort`` for domain problems: they
+let ``RlfleetError`` / ``WireError`` propagate and this interceptor maps them.
+Anything unexpected becomes INTERNAL and is logged with its traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import logging
+import time
+from typing import Any, Callable
+
+import grpc
+
+from rlfleet.services.common import metrics
+from rlfleet.services.common.errors import RlfleetError
+from rlfleet.wire import WireError
+
+log = logging.getLogger("rlfleet.rpc")
+
+# Health and reflection stay reachable without credentials (probes, grpcurl).
+_OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
+                  "/grpc.reflection.v1.ServerReflection/")
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """The status a domain exception maps to, or None for an unexpected one."""
+    if isinstance(exc, WireError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, RlfleetError):
+        return getattr(grpc.StatusCode, exc.code), str(exc)
+    return None
+
+
+async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
+    mapped = status_for(exc)
+    if mapped is None:
+        log.error("unexpected error in %s", method, exc_info=exc)
+        mapped = (grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
+    metrics.RPC_ERRORS.labels(method=method, code=mapped[0].name).inc()
+    await context.abort(mapped[0], mapped[1])
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions to statuses, checks the bearer token, records RPC metrics."""
+
+    def __init__(self, auth_token: str | None = None):
+        self._auth_token = auth_token
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        needs_auth = self._auth_token is not None and not method.startswith(_OPEN_SERVICES)
+        if needs_auth and not self._authorized(details.invocation_metadata):
+            return _unauthenticated_handler(handler)
+        return _wrap_handler(handler, method)
+
+    def _authorized(self, metadata) -> bool:
+        for key, value in metadata or ():
+            if key == "authorization" and value.startswith("Bearer "):
+                return hmac.compare_digest(value[7:].encode(), self._auth_token.encode())
+        return False
+
+
+def _wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    if handler.unary_unary or handler.stream_unary:
+        behavior = handler.unary_unary or handler.stream_unary
+
+        async def unary_response(request_or_iterator, context):
+            started = time.perf_counter()
+            try:
+                return await behavior(request_or_iterator, context)
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - the one place errors become statuses
+                await _abort_for(exc, context, method)
+            finally:
+                metrics.RPC_SECONDS.labels(method=method).observe(time.perf_counter() - started)
+
+        factory = (grpc.unary_unary_rpc_method_handler if handler.unary_unary
+                   else grpc.stream_unary_rpc_method_handler)
+    else:
+        behavior = handler.unary_stream or handler.stream_stream
+
+        async def unary_response(request_or_iterator, context):  # streams responses
+            started = time.perf_counter()
+            try:
+                result = behavior(request_or_iterator, context)
+                if inspect.isasyncgen(result):
+                    async for item in result:
+                        yield item
+                else:  # a coroutine using context.write
+                    await result
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as exc:  # noqa: BLE001
+                await _abort_for(exc, context, method)
+            finally:
+                metrics.RPC_SECONDS.labels(method=method).observe(time.perf_counter() - started)
+
+        factory = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
+                   else grpc.stream_stream_rpc_method_handler)
+    return factory(unary_response, request_deserializer=handler.request_deserializer,
+                   response_serializer=handler.response_serializer)
+
+
+def _unauthenticated_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    async def deny(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or invalid 'authorization: Bearer <token>' metadata")
+
+    async def deny_stream(request_or_iterator, context):
+        await deny(request_or_iterator, context)
+        yield  # pragma: no cover - unreachable, makes this an async generator
+
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(deny_stream, handler.request_deserializer,
+                                                    handler.response_serializer)
+    return grpc.stream_stream_rpc_method_handler(deny_stream, handler.request_deserializer,
+                                                 handler.response_serializer)

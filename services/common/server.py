@@ -1,0 +1,134 @@
+"""Server lifecycle shared by every service.
+
+build domain object -> grpc.aio server (interceptor, explicit message sizes,
+keepalive) -> diagnostics, health (NOT_SERVING), reflection -> listen ->
+``await service.start()`` (model load) -> SERVING -> wait for SIGTERM/SIGINT ->
+NOT_SERVING -> ``server.stop(grace)`` -> ``service.stop()``.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import signal
+from pathlib import Path
+from typing import ClassVar, Generic, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from rlfleet.services.common import metrics
+from rlfleet.services.common.config import ServiceConfig
+from rlfleet.services.common.diagnostics import DiagnosticsServicer
+from rlfleet.services.common.interceptors import ErrorInterceptor
+from rlfleet.services.common.logs import setup_logging
+from rlfleet.v1 import diagnostics_pb2, diagnostics_pb2_grpc
+
+log = logging.getLogger("rlfleet.server")
+C = TypeVar("C", bound=ServiceConfig)
+
+
+def grpc_options(config: ServiceConfig) -> list[tuple[str, int]]:
+    """Channel/server options: explicit message sizes and keepalive."""
+    keepalive_ms = int(config.keepalive_seconds * 1000)
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class Service(abc.ABC, Generic[C]):
+    """A domain object plus the servicers exposing it. One subclass per service."""
+
+    #: Fully-qualified gRPC service names this service serves (for health/reflection).
+    service_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config: C):
+        self.config = config
+        self.health: HealthServicer | None = None
+
+    @abc.abstractmethod
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Register this service's servicers on ``server``."""
+
+    async def start(self) -> None:
+        """Load models / open stores. Health is NOT_SERVING until this returns."""
+
+    async def stop(self) -> None:
+        """Release resources after the server stopped accepting RPCs."""
+
+    async def set_serving(self, serving: bool) -> None:
+        """Flip health for every served name (e.g. NOT_SERVING during a weight swap)."""
+        if self.health is None:
+            return
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+        metrics.READY.set(1 if serving else 0)
+
+
+async def serve(service: Service, stop_event: asyncio.Event | None = None) -> None:
+    """Run ``service`` until SIGTERM/SIGINT (or ``stop_event``), then shut down gracefully."""
+    config = service.config
+    stop_event = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_event.set)
+
+    server = grpc.aio.server(
+        interceptors=[ErrorInterceptor(config.auth_token)], options=grpc_options(config),
+        maximum_concurrent_rpcs=None,
+    )
+    service.health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
+    diagnostics_pb2_grpc.add_DiagnosticsServiceServicer_to_server(DiagnosticsServicer(), server)
+    service.add_to_server(server)
+    names = (*service.service_names, diagnostics_pb2.DESCRIPTOR.services_by_name["DiagnosticsService"].full_name,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    await service.set_serving(False)
+
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise RuntimeError(f"could not bind {config.host}:{config.port}")
+    await server.start()
+    if config.port_file:
+        tmp = Path(config.port_file + ".tmp")
+        tmp.write_text(str(port))
+        tmp.rename(config.port_file)  # atomic: readers never see a partial file
+    metrics.serve_metrics(config.metrics_port)
+    log.info("listening", extra={"port": port, "service_names": list(service.service_names)})
+
+    try:
+        starting = asyncio.create_task(service.start())
+        stopping = asyncio.create_task(stop_event.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if starting.done():
+            starting.result()  # a failed start is fatal: raise it
+            await service.set_serving(True)
+            log.info("serving")
+            await stopping
+        else:
+            starting.cancel()
+        log.info("shutting down", extra={"grace_seconds": config.grace_seconds})
+        await service.set_serving(False)
+    finally:
+        await server.stop(config.grace_seconds)
+        await service.stop()
+        log.info("stopped")
+
+
+def run(service_cls: type[Service], config_cls: type[ServiceConfig], argv=None) -> None:
+    """Console entry point body: parse config, set up logging, serve."""
+    config = config_cls.load(argv)
+    setup_logging(config_cls.service_name, config.log_level, config.log_format)
+    asyncio.run(serve(service_cls(config)))

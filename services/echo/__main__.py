@@ -1,0 +1,13 @@
+"""``rlfleet-echo`` / ``python -m rlfleet.services.echo``."""
+
+
+def main(argv=None) -> None:
+    from rlfleet.services.common.server import run
+    from rlfleet.services.echo.config import EchoConfig
+    from rlfleet.services.echo.service import EchoService
+
+    run(EchoService, EchoConfig, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Configuration of the generation engine (the vLLM-backed domain object).
+
+The service-level config (ports, metrics, logging) embeds this model; this
+one only says how to build and drive the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Keys of engine_kwargs the engine sets itself: overriding them would silently
+# break behaviour log-probs or weight updates.
+OWNED_ENGINE_KWARGS = frozenset({"logprobs_mode", "worker_extension_cls", "model"})
+
+
+class GenerationEngineConfig(BaseModel):
+    """How to build the vLLM engine and how hard to drive it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    """Path to a Hugging Face model directory (config, tokenizer, safetensors).
+
+    A local directory is required: weight pushes are validated against the
+    parameter names and shapes in its safetensors headers."""
+
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to ``model``."""
+
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """Compute dtype of the engine. float32 keeps behaviour log-probs
+    bit-comparable with a float32 trainer; bfloat16 is the usual GPU choice."""
+
+    max_model_len: int = Field(2048, gt=0)
+    """Maximum prompt + response length in tokens."""
+
+    seed: int = 0
+    """Engine-wide random seed (per-request seeds override it)."""
+
+    max_num_seqs: int = Field(64, gt=0)
+    """Maximum number of sequences vLLM schedules in one batch."""
+
+    max_queued_requests: int = Field(256, gt=0)
+    """Admission bound: ``generate`` calls in flight (waiting or running, one per
+    prompt regardless of ``n``). Beyond it new calls fail with ResourceExhausted
+    so the caller can back off or try another replica."""
+
+    enforce_eager: bool = True
+    """Disable graph capture / torch.compile. Faster start-up; on CPU and for
+    small models there is little to gain from compilation."""
+
+    enable_prefix_caching: bool = True
+    """Share KV blocks between requests with a common prefix (a GRPO group
+    shares its prompt). The cache is reset after every weight swap."""
+
+    kv_cache_memory_bytes: int | None = None
+    """Explicit KV-cache size in bytes; ``None`` lets vLLM size it."""
+
+    initial_policy_version: int = Field(0, ge=0)
+    """Policy version of the weights loaded from ``model`` at start."""
+
+    weight_rpc_chunk_bytes: int = Field(256 * 1024 * 1024, gt=0)
+    """Weights travel to the worker in RPC calls of about this many bytes, so a
+    large model never becomes one giant message."""
+
+    tokens_per_second_window_s: float = Field(10.0, gt=0)
+    """Window over which ``status()`` measures generated tokens per second."""
+
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments passed verbatim to ``vllm.AsyncEngineArgs``
+    (e.g. ``tensor_parallel_size``, ``gpu_memory_utilization``). They override
+    the fields above; ``logprobs_mode`` and ``worker_extension_cls`` are owned
+    by the engine and may not be set here."""
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _no_owned_engine_kwargs(cls, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+        owned = sorted(OWNED_ENGINE_KWARGS & engine_kwargs.keys())
+        if owned:
+            raise ValueError(f"engine_kwargs may not set {owned}: the engine owns them")
+        return engine_kwargs
+
+    @property
+    def tokenizer_path(self) -> str:
+        """The tokenizer directory actually used."""
+        return self.tokenizer or self.model

@@ -1,0 +1,458 @@
+"""GenerationEngine: a vLLM AsyncLLM with admission control, GRPO groups,
+behaviour log-probs and versioned in-place weight swaps.
+
+Knows nothing of gRPC; a servicer adapts it. Errors are domain exceptions
+from ``rlfleet.services.common.errors``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from rlfleet.services.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
+from rlfleet.services.generation.config import GenerationEngineConfig
+from rlfleet.services.generation.sampling import (
+    SampleAccumulator,
+    SampleResult,
+    SampleTiming,
+    SamplingSpec,
+)
+from rlfleet.services.generation.weights import (
+    TensorSpec,
+    WeightTensor,
+    read_checkpoint_specs,
+    validate_weight_push,
+)
+from rlfleet.services.generation.worker_ext import WORKER_EXTENSION_CLS
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+SwapMode = Literal["wait", "abort", "keep"]
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
+
+
+class EngineState(str, enum.Enum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    SERVING = "serving"
+    SWAPPING = "swapping"
+    """A wait/abort swap: new requests are held until it completes."""
+    FAILED = "failed"
+    """A weight swap failed inside vLLM; the weights are undefined."""
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """A snapshot for GetStatus and metrics."""
+
+    model: str
+    state: EngineState
+    policy_version: int
+    requests_in_flight: int
+    """Admitted ``generate`` calls (waiting + running)."""
+    requests_waiting: int
+    """Admitted calls that have not produced a token yet."""
+    requests_running: int
+    max_queued_requests: int
+    tokens_per_second: float
+    """Generated tokens per second over the last ``tokens_per_second_window_s``."""
+
+
+class _TokenRate:
+    """Generated tokens per second over a sliding window."""
+
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._events: deque[tuple[float, int]] = deque()
+        self._started_at = time.monotonic()
+
+    def add(self, num_tokens: int, now: float) -> None:
+        self._events.append((now, num_tokens))
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self._window_s:
+            self._events.popleft()
+
+    def per_second(self) -> float:
+        now = time.monotonic()
+        self._trim(now)
+        # Right after start the window is not full yet: divide by what elapsed.
+        span = min(self._window_s, max(now - self._started_at, 1e-3))
+        return sum(n for _, n in self._events) / span
+
+
+class GenerationEngine:
+    """One vLLM engine serving GRPO groups and accepting weight pushes."""
+
+    def __init__(self, config: GenerationEngineConfig) -> None:
+        self.config = config
+        self._engine: AsyncLLM | None = None
+        self._tokenizer: Any = None
+        self._checkpoint_specs: dict[str, TensorSpec] = {}
+        self._vocab_size = 0
+        self._max_model_len = config.max_model_len
+        self._state = EngineState.STOPPED
+        self._policy_version = config.initial_policy_version
+        # Set while requests may enter vLLM; cleared for the whole of a swap.
+        self._admission_open = asyncio.Event()
+        self._swap_lock = asyncio.Lock()
+        self._requests_in_flight = 0
+        self._requests_running = 0
+        self._request_ids_in_flight: set[str] = set()
+        self._token_rate = _TokenRate(config.tokens_per_second_window_s)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Build the vLLM engine (tens of seconds) and load tokenizer + checkpoint specs."""
+        if self._state is not EngineState.STOPPED:
+            raise FailedPrecondition(f"engine is {self._state.value}, cannot start")
+        self._state = EngineState.STARTING
+        try:
+            from transformers import AutoTokenizer
+            from vllm import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            self._checkpoint_specs = await asyncio.to_thread(
+                read_checkpoint_specs, self.config.model
+            )
+            self._tokenizer = await asyncio.to_thread(
+                AutoTokenizer.from_pretrained, self.config.tokenizer_path
+            )
+            engine_args = AsyncEngineArgs(**self._engine_kwargs())
+            # Construction blocks until the engine process is up; a thread keeps
+            # the event loop (and a health endpoint on it) responsive meanwhile.
+            self._engine = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args)
+            self._vocab_size = self._engine.model_config.get_vocab_size()
+            self._max_model_len = self._engine.model_config.max_model_len
+            # vLLM labels every output token with the engine's weight version;
+            # samples read their start/end policy version from those labels.
+            # (Also the first call on this loop: it starts the client's output task.)
+            await self._engine.update_weight_version(str(self._policy_version))
+        except BaseException:
+            self._state = EngineState.STOPPED
+            if self._engine is not None:
+                self._engine.shutdown()
+                self._engine = None
+            raise
+        self._admission_open.set()
+        self._state = EngineState.SERVING
+        logger.info("generation engine ready: %s (policy version %d)",
+                    self.config.model, self._policy_version)
+
+    def _engine_kwargs(self) -> dict[str, Any]:
+        cfg = self.config
+        kwargs: dict[str, Any] = dict(
+            model=cfg.model,
+            tokenizer=cfg.tokenizer_path,
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            seed=cfg.seed,
+            max_num_seqs=cfg.max_num_seqs,
+            enforce_eager=cfg.enforce_eager,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+        )
+        kwargs.update(cfg.engine_kwargs)
+        # Owned keys last: behaviour log-probs must be those of the sampling
+        # distribution, and weight pushes need the extension.
+        kwargs["logprobs_mode"] = "processed_logprobs"
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION_CLS
+        return kwargs
+
+    async def shutdown(self) -> None:
+        """Abort everything in flight and stop the engine process."""
+        engine, self._engine = self._engine, None
+        self._state = EngineState.STOPPED
+        self._admission_open.set()  # release callers held by a swap; they see STOPPED
+        if engine is not None:
+            await asyncio.to_thread(engine.shutdown)
+
+    @property
+    def ready(self) -> bool:
+        """The engine is up and its weights are well-defined."""
+        return self._state in (EngineState.SERVING, EngineState.SWAPPING)
+
+    @property
+    def swapping(self) -> bool:
+        """A wait/abort weight swap is running: report NOT_SERVING."""
+        return self._state is EngineState.SWAPPING
+
+    @property
+    def serving(self) -> bool:
+        """Health: SERVING iff this is true."""
+        return self._state is EngineState.SERVING
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    def _require_engine(self) -> AsyncLLM:
+        if self._engine is None or not self.ready:
+            raise Unavailable(f"generation engine is {self._state.value}")
+        return self._engine
+
+    # ------------------------------------------------------------------ prompts
+
+    def render_chat(
+        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of ``messages`` through the model's chat template."""
+        if self._tokenizer is None:
+            raise Unavailable("generation engine is not started")
+        try:
+            encoded = self._tokenizer.apply_chat_template(
+                list(messages),
+                tokenize=True,
+                add_generation_prompt=add_generation_prompt,
+                return_dict=True,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidArgument(f"messages: cannot apply chat template: {e}") from e
+        return list(encoded["input_ids"])
+
+    def _validate_request(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingSpec, request_id: str
+    ) -> None:
+        if not request_id:
+            raise InvalidArgument("request_id must not be empty")
+        if request_id in self._request_ids_in_flight:
+            raise InvalidArgument(f"request_id {request_id!r} is already in flight")
+        if not prompt_token_ids:
+            raise InvalidArgument("prompt_token_ids must not be empty")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self._vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(
+                f"prompt_token_ids: token id {bad} outside vocabulary [0, {self._vocab_size})"
+            )
+        sampling.validate()
+        if len(prompt_token_ids) + sampling.max_tokens > self._max_model_len:
+            raise InvalidArgument(
+                f"prompt length {len(prompt_token_ids)} + sampling.max_tokens "
+                f"{sampling.max_tokens} exceeds max_model_len {self._max_model_len}"
+            )
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingSpec, request_id: str
+    ) -> AsyncIterator[SampleResult]:
+        """Sample ``sampling.n`` responses; yield each one as soon as it finishes.
+
+        Admission is checked at the first iteration: beyond
+        ``max_queued_requests`` calls in flight it raises ResourceExhausted.
+        Cancelling the consumer or closing the iterator aborts the vLLM request.
+        """
+        engine = self._require_engine()
+        self._validate_request(prompt_token_ids, sampling, request_id)
+        if self._requests_in_flight >= self.config.max_queued_requests:
+            raise ResourceExhausted(
+                f"generation queue full ({self._requests_in_flight} requests in flight, "
+                f"max_queued_requests={self.config.max_queued_requests})"
+            )
+        called_at = time.monotonic()
+        self._requests_in_flight += 1
+        self._request_ids_in_flight.add(request_id)
+        running = False
+        try:
+            # Held here, not inside vLLM, while a swap runs: the request then
+            # starts on the new weights and does not delay the drain.
+            await self._admission_open.wait()
+            engine = self._require_engine()
+            submitted_at = time.monotonic()
+            version_at_submit = self._policy_version
+            samples = {i: SampleAccumulator(index=i) for i in range(sampling.n)}
+            stream = engine.generate(
+                {"prompt_token_ids": list(prompt_token_ids)}, sampling.to_vllm(), request_id
+            )
+            try:
+                async for output in stream:
+                    now = time.monotonic()
+                    for completion in output.outputs:
+                        sample = samples[completion.index]
+                        sample.add(completion.token_ids, completion.logprobs, now)
+                        if completion.token_ids:
+                            self._token_rate.add(len(completion.token_ids), now)
+                            if not running:
+                                running = True
+                                self._requests_running += 1
+                        if completion.finish_reason is None:
+                            continue
+                        yield self._finished_sample(
+                            request_id, len(prompt_token_ids), sample, completion,
+                            version_at_submit, called_at, submitted_at, now,
+                        )
+            finally:
+                # Closing vLLM's generator aborts the request if it is still
+                # running (consumer cancelled or stopped iterating).
+                await stream.aclose()
+        finally:
+            self._requests_in_flight -= 1
+            self._request_ids_in_flight.discard(request_id)
+            if running:
+                self._requests_running -= 1
+
+    def _finished_sample(
+        self,
+        request_id: str,
+        prompt_length: int,
+        sample: SampleAccumulator,
+        completion: Any,
+        version_at_submit: int,
+        called_at: float,
+        submitted_at: float,
+        now: float,
+    ) -> SampleResult:
+        finish_reason = _FINISH_REASONS.get(completion.finish_reason)
+        if finish_reason is None:
+            # vLLM's "error": an internal, request-level failure.
+            raise RuntimeError(
+                f"vLLM finished request {request_id} sample {sample.index} "
+                f"with {completion.finish_reason!r}"
+            )
+        # vLLM labels output tokens with the engine's weight version; a sample
+        # without tokens (aborted while queued) falls back to our own clock.
+        spans = [
+            (int(span.version), span.start, span.end)
+            for span in completion.weight_versions or []
+        ]
+        version_start = spans[0][0] if spans else version_at_submit
+        version_end = spans[-1][0] if spans else self._policy_version
+        return SampleResult(
+            request_id=request_id,
+            index=sample.index,
+            prompt_length=prompt_length,
+            response_token_ids=sample.response_token_ids,
+            behavior_log_probs=sample.behavior_log_probs,
+            finish_reason=finish_reason,
+            stop_reason=completion.stop_reason,
+            policy_version_start=version_start,
+            policy_version_end=version_end,
+            policy_version_spans=spans,
+            timing=SampleTiming(
+                queue_seconds=submitted_at - called_at,
+                first_token_seconds=(
+                    None if sample.first_token_at is None else sample.first_token_at - called_at
+                ),
+                total_seconds=now - called_at,
+            ),
+        )
+
+    # ------------------------------------------------------------------ weights
+
+    async def update_weights(
+        self, version: int, tensors: Sequence[WeightTensor], mode: SwapMode = "wait"
+    ) -> None:
+        """Swap in a complete set of HF-named weights as policy ``version``.
+
+        Everything is validated before the engine is touched; a rejected push
+        leaves weights and version exactly as they were.
+
+        - ``wait``: hold new requests, let in-flight ones finish, swap, resume.
+        - ``abort``: abort in-flight requests (they finish with "abort"), swap.
+        - ``keep``: freeze in-flight requests, swap, resume them; their KV is
+          recomputed with the new weights and their samples report
+          ``policy_version_start != policy_version_end``.
+
+        The version moves only after vLLM applied the weights. If applying
+        fails inside vLLM the engine turns FAILED (not serving) until a later
+        push succeeds.
+        """
+        if mode not in ("wait", "abort", "keep"):
+            raise InvalidArgument(f"mode must be wait, abort or keep, got {mode!r}")
+        engine = self._engine
+        # A FAILED engine accepts pushes: a push is a complete replacement, so
+        # one that applies makes the weights well-defined again.
+        if engine is None or self._state in (EngineState.STOPPED, EngineState.STARTING):
+            raise Unavailable(f"generation engine is {self._state.value}")
+        async with self._swap_lock:
+            if version <= self._policy_version:
+                raise FailedPrecondition(
+                    f"weights version {version} is not newer than current {self._policy_version}"
+                )
+            await asyncio.to_thread(validate_weight_push, tensors, self._checkpoint_specs)
+            # Staging does not touch the model, so it overlaps with generation.
+            try:
+                for chunk in self._chunks(tensors):
+                    await engine.collective_rpc("rlfleet_stage_weights", args=(chunk,))
+            except BaseException:
+                await engine.collective_rpc("rlfleet_discard_staged_weights")
+                raise
+            # From here on the swap runs to completion even if the caller goes
+            # away: a half-done pause/apply/resume would wedge the engine.
+            await asyncio.shield(self._swap_staged(engine, version, mode))
+
+    def _chunks(self, tensors: Sequence[WeightTensor]) -> list[list[WeightTensor]]:
+        chunks: list[list[WeightTensor]] = [[]]
+        size = 0
+        for tensor in tensors:
+            if chunks[-1] and size + len(tensor[3]) > self.config.weight_rpc_chunk_bytes:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(tensor)
+            size += len(tensor[3])
+        return chunks
+
+    async def _swap_staged(self, engine: AsyncLLM, version: int, mode: SwapMode) -> None:
+        self._admission_open.clear()
+        if mode != "keep":
+            self._state = EngineState.SWAPPING
+        started = time.monotonic()
+        try:
+            # clear_cache=True also preempts kept requests so their KV is
+            # rebuilt with the new weights when they resume.
+            await engine.pause_generation(mode=mode, clear_cache=True)
+            await engine.collective_rpc("rlfleet_apply_staged_weights")
+            await engine.update_weight_version(str(version))
+            if not await engine.reset_prefix_cache():
+                raise RuntimeError("prefix cache reset failed after the swap")
+            self._policy_version = version
+            await engine.resume_generation()
+        except BaseException:
+            # The weights may be half-written: never serve from them.
+            self._state = EngineState.FAILED
+            logger.exception("weight swap to version %d failed; engine marked failed", version)
+            raise
+        finally:
+            self._admission_open.set()
+        self._state = EngineState.SERVING
+        logger.info("swapped to policy version %d (%s) in %.3fs",
+                    version, mode, time.monotonic() - started)
+
+    async def weight_checksums(self) -> dict[str, str]:
+        """Per-parameter digests of the weights vLLM computes with (debugging)."""
+        engine = self._require_engine()
+        merged: dict[str, str] = {}
+        for worker_digests in await engine.compute_weight_checksums():
+            merged.update(worker_digests)
+        return merged
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(
+            model=self.config.model,
+            state=self._state,
+            policy_version=self._policy_version,
+            requests_in_flight=self._requests_in_flight,
+            requests_waiting=self._requests_in_flight - self._requests_running,
+            requests_running=self._requests_running,
+            max_queued_requests=self.config.max_queued_requests,
+            tokens_per_second=self._token_rate.per_second(),
+        )

@@ -1,0 +1,169 @@
+"""What a caller asks of the engine (SamplingSpec) and what it gets back (SampleResult).
+
+Pure data plus the translation to vLLM's SamplingParams; nothing here starts
+an engine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from rlfleet.services.common.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Sampling parameters of one prompt; ``n`` samples form one GRPO group.
+
+    Behaviour log-probs are those of the distribution actually sampled from
+    (temperature applied, top-p/top-k renormalised). A trainer that recomputes
+    ``log_softmax(logits / T)`` matches them only with ``top_p=1`` and ``top_k=0``.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    """Seed of sample 0; sample i uses ``seed + i`` (vLLM's convention)."""
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def validate(self) -> None:
+        """Raise InvalidArgument naming the first bad field."""
+        if self.n < 1:
+            raise InvalidArgument(f"sampling.n must be >= 1, got {self.n}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidArgument(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"sampling.top_k must be >= 0 (0 disables), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise InvalidArgument(f"sampling.max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidArgument(
+                f"sampling.min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens}"
+            )
+        if any(not s for s in self.stop):
+            raise InvalidArgument("sampling.stop must not contain empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidArgument("sampling.stop_token_ids must be non-negative")
+
+    def to_vllm(self) -> SamplingParams:
+        """vLLM SamplingParams streaming deltas with the sampled token's log-prob."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=self.max_tokens,
+            min_tokens=self.min_tokens,
+            stop=list(self.stop) or None,
+            stop_token_ids=list(self.stop_token_ids) or None,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            # logprobs=0: only the sampled token's log-prob, no top-k alternatives.
+            logprobs=0,
+            flat_logprobs=True,
+            # Text is never needed here (work stays on token ids) except to
+            # match stop strings.
+            detokenize=bool(self.stop),
+            # DELTA lets each of the n samples be reported as soon as it
+            # finishes; FINAL_ONLY would hold the group until the slowest one.
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+
+@dataclass(frozen=True)
+class SampleTiming:
+    """Wall-clock seconds, all measured from the ``generate`` call."""
+
+    queue_seconds: float
+    """Until the request was handed to vLLM (waits out a weight swap)."""
+    first_token_seconds: float | None
+    """Until this sample's first token (None if it produced none)."""
+    total_seconds: float
+    """Until this sample finished."""
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """One finished sample of a group."""
+
+    request_id: str
+    index: int
+    """Index of the sample within its group, in ``[0, n)``."""
+    prompt_length: int
+    response_token_ids: list[int]
+    behavior_log_probs: list[float]
+    """Log-prob of each sampled token under the sampling distribution (float32
+    precision), one per response token."""
+    finish_reason: FinishReason
+    stop_reason: int | str | None
+    """The stop string or stop token id that ended the sample, if any."""
+    policy_version_start: int
+    """Policy version that sampled the first response token."""
+    policy_version_end: int
+    """Policy version that sampled the last response token."""
+    policy_version_spans: list[tuple[int, int, int]]
+    """``(policy_version, start, end)``: response tokens ``[start, end)`` were
+    sampled by that version. More than one span when weights changed in flight."""
+    timing: SampleTiming
+
+
+@dataclass
+class SampleAccumulator:
+    """Collects the streamed deltas of one sample until it finishes."""
+
+    index: int
+    response_token_ids: list[int] = field(default_factory=list)
+    behavior_log_probs: list[float] = field(default_factory=list)
+    first_token_at: float | None = None
+
+    def add(self, token_ids: Sequence[int], flat_log_probs, now: float) -> None:
+        """Append one delta: new token ids and vLLM's FlatLogprobs for them."""
+        if not token_ids:
+            return
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.response_token_ids.extend(token_ids)
+        self.behavior_log_probs.extend(sampled_log_probs(token_ids, flat_log_probs))
+
+
+def sampled_log_probs(token_ids: Sequence[int], flat_log_probs) -> list[float]:
+    """The sampled token's log-prob at each position of a FlatLogprobs.
+
+    With ``logprobs=0`` vLLM returns exactly one entry per position — the
+    sampled token — at ``start_indices[i]``; anything else means the request
+    was built wrongly, so it fails loudly rather than misaligning.
+    """
+    if flat_log_probs is None or len(flat_log_probs) != len(token_ids):
+        got = None if flat_log_probs is None else len(flat_log_probs)
+        raise RuntimeError(f"vLLM returned {got} log-prob positions for {len(token_ids)} tokens")
+    out = []
+    for position, token_id in enumerate(token_ids):
+        entry = flat_log_probs.start_indices[position]
+        if flat_log_probs.token_ids[entry] != token_id:
+            raise RuntimeError(
+                f"vLLM log-prob entry {position} is for token "
+                f"{flat_log_probs.token_ids[entry]}, sampled {token_id}"
+            )
+        out.append(flat_log_probs.logprobs[entry])
+    return out

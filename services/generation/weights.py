@@ -1,0 +1,169 @@
+"""Weight-push validation and decoding, independent of vLLM.
+
+A pushed tensor is ``(name, dtype, shape, raw little-endian C-contiguous bytes)``
+with Hugging Face checkpoint names. Everything is checked against the model's
+safetensors headers *before* anything reaches the engine, so a bad push never
+half-applies.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeAlias
+
+import torch
+
+from rlfleet.services.common.errors import InvalidArgument
+
+#: ``(checkpoint name, dtype name, shape, raw bytes)`` — plain Python values,
+#: because torch tensors do not survive vLLM's ``collective_rpc`` serialization.
+WeightTensor: TypeAlias = tuple[str, str, Sequence[int], bytes]
+
+#: Wire dtype names (torch spelling) -> torch dtype.
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+#: safetensors header dtype tags -> wire dtype names.
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Dtype and shape of one checkpoint tensor."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _read_safetensors_header(path: Path) -> dict[str, TensorSpec]:
+    with path.open("rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    specs = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
+        specs[name] = TensorSpec(dtype=dtype, shape=tuple(entry["shape"]))
+    return specs
+
+
+def read_checkpoint_specs(model_dir: str | Path) -> dict[str, TensorSpec]:
+    """Name -> spec of every tensor in a (possibly sharded) safetensors checkpoint.
+
+    Only headers are read, never tensor data.
+    """
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / shard for shard in shard_names]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors checkpoint in {model_dir}")
+    specs: dict[str, TensorSpec] = {}
+    for file in files:
+        specs.update(_read_safetensors_header(file))
+    return specs
+
+
+def validate_weight_push(
+    tensors: Iterable[WeightTensor], checkpoint: dict[str, TensorSpec]
+) -> None:
+    """Raise InvalidArgument, naming the tensor, unless ``tensors`` is a complete,
+    well-formed replacement for ``checkpoint``.
+
+    A push must carry every checkpoint tensor exactly once: vLLM reloads fused
+    layers (qkv, gate_up) as a whole, so a partial push would leave the
+    missing slices undefined.
+    The dtype may differ from the checkpoint's (the engine casts, e.g. a bf16
+    trainer feeding a float32 engine) but not its kind: floating stays floating.
+    """
+    seen: set[str] = set()
+    for name, dtype, shape, data in tensors:
+        if name in seen:
+            raise InvalidArgument(f"weights: tensor {name!r} sent twice")
+        seen.add(name)
+        spec = checkpoint.get(name)
+        if spec is None:
+            raise InvalidArgument(f"weights: unknown tensor {name!r} (not in the model checkpoint)")
+        torch_dtype = TORCH_DTYPES.get(dtype)
+        if torch_dtype is None:
+            raise InvalidArgument(f"weights: tensor {name!r} has unknown dtype {dtype!r}")
+        if torch_dtype.is_floating_point != TORCH_DTYPES[spec.dtype].is_floating_point:
+            raise InvalidArgument(
+                f"weights: tensor {name!r} has dtype {dtype}, checkpoint has {spec.dtype}"
+            )
+        if tuple(shape) != spec.shape:
+            raise InvalidArgument(
+                f"weights: tensor {name!r} has shape {list(shape)}, "
+                f"checkpoint has {list(spec.shape)}"
+            )
+        expected_bytes = math.prod(spec.shape) * torch_dtype.itemsize
+        if len(data) != expected_bytes:
+            raise InvalidArgument(
+                f"weights: tensor {name!r} has {len(data)} bytes, "
+                f"expected {expected_bytes} for {dtype}{list(shape)}"
+            )
+    missing = sorted(checkpoint.keys() - seen)
+    if missing:
+        shown = ", ".join(repr(name) for name in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise InvalidArgument(f"weights: push is missing tensors {shown}{more}")
+
+
+def decode_tensor(dtype: str, shape: Sequence[int], data: bytes | bytearray | memoryview) -> torch.Tensor:
+    """View raw little-endian bytes as a tensor (no copy; the result is read-only
+    in spirit — vLLM's loaders copy out of it)."""
+    torch_dtype = TORCH_DTYPES[dtype]
+    if len(data) == 0:
+        return torch.empty(tuple(shape), dtype=torch_dtype)
+    with warnings.catch_warnings():
+        # bytes are immutable; torch warns that the view is not writable.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        flat = torch.frombuffer(data, dtype=torch_dtype)
+    return flat.view(tuple(shape))
+
+
+def encode_tensor(name: str, tensor: torch.Tensor) -> WeightTensor:
+    """The inverse of ``decode_tensor``: a tensor as a push entry."""
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if dtype not in TORCH_DTYPES:
+        raise InvalidArgument(f"weights: tensor {name!r} has unsupported dtype {dtype}")
+    contiguous = tensor.detach().cpu().contiguous()
+    raw = contiguous.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return name, dtype, tuple(contiguous.shape), raw

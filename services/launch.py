@@ -1,0 +1,128 @@
+"""Start rlfleet services as real processes and wait for them to be healthy.
+
+Used by the suite launcher (``rlfleet-suite``), the demo and the integration
+tests. Each ``ServiceProcess`` tracks its own PID; stopping sends SIGTERM and
+only escalates to SIGKILL for that PID after a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+@dataclass
+class ServiceProcess:
+    """One service process: ``python -m rlfleet.services.<name> <args>``."""
+
+    name: str
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+    port: int | None = None
+    process: subprocess.Popen | None = None
+
+    def start(self, workdir: Path | None = None) -> "ServiceProcess":
+        workdir = Path(workdir or tempfile.mkdtemp(prefix=f"rlfleet-{self.name}-"))
+        workdir.mkdir(parents=True, exist_ok=True)
+        self._port_file = workdir / f"{self.name}.port"
+        self._port_file.unlink(missing_ok=True)
+        self.log_path = self.log_path or workdir / f"{self.name}.log"
+        args = list(self.args)
+        if "--port" not in args:
+            args += ["--port", "0"]
+        args += ["--port-file", str(self._port_file)]
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", f"rlfleet.services.{self.name}", *args],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+            start_new_session=True,  # a Ctrl-C in the launcher's terminal is handled by the launcher
+        )
+        return self
+
+    @property
+    def address(self) -> str:
+        if self.port is None:
+            raise RuntimeError(f"{self.name} has not reported its port yet")
+        return f"127.0.0.1:{self.port}"
+
+    def wait_listening(self, timeout: float = 60.0) -> int:
+        deadline = time.monotonic() + timeout
+        while not self._port_file.exists():
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} did not listen within {timeout}s; log: {self.log_path}")
+            time.sleep(0.05)
+        self.port = int(self._port_file.read_text())
+        return self.port
+
+    def health(self, timeout: float = 2.0) -> int:
+        """The health status enum of the whole server ("" service)."""
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            return stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout).status
+
+    def wait_ready(self, timeout: float = 300.0) -> "ServiceProcess":
+        """Block until health reports SERVING (the model is loaded)."""
+        deadline = time.monotonic() + timeout
+        self.wait_listening(timeout)
+        while True:
+            self._check_alive()
+            try:
+                if self.health() == health_pb2.HealthCheckResponse.SERVING:
+                    return self
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} not SERVING within {timeout}s; log: {self.log_path}")
+            time.sleep(0.2)
+
+    def _check_alive(self) -> None:
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(
+                f"{self.name} exited with code {self.process.returncode}; log tail:\n{self.log_tail()}"
+            )
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, wait, then SIGKILL this PID (and its process group) if needed."""
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.process.wait()
+        finally:
+            self._reap_group()
+            self._log.close()
+
+    def _reap_group(self) -> None:
+        # Children (e.g. a vLLM engine core) that outlived their parent are ours to clean up.
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def kill(self) -> None:
+        """SIGKILL the process group we started (vLLM engine children included)."""
+        if self.process is not None and self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

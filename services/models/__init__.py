@@ -1,0 +1,1 @@
+"""Model helpers shared by the services (the tiny local model builder)."""

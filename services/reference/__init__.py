@@ -1,0 +1,1 @@
+"""rlfleet reference service."""

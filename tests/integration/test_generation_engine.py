@@ -1,0 +1,268 @@
+"""GenerationEngine against a real vLLM engine and a plain transformers forward pass.
+
+One engine per module (start-up is ~30 s). Tests run in file order and share
+the engine's policy version: each weight push uses the next version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import pytest_asyncio
+import torch
+
+from rlfleet.services.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+)
+from rlfleet.services.generation.config import GenerationEngineConfig
+from rlfleet.services.generation.engine import GenerationEngine
+from rlfleet.services.generation.sampling import SampleResult, SamplingSpec
+from rlfleet.services.generation.weights import encode_tensor
+from rlfleet.services.models.tiny import build_tiny_model
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+MAX_QUEUED_REQUESTS = 4
+LOG_PROB_TOLERANCE = 1e-4
+PROMPT = [1, 348, 201, 330, 400, 223, 20, 267, 223, 21, 2, 201, 1, 305, 310, 201]
+LONG_RESPONSE_TOKENS = 400
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def base_state_dict(model_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def engine(model_dir):
+    config = GenerationEngineConfig(
+        model=str(model_dir),
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=8,
+        max_queued_requests=MAX_QUEUED_REQUESTS,
+        kv_cache_memory_bytes=64 * 1024 * 1024,
+        # Several small RPCs instead of one: exercises the staging path.
+        weight_rpc_chunk_bytes=256 * 1024,
+    )
+    engine = GenerationEngine(config)
+    await engine.start()
+    yield engine
+    await engine.shutdown()
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def perturbed(state_dict: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: tensor + 0.05 * torch.randn(tensor.shape, generator=generator)
+        for name, tensor in state_dict.items()
+    }
+
+
+def as_push(state_dict: dict[str, torch.Tensor]):
+    return [encode_tensor(name, tensor) for name, tensor in state_dict.items()]
+
+
+def hf_model(model_dir, state_dict=None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    return model
+
+
+@torch.no_grad()
+def hf_log_probs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of a plain forward pass, at the sampled tokens."""
+    logits = model(torch.tensor([prompt + response])).logits[0].float()
+    response_logits = logits[len(prompt) - 1 : -1] / temperature
+    log_probs = torch.log_softmax(response_logits, dim=-1)
+    return log_probs.gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def max_abs_diff(sample: SampleResult, reference: torch.Tensor) -> float:
+    engine_log_probs = torch.tensor(sample.behavior_log_probs, dtype=torch.float32)
+    return (engine_log_probs - reference).abs().max().item()
+
+
+async def collect(engine: GenerationEngine, spec: SamplingSpec, request_id: str, prompt=PROMPT):
+    return [sample async for sample in engine.generate(prompt, spec, request_id)]
+
+
+async def wait_until(predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        await asyncio.sleep(0.005)
+
+
+def long_spec() -> SamplingSpec:
+    return SamplingSpec(n=1, temperature=1.0, max_tokens=LONG_RESPONSE_TOKENS, ignore_eos=True, seed=7)
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_render_chat_matches_tokenizer_template(engine):
+    messages = [{"role": "user", "content": "what is 2 plus 3"}]
+    assert engine.render_chat(messages) == PROMPT
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+async def test_behavior_log_probs_match_hf(engine, model_dir, temperature):
+    spec = SamplingSpec(n=4, temperature=temperature, max_tokens=24, seed=11)
+    samples = await collect(engine, spec, f"fidelity-{temperature}")
+
+    assert sorted(s.index for s in samples) == [0, 1, 2, 3]
+    reference = hf_model(model_dir)
+    for sample in samples:
+        assert sample.prompt_length == len(PROMPT)
+        assert len(sample.behavior_log_probs) == len(sample.response_token_ids) > 0
+        assert sample.finish_reason in ("stop", "length")
+        assert sample.policy_version_start == sample.policy_version_end == 0
+        expected = hf_log_probs(reference, PROMPT, sample.response_token_ids, temperature)
+        assert max_abs_diff(sample, expected) <= LOG_PROB_TOLERANCE
+    # A GRPO group is not n copies of one sample.
+    assert len({tuple(s.response_token_ids) for s in samples}) > 1
+
+
+async def test_weight_push_changes_log_probs(engine, model_dir, base_state_dict):
+    new_weights = perturbed(base_state_dict, seed=1)
+    await engine.update_weights(1, as_push(new_weights), mode="wait")
+    assert engine.policy_version == 1
+
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=32, seed=3)
+    samples = await collect(engine, spec, "after-push-1")
+    old_model, new_model = hf_model(model_dir), hf_model(model_dir, new_weights)
+    for sample in samples:
+        assert sample.policy_version_start == sample.policy_version_end == 1
+        tokens = sample.response_token_ids
+        assert max_abs_diff(sample, hf_log_probs(new_model, PROMPT, tokens, 1.0)) <= LOG_PROB_TOLERANCE
+        assert max_abs_diff(sample, hf_log_probs(old_model, PROMPT, tokens, 1.0)) > 1e-2
+
+
+async def test_rejected_push_leaves_engine_untouched(engine, base_state_dict):
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=32, seed=5)
+    before = await collect(engine, spec, "before-bad-push")
+    good = as_push(perturbed(base_state_dict, seed=99))
+
+    wrong_shape = list(good)
+    name, dtype, shape, data = wrong_shape[0]
+    row_bytes = len(data) // shape[0]
+    wrong_shape[0] = (name, dtype, (shape[0] - 1, *shape[1:]), data[:-row_bytes])
+    with pytest.raises(InvalidArgument, match=name):
+        await engine.update_weights(2, wrong_shape)
+
+    unknown = [*good, ("model.layers.7.mlp.up_proj.weight", "float32", (2, 2), bytes(16))]
+    with pytest.raises(InvalidArgument, match="model.layers.7.mlp.up_proj.weight"):
+        await engine.update_weights(2, unknown)
+
+    with pytest.raises(InvalidArgument, match="missing"):
+        await engine.update_weights(2, good[1:])
+
+    assert engine.policy_version == 1
+    after = await collect(engine, spec, "after-bad-push")
+    by_index = {s.index: s for s in after}
+    for sample in before:
+        assert by_index[sample.index].response_token_ids == sample.response_token_ids
+        assert by_index[sample.index].behavior_log_probs == sample.behavior_log_probs
+
+
+async def test_stale_version_is_refused(engine, base_state_dict):
+    push = as_push(base_state_dict)
+    for stale_version in (0, 1):
+        with pytest.raises(FailedPrecondition):
+            await engine.update_weights(stale_version, push)
+    assert engine.policy_version == 1
+
+
+async def test_keep_mode_sample_spans_two_versions(engine, model_dir, base_state_dict):
+    old_weights, new_weights = perturbed(base_state_dict, seed=1), perturbed(base_state_dict, seed=2)
+    generation = asyncio.create_task(collect(engine, long_spec(), "keep-in-flight"))
+    await wait_until(lambda: engine.status().requests_running == 1)
+    await engine.update_weights(2, as_push(new_weights), mode="keep")
+    (sample,) = await generation
+
+    assert sample.finish_reason == "length"
+    assert len(sample.response_token_ids) == LONG_RESPONSE_TOKENS
+    assert (sample.policy_version_start, sample.policy_version_end) == (1, 2)
+    (_, _, switch), (_, switch_again, end) = sample.policy_version_spans
+    assert switch == switch_again and 0 < switch < end == LONG_RESPONSE_TOKENS
+    # Tokens before the switch came from the old weights, after it from the new.
+    tokens = sample.response_token_ids
+    engine_log_probs = torch.tensor(sample.behavior_log_probs)
+    old_ref = hf_log_probs(hf_model(model_dir, old_weights), PROMPT, tokens, 1.0)
+    new_ref = hf_log_probs(hf_model(model_dir, new_weights), PROMPT, tokens, 1.0)
+    assert (engine_log_probs[:switch] - old_ref[:switch]).abs().max() <= LOG_PROB_TOLERANCE
+    assert (engine_log_probs[switch:] - new_ref[switch:]).abs().max() <= LOG_PROB_TOLERANCE
+
+
+async def test_abort_mode_ends_in_flight_samples(engine, base_state_dict):
+    generation = asyncio.create_task(collect(engine, long_spec(), "abort-in-flight"))
+    await wait_until(lambda: engine.status().requests_running == 1)
+    await engine.update_weights(3, as_push(perturbed(base_state_dict, seed=3)), mode="abort")
+    (sample,) = await generation
+
+    assert sample.finish_reason == "abort"
+    assert len(sample.response_token_ids) < LONG_RESPONSE_TOKENS
+    assert len(sample.behavior_log_probs) == len(sample.response_token_ids)
+    assert sample.policy_version_start == sample.policy_version_end == 2
+    (after,) = await collect(engine, SamplingSpec(max_tokens=8), "after-abort")
+    assert after.policy_version_start == 3
+
+
+async def test_wait_mode_drains_then_swaps(engine, base_state_dict):
+    generation = asyncio.create_task(collect(engine, long_spec(), "wait-in-flight"))
+    await wait_until(lambda: engine.status().requests_running == 1)
+    push = asyncio.create_task(
+        engine.update_weights(4, as_push(perturbed(base_state_dict, seed=4)), mode="wait")
+    )
+    await wait_until(lambda: engine.swapping)
+    assert not engine.serving
+    (sample,) = await generation
+    await push
+
+    assert sample.finish_reason == "length"
+    assert sample.policy_version_start == sample.policy_version_end == 3
+    assert engine.serving and engine.policy_version == 4
+
+
+async def test_admission_bound_and_cancellation(engine):
+    flood = [
+        asyncio.create_task(collect(engine, long_spec(), f"flood-{i}"))
+        for i in range(MAX_QUEUED_REQUESTS)
+    ]
+    await wait_until(lambda: engine.status().requests_in_flight == MAX_QUEUED_REQUESTS)
+    with pytest.raises(ResourceExhausted):
+        await collect(engine, SamplingSpec(max_tokens=4), "one-too-many")
+
+    for task in flood:
+        task.cancel()
+    await asyncio.gather(*flood, return_exceptions=True)
+    assert engine.status().requests_in_flight == 0
+    # Cancelling the consumers aborted the vLLM requests too.
+    await wait_until(lambda: engine._engine.get_num_unfinished_requests() == 0, timeout=10)
+    (sample,) = await collect(engine, SamplingSpec(max_tokens=4), "after-flood")
+    assert sample.finish_reason in ("stop", "length")
+    assert engine.status().tokens_per_second > 0

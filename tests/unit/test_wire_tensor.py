@@ -1,0 +1,128 @@
+"""Tensor and ragged codec: bit-exact round trips and typed errors."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlfleet.v1 import tensor_pb2
+from rlfleet.wire import SUPPORTED_DTYPES, Ragged, WireError, decode_ragged, decode_tensor, encode_ragged, encode_tensor
+
+shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4)
+
+
+def random_tensor(dtype: torch.dtype, shape, seed: int) -> torch.Tensor:
+    """Random bits for floats (NaN payloads, infs, -0.0 included), random values otherwise."""
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = 1
+    for d in shape:
+        n *= d
+    raw = torch.randint(0, 256, (n * itemsize,), generator=gen, dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+@settings(max_examples=300, deadline=None)
+@given(dtype=st.sampled_from(SUPPORTED_DTYPES), shape=shapes, seed=st.integers(0, 2**31))
+def test_tensor_round_trip_is_bit_exact(dtype, shape, seed):
+    tensor = random_tensor(dtype, shape, seed)
+    msg = tensor_pb2.Tensor.FromString(encode_tensor(tensor).SerializeToString())
+    decoded = decode_tensor(msg)
+    assert same_bits(decoded, tensor)
+
+
+def test_non_contiguous_and_scalar_tensors():
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert torch.equal(decode_tensor(encode_tensor(base.t())), base.t())
+    assert torch.equal(decode_tensor(encode_tensor(base[:, ::2])), base[:, ::2])
+    scalar = decode_tensor(encode_tensor(torch.tensor(7, dtype=torch.int8)))
+    assert scalar.shape == () and scalar.item() == 7
+
+
+def test_decode_views_the_message_bytes_without_copy():
+    msg = encode_tensor(torch.arange(1024, dtype=torch.float32))
+    data = msg.data  # one bytes object, as gRPC hands it to the deserialized message
+    msg2 = tensor_pb2.Tensor(dtype=msg.dtype, shape=msg.shape)
+    msg2.data = data
+    out = decode_tensor(msg2)
+    assert out.untyped_storage().nbytes() == len(data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from(SUPPORTED_DTYPES),
+    lengths=st.lists(st.integers(0, 6), min_size=0, max_size=6),
+    trailing=st.lists(st.integers(1, 3), max_size=2),
+    seed=st.integers(0, 2**31),
+)
+def test_ragged_round_trip_is_bit_exact(dtype, lengths, trailing, seed):
+    samples = [random_tensor(dtype, [n, *trailing], seed + i) for i, n in enumerate(lengths)]
+    msg = tensor_pb2.RaggedTensor.FromString(encode_ragged(samples).SerializeToString())
+    ragged = decode_ragged(msg)
+    assert ragged.lengths.tolist() == lengths
+    assert all(same_bits(a, b) for a, b in zip(ragged.to_list(), samples))
+    assert len(ragged.to_list()) == len(samples)
+
+
+def test_ragged_padded_and_nested_views():
+    samples = [torch.tensor([1, 2, 3]), torch.tensor([], dtype=torch.int64), torch.tensor([4])]
+    ragged = Ragged.from_list(samples)
+    padded, mask = ragged.to_padded(pad_value=-1)
+    assert padded.tolist() == [[1, 2, 3], [-1, -1, -1], [4, -1, -1]]
+    assert mask.sum(1).tolist() == [3, 0, 1]
+    left, left_mask = ragged.to_padded(pad_value=0, side="left")
+    assert left.tolist() == [[1, 2, 3], [0, 0, 0], [0, 0, 4]]
+    assert Ragged.from_padded(left, mask=left_mask).to_list()[2].tolist() == [4]
+    assert Ragged.from_padded(padded, lengths=[3, 0, 1]).values.tolist() == [1, 2, 3, 4]
+    nested = ragged.to_nested()
+    assert Ragged.from_nested(nested).lengths.tolist() == [3, 0, 1]
+    # Token id equal to the pad value is kept: masks come from lengths, not sentinels.
+    with_pad_id = Ragged.from_list([torch.tensor([0, 0, 5])])
+    assert Ragged.from_padded(*with_pad_id.to_padded(pad_value=0)[:1], lengths=[3]).values.tolist() == [0, 0, 5]
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda m: setattr(m, "data", m.data[:-1]), "data"),
+        (lambda m: setattr(m, "dtype", 99), "dtype"),
+        (lambda m: setattr(m, "dtype", 0), "dtype"),
+        (lambda m: m.shape.__setitem__(0, -2), "shape[0]"),
+        (lambda m: m.shape.extend([2**40, 2**40]), "shape"),
+    ],
+)
+def test_malformed_tensor_raises_typed_error_naming_field(mutate, field):
+    msg = encode_tensor(torch.zeros(2, 3))
+    mutate(msg)
+    with pytest.raises(WireError) as err:
+        decode_tensor(msg, "x")
+    assert err.value.field == f"x.{field}"
+
+
+def test_bool_bytes_other_than_zero_one_are_rejected():
+    msg = encode_tensor(torch.tensor([True, False]))
+    msg.data = b"\x01\x07"
+    with pytest.raises(WireError, match="bool"):
+        decode_tensor(msg)
+
+
+@pytest.mark.parametrize(
+    "lengths, field",
+    [([2, -1, 3], "lengths[1]"), ([2, 5], "lengths[1]"), ([1, 1], "lengths")],
+)
+def test_malformed_ragged_raises_naming_field(lengths, field):
+    msg = encode_ragged([torch.arange(2), torch.arange(2)])
+    msg.lengths[:] = lengths
+    with pytest.raises(WireError) as err:
+        decode_ragged(msg, "tokens")
+    assert err.value.field == f"tokens.{field}"
