@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rlfleet.services.common.config import ServiceConfig
+
 # Keys of engine_kwargs the engine sets itself: overriding them would silently
 # break behaviour log-probs or weight updates.
 OWNED_ENGINE_KWARGS = frozenset({"logprobs_mode", "worker_extension_cls", "model"})
@@ -18,7 +20,7 @@ OWNED_ENGINE_KWARGS = frozenset({"logprobs_mode", "worker_extension_cls", "model
 class GenerationEngineConfig(BaseModel):
     """How to build the vLLM engine and how hard to drive it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     model: str
     """Path to a Hugging Face model directory (config, tokenizer, safetensors).
@@ -86,3 +88,16 @@ class GenerationEngineConfig(BaseModel):
     def tokenizer_path(self) -> str:
         """The tokenizer directory actually used."""
         return self.tokenizer or self.model
+
+
+class GenerationConfig(ServiceConfig, GenerationEngineConfig):
+    """The generation service: a vLLM engine behind gRPC (engine fields plus the common ones)."""
+
+    service_name = "generation"
+
+    port: int = Field(50051, ge=0, le=65535)
+    """gRPC port; 0 picks a free port (written to ``port_file``)."""
+    max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    """grpc.max_send/receive_message_length; weight pushes arrive in ~1 MiB chunks, so this only bounds prompts."""
+    max_push_bytes: int = Field(256 * 1024**3, gt=0)
+    """Largest weight push accepted (its bytes are buffered in RAM until verified)."""

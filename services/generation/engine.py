@@ -8,12 +8,9 @@ from ``rlfleet.services.common.errors``.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from rlfleet.services.common.errors import (
@@ -29,6 +26,7 @@ from rlfleet.services.generation.sampling import (
     SampleTiming,
     SamplingSpec,
 )
+from rlfleet.services.generation.status import EngineState, EngineStatus, TokenRate
 from rlfleet.services.generation.weights import (
     TensorSpec,
     WeightTensor,
@@ -44,57 +42,6 @@ logger = logging.getLogger(__name__)
 
 SwapMode = Literal["wait", "abort", "keep"]
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
-
-
-class EngineState(str, enum.Enum):
-    STOPPED = "stopped"
-    STARTING = "starting"
-    SERVING = "serving"
-    SWAPPING = "swapping"
-    """A wait/abort swap: new requests are held until it completes."""
-    FAILED = "failed"
-    """A weight swap failed inside vLLM; the weights are undefined."""
-
-
-@dataclass(frozen=True)
-class EngineStatus:
-    """A snapshot for GetStatus and metrics."""
-
-    model: str
-    state: EngineState
-    policy_version: int
-    requests_in_flight: int
-    """Admitted ``generate`` calls (waiting + running)."""
-    requests_waiting: int
-    """Admitted calls that have not produced a token yet."""
-    requests_running: int
-    max_queued_requests: int
-    tokens_per_second: float
-    """Generated tokens per second over the last ``tokens_per_second_window_s``."""
-
-
-class _TokenRate:
-    """Generated tokens per second over a sliding window."""
-
-    def __init__(self, window_s: float) -> None:
-        self._window_s = window_s
-        self._events: deque[tuple[float, int]] = deque()
-        self._started_at = time.monotonic()
-
-    def add(self, num_tokens: int, now: float) -> None:
-        self._events.append((now, num_tokens))
-        self._trim(now)
-
-    def _trim(self, now: float) -> None:
-        while self._events and self._events[0][0] < now - self._window_s:
-            self._events.popleft()
-
-    def per_second(self) -> float:
-        now = time.monotonic()
-        self._trim(now)
-        # Right after start the window is not full yet: divide by what elapsed.
-        span = min(self._window_s, max(now - self._started_at, 1e-3))
-        return sum(n for _, n in self._events) / span
 
 
 class GenerationEngine:
@@ -115,7 +62,7 @@ class GenerationEngine:
         self._requests_in_flight = 0
         self._requests_running = 0
         self._request_ids_in_flight: set[str] = set()
-        self._token_rate = _TokenRate(config.tokens_per_second_window_s)
+        self._token_rate = TokenRate(config.tokens_per_second_window_s)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -227,6 +174,22 @@ class GenerationEngine:
             raise InvalidArgument(f"messages: cannot apply chat template: {e}") from e
         return list(encoded["input_ids"])
 
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of raw ``text`` (no chat template, no special tokens added)."""
+        if self._tokenizer is None:
+            raise Unavailable("generation engine is not started")
+        if not text:
+            raise InvalidArgument("prompt.text is empty")
+        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def check_version(self, version: int) -> None:
+        """FailedPrecondition unless ``version`` is newer than the serving one (checked
+        before a push's bytes arrive; ``update_weights`` checks again under its lock)."""
+        if version <= self._policy_version:
+            raise FailedPrecondition(
+                f"weights version {version} is not newer than current {self._policy_version}"
+            )
+
     def _validate_request(
         self, prompt_token_ids: Sequence[int], sampling: SamplingSpec, request_id: str
     ) -> None:
@@ -259,7 +222,7 @@ class GenerationEngine:
         ``max_queued_requests`` calls in flight it raises ResourceExhausted.
         Cancelling the consumer or closing the iterator aborts the vLLM request.
         """
-        engine = self._require_engine()
+        self._require_engine()
         self._validate_request(prompt_token_ids, sampling, request_id)
         if self._requests_in_flight >= self.config.max_queued_requests:
             raise ResourceExhausted(
@@ -382,10 +345,7 @@ class GenerationEngine:
         if engine is None or self._state in (EngineState.STOPPED, EngineState.STARTING):
             raise Unavailable(f"generation engine is {self._state.value}")
         async with self._swap_lock:
-            if version <= self._policy_version:
-                raise FailedPrecondition(
-                    f"weights version {version} is not newer than current {self._policy_version}"
-                )
+            self.check_version(version)
             await asyncio.to_thread(validate_weight_push, tensors, self._checkpoint_specs)
             # Staging does not touch the model, so it overlaps with generation.
             try:

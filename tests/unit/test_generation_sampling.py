@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.services.generation.config import GenerationEngineConfig
-from rlfleet.services.generation.engine import _TokenRate
+from rlfleet.services.generation.status import TokenRate
 from rlfleet.services.generation.sampling import (
     SampleAccumulator,
     SamplingSpec,
@@ -87,8 +87,8 @@ def test_config_rejects_engine_owned_kwargs():
 
 def test_token_rate_counts_within_window(monkeypatch):
     clock = iter([0.0, 10.0])
-    monkeypatch.setattr("rlfleet.services.generation.engine.time.monotonic", lambda: next(clock))
-    rate = _TokenRate(window_s=5.0)
+    monkeypatch.setattr("rlfleet.services.generation.status.time.monotonic", lambda: next(clock))
+    rate = TokenRate(window_s=5.0)
     rate.add(100, now=1.0)  # falls out of the window by t=10
     rate.add(50, now=8.0)
     assert rate.per_second() == pytest.approx(50 / 5.0)

@@ -1,0 +1,82 @@
+"""Sending a weight push: a manifest then ~1 MiB chunks of the concatenated tensor bytes.
+
+The receiving side (validation, preallocated buffer, checksum) lives in the
+services; this is what a trainer-side pusher needs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import zlib
+from typing import Iterator, Sequence
+
+import torch
+
+from rlfleet.v1 import weights_pb2
+from rlfleet.wire.tensor import dtype_to_wire, tensor_bytes
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+def checksum(data: bytes | memoryview, algo: str = "crc32") -> str:
+    """``"<algo>:<hex>"`` of ``data``, the manifest's checksum format."""
+    if algo == "sha256":
+        return "sha256:" + hashlib.sha256(data).hexdigest()
+    return f"crc32:{zlib.crc32(data):08x}"
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes as a memoryview, without a copy when it is already contiguous on CPU."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def iter_push_messages(
+    named_tensors: Sequence[tuple[str, torch.Tensor]], *, version: int,
+    mode: int = weights_pb2.UPDATE_MODE_KEEP, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    checksum_algo: str | None = "crc32",
+) -> Iterator[tuple[str, object]]:
+    """Yield ``("manifest", WeightManifest)`` then ``("chunk", WeightChunk)`` pairs.
+
+    Chunks are cut straight out of each tensor's memory (one copy per chunk,
+    the floor for gRPC in Python), so no second full copy of the weights is
+    ever materialised. A chunk may span tensor boundaries.
+    """
+    specs, total = [], 0
+    crc, sha = 0, (hashlib.sha256() if checksum_algo == "sha256" else None)
+    for name, tensor in named_tensors:
+        specs.append(weights_pb2.WeightSpec(name=name, dtype=dtype_to_wire(tensor.dtype), shape=list(tensor.shape)))
+        total += math.prod(tensor.shape) * tensor.element_size()
+        if checksum_algo:
+            view = _byte_view(tensor)
+            if sha is not None:
+                sha.update(view)
+            else:
+                crc = zlib.crc32(view, crc)
+    digest = ""
+    if checksum_algo:
+        digest = f"sha256:{sha.hexdigest()}" if sha is not None else f"crc32:{crc:08x}"
+    yield "manifest", weights_pb2.WeightManifest(
+        version=version, tensors=specs, total_bytes=total, checksum=digest, mode=mode)
+
+    offset, pending = 0, bytearray()
+    for _, tensor in named_tensors:
+        view = _byte_view(tensor)
+        start = 0
+        if pending:  # top up the chunk left over from the previous tensor
+            take = min(chunk_bytes - len(pending), len(view))
+            pending += view[:take]
+            start = take
+            if len(pending) < chunk_bytes:
+                continue
+            yield "chunk", weights_pb2.WeightChunk(offset=offset, data=bytes(pending))
+            offset += len(pending)
+            pending = bytearray()
+        while len(view) - start >= chunk_bytes:
+            yield "chunk", weights_pb2.WeightChunk(offset=offset, data=bytes(view[start:start + chunk_bytes]))
+            offset += chunk_bytes
+            start += chunk_bytes
+        pending += view[start:]
+    if pending:
+        yield "chunk", weights_pb2.WeightChunk(offset=offset, data=bytes(pending))

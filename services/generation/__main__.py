@@ -1,0 +1,13 @@
+"""``rlfleet-generation`` / ``python -m rlfleet.services.generation``."""
+
+
+def main(argv=None) -> None:
+    from rlfleet.services.common.server import run
+    from rlfleet.services.generation.config import GenerationConfig
+    from rlfleet.services.generation.service import GenerationService
+
+    run(GenerationService, GenerationConfig, argv)
+
+
+if __name__ == "__main__":
+    main()

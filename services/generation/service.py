@@ -1,0 +1,47 @@
+"""The generation service: GenerationEngine + servicer + health that follows the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+
+from rlfleet.services.common.server import Service
+from rlfleet.services.generation.config import GenerationConfig
+from rlfleet.services.generation.engine import GenerationEngine
+from rlfleet.services.generation.servicer import GenerationServicer
+from rlfleet.v1 import generation_pb2, generation_pb2_grpc
+
+
+class GenerationService(Service[GenerationConfig]):
+    service_names = (generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,)
+
+    def __init__(self, config: GenerationConfig):
+        super().__init__(config)
+        self.engine = GenerationEngine(config)
+        self._health_task: asyncio.Task | None = None
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(
+            GenerationServicer(self.engine, self.config.max_push_bytes), server)
+
+    async def start(self) -> None:
+        await self.engine.start()
+        self._health_task = asyncio.create_task(self._follow_engine_health())
+
+    async def _follow_engine_health(self) -> None:
+        # NOT_SERVING during wait/abort swaps (and if a swap failed), SERVING otherwise.
+        serving = True
+        while True:
+            await asyncio.sleep(0.05)
+            if self.engine.serving != serving:
+                serving = self.engine.serving
+                await self.set_serving(serving)
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        await self.engine.shutdown()

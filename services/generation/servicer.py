@@ -1,0 +1,140 @@
+"""GenerationService gRPC adapter: unpack protos, call GenerationEngine, pack replies."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import torch
+
+from rlfleet.services.common.errors import Aborted, InvalidArgument
+from rlfleet.services.common.weight_stream import WeightPush
+from rlfleet.services.generation.engine import GenerationEngine
+from rlfleet.services.generation.sampling import SampleResult, SamplingSpec
+from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
+from rlfleet.wire import decode_tensor, encode_tensor
+
+_FINISH = {
+    "stop": sampling_pb2.FINISH_REASON_STOP,
+    "length": sampling_pb2.FINISH_REASON_LENGTH,
+    "abort": sampling_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_from_proto(params: sampling_pb2.SamplingParams) -> SamplingSpec:
+    """Proto defaults (0 = unset) -> the engine's SamplingSpec, validated."""
+    spec = SamplingSpec(
+        n=params.n or 1,
+        temperature=params.temperature,
+        top_p=params.top_p or 1.0,
+        top_k=params.top_k,
+        max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
+        stop=tuple(params.stop),
+        stop_token_ids=tuple(params.stop_token_ids),
+        seed=params.seed if params.HasField("seed") else None,
+        ignore_eos=params.ignore_eos,
+    )
+    spec.validate()
+    return spec
+
+
+def sampling_to_proto(spec: SamplingSpec) -> sampling_pb2.SamplingParams:
+    """The effective sampling parameters, echoed with every sample."""
+    params = sampling_pb2.SamplingParams(
+        n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+        max_tokens=spec.max_tokens, min_tokens=spec.min_tokens, stop=list(spec.stop),
+        stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
+    )
+    if spec.seed is not None:
+        params.seed = spec.seed
+    return params
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, engine: GenerationEngine, max_push_bytes: int):
+        self.engine = engine
+        self.max_push_bytes = max_push_bytes
+
+    def _prompt_token_ids(self, prompt: sampling_pb2.Prompt) -> list[int]:
+        kind = prompt.WhichOneof("kind")
+        if kind == "token_ids":
+            ids = decode_tensor(prompt.token_ids, "prompt.token_ids")
+            if ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
+                raise InvalidArgument(
+                    f"prompt.token_ids must be a 1-D int64/int32 tensor, got {ids.dtype} {list(ids.shape)}")
+            return ids.tolist()
+        if kind == "chat":
+            if not prompt.chat.messages:
+                raise InvalidArgument("prompt.chat.messages is empty")
+            return self.engine.render_chat([{"role": m.role, "content": m.content} for m in prompt.chat.messages])
+        if kind == "text":
+            return self.engine.tokenize(prompt.text)
+        raise InvalidArgument("prompt is empty: set token_ids, chat or text")
+
+    async def Generate(self, request, context):
+        prompt_ids = self._prompt_token_ids(request.prompt)
+        spec = sampling_from_proto(request.sampling)
+        echoed = sampling_to_proto(spec)
+        request_id = request.request_id or uuid.uuid4().hex
+        prompt_msg = encode_tensor(torch.tensor(prompt_ids, dtype=torch.int64))
+        async for sample in self.engine.generate(prompt_ids, spec, request_id):
+            yield _sample_to_proto(sample, prompt_msg, echoed)
+
+    async def UpdateWeights(self, request_iterator, context):
+        started = time.monotonic()
+        push: WeightPush | None = None
+        async for message in request_iterator:
+            kind = message.WhichOneof("payload")
+            if kind == "manifest":
+                if push is not None:
+                    raise InvalidArgument("manifest sent twice: it must be the first message only")
+                if message.manifest.version == 0:
+                    raise InvalidArgument("manifest.version must be set (> current version)")
+                push = WeightPush.from_manifest(message.manifest, self.max_push_bytes)
+                self.engine.check_version(push.version)  # fail fast, before the bytes
+            elif kind == "chunk":
+                if push is None:
+                    raise InvalidArgument("the first message of a push must be the manifest")
+                push.add_chunk(message.chunk)
+            else:
+                raise InvalidArgument("empty UpdateWeightsRequest: set manifest or chunk")
+        if push is None:
+            raise Aborted("weight stream ended before the manifest; nothing applied")
+        push.finish()
+        received = time.monotonic()
+        aborted = self.engine.status().requests_in_flight if push.mode == "abort" else 0
+        await self.engine.update_weights(push.version, push.tensors(), push.mode)
+        return generation_pb2.UpdateWeightsResponse(
+            version=self.engine.policy_version, received_bytes=push.received,
+            receive_seconds=received - started, apply_seconds=time.monotonic() - received,
+            aborted_requests=aborted,
+        )
+
+    async def GetEngineStatus(self, request, context):
+        status = self.engine.status()
+        return generation_pb2.GetEngineStatusResponse(
+            model=status.model, policy_version=status.policy_version,
+            running_requests=status.requests_running, waiting_requests=status.requests_waiting,
+            tokens_per_second=status.tokens_per_second, swapping=self.engine.swapping,
+            max_queued_requests=status.max_queued_requests,
+        )
+
+
+def _sample_to_proto(sample: SampleResult, prompt_msg, echoed) -> generation_pb2.GenerateResponse:
+    response = generation_pb2.GenerateResponse(
+        request_id=sample.request_id, sample_index=sample.index,
+        finish_reason=_FINISH[sample.finish_reason],
+        stop_reason="" if sample.stop_reason is None else str(sample.stop_reason),
+        policy_version_start=sample.policy_version_start, policy_version_end=sample.policy_version_end,
+        sampling=echoed,
+        timing=generation_pb2.SampleTiming(
+            queued_seconds=sample.timing.queue_seconds,
+            first_token_seconds=sample.timing.first_token_seconds or 0.0,
+            total_seconds=sample.timing.total_seconds,
+        ),
+    )
+    response.prompt_token_ids.CopyFrom(prompt_msg)
+    encode_tensor(torch.tensor(sample.response_token_ids, dtype=torch.int64), out=response.response_token_ids)
+    encode_tensor(torch.tensor(sample.behavior_log_probs, dtype=torch.float32), out=response.behavior_log_probs)
+    return response

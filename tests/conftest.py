@@ -1,0 +1,13 @@
+"""Session-wide fixtures shared by unit and integration tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlfleet.services.models.tiny import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The deterministic tiny Qwen2 model + tokenizer, built once per session."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))

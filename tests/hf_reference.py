@@ -1,0 +1,24 @@
+"""Plain Hugging Face log-probs: the ground truth the services are compared with."""
+
+from __future__ import annotations
+
+import torch
+
+
+def load_hf(model_dir, state_dict=None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    return model
+
+
+@torch.inference_mode()
+def response_log_probs(model, prompt_ids, response_ids, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / T) of each response token given everything before it."""
+    ids = torch.tensor([list(prompt_ids) + list(response_ids)])
+    logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response_ids)[:, None])[:, 0]

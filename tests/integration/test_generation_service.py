@@ -1,0 +1,192 @@
+"""The generation service as a real process on real vLLM (the tiny model, CPU)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2
+
+from rlfleet.services.launch import ServiceProcess
+from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, weights_pb2
+from rlfleet.wire import decode_tensor, encode_tensor
+from rlfleet.wire.weights import iter_push_messages
+from tests.hf_reference import load_hf, response_log_probs
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+PROMPT = [1, 348, 201, 330, 400, 223, 20, 267, 223, 21, 2, 201, 1, 305, 310, 201]
+
+
+@pytest.fixture(scope="module")
+def generation(tiny_model_dir, tmp_path_factory):
+    proc = ServiceProcess("generation", ["--model", str(tiny_model_dir), "--max-queued-requests", "8",
+                                         "--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20),
+                                         "--log-format", "text"])
+    proc.start(tmp_path_factory.mktemp("generation"))
+    try:
+        proc.wait_ready(600)
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(generation):
+    channel = grpc.insecure_channel(generation.address)
+    yield generation_pb2_grpc.GenerationServiceStub(channel)
+    channel.close()
+
+
+def generate(stub, prompt=PROMPT, **sampling):
+    sampling.setdefault("max_tokens", 16)
+    request = generation_pb2.GenerateRequest(
+        prompt=sampling_pb2.Prompt(token_ids=encode_tensor(torch.tensor(prompt))),
+        sampling=sampling_pb2.SamplingParams(**sampling))
+    return sorted(stub.Generate(request, timeout=300), key=lambda r: r.sample_index)
+
+
+def tokens_and_log_probs(sample):
+    return (decode_tensor(sample.response_token_ids).tolist(),
+            decode_tensor(sample.behavior_log_probs).clone())
+
+
+def push(stub, state, version, mode=weights_pb2.UPDATE_MODE_KEEP, cut_after=None, chunk_bytes=64 * 1024):
+    def requests():
+        for i, (kind, msg) in enumerate(iter_push_messages(list(state.items()), version=version, mode=mode,
+                                                           chunk_bytes=chunk_bytes)):
+            if cut_after is not None and i > cut_after:
+                return
+            yield generation_pb2.UpdateWeightsRequest(**{kind: msg})
+    return stub.UpdateWeights(requests(), timeout=300)
+
+
+def version(stub):
+    return stub.GetEngineStatus(generation_pb2.GetEngineStatusRequest(), timeout=30).policy_version
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_behavior_log_probs_match_hf_forward(stub, tiny_model_dir, temperature):
+    model = load_hf(tiny_model_dir)
+    samples = generate(stub, n=4, temperature=temperature, max_tokens=24, seed=7)
+    assert len(samples) == 4 and [s.sample_index for s in samples] == [0, 1, 2, 3]
+    for sample in samples:
+        tokens, log_probs = tokens_and_log_probs(sample)
+        assert decode_tensor(sample.prompt_token_ids).tolist() == PROMPT
+        assert sample.sampling.temperature == pytest.approx(temperature)
+        expected = response_log_probs(model, PROMPT, tokens, temperature)
+        assert (log_probs - expected).abs().max().item() <= 1e-4
+
+
+def test_chat_prompt_and_bad_requests(stub):
+    chat = sampling_pb2.Prompt(chat=sampling_pb2.ChatMessages(
+        messages=[sampling_pb2.ChatMessage(role="user", content="what is 2 plus 3")]))
+    replies = list(stub.Generate(generation_pb2.GenerateRequest(
+        prompt=chat, sampling=sampling_pb2.SamplingParams(max_tokens=4, temperature=1.0)), timeout=120))
+    assert decode_tensor(replies[0].prompt_token_ids).tolist() == PROMPT  # chat template applied
+    bad_cases = [
+        (sampling_pb2.Prompt(token_ids=encode_tensor(torch.tensor([1, 99999]))), {"max_tokens": 4}, "vocabulary"),
+        (sampling_pb2.Prompt(), {"max_tokens": 4}, "prompt"),
+        (sampling_pb2.Prompt(token_ids=encode_tensor(torch.tensor(PROMPT))), {"max_tokens": 0}, "max_tokens"),
+        (sampling_pb2.Prompt(token_ids=encode_tensor(torch.tensor(PROMPT))), {"max_tokens": 4, "top_p": 1.5}, "top_p"),
+    ]
+    for prompt, sampling, word in bad_cases:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(generation_pb2.GenerateRequest(
+                prompt=prompt, sampling=sampling_pb2.SamplingParams(**sampling)), timeout=60))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert word in err.value.details()
+
+
+def test_weight_push_changes_log_probs_and_bad_pushes_change_nothing(stub, tiny_model_dir):
+    original = load_hf(tiny_model_dir)
+    state = {k: v.clone() for k, v in original.state_dict().items()}
+    start_version = version(stub)
+    torch.manual_seed(0)
+    perturbed = {k: v + 0.05 * torch.randn_like(v) for k, v in state.items()}
+
+    reply = push(stub, perturbed, start_version + 1)
+    assert reply.version == start_version + 1 == version(stub)
+    assert reply.received_bytes == sum(v.numel() * v.element_size() for v in perturbed.values())
+    sample = generate(stub, temperature=1.0, max_tokens=24, seed=3)[0]
+    assert sample.policy_version_start == sample.policy_version_end == start_version + 1
+    tokens, log_probs = tokens_and_log_probs(sample)
+    new_model = load_hf(tiny_model_dir, perturbed)
+    assert (log_probs - response_log_probs(new_model, PROMPT, tokens)).abs().max().item() <= 1e-4
+    assert (log_probs - response_log_probs(original, PROMPT, tokens)).abs().max().item() > 1e-2
+
+    def fingerprint():
+        tokens, log_probs = tokens_and_log_probs(generate(stub, temperature=1.0, max_tokens=16, seed=11)[0])
+        return tokens, log_probs, version(stub)
+
+    before = fingerprint()
+    current = before[2]
+    # Cut off halfway: the stream ends early -> ABORTED, nothing applied.
+    with pytest.raises(grpc.RpcError) as err:
+        push(stub, state, current + 1, cut_after=10)
+    assert err.value.code() == grpc.StatusCode.ABORTED
+    # Wrong shape for one tensor.
+    wrong = dict(state)
+    name = "model.layers.0.mlp.up_proj.weight"
+    wrong[name] = torch.zeros(wrong[name].shape[0] + 1, wrong[name].shape[1])
+    with pytest.raises(grpc.RpcError) as err:
+        push(stub, wrong, current + 1)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in err.value.details()
+    # Stale version.
+    with pytest.raises(grpc.RpcError) as err:
+        push(stub, state, current)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # The client disconnecting mid-stream (its iterator fails -> the call is cancelled).
+    def exploding():
+        for i, (kind, msg) in enumerate(iter_push_messages(list(state.items()), version=current + 1,
+                                                           chunk_bytes=64 * 1024)):
+            if i == 5:
+                raise RuntimeError("trainer died")
+            yield generation_pb2.UpdateWeightsRequest(**{kind: msg})
+    with pytest.raises(Exception):
+        stub.UpdateWeights(exploding(), timeout=60)
+    after = fingerprint()
+    assert after[0] == before[0] and torch.equal(after[1], before[1]) and after[2] == current
+
+
+def test_keep_mode_push_during_long_generation_records_both_versions(stub, tiny_model_dir):
+    state = load_hf(tiny_model_dir).state_dict()
+    current = version(stub)
+    result = {}
+
+    def long_generation():
+        result["sample"] = generate(stub, temperature=1.0, max_tokens=600, ignore_eos=True, seed=5)[0]
+
+    thread = threading.Thread(target=long_generation)
+    thread.start()
+    time.sleep(1.0)  # let it get going
+    push(stub, state, current + 1, mode=weights_pb2.UPDATE_MODE_KEEP)
+    thread.join(300)
+    sample = result["sample"]
+    assert sample.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+    assert len(decode_tensor(sample.response_token_ids)) == 600
+    assert sample.policy_version_start == current and sample.policy_version_end == current + 1
+
+
+def test_admission_control_and_health(stub, generation):
+    assert generation.health() == health_pb2.HealthCheckResponse.SERVING
+    calls = [stub.Generate(generation_pb2.GenerateRequest(
+        prompt=sampling_pb2.Prompt(token_ids=encode_tensor(torch.tensor(PROMPT))),
+        sampling=sampling_pb2.SamplingParams(max_tokens=800, ignore_eos=True, temperature=1.0)), timeout=300)
+        for _ in range(12)]
+    codes = []
+    for call in calls:
+        try:
+            next(iter(call))
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as err:
+            codes.append(err.code())
+    for call in calls:
+        call.cancel()  # cancelling aborts the vLLM requests
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+    deadline = time.monotonic() + 60
+    while stub.GetEngineStatus(generation_pb2.GetEngineStatusRequest()).running_requests and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert stub.GetEngineStatus(generation_pb2.GetEngineStatusRequest()).running_requests == 0

@@ -1,0 +1,83 @@
+"""Weight push framing: sender chunks and receiver assembly/validation."""
+
+import pytest
+import torch
+
+from rlfleet.services.common.errors import Aborted, InvalidArgument, ResourceExhausted
+from rlfleet.services.common.weight_stream import WeightPush
+from rlfleet.v1 import weights_pb2
+from rlfleet.wire.weights import iter_push_messages
+
+STATE = [
+    ("a", torch.randn(3, 5)),
+    ("b", torch.arange(7, dtype=torch.int64)),
+    ("c", torch.randn(4, 4).to(torch.bfloat16).t()),  # non-contiguous
+    ("d", torch.zeros(0)),
+]
+
+
+def assemble(messages, max_bytes=1 << 30):
+    push = None
+    for kind, msg in messages:
+        if kind == "manifest":
+            push = WeightPush.from_manifest(msg, max_bytes)
+        else:
+            push.add_chunk(msg)
+    push.finish()
+    return push
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 16, 64, 1 << 20])
+@pytest.mark.parametrize("algo", ["crc32", "sha256", None])
+def test_round_trip_any_chunking(chunk_bytes, algo):
+    push = assemble(iter_push_messages(STATE, version=3, chunk_bytes=chunk_bytes, checksum_algo=algo))
+    assert push.version == 3 and push.mode == "keep"
+    for (name, tensor), (got_name, dtype, shape, data) in zip(STATE, push.tensors()):
+        assert got_name == name and tuple(shape) == tuple(tensor.shape)
+        assert dtype == str(tensor.dtype).removeprefix("torch.")
+        rebuilt = torch.frombuffer(bytearray(data), dtype=tensor.dtype).reshape(shape) if data else torch.empty(shape)
+        assert torch.equal(rebuilt, tensor.contiguous()) or tensor.numel() == 0
+
+
+def messages():
+    return list(iter_push_messages(STATE, version=1, chunk_bytes=16))
+
+
+def test_short_stream_is_aborted_and_corruption_is_caught():
+    msgs = messages()
+    with pytest.raises(Aborted, match="ended after"):
+        assemble(msgs[:-1])
+    corrupt = list(msgs)
+    kind, chunk = corrupt[2]
+    corrupt[2] = (kind, weights_pb2.WeightChunk(offset=chunk.offset, data=bytes([chunk.data[0] ^ 1]) + chunk.data[1:]))
+    with pytest.raises(InvalidArgument, match="checksum mismatch"):
+        assemble(corrupt)
+    reordered = [msgs[0], msgs[2], msgs[1], *msgs[3:]]
+    with pytest.raises(InvalidArgument, match="chunk.offset"):
+        assemble(reordered)
+    extra = [*msgs, ("chunk", weights_pb2.WeightChunk(offset=msgs[-1][1].offset + len(msgs[-1][1].data), data=b"x"))]
+    with pytest.raises(InvalidArgument, match="exceed"):
+        assemble(extra)
+
+
+def test_bad_manifests():
+    manifest = messages()[0][1]
+    bad = weights_pb2.WeightManifest()
+    bad.CopyFrom(manifest)
+    bad.total_bytes += 1
+    with pytest.raises(InvalidArgument, match="total_bytes"):
+        WeightPush.from_manifest(bad, 1 << 30)
+    bad.CopyFrom(manifest)
+    bad.tensors[1].name = "a"
+    with pytest.raises(InvalidArgument, match="appears twice"):
+        WeightPush.from_manifest(bad, 1 << 30)
+    bad.CopyFrom(manifest)
+    bad.tensors[0].dtype = 77
+    with pytest.raises(InvalidArgument, match=r"tensors\[0\].dtype"):
+        WeightPush.from_manifest(bad, 1 << 30)
+    with pytest.raises(ResourceExhausted):
+        WeightPush.from_manifest(manifest, 8)
+    bad.CopyFrom(manifest)
+    bad.checksum = "md5:abc"
+    with pytest.raises(InvalidArgument, match="checksum"):
+        WeightPush.from_manifest(bad, 1 << 30)
