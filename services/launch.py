@@ -100,8 +100,12 @@ class ServiceProcess:
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM, wait, then SIGKILL this PID (and its process group) if needed."""
-        if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
+        if self.process is None:
+            return None
+        if self.process.poll() is not None:
+            self._reap_group()
+            self._log.close()
+            return self.process.returncode
         self.process.send_signal(signal.SIGTERM)
         try:
             return self.process.wait(timeout)
@@ -126,3 +130,4 @@ class ServiceProcess:
                 os.killpg(self.process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            self.process.wait()

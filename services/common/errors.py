@@ -53,3 +53,11 @@ class Unauthenticated(RlfleetError):
     """Missing or wrong credentials."""
 
     code = "UNAUTHENTICATED"
+
+
+class UpstreamError(RlfleetError):
+    """A dependency answered with an error status that the caller should see as is."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code

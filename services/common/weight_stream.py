@@ -64,12 +64,17 @@ class WeightPush:
     checksum_spec: str
     buffer: bytearray = field(repr=False, default_factory=bytearray)
     received: int = 0
+    keep_bytes: bool = True
     started_at: float = field(default_factory=time.monotonic)
     _checksum: _Checksum | None = field(default=None, repr=False)
 
     @classmethod
-    def from_manifest(cls, manifest: weights_pb2.WeightManifest, max_bytes: int) -> "WeightPush":
-        """Validate a manifest and preallocate the receive buffer."""
+    def from_manifest(cls, manifest: weights_pb2.WeightManifest, max_bytes: int,
+                      keep_bytes: bool = True) -> "WeightPush":
+        """Validate a manifest and preallocate the receive buffer.
+
+        ``keep_bytes=False`` only validates the stream (order, size, checksum):
+        for a relay such as the collector that forwards chunks as they arrive."""
         names, dtypes, shapes, sizes = [], [], [], []
         seen: set[str] = set()
         for i, spec in enumerate(manifest.tensors):
@@ -102,7 +107,8 @@ class WeightPush:
         push = cls(version=manifest.version, mode=mode, names=names, dtypes=dtypes, shapes=shapes,
                    sizes=sizes, total_bytes=total, checksum_spec=manifest.checksum)
         push._checksum = _Checksum(manifest.checksum) if manifest.checksum else None
-        push.buffer = bytearray(total)
+        push.keep_bytes = keep_bytes
+        push.buffer = bytearray(total) if keep_bytes else bytearray()
         return push
 
     def add_chunk(self, chunk: weights_pb2.WeightChunk) -> None:
@@ -114,7 +120,8 @@ class WeightPush:
         end = self.received + len(data)
         if end > self.total_bytes:
             raise InvalidArgument(f"chunks exceed manifest.total_bytes ({end} > {self.total_bytes})")
-        self.buffer[self.received:end] = data
+        if self.keep_bytes:
+            self.buffer[self.received:end] = data
         if self._checksum is not None:
             self._checksum.update(data)
         self.received = end

@@ -1,0 +1,13 @@
+"""``rlfleet-trajectory`` / ``python -m rlfleet.services.trajectory``."""
+
+
+def main(argv=None) -> None:
+    from rlfleet.services.common.server import run
+    from rlfleet.services.trajectory.config import TrajectoryConfig
+    from rlfleet.services.trajectory.service import TrajectoryService
+
+    run(TrajectoryService, TrajectoryConfig, argv)
+
+
+if __name__ == "__main__":
+    main()

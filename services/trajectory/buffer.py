@@ -1,0 +1,203 @@
+"""Async facade over ``TrajectoryStore``: one owner thread, waiting readers, lease expiry.
+
+Every store call runs on one dedicated thread (sqlite3 connections are
+thread-bound, and one thread also serializes the store: concurrent readers get
+disjoint batches without locks). The event loop only waits. A reader stream
+waits until a whole batch is ready and it has a free prefetch slot; any change
+(append, ack, nack, release, expiry) wakes the waiters.
+
+Because the executor runs calls in submission order, releasing a stream's
+leases when it ends also releases a lease whose call was still in flight when
+the stream was cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import logging
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Literal, TypeVar
+
+from rlfleet.services.common.errors import InvalidArgument, Unavailable
+from rlfleet.services.trajectory.store import AppendResult, Delivery, Stats, TrajectoryStore
+from rlfleet.v1 import tensor_pb2
+
+log = logging.getLogger("rlfleet.trajectory.buffer")
+T = TypeVar("T")
+
+#: A reader's command after ``open``: ("ack" | "nack", lease_id).
+Command = tuple[Literal["ack", "nack"], str]
+
+
+@dataclass(frozen=True)
+class ReaderOptions:
+    """What a trainer asks for when it opens a batch stream (see ``OpenBatchStream``)."""
+
+    batch_size: int
+    whole_groups: bool = False
+    min_policy_version: int = 0
+    lease_seconds: float = 0.0
+    """0 means the buffer's default."""
+    prefetch: int = 0
+    """Batches delivered ahead of acks; 0 means 1. A batch holds its slot until the reader acks
+    or nacks it, even after its lease expired: a slow reader is not handed its own batch again."""
+    consumer: str = ""
+
+    def check(self) -> None:
+        if self.batch_size <= 0:
+            raise InvalidArgument(f"open.batch_size: must be > 0, got {self.batch_size}")
+        if not math.isfinite(self.lease_seconds) or self.lease_seconds < 0:
+            raise InvalidArgument(f"open.lease_seconds: must be a finite number >= 0, got {self.lease_seconds}")
+        if self.prefetch < 0:
+            raise InvalidArgument(f"open.prefetch: must be >= 0, got {self.prefetch}")
+
+
+class TrajectoryBuffer:
+    """The trajectory store, usable from the event loop."""
+
+    def __init__(self, open_store: Callable[[], TrajectoryStore], default_lease_seconds: float):
+        self._open_store = open_store
+        self._default_lease_seconds = default_lease_seconds
+        self._executor: ThreadPoolExecutor | None = None
+        self._store: TrajectoryStore | None = None
+        self._changed = asyncio.Event()  # replaced on every notify: waiters hold the old one
+        self._lease_added = asyncio.Event()
+        self._reader_ids = itertools.count(1)
+        self._expiry: asyncio.Task | None = None
+        self.on_failure: Callable[[BaseException], None] | None = None
+        """Called if lease expiry stops working (the service then reports NOT_SERVING)."""
+
+    # --- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="trajectory-store")
+        loop = asyncio.get_running_loop()
+        self._store = await loop.run_in_executor(self._executor, self._open_store)
+        self._expiry = asyncio.create_task(self._expire_leases(), name="trajectory-lease-expiry")
+
+    async def stop(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry
+        if self._executor is not None:
+            if self._store is not None:
+                store, self._store = self._store, None  # later calls: Unavailable; queued ones still run
+                await asyncio.get_running_loop().run_in_executor(self._executor, store.close)
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    async def _call(self, method: Callable[..., T], *args, **kwargs) -> T:
+        """Run ``TrajectoryStore.<method>(store, ...)`` on the store thread."""
+        if self._store is None or self._executor is None:
+            raise Unavailable("the trajectory store is not open (starting or shutting down)")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, functools.partial(method, self._store, *args, **kwargs))
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # --- unary operations -----------------------------------------------------------------
+    async def append(self, trajectories: tensor_pb2.TensorDict, idempotency_key: str = "") -> AppendResult:
+        result = await self._call(TrajectoryStore.append, trajectories, idempotency_key)
+        if result.appended:
+            self._notify()
+        return result
+
+    async def stats(self) -> Stats:
+        return await self._call(TrajectoryStore.stats)
+
+    # --- reader streams ---------------------------------------------------------------------
+    async def stream(self, options: ReaderOptions, commands: AsyncIterator[Command]) -> AsyncIterator[Delivery]:
+        """Deliver batches to one reader until its commands end; then release what it holds.
+
+        ``commands`` carries the reader's acks and nacks; when it ends (the
+        client half-closed) the stream ends. Errors in either direction end the
+        stream, and whatever the reader still holds goes back to ready.
+        """
+        options.check()
+        if self._store is None:
+            raise Unavailable("the trajectory store is not open (starting or shutting down)")
+        if options.batch_size > self._store.capacity:
+            raise InvalidArgument(f"open.batch_size: {options.batch_size} exceeds the buffer's capacity "
+                                  f"of {self._store.capacity}; no batch could ever be delivered")
+        owner = f"{options.consumer or 'reader'}#{next(self._reader_ids)}"
+        leases: set[str] = set()  # delivered to this reader, not yet acked or nacked
+        log.info("reader opened", extra={"reader": owner, "batch_size": options.batch_size,
+                                         "whole_groups": options.whole_groups})
+        pump = asyncio.create_task(self._apply_commands(owner, leases, commands))
+        fetch: asyncio.Task | None = None
+        try:
+            while True:
+                fetch = asyncio.create_task(self._next_batch(owner, leases, options))
+                await asyncio.wait({fetch, pump}, return_when=asyncio.FIRST_COMPLETED)
+                if fetch.done():
+                    yield fetch.result()
+                    continue
+                fetch.cancel()
+                pump.result()  # the reader's error, if any; else it half-closed: end the stream
+                return
+        finally:
+            for task in (fetch, pump):
+                if task is not None:
+                    task.cancel()
+            released = await self._release_owner(owner)
+            log.info("reader closed", extra={"reader": owner, "released": released})
+
+    async def _next_batch(self, owner: str, leases: set[str], options: ReaderOptions) -> Delivery:
+        lease_seconds = options.lease_seconds or self._default_lease_seconds
+        prefetch = options.prefetch or 1
+        while True:
+            changed = self._changed  # taken before looking: a change after this wakes us
+            if len(leases) < prefetch:
+                delivery = await self._call(
+                    TrajectoryStore.lease, owner, options.batch_size, lease_seconds=lease_seconds,
+                    whole_groups=options.whole_groups, min_policy_version=options.min_policy_version)
+                if delivery is not None:
+                    leases.add(delivery.lease_id)
+                    self._lease_added.set()
+                    return delivery
+            await changed.wait()
+
+    async def _apply_commands(self, owner: str, leases: set[str], commands: AsyncIterator[Command]) -> None:
+        async for kind, lease_id in commands:
+            await self._call(TrajectoryStore.ack if kind == "ack" else TrajectoryStore.nack, owner, lease_id)
+            leases.discard(lease_id)
+            self._notify()
+
+    async def _release_owner(self, owner: str) -> int:
+        # Shielded: a second cancellation must not skip the notify, and the release
+        # itself runs on the store thread whatever happens to this task.
+        loop = asyncio.get_running_loop()
+        if self._executor is None or self._store is None:
+            return 0
+        store = self._store
+        future = asyncio.wrap_future(self._executor.submit(store.release_owner, owner), loop=loop)
+        future.add_done_callback(lambda f: self._notify() if not f.cancelled() and not f.exception() else None)
+        return await asyncio.shield(future)
+
+    # --- lease expiry -------------------------------------------------------------------------
+    async def _expire_leases(self) -> None:
+        try:
+            while True:
+                self._lease_added.clear()  # before expire(): a lease added meanwhile re-arms us
+                expired, next_expiry = await self._call(TrajectoryStore.expire)
+                if expired:
+                    log.info("leases expired", extra={"leases": [lease_id for lease_id, _ in expired]})
+                    self._notify()
+                timeout = None if next_expiry is None else max(0.0, next_expiry - time.time()) + 0.001
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._lease_added.wait(), timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("lease expiry stopped: leased batches will not be redelivered")
+            if self.on_failure is not None:
+                self.on_failure(exc)
+            raise

@@ -1,0 +1,35 @@
+"""Config of the trajectory service."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlfleet.services.common.config import ServiceConfig
+
+
+class TrajectoryConfig(ServiceConfig):
+    """The trajectory service: a durable, bounded buffer of finished trajectories."""
+
+    service_name = "trajectory"
+
+    port: int = Field(50054, ge=0, le=65535)
+    """gRPC port; 0 picks a free port (written to ``port_file``)."""
+    db_path: str = "trajectories.sqlite3"
+    """SQLite file holding the buffered trajectories (relative paths resolve against the working
+    directory: put it on a persistent volume). ``:memory:`` keeps nothing across restarts."""
+    capacity: int = Field(100_000, gt=0)
+    """Most trajectories buffered at once (ready + leased). An Append that does not fit is
+    RESOURCE_EXHAUSTED and stores nothing: backpressure on the collector."""
+    default_lease_seconds: float = Field(300.0, gt=0)
+    """How long a delivered batch stays leased when the reader does not ask for a lease time;
+    un-acked after that, it is delivered again. Set it above a trainer step."""
+    synchronous: Literal["FULL", "NORMAL"] = "FULL"
+    """SQLite ``synchronous`` mode (WAL journal). FULL: an acknowledged append survives power loss
+    (one fsync per commit). NORMAL: it survives a crash of the service but not of the machine."""
+    idempotency_window: int = Field(100_000, gt=0)
+    """How many of the most recent Append idempotency keys are remembered (and deduplicated)."""
+    lock_timeout_seconds: float = Field(10.0, ge=0)
+    """At start, how long to wait for the database lock held by a previous instance that is still
+    exiting; the file is locked for the life of the process so two services never share it."""

@@ -1,0 +1,49 @@
+"""The trajectory service: the buffer plus its servicer, under the shared server lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from rlfleet.services.common.server import Service
+from rlfleet.services.trajectory.buffer import TrajectoryBuffer
+from rlfleet.services.trajectory.config import TrajectoryConfig
+from rlfleet.services.trajectory.servicer import TrajectoryServicer
+from rlfleet.services.trajectory.store import TrajectoryStore
+from rlfleet.v1 import trajectory_pb2, trajectory_pb2_grpc
+
+log = logging.getLogger("rlfleet.trajectory")
+
+
+class TrajectoryService(Service[TrajectoryConfig]):
+    """Serves TrajectoryService; health is SERVING once the database is open and indexed."""
+
+    service_names = (trajectory_pb2.DESCRIPTOR.services_by_name["TrajectoryService"].full_name,)
+
+    def __init__(self, config: TrajectoryConfig):
+        super().__init__(config)
+        self.buffer = TrajectoryBuffer(self._open_store, config.default_lease_seconds)
+        self.buffer.on_failure = self._on_buffer_failure
+        self._failure_task: asyncio.Task | None = None
+
+    def _open_store(self) -> TrajectoryStore:
+        config = self.config
+        return TrajectoryStore(config.db_path, config.capacity, synchronous=config.synchronous,
+                               idempotency_window=config.idempotency_window,
+                               lock_timeout_seconds=config.lock_timeout_seconds)
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        trajectory_pb2_grpc.add_TrajectoryServiceServicer_to_server(TrajectoryServicer(self.buffer), server)
+
+    async def start(self) -> None:
+        await self.buffer.start()
+        log.info("trajectory store open", extra={"db_path": self.config.db_path, "capacity": self.config.capacity})
+
+    async def stop(self) -> None:
+        await self.buffer.stop()
+
+    def _on_buffer_failure(self, exc: BaseException) -> None:
+        # Leases no longer expire: tell the orchestrator to replace this instance.
+        self._failure_task = asyncio.get_running_loop().create_task(self.set_serving(False))

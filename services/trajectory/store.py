@@ -1,0 +1,483 @@
+"""The durable trajectory buffer: SQLite rows plus an in-memory index of them.
+
+SQLite (WAL mode) holds every buffered trajectory as one serialized single-row
+TensorDict message; nothing is acknowledged before its transaction commits.
+Memory holds only the index — which rows are ready, which are leased to which
+reader, until when — never the payloads. Leases live in memory only, on
+purpose: after a restart every stored row is ready again, which is exactly
+"un-acked batches are redelivered". A per-row delivery count is persisted so a
+batch delivered before a crash is still flagged ``redelivered`` after it.
+
+Groups: all rows of one ``append`` call sharing a ``group_id`` form one group
+(the collector appends a GRPO group whole, in one call). A ``group_size``
+entry, if present, must equal that count, so a collector that splits groups
+gets an error instead of silently mis-batched groups. ``group_id``s are not
+merged across calls.
+
+A store is not thread-safe: sqlite3 connections are bound to the thread that
+opened them, so one thread owns the store (see ``buffer.TrajectoryBuffer``).
+Nothing here knows about gRPC.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import sqlite3
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Literal, Sequence
+
+from rlfleet.services.common.errors import InvalidArgument, NotFound, ResourceExhausted
+from rlfleet.services.trajectory import rows as rowcodec
+from rlfleet.v1 import tensor_pb2
+from rlfleet.wire import decode_tensordict
+
+log = logging.getLogger("rlfleet.trajectory.store")
+
+#: Keys every appended TensorDict must carry, each a [B] int64 tensor.
+REQUIRED_KEYS = ("group_id", "policy_version_start")
+GROUP_SIZE_KEY = "group_size"
+
+_SCHEMA_SQL = """
+CREATE TABLE IF NOT EXISTS trajectories (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- append order, never reused
+    unit INTEGER NOT NULL,                  -- seq of the first row of its group
+    group_id INTEGER NOT NULL,
+    group_size INTEGER NOT NULL,            -- rows of the group when appended
+    policy_version_start INTEGER NOT NULL,
+    deliveries INTEGER NOT NULL DEFAULT 0,  -- times leased, > 0 means a redelivery
+    data BLOB NOT NULL                      -- serialized single-row rlfleet.v1.TensorDict
+);
+CREATE TABLE IF NOT EXISTS idempotency_keys (
+    key TEXT PRIMARY KEY,
+    appended INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS meta (
+    name TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+"""
+_SQL_CHUNK = 500  # bound on "?" placeholders per statement
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    appended: int
+    """Trajectories stored by the call (0 for a duplicate idempotency key)."""
+    buffered: int
+    """Trajectories buffered (ready + leased) after the call."""
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A leased batch."""
+
+    lease_id: str
+    batch: tensor_pb2.TensorDict
+    expires_at: float
+    """Seconds since the epoch."""
+    redelivered: bool
+    """True if any row of the batch was delivered before."""
+    size: int
+
+
+@dataclass(frozen=True)
+class Stats:
+    ready: int
+    leased: int
+    acked: int
+    capacity: int
+    appended: int
+    redelivered_batches: int
+    dropped_stale: int
+
+
+@dataclass
+class _Row:
+    seq: int
+    unit: int
+    policy_version_start: int
+    deliveries: int
+
+
+@dataclass
+class _Unit:
+    """One group: the rows one append call carried under one group_id."""
+
+    id: int
+    group_id: int
+    size: int
+    min_version: int
+    ready: list[_Row] = field(default_factory=list)  # sorted by seq
+    leased: int = 0
+
+
+@dataclass
+class _Lease:
+    id: str
+    owner: str
+    rows: list[_Row]
+    expires_at: float
+
+
+class TrajectoryStore:
+    """Bounded, durable buffer of trajectories with leased batch delivery."""
+
+    def __init__(self, path: str, capacity: int, *, synchronous: Literal["FULL", "NORMAL"] = "FULL",
+                 idempotency_window: int = 100_000, lock_timeout_seconds: float = 10.0,
+                 clock: Callable[[], float] = time.time):
+        if capacity <= 0:
+            raise ValueError(f"capacity must be > 0, got {capacity}")
+        self.path = path
+        self.capacity = capacity
+        self._idempotency_window = idempotency_window
+        self._clock = clock
+        self._db = _connect(path, synchronous, lock_timeout_seconds)
+        self._units: dict[int, _Unit] = {}
+        self._ready_units: list[int] = []  # unit ids with ready rows, ascending = FIFO
+        self._leases: dict[str, _Lease] = {}
+        self._ready = 0
+        self._leased = 0
+        self._appended = self._acked = self._redelivered_batches = self._dropped_stale = 0
+        self._schema: rowcodec.Schema | None = None
+        self._load()
+
+    # --- lifecycle ----------------------------------------------------------------
+    def _load(self) -> None:
+        row = self._db.execute("SELECT value FROM meta WHERE name = 'schema'").fetchone()
+        self._schema = json.loads(row[0]) if row else None
+        cursor = self._db.execute(
+            "SELECT seq, unit, group_id, group_size, policy_version_start, deliveries "
+            "FROM trajectories ORDER BY seq")
+        for seq, unit_id, group_id, group_size, version, deliveries in cursor:
+            unit = self._units.get(unit_id)
+            if unit is None:
+                unit = self._units[unit_id] = _Unit(unit_id, group_id, group_size, version)
+                self._ready_units.append(unit_id)  # ORDER BY seq: units come in ascending order
+            unit.ready.append(_Row(seq, unit_id, version, deliveries))
+            unit.min_version = min(unit.min_version, version)
+            self._ready += 1
+        if self._ready:
+            log.info("reopened trajectory store", extra={"path": self.path, "ready": self._ready})
+
+    def close(self) -> None:
+        """Close the database. Leases are dropped: their rows are ready again on reopen."""
+        self._db.close()
+
+    # --- append ---------------------------------------------------------------------
+    def append(self, msg: tensor_pb2.TensorDict, idempotency_key: str = "") -> AppendResult:
+        """Store every row of ``msg`` or none (durable once this returns)."""
+        group_ids, versions, units = _validate(msg)
+        count = len(group_ids)
+        if idempotency_key and self._db.execute(
+                "SELECT 1 FROM idempotency_keys WHERE key = ?", (idempotency_key,)).fetchone():
+            return AppendResult(0, self.buffered)
+        if count == 0:
+            return AppendResult(0, self.buffered)
+        if count > self.capacity:
+            raise InvalidArgument(f"trajectories.batch_size: {count} trajectories can never fit "
+                                  f"the buffer's capacity of {self.capacity}")
+        if self.buffered + count > self.capacity:
+            raise ResourceExhausted(
+                f"trajectory buffer full: {self.buffered} of {self.capacity} buffered, {count} more "
+                "do not fit; retry after trainers ack batches")
+        schema = rowcodec.schema_of(msg)
+        if self._schema is not None and self.buffered:
+            mismatch = rowcodec.schema_mismatch(self._schema, schema)
+            if mismatch:
+                raise InvalidArgument(mismatch)
+        payloads = rowcodec.split_rows(msg)
+
+        next_seq = self._next_seq()
+        new_units: list[_Unit] = []
+        records = []
+        for indices in units:
+            unit = _Unit(next_seq, group_ids[indices[0]], len(indices), min(versions[i] for i in indices))
+            for i in indices:
+                unit.ready.append(_Row(next_seq, unit.id, versions[i], 0))
+                records.append((next_seq, unit.id, unit.group_id, unit.size, versions[i], payloads[i]))
+                next_seq += 1
+            new_units.append(unit)
+        with self._transaction():
+            self._db.executemany(
+                "INSERT INTO trajectories (seq, unit, group_id, group_size, policy_version_start, data) "
+                "VALUES (?, ?, ?, ?, ?, ?)", records)
+            if schema != self._schema:
+                self._db.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('schema', ?)",
+                                 (json.dumps(schema),))
+            if idempotency_key:
+                self._db.execute("INSERT INTO idempotency_keys (key, appended) VALUES (?, ?)",
+                                 (idempotency_key, count))
+                # Bounded dedup window: forget the oldest keys (rowid order = insertion order).
+                self._db.execute("DELETE FROM idempotency_keys WHERE rowid <= "
+                                 "(SELECT max(rowid) FROM idempotency_keys) - ?", (self._idempotency_window,))
+        # Committed: only now does the in-memory index change.
+        self._schema = schema
+        for unit in new_units:
+            self._units[unit.id] = unit
+            self._ready_units.append(unit.id)  # new ids are the largest so far
+        self._ready += count
+        self._appended += count
+        return AppendResult(count, self.buffered)
+
+    def _next_seq(self) -> int:
+        row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'trajectories'").fetchone()
+        return (row[0] if row else 0) + 1
+
+    # --- delivery ---------------------------------------------------------------------
+    def lease(self, owner: str, batch_size: int, *, lease_seconds: float, whole_groups: bool = False,
+              min_policy_version: int = 0) -> Delivery | None:
+        """Lease exactly ``batch_size`` ready rows to ``owner``, or None if not enough are ready.
+
+        Oldest rows first (a released batch goes back to the head). With
+        ``whole_groups`` only complete groups are taken, and a group whose size
+        does not divide ``batch_size`` is an error (it could never be delivered).
+        Ready rows below ``min_policy_version`` are deleted and counted as stale
+        (with ``whole_groups``, their whole group).
+        """
+        if batch_size <= 0:
+            raise InvalidArgument(f"open.batch_size: must be > 0, got {batch_size}")
+        if min_policy_version:
+            self._drop_stale(min_policy_version, whole_groups)
+        if whole_groups:
+            plan = self._plan_whole_groups(batch_size)  # scans even when short: bad group sizes fail fast
+        else:
+            plan = self._plan_rows(batch_size) if self._ready >= batch_size else None
+        if plan is None:
+            return None
+        rows = [row for unit, count in plan for row in unit.ready[:count]]
+        seqs = [row.seq for row in rows]
+        with self._transaction():
+            payloads: dict[int, bytes] = {}
+            for chunk in _chunks(seqs):
+                marks = ",".join("?" * len(chunk))
+                self._db.execute(f"UPDATE trajectories SET deliveries = deliveries + 1 WHERE seq IN ({marks})", chunk)
+                payloads.update(self._db.execute(f"SELECT seq, data FROM trajectories WHERE seq IN ({marks})", chunk))
+        batch = rowcodec.concat_rows([payloads[seq] for seq in seqs])
+
+        redelivered = any(row.deliveries for row in rows)
+        for unit, count in plan:
+            del unit.ready[:count]
+            unit.leased += count
+            if not unit.ready:
+                self._remove_ready_unit(unit.id)
+        for row in rows:
+            row.deliveries += 1
+        lease = _Lease(uuid.uuid4().hex, owner, rows, self._clock() + lease_seconds)
+        self._leases[lease.id] = lease
+        self._ready -= len(rows)
+        self._leased += len(rows)
+        self._redelivered_batches += redelivered
+        return Delivery(lease.id, batch, lease.expires_at, redelivered, len(rows))
+
+    def _plan_rows(self, batch_size: int) -> list[tuple[_Unit, int]]:
+        plan, need = [], batch_size
+        for unit_id in self._ready_units:
+            unit = self._units[unit_id]
+            take = min(need, len(unit.ready))
+            plan.append((unit, take))
+            need -= take
+            if not need:
+                return plan
+        raise AssertionError("ready count out of sync with the ready units")  # pragma: no cover
+
+    def _plan_whole_groups(self, batch_size: int) -> list[tuple[_Unit, int]] | None:
+        plan, need = [], batch_size
+        for unit_id in self._ready_units:
+            unit = self._units[unit_id]
+            if unit.leased:
+                continue  # part of this group is out with another reader
+            if batch_size % unit.size:
+                raise InvalidArgument(
+                    f"open.batch_size: {batch_size} is not a multiple of the size {unit.size} of "
+                    f"group {unit.group_id}; with whole_groups it could never be delivered")
+            if len(unit.ready) <= need:
+                plan.append((unit, len(unit.ready)))
+                need -= len(unit.ready)
+                if not need:
+                    return plan
+        return None
+
+    def _drop_stale(self, min_version: int, whole_groups: bool) -> None:
+        doomed: list[tuple[_Unit, list[_Row]]] = []
+        for unit_id in self._ready_units:
+            unit = self._units[unit_id]
+            if unit.min_version >= min_version:
+                continue
+            stale = list(unit.ready) if whole_groups else [
+                row for row in unit.ready if row.policy_version_start < min_version]
+            if stale:
+                doomed.append((unit, stale))
+        if not doomed:
+            return
+        self._delete([row.seq for _, stale in doomed for row in stale])
+        for unit, stale in doomed:
+            gone = {row.seq for row in stale}
+            unit.ready = [row for row in unit.ready if row.seq not in gone]
+            self._ready -= len(stale)
+            self._dropped_stale += len(stale)
+            if not unit.ready:
+                self._remove_ready_unit(unit.id)
+                if not unit.leased:
+                    del self._units[unit.id]
+        log.info("dropped stale trajectories", extra={
+            "dropped": sum(len(stale) for _, stale in doomed), "min_policy_version": min_version})
+
+    # --- ack / release -------------------------------------------------------------------
+    def ack(self, owner: str, lease_id: str) -> int:
+        """Delete a leased batch for good; returns its size."""
+        lease = self._owned_lease(owner, lease_id)
+        self._delete([row.seq for row in lease.rows])
+        del self._leases[lease_id]
+        for row in lease.rows:
+            unit = self._units[row.unit]
+            unit.leased -= 1
+            if not unit.leased and not unit.ready:
+                del self._units[unit.id]
+        self._leased -= len(lease.rows)
+        self._acked += len(lease.rows)
+        return len(lease.rows)
+
+    def nack(self, owner: str, lease_id: str) -> int:
+        """Release a leased batch for immediate redelivery; returns its size."""
+        return self._release(self._owned_lease(owner, lease_id))
+
+    def release_owner(self, owner: str) -> int:
+        """Release every batch ``owner`` holds (its stream ended); returns the rows released."""
+        return sum(self._release(lease) for lease in list(self._leases.values()) if lease.owner == owner)
+
+    def expire(self) -> tuple[list[tuple[str, str]], float | None]:
+        """Release leases past their expiry: ([(lease_id, owner)], next expiry or None)."""
+        now = self._clock()
+        expired = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        for lease in expired:
+            self._release(lease)
+        next_expiry = min((lease.expires_at for lease in self._leases.values()), default=None)
+        return [(lease.id, lease.owner) for lease in expired], next_expiry
+
+    def _owned_lease(self, owner: str, lease_id: str) -> _Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.owner != owner:
+            raise NotFound(f"lease_id: {lease_id!r} is not a live lease of this stream (unknown, already "
+                           "acked, or expired and released for redelivery)")
+        return lease
+
+    def _release(self, lease: _Lease) -> int:
+        del self._leases[lease.id]
+        for row in lease.rows:
+            unit = self._units[row.unit]
+            unit.leased -= 1
+            if not unit.ready:
+                bisect.insort(self._ready_units, unit.id)
+            bisect.insort(unit.ready, row, key=lambda r: r.seq)
+        self._leased -= len(lease.rows)
+        self._ready += len(lease.rows)
+        return len(lease.rows)
+
+    # --- stats ---------------------------------------------------------------------------
+    @property
+    def buffered(self) -> int:
+        """Ready + leased trajectories (what ``capacity`` bounds)."""
+        return self._ready + self._leased
+
+    def stats(self) -> Stats:
+        return Stats(ready=self._ready, leased=self._leased, acked=self._acked, capacity=self.capacity,
+                     appended=self._appended, redelivered_batches=self._redelivered_batches,
+                     dropped_stale=self._dropped_stale)
+
+    # --- sqlite helpers ----------------------------------------------------------------
+    def _remove_ready_unit(self, unit_id: int) -> None:
+        index = bisect.bisect_left(self._ready_units, unit_id)
+        del self._ready_units[index]
+
+    def _delete(self, seqs: Sequence[int]) -> None:
+        with self._transaction():
+            for chunk in _chunks(seqs):
+                self._db.execute(f"DELETE FROM trajectories WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+
+def _connect(path: str, synchronous: str, lock_timeout_seconds: float) -> sqlite3.Connection:
+    # Autocommit mode: transactions are explicit (BEGIN IMMEDIATE ... COMMIT).
+    db = sqlite3.connect(path, isolation_level=None, timeout=lock_timeout_seconds)
+    try:
+        if path != ":memory:":
+            # One process owns the file: a second service on the same path would
+            # deliver the same rows twice. The lock dies with the process (SIGKILL too).
+            db.execute("PRAGMA locking_mode = EXCLUSIVE")
+            mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise RuntimeError(f"{path}: could not enable WAL journaling (got {mode!r})")
+            # FULL fsyncs the WAL at every commit, so an acknowledged append survives
+            # power loss and OS crashes too; NORMAL survives process crashes (SIGKILL)
+            # only, but saves an fsync per append/lease/ack.
+            db.execute(f"PRAGMA synchronous = {synchronous}")
+            # Keep the WAL from staying at its high-water mark after large batches.
+            db.execute("PRAGMA journal_size_limit = 67108864")
+        db.execute("BEGIN IMMEDIATE")  # takes the (exclusive) lock now, not at the first append
+        for statement in _SCHEMA_SQL.split(";"):
+            if statement.strip():
+                db.execute(statement)
+        db.execute("COMMIT")
+    except sqlite3.OperationalError as exc:
+        db.close()
+        if "locked" in str(exc):
+            raise RuntimeError(f"{path}: the trajectory database is in use by another process "
+                               f"(waited {lock_timeout_seconds}s for its lock)") from exc
+        raise
+    return db
+
+
+def _validate(msg: tensor_pb2.TensorDict) -> tuple[list[int], list[int], list[list[int]]]:
+    """Decode-validate an append; returns (group ids, policy versions, row indices per group)."""
+    td = decode_tensordict(msg, "trajectories")
+    if len(td.batch_size) != 1:
+        raise InvalidArgument(f"trajectories.batch_size: must be 1-D [B], got {list(td.batch_size)}")
+    count = td.batch_size[0]
+    group_ids = _int64_column(msg, td, REQUIRED_KEYS[0], count)
+    versions = _int64_column(msg, td, REQUIRED_KEYS[1], count)
+    groups: dict[int, list[int]] = {}
+    for i, group_id in enumerate(group_ids):
+        groups.setdefault(group_id, []).append(i)
+    if GROUP_SIZE_KEY in msg.entries:
+        sizes = _int64_column(msg, td, GROUP_SIZE_KEY, count)
+        for group_id, indices in groups.items():
+            for i in indices:
+                if sizes[i] != len(indices):
+                    raise InvalidArgument(
+                        f"trajectories.entries[{GROUP_SIZE_KEY}][{i}]: says {sizes[i]} but this Append "
+                        f"carries {len(indices)} rows of group_id {group_id}; append each group whole, "
+                        "in one call")
+    return group_ids, versions, list(groups.values())
+
+
+def _int64_column(msg: tensor_pb2.TensorDict, td, key: str, count: int) -> list[int]:
+    where = f"trajectories.entries[{key}]"
+    if key not in msg.entries:
+        raise InvalidArgument(f"{where}: missing; required keys: {', '.join(REQUIRED_KEYS)} "
+                              "(each a [B] int64 tensor)")
+    value = msg.entries[key]
+    if (value.WhichOneof("kind") != "tensor" or value.tensor.dtype != tensor_pb2.DTYPE_INT64
+            or list(value.tensor.shape) != [count]):
+        got = (f"tensor {tensor_pb2.Dtype.Name(value.tensor.dtype)} {list(value.tensor.shape)}"
+               if value.WhichOneof("kind") == "tensor" else value.WhichOneof("kind"))
+        raise InvalidArgument(f"{where}: must be a [{count}] int64 tensor, got {got}")
+    return td.get(key).tolist()
+
+
+def _chunks(items: Sequence[int]) -> Iterable[Sequence[int]]:
+    for start in range(0, len(items), _SQL_CHUNK):
+        yield items[start:start + _SQL_CHUNK]

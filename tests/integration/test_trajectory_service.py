@@ -1,0 +1,177 @@
+"""The trajectory service as a real process: redelivery, SIGKILL durability, errors, capacity."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import grpc
+import pytest
+
+from rlfleet.v1 import trajectory_pb2 as pb
+from rlfleet.v1 import trajectory_pb2_grpc
+from rlfleet.wire import decode_tensordict
+from tests.unit.test_trajectory_store import check_rows, groups, make_trajectories, trajectory_ids
+
+TIMEOUT = 60  # per call: the machine is shared with other heavy test runs
+
+
+def start_trajectory(start_service, db_path, *args):
+    return start_service("trajectory", "--db-path", str(db_path), "--log-format", "text", *args).wait_ready(180)
+
+
+def connect(proc):
+    channel = grpc.insecure_channel(proc.address)
+    return trajectory_pb2_grpc.TrajectoryServiceStub(channel), channel
+
+
+def append(stub, group_ids, first_id, key=""):
+    request = pb.AppendRequest(trajectories=make_trajectories(group_ids, first_id=first_id), idempotency_key=key)
+    return stub.Append(request, timeout=TIMEOUT)
+
+
+class Reader:
+    """A trainer's StreamBatches call, driven synchronously."""
+
+    def __init__(self, stub, **open_fields):
+        self._requests: queue.Queue = queue.Queue()
+        self._requests.put(pb.StreamBatchesRequest(open=pb.OpenBatchStream(**open_fields)))
+        self._call = stub.StreamBatches(iter(self._requests.get, None), timeout=5 * TIMEOUT)
+
+    def next(self) -> pb.StreamBatchesResponse:
+        return next(self._call)
+
+    def ack(self, lease_id: str) -> None:
+        self._requests.put(pb.StreamBatchesRequest(ack=pb.AckBatch(lease_id=lease_id)))
+
+    def disconnect(self) -> None:
+        self._call.cancel()
+
+
+def wait_until(predicate, timeout=TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def stats(stub) -> pb.GetStatsResponse:
+    return stub.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT)
+
+
+def test_a_batch_left_unacked_is_delivered_again(start_service, tmp_path):
+    proc = start_trajectory(start_service, tmp_path / "t.sqlite3")
+    stub, channel = connect(proc)
+    assert append(stub, groups(0, 2, 2), first_id=0, key="c/0").appended == 4
+
+    leaver = Reader(stub, batch_size=4, consumer="rank-0")
+    first = leaver.next()
+    assert not first.redelivered and list(first.batch.batch_size) == [4]
+    check_rows(first.batch)
+    leaver.disconnect()  # gone without acking
+
+    slow = Reader(stub, batch_size=4, lease_seconds=0.5, consumer="rank-1")
+    second = slow.next()
+    assert second.redelivered and trajectory_ids(second.batch) == trajectory_ids(first.batch)
+    # Still connected, but its lease runs out: the batch moves on to the next reader.
+    third_reader = Reader(stub, batch_size=4, consumer="rank-2")
+    third = third_reader.next()
+    assert third.redelivered and trajectory_ids(third.batch) == trajectory_ids(first.batch)
+    third_reader.ack(third.lease_id)
+    wait_until(lambda: stats(stub).acked == 4)
+    current = stats(stub)
+    assert (current.ready, current.leased, current.redelivered_batches) == (0, 0, 2)
+    slow.disconnect()
+    third_reader.disconnect()
+    channel.close()
+
+
+def test_sigkill_loses_no_acknowledged_append_and_redelivers_unacked(start_service, tmp_path):
+    db_path = tmp_path / "t.sqlite3"
+    proc = start_trajectory(start_service, db_path)
+    stub, channel = connect(proc)
+    for n in range(3):
+        assert append(stub, groups(2 * n, 2, 2), first_id=4 * n, key=f"c/{n}").appended == 4
+    reader = Reader(stub, batch_size=4)
+    acked = reader.next()
+    reader.ack(acked.lease_id)
+    wait_until(lambda: stats(stub).acked == 4)  # the ack is committed
+    unacked = reader.next()
+    proc.kill()
+    proc.process.wait(TIMEOUT)
+    channel.close()
+
+    proc = start_trajectory(start_service, db_path)
+    stub, channel = connect(proc)
+    current = stats(stub)
+    assert (current.ready, current.leased) == (8, 0)
+    assert append(stub, groups(0, 2, 2), first_id=0, key="c/0").appended == 0  # keys survived too
+    reader = Reader(stub, batch_size=4, prefetch=2)
+    again, rest = reader.next(), reader.next()
+    assert again.redelivered and trajectory_ids(again.batch) == trajectory_ids(unacked.batch)
+    assert not rest.redelivered
+    delivered = set(trajectory_ids(again.batch) + trajectory_ids(rest.batch))
+    assert delivered == {f"traj-{i}" for i in range(4, 12)}
+    assert delivered.isdisjoint(trajectory_ids(acked.batch))
+    check_rows(rest.batch)
+    reader.disconnect()
+    channel.close()
+
+
+def test_malformed_requests_are_invalid_argument_and_the_service_keeps_serving(start_service, tmp_path):
+    proc = start_trajectory(start_service, tmp_path / "t.sqlite3")
+    stub, channel = connect(proc)
+    missing = make_trajectories([1, 1])
+    del missing.entries["group_id"]
+    broken = make_trajectories([1, 1])
+    broken.entries["score"].tensor.data = b"\x00" * 7
+    for request, field in [
+        (pb.AppendRequest(trajectories=missing), "trajectories.entries[group_id]"),
+        (pb.AppendRequest(trajectories=broken), "trajectories.entries[score].tensor.data"),
+        (pb.AppendRequest(), "trajectories: missing"),
+    ]:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Append(request, timeout=TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in err.value.details()
+
+    with pytest.raises(grpc.RpcError) as err:
+        Reader(stub, batch_size=0).next()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "open.batch_size" in err.value.details()
+
+    assert append(stub, [1, 1], first_id=0).appended == 2  # still serving
+    assert stats(stub).appended == 2
+    channel.close()
+
+
+def test_a_full_buffer_is_resource_exhausted(start_service, tmp_path):
+    proc = start_trajectory(start_service, tmp_path / "t.sqlite3", "--capacity", "6")
+    stub, channel = connect(proc)
+    assert append(stub, groups(0, 2, 2), first_id=0).appended == 4
+    with pytest.raises(grpc.RpcError) as err:
+        append(stub, groups(2, 2, 2), first_id=4)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    current = stats(stub)
+    assert (current.ready, current.appended, current.capacity) == (4, 4, 6)
+    channel.close()
+
+
+def test_concurrent_readers_get_disjoint_whole_group_batches(start_service, tmp_path):
+    proc = start_trajectory(start_service, tmp_path / "t.sqlite3")
+    stub, channel = connect(proc)
+    for n in range(4):
+        append(stub, groups(2 * n, 2, 2), first_id=4 * n, key=f"c/{n}")
+    readers = [Reader(stub, batch_size=4, whole_groups=True, prefetch=2, consumer=f"rank-{r}") for r in range(2)]
+    batches = [reader.next() for reader in readers] + [reader.next() for reader in readers]
+    ids = [trajectory_ids(batch.batch) for batch in batches]
+    assert sorted(i for batch in ids for i in batch) == sorted(f"traj-{i}" for i in range(16))
+    for batch in batches:
+        group_ids = decode_tensordict(batch.batch)["group_id"].tolist()
+        assert all(group_ids.count(g) == 2 for g in group_ids)  # whole groups of 2
+    for reader, batch in zip(readers * 2, batches):
+        reader.ack(batch.lease_id)
+    wait_until(lambda: stats(stub).acked == 16)
+    for reader in readers:
+        reader.disconnect()
+    channel.close()

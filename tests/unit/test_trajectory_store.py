@@ -1,0 +1,394 @@
+"""The trajectory buffer without sockets: batching, leases, capacity, durability."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+
+import pytest
+import torch
+from tensordict import NonTensorStack, TensorDict
+
+from rlfleet.services.common.errors import InvalidArgument, NotFound, ResourceExhausted
+from rlfleet.services.trajectory.buffer import ReaderOptions, TrajectoryBuffer
+from rlfleet.services.trajectory.store import TrajectoryStore
+from rlfleet.v1 import tensor_pb2
+from rlfleet.wire import Ragged, WireError, decode_tensordict, encode_tensordict, get_ragged
+
+
+def make_trajectories(group_ids, first_id: int = 0, policy_version: int = 0,
+                      group_size: bool = False) -> tensor_pb2.TensorDict:
+    """Trajectories in the TorchRL-style layout: row i is "traj-<first_id + i>".
+
+    Lengths and values derive from the id, so any row can be checked after a round trip.
+    """
+    count = len(group_ids)
+    ids = range(first_id, first_id + count)
+    prompt = Ragged.from_list([torch.arange(i % 3 + 1, dtype=torch.int64) + i for i in ids])
+    response = Ragged.from_list([torch.arange(i % 4, dtype=torch.int64) + 100 * i for i in ids])  # some empty
+    behaviour = Ragged.from_list([torch.full((i % 4,), -0.5 * i) for i in ids])
+    td = TensorDict({
+        "tokens": TensorDict({"prompt": prompt.to_nested(), "response": response.to_nested()}, batch_size=[count]),
+        "log_probs": TensorDict({"response": behaviour.to_nested()}, batch_size=[count]),
+        "score": torch.tensor([float(i) for i in ids]),
+        "next": TensorDict({"done": torch.tensor([i % 2 == 0 for i in ids])}, batch_size=[count]),
+        "sampling": TensorDict({"temperature": torch.full((count,), 0.7)}, batch_size=[count]),
+        "group_id": torch.tensor(list(group_ids), dtype=torch.int64),
+        "policy_version_start": torch.full((count,), policy_version, dtype=torch.int64),
+        "policy_version_end": torch.full((count,), policy_version, dtype=torch.int64),
+    }, batch_size=[count])
+    if group_size:
+        td["group_size"] = torch.tensor([list(group_ids).count(g) for g in group_ids], dtype=torch.int64)
+    td["trajectory_id"] = NonTensorStack.from_list([f"traj-{i}" for i in ids])
+    return encode_tensordict(td)
+
+
+def groups(first_group: int, n_groups: int, group_size: int) -> list[int]:
+    return [g for g in range(first_group, first_group + n_groups) for _ in range(group_size)]
+
+
+def trajectory_ids(batch: tensor_pb2.TensorDict) -> list[str]:
+    return list(batch.entries["trajectory_id"].strings.values)
+
+
+def check_rows(batch: tensor_pb2.TensorDict) -> None:
+    """Every entry of every row is what make_trajectories built for that id."""
+    td = decode_tensordict(batch)
+    ids = [int(t.split("-")[1]) for t in td["trajectory_id"].tolist()]
+    for key, expected in [
+        (("tokens", "prompt"), [torch.arange(i % 3 + 1) + i for i in ids]),
+        (("tokens", "response"), [torch.arange(i % 4) + 100 * i for i in ids]),
+        (("log_probs", "response"), [torch.full((i % 4,), -0.5 * i) for i in ids]),
+    ]:
+        got = get_ragged(td, key).to_list()
+        assert len(got) == len(ids)
+        for have, want in zip(got, expected):
+            assert torch.equal(have, want.to(have.dtype)), key
+    assert td["score"].tolist() == [float(i) for i in ids]
+    assert td["next", "done"].tolist() == [i % 2 == 0 for i in ids]
+    assert td["sampling", "temperature"].shape == (len(ids),)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def store(clock):
+    store = TrajectoryStore(":memory:", capacity=100, clock=clock)
+    yield store
+    store.close()
+
+
+# --- batching -----------------------------------------------------------------------
+
+
+def test_batches_have_exactly_batch_size_rows_in_append_order(store):
+    store.append(make_trajectories(groups(0, 3, 2), first_id=0))
+    store.append(make_trajectories(groups(3, 2, 2), first_id=6))
+    first = store.lease("a", 4, lease_seconds=10)
+    second = store.lease("a", 4, lease_seconds=10)
+    assert (first.size, second.size) == (4, 4)
+    assert list(first.batch.batch_size) == [4]
+    assert trajectory_ids(first.batch) == [f"traj-{i}" for i in range(4)]
+    assert trajectory_ids(second.batch) == [f"traj-{i}" for i in range(4, 8)]  # spans both appends
+    check_rows(first.batch)
+    check_rows(second.batch)
+    assert store.lease("a", 4, lease_seconds=10) is None  # only 2 ready: wait, never a short batch
+    assert store.stats().ready == 2 and store.stats().leased == 8
+
+
+def test_whole_groups_never_split_a_group(store):
+    store.append(make_trajectories([1, 1, 1]))
+    store.append(make_trajectories([2, 2, 2, 3, 3, 3], first_id=3))
+    delivery = store.lease("a", 6, lease_seconds=10, whole_groups=True)
+    td = decode_tensordict(delivery.batch)
+    assert td["group_id"].tolist() == [1, 1, 1, 2, 2, 2]
+    assert store.lease("a", 6, lease_seconds=10, whole_groups=True) is None  # group 3 alone is not 6
+    with pytest.raises(InvalidArgument, match="open.batch_size: 4 is not a multiple of the size 3"):
+        store.lease("b", 4, lease_seconds=10, whole_groups=True)
+
+
+def test_whole_groups_skip_a_group_partly_leased_by_a_row_reader(store):
+    store.append(make_trajectories([1, 1, 2, 2]))
+    rows = store.lease("rows", 1, lease_seconds=10)
+    assert decode_tensordict(rows.batch)["group_id"].tolist() == [1]
+    delivery = store.lease("groups", 2, lease_seconds=10, whole_groups=True)
+    assert decode_tensordict(delivery.batch)["group_id"].tolist() == [2, 2]
+
+
+def test_a_group_is_appended_whole_and_group_size_must_agree(store):
+    store.append(make_trajectories([5, 5, 6, 6], group_size=True))
+    bad = make_trajectories([7, 7, 8], group_size=True)
+    bad.entries["group_size"].tensor.data = torch.tensor([3, 3, 1]).numpy().tobytes()
+    with pytest.raises(InvalidArgument, match=r"entries\[group_size\]\[0\]: says 3 but this Append carries 2"):
+        store.append(bad)
+    assert store.stats().ready == 4
+
+
+def test_stale_trajectories_are_dropped_and_counted(store):
+    store.append(make_trajectories([1, 1], first_id=0, policy_version=1))
+    store.append(make_trajectories([2, 2], first_id=2, policy_version=3))
+    store.append(make_trajectories([3, 3], first_id=4, policy_version=2))
+    delivery = store.lease("a", 2, lease_seconds=10, min_policy_version=2)
+    assert trajectory_ids(delivery.batch) == ["traj-2", "traj-3"]
+    stats = store.stats()
+    assert (stats.dropped_stale, stats.ready) == (2, 2)
+    assert store.lease("a", 2, lease_seconds=10, min_policy_version=3) is None
+    assert store.stats().dropped_stale == 4
+
+
+# --- leases -----------------------------------------------------------------------------
+
+
+def test_expired_lease_is_redelivered_with_the_same_rows(store, clock):
+    store.append(make_trajectories(groups(0, 2, 2)))
+    first = store.lease("a", 2, lease_seconds=0.5)
+    assert not first.redelivered and first.expires_at == clock.now + 0.5
+    clock.now += 0.4
+    assert store.expire() == ([], first.expires_at)
+    clock.now += 0.2
+    expired, next_expiry = store.expire()
+    assert expired == [(first.lease_id, "a")] and next_expiry is None
+    again = store.lease("b", 2, lease_seconds=0.5)
+    assert again.redelivered
+    assert trajectory_ids(again.batch) == trajectory_ids(first.batch)  # back at the head of the queue
+    assert store.stats().redelivered_batches == 1
+    with pytest.raises(NotFound, match="lease_id"):
+        store.ack("a", first.lease_id)  # too late: the batch is someone else's now
+
+
+def test_acked_batch_is_never_delivered_again(store, clock):
+    store.append(make_trajectories(groups(0, 2, 2)))
+    delivery = store.lease("a", 2, lease_seconds=0.5)
+    assert store.ack("a", delivery.lease_id) == 2
+    clock.now += 3600
+    assert store.expire() == ([], None)
+    rest = store.lease("a", 2, lease_seconds=0.5)
+    assert set(trajectory_ids(rest.batch)).isdisjoint(trajectory_ids(delivery.batch))
+    store.ack("a", rest.lease_id)
+    assert store.lease("a", 1, lease_seconds=0.5) is None
+    with pytest.raises(NotFound):
+        store.ack("a", delivery.lease_id)
+    stats = store.stats()
+    assert (stats.ready, stats.leased, stats.acked, stats.appended) == (0, 0, 4, 4)
+
+
+def test_nack_releases_immediately(store):
+    store.append(make_trajectories(groups(0, 3, 2)))
+    delivery = store.lease("a", 2, lease_seconds=60)
+    assert store.nack("a", delivery.lease_id) == 2
+    again = store.lease("a", 2, lease_seconds=60)
+    assert again.redelivered and trajectory_ids(again.batch) == trajectory_ids(delivery.batch)
+
+
+def test_concurrent_readers_get_disjoint_batches_and_only_ack_their_own(store):
+    store.append(make_trajectories(groups(0, 4, 2)))
+    a1, b1, a2, b2 = (store.lease(owner, 2, lease_seconds=60) for owner in "abab")
+    ids = [trajectory_ids(d.batch) for d in (a1, b1, a2, b2)]
+    flat = [i for batch in ids for i in batch]
+    assert len(set(flat)) == 8
+    with pytest.raises(NotFound):
+        store.ack("b", a1.lease_id)
+    assert store.release_owner("a") == 4  # reader a's stream ended
+    again = store.lease("b", 4, lease_seconds=60)
+    assert again.redelivered and trajectory_ids(again.batch) == ids[0] + ids[2]
+
+
+# --- append: capacity, idempotency, validation -------------------------------------------
+
+
+def test_capacity_backpressure_is_all_or_nothing(clock):
+    store = TrajectoryStore(":memory:", capacity=5, clock=clock)
+    store.append(make_trajectories([1, 1, 2, 2]), "k1")
+    with pytest.raises(ResourceExhausted, match="4 of 5 buffered"):
+        store.append(make_trajectories([3, 3], first_id=4), "k2")
+    stats = store.stats()
+    assert (stats.ready, stats.appended) == (4, 4)
+    assert store._db.execute("SELECT count(*) FROM trajectories").fetchone()[0] == 4
+    leased = store.lease("a", 4, lease_seconds=60)  # leased rows still count against capacity
+    with pytest.raises(ResourceExhausted):
+        store.append(make_trajectories([3, 3], first_id=4), "k2")
+    store.ack("a", leased.lease_id)
+    assert store.append(make_trajectories([3, 3], first_id=4), "k2").appended == 2  # k2 was not recorded
+    with pytest.raises(InvalidArgument, match="can never fit"):
+        store.append(make_trajectories(groups(10, 3, 2)))
+    store.close()
+
+
+def test_idempotency_key_makes_a_resend_a_no_op(clock):
+    store = TrajectoryStore(":memory:", capacity=100, idempotency_window=2, clock=clock)
+    assert store.append(make_trajectories([1, 1]), "collector/1").appended == 2
+    assert store.append(make_trajectories([1, 1]), "collector/1").appended == 0
+    assert store.append(make_trajectories([2]), "").appended == 1
+    assert store.append(make_trajectories([2]), "").appended == 1  # empty key: no dedup
+    store.append(make_trajectories([3]), "collector/3")
+    store.append(make_trajectories([4]), "collector/4")  # window of 2: "collector/1" is forgotten
+    assert store.append(make_trajectories([1, 1]), "collector/1").appended == 2
+    assert store.append(make_trajectories([4]), "collector/4").appended == 0
+    assert store.stats().appended == 8
+    store.close()
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda m: m.entries.pop("group_id"), r"trajectories.entries\[group_id\]: missing"),
+    (lambda m: m.entries["policy_version_start"].tensor.CopyFrom(
+        encode_tensordict({"x": torch.zeros(2, dtype=torch.int32)}, [2]).entries["x"].tensor),
+     r"trajectories.entries\[policy_version_start\]: must be a \[2\] int64 tensor, got tensor DTYPE_INT32"),
+    (lambda m: m.entries["score"].tensor.__setattr__("data", b"\x00" * 3),
+     r"trajectories.entries\[score\].tensor.data"),
+    (lambda m: m.entries["tokens"].nested.entries["response"].ragged.lengths.__setitem__(0, 99),
+     r"trajectories.entries\[tokens\].nested.entries\[response\].ragged.lengths"),
+])
+def test_malformed_appends_name_the_field_and_store_nothing(store, mutate, message):
+    msg = make_trajectories([1, 1])
+    mutate(msg)
+    with pytest.raises((InvalidArgument, WireError), match=message):
+        store.append(msg, "key")
+    assert store.stats().appended == 0
+    assert store.append(make_trajectories([1, 1]), "key").appended == 2  # the key was not burnt
+
+
+def test_batch_must_be_one_dimensional(store):
+    msg = encode_tensordict({"group_id": torch.zeros(2, 2, dtype=torch.int64)}, batch_size=[2, 2])
+    with pytest.raises(InvalidArgument, match=r"trajectories.batch_size: must be 1-D"):
+        store.append(msg)
+
+
+def test_rows_of_one_buffer_share_a_schema(store):
+    store.append(make_trajectories([1]))
+    other = make_trajectories([2], first_id=1)
+    other.entries["score"].tensor.CopyFrom(encode_tensordict({"s": torch.zeros(1, dtype=torch.float64)}, [1])
+                                           .entries["s"].tensor)
+    with pytest.raises(InvalidArgument, match=r"entries\[score\]: tensor DTYPE_FLOAT64 .* DTYPE_FLOAT32"):
+        store.append(other)
+    delivery = store.lease("a", 1, lease_seconds=1)
+    store.ack("a", delivery.lease_id)
+    assert store.append(other).appended == 1  # an empty buffer takes a new schema
+
+
+# --- durability -----------------------------------------------------------------------------
+
+
+def test_reopen_keeps_acknowledged_appends_and_readies_leased_rows(tmp_path, clock):
+    path = str(tmp_path / "trajectories.sqlite3")
+    store = TrajectoryStore(path, capacity=100, clock=clock)
+    store.append(make_trajectories(groups(0, 2, 2), first_id=0), "c/0")
+    store.append(make_trajectories(groups(2, 2, 2), first_id=4), "c/1")
+    acked = store.lease("a", 2, lease_seconds=60)
+    store.ack("a", acked.lease_id)
+    leased = store.lease("a", 2, lease_seconds=60)
+    store.close()
+
+    store = TrajectoryStore(path, capacity=100, clock=clock)
+    stats = store.stats()
+    assert (stats.ready, stats.leased) == (6, 0)
+    assert store.append(make_trajectories(groups(0, 2, 2)), "c/0").appended == 0  # keys survive
+    again = store.lease("b", 2, lease_seconds=60)
+    assert again.redelivered and trajectory_ids(again.batch) == trajectory_ids(leased.batch)
+    rest = store.lease("b", 4, lease_seconds=60, whole_groups=True)  # groups survive too
+    assert not rest.redelivered
+    assert decode_tensordict(rest.batch)["group_id"].tolist() == [2, 2, 3, 3]
+    delivered = trajectory_ids(again.batch) + trajectory_ids(rest.batch)
+    assert sorted(delivered) == sorted(f"traj-{i}" for i in range(2, 8))
+    check_rows(rest.batch)
+    store.close()
+    mode = sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "wal"
+
+
+def test_a_second_store_cannot_open_a_file_in_use(tmp_path):
+    path = str(tmp_path / "trajectories.sqlite3")
+    store = TrajectoryStore(path, capacity=10)
+    with pytest.raises(RuntimeError, match="in use by another process"):
+        TrajectoryStore(path, capacity=10, lock_timeout_seconds=0.1)
+    store.close()
+    TrajectoryStore(path, capacity=10).close()
+
+
+# --- the async buffer -------------------------------------------------------------------------
+
+
+class Commands:
+    """The reader's side of a stream: acks and nacks, then end."""
+
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def send(self, kind: str, lease_id: str) -> None:
+        self.queue.put_nowait((kind, lease_id))
+
+    def close(self) -> None:
+        self.queue.put_nowait(None)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self.queue.get()
+        if item is None:
+            raise StopAsyncIteration
+        return item
+
+
+@pytest.fixture
+async def buffer():
+    buffer = TrajectoryBuffer(lambda: TrajectoryStore(":memory:", capacity=100), default_lease_seconds=60)
+    await buffer.start()
+    yield buffer
+    await buffer.stop()
+
+
+async def test_a_reader_waits_for_a_full_batch_and_respects_prefetch(buffer):
+    commands = Commands()
+    stream = buffer.stream(ReaderOptions(batch_size=4, prefetch=1), commands)
+    waiting = asyncio.ensure_future(anext(stream))
+    await buffer.append(make_trajectories([1, 1]))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # 2 of 4 ready: no short batch
+    await buffer.append(make_trajectories([2, 2, 3, 3, 4, 4], first_id=2))
+    first = await asyncio.wait_for(waiting, 10)
+    assert trajectory_ids(first.batch) == [f"traj-{i}" for i in range(4)]
+    second = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0.05)
+    assert not second.done()  # prefetch 1: the next batch waits for the ack
+    commands.send("ack", first.lease_id)
+    assert (await asyncio.wait_for(second, 10)).size == 4
+    await stream.aclose()
+    stats = await buffer.stats()
+    assert (stats.acked, stats.leased, stats.ready) == (4, 0, 4)  # closing released the un-acked batch
+
+
+async def test_a_stream_ending_or_a_lease_expiring_redelivers(buffer):
+    await buffer.append(make_trajectories(groups(0, 2, 2)))
+    commands = Commands()
+    stream = buffer.stream(ReaderOptions(batch_size=4, lease_seconds=0.3), commands)
+    first = await asyncio.wait_for(anext(stream), 10)
+    # The expiry task releases the batch once its lease runs out: another reader gets it.
+    other = buffer.stream(ReaderOptions(batch_size=4, lease_seconds=60), Commands())
+    again = await asyncio.wait_for(anext(other), 10)
+    assert again.redelivered and trajectory_ids(again.batch) == trajectory_ids(first.batch)
+    commands.send("ack", first.lease_id)  # too late
+    with pytest.raises(NotFound):
+        await asyncio.wait_for(anext(stream), 10)
+    await other.aclose()  # the reader left without acking
+    third = buffer.stream(ReaderOptions(batch_size=4), Commands())
+    assert (await asyncio.wait_for(anext(third), 10)).redelivered
+    await third.aclose()
+    assert (await buffer.stats()).redelivered_batches == 2
+
+
+async def test_open_is_validated(buffer):
+    with pytest.raises(InvalidArgument, match="open.batch_size: must be > 0"):
+        await anext(buffer.stream(ReaderOptions(batch_size=0), Commands()))
+    with pytest.raises(InvalidArgument, match="exceeds the buffer's capacity"):
+        await anext(buffer.stream(ReaderOptions(batch_size=101), Commands()))
