@@ -86,7 +86,7 @@ class ServiceConfig(BaseModel):
             field = cls.model_fields[field_name]
             parser.add_argument(
                 "--" + field_name.replace("_", "-"), dest=field_name, default=None,
-                metavar=field_name.upper(), help=field.description,
+                metavar=field_name.upper(), help=(field.description or "").replace("%", "%%"),
             )
         return parser
 

@@ -31,13 +31,24 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class TextFormatter(logging.Formatter):
+    """Human-readable lines; ``extra=`` fields are appended as key=value."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        extras = {k: v for k, v in vars(record).items() if k not in _STANDARD}
+        if extras:
+            text += " " + " ".join(f"{k}={v}" for k, v in extras.items())
+        return text
+
+
 def setup_logging(service: str, level: str = "INFO", fmt: str = "json") -> None:
     """Configure the root logger for a service process (call once, from main)."""
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter(service))
     else:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

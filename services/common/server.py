@@ -131,4 +131,9 @@ def run(service_cls: type[Service], config_cls: type[ServiceConfig], argv=None) 
     """Console entry point body: parse config, set up logging, serve."""
     config = config_cls.load(argv)
     setup_logging(config_cls.service_name, config.log_level, config.log_format)
-    asyncio.run(serve(service_cls(config)))
+
+    async def main() -> None:
+        # Built inside the loop: grpc.aio channels bind to the loop that creates them.
+        await serve(service_cls(config))
+
+    asyncio.run(main())

@@ -185,5 +185,6 @@ class MicroBatcher:
             if request.with_entropy and scores.entropies is not None:
                 entropies = scores.entropies[offset : offset + count]
             if not request.future.done():
-                request.future.set_result(ReferenceScores(scores.log_probs[offset : offset + count], entropies))
+                log_probs = scores.log_probs[offset : offset + count]
+                request.future.set_result(ReferenceScores(log_probs, entropies))
             offset += count

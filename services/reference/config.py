@@ -1,10 +1,13 @@
-"""Configuration of the reference scorer (the frozen model and how it is batched)."""
+"""Configuration of the reference scorer (the frozen model and how it is batched)
+and of the reference service (those fields plus the common server fields)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rlfleet.services.common.config import ServiceConfig
 
 
 class ReferenceConfig(BaseModel):
@@ -32,15 +35,30 @@ class ReferenceConfig(BaseModel):
     """Longest accepted sequence (prompt + response). ``None``: the model's
     ``max_position_embeddings``, capped at ``token_budget``."""
 
-    max_wait_ms: float = Field(default=5.0, ge=0)
+    max_wait_ms: float = Field(default=0.0, ge=0)
     """How long the micro-batcher waits for more concurrent requests before it runs a
-    forward pass that is not yet full."""
+    forward pass that is not yet full. Requests that arrive while a forward pass runs
+    are batched into the next one anyway, so under load batches fill without waiting;
+    the default 0 adds no latency when the model is idle (a 5 ms wait costs a lone
+    caller 5 ms per request: ~10% of its throughput on the tiny CPU model)."""
+
+    micro_batch_tokens: int | None = Field(default=None, ge=1)
+    """Most tokens the micro-batcher gathers from waiting requests into one scoring call,
+    which sorts them by length and splits them into forward passes under ``token_budget``.
+    More means less padding (similar lengths end up together) but the first callers of a
+    call wait for all of its passes. ``None``: ``4 * token_budget`` (at 64 concurrent
+    callers this cut the padding from 24% to 13% of the computed tokens)."""
 
     attn_implementation: str | None = None
     """Passed to ``from_pretrained`` (``eager``, ``sdpa`` ...); ``None`` lets HF choose."""
 
     trust_remote_code: bool = False
     """Allow model code shipped with the checkpoint. Off unless you trust the source."""
+
+    @property
+    def micro_batch_token_limit(self) -> int:
+        """``micro_batch_tokens`` with its default applied."""
+        return self.micro_batch_tokens or 4 * self.token_budget
 
     @model_validator(mode="after")
     def _budget_fits_one_sequence(self) -> ReferenceConfig:
@@ -50,3 +68,16 @@ class ReferenceConfig(BaseModel):
                 "or the longest accepted sequence could never be scored"
             )
         return self
+
+
+class ReferenceServiceConfig(ServiceConfig, ReferenceConfig):
+    """The reference service: a frozen HF causal LM scoring log-probs over gRPC.
+
+    The reference-model fields plus the common service fields; env vars are
+    ``RLFLEET_REFERENCE_<FIELD>`` (e.g. ``RLFLEET_REFERENCE_MODEL_PATH``).
+    """
+
+    service_name = "reference"
+
+    port: int = Field(50052, ge=0, le=65535)
+    """gRPC port; 0 picks a free port (written to ``port_file``)."""

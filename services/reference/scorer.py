@@ -116,11 +116,16 @@ class ReferenceScorer:
             raise InvalidArgument(f"sample {index}: sequence is not a list of token ids: {exc}") from exc
         if tokens.ndim != 1:
             raise InvalidArgument(f"sample {index}: sequence must be 1-D, got shape {tuple(tokens.shape)}")
-        if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
-            raise InvalidArgument(f"sample {index}: token ids must be integers, got {tokens.dtype}")
         length = tokens.numel()
         if length == 0:
             raise InvalidArgument(f"sample {index}: sequence is empty")
+        if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
+            raise InvalidArgument(f"sample {index}: token ids must be integers, got {tokens.dtype}")
+        if length == 1:
+            raise InvalidArgument(
+                f"sample {index}: sequence has 1 token; scoring needs at least one prompt "
+                "token and one response token"
+            )
         if length > self.max_len:
             raise InvalidArgument(f"sample {index}: sequence has {length} tokens, max_len is {self.max_len}")
         if isinstance(start, bool) or not isinstance(start, numbers.Integral) or not 1 <= start < length:

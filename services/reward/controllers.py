@@ -20,6 +20,7 @@ up where it stopped and a crash mid-write never leaves a truncated file.
 
 from __future__ import annotations
 
+import abc
 import json
 import math
 import os
@@ -49,7 +50,7 @@ class KLUpdate:
     """The coefficient after the update."""
 
 
-class KLController:
+class KLController(abc.ABC):
     """Base: holds ``coef``, ``steps`` and a bounded ``history``; thread-safe updates."""
 
     kind: ClassVar[str] = "base"
@@ -61,12 +62,15 @@ class KLController:
             raise InvalidArgument(f"max_history must be >= 0, got {max_history}")
         self.coef = float(init_kl_coef)
         self.steps = 0
+        self.updates = 0
+        """Number of :meth:`update` calls applied (``steps`` counts the steps they accounted for)."""
         self.history: list[KLUpdate] = []
         self.max_history = max_history
         self._lock = threading.Lock()
 
+    @abc.abstractmethod
     def _next_coef(self, current_kl: float, n_steps: int) -> float:
-        raise NotImplementedError
+        """The coefficient after ``n_steps`` steps at ``current_kl`` (called under the lock)."""
 
     def update(self, current_kl: float, n_steps: int = 1) -> float:
         """Account for ``n_steps`` steps at KL ``current_kl``; return the new coefficient."""
@@ -77,6 +81,7 @@ class KLController:
         with self._lock:
             self.coef = self._next_coef(float(current_kl), int(n_steps))
             self.steps += n_steps
+            self.updates += 1
             self.history.append(KLUpdate(self.steps, float(current_kl), int(n_steps), self.coef))
             del self.history[: max(0, len(self.history) - self.max_history)]
             return self.coef
@@ -99,6 +104,7 @@ class KLController:
                 "settings": self._settings(),
                 "coef": self.coef,
                 "steps": self.steps,
+                "updates": self.updates,
                 "history": [asdict(update) for update in self.history],
             }
 
@@ -117,10 +123,12 @@ class KLController:
             coef = float(state["coef"])
             steps = int(state["steps"])
             history = [KLUpdate(**update) for update in state["history"]]
+            # Files written before "updates" was recorded: the (then unbounded-enough) history.
+            updates = int(state.get("updates", len(history)))
         except (KeyError, TypeError, ValueError) as exc:
             raise FailedPrecondition(f"KL controller state is malformed: {exc}") from exc
         with self._lock:
-            self.coef, self.steps = coef, steps
+            self.coef, self.steps, self.updates = coef, steps, updates
             self.history = history[len(history) - min(len(history), self.max_history) :]
 
     def save(self, path: str | os.PathLike[str]) -> None:

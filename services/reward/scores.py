@@ -69,6 +69,11 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def factory_signature(name: str) -> inspect.Signature:
+    """The parameters the registered factory ``name`` accepts (annotations evaluated)."""
+    return inspect.signature(_REGISTRY[name], eval_str=True)
+
+
 def build_scorer(name: str, params: dict[str, Any] | None = None, *, allow_imports: bool = True) -> Scorer:
     """Build the scorer called ``name`` (a registered name or ``"module:function"``).
 
@@ -81,7 +86,9 @@ def build_scorer(name: str, params: dict[str, Any] | None = None, *, allow_impor
         try:
             inspect.signature(factory).bind(**params)
         except TypeError as exc:
-            raise InvalidArgument(f"reward function {name!r}: bad parameters {sorted(params)}: {exc}") from exc
+            raise InvalidArgument(
+                f"reward function {name!r}: bad parameters {sorted(params)}: {exc}"
+            ) from exc
         return factory(**params)
     if ":" in name:
         if not allow_imports:
@@ -147,7 +154,9 @@ def numeric_match_score(response: str, ground_truth: str, *, tolerance: float = 
     return float(math.isclose(answer, expected, rel_tol=tolerance, abs_tol=tolerance))
 
 
-def exact_match_score(response: str, ground_truth: str, *, strip: bool = True, ignore_case: bool = False) -> float:
+def exact_match_score(
+    response: str, ground_truth: str, *, strip: bool = True, ignore_case: bool = False
+) -> float:
     """1.0 if the response equals the ground truth (optionally stripped / case-folded)."""
     if strip:
         response, ground_truth = response.strip(), ground_truth.strip()
@@ -222,6 +231,22 @@ def _format_check(pattern: str, reward: float = 1.0, penalty: float = 0.0) -> Sc
 
     def score(samples: Sequence[ScoreInput]) -> list[float]:
         return [reward if regex.fullmatch(sample.response) else penalty for sample in samples]
+
+    return score
+
+
+@register("char_fraction")
+def _char_fraction(pattern: str = "[0-9]", ignore_space: bool = True) -> Scorer:
+    """Fraction of the response's characters matching the one-character ``pattern``
+    (whitespace skipped by default); 0 for an empty response. A dense format reward."""
+    regex = _compile(pattern, "char_fraction")
+
+    def score(samples: Sequence[ScoreInput]) -> list[float]:
+        out = []
+        for sample in samples:
+            chars = [c for c in sample.response if not (ignore_space and c.isspace())]
+            out.append(sum(1 for c in chars if regex.fullmatch(c)) / len(chars) if chars else 0.0)
+        return out
 
     return score
 

@@ -5,6 +5,11 @@ import json
 import pytest
 from pydantic import ValidationError
 
+import rlfleet.services.collector.config  # noqa: F401 - registers the subclasses below
+import rlfleet.services.generation.config  # noqa: F401
+import rlfleet.services.reference.config  # noqa: F401
+import rlfleet.services.reward.config  # noqa: F401
+import rlfleet.services.trajectory.config  # noqa: F401
 from rlfleet.services.common.config import ServiceConfig
 from rlfleet.services.echo.config import EchoConfig
 
@@ -46,3 +51,10 @@ def all_config_classes():
 def test_every_config_field_is_documented(cls):
     undocumented = [name for name, field in cls.model_fields.items() if not field.description]
     assert not undocumented, f"{cls.__name__} fields without a docstring: {undocumented}"
+
+
+@pytest.mark.parametrize("cls", all_config_classes()[1:], ids=lambda c: c.__name__)
+def test_every_service_has_working_help_and_env_prefix(cls):
+    text = cls.argument_parser().format_help()
+    assert "--port" in text and cls.env_prefix() in text
+    assert cls.service_name != "service"

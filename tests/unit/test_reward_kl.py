@@ -125,12 +125,14 @@ logits = st.lists(st.floats(-3.0, 3.0), min_size=2, max_size=5)
 @given(data=st.data(), seed=st.integers(0, 2**31 - 1))
 def test_k1_and_k3_means_estimate_the_true_kl(data, seed):
     logits_p = torch.tensor(data.draw(logits), dtype=torch.float64)
-    logits_q = torch.tensor(data.draw(st.lists(st.floats(-3.0, 3.0), min_size=len(logits_p), max_size=len(logits_p))), dtype=torch.float64)
+    same_size = st.lists(st.floats(-3.0, 3.0), min_size=len(logits_p), max_size=len(logits_p))
+    logits_q = torch.tensor(data.draw(same_size), dtype=torch.float64)
     log_p, log_q = logits_p.log_softmax(-1), logits_q.log_softmax(-1)
     true_kl = float((log_p.exp() * (log_p - log_q)).sum())
 
     samples = 200_000
-    tokens = torch.multinomial(log_p.exp(), samples, replacement=True, generator=torch.Generator().manual_seed(seed))
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.multinomial(log_p.exp(), samples, replacement=True, generator=generator)
     for estimator in ("k1", "k3"):
         values = kl.ESTIMATORS[estimator](log_p[tokens], log_q[tokens])
         # Unbiased: within 6 standard errors of the truth.

@@ -36,7 +36,7 @@ def test_numeric_match():
 
 def test_numeric_match_needs_a_numeric_ground_truth():
     scorer = build_scorer("numeric_match")
-    with pytest.raises(InvalidArgument, match="sample 1: reward function 'numeric_match' needs a ground_truth"):
+    with pytest.raises(InvalidArgument, match="sample 1: reward function 'numeric_match' needs"):
         scorer([ScoreInput("", "1", "1"), ScoreInput("", "1", None)])
     with pytest.raises(InvalidArgument, match="sample 0: ground truth 'forty' holds no number"):
         scorer(inputs("40", ground_truth="forty"))
@@ -59,7 +59,11 @@ def test_format_check_requires_a_full_match():
     scorer = build_scorer(
         "format_check", {"pattern": r"<think>.*</think>\s*<answer>.*</answer>", "penalty": -1.0}
     )
-    got = scorer(inputs("<think>a\nb</think> <answer>4</answer>", "<answer>4</answer>", "x<think></think><answer></answer>"))
+    got = scorer(inputs(
+        "<think>a\nb</think> <answer>4</answer>",
+        "<answer>4</answer>",
+        "x<think></think><answer></answer>",
+    ))
     assert got == [1.0, -1.0, -1.0]
 
 
@@ -79,7 +83,8 @@ def test_unknown_and_misconfigured_functions():
         build_scorer("format_check", {"pattern": "("})
     with pytest.raises(InvalidArgument, match="sample 0: regex_match: invalid regex"):
         build_scorer("regex_match")(inputs("x", ground_truth="("))
-    assert {"numeric_match", "exact_match", "regex_match", "format_check", "length_penalty", "reward_model"} <= set(scores.available())
+    built_ins = {"numeric_match", "exact_match", "regex_match", "format_check", "length_penalty"}
+    assert built_ins | {"reward_model"} <= set(scores.available())
 
 
 def test_clip_scores():
@@ -200,8 +205,9 @@ def test_reward_model_truncates_from_the_left(tiny_reward_model):
     long_prompt = ScoreInput("one two three four five six seven eight ", "nine ten")
     short_prompt = ScoreInput("eight ", "nine ten")
     scorer.load()
-    kept = scorer.tokenizer(long_prompt.prompt + long_prompt.response, truncation=True, max_length=4)["input_ids"]
-    full = scorer.tokenizer(long_prompt.prompt + long_prompt.response)["input_ids"]
+    text = long_prompt.prompt + long_prompt.response
+    kept = scorer.tokenizer(text, truncation=True, max_length=4)["input_ids"]
+    full = scorer.tokenizer(text)["input_ids"]
     assert kept == full[-4:]
     assert len(scorer([long_prompt, short_prompt])) == 2
 
@@ -211,3 +217,11 @@ def test_reward_model_label_index_out_of_range(tiny_reward_model):
     with pytest.raises(FailedPrecondition, match="has 1 labels; label_index 1 is out of range"):
         scorer.load()
     assert not scorer.loaded
+
+
+def test_char_fraction_counts_matching_characters():
+    from rlfleet.services.reward.scores import ScoreInput, build_scorer
+
+    scorer = build_scorer("char_fraction", {"pattern": "[0-9]"})
+    samples = [ScoreInput(prompt="", response=r) for r in ("12ab", "7 7", "", "abc")]
+    assert scorer(samples) == [0.5, 1.0, 0.0, 0.0]

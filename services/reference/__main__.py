@@ -1,0 +1,13 @@
+"""``rlfleet-reference`` / ``python -m rlfleet.services.reference``."""
+
+
+def main(argv=None) -> None:
+    from rlfleet.services.common.server import run
+    from rlfleet.services.reference.config import ReferenceServiceConfig
+    from rlfleet.services.reference.service import ReferenceService
+
+    run(ReferenceService, ReferenceServiceConfig, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Configuration of the reward service.
+
+Reward functions a request may name are the built-ins (see
+:mod:`rlfleet.services.reward.scores`) and the ones listed here. Import paths
+(``package.module:function``) and reward models are accepted **only** from this
+config: a remote request can never make the service import code or load a model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rlfleet.services.common.config import ServiceConfig
+
+AdvantageModeName = Literal["grpo", "grpo_no_std", "rloo"]
+KLEstimatorName = Literal["k1", "k2", "k3"]
+
+
+class RewardFunctionConfig(BaseModel):
+    """One reward function the service offers under a name of its own."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    function: str
+    """A built-in name (``numeric_match``, ``reward_model`` ...) or an import path
+    ``package.module:function`` called as ``function(sample: ScoreInput, **params) -> float``."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments: for a built-in, its factory's parameters (``reward_model`` takes
+    ``path``, ``batch_size``, ``device`` ...); for an import path, passed on every call."""
+
+
+class RewardServiceConfig(ServiceConfig):
+    """The reward service: KL estimators, the KL controller, reward functions, advantages.
+
+    Env vars are ``RLFLEET_REWARD_<FIELD>``; dict fields take JSON.
+    """
+
+    service_name = "reward"
+
+    port: int = Field(50053, ge=0, le=65535)
+    """gRPC port; 0 picks a free port (written to ``port_file``)."""
+
+    tokenizer_path: str | None = None
+    """HF tokenizer directory used to decode ``response_token_ids`` (special tokens skipped)
+    when a request sends no ``response_texts``. ``None``: such requests are refused (INVALID_ARGUMENT)."""
+
+    default_reward_fn: str = "numeric_match"
+    """Reward function for tasks that name none: a built-in, a key of ``reward_functions``,
+    or an import path ``package.module:function``."""
+
+    default_reward_params: dict[str, Any] = Field(default_factory=dict)
+    """Parameters of ``default_reward_fn`` (whether a task names it or names nothing) when it
+    is a built-in or an import path; a ``reward_functions`` entry carries its own."""
+
+    reward_functions: dict[str, RewardFunctionConfig] = Field(default_factory=dict)
+    """Extra reward functions requests may name, as ``{name: {"function": ..., "params": {...}}}``.
+    The only place import paths and reward models are accepted. Built at startup:
+    a bad entry stops the service before it reports SERVING."""
+
+    score_clip: float | None = Field(None, gt=0)
+    """Task scores are clipped to ``[-score_clip, score_clip]`` before shaping and
+    advantages; ``None`` disables clipping."""
+
+    kl_controller: Literal["constant", "adaptive"] = "constant"
+    """KL-coefficient controller: a fixed coefficient, or Ziegler et al.'s adaptive
+    controller steering the KL towards ``kl_target``."""
+
+    init_kl_coef: float = Field(0.05, ge=0)
+    """Initial KL coefficient (beta in ``reward = score - beta * KL``)."""
+
+    kl_target: float = Field(6.0, gt=0)
+    """Adaptive controller: target of the batch mean of the per-sequence KL (summed over
+    response tokens, as in Ziegler et al. and TRL)."""
+
+    kl_horizon: float = Field(10000.0, gt=0)
+    """Adaptive controller: horizon in samples; each update accounts for the batch size."""
+
+    kl_state_path: str | None = None
+    """JSON file the controller state is written to after every update (atomically) and
+    restored from at startup, so the coefficient survives restarts. ``None``: in memory only."""
+
+    grpo_eps: float = Field(1e-6, gt=0)
+    """GRPO: ``eps`` in ``(score - mean) / (std + eps)``."""
+
+    default_kl_estimator: KLEstimatorName = "k1"
+    """KL estimator for requests that leave ``kl_estimator`` unspecified."""
+
+    default_advantage_mode: AdvantageModeName = "grpo"
+    """Advantage mode for requests that leave ``advantage_mode`` unspecified."""
+
+    compute_threads: int = Field(2, ge=1)
+    """Worker threads for ComputeRewards (decoding, reward functions, reward models),
+    so the event loop never runs the heavy part."""
+
+    max_cached_scorers: int = Field(128, ge=1)
+    """Built-in scorers built for per-request ``Task.args`` are cached, at most this many."""
+
+    @model_validator(mode="after")
+    def _default_params_belong_to_the_default(self) -> RewardServiceConfig:
+        if self.default_reward_fn in self.reward_functions and self.default_reward_params:
+            raise ValueError(
+                f"default_reward_fn {self.default_reward_fn!r} is a reward_functions entry: "
+                "give its params there, not in default_reward_params"
+            )
+        return self

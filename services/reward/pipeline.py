@@ -1,0 +1,182 @@
+"""One ComputeRewards batch, top to bottom, as plain functions on tensors.
+
+    validate -> per-token KL (k1/k2/k3, 0 outside the mask) -> kl_mean / kl_sum
+    -> task scores (an injected callable, run only once the inputs are valid)
+    -> clip -> shaped per-token rewards (clipped score at the last counted token
+       minus kl_coef * KL at every counted token)
+    -> group advantages of the clipped scores (GRPO / GRPO without std / RLOO)
+
+Inputs are ragged: one 1-D tensor per sample holding only its response tokens.
+Nothing here knows about gRPC, the KL controller or where scores come from;
+every check names the field and the sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from rlfleet.services.common.errors import InvalidArgument
+from rlfleet.services.reward import advantages as adv
+from rlfleet.services.reward import kl, shaping, validation
+from rlfleet.services.reward.scores import clip_scores
+
+AdvantageMode = Literal["grpo", "grpo_no_std", "rloo"]
+ADVANTAGE_MODES: tuple[str, ...] = ("grpo", "grpo_no_std", "rloo")
+
+
+@dataclass(frozen=True)
+class RewardInputs:
+    """Per-sample tensors of one batch (ragged: response tokens only)."""
+
+    behavior_log_probs: Sequence[Tensor]
+    """Log-probs of the sampled tokens under the policy that generated them."""
+    ref_log_probs: Sequence[Tensor]
+    """Log-probs of the same tokens under the frozen reference model."""
+    response_token_ids: Sequence[Tensor] | None = None
+    """The response tokens (only checked for matching lengths here)."""
+    response_masks: Sequence[Tensor] | None = None
+    """Bool per token: which tokens count. ``None``: all of them."""
+    group_ids: Sequence[int] | None = None
+    """Group of each sample (samples of one prompt share it). ``None`` or empty: one group per sample."""
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.behavior_log_probs)
+
+
+@dataclass(frozen=True)
+class RewardOutputs:
+    """Everything ComputeRewards answers; per-token fields are ragged like the inputs."""
+
+    kl: list[Tensor]
+    """Per-token KL estimate, 0 at tokens outside the mask."""
+    rewards: list[Tensor]
+    """Shaped per-token reward."""
+    scores: Tensor
+    """``[B]`` raw task scores."""
+    clipped_scores: Tensor
+    """``[B]`` scores clipped to ``+-score_clip``."""
+    advantages: Tensor
+    """``[B]`` sequence-level advantages of the clipped scores within each group."""
+    kl_mean: Tensor
+    """``[B]`` mean KL over each sample's counted tokens."""
+    kl_sum: Tensor
+    """``[B]`` sum of KL over each sample's counted tokens."""
+    kl_coef: float
+    """The KL coefficient the rewards were shaped with."""
+
+    @property
+    def batch_kl(self) -> float:
+        """Batch mean of the per-sequence (summed) KL: what the adaptive controller steers."""
+        return float(self.kl_sum.double().mean()) if self.kl_sum.numel() else 0.0
+
+
+@dataclass(frozen=True)
+class _Checked:
+    behavior: Tensor  # [B, T] right-padded
+    ref: Tensor  # [B, T]
+    mask: Tensor  # [B, T] bool: real response tokens that count
+    lengths: list[int]
+    group_ids: list[int]
+
+
+def validate_inputs(inputs: RewardInputs, advantage_mode: str = "grpo") -> _Checked:
+    """Check lengths, dtypes, finiteness, masks and groups; return padded views."""
+    if advantage_mode not in ADVANTAGE_MODES:
+        raise InvalidArgument(f"unknown advantage mode {advantage_mode!r}; expected one of {list(ADVANTAGE_MODES)}")
+    behavior = validation.as_ragged("behavior_log_probs", inputs.behavior_log_probs)
+    ref = validation.as_ragged("ref_log_probs", inputs.ref_log_probs)
+    validation.check_same_lengths("behavior_log_probs", behavior, "ref_log_probs", ref)
+    batch_size = len(behavior)
+    lengths = [row.numel() for row in behavior]
+
+    if inputs.response_token_ids is not None:
+        token_ids = _rows_1d("response_token_ids", inputs.response_token_ids)
+        for index, row in enumerate(token_ids):
+            if row.is_floating_point() or row.is_complex() or row.dtype == torch.bool:
+                raise InvalidArgument(f"response_token_ids: sample {index} must hold integers, got {row.dtype}")
+        validation.check_same_lengths("response_token_ids", token_ids, "behavior_log_probs", behavior)
+
+    behavior_padded, length_mask = kl.pad_ragged(behavior)
+    ref_padded, _ = kl.pad_ragged(ref)
+    mask = length_mask
+    if inputs.response_masks is not None:
+        masks = _rows_1d("response_mask", inputs.response_masks)
+        for index, row in enumerate(masks):
+            if row.dtype != torch.bool:
+                raise InvalidArgument(f"response_mask: sample {index} must be bool, got {row.dtype}")
+        validation.check_same_lengths("response_mask", masks, "behavior_log_probs", behavior)
+        if masks:
+            mask = kl.pad_ragged([row.to(torch.uint8) for row in masks])[0].bool() & length_mask
+
+    # Only tokens that count must be finite: a masked-out token may carry -inf.
+    validation.check_finite("behavior_log_probs", behavior_padded, mask)
+    validation.check_finite("ref_log_probs", ref_padded, mask)
+    counted = mask.sum(dim=-1) if batch_size else torch.zeros(0, dtype=torch.long)
+    if bool((counted == 0).any()):
+        index = int((counted == 0).nonzero()[0])
+        why = "the response is empty" if lengths[index] == 0 else "response_mask is all False"
+        raise InvalidArgument(f"sample {index}: no response token to put the score on ({why})")
+
+    group_ids = list(inputs.group_ids) if inputs.group_ids else list(range(batch_size))
+    adv.make_groups(group_ids, batch_size, min_group_size=2 if advantage_mode == "rloo" else 1)
+    return _Checked(behavior_padded, ref_padded, mask, lengths, group_ids)
+
+
+def compute_rewards(
+    inputs: RewardInputs,
+    score_batch: Callable[[], Tensor],
+    *,
+    kl_coef: float,
+    kl_estimator: kl.Estimator = "k1",
+    advantage_mode: AdvantageMode = "grpo",
+    score_clip: float | None = None,
+    grpo_eps: float = 1e-6,
+) -> RewardOutputs:
+    """Run the whole chain. ``score_batch()`` returns the raw ``[B]`` task scores; it is
+    called only after every input check passed (reward models are expensive)."""
+    checked = validate_inputs(inputs, advantage_mode)
+    per_token = kl.per_token_kl(checked.behavior, checked.ref, checked.mask, kl_estimator)
+    kl_sum = kl.masked_sum(per_token, checked.mask)
+    kl_mean = kl.masked_mean(per_token, checked.mask)
+
+    scores = torch.as_tensor(score_batch())
+    if scores.shape != (inputs.batch_size,):
+        raise InvalidArgument(f"scores have shape {tuple(scores.shape)}, expected [{inputs.batch_size}]")
+    validation.check_finite("score", scores)
+    clipped = clip_scores(scores, score_clip)
+    shaped = shaping.shape_rewards(scores, per_token, checked.mask, kl_coef=kl_coef, score_clip=score_clip)
+
+    if advantage_mode == "rloo":
+        advantages = adv.rloo_advantages(clipped, checked.group_ids)
+    else:
+        advantages = adv.grpo_advantages(
+            clipped, checked.group_ids, scale_by_std=advantage_mode == "grpo", eps=grpo_eps
+        )
+
+    def unpad(values: Tensor) -> list[Tensor]:
+        return [row[:length] for row, length in zip(values, checked.lengths)]
+
+    return RewardOutputs(
+        kl=unpad(per_token),
+        rewards=unpad(shaped.rewards),
+        scores=scores,
+        clipped_scores=clipped,
+        advantages=advantages,
+        kl_mean=kl_mean,
+        kl_sum=kl_sum,
+        kl_coef=float(kl_coef),
+    )
+
+
+def _rows_1d(name: str, rows: Sequence[Tensor]) -> list[Tensor]:
+    out = list(rows)
+    for index, row in enumerate(out):
+        if row.ndim != 1:
+            raise InvalidArgument(f"{name}: sample {index} must be 1-D, got shape {tuple(row.shape)}")
+    return out

@@ -1,0 +1,88 @@
+"""RewardService gRPC adapter: unpack protos, call RewardEngine off the event loop, pack replies."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlfleet.services.common.errors import InvalidArgument
+from rlfleet.services.reward.engine import RewardRequest
+from rlfleet.services.reward.functions import TaskSpec
+from rlfleet.services.reward.pipeline import RewardInputs, RewardOutputs
+from rlfleet.v1 import reward_pb2, reward_pb2_grpc
+from rlfleet.wire import Ragged, decode_ragged, encode_ragged, encode_tensor
+
+if TYPE_CHECKING:
+    from rlfleet.services.reward.service import RewardService
+
+_ESTIMATORS = {
+    reward_pb2.KL_ESTIMATOR_UNSPECIFIED: None,
+    reward_pb2.KL_ESTIMATOR_K1: "k1",
+    reward_pb2.KL_ESTIMATOR_K2: "k2",
+    reward_pb2.KL_ESTIMATOR_K3: "k3",
+}
+_ADVANTAGE_MODES = {
+    reward_pb2.ADVANTAGE_MODE_UNSPECIFIED: None,
+    reward_pb2.ADVANTAGE_MODE_GRPO: "grpo",
+    reward_pb2.ADVANTAGE_MODE_GRPO_NO_STD: "grpo_no_std",
+    reward_pb2.ADVANTAGE_MODE_RLOO: "rloo",
+}
+
+
+def _enum(table: dict, value: int, field: str):
+    try:
+        return table[value]
+    except KeyError:
+        raise InvalidArgument(f"{field}: unknown value {value}") from None
+
+
+def _ragged(request, field: str, required: bool) -> list[torch.Tensor] | None:
+    if not required and not request.HasField(field):
+        return None
+    return decode_ragged(getattr(request, field), field).to_list()
+
+
+def request_from_proto(request: reward_pb2.ComputeRewardsRequest) -> RewardRequest:
+    inputs = RewardInputs(
+        behavior_log_probs=_ragged(request, "behavior_log_probs", required=True),
+        ref_log_probs=_ragged(request, "ref_log_probs", required=True),
+        response_token_ids=_ragged(request, "response_token_ids", required=False),
+        response_masks=_ragged(request, "response_mask", required=False),
+        group_ids=list(request.group_ids),
+    )
+    # proto3 cannot tell an empty ground truth from none: empty means none.
+    tasks = [TaskSpec(task.reward_fn, task.ground_truth or None, dict(task.args)) for task in request.tasks]
+    return RewardRequest(
+        inputs=inputs,
+        prompt_texts=list(request.prompt_texts),
+        response_texts=list(request.response_texts),
+        tasks=tasks,
+        kl_estimator=_enum(_ESTIMATORS, request.kl_estimator, "kl_estimator"),
+        advantage_mode=_enum(_ADVANTAGE_MODES, request.advantage_mode, "advantage_mode"),
+        update_kl_controller=request.update_kl_controller,
+    )
+
+
+def response_to_proto(outputs: RewardOutputs) -> reward_pb2.ComputeRewardsResponse:
+    response = reward_pb2.ComputeRewardsResponse(kl_coef=outputs.kl_coef)
+    encode_ragged(Ragged.from_list([row.float() for row in outputs.kl], torch.float32), out=response.kl)
+    encode_ragged(Ragged.from_list([row.float() for row in outputs.rewards], torch.float32), out=response.rewards)
+    for name in ("scores", "clipped_scores", "advantages", "kl_mean", "kl_sum"):
+        encode_tensor(getattr(outputs, name).float(), out=getattr(response, name))
+    return response
+
+
+class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
+    def __init__(self, service: RewardService):
+        self.service = service
+
+    async def ComputeRewards(self, request, context):
+        reward_request = request_from_proto(request)
+        outputs = await self.service.run_blocking(self.service.engine.compute, reward_request)
+        return response_to_proto(outputs)
+
+    async def GetKLController(self, request, context):
+        state = self.service.engine.controller_state()
+        return reward_pb2.GetKLControllerResponse(
+            kind=state.kind, coef=state.coef, target=state.target, horizon=state.horizon, updates=state.updates)
