@@ -1,10 +1,39 @@
-"""rlfleet client SDK: typed errors, channels with deadlines and bounded retries.
+"""rlfleet client SDK: what a trainer imports.
 
-The high-level ``connect(...)`` client (batches, push_weights, policy_version)
-lands with the collector; these building blocks are shared with the services.
+    from rlfleet.client import connect
+
+    with connect("collector:50051", auth_token=token) as client:
+        with client.batches(batch_size=64) as batches:
+            for batch in batches:
+                tokens, mask = batch.padded("tokens/full")
+                ...
+                client.push_weights(model)
+
+``connect`` returns the blocking ``Client``; ``connect_async`` the ``AsyncClient``
+(same methods, awaited). Both share one implementation, raise only typed
+``RlfleetClientError`` subclasses for RPC failures, put a deadline on every
+unary call and retry only UNAVAILABLE / DEADLINE_EXCEEDED, a bounded number of
+times. The building blocks (channels, retries, errors) are shared with the services.
 """
 
+from rlfleet.client.aio import AsyncClient, connect_async
+from rlfleet.client.batches import Batch, BatchStream
 from rlfleet.client.channel import ChannelSettings, aio_channel, call_with_retry
-from rlfleet.client.errors import RlfleetClientError, from_rpc_error
+from rlfleet.client.errors import (
+    AbortedError, CancelledError, DeadlineExceededError, FailedPreconditionError, InternalError,
+    InvalidArgumentError, NotFoundError, PermissionDeniedError, ResourceExhaustedError, RlfleetClientError,
+    UnauthenticatedError, UnavailableError, UnimplementedError, from_rpc_error,
+)
+from rlfleet.client.prompts import to_prompt_specs
+from rlfleet.client.results import BufferStats, PushResult, ReplicaPushResult, ReplicaStatus, StageStatus, Status
+from rlfleet.client.sync import BatchIterator, Client, connect
+from rlfleet.wire import Ragged
 
-__all__ = ["ChannelSettings", "RlfleetClientError", "aio_channel", "call_with_retry", "from_rpc_error"]
+__all__ = [
+    "AbortedError", "AsyncClient", "Batch", "BatchIterator", "BatchStream", "BufferStats", "CancelledError",
+    "ChannelSettings", "Client", "DeadlineExceededError", "FailedPreconditionError", "InternalError",
+    "InvalidArgumentError", "NotFoundError", "PermissionDeniedError", "PushResult", "Ragged",
+    "ReplicaPushResult", "ReplicaStatus", "ResourceExhaustedError", "RlfleetClientError", "StageStatus",
+    "Status", "UnauthenticatedError", "UnavailableError", "UnimplementedError", "aio_channel",
+    "call_with_retry", "connect", "connect_async", "from_rpc_error", "to_prompt_specs",
+]

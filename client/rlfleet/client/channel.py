@@ -62,19 +62,88 @@ def aio_channel(address: str, settings: ChannelSettings = ChannelSettings()) -> 
 
 async def call_with_retry(
     call: Callable[..., Awaitable[T]], request: Any, *, method: str,
-    settings: ChannelSettings, timeout: float | None = None,
+    settings: ChannelSettings, timeout: float | None = None, idempotent: bool = True,
 ) -> T:
-    """One unary call with deadline, auth metadata, typed errors and bounded retries."""
+    """One unary call with deadline, auth metadata, typed errors and bounded retries.
+
+    ``idempotent=False`` retries UNAVAILABLE only: after DEADLINE_EXCEEDED the
+    server may have applied the call, and repeating it would apply it twice.
+    """
     attempt = 0
     while True:
         try:
             return await call(request, timeout=timeout or settings.timeout, metadata=settings.metadata())
         except grpc.RpcError as exc:
             error = from_rpc_error(exc, method)
-            if not error.retryable or attempt >= settings.retries:
+            retry = error.retryable and (idempotent or error.code == "UNAVAILABLE")
+            if not retry or attempt >= settings.retries:
                 raise error from None
         await asyncio.sleep(backoff(attempt, settings.backoff_seconds))
         attempt += 1
+
+
+_CORE_WRITE_FAILURE = "Internal error from Core"
+_STATUS_GRACE_SECONDS = 1.0
+_CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class _Status(grpc.RpcError):
+    """A finished call's status, in the shape ``from_rpc_error`` reads."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def _core_write_failure(code: grpc.StatusCode, details: str) -> bool:
+    return code == grpc.StatusCode.INTERNAL and details == _CORE_WRITE_FAILURE
+
+
+class StatusWatch:
+    """Remembers the first status grpc.aio records on a streaming call.
+
+    grpc.aio (grpc/grpc#36066, up to at least 1.85) marks a call INTERNAL
+    "Internal error from Core" when a write fails because the call has ended,
+    overwriting the status the server had already sent (NOT_FOUND,
+    UNAUTHENTICATED, ...). Done callbacks run when the first status is set,
+    before any overwrite, so this keeps the server's. It reads a private
+    attribute and simply records nothing where that is gone (fixed versions).
+    """
+
+    def __init__(self, call: Any):
+        self.first: tuple[grpc.StatusCode, str] | None = None
+        call.add_done_callback(self._on_done)
+
+    def _on_done(self, call: Any) -> None:
+        status = getattr(getattr(call, "_cython_call", None), "_status", None)
+        code = _CODE_BY_VALUE.get(getattr(status, "code", lambda: None)())
+        if code is not None:
+            self.first = (code, status.details() or "")
+
+
+async def stream_error(call: Any, exc: grpc.RpcError, method: str,
+                       watch: StatusWatch | None = None) -> RlfleetClientError:
+    """The typed error of a streaming call that failed with ``exc``.
+
+    Undoes grpc.aio's INTERNAL "Internal error from Core" for a write that
+    raced the end of the call: the server's status is the one seen first
+    (``watch``) or, when the failed write came first, the one recorded just
+    after it, so wait briefly for that.
+    """
+    code, details = exc.code(), exc.details()
+    if _core_write_failure(code, details) and watch is not None and watch.first is not None:
+        code, details = watch.first
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + _STATUS_GRACE_SECONDS
+    while _core_write_failure(code, details) and loop.time() < give_up:
+        await asyncio.sleep(0.01)
+        code, details = await call.code(), await call.details()
+    return from_rpc_error(_Status(code, details), method)
 
 
 def backoff(attempt: int, base: float) -> float:
@@ -82,4 +151,7 @@ def backoff(attempt: int, base: float) -> float:
     return random.uniform(0, min(5.0, base * 2**attempt))
 
 
-__all__ = ["ChannelSettings", "RlfleetClientError", "aio_channel", "backoff", "call_with_retry"]
+__all__ = [
+    "ChannelSettings", "RlfleetClientError", "StatusWatch", "aio_channel", "backoff", "call_with_retry",
+    "stream_error",
+]

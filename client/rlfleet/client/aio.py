@@ -1,0 +1,188 @@
+"""``AsyncClient``: the one implementation of the trainer-side SDK (``grpc.aio``).
+
+The sync ``Client`` runs these same coroutines on a private event loop.
+A trainer needs only the collector's address: it serves CollectorService and
+forwards TrajectoryService.StreamBatches / GetStats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from typing import Any, Iterable
+
+from rlfleet.client.batches import BatchStream
+from rlfleet.client.channel import ChannelSettings, aio_channel, call_with_retry
+from rlfleet.client.errors import UnavailableError
+from rlfleet.client.prompts import PromptInput, to_prompt_specs
+from rlfleet.client.push import DEFAULT_CHUNK_BYTES, named_tensors, push_weights
+from rlfleet.client.results import BufferStats, PushResult, Status
+from rlfleet.v1 import collector_pb2, collector_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc
+
+log = logging.getLogger("rlfleet.client")
+
+DEFAULT_MAX_MESSAGE_BYTES = ChannelSettings.max_message_bytes
+
+
+def make_settings(*, auth_token: str | None, tls: bool, root_certificates: bytes | None, timeout: float,
+                  retries: int, max_message_bytes: int, backoff_seconds: float) -> ChannelSettings:
+    if timeout <= 0:
+        raise ValueError(f"timeout must be > 0 (every call has a deadline), got {timeout}")
+    if retries < 0:
+        raise ValueError(f"retries must be >= 0, got {retries}")
+    return ChannelSettings(max_message_bytes=max_message_bytes, timeout=timeout, retries=retries,
+                           backoff_seconds=backoff_seconds, auth_token=auth_token, tls=tls or bool(root_certificates),
+                           root_certificates=root_certificates)
+
+
+def connect_async(address: str, *, auth_token: str | None = None, tls: bool = False,
+                  root_certificates: bytes | None = None, timeout: float = 60.0, retries: int = 4,
+                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, backoff_seconds: float = 0.2) -> "AsyncClient":
+    """An ``AsyncClient`` for the collector at ``address`` (``host:port`` or a gRPC target).
+
+    Nothing is dialled until the first call (see ``wait_ready``). ``timeout`` is the
+    deadline of each unary call; ``retries`` bounds the retries of UNAVAILABLE /
+    DEADLINE_EXCEEDED; ``auth_token`` is sent as ``authorization: Bearer <token>`` on
+    every call, streams included; ``root_certificates`` (PEM) implies ``tls``.
+    """
+    return AsyncClient(address, make_settings(
+        auth_token=auth_token, tls=tls, root_certificates=root_certificates, timeout=timeout, retries=retries,
+        max_message_bytes=max_message_bytes, backoff_seconds=backoff_seconds))
+
+
+class AsyncClient:
+    """Async trainer client. Every ``grpc.RpcError`` surfaces as a typed ``RlfleetClientError``."""
+
+    def __init__(self, address: str, settings: ChannelSettings = ChannelSettings()):
+        self.address = address
+        self.settings = settings
+        self._channel = None
+        self._collector: collector_pb2_grpc.CollectorServiceStub | None = None
+        self._trajectory: trajectory_pb2_grpc.TrajectoryServiceStub | None = None
+        self._streams: weakref.WeakSet[BatchStream] = weakref.WeakSet()
+        self._closed = False
+
+    def _stubs(self) -> tuple[collector_pb2_grpc.CollectorServiceStub, trajectory_pb2_grpc.TrajectoryServiceStub]:
+        # The channel is made on first use, inside the event loop that will drive it.
+        if self._closed:
+            raise RuntimeError(f"the rlfleet client for {self.address} is closed")
+        if self._channel is None:
+            self._channel = aio_channel(self.address, self.settings)
+            self._collector = collector_pb2_grpc.CollectorServiceStub(self._channel)
+            self._trajectory = trajectory_pb2_grpc.TrajectoryServiceStub(self._channel)
+        return self._collector, self._trajectory
+
+    async def _unary(self, stub_method, request, method: str, timeout: float | None, *, idempotent: bool = True):
+        return await call_with_retry(stub_method, request, method=method, settings=self.settings,
+                                     timeout=timeout, idempotent=idempotent)
+
+    # --- calls --------------------------------------------------------------------------------
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Dial the collector and wait until the channel is ready (``UnavailableError`` after ``timeout``)."""
+        self._stubs()
+        limit = self.settings.timeout if timeout is None else timeout
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), limit)
+        except TimeoutError:
+            raise UnavailableError(f"{self.address} not reachable within {limit:g} s", method="connect") from None
+
+    async def policy_version(self, *, timeout: float | None = None) -> int:
+        """The collector's current committed policy version."""
+        collector, _ = self._stubs()
+        reply = await self._unary(collector.GetPolicyVersion, collector_pb2.GetPolicyVersionRequest(),
+                                  "GetPolicyVersion", timeout)
+        return reply.version
+
+    async def push_weights(self, weights: Any, version: int | None = None, *, mode: str = "keep",
+                           chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: bool = True,
+                           timeout: float | None = None, checksum: str | None = "crc32") -> PushResult:
+        """Stream new weights to the collector, which fans them out and commits a new policy version.
+
+        ``weights``: an ``nn.Module`` (its ``state_dict()``), a ``{name: tensor}`` mapping or
+        ``(name, tensor)`` pairs, named as in the Hugging Face checkpoint; full (unsharded)
+        tensors, any device. ``version`` None lets the collector assign current + 1; an explicit
+        version not greater than the current one is ``FailedPreconditionError``. ``mode``:
+        "keep" (in-flight samples continue on the new weights), "wait" (they finish on the
+        old ones first) or "abort". A progress bar (tqdm, stderr) shows for pushes of 8 MiB or
+        more when ``progress`` and tqdm is installed. ``timeout`` defaults to the client's
+        timeout plus one second per 10 MiB. Retried only on an UNAVAILABLE that arrives before
+        the last chunk is sent (see ``rlfleet.client.push``).
+        """
+        collector, _ = self._stubs()
+        return await push_weights(collector.PushWeights, named_tensors(weights), version=version, mode=mode,
+                                  chunk_bytes=chunk_bytes, progress=progress, timeout=timeout,
+                                  settings=self.settings, checksum=checksum)
+
+    async def submit_prompts(self, prompts: PromptInput | Iterable[PromptInput], *,
+                             timeout: float | None = None) -> list[str]:
+        """Queue prompts ahead of the collector's dataset; returns their ids in order.
+
+        Each prompt is text (``str``), a chat (list of ``{"role", "content"}`` dicts), token ids
+        (list of ints or 1-D integer tensor), or a dict ``{"prompt": ..., "prompt_id", "ground_truth",
+        "reward_fn", "reward_args": {str: str}, "sampling": {SamplingParams fields}}``.
+        ``ResourceExhaustedError`` when the queue is full. Not idempotent, so DEADLINE_EXCEEDED
+        is not retried (only UNAVAILABLE).
+        """
+        collector, _ = self._stubs()
+        request = collector_pb2.SubmitPromptsRequest(prompts=to_prompt_specs(prompts))
+        reply = await self._unary(collector.SubmitPrompts, request, "SubmitPrompts", timeout, idempotent=False)
+        return list(reply.prompt_ids)
+
+    async def status(self, *, timeout: float | None = None) -> Status:
+        """The collector's pipeline state: version, mode, stages, replicas, staleness histogram."""
+        collector, _ = self._stubs()
+        return Status.from_proto(await self._unary(collector.GetStatus, collector_pb2.GetStatusRequest(),
+                                                   "GetStatus", timeout))
+
+    async def buffer_stats(self, *, timeout: float | None = None) -> BufferStats:
+        """Trajectory buffer occupancy and counters (forwarded by the collector)."""
+        _, trajectory = self._stubs()
+        return BufferStats.from_proto(await self._unary(trajectory.GetStats, trajectory_pb2.GetStatsRequest(),
+                                                        "GetStats", timeout))
+
+    def batches(self, batch_size: int, *, whole_groups: bool = True, min_policy_version: int = 0,
+                lease_seconds: float = 0.0, prefetch: int = 1, consumer: str = "", auto_ack: bool = True,
+                max_batches: int | None = None) -> BatchStream:
+        """Stream leased batches of ``batch_size`` trajectories (see ``rlfleet.client.batches``).
+
+        ``whole_groups`` keeps every GRPO group in one batch (batch_size must be a multiple of the
+        group size); ``min_policy_version`` drops older trajectories server-side; ``lease_seconds``
+        (0 = server default) is how long a batch may stay un-acked before redelivery; ``prefetch``
+        batches are delivered ahead of acks; ``consumer`` names the reader in server logs;
+        ``auto_ack`` acks each batch when the next is requested; ``max_batches`` ends the stream.
+        """
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be > 0, got {batch_size}")
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        if max_batches is not None and max_batches < 0:
+            raise ValueError(f"max_batches must be >= 0 or None, got {max_batches}")
+        _, trajectory = self._stubs()
+        open_request = trajectory_pb2.OpenBatchStream(
+            batch_size=batch_size, whole_groups=whole_groups, min_policy_version=min_policy_version,
+            lease_seconds=lease_seconds, prefetch=prefetch, consumer=consumer)
+        stream = BatchStream(trajectory.StreamBatches, self.settings, open_request,
+                             auto_ack=auto_ack, max_batches=max_batches)
+        self._streams.add(stream)
+        return stream
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    async def close(self) -> None:
+        """Close open batch streams (un-acked batches are redelivered) and the channel. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for stream in list(self._streams):
+            stream.abandon()
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"AsyncClient({self.address!r}{', closed' if self._closed else ''})"

@@ -1,0 +1,288 @@
+"""Leased batches from ``TrajectoryService.StreamBatches`` (served at the collector's address).
+
+The RPC is bidirectional: the client sends ``open``, then ``ack`` / ``nack``
+messages on the same stream while the server delivers batches (at most
+``prefetch`` un-acked at a time). ``Batch.ack()`` / ``nack()`` only queue a
+message (no round trip), so they are plain methods on both the sync and the
+async client and may be called from any thread; a failure they cause (e.g.
+NOT_FOUND for a lease that already expired) arrives on the next read.
+
+Delivery is at-least-once. With ``auto_ack`` a batch is acked when the next
+one is requested, or when the stream is closed deliberately (``close()``, or
+leaving its ``with`` block without an exception). A stream dropped without
+``close()`` (``break`` out of a bare ``for``), or left by an exception, ends
+without acking: its batch goes back to the buffer and is delivered again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable
+
+import grpc
+import torch
+
+from rlfleet.client.channel import ChannelSettings, StatusWatch, backoff, stream_error
+from rlfleet.client.errors import FailedPreconditionError, InternalError, RlfleetClientError, from_rpc_error
+from rlfleet.v1 import trajectory_pb2
+from rlfleet.wire import Ragged, WireError, decode_tensordict, get_ragged
+
+log = logging.getLogger("rlfleet.client")
+
+METHOD = "StreamBatches"
+CLOSE_TIMEOUT_SECONDS = 5.0
+"""How long a clean close waits for the server to end the stream before cancelling it."""
+
+
+def _key(key: Any) -> Any:
+    # "tokens/response" is the layout's spelling of the nested key ("tokens", "response").
+    return tuple(key.split("/")) if isinstance(key, str) and "/" in key else key
+
+
+class Batch:
+    """One leased batch: the decoded TensorDict plus its lease.
+
+    Ragged entries of ``td`` (token ids, per-token log-probs, masks, rewards) are
+    jagged nested tensors; ``ragged``, ``padded`` and ``nested`` convert them.
+    Keys may be tuples or the layout's ``"tokens/response"`` spelling.
+    """
+
+    def __init__(self, td, lease_id: str, redelivered: bool, lease_expires_at: float, stream: "BatchStream"):
+        self.td = td
+        """The batch as a ``tensordict.TensorDict`` with batch size ``[B]``."""
+        self.lease_id = lease_id
+        self.redelivered = redelivered
+        """True if this batch was delivered before (a lease expired or a reader left)."""
+        self.lease_expires_at = lease_expires_at
+        """Seconds since the epoch after which the server redelivers the batch unless acked."""
+        self.settled: str | None = None
+        """None until ``ack()`` ("ack") or ``nack()`` ("nack") is called (or auto-acked)."""
+        self._stream = stream
+
+    def ack(self) -> None:
+        """Mark the batch done: it is never delivered again. Idempotent; the first ack/nack wins."""
+        self._settle("ack")
+
+    def nack(self) -> None:
+        """Give the batch back for immediate redelivery (to any reader). Idempotent; the first ack/nack wins."""
+        self._settle("nack")
+
+    def _settle(self, kind: str) -> None:
+        if self.settled is not None:
+            return
+        if self._stream.closed:
+            raise FailedPreconditionError(
+                f"lease {self.lease_id}: the stream is closed, so the lease was released and the batch "
+                f"will be delivered again", method=METHOD)
+        self._stream._post(trajectory_pb2.StreamBatchesRequest(**{kind: {"lease_id": self.lease_id}}))
+        self.settled = kind
+
+    def __getitem__(self, key):
+        return self.td.get(_key(key))
+
+    def __len__(self) -> int:
+        return int(self.td.batch_size[0])
+
+    def ragged(self, key) -> Ragged:
+        """A ragged entry as ``Ragged`` (flat values + lengths; ``to_list()`` gives per-sample views)."""
+        return get_ragged(self.td, _key(key))
+
+    def padded(self, key, pad_value=0, side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
+        """A ragged entry as ``(padded [B, T, ...], bool mask [B, T])``; the mask comes from lengths."""
+        return self.ragged(key).to_padded(pad_value=pad_value, side=side)
+
+    def nested(self, key) -> torch.Tensor:
+        """A ragged entry as a jagged nested tensor (``torch.nested``, layout=torch.jagged)."""
+        value = self.td.get(_key(key))
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            return value
+        return self.ragged(key).to_nested()
+
+    def __repr__(self) -> str:
+        return (f"Batch(size={len(self)}, lease_id={self.lease_id!r}, redelivered={self.redelivered}, "
+                f"keys={sorted(map(str, self.td.keys(include_nested=True, leaves_only=True)))})")
+
+
+async def _requests(queue: asyncio.Queue):
+    # None is the half-close: the server then releases whatever this reader holds.
+    while (request := await queue.get()) is not None:
+        yield request
+
+
+class BatchStream:
+    """Async iterator of ``Batch`` over one StreamBatches call (see the module doc).
+
+    Use ``async with client.batches(...) as stream: async for batch in stream``,
+    or call ``await stream.close()``. Opening is retried (bounded) on
+    UNAVAILABLE / DEADLINE_EXCEEDED until the first batch arrives; after that
+    every error ends the stream and is raised as a typed ``RlfleetClientError``.
+    """
+
+    def __init__(self, call_factory: Callable, settings: ChannelSettings, open_request: trajectory_pb2.OpenBatchStream,
+                 *, auto_ack: bool, max_batches: int | None):
+        self._call_factory = call_factory
+        self._settings = settings
+        self._open_request = open_request
+        self._auto_ack = auto_ack
+        self._max_batches = max_batches
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue | None = None
+        self._call = None
+        self._watch: StatusWatch | None = None
+        self._last: Batch | None = None
+        self._delivered = 0
+        self.closed = False
+
+    # --- iteration ------------------------------------------------------------------------
+    def __aiter__(self) -> "BatchStream":
+        return self
+
+    async def __anext__(self) -> Batch:
+        batch = await self.next()
+        if batch is None:
+            raise StopAsyncIteration
+        return batch
+
+    async def next(self) -> Batch | None:
+        """The next batch, or None once the stream has ended."""
+        if self.closed:
+            return None
+        if self._auto_ack and self._last is not None:
+            self._last.ack()
+        if self._max_batches is not None and self._delivered >= self._max_batches:
+            await self.close()
+            return None
+        try:
+            reply = await (self._open() if self._call is None else self._receive())
+        except BaseException:
+            self._finish()
+            raise
+        if reply is None:
+            self._finish()
+            return None
+        try:
+            td = decode_tensordict(reply.batch, "batch")
+        except WireError as err:
+            self._post(trajectory_pb2.StreamBatchesRequest(nack=trajectory_pb2.NackBatch(lease_id=reply.lease_id)))
+            raise InternalError(f"malformed batch (lease {reply.lease_id}, nacked): {err}", method=METHOD) from None
+        self._last = Batch(td, reply.lease_id, reply.redelivered, reply.lease_expires_at, self)
+        self._delivered += 1
+        return self._last
+
+    async def _open(self):
+        attempt = 0
+        while True:
+            self._loop = asyncio.get_running_loop()
+            self._queue = asyncio.Queue()
+            self._queue.put_nowait(trajectory_pb2.StreamBatchesRequest(open=self._open_request))
+            # No deadline: the stream lives as long as training. Auth rides on the metadata.
+            self._call = self._call_factory(_requests(self._queue), metadata=self._settings.metadata())
+            self._watch = StatusWatch(self._call)
+            try:
+                return await self._receive()
+            except RlfleetClientError as error:
+                self._end_call()
+                if not error.retryable or attempt >= self._settings.retries:
+                    raise
+            await asyncio.sleep(backoff(attempt, self._settings.backoff_seconds))
+            attempt += 1
+
+    async def _receive(self):
+        """The next reply, or None at the end of the stream; raises typed errors."""
+        try:
+            reply = await self._call.read()
+        except grpc.RpcError as exc:
+            error = await stream_error(self._call, exc, METHOD, self._watch)
+            raise error from None
+        except asyncio.CancelledError:
+            if self.closed:  # closed under us (client closed): end quietly
+                return None
+            raise
+        return None if reply is grpc.aio.EOF else reply
+
+    # --- writing ---------------------------------------------------------------------------
+    def _post(self, request: trajectory_pb2.StreamBatchesRequest | None) -> None:
+        """Queue a request for the stream; safe from any thread."""
+        if self._queue is None or self._loop is None or self._loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            self._queue.put_nowait(request)
+        else:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, request)
+
+    # --- closing ---------------------------------------------------------------------------
+    async def close(self, *, ack_last: bool | None = None) -> None:
+        """End the stream cleanly: ack the last batch (if ``auto_ack``, or ``ack_last=True``), half-close,
+        and wait briefly for the server to release the rest (prefetched batches go back to the buffer).
+
+        Errors while closing (e.g. the last ack hit an expired lease) are logged, not raised:
+        the batch is then simply delivered again.
+        """
+        if self.closed:
+            return
+        if (self._auto_ack if ack_last is None else ack_last) and self._last is not None:
+            self._last.ack()
+        self.closed = True
+        call = self._call
+        if call is None:
+            return
+        self._post(None)
+        try:
+            await asyncio.wait_for(self._drain(call), CLOSE_TIMEOUT_SECONDS)
+        except TimeoutError:
+            log.warning("StreamBatches: the server did not end the stream within %.0f s; cancelling it",
+                        CLOSE_TIMEOUT_SECONDS)
+        except grpc.RpcError as exc:
+            log.warning("StreamBatches ended with an error while closing: %s", from_rpc_error(exc, METHOD))
+        finally:
+            if not call.done():
+                call.cancel()
+
+    aclose = close
+
+    @staticmethod
+    async def _drain(call) -> None:
+        while await call.read() is not grpc.aio.EOF:
+            pass  # prefetched batches: the server releases them when the stream ends
+
+    def _finish(self) -> None:
+        self.closed = True
+        self._end_call()
+
+    def _end_call(self) -> None:
+        """End the current call at once (the server releases this reader's leases); safe from any thread."""
+        call, loop = self._call, self._loop
+        if call is None or loop is None or loop.is_closed():
+            return
+        self._post(None)
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            call.cancel()
+        else:
+            loop.call_soon_threadsafe(call.cancel)
+
+    def abandon(self) -> None:
+        """Close without acking and without waiting (used when the stream or its client goes away)."""
+        if not self.closed:
+            self._finish()
+
+    async def __aenter__(self) -> "BatchStream":
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        await self.close(ack_last=False if exc_type is not None else None)
+
+    def __del__(self):
+        if not getattr(self, "closed", True):
+            try:
+                self.abandon()
+            except RuntimeError:  # the loop went away during interpreter shutdown
+                pass

@@ -1,0 +1,169 @@
+"""``push_weights``: stream a state dict to the collector as a manifest plus ~1 MiB chunks.
+
+Memory: chunks are cut straight out of each tensor's memory by
+``iter_push_messages`` and written one at a time under gRPC flow control, so
+no second copy of the state dict ever exists (a few chunks are in flight).
+The manifest's checksum pass runs on a worker thread; chunks are cut on the
+event loop (~0.1 ms per MiB; a tensor on an accelerator is copied to the host
+one tensor at a time as its turn comes).
+
+Retries: the contract makes a failed push a no-op (version and weights
+unchanged), so re-sending is safe whenever the collector cannot have
+committed. A push is therefore retried on UNAVAILABLE (bounded, with backoff)
+only if the error arrived before the last chunk was handed to gRPC: until then
+the collector does not hold every byte and cannot have committed. Any error
+after that (e.g. UNAVAILABLE "no replica applied it", or a reply lost on the
+way back) is raised, never replayed, since the push may have been committed.
+DEADLINE_EXCEEDED is never retried: the deadline covers the whole push.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from typing import Any, Iterable, Iterator, Mapping
+
+import grpc
+import torch
+
+from rlfleet.client.channel import ChannelSettings, StatusWatch, backoff, stream_error
+from rlfleet.client.errors import UnavailableError
+from rlfleet.client.results import PushResult
+from rlfleet.v1 import collector_pb2, weights_pb2
+from rlfleet.wire.tensor import SUPPORTED_DTYPES
+from rlfleet.wire.weights import DEFAULT_CHUNK_BYTES, iter_push_messages
+
+METHOD = "PushWeights"
+MODES = {"keep": weights_pb2.UPDATE_MODE_KEEP, "wait": weights_pb2.UPDATE_MODE_WAIT,
+         "abort": weights_pb2.UPDATE_MODE_ABORT}
+PROGRESS_MIN_BYTES = 8 << 20
+"""Pushes smaller than this never show a progress bar."""
+DEADLINE_BYTES_PER_SECOND = 10 << 20
+"""Default push deadline: the client's timeout plus one second per 10 MiB."""
+
+
+def named_tensors(weights: Any) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs of an ``nn.Module``, a ``{name: tensor}`` mapping or an iterable of pairs.
+
+    Only references are collected: no tensor is copied here.
+    """
+    if isinstance(weights, torch.nn.Module):
+        items: Iterable = weights.state_dict().items()
+    elif isinstance(weights, Mapping):
+        items = weights.items()
+    elif isinstance(weights, Iterable) and not isinstance(weights, (str, bytes, torch.Tensor)):
+        items = weights
+    else:
+        raise TypeError(f"push_weights takes an nn.Module, a {{name: tensor}} mapping or (name, tensor) "
+                        f"pairs, got {type(weights).__name__}")
+    pairs, seen = [], set()
+    for item in items:
+        name, tensor = item
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"weights: names must be non-empty strings, got {name!r}")
+        if name in seen:
+            raise ValueError(f"weights[{name}]: duplicate name")
+        if not isinstance(tensor, torch.Tensor) or tensor.is_nested or tensor.layout != torch.strided:
+            raise TypeError(f"weights[{name}]: expected a dense torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"weights[{name}]: unsupported dtype {tensor.dtype}")
+        seen.add(name)
+        pairs.append((name, tensor))
+    if not pairs:
+        raise ValueError("weights: nothing to push (empty state dict)")
+    return pairs
+
+
+async def push_weights(
+    call_factory, pairs: list[tuple[str, torch.Tensor]], *, version: int | None, mode: str,
+    chunk_bytes: int, progress: bool, timeout: float | None, settings: ChannelSettings,
+    checksum: str | None = "crc32",
+) -> PushResult:
+    """Push ``pairs`` through ``call_factory(timeout=, metadata=)`` (a PushWeights stub); see the module doc."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+    if checksum not in ("crc32", "sha256", None):
+        raise ValueError(f"checksum must be 'crc32', 'sha256' or None, got {checksum!r}")
+    if version is not None and version <= 0:
+        raise ValueError(f"version must be > 0 (or None to let the collector assign it), got {version}")
+    started = time.perf_counter()
+    attempt = 0
+    while True:
+        messages = iter_push_messages(pairs, version=version or 0, mode=MODES[mode], chunk_bytes=chunk_bytes,
+                                      checksum_algo=checksum)
+        try:
+            reply = await _push_once(call_factory, messages, chunk_bytes=chunk_bytes, progress=progress,
+                                     timeout=timeout, settings=settings)
+            return PushResult.from_proto(reply, time.perf_counter() - started, attempt + 1)
+        except _EarlyUnavailable as early:
+            if attempt >= settings.retries:
+                raise early.error from None
+        await asyncio.sleep(backoff(attempt, settings.backoff_seconds))
+        attempt += 1
+
+
+class _EarlyUnavailable(Exception):
+    """UNAVAILABLE before the collector could hold the whole push: safe to resend."""
+
+    def __init__(self, error: UnavailableError):
+        self.error = error
+
+
+async def _push_once(call_factory, messages: Iterator[tuple[str, Any]], *, chunk_bytes: int, progress: bool,
+                     timeout: float | None, settings: ChannelSettings) -> collector_pb2.PushWeightsResponse:
+    # The checksum pass reads every byte: keep it off the event loop.
+    _, manifest = await asyncio.to_thread(next, messages)
+    total = manifest.total_bytes
+    deadline = timeout if timeout is not None else settings.timeout + total / DEADLINE_BYTES_PER_SECOND
+    call = call_factory(timeout=deadline, metadata=settings.metadata())
+    watch = StatusWatch(call)
+    bar = _progress_bar(total, progress, manifest.version)
+    may_have_committed = False
+    try:
+        try:
+            await call.write(collector_pb2.PushWeightsRequest(manifest=manifest))
+            # Chunks are cut inline (~0.1 ms per MiB): measured faster than handing them
+            # over from a worker thread, which only adds GIL contention.
+            for _, chunk in messages:
+                request = collector_pb2.PushWeightsRequest()
+                request.chunk.CopyFrom(chunk)  # ~4x cheaper than PushWeightsRequest(chunk=chunk) under upb
+                size = min(chunk_bytes, total - chunk.offset)  # every chunk but the last is full
+                may_have_committed = chunk.offset + size >= total
+                await call.write(request)
+                if bar is not None:
+                    bar.update(size)
+            await call.done_writing()
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            # A write fails once the call has ended (the collector refused or answered early);
+            # the write's own error is a generic INTERNAL, the reply below carries the real status.
+            pass
+        try:
+            return await call
+        except grpc.RpcError as exc:
+            error = await stream_error(call, exc, METHOD, watch)
+        if isinstance(error, UnavailableError) and not may_have_committed:
+            raise _EarlyUnavailable(error)
+        raise error
+    finally:
+        if bar is not None:
+            bar.close()
+        if not call.done():
+            call.cancel()  # e.g. the caller was cancelled mid-push: the collector discards it
+
+
+def _progress_bar(total: int, enabled: bool, version: int):
+    if not enabled or total < PROGRESS_MIN_BYTES:
+        return None
+    try:
+        from tqdm import tqdm  # optional: no bar without it
+    except ImportError:
+        return None
+    desc = f"push weights v{version}" if version else "push weights"
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
+                leave=False, dynamic_ncols=True)
+
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "MODES", "PushResult", "named_tensors", "push_weights"]

@@ -1,0 +1,128 @@
+"""Plain, immutable views of the services' replies (no protobuf types leak to callers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rlfleet.client.errors import InternalError
+from rlfleet.v1 import collector_pb2, trajectory_pb2
+from rlfleet.wire import WireError, decode_tensordict
+
+
+@dataclass(frozen=True)
+class ReplicaPushResult:
+    """Outcome of a weight push on one generation replica."""
+
+    address: str
+    applied: bool
+    """True if the replica now serves the new version."""
+    error: str
+    """Why it was not applied (empty when applied)."""
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """Outcome of ``push_weights``."""
+
+    version: int
+    """The committed policy version."""
+    replicas: tuple[ReplicaPushResult, ...]
+    bytes: int
+    """Bytes the collector received."""
+    seconds: float
+    """Client-side wall time of the push (manifest checksum, streaming, fan-out, commit)."""
+    server_seconds: float
+    """The collector's wall time of the push."""
+    attempts: int
+    """1 unless the push was retried after an early UNAVAILABLE."""
+
+    @property
+    def megabytes_per_second(self) -> float:
+        """Throughput in MB/s (10^6 bytes) over ``seconds``."""
+        return self.bytes / self.seconds / 1e6 if self.seconds > 0 else float("inf")
+
+    @property
+    def all_applied(self) -> bool:
+        """True if every replica applied the push."""
+        return all(r.applied for r in self.replicas)
+
+    @classmethod
+    def from_proto(cls, reply: collector_pb2.PushWeightsResponse, seconds: float, attempts: int) -> "PushResult":
+        return cls(version=reply.version, bytes=reply.received_bytes, seconds=seconds,
+                   server_seconds=reply.seconds, attempts=attempts,
+                   replicas=tuple(ReplicaPushResult(r.address, r.applied, r.error) for r in reply.replicas))
+
+
+@dataclass(frozen=True)
+class StageStatus:
+    """One pipeline stage of the collector."""
+
+    name: str
+    queued: int
+    in_flight: int
+    items_per_second: float
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """One generation replica as the collector sees it."""
+
+    address: str
+    healthy: bool
+    policy_version: int
+    in_flight: int
+
+
+@dataclass(frozen=True)
+class Status:
+    """The collector's pipeline state (``GetStatus``)."""
+
+    policy_version: int
+    mode: str
+    """"sync" or "async"."""
+    max_staleness: int
+    stages: tuple[StageStatus, ...]
+    replicas: tuple[ReplicaStatus, ...]
+    staleness_histogram: tuple[int, ...]
+    """``[i]`` = trajectories that were ``i`` versions stale when appended."""
+    trajectories: int
+    discarded_samples: int
+    extra: Any = None
+    """Extra dashboard counters as a TensorDict, or None."""
+
+    @classmethod
+    def from_proto(cls, reply: collector_pb2.GetStatusResponse) -> "Status":
+        extra = None
+        if reply.HasField("extra"):
+            try:
+                extra = decode_tensordict(reply.extra, "extra")
+            except WireError as err:
+                raise InternalError(f"malformed reply: {err}", method="GetStatus") from None
+        return cls(
+            policy_version=reply.policy_version, mode=reply.mode, max_staleness=reply.max_staleness,
+            stages=tuple(StageStatus(s.name, s.queued, s.in_flight, s.items_per_second) for s in reply.stages),
+            replicas=tuple(ReplicaStatus(r.address, r.healthy, r.policy_version, r.in_flight)
+                           for r in reply.replicas),
+            staleness_histogram=tuple(reply.staleness_histogram), trajectories=reply.trajectories,
+            discarded_samples=reply.discarded_samples, extra=extra,
+        )
+
+
+@dataclass(frozen=True)
+class BufferStats:
+    """Trajectory buffer occupancy and counters (``GetStats``)."""
+
+    ready: int
+    leased: int
+    acked: int
+    capacity: int
+    appended: int
+    redelivered_batches: int
+    dropped_stale: int
+
+    @classmethod
+    def from_proto(cls, reply: trajectory_pb2.GetStatsResponse) -> "BufferStats":
+        return cls(ready=reply.ready, leased=reply.leased, acked=reply.acked, capacity=reply.capacity,
+                   appended=reply.appended, redelivered_batches=reply.redelivered_batches,
+                   dropped_stale=reply.dropped_stale)

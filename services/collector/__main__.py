@@ -1,0 +1,13 @@
+"""``rlfleet-collector`` / ``python -m rlfleet.services.collector``."""
+
+
+def main(argv=None) -> None:
+    from rlfleet.services.collector.config import CollectorConfig
+    from rlfleet.services.collector.service import CollectorService
+    from rlfleet.services.common.server import run
+
+    run(CollectorService, CollectorConfig, argv)
+
+
+if __name__ == "__main__":
+    main()

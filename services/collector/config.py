@@ -1,0 +1,85 @@
+"""Config of the collector."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from rlfleet.services.common.config import ServiceConfig
+
+
+class CollectorConfig(ServiceConfig):
+    """The collector: prompt source, rollout pipeline, policy versions, weight fan-out."""
+
+    service_name = "collector"
+
+    port: int = Field(50050, ge=0, le=65535)
+    """gRPC port the trainer connects to (also serves TrajectoryService.StreamBatches, forwarded)."""
+    generation_addresses: list[str] = Field(default_factory=lambda: ["127.0.0.1:50051"])
+    """Generation replicas as host:port; a host resolving to several IPs (headless Service) counts once per IP."""
+    reference_address: str = "127.0.0.1:50052"
+    """Reference service."""
+    reward_address: str = "127.0.0.1:50053"
+    """Reward service."""
+    trajectory_address: str = "127.0.0.1:50054"
+    """Trajectory service."""
+    upstream_auth_token: str | None = None
+    """Bearer token sent to the other services (if they enforce one)."""
+
+    dataset_path: str | None = None
+    """JSONL/JSON/Parquet file or saved `datasets` directory of prompts; None = only trainer-submitted prompts."""
+    prompt_field: str = "prompt"
+    """Dataset field holding the prompt (a string, or a list of chat messages)."""
+    ground_truth_field: str = "answer"
+    """Dataset field holding the ground truth for verifiable rewards."""
+    shuffle: bool = True
+    """Shuffle the dataset each epoch (seeded)."""
+    seed: int = 0
+    """Shuffle seed."""
+    epochs: int = Field(0, ge=0)
+    """Passes over the dataset; 0 cycles forever."""
+    max_submitted_prompts: int = Field(10_000, gt=0)
+    """Bound of the trainer-submitted prompt queue (RESOURCE_EXHAUSTED beyond it)."""
+
+    group_size: int = Field(4, ge=1)
+    """Samples per prompt (the GRPO group, sampling.n)."""
+    sampling: dict[str, Any] = Field(default_factory=lambda: {"temperature": 1.0, "top_p": 1.0, "max_tokens": 64})
+    """Default SamplingParams fields (temperature, top_p, top_k, max_tokens, stop, seed...); prompts may override."""
+    reward_fn: str = "numeric_match"
+    """Default reward function name (see the reward service)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """Per-token KL estimator for the penalty."""
+    advantage_mode: Literal["grpo", "grpo_no_std", "rloo"] = "grpo"
+    """Group advantage computation."""
+    update_kl_controller: bool = True
+    """Feed each group's KL to the reward service's KL controller."""
+
+    mode: Literal["sync", "async"] = "async"
+    """sync: no sample from an older version reaches the trainer; async: bounded staleness."""
+    max_staleness: int = Field(1, ge=0)
+    """async: generation runs at most this many trainer steps ahead of the pushed weights (forced to 0 in sync)."""
+    groups_per_step: int = Field(8, ge=1)
+    """Groups the trainer consumes per step (its batch size / group_size): the unit of staleness."""
+
+    max_groups_in_flight: int = Field(32, ge=1)
+    """Groups admitted but not yet appended (all stages together)."""
+    max_generations_in_flight: int = Field(16, ge=1)
+    """Concurrent Generate calls across replicas."""
+    max_scoring_in_flight: int = Field(8, ge=1)
+    """Concurrent reference/reward calls."""
+
+    state_dir: str = "collector-state"
+    """Directory for the resumable state (version, dataset position) and the weight spool used to re-sync replicas."""
+    max_push_bytes: int = Field(256 * 1024**3, gt=0)
+    """Largest weight push accepted."""
+    replica_check_seconds: float = Field(2.0, gt=0)
+    """How often unhealthy replicas are probed (and re-synced before rejoining)."""
+    upstream_timeout_seconds: float = Field(120.0, gt=0)
+    """Deadline of calls to reference/reward/trajectory."""
+
+    @model_validator(mode="after")
+    def _sync_means_no_staleness(self) -> "CollectorConfig":
+        if self.mode == "sync":
+            self.max_staleness = 0
+        return self

@@ -1,0 +1,173 @@
+"""Where prompts come from: trainer-submitted prompts first, then a dataset.
+
+A dataset is a JSONL or Parquet file (or a Hugging Face ``datasets`` directory
+saved with ``save_to_disk``) with a prompt field — a string, or a list of chat
+messages ``{"role", "content"}`` — and optional ground-truth / reward fields.
+Epochs, seeded shuffling and a resumable position (epoch, index) are kept
+here; nothing in this module knows gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import random
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
+
+
+@dataclass
+class PromptItem:
+    """One prompt and how to score it."""
+
+    prompt_id: str
+    text: str | None = None
+    """Raw text prompt (tokenized by generation without a chat template)."""
+    chat: list[dict[str, str]] | None = None
+    """Chat messages (generation applies the model's chat template)."""
+    token_ids: list[int] | None = None
+    """Pre-tokenized prompt."""
+    ground_truth: str = ""
+    reward_fn: str = ""
+    reward_args: dict[str, str] = field(default_factory=dict)
+    sampling: dict[str, Any] | None = None
+    """Overrides of the configured sampling parameters."""
+
+    def prompt_text(self) -> str:
+        """Human-readable prompt for reward functions."""
+        if self.text is not None:
+            return self.text
+        if self.chat:
+            return self.chat[-1].get("content", "")
+        return ""
+
+
+def item_from_record(record: dict[str, Any], index: int, prompt_field: str, ground_truth_field: str,
+                     default_id: str) -> PromptItem:
+    """A dataset row -> PromptItem (InvalidArgument naming the row when malformed)."""
+    prompt = record.get(prompt_field)
+    item = PromptItem(prompt_id=str(record.get("id", default_id)),
+                      ground_truth=str(record.get(ground_truth_field, "") or ""),
+                      reward_fn=str(record.get("reward_fn", "") or ""))
+    if isinstance(prompt, str) and prompt:
+        item.text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        item.chat = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
+    else:
+        raise InvalidArgument(f"dataset row {index}: field {prompt_field!r} must be a string or chat messages")
+    return item
+
+
+def load_records(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL / JSON / Parquet file or a saved ``datasets`` directory."""
+    path = Path(path)
+    if path.is_dir():
+        import datasets  # optional: only for `save_to_disk` directories
+
+        return [dict(row) for row in datasets.load_from_disk(str(path))]
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq  # optional
+
+        return pq.read_table(path).to_pylist()
+    text = path.read_text()
+    if path.suffix == ".json":
+        data = json.loads(text)
+        return list(data) if isinstance(data, list) else list(data["data"])
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+class PromptSource:
+    """Submitted prompts first, then dataset rows in (seeded) shuffled epochs."""
+
+    def __init__(self, records: list[dict[str, Any]] | None = None, *, prompt_field: str = "prompt",
+                 ground_truth_field: str = "answer", shuffle: bool = True, seed: int = 0, epochs: int = 0,
+                 max_submitted: int = 10_000):
+        self._records = records or []
+        self._prompt_field = prompt_field
+        self._ground_truth_field = ground_truth_field
+        self._shuffle = shuffle
+        self._seed = seed
+        self._epochs = epochs  # 0 = cycle forever
+        self._max_submitted = max_submitted
+        self._submitted: collections.deque[PromptItem] = collections.deque()
+        self._requeued: collections.deque[PromptItem] = collections.deque()
+        self._available = asyncio.Event()
+        self.epoch = 0
+        self.index = 0
+        self._order = self._epoch_order(0)
+        if self._records or self._submitted:
+            self._available.set()
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self._records)))
+        if self._shuffle:
+            random.Random(self._seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    # --- resumable position -------------------------------------------------
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state(self, state: dict[str, int]) -> None:
+        self.epoch, self.index = int(state.get("epoch", 0)), int(state.get("index", 0))
+        self._order = self._epoch_order(self.epoch)
+
+    # --- input ----------------------------------------------------------------
+    def submit(self, items: list[PromptItem]) -> list[str]:
+        """Queue trainer prompts (all or nothing; RESOURCE_EXHAUSTED when full)."""
+        if len(self._submitted) + len(items) > self._max_submitted:
+            raise ResourceExhausted(
+                f"prompt queue full ({len(self._submitted)} queued, max {self._max_submitted})")
+        for item in items:
+            if not item.prompt_id:
+                item.prompt_id = uuid.uuid4().hex
+            self._submitted.append(item)
+        if items:
+            self._available.set()
+        return [item.prompt_id for item in items]
+
+    def requeue(self, item: PromptItem) -> None:
+        """Put back a prompt whose group was aborted, ahead of everything else."""
+        self._requeued.append(item)
+        self._available.set()
+
+    @property
+    def exhausted(self) -> bool:
+        return (not self._submitted and not self._requeued and self._epochs > 0
+                and self.epoch >= self._epochs)
+
+    @property
+    def queued(self) -> int:
+        return len(self._submitted) + len(self._requeued)
+
+    # --- output ---------------------------------------------------------------
+    def _next_nowait(self) -> PromptItem | None:
+        if self._requeued:
+            return self._requeued.popleft()
+        if self._submitted:
+            return self._submitted.popleft()
+        if not self._records or (self._epochs and self.epoch >= self._epochs):
+            return None
+        row = self._order[self.index]
+        item = item_from_record(self._records[row], row, self._prompt_field, self._ground_truth_field,
+                                default_id=f"row{row}")
+        item.prompt_id = f"{item.prompt_id}@e{self.epoch}"
+        self.index += 1
+        if self.index >= len(self._order):
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._epoch_order(self.epoch)
+        return item
+
+    async def next(self) -> PromptItem:
+        """The next prompt, waiting for submissions when the dataset is exhausted or absent."""
+        while True:
+            item = self._next_nowait()
+            if item is not None:
+                return item
+            self._available.clear()
+            await self._available.wait()

@@ -1,0 +1,169 @@
+"""The collector service: wires prompt source, version gate, replicas, fan-out and pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rlfleet.client.channel import ChannelSettings, aio_channel
+from rlfleet.services.collector.admission import VersionGate
+from rlfleet.services.collector.config import CollectorConfig
+from rlfleet.services.collector.fanout import WeightFanout
+from rlfleet.services.collector.pipeline import Pipeline, PipelineOptions
+from rlfleet.services.collector.prompts import PromptSource, load_records
+from rlfleet.services.collector.replicas import ReplicaPool
+from rlfleet.services.collector.servicer import CollectorServicer, TrajectoryProxyServicer
+from rlfleet.services.common.server import Service
+from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, reference_pb2_grpc, reward_pb2, reward_pb2_grpc,
+                        trajectory_pb2_grpc)
+
+log = logging.getLogger("rlfleet.collector")
+_KL = {"k1": reward_pb2.KL_ESTIMATOR_K1, "k2": reward_pb2.KL_ESTIMATOR_K2, "k3": reward_pb2.KL_ESTIMATOR_K3}
+_ADV = {"grpo": reward_pb2.ADVANTAGE_MODE_GRPO, "grpo_no_std": reward_pb2.ADVANTAGE_MODE_GRPO_NO_STD,
+        "rloo": reward_pb2.ADVANTAGE_MODE_RLOO}
+
+
+class CollectorService(Service[CollectorConfig]):
+    service_names = (
+        collector_pb2.DESCRIPTOR.services_by_name["CollectorService"].full_name,
+        "rlfleet.v1.TrajectoryService",
+    )
+
+    def __init__(self, config: CollectorConfig):
+        super().__init__(config)
+        self.settings = ChannelSettings(auth_token=config.upstream_auth_token,
+                                        timeout=config.upstream_timeout_seconds,
+                                        max_message_bytes=config.max_message_bytes)
+        self.state_dir = Path(config.state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.gate = VersionGate(groups_per_step=config.groups_per_step, max_staleness=config.max_staleness)
+        self.pool = ReplicaPool(config.generation_addresses, self.settings)
+        records = load_records(config.dataset_path) if config.dataset_path else []
+        self.source = PromptSource(records, prompt_field=config.prompt_field,
+                                   ground_truth_field=config.ground_truth_field, shuffle=config.shuffle,
+                                   seed=config.seed, epochs=config.epochs,
+                                   max_submitted=config.max_submitted_prompts)
+        self._channels = {name: aio_channel(address, self.settings) for name, address in (
+            ("reference", config.reference_address), ("reward", config.reward_address),
+            ("trajectory", config.trajectory_address))}
+        self.trajectory = trajectory_pb2_grpc.TrajectoryServiceStub(self._channels["trajectory"])
+        self.fanout = WeightFanout(self.pool, self.gate, self.state_dir / "spool", config.max_push_bytes,
+                                   on_commit=lambda version: self.save_state())
+        self.pipeline = Pipeline(
+            PipelineOptions(
+                group_size=config.group_size, sampling=dict(config.sampling), mode=config.mode,
+                default_reward_fn=config.reward_fn, kl_estimator=_KL[config.kl_estimator],
+                advantage_mode=_ADV[config.advantage_mode], update_kl_controller=config.update_kl_controller,
+                max_groups_in_flight=config.max_groups_in_flight,
+                max_generations_in_flight=config.max_generations_in_flight,
+                max_scoring_in_flight=config.max_scoring_in_flight),
+            self.gate, self.pool, self.source,
+            reference_pb2_grpc.ReferenceServiceStub(self._channels["reference"]),
+            reward_pb2_grpc.RewardServiceStub(self._channels["reward"]),
+            self.trajectory, self.settings)
+        self._tasks: list[asyncio.Task] = []
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        collector_pb2_grpc.add_CollectorServiceServicer_to_server(CollectorServicer(self), server)
+        trajectory_pb2_grpc.add_TrajectoryServiceServicer_to_server(TrajectoryProxyServicer(self), server)
+
+    # --- state ----------------------------------------------------------------
+    @property
+    def state_path(self) -> Path:
+        return self.state_dir / "state.json"
+
+    def save_state(self) -> None:
+        state = {"version": self.gate.version, "groups_started": self.gate.groups_started,
+                 "source": self.source.state()}
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.state_path)
+
+    def load_state(self) -> dict:
+        return json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
+
+    # --- lifecycle --------------------------------------------------------------
+    async def start(self) -> None:
+        """Wait for the dependencies, agree on the version, start the pipeline."""
+        await self._wait_for_dependencies()
+        state = self.load_state()
+        if "source" in state:
+            self.source.load_state(state["source"])
+        versions = {}
+        while not versions:
+            versions = {r.address: v for r in self.pool.replicas if (v := await self.pool.probe(r)) is not None}
+            if not versions:
+                await asyncio.sleep(1.0)
+        self.gate.version = max([state.get("version", 0), *versions.values()])
+        self.gate.groups_started = self.gate.version * self.gate.groups_per_step
+        for replica in self.pool.replicas:
+            if versions.get(replica.address) == self.gate.version:
+                await self.pool.mark_healthy(replica, self.gate.version)
+        log.info("collector ready", extra={"version": self.gate.version, "replicas": versions})
+        self._tasks = [asyncio.create_task(self.pipeline.run(), name="pipeline"),
+                       asyncio.create_task(self._watch_replicas(), name="replicas"),
+                       asyncio.create_task(self._checkpoint(), name="checkpoint")]
+
+    async def _wait_for_dependencies(self) -> None:
+        for name, channel in self._channels.items():
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                try:
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                log.info("waiting for %s", name)
+                await asyncio.sleep(1.0)
+
+    async def _watch_replicas(self) -> None:
+        """Bring failed replicas back: probe, re-sync to the committed version, rejoin."""
+        while True:
+            await asyncio.sleep(self.config.replica_check_seconds)
+            for replica in self.pool.replicas:
+                if replica.healthy:
+                    continue
+                version = await self.pool.probe(replica)
+                if version is None:
+                    continue
+                if version < self.gate.version and not await self.fanout.resync(replica):
+                    continue
+                await self.pool.mark_healthy(replica, self.gate.version)
+                log.info("replica %s back in rotation", replica.address)
+
+    async def _checkpoint(self) -> None:
+        while True:
+            await asyncio.sleep(5.0)
+            self.save_state()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._tasks:
+            self.save_state()
+        await self.pool.close()
+        await asyncio.gather(*(c.close() for c in self._channels.values()), return_exceptions=True)
+
+    def status(self) -> collector_pb2.GetStatusResponse:
+        pipeline = self.pipeline
+        return collector_pb2.GetStatusResponse(
+            policy_version=self.gate.version, mode=self.config.mode, max_staleness=self.gate.max_staleness,
+            stages=[collector_pb2.StageStatus(name=s.name, queued=s.queued, in_flight=s.in_flight,
+                                              items_per_second=s.rate()) for s in pipeline.stages.values()],
+            replicas=[collector_pb2.ReplicaStatus(address=r.address, healthy=r.healthy,
+                                                  policy_version=r.policy_version, in_flight=r.in_flight)
+                      for r in self.pool.replicas],
+            staleness_histogram=pipeline.staleness_histogram(), trajectories=pipeline.appended,
+            discarded_samples=pipeline.discarded_samples,
+        )

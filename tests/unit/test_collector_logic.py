@@ -1,0 +1,98 @@
+"""Collector logic above gRPC: staleness admission, prompt source, trajectory layout."""
+
+import asyncio
+
+import pytest
+import torch
+
+from rlfleet.services.collector.admission import VersionGate
+from rlfleet.services.collector.prompts import PromptItem, PromptSource
+from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
+
+
+def run(coro):
+    return asyncio.new_event_loop().run_until_complete(coro)
+
+
+async def admitted_now(gate: VersionGate, limit: int = 100) -> int:
+    count = 0
+    while count < limit and gate.may_start():
+        await gate.admit()
+        count += 1
+    return count
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+def test_gate_runs_at_most_k_steps_ahead(max_staleness):
+    async def scenario():
+        gate = VersionGate(groups_per_step=4, max_staleness=max_staleness)
+        # Version 0: steps 0..k may start.
+        assert await admitted_now(gate) == 4 * (max_staleness + 1)
+        for version in range(1, 4):
+            await gate.begin_push()
+            assert not gate.may_start()  # closed while weights swap
+            await gate.end_push(version)
+            # Each push opens exactly one more step, and every group started
+            # for step s starts at a version >= s - k.
+            assert await admitted_now(gate) == 4
+            step = gate.step_of(gate.groups_started - 1)
+            assert gate.version >= step - max_staleness
+    run(scenario())
+
+
+def test_gate_versions_are_monotone_and_failed_push_keeps_version():
+    async def scenario():
+        gate = VersionGate(version=3)
+        await gate.begin_push()
+        await gate.end_push(None)
+        assert gate.version == 3 and gate.may_start()
+        await gate.begin_push()
+        with pytest.raises(ValueError):
+            await gate.end_push(2)
+    run(scenario())
+
+
+def test_give_back_reopens_a_slot():
+    async def scenario():
+        gate = VersionGate(groups_per_step=2, max_staleness=0)
+        assert await admitted_now(gate) == 2
+        await gate.give_back()
+        assert await admitted_now(gate) == 1
+    run(scenario())
+
+
+def records(n):
+    return [{"prompt": f"q{i}", "answer": str(i)} for i in range(n)]
+
+
+def test_prompt_source_epochs_shuffle_resume_and_priority():
+    async def scenario():
+        source = PromptSource(records(5), shuffle=True, seed=1, epochs=2)
+        first = [(await source.next()).text for _ in range(5)]
+        assert sorted(first) == [f"q{i}" for i in range(5)] and first != [f"q{i}" for i in range(5)]
+        state = source.state()
+        assert state == {"epoch": 1, "index": 0}
+        source.submit([PromptItem(prompt_id="", text="urgent")])
+        source.requeue(PromptItem(prompt_id="r", text="again"))
+        assert (await source.next()).text == "again"
+        assert (await source.next()).text == "urgent"
+        second = [(await source.next()).text for _ in range(5)]
+        assert sorted(second) == sorted(first) and source.exhausted
+        resumed = PromptSource(records(5), shuffle=True, seed=1, epochs=2)
+        resumed.load_state(state)
+        assert [(await resumed.next()).text for _ in range(5)] == second
+    run(scenario())
+
+
+def test_prompt_source_validation_and_bounds():
+    async def scenario():
+        source = PromptSource([{"prompt": 3}])
+        with pytest.raises(InvalidArgument, match="row 0"):
+            await source.next()
+        bounded = PromptSource(max_submitted=2)
+        with pytest.raises(ResourceExhausted):
+            bounded.submit([PromptItem("a", text="x")] * 3)
+        assert bounded.queued == 0
+        chat = PromptSource([{"prompt": [{"role": "user", "content": "hi"}]}])
+        assert (await chat.next()).chat == [{"role": "user", "content": "hi"}]
+    run(scenario())
