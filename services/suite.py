@@ -10,11 +10,15 @@ started in dependency order and each must report SERVING before the next.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shlex
+import subprocess
 import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlfleet.services.launch import ServiceProcess
@@ -22,34 +26,71 @@ from rlfleet.services.launch import ServiceProcess
 DEFAULT_MODEL_DIR = Path(os.environ.get("RLFLEET_HOME", Path.home() / ".cache" / "rlfleet")) / "tiny-model"
 
 
-def suite_processes(model_dir: Path) -> list[ServiceProcess]:
-    """The services of the embedded default, in start order."""
-    del model_dir  # the model-serving services join here as they land
-    return [ServiceProcess("echo", ["--log-format", "text"])]
+@dataclass
+class SuiteOptions:
+    """What the embedded default runs (every field maps onto a service flag)."""
+
+    model_dir: Path = DEFAULT_MODEL_DIR
+    generation_replicas: int = 1
+    kv_cache_bytes: int = 256 << 20
+    max_model_len: int = 1024
+    trajectory_db: str | None = None
+    collector_args: list[str] = field(default_factory=list)
+    reward_args: list[str] = field(default_factory=list)
+    generation_args: list[str] = field(default_factory=list)
+    log_format: str = "text"
 
 
-def start_suite(model_dir: Path, workdir: Path, timeout: float = 600.0) -> list[ServiceProcess]:
-    """Start every service and wait until all are SERVING (stopping all on failure)."""
-    procs: list[ServiceProcess] = []
-    try:
-        for proc in suite_processes(model_dir):
-            started = time.monotonic()
-            print(f"[suite] starting {proc.name} ...", file=sys.stderr, flush=True)
-            proc.start(workdir / proc.name)
-            procs.append(proc)
+def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
+                without_collector: bool = False) -> dict[str, ServiceProcess]:
+    """Start every service in dependency order, each SERVING before the next (all stopped on failure)."""
+    workdir = Path(workdir)
+    common = ["--log-format", options.log_format]
+    procs: dict[str, ServiceProcess] = {}
+
+    def launch(key: str, name: str, args: list[str], wait: bool = True) -> ServiceProcess:
+        started = time.monotonic()
+        print(f"[suite] starting {key} ...", file=sys.stderr, flush=True)
+        proc = ServiceProcess(name, [*args, *common])
+        proc.start(workdir / key)
+        procs[key] = proc
+        if wait:
             proc.wait_ready(timeout)
-            print(f"[suite] {proc.name:<11} SERVING on {proc.address} "
-                  f"({time.monotonic() - started:.1f}s)", file=sys.stderr, flush=True)
+            print(f"[suite] {key:<13} SERVING on {proc.address} ({time.monotonic() - started:.1f}s)",
+                  file=sys.stderr, flush=True)
+        return proc
+
+    try:
+        model = str(options.model_dir)
+        launch("trajectory", "trajectory",
+               ["--db-path", options.trajectory_db or str(workdir / "trajectory" / "trajectories.db")])
+        launch("reference", "reference", ["--model-path", model])
+        launch("reward", "reward", ["--tokenizer-path", model, *options.reward_args])
+        replicas = [launch(f"generation-{i}", "generation",
+                           ["--model", model, "--kv-cache-memory-bytes", str(options.kv_cache_bytes),
+                            "--max-model-len", str(options.max_model_len), *options.generation_args], wait=False)
+                    for i in range(options.generation_replicas)]
+        for proc in replicas:  # engines start in parallel; wait for all
+            proc.wait_ready(timeout)
+            print(f"[suite] generation    SERVING on {proc.address}", file=sys.stderr, flush=True)
+        if without_collector:
+            return procs
+        launch("collector", "collector", [
+            "--generation-addresses", json.dumps([p.address for p in replicas]),
+            "--reference-address", procs["reference"].address, "--reward-address", procs["reward"].address,
+            "--trajectory-address", procs["trajectory"].address, "--state-dir", str(workdir / "collector"),
+            *options.collector_args])
     except BaseException:
         stop_suite(procs)
         raise
     return procs
 
 
-def stop_suite(procs: list[ServiceProcess]) -> None:
-    for proc in reversed(procs):
+def stop_suite(procs: dict[str, ServiceProcess]) -> None:
+    """SIGTERM every service, collector first (the reverse of the start order)."""
+    for key, proc in reversed(list(procs.items())):
         code = proc.stop()
-        print(f"[suite] {proc.name:<11} stopped (exit code {code})", file=sys.stderr, flush=True)
+        print(f"[suite] {key:<13} stopped (exit code {code})", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,25 +98,40 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR,
                         help="model directory; the tiny local model is built here if missing")
     parser.add_argument("--workdir", type=Path, default=Path("runs") / "suite",
-                        help="logs and port files of the services")
+                        help="logs, port files, trajectory log and collector state")
+    parser.add_argument("--generation-replicas", type=int, default=1)
+    parser.add_argument("--collector-arg", action="append", default=[],
+                        help="extra collector flag, e.g. --collector-arg=--mode=sync (repeatable)")
     parser.add_argument("--check", action="store_true", help="start, report health, stop")
+    parser.add_argument("--then", default=None,
+                        help="command to run once the suite is up ({collector} and {model_dir} are filled in); "
+                             "the suite stops when it exits and its exit code is returned")
     ns = parser.parse_args(argv)
 
     from rlfleet.services.models.tiny import build_tiny_model
 
     print(f"[suite] model: {build_tiny_model(ns.model_dir)}", file=sys.stderr, flush=True)
-    procs = start_suite(ns.model_dir, ns.workdir)
+    options = SuiteOptions(model_dir=ns.model_dir, generation_replicas=ns.generation_replicas,
+                           collector_args=ns.collector_arg)
+    procs = start_suite(options, ns.workdir)
+    exit_code = 0
     try:
-        for proc in procs:
-            print(f"{proc.name}\t{proc.address}\tSERVING")
-        if not ns.check:
+        for key, proc in procs.items():
+            print(f"{key}\t{proc.address}\tSERVING")
+        if ns.then:
+            command = shlex.split(ns.then.format(collector=procs["collector"].address, model_dir=ns.model_dir))
+            print(f"[suite] running: {' '.join(command)}", file=sys.stderr, flush=True)
+            exit_code = subprocess.call(command)
+        elif not ns.check:
             stop = threading.Event()
             signal.signal(signal.SIGTERM, lambda *_: stop.set())
             signal.signal(signal.SIGINT, lambda *_: stop.set())
-            print("[suite] running; Ctrl-C stops it", file=sys.stderr, flush=True)
+            print(f"[suite] running; collector at {procs['collector'].address}; Ctrl-C stops it",
+                  file=sys.stderr, flush=True)
             stop.wait()
     finally:
         stop_suite(procs)
+    sys.exit(exit_code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,166 @@
+"""The whole pipeline through real processes: collector + trajectory + reference + reward + 2 vLLM replicas."""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+
+import grpc
+import pytest
+import torch
+
+from rlfleet.services.launch import ServiceProcess
+from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
+from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, sampling_pb2, trajectory_pb2, trajectory_pb2_grpc,
+                        weights_pb2)
+from rlfleet.wire import decode_tensordict
+from rlfleet.wire.weights import iter_push_messages
+from tests.hf_reference import load_hf
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+GROUP = 4
+
+
+@pytest.fixture(scope="module")
+def backends(tiny_model_dir, tmp_path_factory):
+    """reference, reward, trajectory and two generation replicas (shared); collectors are per test."""
+    workdir = tmp_path_factory.mktemp("suite")
+    options = SuiteOptions(model_dir=tiny_model_dir, generation_replicas=2, kv_cache_bytes=128 << 20,
+                           generation_args=["--max-num-seqs", "32"])
+    procs = start_suite(options, workdir, without_collector=True)
+    yield procs
+    stop_suite(procs)
+
+
+def start_collector(backends, tmp_path, *args) -> tuple[ServiceProcess, grpc.Channel]:
+    replicas = [p.address for k, p in backends.items() if k.startswith("generation")]
+    proc = ServiceProcess("collector", [
+        "--generation-addresses", json.dumps(replicas),
+        "--reference-address", backends["reference"].address, "--reward-address", backends["reward"].address,
+        "--trajectory-address", backends["trajectory"].address, "--state-dir", str(tmp_path / "collector"),
+        "--group-size", str(GROUP), "--sampling", json.dumps({"temperature": 1.0, "max_tokens": 24}),
+        "--reward-fn", "char_fraction", "--replica-check-seconds", "0.5", "--log-format", "text", *args])
+    proc.start(tmp_path / "collector-proc").wait_ready(120)
+    return proc, grpc.insecure_channel(proc.address)
+
+
+def submit(channel, count: int, tag: str) -> list[str]:
+    stub = collector_pb2_grpc.CollectorServiceStub(channel)
+    prompts = [collector_pb2.PromptSpec(prompt_id=f"{tag}-{i}", prompt=sampling_pb2.Prompt(text=f"what is {i} plus {i}"))
+               for i in range(count)]
+    return list(stub.SubmitPrompts(collector_pb2.SubmitPromptsRequest(prompts=prompts), timeout=30).prompt_ids)
+
+
+class Reader:
+    """A trainer's batch stream through the collector's address."""
+
+    def __init__(self, channel, batch_size: int, **open_args):
+        self.requests = collections.deque()
+        self._stub = trajectory_pb2_grpc.TrajectoryServiceStub(channel)
+        import queue
+        self._queue = queue.Queue()
+        self._queue.put(trajectory_pb2.StreamBatchesRequest(open=trajectory_pb2.OpenBatchStream(
+            batch_size=batch_size, whole_groups=True, **open_args)))
+        self._responses = self._stub.StreamBatches(iter(self._queue.get, None), timeout=600)
+
+    def next(self):
+        response = next(self._responses)
+        self._queue.put(trajectory_pb2.StreamBatchesRequest(ack=trajectory_pb2.AckBatch(lease_id=response.lease_id)))
+        return decode_tensordict(response.batch)
+
+    def close(self):
+        self._queue.put(None)
+        self._responses.cancel()
+
+
+def push(channel, state, mode=weights_pb2.UPDATE_MODE_KEEP):
+    stub = collector_pb2_grpc.CollectorServiceStub(channel)
+    requests = (collector_pb2.PushWeightsRequest(**{kind: msg})
+                for kind, msg in iter_push_messages(list(state.items()), version=0, mode=mode))
+    return stub.PushWeights(requests, timeout=600)
+
+
+def current_version(channel) -> int:
+    return collector_pb2_grpc.CollectorServiceStub(channel).GetPolicyVersion(
+        collector_pb2.GetPolicyVersionRequest(), timeout=30).version
+
+
+def test_sync_mode_every_batch_after_a_push_carries_the_new_version(backends, tmp_path, tiny_model_dir):
+    proc, channel = start_collector(backends, tmp_path, "--mode", "sync", "--groups-per-step", "2")
+    state = load_hf(tiny_model_dir).state_dict()
+    submit(channel, 8, "sync")
+    reader = Reader(channel, batch_size=2 * GROUP)
+    try:
+        for step in range(3):
+            batch = reader.next()
+            version = current_version(channel)
+            assert batch["policy_version_start"].tolist() == [version] * (2 * GROUP)
+            assert batch["policy_version_end"].tolist() == [version] * (2 * GROUP)
+            reply = push(channel, state)
+            assert reply.version == version + 1 and all(r.applied for r in reply.replicas)
+            assert len(reply.replicas) == 2
+        status = collector_pb2_grpc.CollectorServiceStub(channel).GetStatus(collector_pb2.GetStatusRequest())
+        assert status.mode == "sync" and status.policy_version == version + 1
+    finally:
+        reader.close()
+        channel.close()
+        proc.stop()
+
+
+def test_async_mode_staleness_is_bounded(backends, tmp_path, tiny_model_dir):
+    proc, channel = start_collector(backends, tmp_path, "--mode", "async", "--max-staleness", "1",
+                                    "--groups-per-step", "2")
+    state = load_hf(tiny_model_dir).state_dict()
+    submit(channel, 10, "async")
+    reader = Reader(channel, batch_size=2 * GROUP)
+    try:
+        for step in range(4):
+            batch = reader.next()
+            version = current_version(channel)
+            starts = batch["policy_version_start"]
+            assert int(starts.min()) >= version - 1, (starts.tolist(), version)
+            time.sleep(0.5)  # a trainer step
+            push(channel, state)
+        status = collector_pb2_grpc.CollectorServiceStub(channel).GetStatus(collector_pb2.GetStatusRequest())
+        assert len(status.staleness_histogram) <= 2
+    finally:
+        reader.close()
+        channel.close()
+        proc.stop()
+
+
+def test_replica_killed_mid_run_loses_and_duplicates_nothing(backends, tmp_path):
+    proc, channel = start_collector(backends, tmp_path, "--mode", "async", "--max-staleness", "1000",
+                                    "--sampling", json.dumps({"temperature": 1.0, "max_tokens": 200,
+                                                              "ignore_eos": True}))
+    prompt_ids = submit(channel, 16, "kill")
+    reader = Reader(channel, batch_size=GROUP)
+    seen = collections.defaultdict(set)
+    rows = collections.Counter()
+    try:
+        stub = collector_pb2_grpc.CollectorServiceStub(channel)
+        victim = backends["generation-1"]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # wait until the victim is generating for us
+            replicas = stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=10).replicas
+            if any(r.address == victim.address and r.in_flight > 0 for r in replicas):
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the second replica never received work")
+        victim.kill()  # SIGKILL mid-generation
+        while sum(rows.values()) < len(prompt_ids) * GROUP:
+            batch = reader.next()
+            for pid, gid in zip(batch["prompt_id"].tolist(), batch["group_id"].tolist()):
+                seen[pid].add(gid)
+                rows[pid] += 1
+        assert set(seen) == set(prompt_ids)
+        assert all(len(groups) == 1 for groups in seen.values()), seen  # each prompt's group exactly once
+        assert all(count == GROUP for count in rows.values())
+        status = stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=10)
+        assert {r.address: r.healthy for r in status.replicas}[victim.address] is False
+    finally:
+        reader.close()
+        channel.close()
+        proc.stop()
