@@ -40,15 +40,16 @@ def demo_metrics(suite, tiny_model_dir, tmp_path_factory):
 
 
 def test_reward_rises_beyond_noise(demo_metrics):
-    """Per-step reward is the mean over 32 samples of a score in [0, 1]; if the
-    policy did not improve, per-sample variance <= 0.25 and, even with the 4
-    samples of a group fully correlated (8 independent draws per step), the mean
-    over 4 steps has std <= 0.5 / sqrt(32) ~= 0.09 and the difference of two
-    such means <= 0.125. A rise of 0.3 is ~2.4 of those worst-case sigmas; the
-    real run rises far more (see the README plot)."""
+    """Step 0's batch comes from the untrained model; the last 4 steps from the
+    trained one. Scores lie in [0, 1], so a per-sample std is at most 0.5; even
+    with the 4 samples of a group fully correlated (8 independent draws per
+    32-sample step), the step-0 mean has std <= 0.5 / sqrt(8) ~= 0.18 and the
+    4-step mean <= 0.09, so their difference has std <= 0.2 without learning.
+    We require a rise of 0.4 (2 such worst-case sigmas; the measured per-sample
+    std is ~0.2, making it > 5 sigmas). Learning is fast on this task, so
+    comparing against several early steps would under-measure it."""
     rewards = [m["reward_mean"] for m in demo_metrics]
-    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
-    assert last - first >= 0.3, rewards
+    assert sum(rewards[-4:]) / 4 - rewards[0] >= 0.4, rewards
 
 
 def test_versions_increase_by_one_per_push_and_batches_are_on_policy(demo_metrics):
@@ -81,3 +82,22 @@ def test_sdk_surfaces_real_service_errors_as_typed_exceptions(suite, demo_metric
         assert client.policy_version == current  # nothing half-applied
         status = client.status()
         assert status.policy_version == current and all(r.healthy for r in status.replicas)
+
+
+def test_torchrl_style_collector_adapter(suite, demo_metrics, tiny_model_dir):
+    from rlfleet.client.torchrl import RlfleetLLMCollector
+
+    policy = load_hf(tiny_model_dir)
+    with RlfleetLLMCollector(suite["collector"].address, dialog_turns_per_batch=32, total_dialog_turns=32,
+                             policy=policy) as collector:
+        collector.client.submit_prompts(
+            [{"prompt": "answer in digits: two", "reward_fn": "char_fraction"} for _ in range(8)])
+        before = collector.policy_version
+        batches = list(collector)
+        assert len(batches) == 1 and batches[0].batch_size[0] == 32
+        data = batches[0]
+        for key in [("tokens", "response"), ("log_probs", "response"), ("next", "reward"), ("next", "done"),
+                    ("masks", "all_assistant_mask"), "policy_version", "advantage"]:
+            assert key in data.keys(True, True), key
+        assert collector.update_policy_weights_() == before + 1
+        assert collector.increment_version() == before + 2 == collector.policy_version
