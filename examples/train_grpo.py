@@ -144,9 +144,11 @@ def main(argv: list[str] | None = None) -> dict:
                     "push_mb_per_s": pushed.megabytes_per_second, **stats,
                 }
                 metrics.append(record)
-                progress.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record['kl']:.4f}",
-                                     v=pushed.version, mismatch=f"{record['logprob_mismatch_max']:.1e}")
-                print(json.dumps(record), flush=True)
+                progress.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record['kl']:.3f}", v=pushed.version)
+                progress.write(
+                    f"step {step:3d}  v{pushed.version:<4d} reward {record['reward_mean']:.3f}  kl {record['kl']:.3f}  "
+                    f"tok/s {record['tokens_per_second']:6.0f}  staleness {record['staleness_mean']:.1f}  "
+                    f"logprob mismatch {record['logprob_mismatch_max']:.1e}  push {pushed.megabytes_per_second:.0f} MB/s")
     (ns.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     plot(metrics, ns.out / "metrics.png")
     first = sum(m["reward_mean"] for m in metrics[:5]) / max(1, len(metrics[:5]))

@@ -1,0 +1,397 @@
+"""End-to-end pipeline throughput, as ratios against generation alone and against sync mode.
+
+    .venv/bin/python bench/pipeline.py [--groups 32] [--rounds 3] [--steps 6] [--step-seconds 0.5] [--sync-rounds 2]
+
+The suite (trajectory, reference, reward, one generation replica) starts once
+as real processes; only the collector is restarted between configurations,
+each time with a fresh ``--state-dir``. Every sample is ``--max-tokens`` long
+(``ignore_eos``), GRPO groups of ``--group-size``, reward ``char_fraction``.
+
+(a) trajectories/s end to end vs generation alone. One collector in async mode
+with an unbounded staleness; a trainer (the SDK's ``connect().batches()``)
+submits ``--groups`` prompts and reads batches as fast as it can, no pushes:
+the clock runs from the submit to the last batch received, so it includes
+reference scoring, rewards, the trajectory buffer and the batch stream. The
+baseline drives the same generation replica directly with ``Generate`` for the
+same prompts, group size and sampling, as many calls in flight as the
+collector allows (``max_generations_in_flight``). The two alternate
+``--rounds`` times after a warm-up; ratio = end-to-end / generation alone per
+round, median (target >= 0.85: reference and reward must overlap with
+generation, not add to it). While the pipeline runs, the collector's
+GetStatus is polled to get the mean number of groups inside each stage (by
+Little's law, the time a group spends there), and the CPU seconds of every
+service process (vLLM engine children included) are counted per phase: on a
+2-core machine the pipeline can only keep up if the extra services fit in
+the CPU that generation leaves idle.
+
+(b) async (``--max-staleness 1``) vs sync with a simulated trainer: each of
+``--steps`` steps reads one batch of ``--groups-per-step`` groups, sleeps
+``--step-seconds`` (the trainer's compute) and pushes the tiny model's weights
+through the collector. trajectories/s = all trajectories / wall time from the
+submit to the last push. sync and async alternate ``--sync-rounds`` times, a
+fresh collector each; ratio = async / sync per round, median. The staleness
+histograms (trajectories by versions stale at append) are shown as a check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+
+from rlfleet.client import connect
+from rlfleet.services.launch import ServiceProcess
+from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
+from rlfleet.v1 import collector_pb2, collector_pb2_grpc, generation_pb2, generation_pb2_grpc, sampling_pb2
+
+STAGES = ("generation", "reference", "reward", "trajectory")
+MAX_GENERATIONS_IN_FLIGHT = 16  # the collector's default, also used by the generation-only baseline
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def prompt_texts(count: int) -> list[str]:
+    return [f"what is {i} plus {2 * i + 1}?" for i in range(count)]
+
+
+# ---------------------------------------------------------------- CPU accounting
+
+class CpuMeter:
+    """CPU seconds (user + system) of each service's process tree and of this process."""
+
+    def __init__(self):
+        self.trees: dict[str, list[psutil.Process]] = {"bench": [psutil.Process()]}
+
+    def add(self, key: str, proc: ServiceProcess) -> None:
+        root = psutil.Process(proc.process.pid)
+        self.trees[key] = [root, *root.children(recursive=True)]
+
+    def snapshot(self) -> dict[str, float]:
+        out = {}
+        for key, procs in self.trees.items():
+            total = 0.0
+            for p in procs:
+                try:
+                    times = p.cpu_times()
+                    total += times.user + times.system
+                except psutil.NoSuchProcess:
+                    pass
+            out[key] = total
+        return out
+
+    @staticmethod
+    def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+        return {key: after[key] - before.get(key, 0.0) for key in after}
+
+
+class StatusPoller:
+    """Polls the collector's GetStatus; mean groups inside each stage while running."""
+
+    def __init__(self, address: str, period: float = 0.1):
+        self.address, self.period = address, period
+        self.samples: list[dict[str, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "StatusPoller":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = collector_pb2_grpc.CollectorServiceStub(channel)
+            while not self._stop.wait(self.period):
+                reply = stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=10)
+                self.samples.append({s.name: s.queued + s.in_flight for s in reply.stages})
+
+    def mean(self) -> dict[str, float]:
+        return {name: statistics.fmean(s.get(name, 0) for s in self.samples) if self.samples else 0.0
+                for name in STAGES}
+
+
+# ---------------------------------------------------------------- collector
+
+def start_collector(backends: dict[str, ServiceProcess], workdir: Path, tag: str, ns, *args: str) -> ServiceProcess:
+    replicas = [p.address for k, p in backends.items() if k.startswith("generation")]
+    proc = ServiceProcess("collector", [
+        "--generation-addresses", json.dumps(replicas),
+        "--reference-address", backends["reference"].address, "--reward-address", backends["reward"].address,
+        "--trajectory-address", backends["trajectory"].address, "--state-dir", str(workdir / f"{tag}-state"),
+        "--group-size", str(ns.group_size), "--sampling", json.dumps(sampling(ns)), "--reward-fn", "char_fraction",
+        "--max-generations-in-flight", str(MAX_GENERATIONS_IN_FLIGHT), "--log-level", "WARNING", *args])
+    return proc.start(workdir / f"{tag}-proc").wait_ready(120)
+
+
+def sampling(ns) -> dict:
+    return {"temperature": 1.0, "top_p": 1.0, "max_tokens": ns.max_tokens, "ignore_eos": True}
+
+
+def leftover(client) -> int:
+    stats = client.buffer_stats()
+    return stats.ready + stats.leased
+
+
+# ---------------------------------------------------------------- (a) end to end vs generation alone
+
+def end_to_end(address: str, prompts: list[str], tag: str, ns) -> tuple[float, dict[str, float]]:
+    """Seconds from submit to the last batch of all groups, and the mean groups per stage."""
+    per_batch = ns.group_size * ns.groups_per_step
+    if len(prompts) % ns.groups_per_step:
+        raise ValueError("--groups must be a multiple of --groups-per-step")
+    with connect(address) as client, StatusPoller(address) as poller:
+        started = time.perf_counter()
+        client.submit_prompts([{"prompt": text, "prompt_id": f"{tag}-{i}"} for i, text in enumerate(prompts)])
+        rows = 0
+        with client.batches(per_batch, max_batches=len(prompts) // ns.groups_per_step) as batches:
+            for batch in batches:
+                rows += len(batch)
+        seconds = time.perf_counter() - started
+        if rows != len(prompts) * ns.group_size:
+            raise RuntimeError(f"read {rows} trajectories, expected {len(prompts) * ns.group_size}")
+    return seconds, poller.mean()
+
+
+async def generation_alone(address: str, prompts: list[str], ns) -> float:
+    """Seconds to generate every group directly on the replica, collector-like concurrency."""
+    params = sampling_pb2.SamplingParams(n=ns.group_size, **sampling(ns))
+    gate = asyncio.Semaphore(MAX_GENERATIONS_IN_FLIGHT)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+
+        async def one(text: str) -> int:
+            async with gate:
+                request = generation_pb2.GenerateRequest(prompt=sampling_pb2.Prompt(text=text), sampling=params)
+                return len([reply async for reply in stub.Generate(request, timeout=600)])
+
+        started = time.perf_counter()
+        samples = await asyncio.gather(*(one(text) for text in prompts))
+        seconds = time.perf_counter() - started
+    if sum(samples) != len(prompts) * ns.group_size:
+        raise RuntimeError(f"generated {sum(samples)} samples, expected {len(prompts) * ns.group_size}")
+    return seconds
+
+
+def measure_end_to_end(backends, workdir: Path, meter: CpuMeter, ns) -> dict:
+    collector = start_collector(backends, workdir, "e2e", ns, "--mode", "async", "--max-staleness", "1000000",
+                                "--groups-per-step", str(ns.groups_per_step))
+    meter.add("collector", collector)
+    generation = backends["generation-0"].address
+    trajectories = ns.groups * ns.group_size
+    e2e, alone, stage_means = [], [], []
+    cpu = {"e2e": {}, "alone": {}}
+    try:
+        for round_index in range(-1, ns.rounds):  # round -1: warm-up of both sides
+            count = ns.groups_per_step * 2 if round_index < 0 else ns.groups
+            prompts = prompt_texts(count)
+            before = meter.snapshot()
+            seconds_e2e, stages = end_to_end(collector.address, prompts, f"r{round_index}", ns)
+            middle = meter.snapshot()
+            seconds_alone = asyncio.run(generation_alone(generation, prompts, ns))
+            after = meter.snapshot()
+            if round_index < 0:
+                continue
+            e2e.append(trajectories / seconds_e2e)
+            alone.append(trajectories / seconds_alone)
+            stage_means.append(stages)
+            for phase, (a, b, wall) in {"e2e": (before, middle, seconds_e2e),
+                                        "alone": (middle, after, seconds_alone)}.items():
+                for key, value in CpuMeter.delta(a, b).items():
+                    cpu[phase][key] = cpu[phase].get(key, 0.0) + value
+                cpu[phase]["wall"] = cpu[phase].get("wall", 0.0) + wall
+            log(f"  (a) round {round_index}: end-to-end {e2e[-1]:.1f} traj/s, generation alone {alone[-1]:.1f} "
+                f"traj/s, groups per stage {({k: round(v, 1) for k, v in stages.items()})}")
+    finally:
+        collector.stop()
+    out = summarize(alone, e2e)
+    out["stages"] = {name: statistics.fmean(s[name] for s in stage_means) for name in STAGES}
+    out["cpu"] = cpu
+    return out
+
+
+# ---------------------------------------------------------------- (b) async vs sync with a trainer
+
+def trainer_run(address: str, state: dict, tag: str, ns) -> tuple[float, float, float, list[int], int]:
+    """Seconds for ``--steps`` steps of read batch / sleep / push, of which waiting for batches and pushing;
+    the staleness histogram; leftover rows."""
+    groups = ns.steps * ns.groups_per_step_b
+    with connect(address) as client:
+        started = time.perf_counter()
+        client.submit_prompts([{"prompt": text, "prompt_id": f"{tag}-{i}"}
+                               for i, text in enumerate(prompt_texts(groups))])
+        rows, waiting, pushing = 0, 0.0, 0.0
+        with client.batches(ns.group_size * ns.groups_per_step_b, max_batches=ns.steps) as batches:
+            for _ in range(ns.steps):
+                asked = time.perf_counter()
+                rows += len(next(batches))
+                waiting += time.perf_counter() - asked
+                time.sleep(ns.step_seconds)  # the trainer's step
+                asked = time.perf_counter()
+                result = client.push_weights(state, progress=False)
+                pushing += time.perf_counter() - asked
+                if not result.all_applied:
+                    raise RuntimeError(f"push not applied everywhere: {result}")
+        seconds = time.perf_counter() - started
+        if rows != groups * ns.group_size:
+            raise RuntimeError(f"read {rows} trajectories, expected {groups * ns.group_size}")
+        status = client.status()
+        return seconds, waiting, pushing, list(status.staleness_histogram), leftover(client)
+
+
+def measure_sync_async(backends, workdir: Path, model_dir: Path, ns) -> dict:
+    from safetensors.torch import load_file
+
+    state = load_file(str(model_dir / "model.safetensors"))
+    trajectories = ns.steps * ns.groups_per_step_b * ns.group_size
+    rates = {"sync": [], "async": []}
+    histograms = {"sync": [], "async": []}
+    per_step = {"sync": [], "async": []}
+    for round_index in range(ns.sync_rounds):
+        for mode in ("sync", "async"):
+            tag = f"{mode}{round_index}"
+            collector = start_collector(backends, workdir, tag, ns, "--mode", mode, "--max-staleness", "1",
+                                        "--groups-per-step", str(ns.groups_per_step_b))
+            try:
+                seconds, waiting, pushing, histogram, rest = trainer_run(collector.address, state, tag, ns)
+            finally:
+                collector.stop()
+            if rest:
+                log(f"  WARNING: {rest} trajectories left in the trajectory buffer after the {mode} run")
+            rates[mode].append(trajectories / seconds)
+            histograms[mode].append(histogram)
+            per_step[mode].append((seconds / ns.steps, waiting / ns.steps, pushing / ns.steps))
+            log(f"  (b) round {round_index} {mode:>5}: {rates[mode][-1]:.1f} traj/s, {seconds / ns.steps:.2f} s/step "
+                f"(batch wait {waiting / ns.steps:.2f} s, push {pushing / ns.steps:.2f} s), "
+                f"staleness histogram {histogram}")
+    out = summarize(rates["sync"], rates["async"])
+    out["histograms"] = histograms
+    out["per_step"] = {mode: [statistics.median(x) for x in zip(*values)] for mode, values in per_step.items()}
+    return out
+
+
+def summarize(base: list[float], measured: list[float]) -> dict:
+    ratios = sorted(m / b for b, m in zip(base, measured))
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return dict(base=statistics.median(base), measured=statistics.median(measured),
+                ratio=statistics.median(ratios), low=quartiles[0], high=quartiles[2], ratios=ratios)
+
+
+# ---------------------------------------------------------------- main
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="HF model directory (default: build the tiny local model in a cache dir)")
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--groups", type=int, default=32, help="(a) groups per phase")
+    parser.add_argument("--groups-per-step", type=int, default=8, help="(a) groups per trainer batch")
+    parser.add_argument("--rounds", type=int, default=3, help="(a) alternating end-to-end/generation rounds")
+    parser.add_argument("--steps", type=int, default=6, help="(b) trainer steps per run")
+    parser.add_argument("--groups-per-step-b", type=int, default=4, help="(b) groups per trainer step")
+    parser.add_argument("--step-seconds", type=float, default=0.5, help="(b) simulated trainer compute per step")
+    parser.add_argument("--sync-rounds", type=int, default=2, help="(b) alternating sync/async runs")
+    parser.add_argument("--parts", default="ab", help="which parts to run: a, b or ab")
+    parser.add_argument("--reference-threads", type=int, default=0,
+                        help="diagnosis: restart the reference service with OMP_NUM_THREADS=N (0: as the suite "
+                             "starts it, torch's default of one thread per core)")
+    ns = parser.parse_args()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+    from rlfleet.services.models.tiny import build_tiny_model
+
+    model_dir = ns.model_dir or build_tiny_model(Path(tempfile.gettempdir()) / "rlfleet-bench-tiny-model")
+    workdir = Path(tempfile.mkdtemp(prefix="rlfleet-bench-pipeline-"))
+    options = SuiteOptions(model_dir=model_dir, generation_replicas=1, kv_cache_bytes=256 << 20, max_model_len=1024)
+    backends = start_suite(options, workdir, without_collector=True)
+    try:
+        if ns.reference_threads:
+            backends["reference"].stop()
+            backends["reference"] = ServiceProcess(
+                "reference", ["--model-path", str(model_dir), "--log-format", "text"],
+                env={"OMP_NUM_THREADS": str(ns.reference_threads)}).start(workdir / "reference-threads")
+            backends["reference"].wait_ready(300)
+        meter = CpuMeter()
+        for key, proc in backends.items():
+            meter.add(key.split("-")[0], proc)
+        e2e = measure_end_to_end(backends, workdir, meter, ns) if "a" in ns.parts else None
+        sync = measure_sync_async(backends, workdir, model_dir, ns) if "b" in ns.parts else None
+    finally:
+        stop_suite(backends)
+    print(f"\nmachine load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())} "
+          f"({psutil.cpu_count()} cores); reference OMP threads: {ns.reference_threads or 'default'}")
+    if e2e is not None:
+        report_end_to_end(e2e, model_dir, ns)
+    if sync is not None:
+        report_sync_async(sync, e2e, ns)
+    print(HOW_TO_READ)
+
+
+def report_end_to_end(e2e: dict, model_dir: Path, ns) -> None:
+    cores = psutil.cpu_count() or 1
+    print(f"\n(a) trajectories/s end to end vs generation alone | model {model_dir.name} | {ns.groups} groups x "
+          f"{ns.group_size} samples x {ns.max_tokens} tokens | {MAX_GENERATIONS_IN_FLIGHT} Generate calls in flight "
+          f"| {ns.rounds} alternating rounds")
+    print(f"{'generation alone traj/s':>23} | {'end-to-end traj/s':>17} | {'ratio':>5} | {'ratio IQR':>11} | target")
+    print(f"{'-' * 23}-+-{'-' * 17}-+-{'-' * 5}-+-{'-' * 11}-+-------")
+    print(f"{e2e['base']:>23.1f} | {e2e['measured']:>17.1f} | {e2e['ratio']:>5.2f} | "
+          f"{e2e['low']:>5.2f}-{e2e['high']:<5.2f} | >= 0.85 {'ok' if e2e['ratio'] >= 0.85 else 'MISSED'}")
+    stages = "  ".join(f"{name} {value:.1f}" for name, value in e2e["stages"].items())
+    print(f"  mean groups inside each collector stage (end to end): {stages}")
+    keys = ["generation", "reference", "reward", "trajectory", "collector", "bench"]
+    print(f"  CPU seconds per trajectory, by process tree ({cores} cores; busy = CPU s / (cores x wall s)):")
+    print(f"  {'phase':>16} | " + " | ".join(f"{k:>10}" for k in keys) + f" | {'total':>7} | {'busy':>5}")
+    for phase, label in (("alone", "generation alone"), ("e2e", "end to end")):
+        cpu = e2e["cpu"][phase]
+        n = ns.rounds * ns.groups * ns.group_size
+        total = sum(cpu.get(k, 0.0) for k in keys)
+        print(f"  {label:>16} | " + " | ".join(f"{1000 * cpu.get(k, 0.0) / n:>8.1f}ms" for k in keys)
+              + f" | {1000 * total / n:>5.1f}ms | {total / (cores * cpu['wall']):>5.0%}")
+
+
+def report_sync_async(sync: dict, e2e: dict | None, ns) -> None:
+    print(f"\n(b) async (max_staleness=1) vs sync | {ns.steps} trainer steps of {ns.groups_per_step_b} groups "
+          f"(batch {ns.groups_per_step_b * ns.group_size}), {ns.step_seconds:g} s compute + a weight push per step "
+          f"| {ns.sync_rounds} alternating runs, fresh collector each")
+    print(f"{'sync traj/s':>11} | {'async traj/s':>12} | {'ratio':>5} | {'ratio IQR':>11} | staleness sync / async")
+    print(f"{'-' * 11}-+-{'-' * 12}-+-{'-' * 5}-+-{'-' * 11}-+-{'-' * 30}")
+    print(f"{sync['base']:>11.1f} | {sync['measured']:>12.1f} | {sync['ratio']:>5.2f} | "
+          f"{sync['low']:>5.2f}-{sync['high']:<5.2f} | {sync['histograms']['sync'][-1]} / "
+          f"{sync['histograms']['async'][-1]}")
+    for mode in ("sync", "async"):
+        total, waiting, pushing = sync["per_step"][mode]
+        print(f"  {mode:>5}: {total:.2f} s/step = batch wait {waiting:.2f} + trainer {ns.step_seconds:g} + "
+              f"push {pushing:.2f} (+ {total - waiting - pushing - ns.step_seconds:.2f} other), medians")
+    if e2e is not None:
+        gen_step = ns.groups_per_step_b * ns.group_size / e2e["base"]
+        print(f"  per step: generation alone would take ~{gen_step:.2f} s, the trainer {ns.step_seconds:g} s + push;"
+              f" sync pays both in series, async overlaps them (ideal ratio ~(gen + step) / max(gen, step)).")
+
+
+HOW_TO_READ = """
+How to read: ratios are medians of per-round ratios from runs adjacent in time (a noisy machine shifts both).
+(a) ratio = end-to-end traj/s / generation-alone traj/s on the same replica, prompts, group size and sampling:
+    1.0 = reference, reward, trajectory buffer and batch delivery add nothing to generation (target >= 0.85).
+    'groups inside each stage' is where a group spends its time (Little's law); the CPU table shows whether the
+    other services fit beside vLLM on this machine's cores.
+(b) ratio = async traj/s / sync traj/s for a trainer that computes and pushes each step (> 1: async overlaps
+    generation with the trainer; staleness histograms: trajectories by versions stale at append)."""
+
+
+if __name__ == "__main__":
+    main()

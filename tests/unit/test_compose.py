@@ -1,0 +1,174 @@
+"""The compose files: health, exposure, and every RLFLEET_* env var checked against the configs.
+
+compose.yaml is the suite; compose.override.yaml (read by default) adds the GPU
+reservation; compose.cpu.yaml is the CPU override (tiny model, one-shot init).
+Merging here is the simple per-key kind compose does for these files.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlfleet.services.collector.config import CollectorConfig
+from rlfleet.services.common.config import ServiceConfig
+from rlfleet.services.generation.config import GenerationConfig
+from rlfleet.services.reference.config import ReferenceServiceConfig
+from rlfleet.services.reward.config import RewardServiceConfig
+from rlfleet.services.trajectory.config import TrajectoryConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS: dict[str, type[ServiceConfig]] = {
+    cls.service_name: cls
+    for cls in (GenerationConfig, ReferenceServiceConfig, RewardServiceConfig, TrajectoryConfig, CollectorConfig)
+}
+ONE_SHOT = {"model-init"}
+INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((ROOT / name).read_text())
+
+
+def merged(*names: str) -> dict[str, dict]:
+    """Services of the given files, later files overriding earlier ones key by key."""
+    services: dict[str, dict] = {}
+    for name in names:
+        for service, body in load(name)["services"].items():
+            target = services.setdefault(service, {})
+            for key, value in copy.deepcopy(body).items():
+                if isinstance(value, dict) and isinstance(target.get(key), dict):
+                    target[key] = {**target[key], **value}
+                else:
+                    target[key] = value
+    return services
+
+
+VARIANTS = {
+    "gpu": merged("compose.yaml", "compose.override.yaml"),
+    "cpu": merged("compose.yaml", "compose.cpu.yaml"),
+}
+
+
+def interpolate(value) -> str:
+    """Fill ``${VAR:-default}`` with its default, as compose does with VAR unset."""
+    return INTERPOLATION.sub(lambda m: m.group(2) or "", str(value))
+
+
+def service_kind(body: dict) -> str | None:
+    command = body.get("command") or []
+    return command[0] if command and command[0] in CONFIGS else None
+
+
+def rlfleet_env(body: dict) -> dict[str, str]:
+    environment = body.get("environment") or {}
+    assert isinstance(environment, dict), "write environment as a mapping"
+    return {key: interpolate(value) for key, value in environment.items() if key.startswith("RLFLEET_")}
+
+
+def all_services():
+    for variant, services in VARIANTS.items():
+        for name, body in services.items():
+            yield pytest.param(variant, name, body, id=f"{variant}-{name}")
+
+
+def test_all_files_parse_and_every_suite_service_runs():
+    for variant, services in VARIANTS.items():
+        kinds = {service_kind(body) for body in services.values()} - {None}
+        assert kinds == set(CONFIGS), variant
+
+
+@pytest.mark.parametrize("variant,name,body", list(all_services()))
+def test_every_service_has_a_healthcheck_or_is_the_one_shot_init(variant, name, body):
+    if name in ONE_SHOT:
+        assert body.get("healthcheck") == {"disable": True} and body.get("restart") == "no"
+        return
+    test = body["healthcheck"]["test"]
+    assert test[:4] == ["CMD", "python", "-m", "rlfleet.services.healthcheck"], test
+    assert body.get("restart") in ("unless-stopped", "always", "on-failure")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_only_the_collector_publishes_a_port(variant):
+    publishing = {name for name, body in VARIANTS[variant].items() if body.get("ports")}
+    assert publishing == {"collector"}
+    assert all("network_mode" not in body for body in VARIANTS[variant].values())
+
+
+@pytest.mark.parametrize("variant,name,body", list(all_services()))
+def test_env_vars_are_fields_of_that_services_config(variant, name, body):
+    kind = service_kind(body)
+    env = rlfleet_env(body)
+    if kind is None:
+        assert not env, f"{name}: RLFLEET_* env on a container that runs no service"
+        return
+    config_cls = CONFIGS[kind]
+    prefix = config_cls.env_prefix()
+    for key in env:
+        assert key.startswith(prefix), f"{name}: {key} does not configure {kind}"
+        assert key[len(prefix):].lower() in config_cls.model_fields, f"{name}: {key} is no field of {config_cls.__name__}"
+    # The values must validate too: build the config exactly as the container will.
+    config_cls.load([], environ=env)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_ports_in_env_match_container_ports_and_addresses(variant):
+    services = VARIANTS[variant]
+    ports = {}
+    for name, body in services.items():
+        kind = service_kind(body)
+        if kind is None:
+            continue
+        config = CONFIGS[kind].load([], environ=rlfleet_env(body))
+        ports[name] = config.port
+        address = body["healthcheck"]["test"][4]
+        assert address == f"127.0.0.1:{config.port}", f"{name}: healthcheck probes {address}"
+        for mapping in body.get("ports") or []:
+            assert int(interpolate(mapping).rsplit(":", 1)[1]) == config.port, f"{name}: publishes {mapping}"
+    collector = CollectorConfig.load([], environ=rlfleet_env(services["collector"]))
+    upstreams = [*collector.generation_addresses, collector.reference_address,
+                 collector.reward_address, collector.trajectory_address]
+    for upstream in upstreams:
+        host, port = upstream.rsplit(":", 1)
+        assert host in ports and ports[host] == int(port), f"collector upstream {upstream} matches no service"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_collector_waits_for_healthy_upstreams(variant):
+    services = VARIANTS[variant]
+    depends = services["collector"]["depends_on"]
+    assert {name: dep["condition"] for name, dep in depends.items()} == {
+        "generation": "service_healthy", "reference": "service_healthy",
+        "reward": "service_healthy", "trajectory": "service_healthy"}
+    for name, body in services.items():
+        for dep in (body.get("depends_on") or {}).values():
+            assert dep["condition"] in ("service_healthy", "service_completed_successfully"), name
+
+
+def test_gpu_reservation_only_by_default_and_cpu_variant_uses_the_tiny_model():
+    gpu, cpu = VARIANTS["gpu"], VARIANTS["cpu"]
+    devices = gpu["generation"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["capabilities"] == ["gpu"]
+    assert all("deploy" not in body for body in cpu.values())
+    assert all(body["build"]["args"]["TARGET"] == "cpu" for body in cpu.values())
+    init = cpu["model-init"]
+    assert init["command"][0] == "tiny-model"
+    model_dir = init["command"][1]
+    for name in ("generation", "reference", "reward"):
+        assert cpu[name]["depends_on"]["model-init"]["condition"] == "service_completed_successfully"
+    assert rlfleet_env(cpu["generation"])["RLFLEET_GENERATION_MODEL"] == model_dir
+    assert rlfleet_env(cpu["reference"])["RLFLEET_REFERENCE_MODEL_PATH"] == model_dir
+    assert rlfleet_env(cpu["reward"])["RLFLEET_REWARD_TOKENIZER_PATH"] == model_dir
+
+
+def test_trajectory_log_is_on_a_named_volume():
+    compose = load("compose.yaml")
+    body = VARIANTS["cpu"]["trajectory"]
+    db_path = Path(rlfleet_env(body)["RLFLEET_TRAJECTORY_DB_PATH"])
+    mounts = dict(volume.split(":", 1) for volume in body["volumes"])
+    volume = next(source for source, target in mounts.items() if db_path.is_relative_to(target))
+    assert volume in compose["volumes"]
