@@ -75,6 +75,8 @@ class CollectorConfig(ServiceConfig):
     """Largest weight push accepted."""
     replica_check_seconds: float = Field(2.0, gt=0)
     """How often unhealthy replicas are probed (and re-synced before rejoining)."""
+    replica_startup_seconds: float = Field(60.0, ge=0)
+    """At start, how long to wait for every replica to answer before starting with the ones that did."""
     upstream_timeout_seconds: float = Field(120.0, gt=0)
     """Deadline of calls to reference/reward/trajectory."""
 

@@ -219,10 +219,14 @@ class Pipeline:
 
     async def _append(self, item, samples, ref_log_probs, rewards, group_id: int) -> None:
         start_version = min(s.policy_version_start for s in samples)
-        if self.options.mode == "sync" and start_version < self.gate.version:
-            # On-policy: a group started before the latest push must not reach the trainer.
+        now = max(self.gate.version, *(s.policy_version_end for s in samples))
+        if now - start_version > self.gate.max_staleness:
+            # Admission bounds how far ahead a group starts; a group that finished too late (pushes
+            # landed while it generated) would reach the trainer staler than allowed — in sync mode
+            # any push does that. Its prompt is generated again on the current weights; counted.
             self.discarded_samples += len(samples)
-            raise _Discard(f"stale in sync mode (started at v{start_version}, now v{self.gate.version})")
+            raise _Discard(f"too stale: started at v{start_version}, now v{now}, "
+                           f"max_staleness {self.gate.max_staleness}")
         td = group_tensordict(samples=samples, ref_log_probs=ref_log_probs, rewards=rewards,
                               group_id=group_id, prompt_id=item.prompt_id, kl_coef=rewards.kl_coef)
         request = trajectory_pb2.AppendRequest(trajectories=encode_tensordict(td), idempotency_key=f"{group_id:x}")
@@ -237,7 +241,7 @@ class Pipeline:
                     await asyncio.sleep(min(2.0, 0.05 * 2 ** min(attempt, 6)))
                     attempt += 1
         self.appended += len(samples)
-        self.staleness[self.gate.version - start_version] += len(samples)
+        self.staleness[now - start_version] += len(samples)  # staleness when it became visible
 
     def staleness_histogram(self) -> list[int]:
         if not self.staleness:

@@ -96,11 +96,7 @@ class CollectorService(Service[CollectorConfig]):
         state = self.load_state()
         if "source" in state:
             self.source.load_state(state["source"])
-        versions = {}
-        while not versions:
-            versions = {r.address: v for r in self.pool.replicas if (v := await self.pool.probe(r)) is not None}
-            if not versions:
-                await asyncio.sleep(1.0)
+        versions = await self._probe_replicas()
         self.gate.version = max([state.get("version", 0), *versions.values()])
         self.gate.groups_started = self.gate.version * self.gate.groups_per_step
         for replica in self.pool.replicas:
@@ -110,6 +106,19 @@ class CollectorService(Service[CollectorConfig]):
         self._tasks = [asyncio.create_task(self.pipeline.run(), name="pipeline"),
                        asyncio.create_task(self._watch_replicas(), name="replicas"),
                        asyncio.create_task(self._checkpoint(), name="checkpoint")]
+
+    async def _probe_replicas(self) -> dict[str, int]:
+        """Every replica's version, waiting (bounded) for all of them so the first groups spread over all."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.replica_startup_seconds
+        while True:
+            probed = await asyncio.gather(*(self.pool.probe(r) for r in self.pool.replicas))
+            versions = {r.address: v for r, v in zip(self.pool.replicas, probed) if v is not None}
+            if len(versions) == len(self.pool.replicas) or (versions and loop.time() >= deadline):
+                return versions
+            log.info("waiting for generation replicas",
+                     extra={"answered": sorted(versions), "replicas": len(self.pool.replicas)})
+            await asyncio.sleep(1.0)
 
     async def _wait_for_dependencies(self) -> None:
         for name, channel in self._channels.items():

@@ -138,7 +138,7 @@ class TrajectoryStore:
         self._clock = clock
         self._db = _connect(path, synchronous, lock_timeout_seconds)
         self._units: dict[int, _Unit] = {}
-        self._ready_units: list[int] = []  # unit ids with ready rows, ascending = FIFO
+        self._ready_units: list[int] = []  # unit ids with ready rows, in delivery order (see _order)
         self._leases: dict[str, _Lease] = {}
         self._ready = 0
         self._leased = 0
@@ -157,10 +157,11 @@ class TrajectoryStore:
             unit = self._units.get(unit_id)
             if unit is None:
                 unit = self._units[unit_id] = _Unit(unit_id, group_id, group_size, version)
-                self._ready_units.append(unit_id)  # ORDER BY seq: units come in ascending order
+                self._ready_units.append(unit_id)
             unit.ready.append(_Row(seq, unit_id, version, deliveries))
             unit.min_version = min(unit.min_version, version)
             self._ready += 1
+        self._ready_units.sort(key=self._order)
         if self._ready:
             log.info("reopened trajectory store", extra={"path": self.path, "ready": self._ready})
 
@@ -219,7 +220,7 @@ class TrajectoryStore:
         self._schema = schema
         for unit in new_units:
             self._units[unit.id] = unit
-            self._ready_units.append(unit.id)  # new ids are the largest so far
+            bisect.insort(self._ready_units, unit.id, key=self._order)
         self._ready += count
         self._appended += count
         return AppendResult(count, self.buffered)
@@ -233,7 +234,8 @@ class TrajectoryStore:
               min_policy_version: int = 0) -> Delivery | None:
         """Lease exactly ``batch_size`` ready rows to ``owner``, or None if not enough are ready.
 
-        Oldest rows first (a released batch goes back to the head). With
+        Oldest policy version first, then append order (a released batch goes
+        back to its place at the head). With
         ``whole_groups`` only complete groups are taken, and a group whose size
         does not divide ``batch_size`` is an error (it could never be delivered).
         Ready rows below ``min_policy_version`` are deleted and counted as stale
@@ -372,7 +374,7 @@ class TrajectoryStore:
             unit = self._units[row.unit]
             unit.leased -= 1
             if not unit.ready:
-                bisect.insort(self._ready_units, unit.id)
+                bisect.insort(self._ready_units, unit.id, key=self._order)
             bisect.insort(unit.ready, row, key=lambda r: r.seq)
         self._leased -= len(lease.rows)
         self._ready += len(lease.rows)
@@ -390,8 +392,17 @@ class TrajectoryStore:
                      dropped_stale=self._dropped_stale)
 
     # --- sqlite helpers ----------------------------------------------------------------
+    def _order(self, unit_id: int) -> tuple[int, int]:
+        """Delivery order: oldest policy version first, then append order.
+
+        Serving the stalest group first keeps what a trainer consumes as close
+        to on-policy as the buffer allows (a late-finishing old group is not
+        overtaken indefinitely by newer ones).
+        """
+        return self._units[unit_id].min_version, unit_id
+
     def _remove_ready_unit(self, unit_id: int) -> None:
-        index = bisect.bisect_left(self._ready_units, unit_id)
+        index = bisect.bisect_left(self._ready_units, self._order(unit_id), key=self._order)
         del self._ready_units[index]
 
     def _delete(self, seqs: Sequence[int]) -> None:

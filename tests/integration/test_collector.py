@@ -115,15 +115,22 @@ def test_async_mode_staleness_is_bounded(backends, tmp_path, tiny_model_dir):
     submit(channel, 10, "async")
     reader = Reader(channel, batch_size=2 * GROUP)
     try:
+        consumed = []
         for step in range(4):
             batch = reader.next()
             version = current_version(channel)
-            starts = batch["policy_version_start"]
-            assert int(starts.min()) >= version - 1, (starts.tolist(), version)
+            starts, ends = batch["policy_version_start"], batch["policy_version_end"]
+            # Guaranteed: no trajectory became visible more than k=1 versions after it started.
+            assert bool((starts >= ends - 1).all()), (starts.tolist(), ends.tolist())
+            assert int(starts.max()) <= version
+            consumed += (version - starts).tolist()
             time.sleep(0.5)  # a trainer step
             push(channel, state)
         status = collector_pb2_grpc.CollectorServiceStub(channel).GetStatus(collector_pb2.GetStatusRequest())
-        assert len(status.staleness_histogram) <= 2
+        assert 1 <= len(status.staleness_histogram) <= 2, list(status.staleness_histogram)
+        assert sum(status.staleness_histogram) >= 4 * 2 * GROUP
+        # Generation ran ahead of the trainer: some consumed data was one version old (async, not sync).
+        assert max(consumed) >= 1, consumed
     finally:
         reader.close()
         channel.close()
@@ -153,6 +160,8 @@ def test_replica_killed_mid_run_loses_and_duplicates_nothing(backends, tmp_path)
         while sum(rows.values()) < len(prompt_ids) * GROUP:
             batch = reader.next()
             for pid, gid in zip(batch["prompt_id"].tolist(), batch["group_id"].tolist()):
+                if pid not in prompt_ids:
+                    continue  # left in the shared buffer by an earlier test's collector
                 seen[pid].add(gid)
                 rows[pid] += 1
         assert set(seen) == set(prompt_ids)

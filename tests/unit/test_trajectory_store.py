@@ -107,6 +107,21 @@ def test_batches_have_exactly_batch_size_rows_in_append_order(store):
     assert store.stats().ready == 2 and store.stats().leased == 8
 
 
+def test_oldest_policy_version_is_served_first_then_append_order(tmp_path):
+    store = TrajectoryStore(str(tmp_path / "order.db"), capacity=100)
+    store.append(make_trajectories(groups(0, 1, 2), first_id=0, policy_version=3))
+    store.append(make_trajectories(groups(1, 1, 2), first_id=2, policy_version=1))  # a late, older group
+    store.append(make_trajectories(groups(2, 1, 2), first_id=4, policy_version=1))
+    first = store.lease("a", 2, lease_seconds=10, whole_groups=True)
+    assert trajectory_ids(first.batch) == ["traj-2", "traj-3"]
+    store.nack("a", first.lease_id)  # a released batch goes back to its place at the head
+    assert trajectory_ids(store.lease("a", 4, lease_seconds=10).batch) == ["traj-2", "traj-3", "traj-4", "traj-5"]
+    store.close()
+    reopened = TrajectoryStore(str(tmp_path / "order.db"), capacity=100)  # the order survives a restart
+    assert trajectory_ids(reopened.lease("a", 6, lease_seconds=10).batch) == [f"traj-{i}" for i in (2, 3, 4, 5, 0, 1)]
+    reopened.close()
+
+
 def test_whole_groups_never_split_a_group(store):
     store.append(make_trajectories([1, 1, 1]))
     store.append(make_trajectories([2, 2, 2, 3, 3, 3], first_id=3))
@@ -140,10 +155,10 @@ def test_stale_trajectories_are_dropped_and_counted(store):
     store.append(make_trajectories([2, 2], first_id=2, policy_version=3))
     store.append(make_trajectories([3, 3], first_id=4, policy_version=2))
     delivery = store.lease("a", 2, lease_seconds=10, min_policy_version=2)
-    assert trajectory_ids(delivery.batch) == ["traj-2", "traj-3"]
+    assert trajectory_ids(delivery.batch) == ["traj-4", "traj-5"]  # v1 dropped, then the oldest left (v2)
     stats = store.stats()
     assert (stats.dropped_stale, stats.ready) == (2, 2)
-    assert store.lease("a", 2, lease_seconds=10, min_policy_version=3) is None
+    assert store.lease("a", 2, lease_seconds=10, min_policy_version=4) is None
     assert store.stats().dropped_stale == 4
 
 
