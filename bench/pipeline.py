@@ -307,9 +307,8 @@ def main() -> None:
     parser.add_argument("--step-seconds", type=float, default=0.5, help="(b) simulated trainer compute per step")
     parser.add_argument("--sync-rounds", type=int, default=2, help="(b) alternating sync/async runs")
     parser.add_argument("--parts", default="ab", help="which parts to run: a, b or ab")
-    parser.add_argument("--reference-threads", type=int, default=0,
-                        help="diagnosis: restart the reference service with OMP_NUM_THREADS=N (0: as the suite "
-                             "starts it, torch's default of one thread per core)")
+    parser.add_argument("--reference-threads", type=int, default=SuiteOptions.reference_threads,
+                        help="the reference service's --torch-threads (0: torch's default, one per core)")
     ns = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -317,15 +316,10 @@ def main() -> None:
 
     model_dir = ns.model_dir or build_tiny_model(Path(tempfile.gettempdir()) / "rlfleet-bench-tiny-model")
     workdir = Path(tempfile.mkdtemp(prefix="rlfleet-bench-pipeline-"))
-    options = SuiteOptions(model_dir=model_dir, generation_replicas=1, kv_cache_bytes=256 << 20, max_model_len=1024)
+    options = SuiteOptions(model_dir=model_dir, generation_replicas=1, kv_cache_bytes=256 << 20, max_model_len=1024,
+                           reference_threads=ns.reference_threads)
     backends = start_suite(options, workdir, without_collector=True)
     try:
-        if ns.reference_threads:
-            backends["reference"].stop()
-            backends["reference"] = ServiceProcess(
-                "reference", ["--model-path", str(model_dir), "--log-format", "text"],
-                env={"OMP_NUM_THREADS": str(ns.reference_threads)}).start(workdir / "reference-threads")
-            backends["reference"].wait_ready(300)
         meter = CpuMeter()
         for key, proc in backends.items():
             meter.add(key.split("-")[0], proc)
@@ -334,7 +328,7 @@ def main() -> None:
     finally:
         stop_suite(backends)
     print(f"\nmachine load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())} "
-          f"({psutil.cpu_count()} cores); reference OMP threads: {ns.reference_threads or 'default'}")
+          f"({psutil.cpu_count()} cores); reference torch threads: {ns.reference_threads or 'default'}")
     if e2e is not None:
         report_end_to_end(e2e, model_dir, ns)
     if sync is not None:

@@ -39,6 +39,8 @@ class SuiteOptions:
     reward_args: list[str] = field(default_factory=list)
     generation_args: list[str] = field(default_factory=list)
     log_format: str = "text"
+    reference_threads: int = 1
+    """The reference model's torch threads: vLLM's engine owns the CPU of a small host."""
 
 
 def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
@@ -64,7 +66,7 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
         model = str(options.model_dir)
         launch("trajectory", "trajectory",
                ["--db-path", options.trajectory_db or str(workdir / "trajectory" / "trajectories.db")])
-        launch("reference", "reference", ["--model-path", model])
+        launch("reference", "reference", ["--model-path", model, "--torch-threads", str(options.reference_threads)])
         launch("reward", "reward", ["--tokenizer-path", model, *options.reward_args])
         replicas = [launch(f"generation-{i}", "generation",
                            ["--model", model, "--kv-cache-memory-bytes", str(options.kv_cache_bytes),

@@ -144,13 +144,22 @@ class GenerationEngine:
     @property
     def serving(self) -> bool:
         """Health: SERVING iff this is true."""
+        self._check_engine_alive()
         return self._state is EngineState.SERVING
+
+    def _check_engine_alive(self) -> None:
+        """An engine core that died (crash, OOM kill) fails the engine for good: health goes NOT_SERVING."""
+        if self._engine is not None and self._state in (EngineState.SERVING, EngineState.SWAPPING) \
+                and self._engine.errored:
+            logger.error("vLLM engine core is dead; this replica stops serving")
+            self._state = EngineState.FAILED
 
     @property
     def policy_version(self) -> int:
         return self._policy_version
 
     def _require_engine(self) -> AsyncLLM:
+        self._check_engine_alive()
         if self._engine is None or not self.ready:
             raise Unavailable(f"generation engine is {self._state.value}")
         return self._engine

@@ -17,7 +17,7 @@ class EngineState(str, enum.Enum):
     SWAPPING = "swapping"
     """A wait/abort swap: new requests are held until it completes."""
     FAILED = "failed"
-    """A weight swap failed inside vLLM; the weights are undefined."""
+    """A weight swap failed inside vLLM (the weights are undefined), or the engine core died."""
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,8 @@ class ReferenceScorer:
             return
         from transformers import AutoModelForCausalLM
 
+        if self.config.torch_threads:
+            torch.set_num_threads(self.config.torch_threads)
         model = AutoModelForCausalLM.from_pretrained(
             self.config.model_path,
             dtype=_DTYPES[self.config.dtype],

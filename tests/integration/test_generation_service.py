@@ -153,29 +153,42 @@ def test_weight_push_changes_log_probs_and_bad_pushes_change_nothing(stub, tiny_
 
 def test_keep_mode_push_during_long_generation_records_both_versions(stub, tiny_model_dir):
     state = load_hf(tiny_model_dir).state_dict()
-    current = version(stub)
-    result = {}
+    for attempt in range(3):  # the push must land while the generation runs; retried if it did not
+        current = version(stub)
+        result = {}
 
-    def long_generation():
-        result["sample"] = generate(stub, temperature=1.0, max_tokens=600, ignore_eos=True, seed=5)[0]
+        def long_generation():  # as long as the context allows, 4 samples: seconds even on a quiet machine
+            result["samples"] = generate(stub, n=4, temperature=1.0, max_tokens=1000, ignore_eos=True)
 
-    thread = threading.Thread(target=long_generation)
-    thread.start()
-    time.sleep(1.0)  # let it get going
-    push(stub, state, current + 1, mode=weights_pb2.UPDATE_MODE_KEEP)
-    thread.join(300)
-    sample = result["sample"]
-    assert sample.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
-    assert len(decode_tensor(sample.response_token_ids)) == 600
-    assert sample.policy_version_start == current and sample.policy_version_end == current + 1
+        thread = threading.Thread(target=long_generation)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while True:  # in flight (waiting or running): counted from the moment the call arrives
+            status = stub.GetEngineStatus(generation_pb2.GetEngineStatusRequest(), timeout=10)
+            if status.running_requests + status.waiting_requests:
+                break
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.01)
+        time.sleep(0.3)  # let it produce tokens on the current weights
+        push(stub, state, current + 1, mode=weights_pb2.UPDATE_MODE_KEEP)
+        in_flight_during_push = thread.is_alive()
+        thread.join(300)
+        if in_flight_during_push:
+            break
+    assert in_flight_during_push, "the generation never outlasted a push"
+    assert len(result["samples"]) == 4
+    for sample in result["samples"]:
+        assert sample.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+        assert len(decode_tensor(sample.response_token_ids)) == 1000
+        assert sample.policy_version_start == current and sample.policy_version_end == current + 1
 
 
 def test_admission_control_and_health(stub, generation):
     assert generation.health() == health_pb2.HealthCheckResponse.SERVING
     calls = [stub.Generate(generation_pb2.GenerateRequest(
         prompt=sampling_pb2.Prompt(token_ids=encode_tensor(torch.tensor(PROMPT))),
-        sampling=sampling_pb2.SamplingParams(max_tokens=800, ignore_eos=True, temperature=1.0)), timeout=300)
-        for _ in range(12)]
+        sampling=sampling_pb2.SamplingParams(n=4, max_tokens=1000, ignore_eos=True, temperature=1.0)), timeout=300)
+        for _ in range(12)]  # each call takes seconds: all 12 arrive while the first 8 still run
     codes = []
     for call in calls:
         try:
@@ -190,3 +203,24 @@ def test_admission_control_and_health(stub, generation):
     while stub.GetEngineStatus(generation_pb2.GetEngineStatusRequest()).running_requests and time.monotonic() < deadline:
         time.sleep(0.2)
     assert stub.GetEngineStatus(generation_pb2.GetEngineStatusRequest()).running_requests == 0
+
+
+def test_dead_engine_core_turns_health_not_serving(stub, generation):
+    """Runs last in this module: it kills the module's engine. A replica whose vLLM engine core died
+    must leave rotation (health NOT_SERVING, calls UNAVAILABLE), not keep answering SERVING."""
+    import psutil
+
+    assert generation.health() == health_pb2.HealthCheckResponse.SERVING
+    children = psutil.Process(generation.process.pid).children(recursive=True)
+    cores = [c for c in children if "EngineCore" in c.name() or "EngineCore" in " ".join(c.cmdline())]
+    assert cores, [(c.name(), c.cmdline()) for c in children]
+    for core in cores:
+        core.kill()
+    deadline = time.monotonic() + 60
+    while generation.health() == health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert generation.health() == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.RpcError) as err:
+        generate(stub, max_tokens=4)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+    assert generation.process.poll() is None  # the service itself keeps answering health and status
