@@ -134,7 +134,7 @@ def start_collector(backends: dict[str, ServiceProcess], workdir: Path, tag: str
         "--reference-address", backends["reference"].address, "--reward-address", backends["reward"].address,
         "--trajectory-address", backends["trajectory"].address, "--state-dir", str(workdir / f"{tag}-state"),
         "--group-size", str(ns.group_size), "--sampling", json.dumps(sampling(ns)), "--reward-fn", "char_fraction",
-        "--max-generations-in-flight", str(MAX_GENERATIONS_IN_FLIGHT), "--log-level", "WARNING", *args])
+        "--max-generations-in-flight", str(MAX_GENERATIONS_IN_FLIGHT), "--log-level", os.environ.get("RLFLEET_BENCH_LOG_LEVEL", "WARNING"), *args])
     return proc.start(workdir / f"{tag}-proc").wait_ready(120)
 
 
