@@ -57,6 +57,7 @@ import grpc
 import psutil
 import torch
 
+from _common import CpuMeter, summarize
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
@@ -106,35 +107,22 @@ class Sink:
 CPU_KEYS = ("bench", "in-process engine", "service", "service engine")
 
 
-class CpuMeter:
-    """CPU seconds (user + system) of: this process (the in-process engine's frontend, the gRPC client),
-    the in-process engine's vLLM children (engine core, worker), the service process, its vLLM children."""
+def cpu_meter(service: ServiceProcess, exclude: list[int]) -> CpuMeter:
+    """CPU_KEYS: this process (the in-process engine's frontend, the gRPC client), the in-process
+    engine's vLLM children (engine core, worker), the service process, its vLLM children."""
+    me = psutil.Process()
+    root = psutil.Process(service.process.pid)
+    service_children = root.children(recursive=True)
+    excluded = {root.pid, *(p.pid for p in service_children), *exclude}
+    for pid in exclude:  # e.g. the push service and its vLLM children
+        try:
+            excluded.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    return CpuMeter({"bench": [me], "in-process engine": [p for p in me.children(recursive=True)
+                                                          if p.pid not in excluded],
+                     "service": [root], "service engine": service_children})
 
-    def __init__(self, service: ServiceProcess, exclude: list[int]):
-        me = psutil.Process()
-        root = psutil.Process(service.process.pid)
-        service_children = root.children(recursive=True)
-        excluded = {root.pid, *(p.pid for p in service_children), *exclude}
-        for pid in exclude:  # e.g. the push service and its vLLM children
-            try:
-                excluded.update(c.pid for c in psutil.Process(pid).children(recursive=True))
-            except psutil.NoSuchProcess:
-                pass
-        self.trees = {"bench": [me], "in-process engine": [p for p in me.children(recursive=True)
-                                                           if p.pid not in excluded],
-                      "service": [root], "service engine": service_children}
-
-    def snapshot(self) -> dict[str, float]:
-        out = {}
-        for key, procs in self.trees.items():
-            out[key] = 0.0
-            for proc in procs:
-                try:
-                    times = proc.cpu_times()
-                    out[key] += times.user + times.system
-                except psutil.NoSuchProcess:
-                    pass
-        return out
 
 def make_prompts(count: int, length: tuple[int, int], vocab_size: int, seed: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
@@ -199,9 +187,10 @@ async def measure_tokens(ns, engine, address: str, vocab_size: int, meter: CpuMe
             tokens_r, seconds_r = await service_tokens(stub, requests, f"r{round_index}")
             after_r = meter.snapshot()
             if round_index >= 0:
-                for key in CPU_KEYS:  # the phases only, not the pauses between them
-                    cpu["in-process"][key] += after_l[key] - before[key]
-                    cpu["service"][key] += after_r[key] - before_r[key]
+                for side, delta in (("in-process", CpuMeter.delta(before, after_l)),
+                                    ("service", CpuMeter.delta(before_r, after_r))):
+                    for key, value in delta.items():  # the phases only, not the pauses between them
+                        cpu[side][key] += value
             if tokens_l != expected or tokens_r != expected:
                 raise RuntimeError(f"token counts differ: in-process {tokens_l}, service {tokens_r}, "
                                    f"expected {expected}")
@@ -215,13 +204,6 @@ async def measure_tokens(ns, engine, address: str, vocab_size: int, meter: CpuMe
     out["cpu"] = {side: {key: 1e6 * value / (expected * ns.rounds) for key, value in by_key.items()}
                   for side, by_key in cpu.items()}
     return out
-
-
-def summarize(base: list[float], measured: list[float]) -> dict:
-    ratios = sorted(m / b for b, m in zip(base, measured))
-    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    return dict(base=statistics.median(base), measured=statistics.median(measured),
-                ratio=statistics.median(ratios), low=quartiles[0], high=quartiles[2], ratios=ratios)
 
 
 # ---------------------------------------------------------------- (b) weight push
@@ -322,7 +304,7 @@ async def run(ns, service_args: list[str], push_args: list[str], model_dir: Path
         await asyncio.to_thread(service.wait_ready, 600)
         await asyncio.to_thread(push_service.wait_ready, 600)
         vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        meter = CpuMeter(service, exclude=[push_service.process.pid, sink.process.pid])
+        meter = cpu_meter(service, exclude=[push_service.process.pid, sink.process.pid])
         tokens = await measure_tokens(ns, engine, service.address, vocab_size, meter)
         # Free the CPU for part (b).
         await engine.shutdown()

@@ -49,6 +49,7 @@ from pathlib import Path
 import grpc
 import psutil
 
+from _common import CpuMeter, summarize
 from rlfleet.client import connect
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
@@ -64,36 +65,6 @@ def log(message: str) -> None:
 
 def prompt_texts(count: int) -> list[str]:
     return [f"what is {i} plus {2 * i + 1}?" for i in range(count)]
-
-
-# ---------------------------------------------------------------- CPU accounting
-
-class CpuMeter:
-    """CPU seconds (user + system) of each service's process tree and of this process."""
-
-    def __init__(self):
-        self.trees: dict[str, list[psutil.Process]] = {"bench": [psutil.Process()]}
-
-    def add(self, key: str, proc: ServiceProcess) -> None:
-        root = psutil.Process(proc.process.pid)
-        self.trees[key] = [root, *root.children(recursive=True)]
-
-    def snapshot(self) -> dict[str, float]:
-        out = {}
-        for key, procs in self.trees.items():
-            total = 0.0
-            for p in procs:
-                try:
-                    times = p.cpu_times()
-                    total += times.user + times.system
-                except psutil.NoSuchProcess:
-                    pass
-            out[key] = total
-        return out
-
-    @staticmethod
-    def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-        return {key: after[key] - before.get(key, 0.0) for key in after}
 
 
 class StatusPoller:
@@ -190,7 +161,7 @@ async def generation_alone(address: str, prompts: list[str], ns) -> float:
 def measure_end_to_end(backends, workdir: Path, meter: CpuMeter, ns) -> dict:
     collector = start_collector(backends, workdir, "e2e", ns, "--mode", "async", "--max-staleness", "1000000",
                                 "--groups-per-step", str(ns.groups_per_step))
-    meter.add("collector", collector)
+    meter.add("collector", collector.process.pid)
     generation = backends["generation-0"].address
     trajectories = ns.groups * ns.group_size
     e2e, alone, stage_means = [], [], []
@@ -284,13 +255,6 @@ def measure_sync_async(backends, workdir: Path, model_dir: Path, ns) -> dict:
     return out
 
 
-def summarize(base: list[float], measured: list[float]) -> dict:
-    ratios = sorted(m / b for b, m in zip(base, measured))
-    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    return dict(base=statistics.median(base), measured=statistics.median(measured),
-                ratio=statistics.median(ratios), low=quartiles[0], high=quartiles[2], ratios=ratios)
-
-
 # ---------------------------------------------------------------- main
 
 def main() -> None:
@@ -322,7 +286,7 @@ def main() -> None:
     try:
         meter = CpuMeter()
         for key, proc in backends.items():
-            meter.add(key.split("-")[0], proc)
+            meter.add(key.split("-")[0], proc.process.pid)
         e2e = measure_end_to_end(backends, workdir, meter, ns) if "a" in ns.parts else None
         sync = measure_sync_async(backends, workdir, model_dir, ns) if "b" in ns.parts else None
     finally:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from _common import summarize
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.v1 import reference_pb2, reference_pb2_grpc
 from rlfleet.wire import Ragged, decode_ragged, encode_ragged
@@ -153,11 +153,10 @@ async def measure(address: str, options, in_process: InProcess, vocab_size: int,
                 # The in-process phase blocks the loop on purpose: no RPC is in flight then.
                 local_rates.append(in_process.rate(callers, ns.seconds))
                 remote_rates.append(await service_rate(stub, messages, sizes, ns.seconds))
-            ratios = sorted(remote / local for local, remote in zip(local_rates, remote_rates))
-            quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-            rows.append((callers, statistics.median(local_rates), statistics.median(remote_rates),
-                         statistics.median(ratios), quartiles[0], quartiles[2]))
-            print(f"  {callers:>3} callers: ratios per round {[round(r, 2) for r in ratios]}", flush=True)
+            summary = summarize(local_rates, remote_rates)
+            rows.append((callers, summary["base"], summary["measured"], summary["ratio"], summary["low"],
+                         summary["high"]))
+            print(f"  {callers:>3} callers: ratios per round {[round(r, 2) for r in summary['ratios']]}", flush=True)
     return rows
 
 
