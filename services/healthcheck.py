@@ -13,15 +13,21 @@ import argparse
 import sys
 
 
-def check(address: str, service: str = "", timeout: float = 3.0) -> str:
-    """The health status name of ``service`` ("" = the whole server) at ``address``."""
+def status(address: str, service: str = "", timeout: float = 3.0) -> int:
+    """The health status enum of ``service`` ("" = the whole server) at ``address``."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        return health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+
+
+def check(address: str, service: str = "", timeout: float = 3.0) -> str:
+    """The health status name of ``service`` ("" = the whole server) at ``address``."""
+    from grpc_health.v1 import health_pb2
+
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status(address, service, timeout))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
+
+from rlfleet.services import healthcheck
 
 
 @dataclass
@@ -67,9 +69,7 @@ class ServiceProcess:
 
     def health(self, timeout: float = 2.0) -> int:
         """The health status enum of the whole server ("" service)."""
-        with grpc.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            return stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout).status
+        return healthcheck.status(self.address, timeout=timeout)
 
     def wait_ready(self, timeout: float = 300.0) -> "ServiceProcess":
         """Block until health reports SERVING (the model is loaded)."""
