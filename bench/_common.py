@@ -1,10 +1,21 @@
-"""Helpers shared by the bench scripts (run as ``python bench/<name>.py``, so this imports as ``_common``)."""
+"""Helpers shared by the bench scripts (run as ``python bench/<name>.py``, so this imports as ``_common``).
+
+``python bench/_common.py sink MAX_BYTES`` runs the raw byte sink server (``Sink`` starts it).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import statistics
+import subprocess
+import sys
+import time
 
+import grpc
 import psutil
+
+SINK_METHOD = "/rlfleet.bench.Sink/Push"
 
 
 def summarize(base: list[float], measured: list[float]) -> dict:
@@ -42,3 +53,63 @@ class CpuMeter:
     @staticmethod
     def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
         return {key: after[key] - before.get(key, 0.0) for key in after}
+
+
+# ---------------------------------------------------------------- raw gRPC byte sink (the floor of a gRPC push)
+
+def sink_server(max_bytes: int) -> None:
+    """A grpc.aio server with one client-streaming method that counts raw bytes (no protobuf)."""
+
+    async def push(request_iterator, context):
+        received = 0
+        async for chunk in request_iterator:
+            received += len(chunk)
+        return received.to_bytes(8, "little")
+
+    async def serve():
+        handler = grpc.method_handlers_generic_handler(
+            "rlfleet.bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(push)})
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_bytes),
+                                          ("grpc.max_send_message_length", max_bytes)])
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print(port, flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+class Sink:
+    """The sink server in a child process (``python bench/_common.py sink MAX_BYTES``); ``address`` once up."""
+
+    def __init__(self, max_bytes: int):
+        self.process = subprocess.Popen([sys.executable, os.path.abspath(__file__), "sink", str(max_bytes)],
+                                        stdout=subprocess.PIPE, text=True)
+        self.address = f"127.0.0.1:{int(self.process.stdout.readline())}"
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+
+
+def raw_stream_seconds(address: str, flat, chunk_bytes: int, options) -> float:
+    """Seconds to stream ``flat`` (a uint8 torch tensor) to the sink as raw ``chunk_bytes`` messages."""
+    view = memoryview(flat.numpy())
+
+    def chunks():
+        for start in range(0, len(view), chunk_bytes):
+            yield bytes(view[start:start + chunk_bytes])  # one copy per chunk, as a push makes
+
+    with grpc.insecure_channel(address, options=options) as channel:
+        push = channel.stream_unary(SINK_METHOD)  # no serializers: raw bytes both ways
+        started = time.perf_counter()
+        received = int.from_bytes(push(chunks(), timeout=600), "little")
+        seconds = time.perf_counter() - started
+    if received != len(view):
+        raise RuntimeError(f"sink received {received} bytes of {len(view)}")
+    return seconds
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["sink"]:
+    sink_server(int(sys.argv[2]))

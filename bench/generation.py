@@ -1,8 +1,8 @@
-"""Generation service throughput, as ratios against the same engine in-process and a raw gRPC stream.
+"""Generation service throughput, as a ratio against the same engine in-process.
 
-    .venv/bin/python bench/generation.py [--prompts 32] [--n 4] [--max-tokens 64] [--rounds 5] [--pushes 5]
+    .venv/bin/python bench/generation.py [--prompts 32] [--n 4] [--max-tokens 64] [--rounds 7]
 
-(a) tokens/s. The same ``--prompts`` random token-id prompts (GRPO groups of
+Tokens/s. The same ``--prompts`` random token-id prompts (GRPO groups of
 ``--n`` samples, ``ignore_eos`` so every sample is exactly ``--max-tokens``
 long; both engines use the same engine-wide seed) are generated, all at once, by
 
@@ -27,16 +27,7 @@ The two sides alternate ``--rounds`` times after a warm-up of each; the ratio
 service / in-process is taken per round from two adjacent phases, so load from
 other processes on a shared machine hits both alike. Target: median >= 0.9.
 
-(b) weight-push MB/s. A second generation service serves a larger tiny model
-(``--push-hidden``/``--push-layers``, head_dim 64) so the push is big enough to
-measure; its full HF state dict is pushed with ``UpdateWeights`` (manifest +
-~1 MiB chunks with a crc32, as a trainer sends it). The push time INCLUDES the
-in-place apply into vLLM (stage into the engine process, pause, reload_weights,
-prefix-cache reset, resume): the reply's receive/apply seconds are shown. It is
-compared with the floor of moving the same bytes through gRPC in Python: the
-same ~1 MiB chunks (one copy each) streamed to a grpc.aio server process that
-only counts them. Raw stream and push alternate ``--pushes`` times; the ratio is
-push MB/s / raw MB/s (a push can only be slower: it also verifies and applies).
+Weight pushes are measured by ``bench/weights.py``.
 """
 
 from __future__ import annotations
@@ -45,9 +36,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,48 +49,8 @@ from _common import CpuMeter, summarize
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
-from rlfleet.wire.weights import DEFAULT_CHUNK_BYTES, iter_push_messages
 
-SINK_METHOD = "/rlfleet.bench.Sink/Push"
-
-
-# ---------------------------------------------------------------- raw byte sink (child process)
-
-def sink_server(max_bytes: int) -> None:
-    """A grpc.aio server with one client-streaming method that counts raw bytes (no protobuf)."""
-
-    async def push(request_iterator, context):
-        received = 0
-        async for chunk in request_iterator:
-            received += len(chunk)
-        return received.to_bytes(8, "little")
-
-    async def serve():
-        handler = grpc.method_handlers_generic_handler(
-            "rlfleet.bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(push)})
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_bytes),
-                                          ("grpc.max_send_message_length", max_bytes)])
-        server.add_generic_rpc_handlers((handler,))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        print(port, flush=True)
-        await server.wait_for_termination()
-
-    asyncio.run(serve())
-
-
-class Sink:
-    def __init__(self, max_bytes: int):
-        self.process = subprocess.Popen([sys.executable, __file__, "--sink-server"], stdout=subprocess.PIPE,
-                                        text=True, env={**os.environ, "RLFLEET_BENCH_SINK_MAX": str(max_bytes)})
-        self.address = f"127.0.0.1:{int(self.process.stdout.readline())}"
-
-    def close(self) -> None:
-        self.process.terminate()
-        self.process.wait(30)
-
-
-# ---------------------------------------------------------------- (a) tokens/s
+# ---------------------------------------------------------------- tokens/s
 
 CPU_KEYS = ("bench", "in-process engine", "service", "service engine")
 
@@ -114,7 +62,7 @@ def cpu_meter(service: ServiceProcess, exclude: list[int]) -> CpuMeter:
     root = psutil.Process(service.process.pid)
     service_children = root.children(recursive=True)
     excluded = {root.pid, *(p.pid for p in service_children), *exclude}
-    for pid in exclude:  # e.g. the push service and its vLLM children
+    for pid in exclude:  # e.g. other services and their vLLM children
         try:
             excluded.update(c.pid for c in psutil.Process(pid).children(recursive=True))
         except psutil.NoSuchProcess:
@@ -197,7 +145,7 @@ async def measure_tokens(ns, engine, address: str, vocab_size: int, meter: CpuMe
             if round_index >= 0:
                 local.append(tokens_l / seconds_l)
                 remote.append(tokens_r / seconds_r)
-                print(f"  (a) round {round_index}: in-process {local[-1]:.0f} tok/s, "
+                print(f"  round {round_index}: in-process {local[-1]:.0f} tok/s, "
                       f"service {remote[-1]:.0f} tok/s", file=sys.stderr, flush=True)
     out = summarize(local, remote)
     # CPU milliseconds per 1000 generated tokens, per side.
@@ -206,87 +154,9 @@ async def measure_tokens(ns, engine, address: str, vocab_size: int, meter: CpuMe
     return out
 
 
-# ---------------------------------------------------------------- (b) weight push
-
-def raw_stream_seconds(address: str, flat: torch.Tensor, chunk_bytes: int, options) -> float:
-    view = memoryview(flat.numpy())
-
-    def chunks():
-        for start in range(0, len(view), chunk_bytes):
-            yield bytes(view[start:start + chunk_bytes])  # one copy per chunk, as the push makes
-
-    with grpc.insecure_channel(address, options=options) as channel:
-        push = channel.stream_unary(SINK_METHOD)  # no serializers: raw bytes both ways
-        started = time.perf_counter()
-        received = int.from_bytes(push(chunks(), timeout=600), "little")
-        seconds = time.perf_counter() - started
-    if received != len(view):
-        raise RuntimeError(f"sink received {received} bytes of {len(view)}")
-    return seconds
-
-
-def push_seconds(address: str, named: list[tuple[str, torch.Tensor]], version: int, options):
-    with grpc.insecure_channel(address, options=options) as channel:
-        stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        started = time.perf_counter()
-        reply = stub.UpdateWeights(
-            (generation_pb2.UpdateWeightsRequest(**{kind: msg})
-             for kind, msg in iter_push_messages(named, version=version, chunk_bytes=DEFAULT_CHUNK_BYTES)),
-            timeout=600)
-        seconds = time.perf_counter() - started
-    if reply.version != version:
-        raise RuntimeError(f"push to version {version} answered version {reply.version}")
-    return seconds, reply
-
-
-def measure_push(ns, push_address: str, sink_address: str, model_dir: Path, log_path: Path) -> dict:
-    from safetensors.torch import load_file
-
-    state = load_file(str(model_dir / "model.safetensors"))
-    named = sorted(state.items())
-    nbytes = sum(t.numel() * t.element_size() for _, t in named)
-    flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for _, t in named])
-    options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-    raw_rates, push_rates, receive_s, apply_s, versions = [], [], [], [], []
-    version = 1
-    for round_index in range(-1, ns.pushes):  # round -1: warm-up
-        time.sleep(ns.settle_seconds)  # the push service's vLLM worker spins ~1 s after its last step
-        raw = raw_stream_seconds(sink_address, flat, DEFAULT_CHUNK_BYTES, options)
-        seconds, reply = push_seconds(push_address, named, version, options)
-        version += 1
-        if reply.received_bytes != nbytes:
-            raise RuntimeError(f"service received {reply.received_bytes} of {nbytes} bytes")
-        if round_index >= 0:
-            raw_rates.append(nbytes / raw / 1e6)
-            push_rates.append(nbytes / seconds / 1e6)
-            receive_s.append(reply.receive_seconds)
-            apply_s.append(reply.apply_seconds)
-            versions.append(version - 1)
-            print(f"  (b) push {round_index}: raw {raw_rates[-1]:.0f} MB/s, push {push_rates[-1]:.0f} MB/s "
-                  f"({seconds:.3f}s = receive {reply.receive_seconds:.3f}s + apply {reply.apply_seconds:.3f}s)",
-                  file=sys.stderr, flush=True)
-    out = summarize(raw_rates, push_rates)
-    swaps = swap_seconds(log_path)
-    swap = [swaps[v] for v in versions if v in swaps]
-    out.update(nbytes=nbytes, tensors=len(named), receive=statistics.median(receive_s),
-               apply=statistics.median(apply_s), push_seconds=nbytes / out["measured"] / 1e6,
-               swap=statistics.median(swap) if swap else float("nan"))
-    return out
-
-
-def swap_seconds(log_path: Path) -> dict[int, float]:
-    """version -> seconds of the engine's pause/reload/reset/resume, from the service's INFO log."""
-    found = {}
-    for line in Path(log_path).read_text(errors="replace").splitlines():
-        match = re.search(r"swapped to policy version (\d+) \(\w+\) in ([\d.]+)s", line)
-        if match:
-            found[int(match.group(1))] = float(match.group(2))
-    return found
-
-
 # ---------------------------------------------------------------- main
 
-async def run(ns, service_args: list[str], push_args: list[str], model_dir: Path, push_dir: Path) -> tuple:
+async def run(ns, service_args: list[str], model_dir: Path) -> tuple:
     from rlfleet.services.generation.config import GenerationConfig, GenerationEngineConfig
     from rlfleet.services.generation.engine import GenerationEngine
 
@@ -295,36 +165,25 @@ async def run(ns, service_args: list[str], push_args: list[str], model_dir: Path
                                               for name in GenerationEngineConfig.model_fields})
     workdir = Path(tempfile.mkdtemp(prefix="rlfleet-bench-generation-"))
     service = ServiceProcess("generation", service_args).start(workdir / "service")
-    push_service = ServiceProcess("generation", push_args).start(workdir / "push")
-    sink = Sink(64 << 20)
     engine = GenerationEngine(engine_config)
     try:
         # Everything starts together; nothing is measured until all are up.
         await engine.start()
         await asyncio.to_thread(service.wait_ready, 600)
-        await asyncio.to_thread(push_service.wait_ready, 600)
         vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        meter = cpu_meter(service, exclude=[push_service.process.pid, sink.process.pid])
+        meter = cpu_meter(service, exclude=[])
         tokens = await measure_tokens(ns, engine, service.address, vocab_size, meter)
-        # Free the CPU for part (b).
-        await engine.shutdown()
-        engine = None
-        service.stop()
-        push = await asyncio.to_thread(measure_push, ns, push_service.address, sink.address, push_dir,
-                                       push_service.log_path)
     finally:
         if engine is not None:
             await engine.shutdown()
         service.stop()
-        push_service.stop()
-        sink.close()
-    return config, tokens, push
+    return config, tokens
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=None,
-                        help="HF model for (a) (default: build the tiny local model in a cache dir)")
+                        help="HF model (default: build the tiny local model in a cache dir)")
     parser.add_argument("--prompts", type=int, default=32, help="concurrent prompts (Generate calls) per phase")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt (GRPO group)")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -336,36 +195,23 @@ def main() -> None:
                         help="pause before each phase: an idle vLLM worker busy-spins ~1 s after its last step, "
                              "which would steal a core from the next phase (two engines share this machine)")
     parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
-    parser.add_argument("--push-hidden", type=int, default=512, help="hidden size of the push model (head_dim 64)")
-    parser.add_argument("--push-layers", type=int, default=8)
-    parser.add_argument("--pushes", type=int, default=5, help="alternating raw-stream/push rounds")
     parser.add_argument("--service-arg", action="append", default=[],
-                        help="extra generation flag for both (a) sides, e.g. --service-arg=--max-num-seqs=128")
-    parser.add_argument("--sink-server", action="store_true", help=argparse.SUPPRESS)
+                        help="extra generation flag for both sides, e.g. --service-arg=--max-num-seqs=128")
     ns = parser.parse_args()
-    if ns.sink_server:
-        sink_server(int(os.environ["RLFLEET_BENCH_SINK_MAX"]))
-        return
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
     from rlfleet.services.models.tiny import build_tiny_model
 
     cache = Path(tempfile.gettempdir())
     model_dir = ns.model_dir or build_tiny_model(cache / "rlfleet-bench-tiny-model")
-    push_dir = build_tiny_model(cache / f"rlfleet-bench-push-model-{ns.push_hidden}x{ns.push_layers}",
-                                hidden_size=ns.push_hidden, num_layers=ns.push_layers,
-                                num_heads=ns.push_hidden // 64, intermediate_size=ns.push_hidden * 11 // 4)
     service_args = ["--model", str(model_dir), "--kv-cache-memory-bytes", str(ns.kv_cache_bytes),
                     "--max-model-len", "1024", "--log-level", "WARNING"]
     for extra in ns.service_arg:
         service_args += extra.split("=", 1)
-    # INFO: the engine logs the duration of each swap (pause, reload, cache reset, resume).
-    push_args = ["--model", str(push_dir), "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "256",
-                 "--log-level", "INFO"]
-    config, tokens, push = asyncio.run(run(ns, service_args, push_args, model_dir, push_dir))
+    config, tokens = asyncio.run(run(ns, service_args, model_dir))
 
     seeds = ", request seeds" if ns.request_seeds else ""
-    print(f"\n(a) generation tokens/s | model {model_dir} | {ns.prompts} concurrent prompts x n={ns.n} x "
+    print(f"\ngeneration tokens/s | model {model_dir} | {ns.prompts} concurrent prompts x n={ns.n} x "
           f"{ns.max_tokens} tokens (ignore_eos{seeds}) | max_num_seqs={config.max_num_seqs} | "
           f"{ns.rounds} alternating rounds, {ns.settle_seconds:g} s apart")
     print(f"{'in-process tok/s':>16} | {'service tok/s':>13} | {'ratio':>5} | {'ratio IQR':>11} | target")
@@ -378,25 +224,11 @@ def main() -> None:
     for side, by_key in tokens["cpu"].items():
         print(f"  {side:>10} | " + " | ".join(f"{by_key[key]:>17.0f}" for key in CPU_KEYS)
               + f" | {sum(by_key.values()):>6.0f}")
-    print(f"\n(b) weight push MB/s | push model {push_dir.name}: {push['tensors']} tensors, "
-          f"{push['nbytes'] / 1e6:.1f} MB float32 | 1 MiB chunks | {ns.pushes} alternating rounds")
-    raw_seconds = push["nbytes"] / push["base"] / 1e6
-    print(f"{'raw gRPC MB/s':>13} | {'push MB/s':>9} | {'ratio':>5} | {'ratio IQR':>11} | "
-          f"{'raw s':>5} | {'push s':>6} ~ {'receive':>7} + {'stage':>5} + {'swap':>5}")
-    print(f"{'-' * 13}-+-{'-' * 9}-+-{'-' * 5}-+-{'-' * 11}-+-{'-' * 5}-+-{'-' * 34}")
-    print(f"{push['base']:>13.0f} | {push['measured']:>9.0f} | {push['ratio']:>5.2f} | "
-          f"{push['low']:>5.2f}-{push['high']:<5.2f} | {raw_seconds:>5.3f} | {push['push_seconds']:>6.3f} ~ "
-          f"{push['receive']:>7.3f} + {push['apply'] - push['swap']:>5.3f} + {push['swap']:>5.3f}")
     print("""
 How to read: ratios are medians of per-round ratios from phases adjacent in time (a noisy machine shifts both).
-(a) ratio = service tok/s / in-process tok/s: same engine config, prompts and sampling, equal token counts
-    (1.0 = gRPC and the service process cost nothing; target >= 0.9). CPU: 'bench' is this process (the
-    in-process engine's frontend, or the gRPC client), 'engine' columns are vLLM's engine-core + worker processes.
-(b) ratio = push MB/s / raw gRPC MB/s: the same bytes in the same 1 MiB chunks, one copy per chunk on both sides.
-    The push INCLUDES the in-place apply into vLLM; the raw side only counts bytes (no target: it is the floor).
-    push s (client wall time) ~ receive (server: protobuf, copy into the buffer, crc32) + stage (validate, hand
-    the bytes to vLLM's worker process by collective_rpc) + swap (pause, reload_weights, prefix-cache reset,
-    resume; from the service's log). Server-side medians.""")
+ratio = service tok/s / in-process tok/s: same engine config, prompts and sampling, equal token counts
+(1.0 = gRPC and the service process cost nothing; target >= 0.9). CPU: 'bench' is this process (the
+in-process engine's frontend, or the gRPC client), 'engine' columns are vLLM's engine-core + worker processes.""")
 
 
 if __name__ == "__main__":

@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kl-coef", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--auth-token", default=None)
+    parser.add_argument("--transport", default="auto", choices=["auto", "shm", "grpc"],
+                        help="weight push transport; auto = shm when the collector shares this host, else grpc")
     parser.add_argument("--out", type=Path, default=Path("runs") / "demo")
     ns = parser.parse_args(argv)
 
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
                 batch = next(iterator)
                 version_before = client.policy_version
                 stats = grpo_step(model, optimizer, batch, clip_eps=ns.clip_eps, kl_coef=ns.kl_coef)
-                pushed = client.push_weights(model, progress=False)
+                pushed = client.push_weights(model, progress=False, transport=ns.transport)
                 elapsed = time.monotonic() - started
                 starts = batch["policy_version_start"]
                 record = {
@@ -141,14 +143,16 @@ def main(argv: list[str] | None = None) -> dict:
                     "batch_policy_version_min": int(starts.min()), "batch_policy_version_max": int(starts.max()),
                     "staleness_mean": float((version_before - starts).float().mean()),
                     "tokens_per_second": stats["response_tokens"] / elapsed, "step_seconds": elapsed,
-                    "push_mb_per_s": pushed.megabytes_per_second, **stats,
+                    "push_mb_per_s": pushed.megabytes_per_second, "push_seconds": pushed.seconds,
+                    "push_transport": pushed.transport, **stats,
                 }
                 metrics.append(record)
                 progress.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record['kl']:.3f}", v=pushed.version)
                 progress.write(
                     f"step {step:3d}  v{pushed.version:<4d} reward {record['reward_mean']:.3f}  kl {record['kl']:.3f}  "
                     f"tok/s {record['tokens_per_second']:6.0f}  staleness {record['staleness_mean']:.1f}  "
-                    f"logprob mismatch {record['logprob_mismatch_max']:.1e}  push {pushed.megabytes_per_second:.0f} MB/s")
+                    f"logprob mismatch {record['logprob_mismatch_max']:.1e}  "
+                    f"push {pushed.seconds * 1e3:.0f} ms over {pushed.transport}")
     (ns.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     plot(metrics, ns.out / "metrics.png")
     first = sum(m["reward_mean"] for m in metrics[:5]) / max(1, len(metrics[:5]))

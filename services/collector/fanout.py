@@ -1,43 +1,43 @@
-"""Weight fan-out: one trainer push streamed to every generation replica.
+"""Weight fan-out: one trainer push, staged on every generation replica, then committed.
 
-Chunks are forwarded to all replicas as they arrive (pipelined, not
-store-and-forward) and spooled to disk for re-syncing replicas later. The
-version commits only when the trainer's stream completed and verified and at
-least one replica applied it; replicas that failed leave the rotation until
-re-synced. If the trainer's stream breaks, every replica call is cancelled
-before its end, so no replica applies anything.
+The control plane stays here; the bytes take the fastest road each replica
+accepts (``transports.py``). A push runs in two phases:
+
+1. **Stage.** Every replica receives and verifies the push (shm: it maps the
+   trainer's segment; grpc: chunks forwarded as they arrive, pipelined, never
+   held whole here) and answers STAGED. The bytes are also spooled to disk
+   for re-syncing replicas later.
+2. **Commit.** Once the trainer's bytes are complete and verified (the push is
+   *decided*), every staged replica is told to apply; the version commits
+   (spool and state fsync'd) when they applied. From the decision on, the
+   push completes even if the trainer goes away, so a trainer's cut can never
+   leave an engine ahead of the collector.
+
+Before the decision, any failure (trainer cut, bad bytes) cancels every
+replica call, and replicas discard what they staged. A replica found ahead of
+the committed version (the collector died mid-commit) is rolled back from
+the spool by the replica monitor.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
-import grpc
-
-from rlfleet.client.errors import from_rpc_error
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.replicas import Replica, ReplicaPool
+from rlfleet.services.collector.spool import Spool
+from rlfleet.services.collector.transports import ReplicaOutcome, ReplicaPush, SegmentChunks, open_trainer_segment
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rlfleet.services.common.weight_stream import WeightPush
-from rlfleet.v1 import generation_pb2, weights_pb2
+from rlfleet.v1 import weights_pb2
+from rlfleet.wire import shm
 
 log = logging.getLogger("rlfleet.collector.fanout")
-_END = object()
-
-
-@dataclass
-class ReplicaOutcome:
-    address: str
-    applied: bool
-    error: str = ""
-    code: str = ""
-    """gRPC status name of the replica's error."""
 
 
 @dataclass
@@ -46,62 +46,23 @@ class PushOutcome:
     replicas: list[ReplicaOutcome]
     received_bytes: int
     seconds: float
-
-
-class _ReplicaStream:
-    """One replica's UpdateWeights call, fed from a bounded queue."""
-
-    def __init__(self, replica: Replica, metadata, queue_chunks: int = 8):
-        self.replica = replica
-        self.queue: asyncio.Queue = asyncio.Queue(maxsize=queue_chunks)
-        self.call = replica.stub.UpdateWeights(self._requests(), metadata=metadata)
-        self.failed: str | None = None
-
-    async def _requests(self):
-        while True:
-            item = await self.queue.get()
-            if item is _END:
-                return
-            yield item
-
-    async def send(self, request: generation_pb2.UpdateWeightsRequest) -> None:
-        if self.failed is None and not self.call.done():
-            await self.queue.put(request)
-        elif self.failed is None:
-            self.failed = "replica ended the push early"
-
-    async def finish(self) -> ReplicaOutcome:
-        if self.failed is not None:
-            self.call.cancel()
-            return ReplicaOutcome(self.replica.address, False, self.failed, "ABORTED")
-        await self.queue.put(_END)
-        try:
-            reply = await self.call
-        except grpc.RpcError as exc:
-            error = from_rpc_error(exc, "UpdateWeights")
-            return ReplicaOutcome(self.replica.address, False, str(error), error.code)
-        self.replica.policy_version = reply.version
-        return ReplicaOutcome(self.replica.address, True)
-
-    def cancel(self) -> None:
-        self.call.cancel()
+    transport: str
 
 
 class WeightFanout:
-    """Receives pushes from the trainer, fans them out, keeps the spool for re-syncs."""
+    """Receives pushes from the trainer, stages and commits them on every replica, keeps the spool."""
 
     def __init__(self, pool: ReplicaPool, gate: VersionGate, spool_dir: Path, max_push_bytes: int,
                  on_commit=None):
         self.pool = pool
         self.gate = gate
-        self.spool_dir = Path(spool_dir)
-        self.spool_dir.mkdir(parents=True, exist_ok=True)
+        self.spool = Spool(Path(spool_dir))
         self.max_push_bytes = max_push_bytes
         self.on_commit = on_commit
-        self._lock = asyncio.Lock()  # one push at a time: versions are monotone
+        self._lock = asyncio.Lock()  # one push (or re-sync) at a time: versions are monotone
 
     async def push(self, messages: AsyncIterator[tuple[str, object]]) -> PushOutcome:
-        """``messages`` yields ("manifest", WeightManifest) then ("chunk", WeightChunk)."""
+        """``messages`` yields ("manifest", WeightManifest) then, for grpc pushes, ("chunk", WeightChunk)."""
         async with self._lock:
             return await self._push(messages)
 
@@ -115,100 +76,149 @@ class WeightFanout:
         if kind != "manifest":
             raise InvalidArgument("the first message of a push must be the manifest")
         manifest = weights_pb2.WeightManifest.FromString(manifest.SerializeToString())
+        if manifest.resync or manifest.two_phase:
+            raise InvalidArgument("manifest.resync and manifest.two_phase are set by the collector, not the trainer")
         if manifest.version == 0:
             manifest.version = self.gate.version + 1
         if manifest.version <= self.gate.version:
             raise FailedPrecondition(
                 f"weights version {manifest.version} is not newer than current {self.gate.version}")
-        push = WeightPush.from_manifest(manifest, self.max_push_bytes, keep_bytes=False)
-        replicas = self.pool.require_any()
-        streams = [_ReplicaStream(r, self.pool.settings.metadata()) for r in replicas]
-        spool_tmp = self.spool_dir / f"push-{manifest.version}.tmp"
-        spool = open(spool_tmp, "wb")
+        push = WeightPush.from_manifest(manifest, self.max_push_bytes)
+        source = manifest.WhichOneof("source")
+        if source == "nccl":
+            raise InvalidArgument("the nccl transport is not orchestrated by this collector yet; use shm or grpc")
+        segment = open_trainer_segment(manifest, push) if source == "shm" else None
         try:
-            first = generation_pb2.UpdateWeightsRequest(manifest=manifest)
-            await asyncio.gather(*(s.send(first) for s in streams))
-            async for kind, message in iterator:
-                if kind != "chunk":
-                    raise InvalidArgument("manifest sent twice: it must be the first message only")
-                push.add_chunk(message)
-                spool.write(message.data)
-                request = generation_pb2.UpdateWeightsRequest(chunk=message)
-                await asyncio.gather(*(s.send(request) for s in streams))
-            push.finish()
+            replicas = self.pool.require_any()
+            spool = self.spool.begin(manifest)
+            if segment is not None:
+                # Every byte is here: the push is decided.
+                push.received = push.total_bytes
+                streams = [ReplicaPush.start(r, manifest, self.pool.settings, segment) for r in replicas]
+                return await _finish_shielded(self._decide(streams, push, spool, started, segment))
+            streams = [ReplicaPush.start(r, manifest, self.pool.settings, None) for r in replicas]
+            try:
+                async for kind, message in iterator:
+                    if kind != "chunk":
+                        raise InvalidArgument("manifest sent twice: it must be the first message only")
+                    push.add_chunk(message)
+                    spool.write(message.data)
+                    await asyncio.gather(*(s.send_chunk(message) for s in streams))
+                push.finish()
+            except BaseException:
+                for s in streams:
+                    s.cancel()
+                spool.discard()
+                raise
+            return await _finish_shielded(self._decide(streams, push, spool, started, None))
+        finally:
+            if segment is not None:
+                segment.close(unlink=False)
+
+    async def _decide(self, streams: list[ReplicaPush], push: WeightPush, spool, started: float,
+                      segment: shm.Segment | None) -> PushOutcome:
+        version = push.version
+        try:
+            if segment is not None:
+                await asyncio.to_thread(spool.write, segment.buffer)
+            staged_ok = await asyncio.gather(*(s.wait_staged() for s in streams))
+            await asyncio.to_thread(spool.flush)
         except BaseException:
             for s in streams:
                 s.cancel()
-            spool.close()
-            spool_tmp.unlink(missing_ok=True)
+            spool.discard()
             raise
-        spool.flush()
-        os.fsync(spool.fileno())
-        spool.close()
-
+        staged = [s for s, ok in zip(streams, staged_ok) if ok]
+        if not staged:
+            spool.discard()
+            self._raise_nothing_staged(version, streams)
         await self.gate.begin_push()
         committed = None
         try:
-            outcomes = await asyncio.gather(*(s.finish() for s in streams))
-            if not any(o.applied for o in outcomes):
-                spool_tmp.unlink(missing_ok=True)
-                errors = "; ".join(f"{o.address}: {o.error}" for o in outcomes)
-                codes = {o.code for o in outcomes}
-                # The same client error everywhere is the pusher's fault: replicas stay in rotation.
-                if codes == {"FAILED_PRECONDITION"}:
-                    raise FailedPrecondition(f"no replica applied version {manifest.version}: {errors}")
-                if codes == {"INVALID_ARGUMENT"}:
-                    raise InvalidArgument(f"no replica applied version {manifest.version}: {outcomes[0].error}")
+            await asyncio.gather(*(s.commit() for s in staged))
+            outcomes = [s.outcome() for s in streams]
             for stream, outcome in zip(streams, outcomes):
                 if not outcome.applied:
                     await self.pool.mark_failed(stream.replica, outcome.error)
             if not any(o.applied for o in outcomes):
-                raise Unavailable(f"no replica applied version {manifest.version}: {errors}")
-            self._commit_spool(manifest, spool_tmp)
-            committed = manifest.version
+                spool.discard()
+                errors = "; ".join(f"{o.address}: {o.error}" for o in outcomes)
+                raise Unavailable(f"no replica applied version {version}: {errors}")
+            await asyncio.to_thread(spool.commit)
+            committed = version
+            if self.on_commit is not None:
+                self.on_commit(committed)
         finally:
             await self.gate.end_push(committed)
-        if self.on_commit is not None:
-            self.on_commit(committed)
-        log.info("weights committed", extra={"version": committed, "bytes": push.received,
-                                             "applied": sum(o.applied for o in outcomes)})
-        return PushOutcome(committed, list(outcomes), push.received, time.monotonic() - started)
+        transports = sorted({o.transport for o in outcomes if o.applied})
+        log.info("weights committed", extra={"version": committed, "bytes": push.total_bytes,
+                                             "applied": sum(o.applied for o in outcomes),
+                                             "transports": transports})
+        return PushOutcome(committed, outcomes, push.total_bytes, time.monotonic() - started,
+                           "+".join(transports))
 
-    # --- spool and re-sync ---------------------------------------------------
-    def _commit_spool(self, manifest: weights_pb2.WeightManifest, data_tmp: Path) -> None:
-        manifest_tmp = self.spool_dir / "manifest.tmp"
-        manifest_tmp.write_bytes(manifest.SerializeToString())
-        os.replace(data_tmp, self.spool_dir / "weights.bin")
-        os.replace(manifest_tmp, self.spool_dir / "manifest.pb")
+    def _raise_nothing_staged(self, version: int, streams: list[ReplicaPush]) -> None:
+        outcomes = [s.outcome() for s in streams]
+        errors = "; ".join(f"{o.address}: {o.error}" for o in outcomes)
+        codes = {o.code for o in outcomes}
+        # The same client error everywhere is the pusher's fault: replicas stay in rotation.
+        if codes == {"FAILED_PRECONDITION"}:
+            raise FailedPrecondition(f"no replica staged version {version}: {errors}")
+        if codes == {"INVALID_ARGUMENT"}:
+            raise InvalidArgument(f"no replica staged version {version}: {outcomes[0].error}")
+        for stream in streams:
+            asyncio.ensure_future(self.pool.mark_failed(stream.replica, stream.outcome().error))
+        raise Unavailable(f"no replica staged version {version}: {errors}")
 
-    def spooled_manifest(self) -> weights_pb2.WeightManifest | None:
-        path = self.spool_dir / "manifest.pb"
-        return weights_pb2.WeightManifest.FromString(path.read_bytes()) if path.exists() else None
-
-    async def resync(self, replica: Replica, chunk_bytes: int = 1 << 20) -> bool:
-        """Stream the committed weights to a replica that fell behind."""
-        manifest = self.spooled_manifest()
-        if manifest is None:
-            return False
+    # --- re-sync -------------------------------------------------------------
+    async def resync(self, replica: Replica) -> bool:
+        """Bring a replica that fell behind (or ran ahead) to the committed version, from the spool."""
         async with self._lock:
-            manifest.version = self.gate.version
-            manifest.mode = weights_pb2.UPDATE_MODE_ABORT
-
-            async def requests():
-                yield generation_pb2.UpdateWeightsRequest(manifest=manifest)
-                offset = 0
-                with open(self.spool_dir / "weights.bin", "rb") as f:
-                    while data := f.read(chunk_bytes):
-                        yield generation_pb2.UpdateWeightsRequest(
-                            chunk=weights_pb2.WeightChunk(offset=offset, data=data))
-                        offset += len(data)
-
-            try:
-                reply = await replica.stub.UpdateWeights(requests(), metadata=self.pool.settings.metadata(),
-                                                         timeout=600)
-            except grpc.RpcError as exc:
-                log.warning("re-sync of %s failed: %s", replica.address, exc.details())
+            manifest = self.spool.manifest()
+            if manifest is None or manifest.version != self.gate.version:
+                log.warning("cannot re-sync %s: the spool holds no bytes of version %d",
+                            replica.address, self.gate.version)
                 return False
-            replica.policy_version = reply.version
-            log.info("replica %s re-synced to version %d", replica.address, reply.version)
+            manifest.mode = weights_pb2.UPDATE_MODE_ABORT
+            manifest.resync = True
+            segment = None
+            try:
+                segment = await asyncio.to_thread(self.spool.load_segment, manifest)
+                stream = ReplicaPush.start(replica, manifest, self.pool.settings, segment)
+                if await stream.wait_staged():
+                    await stream.commit()
+                outcome = stream.outcome()
+            except OSError as err:
+                log.warning("re-sync of %s failed: %s", replica.address, err)
+                return False
+            finally:
+                if segment is not None:
+                    segment.close()
+            if not outcome.applied:
+                log.warning("re-sync of %s failed: %s", replica.address, outcome.error)
+                return False
+            replica.policy_version = manifest.version
+            log.info("replica %s re-synced to version %d over %s", replica.address, manifest.version,
+                     outcome.transport)
             return True
+
+
+async def _finish_shielded(coroutine):
+    """Run ``coroutine`` to the end even if the caller is cancelled (the push is decided)."""
+    task = asyncio.ensure_future(coroutine)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                break
+            cancelled = True
+            log.warning("trainer went away after the push was decided: completing it")
+    if cancelled:
+        task.exception()  # retrieved: logged by the task if it failed
+        raise asyncio.CancelledError
+    return task.result()
+
+
+__all__ = ["PushOutcome", "ReplicaOutcome", "SegmentChunks", "WeightFanout"]

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 from pathlib import Path
 
 import grpc
@@ -20,7 +19,9 @@ from rlfleet.services.collector.pipeline import Pipeline, PipelineOptions
 from rlfleet.services.collector.prompts import PromptSource, load_records
 from rlfleet.services.collector.replicas import ReplicaPool
 from rlfleet.services.collector.servicer import CollectorServicer, TrajectoryProxyServicer
+from rlfleet.services.collector.spool import write_atomically
 from rlfleet.services.common.server import Service
+from rlfleet.wire import shm
 from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, reference_pb2_grpc, reward_pb2, reward_pb2_grpc,
                         trajectory_pb2_grpc)
 
@@ -82,9 +83,7 @@ class CollectorService(Service[CollectorConfig]):
     def save_state(self) -> None:
         state = {"version": self.gate.version, "groups_started": self.gate.groups_started,
                  "source": self.source.state()}
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, self.state_path)
+        write_atomically(self.state_path, json.dumps(state).encode())
 
     def load_state(self) -> dict:
         return json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
@@ -97,7 +96,10 @@ class CollectorService(Service[CollectorConfig]):
         if "source" in state:
             self.source.load_state(state["source"])
         versions = await self._probe_replicas()
-        self.gate.version = max([state.get("version", 0), *versions.values()])
+        # The saved version is the truth once there is one: it is written (fsync'd) at every
+        # commit, so a replica ahead of it applied a push that never committed (the collector
+        # died mid-commit) and is rolled back from the spool by the replica monitor.
+        self.gate.version = state["version"] if "version" in state else max([0, *versions.values()])
         self.gate.groups_started = self.gate.version * self.gate.groups_per_step
         for replica in self.pool.replicas:
             if versions.get(replica.address) == self.gate.version:
@@ -134,16 +136,18 @@ class CollectorService(Service[CollectorConfig]):
                 await asyncio.sleep(1.0)
 
     async def _watch_replicas(self) -> None:
-        """Bring failed replicas back: probe, re-sync to the committed version, rejoin."""
+        """Bring failed replicas back: probe, re-sync (or roll back) to the committed version, rejoin.
+        Also sweeps shm segments left by killed processes."""
         while True:
             await asyncio.sleep(self.config.replica_check_seconds)
+            await asyncio.to_thread(shm.sweep_stale)
             for replica in self.pool.replicas:
                 if replica.healthy:
                     continue
                 version = await self.pool.probe(replica)
                 if version is None:
                     continue
-                if version < self.gate.version and not await self.fanout.resync(replica):
+                if version != self.gate.version and not await self.fanout.resync(replica):
                     continue
                 await self.pool.mark_healthy(replica, self.gate.version)
                 log.info("replica %s back in rotation", replica.address)

@@ -49,7 +49,9 @@ class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
         outcome = await self.collector.fanout.push(messages())
         return collector_pb2.PushWeightsResponse(
             version=outcome.version, received_bytes=outcome.received_bytes, seconds=outcome.seconds,
-            replicas=[collector_pb2.ReplicaPushResult(address=r.address, applied=r.applied, error=r.error)
+            replicas=[collector_pb2.ReplicaPushResult(address=r.address, applied=r.applied, error=r.error,
+                                                      transport=r.transport, stage_seconds=r.stage_seconds,
+                                                      apply_seconds=r.apply_seconds)
                       for r in outcome.replicas])
 
     async def GetPolicyVersion(self, request, context):

@@ -1,9 +1,11 @@
 """Receiving a streamed weight push: manifest first, then ordered chunks.
 
 Shared by the generation service (which applies the push) and the collector
-(which fans it out). Bytes land in one preallocated buffer; the checksum is
-updated as chunks arrive; nothing is handed on until the stream is complete
-and verified, so a cut-off or corrupted push never half-applies.
+(which fans it out). Bytes land in a sink (the generation service's
+shared-memory segment, which its vLLM worker maps) or nowhere (a relay only
+validates); the checksum is updated as chunks arrive; nothing is applied
+until the stream is complete and verified, so a cut-off or corrupted push
+never half-applies.
 """
 
 from __future__ import annotations
@@ -62,19 +64,15 @@ class WeightPush:
     sizes: list[int]
     total_bytes: int
     checksum_spec: str
-    buffer: bytearray = field(repr=False, default_factory=bytearray)
+    sink: memoryview | None = field(repr=False, default=None)
     received: int = 0
-    keep_bytes: bool = True
     started_at: float = field(default_factory=time.monotonic)
     _checksum: _Checksum | None = field(default=None, repr=False)
 
     @classmethod
-    def from_manifest(cls, manifest: weights_pb2.WeightManifest, max_bytes: int,
-                      keep_bytes: bool = True) -> "WeightPush":
-        """Validate a manifest and preallocate the receive buffer.
-
-        ``keep_bytes=False`` only validates the stream (order, size, checksum):
-        for a relay such as the collector that forwards chunks as they arrive."""
+    def from_manifest(cls, manifest: weights_pb2.WeightManifest, max_bytes: int) -> "WeightPush":
+        """Validate a manifest. Chunks are only checked (order, size, checksum)
+        until ``attach_sink`` gives them a place to land."""
         names, dtypes, shapes, sizes = [], [], [], []
         seen: set[str] = set()
         for i, spec in enumerate(manifest.tensors):
@@ -107,9 +105,17 @@ class WeightPush:
         push = cls(version=manifest.version, mode=mode, names=names, dtypes=dtypes, shapes=shapes,
                    sizes=sizes, total_bytes=total, checksum_spec=manifest.checksum)
         push._checksum = _Checksum(manifest.checksum) if manifest.checksum else None
-        push.keep_bytes = keep_bytes
-        push.buffer = bytearray(total) if keep_bytes else bytearray()
         return push
+
+    def attach_sink(self, sink: memoryview) -> None:
+        """Write received chunks into ``sink`` (exactly ``total_bytes`` long)."""
+        if len(sink) != self.total_bytes:
+            raise ValueError(f"sink holds {len(sink)} bytes, the push {self.total_bytes}")
+        self.sink = sink
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.total_bytes
 
     def add_chunk(self, chunk: weights_pb2.WeightChunk) -> None:
         """Copy one chunk into place; chunks must be contiguous and in order."""
@@ -120,8 +126,8 @@ class WeightPush:
         end = self.received + len(data)
         if end > self.total_bytes:
             raise InvalidArgument(f"chunks exceed manifest.total_bytes ({end} > {self.total_bytes})")
-        if self.keep_bytes:
-            self.buffer[self.received:end] = data
+        if self.sink is not None:
+            self.sink[self.received:end] = data
         if self._checksum is not None:
             self._checksum.update(data)
         self.received = end
@@ -134,12 +140,3 @@ class WeightPush:
             raise InvalidArgument(
                 f"manifest.checksum mismatch: stream has {self._checksum.algo}:{self._checksum.hexdigest()}, "
                 f"manifest says {self.checksum_spec}; nothing applied")
-
-    def tensors(self) -> list[tuple[str, str, tuple[int, ...], bytes]]:
-        """``(name, dtype name, shape, bytes)`` per tensor, in manifest order."""
-        out, offset = [], 0
-        view = memoryview(self.buffer)
-        for name, dtype, shape, size in zip(self.names, self.dtypes, self.shapes, self.sizes):
-            out.append((name, str(dtype).removeprefix("torch."), shape, bytes(view[offset:offset + size])))
-            offset += size
-        return out

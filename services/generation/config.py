@@ -14,7 +14,7 @@ from rlfleet.services.common.config import ServiceConfig
 
 # Keys of engine_kwargs the engine sets itself: overriding them would silently
 # break behaviour log-probs or weight updates.
-OWNED_ENGINE_KWARGS = frozenset({"logprobs_mode", "worker_extension_cls", "model"})
+OWNED_ENGINE_KWARGS = frozenset({"logprobs_mode", "weight_transfer_config", "model"})
 
 
 class GenerationEngineConfig(BaseModel):
@@ -63,18 +63,14 @@ class GenerationEngineConfig(BaseModel):
     initial_policy_version: int = Field(0, ge=0)
     """Policy version of the weights loaded from ``model`` at start."""
 
-    weight_rpc_chunk_bytes: int = Field(256 * 1024 * 1024, gt=0)
-    """Weights travel to the worker in RPC calls of about this many bytes, so a
-    large model never becomes one giant message."""
-
     tokens_per_second_window_s: float = Field(10.0, gt=0)
     """Window over which ``status()`` measures generated tokens per second."""
 
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments passed verbatim to ``vllm.AsyncEngineArgs``
     (e.g. ``tensor_parallel_size``, ``gpu_memory_utilization``). They override
-    the fields above; ``logprobs_mode`` and ``worker_extension_cls`` are owned
-    by the engine and may not be set here."""
+    the fields above; ``logprobs_mode`` and ``weight_transfer_config`` are
+    owned by the engine and may not be set here."""
 
     @field_validator("engine_kwargs")
     @classmethod
@@ -100,4 +96,5 @@ class GenerationConfig(ServiceConfig, GenerationEngineConfig):
     max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
     """grpc.max_send/receive_message_length; weight pushes arrive in ~1 MiB chunks, so this only bounds prompts."""
     max_push_bytes: int = Field(256 * 1024**3, gt=0)
-    """Largest weight push accepted (its bytes are buffered in RAM until verified)."""
+    """Largest weight push accepted. grpc pushes are staged in a shared-memory
+    segment (``/dev/shm``) of the push's size until applied."""

@@ -27,13 +27,11 @@ from rlfleet.services.generation.sampling import (
     SamplingSpec,
 )
 from rlfleet.services.generation.status import EngineState, EngineStatus, TokenRate
-from rlfleet.services.generation.weights import (
-    TensorSpec,
-    WeightTensor,
-    read_checkpoint_specs,
-    validate_weight_push,
-)
-from rlfleet.services.generation.worker_ext import WORKER_EXTENSION_CLS
+from rlfleet.services.generation.staging import StagedPush
+from rlfleet.services.generation.transfer import WEIGHT_TRANSFER_CONFIG
+from rlfleet.services.generation.weights import TensorSpec, read_checkpoint_specs
+from rlfleet.v1 import weights_pb2
+from rlfleet.wire import shm
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -41,6 +39,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SwapMode = Literal["wait", "abort", "keep"]
+_MODES = {"wait": weights_pb2.UPDATE_MODE_WAIT, "abort": weights_pb2.UPDATE_MODE_ABORT,
+          "keep": weights_pb2.UPDATE_MODE_KEEP}
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
 
 
@@ -63,6 +63,7 @@ class GenerationEngine:
         self._requests_running = 0
         self._request_ids_in_flight: set[str] = set()
         self._token_rate = TokenRate(config.tokens_per_second_window_s)
+        self._nccl_rendezvous: dict | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -92,6 +93,9 @@ class GenerationEngine:
             # samples read their start/end policy version from those labels.
             # (Also the first call on this loop: it starts the client's output task.)
             await self._engine.update_weight_version(str(self._policy_version))
+            from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+            await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
         except BaseException:
             self._state = EngineState.STOPPED
             if self._engine is not None:
@@ -118,9 +122,9 @@ class GenerationEngine:
         )
         kwargs.update(cfg.engine_kwargs)
         # Owned keys last: behaviour log-probs must be those of the sampling
-        # distribution, and weight pushes need the extension.
+        # distribution, and weight pushes go through rlfleet's transfer engine.
         kwargs["logprobs_mode"] = "processed_logprobs"
-        kwargs["worker_extension_cls"] = WORKER_EXTENSION_CLS
+        kwargs["weight_transfer_config"] = dict(WEIGHT_TRANSFER_CONFIG)
         return kwargs
 
     async def shutdown(self) -> None:
@@ -328,13 +332,19 @@ class GenerationEngine:
 
     # ------------------------------------------------------------------ weights
 
-    async def update_weights(
-        self, version: int, tensors: Sequence[WeightTensor], mode: SwapMode = "wait"
-    ) -> None:
-        """Swap in a complete set of HF-named weights as policy ``version``.
+    def stage(self, manifest: weights_pb2.WeightManifest, max_bytes: int) -> StagedPush:
+        """First phase of a push: check version and manifest, prepare where the bytes go.
 
-        Everything is validated before the engine is touched; a rejected push
-        leaves weights and version exactly as they were.
+        Nothing touches the engine; the caller fills a grpc push's segment,
+        then ``apply``s or ``close``s the staged push."""
+        if self._engine is None or self._state in (EngineState.STOPPED, EngineState.STARTING):
+            raise Unavailable(f"generation engine is {self._state.value}")
+        if not manifest.resync:
+            self.check_version(manifest.version)
+        return StagedPush.begin(manifest, self._checkpoint_specs, max_bytes)
+
+    async def apply(self, staged: StagedPush) -> None:
+        """Second phase: swap the staged weights in as policy ``staged.version``.
 
         - ``wait``: hold new requests, let in-flight ones finish, swap, resume.
         - ``abort``: abort in-flight requests (they finish with "abort"), swap.
@@ -342,55 +352,64 @@ class GenerationEngine:
           recomputed with the new weights and their samples report
           ``policy_version_start != policy_version_end``.
 
-        The version moves only after vLLM applied the weights. If applying
-        fails inside vLLM the engine turns FAILED (not serving) until a later
-        push succeeds.
+        Once started the swap runs to completion even if the caller goes away
+        (a half-done pause/load/resume would wedge the engine). The version
+        moves only after vLLM loaded the weights and reports their version; if
+        loading fails inside vLLM the engine turns FAILED (not serving) until
+        a later push succeeds.
         """
-        if mode not in ("wait", "abort", "keep"):
-            raise InvalidArgument(f"mode must be wait, abort or keep, got {mode!r}")
         engine = self._engine
         # A FAILED engine accepts pushes: a push is a complete replacement, so
         # one that applies makes the weights well-defined again.
         if engine is None or self._state in (EngineState.STOPPED, EngineState.STARTING):
             raise Unavailable(f"generation engine is {self._state.value}")
+        staged.push.finish()
         async with self._swap_lock:
-            self.check_version(version)
-            await asyncio.to_thread(validate_weight_push, tensors, self._checkpoint_specs)
-            # Staging does not touch the model, so it overlaps with generation.
-            try:
-                for chunk in self._chunks(tensors):
-                    await engine.collective_rpc("rlfleet_stage_weights", args=(chunk,))
-            except BaseException:
-                await engine.collective_rpc("rlfleet_discard_staged_weights")
-                raise
-            # From here on the swap runs to completion even if the caller goes
-            # away: a half-done pause/apply/resume would wedge the engine.
-            await asyncio.shield(self._swap_staged(engine, version, mode))
+            if not staged.resync:
+                self.check_version(staged.version)
+            await asyncio.shield(self._swap(engine, staged))
 
-    def _chunks(self, tensors: Sequence[WeightTensor]) -> list[list[WeightTensor]]:
-        chunks: list[list[WeightTensor]] = [[]]
-        size = 0
-        for tensor in tensors:
-            if chunks[-1] and size + len(tensor[3]) > self.config.weight_rpc_chunk_bytes:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(tensor)
-            size += len(tensor[3])
-        return chunks
+    async def update_weights(self, version: int, named_tensors, mode: SwapMode = "wait") -> None:
+        """Stage ``(name, tensor)`` pairs in a segment and apply them (in-process callers and tests)."""
+        if mode not in ("wait", "abort", "keep"):
+            raise InvalidArgument(f"mode must be wait, abort or keep, got {mode!r}")
+        from rlfleet.wire.weights import iter_push_messages
 
-    async def _swap_staged(self, engine: AsyncLLM, version: int, mode: SwapMode) -> None:
+        pairs = list(named_tensors)
+        _, manifest = next(iter_push_messages(pairs, version=version, checksum_algo=None,
+                                              mode=_MODES[mode]))
+        staged = self.stage(manifest, max_bytes=1 << 62)
+        try:
+            shm.write_tensors(staged.segment, [tensor for _, tensor in pairs])
+            staged.push.received = staged.push.total_bytes
+            await self.apply(staged)
+        finally:
+            staged.close()
+
+    async def _swap(self, engine: AsyncLLM, staged: StagedPush) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+        version, mode = staged.version, staged.mode
         self._admission_open.clear()
         if mode != "keep":
             self._state = EngineState.SWAPPING
         started = time.monotonic()
         try:
+            if staged.nccl is not None and staged.nccl != self._nccl_rendezvous:
+                # Joins the trainer's NCCL group: a collective, the trainer joins at the same time.
+                await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={"nccl": staged.nccl}))
+                self._nccl_rendezvous = staged.nccl
             # clear_cache=True also preempts kept requests so their KV is
             # rebuilt with the new weights when they resume.
             await engine.pause_generation(mode=mode, clear_cache=True)
-            await engine.collective_rpc("rlfleet_apply_staged_weights")
-            await engine.update_weight_version(str(version))
+            await engine.start_weight_update()
+            await engine.update_weights(WeightTransferUpdateRequest(update_info=staged.update_info()))
+            await engine.finish_weight_update(weight_version=str(version))
             if not await engine.reset_prefix_cache():
                 raise RuntimeError("prefix cache reset failed after the swap")
+            engine_version = await engine.get_weight_version()
+            if engine_version != str(version):
+                raise RuntimeError(f"engine reports weight version {engine_version!r} after applying {version}")
             self._policy_version = version
             await engine.resume_generation()
         except BaseException:
@@ -401,8 +420,20 @@ class GenerationEngine:
         finally:
             self._admission_open.set()
         self._state = EngineState.SERVING
-        logger.info("swapped to policy version %d (%s) in %.3fs",
-                    version, mode, time.monotonic() - started)
+        logger.info("swapped to policy version %d (%s, %s) in %.3fs",
+                    version, mode, staged.transport, time.monotonic() - started)
+
+    @property
+    def transfer_world_size(self) -> int:
+        """Inference workers of this engine (NCCL ranks it takes in an nccl push)."""
+        if self._engine is None:
+            return 0
+        parallel = self._engine.vllm_config.parallel_config
+        return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+
+    async def engine_weight_version(self) -> str:
+        """The weight version vLLM itself reports (``get_weight_version``)."""
+        return await self._require_engine().get_weight_version()
 
     async def weight_checksums(self) -> dict[str, str]:
         """Per-parameter digests of the weights vLLM computes with (debugging)."""

@@ -8,12 +8,12 @@ import uuid
 import torch
 
 from rlfleet.services.common.errors import Aborted, InvalidArgument
-from rlfleet.services.common.weight_stream import WeightPush
 from rlfleet.services.generation.engine import GenerationEngine
 from rlfleet.services.generation.sampling import SampleResult, SamplingSpec
-from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
+from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, weights_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
 
+WEIGHT_TRANSPORTS = ("grpc", "shm", "nccl")
 _FINISH = {
     "stop": sampling_pb2.FINISH_REASON_STOP,
     "length": sampling_pb2.FINISH_REASON_LENGTH,
@@ -82,34 +82,43 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             yield _sample_to_proto(sample, prompt_msg, echoed)
 
     async def UpdateWeights(self, request_iterator, context):
+        """Stage (receive and verify), then apply on commit; see generation.proto."""
         started = time.monotonic()
-        push: WeightPush | None = None
-        async for message in request_iterator:
-            kind = message.WhichOneof("payload")
-            if kind == "manifest":
-                if push is not None:
-                    raise InvalidArgument("manifest sent twice: it must be the first message only")
-                if message.manifest.version == 0:
-                    raise InvalidArgument("manifest.version must be set (> current version)")
-                push = WeightPush.from_manifest(message.manifest, self.max_push_bytes)
-                self.engine.check_version(push.version)  # fail fast, before the bytes
-            elif kind == "chunk":
-                if push is None:
-                    raise InvalidArgument("the first message of a push must be the manifest")
-                push.add_chunk(message.chunk)
-            else:
-                raise InvalidArgument("empty UpdateWeightsRequest: set manifest or chunk")
-        if push is None:
-            raise Aborted("weight stream ended before the manifest; nothing applied")
-        push.finish()
-        received = time.monotonic()
-        aborted = self.engine.status().requests_in_flight if push.mode == "abort" else 0
-        await self.engine.update_weights(push.version, push.tensors(), push.mode)
-        return generation_pb2.UpdateWeightsResponse(
-            version=self.engine.policy_version, received_bytes=push.received,
-            receive_seconds=received - started, apply_seconds=time.monotonic() - received,
-            aborted_requests=aborted,
-        )
+        requests = request_iterator.__aiter__()
+        first = await _next_request(requests, "before the manifest")
+        if first.WhichOneof("payload") != "manifest":
+            raise InvalidArgument("the first message of a push must be the manifest")
+        manifest = first.manifest
+        if manifest.version == 0:
+            raise InvalidArgument("manifest.version must be set (> current version)")
+        staged = self.engine.stage(manifest, self.max_push_bytes)
+        try:
+            while not staged.push.complete:
+                message = await _next_request(requests, f"after {staged.push.received} of "
+                                                        f"{staged.push.total_bytes} bytes")
+                kind = message.WhichOneof("payload")
+                if kind != "chunk":
+                    raise InvalidArgument(f"expected a chunk at byte {staged.push.received}, got {kind or 'nothing'}")
+                staged.push.add_chunk(message.chunk)
+            staged.push.finish()
+            received = time.monotonic()
+            if manifest.two_phase:
+                yield generation_pb2.UpdateWeightsResponse(
+                    version=staged.version, received_bytes=staged.push.received,
+                    receive_seconds=received - started, phase=weights_pb2.WEIGHT_PHASE_STAGED)
+                message = await _next_request(requests, "before the commit")
+                if message.WhichOneof("payload") != "commit" or message.commit.version != staged.version:
+                    raise InvalidArgument(f"expected the commit of version {staged.version}; staged push discarded")
+            committed = time.monotonic()
+            aborted = self.engine.status().requests_in_flight if staged.mode == "abort" else 0
+            await self.engine.apply(staged)
+            yield generation_pb2.UpdateWeightsResponse(
+                version=self.engine.policy_version, received_bytes=staged.push.received,
+                receive_seconds=received - started, apply_seconds=time.monotonic() - committed,
+                aborted_requests=aborted, phase=weights_pb2.WEIGHT_PHASE_APPLIED,
+                engine_weight_version=await self.engine.engine_weight_version())
+        finally:
+            staged.close()
 
     async def GetEngineStatus(self, request, context):
         status = self.engine.status()
@@ -118,7 +127,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             running_requests=status.requests_running, waiting_requests=status.requests_waiting,
             tokens_per_second=status.tokens_per_second, swapping=self.engine.swapping,
             max_queued_requests=status.max_queued_requests,
+            weight_transports=list(WEIGHT_TRANSPORTS), weight_transfer_world_size=self.engine.transfer_world_size,
         )
+
+
+async def _next_request(requests, where: str):
+    """The next message of a push stream; ABORTED if the stream ends first."""
+    try:
+        return await requests.__anext__()
+    except StopAsyncIteration:
+        raise Aborted(f"weight stream ended {where}; nothing applied") from None
 
 
 def _sample_to_proto(sample: SampleResult, prompt_msg, echoed) -> generation_pb2.GenerateResponse:

@@ -1,29 +1,21 @@
 """Weight-push validation and decoding, independent of vLLM.
 
-A pushed tensor is ``(name, dtype, shape, raw little-endian C-contiguous bytes)``
-with Hugging Face checkpoint names. Everything is checked against the model's
-safetensors headers *before* anything reaches the engine, so a bad push never
-half-applies.
+A push's manifest names every tensor (Hugging Face checkpoint names) with its
+dtype and shape. It is checked against the model's safetensors headers
+*before* any byte is received, so a bad push never half-applies.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import struct
-import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeAlias
 
 import torch
 
 from rlfleet.services.common.errors import InvalidArgument
-
-#: ``(checkpoint name, dtype name, shape, raw bytes)`` — plain Python values,
-#: because torch tensors do not survive vLLM's ``collective_rpc`` serialization.
-WeightTensor: TypeAlias = tuple[str, str, Sequence[int], bytes]
 
 #: Wire dtype names (torch spelling) -> torch dtype.
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -101,69 +93,36 @@ def read_checkpoint_specs(model_dir: str | Path) -> dict[str, TensorSpec]:
     return specs
 
 
-def validate_weight_push(
-    tensors: Iterable[WeightTensor], checkpoint: dict[str, TensorSpec]
-) -> None:
-    """Raise InvalidArgument, naming the tensor, unless ``tensors`` is a complete,
-    well-formed replacement for ``checkpoint``.
+def validate_push(names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]],
+                  checkpoint: dict[str, TensorSpec]) -> None:
+    """Raise InvalidArgument, naming the tensor, unless the manifest is a complete,
+    well-formed replacement for ``checkpoint`` (checked before any byte arrives).
 
     A push must carry every checkpoint tensor exactly once: vLLM reloads fused
     layers (qkv, gate_up) as a whole, so a partial push would leave the
     missing slices undefined.
-    The dtype may differ from the checkpoint's (the engine casts, e.g. a bf16
-    trainer feeding a float32 engine) but not its kind: floating stays floating.
+    The dtype may differ from the checkpoint's (a bf16 trainer feeding a
+    float32 engine: the worker converts) but not its kind: floating stays floating.
     """
     seen: set[str] = set()
-    for name, dtype, shape, data in tensors:
+    for name, dtype, shape in zip(names, dtypes, shapes):
         if name in seen:
             raise InvalidArgument(f"weights: tensor {name!r} sent twice")
         seen.add(name)
         spec = checkpoint.get(name)
         if spec is None:
             raise InvalidArgument(f"weights: unknown tensor {name!r} (not in the model checkpoint)")
-        torch_dtype = TORCH_DTYPES.get(dtype)
-        if torch_dtype is None:
-            raise InvalidArgument(f"weights: tensor {name!r} has unknown dtype {dtype!r}")
-        if torch_dtype.is_floating_point != TORCH_DTYPES[spec.dtype].is_floating_point:
+        if dtype.is_floating_point != TORCH_DTYPES[spec.dtype].is_floating_point:
             raise InvalidArgument(
-                f"weights: tensor {name!r} has dtype {dtype}, checkpoint has {spec.dtype}"
+                f"weights: tensor {name!r} has dtype {str(dtype).removeprefix('torch.')}, checkpoint has {spec.dtype}"
             )
         if tuple(shape) != spec.shape:
             raise InvalidArgument(
                 f"weights: tensor {name!r} has shape {list(shape)}, "
                 f"checkpoint has {list(spec.shape)}"
             )
-        expected_bytes = math.prod(spec.shape) * torch_dtype.itemsize
-        if len(data) != expected_bytes:
-            raise InvalidArgument(
-                f"weights: tensor {name!r} has {len(data)} bytes, "
-                f"expected {expected_bytes} for {dtype}{list(shape)}"
-            )
     missing = sorted(checkpoint.keys() - seen)
     if missing:
         shown = ", ".join(repr(name) for name in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise InvalidArgument(f"weights: push is missing tensors {shown}{more}")
-
-
-def decode_tensor(dtype: str, shape: Sequence[int], data: bytes | bytearray | memoryview) -> torch.Tensor:
-    """View raw little-endian bytes as a tensor (no copy; the result is read-only
-    in spirit — vLLM's loaders copy out of it)."""
-    torch_dtype = TORCH_DTYPES[dtype]
-    if len(data) == 0:
-        return torch.empty(tuple(shape), dtype=torch_dtype)
-    with warnings.catch_warnings():
-        # bytes are immutable; torch warns that the view is not writable.
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        flat = torch.frombuffer(data, dtype=torch_dtype)
-    return flat.view(tuple(shape))
-
-
-def encode_tensor(name: str, tensor: torch.Tensor) -> WeightTensor:
-    """The inverse of ``decode_tensor``: a tensor as a push entry."""
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    if dtype not in TORCH_DTYPES:
-        raise InvalidArgument(f"weights: tensor {name!r} has unsupported dtype {dtype}")
-    contiguous = tensor.detach().cpu().contiguous()
-    raw = contiguous.reshape(-1).view(torch.uint8).numpy().tobytes()
-    return name, dtype, tuple(contiguous.shape), raw

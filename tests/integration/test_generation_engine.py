@@ -21,7 +21,6 @@ from rlfleet.services.common.errors import (
 from rlfleet.services.generation.config import GenerationEngineConfig
 from rlfleet.services.generation.engine import GenerationEngine
 from rlfleet.services.generation.sampling import SampleResult, SamplingSpec
-from rlfleet.services.generation.weights import encode_tensor
 from rlfleet.services.models.tiny import build_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -56,8 +55,6 @@ async def engine(model_dir):
         max_num_seqs=8,
         max_queued_requests=MAX_QUEUED_REQUESTS,
         kv_cache_memory_bytes=64 * 1024 * 1024,
-        # Several small RPCs instead of one: exercises the staging path.
-        weight_rpc_chunk_bytes=256 * 1024,
     )
     engine = GenerationEngine(config)
     await engine.start()
@@ -77,7 +74,7 @@ def perturbed(state_dict: dict[str, torch.Tensor], seed: int) -> dict[str, torch
 
 
 def as_push(state_dict: dict[str, torch.Tensor]):
-    return [encode_tensor(name, tensor) for name, tensor in state_dict.items()]
+    return list(state_dict.items())
 
 
 def hf_model(model_dir, state_dict=None):
@@ -168,13 +165,12 @@ async def test_rejected_push_leaves_engine_untouched(engine, base_state_dict):
     good = as_push(perturbed(base_state_dict, seed=99))
 
     wrong_shape = list(good)
-    name, dtype, shape, data = wrong_shape[0]
-    row_bytes = len(data) // shape[0]
-    wrong_shape[0] = (name, dtype, (shape[0] - 1, *shape[1:]), data[:-row_bytes])
+    name, tensor = wrong_shape[0]
+    wrong_shape[0] = (name, tensor[:-1])
     with pytest.raises(InvalidArgument, match=name):
         await engine.update_weights(2, wrong_shape)
 
-    unknown = [*good, ("model.layers.7.mlp.up_proj.weight", "float32", (2, 2), bytes(16))]
+    unknown = [*good, ("model.layers.7.mlp.up_proj.weight", torch.zeros(2, 2))]
     with pytest.raises(InvalidArgument, match="model.layers.7.mlp.up_proj.weight"):
         await engine.update_weights(2, unknown)
 

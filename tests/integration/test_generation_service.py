@@ -59,7 +59,9 @@ def push(stub, state, version, mode=weights_pb2.UPDATE_MODE_KEEP, cut_after=None
             if cut_after is not None and i > cut_after:
                 return
             yield generation_pb2.UpdateWeightsRequest(**{kind: msg})
-    return stub.UpdateWeights(requests(), timeout=300)
+    replies = list(stub.UpdateWeights(requests(), timeout=300))
+    assert [r.phase for r in replies] == [weights_pb2.WEIGHT_PHASE_APPLIED]
+    return replies[-1]
 
 
 def version(stub):
@@ -76,7 +78,10 @@ def test_keep_mode_push_during_long_generation_records_both_versions(stub, tiny_
         sampling=sampling_pb2.SamplingParams(n=4, temperature=1.0, max_tokens=1000, ignore_eos=True))
     current = version(stub)
     calls = [stub.Generate(request, timeout=300) for _ in range(6)]  # ~10 s of engine work, all in flight
-    time.sleep(1.0)
+    deadline = time.monotonic() + 120
+    while stub.GetEngineStatus(generation_pb2.GetEngineStatusRequest(), timeout=30).running_requests < 6:
+        assert time.monotonic() < deadline, "generation never started"
+        time.sleep(0.01)  # push once every call has tokens flowing: the swap must land mid-generation
     push(stub, state, current + 1, mode=weights_pb2.UPDATE_MODE_KEEP)
     samples = [sample for call in calls for sample in call]
     assert len(samples) == 24
@@ -131,6 +136,7 @@ def test_weight_push_changes_log_probs_and_bad_pushes_change_nothing(stub, tiny_
 
     reply = push(stub, perturbed, start_version + 1)
     assert reply.version == start_version + 1 == version(stub)
+    assert reply.engine_weight_version == str(start_version + 1)  # vLLM's own version agrees
     assert reply.received_bytes == sum(v.numel() * v.element_size() for v in perturbed.values())
     sample = generate(stub, temperature=1.0, max_tokens=24, seed=3)[0]
     assert sample.policy_version_start == sample.policy_version_end == start_version + 1
@@ -168,7 +174,7 @@ def test_weight_push_changes_log_probs_and_bad_pushes_change_nothing(stub, tiny_
                 raise RuntimeError("trainer died")
             yield generation_pb2.UpdateWeightsRequest(**{kind: msg})
     with pytest.raises(Exception):
-        stub.UpdateWeights(exploding(), timeout=60)
+        list(stub.UpdateWeights(exploding(), timeout=60))
     after = fingerprint()
     assert after[0] == before[0] and torch.equal(after[1], before[1]) and after[2] == current
 

@@ -26,6 +26,7 @@ from rlfleet.client import (
     InvalidArgumentError, NotFoundError, ResourceExhaustedError, RlfleetClientError, UnauthenticatedError,
     UnavailableError, connect, connect_async,
 )
+from rlfleet.wire import shm
 from rlfleet.v1 import (
     collector_pb2, collector_pb2_grpc, tensor_pb2, trajectory_pb2, trajectory_pb2_grpc, weights_pb2,
 )
@@ -57,6 +58,8 @@ class State:
         self.calls = collections.Counter()
         self.metadata: list[tuple[str, dict]] = []
         self.failures: dict[str, list] = {}  # method -> [(code, count or None = always)]
+        self.accept_shm = False
+        self.shm_offers = 0
         self.push_fail_when = "start"  # "start", "after_manifest" (stalls first) or "commit"
         self.hang_seconds = 0.0
         self.pushes: list[dict] = []
@@ -146,6 +149,14 @@ class FakeCollector(collector_pb2_grpc.CollectorServiceServicer):
             await context.abort(code, "push refused on purpose")
         requests = aiter(request_iterator)
         manifest = (await anext(requests)).manifest
+        if manifest.HasField("shm"):
+            state.shm_offers += 1
+            if not state.accept_shm:  # a collector on another host cannot open the trainer's segment
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"{shm.SHM_UNAVAILABLE} at the collector: no such file")
+            with shm.open_segment(manifest.shm.path, manifest.total_bytes) as segment:
+                data = bytearray(segment.buffer)
+            return self._commit(state, manifest, data, crc_checked=False)
         if code is not None and state.push_fail_when == "after_manifest":
             await asyncio.sleep(0.3)  # stop reading: the client is stuck mid-push under flow control
             await context.abort(code, "replica went away mid-push")
@@ -163,6 +174,11 @@ class FakeCollector(collector_pb2_grpc.CollectorServiceServicer):
         if version <= state.version:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"version {version} is not greater than {state.version}")
+        return self._commit(state, manifest, data)
+
+    @staticmethod
+    def _commit(state, manifest, data, crc_checked=True):
+        version = manifest.version or state.version + 1
         tensors, offset = {}, 0
         for spec in manifest.tensors:
             dtype = dtype_from_wire(spec.dtype)
@@ -497,7 +513,7 @@ def test_push_errors_after_the_whole_stream_are_typed_and_not_replayed(client, s
     state.fail("PushWeights", code)
     state.push_fail_when = "commit"
     with pytest.raises(CODES[code]) as info:
-        client.push_weights(state_dict(), progress=False)
+        client.push_weights(state_dict(), progress=False, transport="grpc")
     assert not isinstance(info.value, grpc.RpcError) and info.value.method == "PushWeights"
     # The collector had every byte: it may have committed, so even UNAVAILABLE is not resent.
     assert state.calls["PushWeights"] == 1 and state.version == 0
@@ -507,7 +523,7 @@ def test_push_errors_after_the_whole_stream_are_typed_and_not_replayed(client, s
 def test_push_refused_at_start_is_typed(client, state, code):
     state.fail("PushWeights", code)
     with pytest.raises(CODES[code]):  # 16 MiB: flow control stops the client long before the end
-        client.push_weights({"w": torch.zeros(4 << 20)}, progress=False)
+        client.push_weights({"w": torch.zeros(4 << 20)}, progress=False, transport="grpc")
     assert state.calls["PushWeights"] == (1 + RETRIES if code == grpc.StatusCode.UNAVAILABLE else 1)
 
 
@@ -515,9 +531,31 @@ def test_push_resent_after_an_early_unavailable_then_succeeds(client, state):
     weights = {"w": torch.randn(4 << 20)}  # 16 MiB: cannot all fit in flow-control windows
     state.fail("PushWeights", grpc.StatusCode.UNAVAILABLE, times=1)
     state.push_fail_when = "after_manifest"
-    result = client.push_weights(weights, progress=False)
+    result = client.push_weights(weights, progress=False, transport="grpc")
     assert result.attempts == 2 and state.calls["PushWeights"] == 2 and result.version == 1
     assert_bit_exact(weights, state.pushes[-1]["tensors"])
+
+
+def test_auto_transport_tries_shm_once_then_stays_on_grpc_when_refused(client, state):
+    weights = state_dict()
+    assert client.push_weights(weights, progress=False).version == 1
+    assert state.shm_offers == 1 and state.calls["PushWeights"] == 2  # refused, then grpc
+    assert_bit_exact(weights, state.pushes[-1]["tensors"])
+    assert client.push_weights(weights, progress=False).version == 2
+    assert state.shm_offers == 1 and state.calls["PushWeights"] == 3  # remembered: grpc straight away
+    with pytest.raises(FailedPreconditionError, match="shm transport unavailable"):
+        client.push_weights(weights, progress=False, transport="shm")  # asked for explicitly: no fallback
+
+
+def test_shm_push_hands_over_a_segment_and_unlinks_it(client, state):
+    state.accept_shm = True
+    weights = {"a": torch.randn(64, 3), "b": torch.arange(5), "c": torch.randn(8).to(torch.bfloat16)}
+    before = set(shm.list_segments())
+    result = client.push_weights(weights, progress=False, transport="shm")
+    assert result.version == 1 and state.shm_offers == 1 and state.calls["PushWeights"] == 1
+    assert state.pushes[-1]["manifest"].checksum == ""  # the bytes never crossed a network
+    assert_bit_exact(weights, state.pushes[-1]["tensors"])
+    assert set(shm.list_segments()) == before  # no segment left behind
 
 
 # --- batches -------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Weight-push validation and tensor (de)coding, without vLLM."""
+"""Weight-push validation against the checkpoint, and the worker's load from a segment, without vLLM."""
 
 from __future__ import annotations
 
@@ -6,38 +6,20 @@ import pytest
 import torch
 
 from rlfleet.services.common.errors import InvalidArgument
-from rlfleet.services.generation.weights import (
-    TensorSpec,
-    decode_tensor,
-    encode_tensor,
-    read_checkpoint_specs,
-    validate_weight_push,
-)
+from rlfleet.services.generation.transfer import RlfleetUpdateInfo, shm_weights
+from rlfleet.services.generation.weights import TensorSpec, read_checkpoint_specs, validate_push
+from rlfleet.wire import shm
 
 CHECKPOINT = {
     "embed.weight": TensorSpec("float32", (4, 3)),
     "norm.weight": TensorSpec("bfloat16", (3,)),
 }
+GOOD = [("embed.weight", torch.float32, (4, 3)), ("norm.weight", torch.bfloat16, (3,))]
 
 
-def good_push():
-    return [
-        encode_tensor("embed.weight", torch.randn(4, 3)),
-        encode_tensor("norm.weight", torch.ones(3, dtype=torch.bfloat16)),
-    ]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool])
-def test_encode_decode_round_trip(dtype):
-    tensor = (torch.randn(2, 5) * 10).to(dtype)
-    name, dtype_name, shape, data = encode_tensor("t", tensor)
-    assert (name, shape, len(data)) == ("t", (2, 5), tensor.numel() * tensor.element_size())
-    assert torch.equal(decode_tensor(dtype_name, shape, data), tensor)
-
-
-def test_decode_scalar_and_empty():
-    assert decode_tensor(*encode_tensor("s", torch.tensor(2.5))[1:]).item() == 2.5
-    assert decode_tensor("float32", (0, 3), b"").shape == (0, 3)
+def validate(entries):
+    names, dtypes, shapes = zip(*entries) if entries else ((), (), ())
+    validate_push(names, dtypes, shapes, CHECKPOINT)
 
 
 def test_read_checkpoint_specs_single_and_sharded(tmp_path):
@@ -61,23 +43,49 @@ def test_read_checkpoint_specs_single_and_sharded(tmp_path):
 
 
 def test_valid_push_passes_and_may_change_float_dtype():
-    validate_weight_push(good_push(), CHECKPOINT)
-    bf16_embed = encode_tensor("embed.weight", torch.randn(4, 3, dtype=torch.bfloat16))
-    validate_weight_push([bf16_embed, good_push()[1]], CHECKPOINT)
+    validate(GOOD)
+    validate([("embed.weight", torch.bfloat16, (4, 3)), GOOD[1]])
 
 
 @pytest.mark.parametrize(
-    ("mutate", "message"),
+    ("entries", "message"),
     [
-        (lambda p: p + [("extra.weight", "float32", (1,), bytes(4))], "unknown tensor 'extra.weight'"),
-        (lambda p: p[:1], "missing tensors 'norm.weight'"),
-        (lambda p: p + p[:1], "'embed.weight' sent twice"),
-        (lambda p: [("embed.weight", "float32", (3, 4), p[0][3]), p[1]], "'embed.weight' has shape"),
-        (lambda p: [("embed.weight", "float32", (4, 3), p[0][3][:-4]), p[1]], "'embed.weight' has 44 bytes"),
-        (lambda p: [("embed.weight", "int32", (4, 3), p[0][3]), p[1]], "'embed.weight' has dtype int32"),
-        (lambda p: [("embed.weight", "complex64", (4, 3), p[0][3]), p[1]], "unknown dtype 'complex64'"),
+        (GOOD + [("extra.weight", torch.float32, (1,))], "unknown tensor 'extra.weight'"),
+        (GOOD[:1], "missing tensors 'norm.weight'"),
+        (GOOD + GOOD[:1], "'embed.weight' sent twice"),
+        ([("embed.weight", torch.float32, (3, 4)), GOOD[1]], "'embed.weight' has shape"),
+        ([("embed.weight", torch.int32, (4, 3)), GOOD[1]], "'embed.weight' has dtype int32"),
     ],
 )
-def test_bad_push_names_the_tensor(mutate, message):
+def test_bad_push_names_the_tensor(entries, message):
     with pytest.raises(InvalidArgument, match=message):
-        validate_weight_push(mutate(good_push()), CHECKPOINT)
+        validate(entries)
+
+
+@pytest.mark.parametrize("target", [torch.float32, torch.bfloat16, None])
+def test_worker_loads_views_of_the_segment_converting_floats(tmp_path, target):
+    """bf16/fp16 pushes into a float32 or bf16 engine: floats are converted, ints never."""
+    tensors = {"a": torch.randn(3, 5, dtype=torch.bfloat16), "b": torch.arange(7, dtype=torch.int64),
+               "c": torch.randn(2, 2, dtype=torch.float16), "d": torch.randn(4)}
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    with shm.create_segment(size, directory=str(tmp_path)) as segment:
+        shm.write_tensors(segment, list(tensors.values()))
+        info = RlfleetUpdateInfo(transport="shm", names=list(tensors),
+                                 dtype_names=[str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+                                 shapes=[list(t.shape) for t in tensors.values()], shm_path=segment.path,
+                                 total_bytes=size)
+        loaded = dict(shm_weights(segment.as_uint8(), info, target))
+    for name, tensor in tensors.items():
+        got = loaded[name]
+        if tensor.is_floating_point() and target is not None:
+            assert got.dtype == target
+            assert torch.equal(got, tensor.to(target))
+        else:
+            assert got.dtype == tensor.dtype and torch.equal(got, tensor)
+
+
+def test_update_info_rejects_mismatched_lists():
+    with pytest.raises(ValueError, match="differ in length"):
+        RlfleetUpdateInfo(transport="shm", names=["a"], dtype_names=[], shapes=[[1]])
+    with pytest.raises(ValueError, match="unknown transport"):
+        RlfleetUpdateInfo(transport="carrier-pigeon", names=[], dtype_names=[], shapes=[])

@@ -6,6 +6,7 @@ import torch
 from rlfleet.services.common.errors import Aborted, InvalidArgument, ResourceExhausted
 from rlfleet.services.common.weight_stream import WeightPush
 from rlfleet.v1 import weights_pb2
+from rlfleet.wire import shm
 from rlfleet.wire.weights import iter_push_messages
 
 STATE = [
@@ -21,6 +22,7 @@ def assemble(messages, max_bytes=1 << 30):
     for kind, msg in messages:
         if kind == "manifest":
             push = WeightPush.from_manifest(msg, max_bytes)
+            push.attach_sink(memoryview(bytearray(push.total_bytes)))
         else:
             push.add_chunk(msg)
     push.finish()
@@ -32,11 +34,11 @@ def assemble(messages, max_bytes=1 << 30):
 def test_round_trip_any_chunking(chunk_bytes, algo):
     push = assemble(iter_push_messages(STATE, version=3, chunk_bytes=chunk_bytes, checksum_algo=algo))
     assert push.version == 3 and push.mode == "keep"
-    for (name, tensor), (got_name, dtype, shape, data) in zip(STATE, push.tensors()):
-        assert got_name == name and tuple(shape) == tuple(tensor.shape)
-        assert dtype == str(tensor.dtype).removeprefix("torch.")
-        rebuilt = torch.frombuffer(bytearray(data), dtype=tensor.dtype).reshape(shape) if data else torch.empty(shape)
-        assert torch.equal(rebuilt, tensor.contiguous()) or tensor.numel() == 0
+    flat = torch.frombuffer(push.sink, dtype=torch.uint8)
+    offsets = shm.tensor_offsets(push.sizes)
+    for (name, tensor), got_name, dtype, shape, offset in zip(STATE, push.names, push.dtypes, push.shapes, offsets):
+        assert got_name == name and tuple(shape) == tuple(tensor.shape) and dtype == tensor.dtype
+        assert torch.equal(shm.view_tensor(flat, offset, dtype, shape), tensor.contiguous())
 
 
 def messages():

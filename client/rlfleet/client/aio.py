@@ -16,7 +16,7 @@ from rlfleet.client.batches import BatchStream
 from rlfleet.client.channel import ChannelSettings, aio_channel, call_with_retry
 from rlfleet.client.errors import UnavailableError
 from rlfleet.client.prompts import PromptInput, to_prompt_specs
-from rlfleet.client.push import DEFAULT_CHUNK_BYTES, named_tensors, push_weights
+from rlfleet.client.push import DEFAULT_CHUNK_BYTES, TransportMemo, named_tensors, push_weights
 from rlfleet.client.results import BufferStats, PushResult, Status
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc
 
@@ -57,6 +57,7 @@ class AsyncClient:
     def __init__(self, address: str, settings: ChannelSettings = ChannelSettings()):
         self.address = address
         self.settings = settings
+        self._transport_memo = TransportMemo()
         self._channel = None
         self._collector: collector_pb2_grpc.CollectorServiceStub | None = None
         self._trajectory: trajectory_pb2_grpc.TrajectoryServiceStub | None = None
@@ -96,7 +97,8 @@ class AsyncClient:
 
     async def push_weights(self, weights: Any, version: int | None = None, *, mode: str = "keep",
                            chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: bool = True,
-                           timeout: float | None = None, checksum: str | None = "crc32") -> PushResult:
+                           timeout: float | None = None, checksum: str | None = "crc32",
+                           transport: str = "auto") -> PushResult:
         """Stream new weights to the collector, which fans them out and commits a new policy version.
 
         ``weights``: an ``nn.Module`` (its ``state_dict()``), a ``{name: tensor}`` mapping or
@@ -107,12 +109,15 @@ class AsyncClient:
         old ones first) or "abort". A progress bar (tqdm, stderr) shows for pushes of 8 MiB or
         more when ``progress`` and tqdm is installed. ``timeout`` defaults to the client's
         timeout plus one second per 10 MiB. Retried only on an UNAVAILABLE that arrives before
-        the last chunk is sent (see ``rlfleet.client.push``).
+        the last chunk is sent (see ``rlfleet.client.push``). ``transport``: "shm" (shared memory,
+        the collector on this host), "grpc" (chunks; ``chunk_bytes`` and ``checksum`` apply) or
+        "auto" (shm, falling back to grpc for good once the collector cannot open the segment).
         """
         collector, _ = self._stubs()
         return await push_weights(collector.PushWeights, named_tensors(weights), version=version, mode=mode,
                                   chunk_bytes=chunk_bytes, progress=progress, timeout=timeout,
-                                  settings=self.settings, checksum=checksum)
+                                  settings=self.settings, checksum=checksum, transport=transport,
+                                  memo=self._transport_memo)
 
     async def submit_prompts(self, prompts: PromptInput | Iterable[PromptInput], *,
                              timeout: float | None = None) -> list[str]:

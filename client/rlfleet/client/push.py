@@ -1,4 +1,14 @@
-"""``push_weights``: stream a state dict to the collector as a manifest plus ~1 MiB chunks.
+"""``push_weights``: hand a state dict to the collector, by shared memory or as ~1 MiB chunks.
+
+Transports (``transport=``): ``shm`` writes every tensor once into a
+shared-memory segment (``/dev/shm``) and sends only the manifest naming it;
+the collector and the generation replicas map the same pages. It works when
+the collector runs on the trainer's host and IPC namespace; a collector that
+cannot open the segment answers FAILED_PRECONDITION "shm transport
+unavailable". ``grpc`` streams the bytes as chunks. ``auto`` (the default)
+tries shm first and falls back to grpc for good once refused (or when no
+segment can be created here). The segment is unlinked when the push returns,
+fails or is cancelled; if the trainer is killed, the services sweep it.
 
 Memory: chunks are cut straight out of each tensor's memory by
 ``iter_push_messages`` and written one at a time under gRPC flow control, so
@@ -28,9 +38,10 @@ import grpc
 import torch
 
 from rlfleet.client.channel import ChannelSettings, StatusWatch, backoff, stream_error
-from rlfleet.client.errors import UnavailableError
+from rlfleet.client.errors import FailedPreconditionError, UnavailableError
 from rlfleet.client.results import PushResult
 from rlfleet.v1 import collector_pb2, weights_pb2
+from rlfleet.wire import shm
 from rlfleet.wire.tensor import SUPPORTED_DTYPES
 from rlfleet.wire.weights import DEFAULT_CHUNK_BYTES, iter_push_messages
 
@@ -39,6 +50,7 @@ MODES = {"keep": weights_pb2.UPDATE_MODE_KEEP, "wait": weights_pb2.UPDATE_MODE_W
          "abort": weights_pb2.UPDATE_MODE_ABORT}
 PROGRESS_MIN_BYTES = 8 << 20
 """Pushes smaller than this never show a progress bar."""
+TRANSPORTS = ("auto", "shm", "grpc")
 DEADLINE_BYTES_PER_SECOND = 10 << 20
 """Default push deadline: the client's timeout plus one second per 10 MiB."""
 
@@ -75,12 +87,75 @@ def named_tensors(weights: Any) -> list[tuple[str, torch.Tensor]]:
     return pairs
 
 
+class TransportMemo:
+    """What a client learned about its collector: shm refused once means grpc from then on."""
+
+    def __init__(self) -> None:
+        self.shm_refused = False
+
+
 async def push_weights(
+    call_factory, pairs: list[tuple[str, torch.Tensor]], *, version: int | None, mode: str,
+    chunk_bytes: int, progress: bool, timeout: float | None, settings: ChannelSettings,
+    checksum: str | None = "crc32", transport: str = "auto", memo: TransportMemo | None = None,
+) -> PushResult:
+    """Push ``pairs`` through ``call_factory(timeout=, metadata=)`` (a PushWeights stub); see the module doc."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    memo = memo or TransportMemo()
+    if transport == "shm" or (transport == "auto" and not memo.shm_refused):
+        try:
+            return await _push_shm(call_factory, pairs, version=version, mode=mode, timeout=timeout,
+                                   settings=settings)
+        except FailedPreconditionError as error:
+            if transport == "shm" or shm.SHM_UNAVAILABLE not in error.details:
+                raise
+            memo.shm_refused = True
+        except OSError:
+            if transport == "shm":
+                raise
+            memo.shm_refused = True  # no usable /dev/shm here
+    return await _push_grpc(call_factory, pairs, version=version, mode=mode, chunk_bytes=chunk_bytes,
+                            progress=progress, timeout=timeout, settings=settings, checksum=checksum)
+
+
+async def _push_shm(call_factory, pairs, *, version, mode, timeout, settings) -> PushResult:
+    """Write the tensors once into a segment and send only the manifest naming it."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    started = time.perf_counter()
+    _, manifest = next(iter_push_messages(pairs, version=version or 0, mode=MODES[mode], checksum_algo=None))
+    await asyncio.to_thread(shm.sweep_stale)
+    segment = shm.create_segment(manifest.total_bytes)
+    try:
+        await asyncio.to_thread(shm.write_tensors, segment, [tensor for _, tensor in pairs])
+        manifest.shm.path = segment.path
+        deadline = timeout if timeout is not None else settings.timeout + manifest.total_bytes / (
+            100 * DEADLINE_BYTES_PER_SECOND)
+        call = call_factory(timeout=deadline, metadata=settings.metadata())
+        watch = StatusWatch(call)
+        try:
+            await call.write(collector_pb2.PushWeightsRequest(manifest=manifest))
+            await call.done_writing()
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass  # the reply below carries the real status
+        try:
+            reply = await call
+        except grpc.RpcError as exc:
+            raise await stream_error(call, exc, METHOD, watch) from None
+        finally:
+            if not call.done():
+                call.cancel()
+        return PushResult.from_proto(reply, time.perf_counter() - started, 1)
+    finally:
+        segment.close()  # unlinks: the receivers have mapped it or fall back to grpc
+
+
+async def _push_grpc(
     call_factory, pairs: list[tuple[str, torch.Tensor]], *, version: int | None, mode: str,
     chunk_bytes: int, progress: bool, timeout: float | None, settings: ChannelSettings,
     checksum: str | None = "crc32",
 ) -> PushResult:
-    """Push ``pairs`` through ``call_factory(timeout=, metadata=)`` (a PushWeights stub); see the module doc."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     if chunk_bytes <= 0:
@@ -166,4 +241,5 @@ def _progress_bar(total: int, enabled: bool, version: int):
                 leave=False, dynamic_ncols=True)
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "MODES", "PushResult", "named_tensors", "push_weights"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "MODES", "TRANSPORTS", "PushResult", "TransportMemo", "named_tensors",
+           "push_weights"]

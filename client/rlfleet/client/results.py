@@ -19,6 +19,12 @@ class ReplicaPushResult:
     """True if the replica now serves the new version."""
     error: str
     """Why it was not applied (empty when applied)."""
+    transport: str = ""
+    """How the bytes reached it: "shm" or "grpc"."""
+    stage_seconds: float = 0.0
+    """From the start of the push until the replica held and verified every byte."""
+    apply_seconds: float = 0.0
+    """The replica's swap of the staged weights."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,11 @@ class PushResult:
     """1 unless the push was retried after an early UNAVAILABLE."""
 
     @property
+    def transport(self) -> str:
+        """How the bytes reached the replicas that applied it ("shm", "grpc", or "grpc+shm")."""
+        return "+".join(sorted({r.transport for r in self.replicas if r.applied and r.transport}))
+
+    @property
     def megabytes_per_second(self) -> float:
         """Throughput in MB/s (10^6 bytes) over ``seconds``."""
         return self.bytes / self.seconds / 1e6 if self.seconds > 0 else float("inf")
@@ -51,7 +62,8 @@ class PushResult:
     def from_proto(cls, reply: collector_pb2.PushWeightsResponse, seconds: float, attempts: int) -> "PushResult":
         return cls(version=reply.version, bytes=reply.received_bytes, seconds=seconds,
                    server_seconds=reply.seconds, attempts=attempts,
-                   replicas=tuple(ReplicaPushResult(r.address, r.applied, r.error) for r in reply.replicas))
+                   replicas=tuple(ReplicaPushResult(r.address, r.applied, r.error, r.transport, r.stage_seconds,
+                                                    r.apply_seconds) for r in reply.replicas))
 
 
 @dataclass(frozen=True)

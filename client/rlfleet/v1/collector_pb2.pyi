@@ -18,14 +18,20 @@ class PushWeightsRequest(_message.Message):
     def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[_weights_pb2.WeightChunk, _Mapping]] = ...) -> None: ...
 
 class ReplicaPushResult(_message.Message):
-    __slots__ = ("address", "applied", "error")
+    __slots__ = ("address", "applied", "error", "transport", "stage_seconds", "apply_seconds")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     address: str
     applied: bool
     error: str
-    def __init__(self, address: _Optional[str] = ..., applied: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    transport: str
+    stage_seconds: float
+    apply_seconds: float
+    def __init__(self, address: _Optional[str] = ..., applied: _Optional[bool] = ..., error: _Optional[str] = ..., transport: _Optional[str] = ..., stage_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
     __slots__ = ("version", "replicas", "received_bytes", "seconds")

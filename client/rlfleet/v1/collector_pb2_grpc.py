@@ -62,9 +62,15 @@ class CollectorServiceServicer:
     """
 
     def PushWeights(self, request_iterator, context):
-        """Streams new weights to every generation replica as the chunks arrive;
-        the version is committed only when every healthy replica applied it.
-        Errors: FAILED_PRECONDITION (version not greater than current),
+        """A two-phase weight push. The manifest's source picks the transport
+        (chunks in this stream, a shm segment, or NCCL; see weights.proto); each
+        replica gets the fastest transport it accepts. Every replica stages the
+        push; once all staged, they apply it, and the version commits when they
+        applied. The push is decided when the collector holds every byte (last
+        chunk verified, or the shm segment mapped): from then on it completes
+        even if the trainer goes away (read GetPolicyVersion). Errors:
+        FAILED_PRECONDITION (version not greater than current; shm segment not
+        openable here, message starting "shm transport unavailable"),
         INVALID_ARGUMENT (bad manifest or chunks), ABORTED (stream cut off),
         UNAVAILABLE (no replica applied it). On error the version is unchanged.
         """

@@ -1,9 +1,10 @@
 from rlfleet.v1 import sampling_pb2 as _sampling_pb2
 from rlfleet.v1 import tensor_pb2 as _tensor_pb2
 from rlfleet.v1 import weights_pb2 as _weights_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -55,33 +56,39 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., response_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., behavior_log_probs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., finish_reason: _Optional[_Union[_sampling_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., policy_version_start: _Optional[int] = ..., policy_version_end: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., timing: _Optional[_Union[SampleTiming, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("manifest", "chunk")
+    __slots__ = ("manifest", "chunk", "commit")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     manifest: _weights_pb2.WeightManifest
     chunk: _weights_pb2.WeightChunk
-    def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[_weights_pb2.WeightChunk, _Mapping]] = ...) -> None: ...
+    commit: _weights_pb2.WeightCommit
+    def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[_weights_pb2.WeightChunk, _Mapping]] = ..., commit: _Optional[_Union[_weights_pb2.WeightCommit, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("version", "received_bytes", "receive_seconds", "apply_seconds", "aborted_requests")
+    __slots__ = ("version", "received_bytes", "receive_seconds", "apply_seconds", "aborted_requests", "phase", "engine_weight_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ABORTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     received_bytes: int
     receive_seconds: float
     apply_seconds: float
     aborted_requests: int
-    def __init__(self, version: _Optional[int] = ..., received_bytes: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., aborted_requests: _Optional[int] = ...) -> None: ...
+    phase: _weights_pb2.WeightPhase
+    engine_weight_version: str
+    def __init__(self, version: _Optional[int] = ..., received_bytes: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., aborted_requests: _Optional[int] = ..., phase: _Optional[_Union[_weights_pb2.WeightPhase, str]] = ..., engine_weight_version: _Optional[str] = ...) -> None: ...
 
 class GetEngineStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetEngineStatusResponse(_message.Message):
-    __slots__ = ("model", "policy_version", "running_requests", "waiting_requests", "tokens_per_second", "swapping", "max_queued_requests")
+    __slots__ = ("model", "policy_version", "running_requests", "waiting_requests", "tokens_per_second", "swapping", "max_queued_requests", "weight_transports", "weight_transfer_world_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +96,8 @@ class GetEngineStatusResponse(_message.Message):
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     SWAPPING_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TRANSFER_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     policy_version: int
     running_requests: int
@@ -96,4 +105,6 @@ class GetEngineStatusResponse(_message.Message):
     tokens_per_second: float
     swapping: bool
     max_queued_requests: int
-    def __init__(self, model: _Optional[str] = ..., policy_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., swapping: _Optional[bool] = ..., max_queued_requests: _Optional[int] = ...) -> None: ...
+    weight_transports: _containers.RepeatedScalarFieldContainer[str]
+    weight_transfer_world_size: int
+    def __init__(self, model: _Optional[str] = ..., policy_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., swapping: _Optional[bool] = ..., max_queued_requests: _Optional[int] = ..., weight_transports: _Optional[_Iterable[str]] = ..., weight_transfer_world_size: _Optional[int] = ...) -> None: ...

@@ -40,7 +40,7 @@ class GenerationServiceStub:
                 request_serializer=rlfleet_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
-        self.UpdateWeights = channel.stream_unary(
+        self.UpdateWeights = channel.stream_stream(
                 '/rlfleet.v1.GenerationService/UpdateWeights',
                 request_serializer=rlfleet_dot_v1_dot_generation__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_generation__pb2.UpdateWeightsResponse.FromString,
@@ -69,12 +69,16 @@ class GenerationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateWeights(self, request_iterator, context):
-        """Applies a streamed weight push in place (manifest first, then chunks; see
-        weights.proto). Errors: FAILED_PRECONDITION (version not greater than the
-        current one), INVALID_ARGUMENT (unknown tensor name, wrong shape/dtype,
-        size or checksum mismatch, chunk out of order), ABORTED (the stream ended
-        early or the client disconnected). On any error the old weights keep
-        serving and the version is unchanged.
+        """Applies a weight push in place (manifest first, then chunks unless the
+        manifest names a shm segment or NCCL rendezvous; see weights.proto).
+        One response per phase: WEIGHT_PHASE_STAGED (two-phase pushes only, then
+        the caller sends a WeightCommit) and WEIGHT_PHASE_APPLIED. Errors:
+        FAILED_PRECONDITION (version not greater than the current one; shm
+        segment not openable here), INVALID_ARGUMENT (unknown tensor name, wrong
+        shape/dtype, size or checksum mismatch, chunk out of order), ABORTED (the
+        stream ended early or the client disconnected before the commit). On any
+        error before the commit the old weights keep serving and the version is
+        unchanged.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -95,7 +99,7 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     request_deserializer=rlfleet_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
-            'UpdateWeights': grpc.stream_unary_rpc_method_handler(
+            'UpdateWeights': grpc.stream_stream_rpc_method_handler(
                     servicer.UpdateWeights,
                     request_deserializer=rlfleet_dot_v1_dot_generation__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_generation__pb2.UpdateWeightsResponse.SerializeToString,
@@ -155,7 +159,7 @@ class GenerationService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_unary(
+        return grpc.experimental.stream_stream(
             request_iterator,
             target,
             '/rlfleet.v1.GenerationService/UpdateWeights',

@@ -14,10 +14,19 @@ class UpdateMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UPDATE_MODE_WAIT: _ClassVar[UpdateMode]
     UPDATE_MODE_ABORT: _ClassVar[UpdateMode]
     UPDATE_MODE_KEEP: _ClassVar[UpdateMode]
+
+class WeightPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WEIGHT_PHASE_UNSPECIFIED: _ClassVar[WeightPhase]
+    WEIGHT_PHASE_STAGED: _ClassVar[WeightPhase]
+    WEIGHT_PHASE_APPLIED: _ClassVar[WeightPhase]
 UPDATE_MODE_UNSPECIFIED: UpdateMode
 UPDATE_MODE_WAIT: UpdateMode
 UPDATE_MODE_ABORT: UpdateMode
 UPDATE_MODE_KEEP: UpdateMode
+WEIGHT_PHASE_UNSPECIFIED: WeightPhase
+WEIGHT_PHASE_STAGED: WeightPhase
+WEIGHT_PHASE_APPLIED: WeightPhase
 
 class WeightSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -30,18 +39,52 @@ class WeightSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "tensors", "total_bytes", "checksum", "mode")
+    __slots__ = ("version", "tensors", "total_bytes", "checksum", "mode", "shm", "nccl", "two_phase", "resync")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    NCCL_FIELD_NUMBER: _ClassVar[int]
+    TWO_PHASE_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[WeightSpec]
     total_bytes: int
     checksum: str
     mode: UpdateMode
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[WeightSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ...) -> None: ...
+    shm: ShmSegment
+    nccl: NcclRendezvous
+    two_phase: bool
+    resync: bool
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[WeightSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ..., nccl: _Optional[_Union[NcclRendezvous, _Mapping]] = ..., two_phase: _Optional[bool] = ..., resync: _Optional[bool] = ...) -> None: ...
+
+class ShmSegment(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class NcclRendezvous(_message.Message):
+    __slots__ = ("master_address", "master_port", "world_size", "rank_offset", "packed")
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int
+    packed: bool
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., packed: _Optional[bool] = ...) -> None: ...
+
+class WeightCommit(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("offset", "data")

@@ -1,0 +1,331 @@
+"""Weight pushes through the collector, as ratios against their floors, measured side by side in one run.
+
+    .venv/bin/python bench/weights.py [--rounds 5] [--hidden 1024] [--layers 10] [--settle-seconds 1.5]
+
+A tiny Qwen2 model of >= 500 MB float32 (``--hidden`` x ``--layers``, head_dim 64) is built once under
+~/.cache/rlfleet. Processes: trajectory, reference and reward services (the small default tiny model:
+pushes never touch them), three generation services g0, g1, g2 serving the big model, collector A
+driving g0 and collector B driving g1 + g2 (a replica belongs to one collector only), a raw gRPC byte
+sink, and an in-process vLLM engine of the big model (kept idle between its own phases) whose worker
+holds the checkpoint's tensors for the floor. Every push is ``rlfleet.client`` ``push_weights`` with
+an explicit, increasing version per collector, timed by the client (``PushResult.seconds``: shm
+writing, fan-out, spool, stage and the apply into vLLM included).
+
+Each round (a warm-up round, then ``--rounds``) runs these phases in this order, each after
+``--settle-seconds`` (an idle vLLM worker busy-polls ~1 s after its last step):
+
+  raw     the push's bytes as raw 1 MiB gRPC messages to a sink that only counts them
+  grpc A  grpc push through collector A to g0                          (PSS sampled)
+  floor   vLLM ``reload_weights`` in the in-process engine's worker, from tensors already in its memory
+  shm A   shm push through collector A to g0                           (PSS sampled)
+  shm B   shm push through collector B to g1 + g2
+
+Ratios are taken per round from adjacent phases, then the median (IQR) over rounds:
+  grpc_vs_raw         = raw s / grpc A s            (higher is better; target >= 0.8)
+  shm_vs_reload       = shm A s / floor s           (lower is better; target <= 1.3)
+  two_vs_one_replica  = shm B s / shm A s           (target <= 1.2)
+  peak_rss_over_model = peak extra PSS / model bytes (target <= 1.1); PSS is summed over collector A,
+      g0 and g0's descendants (vLLM engine core), sampled every ~15 ms; extra = max during the push -
+      the sum just before it. Pages shared with this process (the trainer's shm segment) count only in
+      part, as PSS splits them. RESULT holds the max of the shm and grpc medians.
+The last line is ``RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+BENCH_DIR = Path(__file__).resolve().parent
+CHUNK = 1 << 20
+GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+class PeakPss(threading.Thread):
+    """Peak of the summed PSS (bytes) of ``pids`` while in the ``with`` block, above the sum just before it."""
+
+    def __init__(self, pids: list[int], interval: float = 0.015):
+        super().__init__(daemon=True)
+        self.pids, self.interval = pids, interval
+        self._done = threading.Event()
+        self.before = self.peak = 0
+
+    def sample(self) -> int:
+        total = 0
+        for pid in self.pids:
+            try:
+                with open(f"/proc/{pid}/smaps_rollup") as f:
+                    total += next(int(line.split()[1]) for line in f if line.startswith("Pss:")) * 1024
+            except (OSError, StopIteration):
+                pass
+        return total
+
+    def run(self) -> None:
+        while not self._done.wait(self.interval):
+            self.peak = max(self.peak, self.sample())
+
+    def __enter__(self) -> "PeakPss":
+        self.before = self.peak = self.sample()
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self.join()
+        self.peak = max(self.peak, self.sample())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.before
+
+
+def tree_pids(*procs) -> list[int]:
+    """The PIDs of ``procs`` (ServiceProcess) and all their descendants."""
+    pids = []
+    for proc in procs:
+        root = psutil.Process(proc.process.pid)
+        pids += [root.pid, *(c.pid for c in root.children(recursive=True))]
+    return pids
+
+
+def start_collector(name: str, backends: dict, replicas: list, workdir: Path):
+    from rlfleet.services.launch import ServiceProcess
+
+    return ServiceProcess("collector", [
+        "--generation-addresses", json.dumps([r.address for r in replicas]),
+        "--reference-address", backends["reference"].address, "--reward-address", backends["reward"].address,
+        "--trajectory-address", backends["trajectory"].address, "--state-dir", str(workdir / name / "state"),
+        "--log-format", "text"]).start(workdir / name)
+
+
+async def build_floor_engine(gen_args: list[str], model_dir: Path):
+    """An in-process AsyncLLM with the generation service's own engine kwargs plus the floor extension."""
+    from vllm import AsyncEngineArgs  # imported by main() already (see there)
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from rlfleet.services.generation.config import GenerationConfig, GenerationEngineConfig
+    from rlfleet.services.generation.engine import GenerationEngine
+
+    config = GenerationConfig.load(gen_args, environ={})
+    engine_config = GenerationEngineConfig(**{n: getattr(config, n) for n in GenerationEngineConfig.model_fields})
+    kwargs = GenerationEngine(engine_config)._engine_kwargs()
+    kwargs["worker_extension_cls"] = "_floor_ext.FloorExtension"
+    engine = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**kwargs))
+    loaded = (await engine.collective_rpc("bench_floor_load", args=(str(model_dir),)))[0]
+    return engine, loaded
+
+
+def push(client, state, version: int, transport: str, replicas: int):
+    result = client.push_weights(state, version=version, transport=transport, progress=False)
+    if result.version != version or len(result.replicas) != replicas or not result.all_applied \
+            or result.transport != transport:
+        raise RuntimeError(f"push v{version} over {transport}: {result}")
+    return result
+
+
+async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
+    from safetensors.torch import load_file
+    import torch
+
+    from _common import Sink, raw_stream_seconds
+    from rlfleet.client import connect
+    from rlfleet.services.launch import ServiceProcess
+    from rlfleet.services.models.tiny import build_tiny_model
+    from rlfleet.services.suite import DEFAULT_MODEL_DIR, SuiteOptions, start_suite, stop_suite
+
+    gen_args = ["--model", str(model_dir), "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "512",
+                "--log-format", "text"]
+    gens = [ServiceProcess("generation", gen_args).start(workdir / f"g{i}") for i in range(3)]
+    backends, collectors, clients, engine, sink = {}, [], [], None, None
+    try:
+        backends = await asyncio.to_thread(
+            start_suite, SuiteOptions(model_dir=build_tiny_model(DEFAULT_MODEL_DIR), generation_replicas=0),
+            workdir, 900.0, True)
+        engine, loaded = await build_floor_engine(gen_args, model_dir)
+        if loaded != model_bytes:
+            raise RuntimeError(f"floor worker holds {loaded} bytes, the push {model_bytes}")
+        for g in gens:
+            await asyncio.to_thread(g.wait_ready, 900)
+        collectors = [start_collector("collector-a", backends, gens[:1], workdir),
+                      start_collector("collector-b", backends, gens[1:], workdir)]
+        for c in collectors:
+            await asyncio.to_thread(c.wait_ready, 300)
+        clients = [connect(c.address) for c in collectors]
+        sink = Sink(64 << 20)
+        state = dict(sorted(load_file(str(model_dir / "model.safetensors")).items()))
+        flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in state.values()])
+        if flat.numel() != model_bytes:
+            raise RuntimeError(f"state dict holds {flat.numel()} bytes, expected {model_bytes}")
+        print(f"all up: collectors A {collectors[0].address} (g0), B {collectors[1].address} (g1, g2); "
+              f"in-process floor engine idle between its phases", file=sys.stderr, flush=True)
+
+        rows = {k: [] for k in ("raw", "grpc", "floor", "shm", "shm2", "pss_grpc", "pss_shm")}
+        details = {k: [] for k in ("grpc", "shm", "shm2")}
+        versions = [0, 0]
+
+        def settle():
+            return asyncio.sleep(ns.settle_seconds)
+
+        for round_index in range(-1, ns.rounds):  # round -1: warm-up
+            await settle()
+            raw = await asyncio.to_thread(raw_stream_seconds, sink.address, flat, CHUNK, GRPC_OPTIONS)
+            await settle()
+            versions[0] += 1
+            with PeakPss(tree_pids(collectors[0], gens[0])) as pss_grpc:
+                r_grpc = await asyncio.to_thread(push, clients[0], state, versions[0], "grpc", 1)
+            await settle()
+            floor = (await engine.collective_rpc("bench_floor_reload"))[0]
+            await settle()
+            versions[0] += 1
+            with PeakPss(tree_pids(collectors[0], gens[0])) as pss_shm:
+                r_shm = await asyncio.to_thread(push, clients[0], state, versions[0], "shm", 1)
+            await settle()
+            versions[1] += 1
+            r_shm2 = await asyncio.to_thread(push, clients[1], state, versions[1], "shm", 2)
+            print(f"  round {round_index}: raw {raw:.3f}s grpc {r_grpc.seconds:.3f}s | floor {floor:.3f}s "
+                  f"shm {r_shm.seconds:.3f}s | 2 replicas shm {r_shm2.seconds:.3f}s | peak extra PSS "
+                  f"grpc {pss_grpc.extra / 1e6:.0f} MB shm {pss_shm.extra / 1e6:.0f} MB",
+                  file=sys.stderr, flush=True)
+            if round_index < 0:
+                continue
+            for key, value in (("raw", raw), ("grpc", r_grpc.seconds), ("floor", floor), ("shm", r_shm.seconds),
+                               ("shm2", r_shm2.seconds), ("pss_grpc", pss_grpc.extra),
+                               ("pss_shm", pss_shm.extra)):
+                rows[key].append(value)
+            for key, result in (("grpc", r_grpc), ("shm", r_shm), ("shm2", r_shm2)):
+                details[key].append(result)
+        return dict(rows=rows, details=details)
+    finally:
+        for client in clients:
+            client.close()
+        for proc in collectors:
+            proc.stop()
+        for g in gens:
+            g.stop()
+        await asyncio.to_thread(stop_suite, backends)
+        if engine is not None:
+            engine.shutdown()
+            engine = None
+        if sink is not None:
+            sink.close()
+
+
+def ratio(numerator: list[float], denominator: list[float]) -> dict:
+    """Median (IQR) of the per-round ratios numerator / denominator, with the medians of both sides."""
+    from _common import summarize
+
+    out = summarize(denominator, numerator)
+    return dict(out, num=out["measured"], den=out["base"])
+
+
+def breakdown(name: str, results: list) -> str:
+    med = statistics.median
+    stage = med(max(r.stage_seconds for r in p.replicas) for p in results)
+    apply = med(max(r.apply_seconds for r in p.replicas) for p in results)
+    return (f"  {name:<22} client {med(p.seconds for p in results):.3f}s | collector "
+            f"{med(p.server_seconds for p in results):.3f}s | replica stage {stage:.3f}s + apply {apply:.3f}s "
+            f"(medians; slowest replica of each push)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds (after one warm-up round)")
+    parser.add_argument("--hidden", type=int, default=1024, help="hidden size of the model (head_dim 64)")
+    parser.add_argument("--layers", type=int, default=10)
+    parser.add_argument("--settle-seconds", type=float, default=1.5,
+                        help="pause before each phase: an idle vLLM worker busy-polls ~1 s after its last step")
+    ns = parser.parse_args()
+    started = time.monotonic()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # The floor extension is imported by vLLM's engine-core process: put bench/ on its path.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCH_DIR), os.environ.get("PYTHONPATH")]))
+    # Import vLLM here, not in a coroutine: its import leaves the importing frames (and their callers) alive,
+    # which would keep the AsyncLLM of a coroutine's frame until its __del__ fails at interpreter exit.
+    import vllm.v1.engine.async_llm  # noqa: F401
+    from vllm import AsyncEngineArgs  # noqa: F401
+
+    from safetensors import safe_open
+
+    from rlfleet.services.models.tiny import build_tiny_model
+    from rlfleet.services.suite import DEFAULT_MODEL_DIR
+    from rlfleet.wire import shm
+
+    model_dir = build_tiny_model(DEFAULT_MODEL_DIR.parent / f"bench-weights-{ns.hidden}x{ns.layers}",
+                                 hidden_size=ns.hidden, num_layers=ns.layers, num_heads=ns.hidden // 64,
+                                 intermediate_size=ns.hidden * 11 // 4)
+    file_bytes = (model_dir / "model.safetensors").stat().st_size
+    if file_bytes < 500e6:
+        raise SystemExit(f"model.safetensors is {file_bytes / 1e6:.1f} MB < 500 MB: raise --layers or --hidden")
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        slices = [f.get_slice(k) for k in f.keys()]
+        if {s.get_dtype() for s in slices} != {"F32"}:
+            raise SystemExit(f"expected a float32 checkpoint, found {({s.get_dtype() for s in slices})}")
+        model_bytes = 4 * sum(math.prod(s.get_shape()) for s in slices)
+    print(f"model {model_dir}: model.safetensors {file_bytes / 1e6:.1f} MB, {model_bytes / 1e6:.1f} MB of "
+          f"float32 tensors", file=sys.stderr, flush=True)
+    segments_before = set(shm.list_segments())
+    workdir = Path(tempfile.mkdtemp(prefix="rlfleet-bench-weights-"))
+    try:
+        out = asyncio.run(measure(ns, model_dir, model_bytes, workdir))
+    finally:
+        for spool in workdir.glob("*/state/spool"):
+            shutil.rmtree(spool, ignore_errors=True)  # the collectors' on-disk copies of the last push
+        for log in sorted(workdir.glob("*/*.log")):
+            if "Traceback" in log.read_text(errors="replace"):
+                print(f"WARNING: a traceback in {log}", file=sys.stderr, flush=True)
+        leftover = sorted(set(shm.list_segments()) - segments_before)
+        if leftover:
+            print(f"LEFTOVER shm segments (swept now): {leftover}", file=sys.stderr, flush=True)
+            shm.sweep_stale(min_age_seconds=0)
+    rows, details = out["rows"], out["details"]
+    grpc_raw = ratio(rows["raw"], rows["grpc"])
+    shm_floor = ratio(rows["shm"], rows["floor"])
+    two_one = ratio(rows["shm2"], rows["shm"])
+    model = [model_bytes] * ns.rounds
+    pss = {t: ratio(rows[f"pss_{t}"], model) for t in ("shm", "grpc")}
+
+    print(f"\nweight push | model {model_dir.name}: {model_bytes / 1e6:.1f} MB "
+          f"float32 (file {file_bytes / 1e6:.1f} MB) | 1 MiB chunks | {ns.rounds} alternating rounds "
+          f"(+1 warm-up), {ns.settle_seconds:g} s settle | {psutil.cpu_count()} cores | workdir {workdir}")
+    header = f"{'measure':<34} | {'baseline':<28} | {'rlfleet':<22} | {'ratio (IQR)':<18} | target"
+    print(header + "\n" + "-" * len(header))
+
+    def row(measure, base, mine, r, target, ok):
+        spread = f"{r['ratio']:.2f} ({r['low']:.2f}-{r['high']:.2f})"
+        print(f"{measure:<34} | {base:<28} | {mine:<22} | {spread:<18} | {target} {'ok' if ok else 'MISSED'}")
+
+    row("grpc push, 1 replica: raw / push", f"raw gRPC stream {grpc_raw['num']:.3f}s",
+        f"push {grpc_raw['den']:.3f}s", grpc_raw, ">= 0.80", grpc_raw["ratio"] >= 0.8)
+    row("shm push, 1 replica: push / floor", f"vLLM reload_weights {shm_floor['den']:.3f}s",
+        f"push {shm_floor['num']:.3f}s", shm_floor, "<= 1.30", shm_floor["ratio"] <= 1.3)
+    row("shm push: 2 replicas / 1 replica", f"1 replica {two_one['den']:.3f}s",
+        f"2 replicas {two_one['num']:.3f}s", two_one, "<= 1.20", two_one["ratio"] <= 1.2)
+    for t in ("shm", "grpc"):
+        row(f"peak extra PSS / model ({t})", f"model {model_bytes / 1e6:.0f} MB",
+            f"peak extra {pss[t]['num'] / 1e6:.0f} MB", pss[t], "<= 1.10", pss[t]["ratio"] <= 1.1)
+    print("breakdown:")
+    print(breakdown("grpc, 1 replica", details["grpc"]))
+    print(breakdown("shm, 1 replica", details["shm"]))
+    print(breakdown("shm, 2 replicas", details["shm2"]))
+    print(f"wall time {time.monotonic() - started:.0f}s; the in-process floor engine stayed up and idle "
+          f"during the other phases (an idle vLLM engine core does not spin once settled)")
+    result = dict(grpc_vs_raw=grpc_raw["ratio"], shm_vs_reload=shm_floor["ratio"],
+                  two_vs_one_replica=two_one["ratio"],
+                  peak_rss_over_model=max(pss["shm"]["ratio"], pss["grpc"]["ratio"]))
+    print("RESULT " + json.dumps({k: round(float(v), 4) for k, v in result.items()}))
+
+
+if __name__ == "__main__":
+    main()

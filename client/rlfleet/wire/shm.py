@@ -1,0 +1,210 @@
+"""Shared-memory segments for weight pushes: one file under ``/dev/shm`` per push.
+
+A segment holds a push's tensors concatenated in manifest order (the same
+layout as the grpc chunk stream), so every receiver loads from it the same
+way. Whoever creates or opens a segment holds a shared ``flock`` on it for as
+long as it uses it; the kernel drops the lock when the process dies, however
+it dies. ``sweep_stale`` unlinks segments nobody holds any more, so a killed
+trainer or service never leaves memory behind: the SDK sweeps before every
+shm push, the generation service and the collector at start and periodically.
+
+Names carry 128 random bits, so a receiver that finds the file is on the same
+host and IPC namespace as the writer (that is the whole negotiation); paths
+from requests are accepted only in exactly that form.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import math
+import mmap
+import os
+import re
+import time
+import uuid
+import warnings
+from typing import Sequence
+
+import torch
+
+SHM_DIR = os.environ.get("RLFLEET_SHM_DIR", "/dev/shm")
+PREFIX = "rlfleet-w-"
+_NAME = re.compile(r"^rlfleet-w-[0-9a-f]{32}$")
+SHM_UNAVAILABLE = "shm transport unavailable"
+"""Start of the FAILED_PRECONDITION message of a receiver that cannot open a segment: the sender falls back to grpc."""
+SWEEP_MIN_AGE_SECONDS = 5.0
+"""A segment younger than this is never swept (its creator may not hold its lock yet)."""
+
+
+class SegmentUnavailable(OSError):
+    """The segment cannot be opened here (another host or IPC namespace, or gone)."""
+
+
+class Segment:
+    """A mapped segment; ``close()`` unmaps it, releases the lock and unlinks it if we own it."""
+
+    def __init__(self, path: str, fd: int, size: int, writable: bool, owner: bool):
+        self.path, self.size, self.owner = path, size, owner
+        self._fd = fd
+        self._map = mmap.mmap(fd, max(size, 1), mmap.MAP_SHARED,
+                              mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        self._full = memoryview(self._map)
+        self.buffer = self._full[:size]
+        """The segment's bytes (valid until ``close``)."""
+
+    def as_uint8(self) -> torch.Tensor:
+        """The whole segment as a flat uint8 tensor (a view, no copy)."""
+        if self.size == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        with warnings.catch_warnings():
+            # read-only maps: torch warns that the view is not writable; loaders only read it
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return torch.frombuffer(self._map, dtype=torch.uint8, count=self.size)
+
+    def close(self, unlink: bool | None = None) -> None:
+        """Unmap and unlock; unlink when ``unlink`` (default: when we created it)."""
+        if self._fd < 0:
+            return
+        if unlink if unlink is not None else self.owner:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        self.buffer.release()
+        self._full.release()
+        # Never munmap explicitly: tensors viewing the pages (torch.frombuffer) keep a reference
+        # to the map, not a buffer export, and would dangle. The map (and its duplicated fd,
+        # which holds the lock) goes when the last view does.
+        self._map = None
+        os.close(self._fd)
+        self._fd = -1
+
+    def __enter__(self) -> "Segment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def create_segment(size: int, directory: str | None = None) -> Segment:
+    """A new, locked, writable segment of ``size`` bytes (OSError ENOSPC if the shm directory is full).
+
+    Callers validate ``size`` first (the generation service against its checkpoint)."""
+    directory = directory or SHM_DIR
+    path = os.path.join(directory, f"{PREFIX}{uuid.uuid4().hex}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if size:
+            # Reserve the pages now: a full tmpfs then fails here with ENOSPC instead of
+            # killing the writer with SIGBUS halfway through the copy.
+            os.posix_fallocate(fd, 0, size)
+        return Segment(path, fd, size, writable=True, owner=True)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
+
+
+def check_path(path: str, directory: str | None = None) -> str:
+    """``path`` if it names a segment in the shm directory; ValueError otherwise."""
+    directory = directory or SHM_DIR
+    if os.path.dirname(path) != directory.rstrip("/") or not _NAME.match(os.path.basename(path)):
+        raise ValueError(f"not an rlfleet shm segment path: {path!r} (expected {directory}/{PREFIX}<32 hex>)")
+    return path
+
+
+def open_segment(path: str, size: int, directory: str | None = None) -> Segment:
+    """Map an existing segment read-only, holding its lock while mapped.
+
+    SegmentUnavailable if it does not exist here or its size is not ``size``."""
+    check_path(path, directory)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as err:
+        raise SegmentUnavailable(err.errno, f"cannot open {path}: {err.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise SegmentUnavailable(errno.EINVAL, f"{path} holds {actual} bytes, the manifest says {size}")
+        return Segment(path, fd, size, writable=False, owner=False)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def sweep_stale(directory: str | None = None, min_age_seconds: float = SWEEP_MIN_AGE_SECONDS) -> list[str]:
+    """Unlink segments older than ``min_age_seconds`` that no process holds; returns their paths."""
+    directory = directory or SHM_DIR
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        if not _NAME.match(name):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if now - os.fstat(fd).st_mtime < min_age_seconds:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # someone uses it
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def list_segments(directory: str | None = None) -> list[str]:
+    """Paths of every rlfleet segment in the shm directory (tests, diagnostics)."""
+    directory = directory or SHM_DIR
+    try:
+        return sorted(os.path.join(directory, n) for n in os.listdir(directory) if _NAME.match(n))
+    except OSError:
+        return []
+
+
+def tensor_offsets(sizes: Sequence[int]) -> list[int]:
+    """Byte offset of each tensor in the concatenated layout."""
+    offsets, offset = [], 0
+    for size in sizes:
+        offsets.append(offset)
+        offset += size
+    return offsets
+
+
+def write_tensors(segment: Segment, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy ``tensors`` into the segment, concatenated in order (one copy each, device -> host included)."""
+    flat = segment.as_uint8()
+    offset = 0
+    for tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if size:
+            source = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            flat[offset:offset + size].copy_(source)
+        offset += size
+    if offset != segment.size:
+        raise ValueError(f"tensors hold {offset} bytes, the segment {segment.size}")
+
+
+def view_tensor(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """A tensor viewing ``flat`` (uint8) at ``offset``; copied only when the offset is misaligned."""
+    size = math.prod(shape) * dtype.itemsize
+    raw = flat[offset:offset + size]
+    if size == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    if offset % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype).view(tuple(shape))

@@ -1,0 +1,186 @@
+"""How a push's bytes reach one replica: the replica's two-phase UpdateWeights call.
+
+Negotiated per replica and per push: a push whose bytes lie in a shm segment
+is offered to each replica as that segment; a replica that cannot open it
+(another host or IPC namespace) answers FAILED_PRECONDITION "shm transport
+unavailable", is remembered as such, and gets the same bytes as grpc chunks
+read from the collector's mapping instead, within the same push. A grpc push
+is forwarded chunk by chunk as the trainer's chunks arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from rlfleet.client.channel import ChannelSettings
+from rlfleet.client.errors import from_rpc_error
+from rlfleet.services.collector.replicas import Replica
+from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument
+from rlfleet.services.common.weight_stream import WeightPush
+from rlfleet.v1 import generation_pb2, weights_pb2
+from rlfleet.wire import shm
+from rlfleet.wire.shm import SHM_UNAVAILABLE
+from rlfleet.wire.weights import DEFAULT_CHUNK_BYTES
+
+_END = object()
+QUEUE_CHUNKS = 8
+"""Chunks buffered per replica: a slow replica holds back the trainer, never fills our memory."""
+
+
+@dataclass
+class ReplicaOutcome:
+    address: str
+    applied: bool
+    error: str = ""
+    code: str = ""
+    """gRPC status name of the replica's error."""
+    transport: str = ""
+    stage_seconds: float = 0.0
+    apply_seconds: float = 0.0
+
+
+def open_trainer_segment(manifest: weights_pb2.WeightManifest, push: WeightPush) -> shm.Segment:
+    """Map the trainer's segment; FAILED_PRECONDITION (so the SDK falls back to grpc) if it is not here."""
+    try:
+        return shm.open_segment(manifest.shm.path, push.total_bytes)
+    except ValueError as err:
+        raise InvalidArgument(f"manifest.shm.path: {err}") from None
+    except OSError as err:
+        raise FailedPrecondition(f"{SHM_UNAVAILABLE} at the collector: {err}") from None
+
+
+class SegmentChunks:
+    """A segment's bytes as grpc chunk requests (the grpc fallback of a shm push, and re-syncs)."""
+
+    def __init__(self, segment: shm.Segment, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        self.segment, self.chunk_bytes = segment, chunk_bytes
+
+    def __iter__(self):
+        view = self.segment.buffer
+        for offset in range(0, len(view), self.chunk_bytes):
+            request = generation_pb2.UpdateWeightsRequest()
+            request.chunk.offset = offset
+            request.chunk.data = view[offset:offset + self.chunk_bytes].tobytes()
+            yield request
+
+
+class ReplicaPush:
+    """One replica's side of a push: stage (``wait_staged``), then ``commit``; ``cancel`` discards."""
+
+    def __init__(self, replica: Replica, manifest: weights_pb2.WeightManifest, settings: ChannelSettings,
+                 segment: shm.Segment | None):
+        self.replica, self.settings, self.segment = replica, settings, segment
+        self.version = manifest.version
+        self._manifest = manifest
+        self.transport = ""
+        self.started = time.monotonic()
+        self.stage_seconds = self.apply_seconds = 0.0
+        self.applied = False
+        self.error, self.code = "", ""
+        self._call = None
+        self._queue: asyncio.Queue | None = None
+        self._feeder: asyncio.Task | None = None
+
+    @classmethod
+    def start(cls, replica: Replica, manifest: weights_pb2.WeightManifest, settings: ChannelSettings,
+              segment: shm.Segment | None) -> "ReplicaPush":
+        """Open the call and send the manifest (and, for a segment over grpc, the chunks)."""
+        push = cls(replica, manifest, settings, segment)
+        use_shm = segment is not None and replica.accepts_shm is not False
+        push._open("shm" if use_shm else "grpc")
+        return push
+
+    def _open(self, transport: str) -> None:
+        self.transport = transport
+        manifest = weights_pb2.WeightManifest()
+        manifest.CopyFrom(self._manifest)
+        manifest.two_phase = True
+        if transport == "shm":
+            manifest.shm.path = self.segment.path
+        else:
+            manifest.ClearField("shm")
+        self._queue = asyncio.Queue(maxsize=QUEUE_CHUNKS)
+        self._queue.put_nowait(generation_pb2.UpdateWeightsRequest(manifest=manifest))
+        self._call = self.replica.stub.UpdateWeights(self._requests(), metadata=self.settings.metadata())
+        if transport == "grpc" and self.segment is not None:
+            self._feeder = asyncio.ensure_future(self._feed(SegmentChunks(self.segment)))
+
+    async def _requests(self):
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                return
+            yield item
+
+    async def _feed(self, requests) -> None:
+        for request in requests:
+            if self._call.done():
+                return
+            await self._queue.put(request)
+
+    async def send_chunk(self, chunk: weights_pb2.WeightChunk) -> None:
+        """Forward one trainer chunk (grpc pushes); a replica that already failed is skipped."""
+        if self._call.done():
+            return
+        request = generation_pb2.UpdateWeightsRequest()
+        request.chunk.CopyFrom(chunk)
+        await self._queue.put(request)
+
+    async def _read(self, expected: int) -> bool:
+        try:
+            reply = await self._call.read()
+        except grpc.RpcError as exc:
+            error = from_rpc_error(exc, "UpdateWeights")
+            self.error, self.code = str(error), error.code
+            return False
+        if reply is grpc.aio.EOF:
+            self.error, self.code = "replica ended the push early", "ABORTED"
+            return False
+        if reply.phase != expected:
+            self.error, self.code = f"replica answered phase {reply.phase}, expected {expected}", "INTERNAL"
+            return False
+        return True
+
+    async def wait_staged(self) -> bool:
+        """True once the replica staged the push; a shm refusal falls back to grpc here."""
+        ok = await self._read(weights_pb2.WEIGHT_PHASE_STAGED)
+        if not ok and self.transport == "shm" and self.code == "FAILED_PRECONDITION" \
+                and SHM_UNAVAILABLE in self.error:
+            self.replica.accepts_shm = False
+            self.cancel()
+            self.error = self.code = ""
+            self._open("grpc")
+            ok = await self._read(weights_pb2.WEIGHT_PHASE_STAGED)
+        elif ok and self.transport == "shm":
+            self.replica.accepts_shm = True
+        self.stage_seconds = time.monotonic() - self.started
+        if not ok:
+            self.cancel()
+        return ok
+
+    async def commit(self) -> None:
+        """Tell the replica to apply; ``applied`` tells the outcome."""
+        committed = time.monotonic()
+        await self._queue.put(generation_pb2.UpdateWeightsRequest(
+            commit=weights_pb2.WeightCommit(version=self.version)))
+        self.applied = await self._read(weights_pb2.WEIGHT_PHASE_APPLIED)
+        self.apply_seconds = time.monotonic() - committed
+        if self.applied:
+            self.replica.policy_version = self.version
+            await self._queue.put(_END)
+        else:
+            self.cancel()
+
+    def cancel(self) -> None:
+        if self._feeder is not None:
+            self._feeder.cancel()
+        if self._call is not None:
+            self._call.cancel()
+
+    def outcome(self) -> ReplicaOutcome:
+        return ReplicaOutcome(self.replica.address, self.applied, self.error, self.code, self.transport,
+                              self.stage_seconds, self.apply_seconds)

@@ -1,0 +1,93 @@
+"""A weight push staged on a generation replica: validated, its bytes where the worker can map them.
+
+The first phase of a push. Whatever the transport, the bytes end up in one
+shared-memory segment that the vLLM worker maps (``transfer.py``):
+- grpc: the service creates a segment and writes the chunks into it as they arrive;
+- shm: the trainer's segment is opened where it lies (same host);
+- nccl: nothing is staged; the bytes arrive over NCCL during the apply.
+The manifest is checked against the checkpoint before the segment is
+allocated, so its size is bounded by the model's. Nothing touches the engine
+until the commit; ``close()`` releases the segment
+(and unlinks the one this service created) whether or not it was applied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from rlfleet.services.common.weight_stream import WeightPush
+from rlfleet.services.generation.weights import TensorSpec, validate_push
+from rlfleet.v1 import weights_pb2
+from rlfleet.wire import shm
+from rlfleet.wire.shm import SHM_UNAVAILABLE
+
+
+
+@dataclass
+class StagedPush:
+    push: WeightPush
+    transport: str
+    resync: bool
+    segment: shm.Segment | None = None
+    nccl: dict[str, Any] | None = field(default=None)
+
+    @classmethod
+    def begin(cls, manifest: weights_pb2.WeightManifest, checkpoint: dict[str, TensorSpec],
+              max_bytes: int) -> "StagedPush":
+        """Validate ``manifest`` against the checkpoint and prepare where its bytes go."""
+        push = WeightPush.from_manifest(manifest, max_bytes)
+        validate_push(push.names, push.dtypes, push.shapes, checkpoint)
+        source = manifest.WhichOneof("source")
+        staged = cls(push=push, transport=source or "grpc", resync=manifest.resync)
+        if source == "shm":
+            try:
+                staged.segment = shm.open_segment(manifest.shm.path, push.total_bytes)
+            except ValueError as err:
+                raise InvalidArgument(f"manifest.shm.path: {err}") from None
+            except OSError as err:
+                raise FailedPrecondition(f"{SHM_UNAVAILABLE}: {err}") from None
+            push.received = push.total_bytes  # the bytes are all there
+        elif source == "nccl":
+            rendezvous = manifest.nccl
+            if not rendezvous.master_address or not rendezvous.master_port or rendezvous.world_size < 2:
+                raise InvalidArgument("manifest.nccl: master_address, master_port and world_size >= 2 are required")
+            staged.nccl = dict(master_address=rendezvous.master_address, master_port=rendezvous.master_port,
+                               world_size=rendezvous.world_size, rank_offset=rendezvous.rank_offset,
+                               packed=rendezvous.packed)
+            push.received = push.total_bytes
+        else:
+            try:
+                staged.segment = shm.create_segment(push.total_bytes)
+            except OSError as err:
+                raise ResourceExhausted(f"cannot stage a {push.total_bytes}-byte push in {shm.SHM_DIR}: "
+                                        f"{err.strerror} (raise the container's shm_size)") from None
+            push.attach_sink(staged.segment.buffer)
+        return staged
+
+    @property
+    def version(self) -> int:
+        return self.push.version
+
+    @property
+    def mode(self) -> str:
+        return self.push.mode
+
+    def update_info(self) -> dict[str, Any]:
+        """What the worker engine (``transfer.RlfleetUpdateInfo``) needs to load the push."""
+        info: dict[str, Any] = dict(
+            transport="nccl" if self.transport == "nccl" else "shm",
+            names=list(self.push.names),
+            dtype_names=[str(d).removeprefix("torch.") for d in self.push.dtypes],
+            shapes=[list(s) for s in self.push.shapes],
+            total_bytes=self.push.total_bytes)
+        if self.segment is not None:
+            info["shm_path"] = self.segment.path
+        return info
+
+    def close(self) -> None:
+        self.push.sink = None
+        if self.segment is not None:
+            self.segment.close()  # unlinks only the segment this service created
+            self.segment = None

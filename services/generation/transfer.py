@@ -1,0 +1,153 @@
+"""rlfleet's vLLM weight-transfer engine: runs inside every vLLM worker process.
+
+vLLM (0.32) drives weight updates through pluggable engines
+(``vllm/distributed/weight_transfer/``): the service calls
+``AsyncLLM.start_weight_update`` -> ``update_weights(update_info)`` ->
+``finish_weight_update(weight_version)`` and vLLM calls the methods below in
+each worker. This engine, registered as ``"rlfleet"`` by the
+``vllm.general_plugins`` entry point (``register``) so that it exists in the
+engine-core process too, loads from two transports:
+
+- ``shm``: the push's bytes lie in a shared-memory segment (written by the
+  trainer, or by the generation service as grpc chunks arrived). The worker
+  maps it and loads each tensor from a view of the mapped pages: no pickling,
+  no copy besides the one into the model's parameters.
+- ``nccl``: delegated to vLLM's own ``NCCLWeightTransferEngine`` (the trainer
+  broadcasts with vLLM's trainer-side engine), created when an init info
+  carrying a rendezvous arrives.
+
+Both load through vLLM's layerwise reload (``initialize_layerwise_reload`` /
+``finalize_layerwise_reload`` around ``model.load_weights``), which maps HF
+checkpoint names onto fused parameters and re-runs post-load processing.
+Floating tensors in another dtype than the engine's (a bf16 trainer, a
+float32 engine) are converted one tensor at a time as they are loaded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+BACKEND = "rlfleet"
+#: Passed as vLLM's ``weight_transfer_config``.
+WEIGHT_TRANSFER_CONFIG = {"backend": BACKEND}
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: make the ``rlfleet`` backend known (idempotent)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "RlfleetWeightTransferEngine")
+
+
+@dataclass
+class RlfleetInitInfo:
+    """Init info: empty for shm; ``nccl`` holds vLLM's NCCLWeightTransferInitInfo fields."""
+
+    nccl: dict[str, Any] | None = None
+
+
+@dataclass
+class RlfleetUpdateInfo:
+    """One update: every tensor of a push (names, wire dtype names, shapes) and where the bytes are."""
+
+    transport: str
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    shm_path: str = ""
+    total_bytes: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("shm", "nccl"):
+            raise ValueError(f"unknown transport {self.transport!r}")
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError("names, dtype_names and shapes differ in length")
+
+
+def _engine_base():
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    return WeightTransferEngine
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def shm_weights(segment_flat: torch.Tensor, update: RlfleetUpdateInfo,
+                target_dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` views of a mapped segment, floating tensors converted to ``target_dtype``."""
+    from rlfleet.wire.shm import view_tensor
+
+    offset = 0
+    for name, dtype_name, shape in zip(update.names, update.dtype_names, update.shapes):
+        dtype = _torch_dtype(dtype_name)
+        tensor = view_tensor(segment_flat, offset, dtype, shape)
+        offset += math.prod(shape) * dtype.itemsize
+        if target_dtype is not None and tensor.is_floating_point() and tensor.dtype != target_dtype:
+            tensor = tensor.to(target_dtype)
+        yield name, tensor
+
+
+class RlfleetWeightTransferEngine(_engine_base()):  # type: ignore[misc]
+    """See the module docstring."""
+
+    init_info_cls = RlfleetInitInfo
+    update_info_cls = RlfleetUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._nccl = None
+
+    def init_transfer_engine(self, init_info: RlfleetInitInfo) -> None:
+        if init_info.nccl is None:
+            return
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        if self._nccl is not None:
+            self._nccl.shutdown()
+        self._nccl = NCCLWeightTransferEngine(self.config, self.vllm_config, self.device, self.model)
+        self._nccl.init_transfer_engine(self._nccl.parse_init_info(init_info.nccl))
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def receive_weights(self, update_info: RlfleetUpdateInfo) -> None:
+        if update_info.transport == "nccl":
+            if self._nccl is None:
+                raise RuntimeError("nccl update before an nccl init_weight_transfer_engine")
+            self._nccl.receive_weights(self._nccl.parse_update_info(dict(
+                names=update_info.names, dtype_names=update_info.dtype_names, shapes=update_info.shapes)))
+            return
+        from rlfleet.wire.shm import open_segment
+
+        segment = open_segment(update_info.shm_path, update_info.total_bytes)
+        try:
+            flat = segment.as_uint8()
+            target = self.model_config.dtype if self.model_config is not None else None
+            self.model.load_weights(shm_weights(flat, update_info, target))
+            del flat
+        finally:
+            segment.close(unlink=False)
+
+    def shutdown(self) -> None:
+        if self._nccl is not None:
+            self._nccl.shutdown()
+            self._nccl = None

@@ -1,0 +1,277 @@
+"""Weight sync through the real suite: transports, version truth, cuts at every phase, kills, re-sync.
+
+Collector + two vLLM replicas (+ reference, reward, trajectory) as real
+processes. After every scenario the same invariant is checked: every replica
+serves the collector's version, and its log-probs are those of the weights
+committed at that version (HF recompute, float32, 1e-4).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import pytest
+import torch
+
+from rlfleet.client import FailedPreconditionError, RlfleetClientError, connect
+from rlfleet.services.launch import ServiceProcess
+from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
+from rlfleet.v1 import collector_pb2, collector_pb2_grpc, generation_pb2, generation_pb2_grpc, sampling_pb2
+from rlfleet.wire import decode_tensor, encode_tensor, shm
+from tests.hf_reference import load_hf, response_log_probs
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+PROMPT = [1, 348, 201, 330, 400, 223, 20, 267, 223, 21, 2, 201, 1, 305, 310, 201]
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def suite(tiny_model_dir, tmp_path_factory):
+    options = SuiteOptions(model_dir=tiny_model_dir, generation_replicas=2, kv_cache_bytes=64 << 20,
+                           collector_args=["--replica-check-seconds", "0.5", "--mode", "async",
+                                           "--max-staleness", "1000", "--sampling",
+                                           '{"temperature": 1.0, "max_tokens": 8}'])
+    procs = start_suite(options, tmp_path_factory.mktemp("weight-sync"))
+    yield procs
+    stop_suite(procs)
+
+
+@pytest.fixture(scope="module")
+def client(suite):
+    with connect(suite["collector"].address, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def committed(tiny_model_dir):
+    """version -> the float32 state dict committed at that version (what the engines must compute with)."""
+    return {0: load_hf(tiny_model_dir).state_dict()}
+
+
+def perturbed(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in base.items()}
+
+
+def replicas(suite):
+    return [p for k, p in suite.items() if k.startswith("generation")]
+
+
+def replica_version(proc) -> int:
+    with grpc.insecure_channel(proc.address) as channel:
+        return generation_pb2_grpc.GenerationServiceStub(channel).GetEngineStatus(
+            generation_pb2.GetEngineStatusRequest(), timeout=30).policy_version
+
+
+def sample(proc, seed: int):
+    with grpc.insecure_channel(proc.address) as channel:
+        request = generation_pb2.GenerateRequest(
+            prompt=sampling_pb2.Prompt(token_ids=encode_tensor(torch.tensor(PROMPT))),
+            sampling=sampling_pb2.SamplingParams(temperature=1.0, max_tokens=16, seed=seed))
+        reply = next(iter(generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=120)))
+    return decode_tensor(reply.response_token_ids).tolist(), decode_tensor(reply.behavior_log_probs).clone(), reply
+
+
+def assert_serving(suite, client, committed, tiny_model_dir, procs=None):
+    """Every (given) replica serves the collector's version and computes with that version's weights."""
+    version = client.policy_version
+    model = load_hf(tiny_model_dir, committed[version])
+    for proc in procs or replicas(suite):
+        assert replica_version(proc) == version, f"{proc.address} is not at the collector's version {version}"
+        tokens, log_probs, reply = sample(proc, seed=version + 1)
+        assert reply.policy_version_start == reply.policy_version_end == version
+        diff = (log_probs - response_log_probs(model, PROMPT, tokens)).abs().max().item()
+        assert diff <= TOLERANCE, f"{proc.address}: log-probs differ from version {version}'s weights by {diff}"
+
+
+def our_segments(before: set[str]) -> set[str]:
+    return set(shm.list_segments()) - before
+
+
+def barrier(client) -> None:
+    """Returns once no push is in flight at the collector: a stale push waits for the push lock, then fails."""
+    with pytest.raises(FailedPreconditionError):
+        client.push_weights({"x": torch.zeros(1)}, version=1, transport="grpc", progress=False)
+
+
+def wait_until(predicate, timeout: float = 90.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+# ---------------------------------------------------------------- transports
+
+
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_push_changes_log_probs_to_exactly_the_pushed_weights(suite, client, committed, tiny_model_dir, transport):
+    before = set(shm.list_segments())
+    weights = perturbed(committed[0], seed=len(committed))
+    result = client.push_weights(weights, transport=transport, progress=False)
+    committed[result.version] = weights
+    assert result.all_applied and len(result.replicas) == 2
+    assert result.transport == transport  # same host: both replicas take what the trainer offered
+    assert all(r.transport == transport for r in result.replicas)
+    assert_serving(suite, client, committed, tiny_model_dir)
+    assert our_segments(before) == set()  # nothing left in /dev/shm
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_push_into_a_float32_engine(suite, client, committed, tiny_model_dir, dtype):
+    weights = {k: v.to(dtype) for k, v in perturbed(committed[0], seed=100 + len(committed)).items()}
+    result = client.push_weights(weights, progress=False)
+    # The engine computes in float32 with the pushed values, converted exactly.
+    committed[result.version] = {k: v.float() for k, v in weights.items()}
+    assert result.all_applied
+    assert_serving(suite, client, committed, tiny_model_dir)
+
+
+def test_bad_push_changes_nothing(suite, client, committed, tiny_model_dir):
+    version = client.policy_version
+    wrong = dict(committed[version])
+    name = "model.layers.0.mlp.up_proj.weight"
+    wrong[name] = torch.zeros(wrong[name].shape[0] + 1, wrong[name].shape[1])
+    for transport in ("shm", "grpc"):
+        with pytest.raises(RlfleetClientError, match=name):
+            client.push_weights(wrong, transport=transport, progress=False)
+    assert client.policy_version == version
+    assert_serving(suite, client, committed, tiny_model_dir)
+
+
+# ---------------------------------------------------------------- cuts
+
+
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_trainer_cut_at_any_phase_keeps_engines_and_collector_in_step(suite, client, committed, tiny_model_dir,
+                                                                      transport):
+    """Deadlines from "before the first byte" to "during the commit": whatever the outcome, engine
+    version = collector version, log-probs = the committed weights, and the next push succeeds."""
+    import asyncio
+
+    from rlfleet.client import connect_async
+
+    before = set(shm.list_segments())
+    for i, timeout in enumerate([0.02, 0.1, 0.3, 0.6, 1.0]):
+        weights = perturbed(committed[0], seed=1000 + 10 * i + len(transport))
+        target = client.policy_version + 1
+        with connect(suite["collector"].address, timeout=60) as cut_client:
+            try:
+                cut_client.push_weights(weights, version=target, transport=transport, timeout=timeout,
+                                        progress=False)
+            except RlfleetClientError:
+                pass
+        barrier(client)  # a decided push completes on its own: wait for it
+        if client.policy_version == target:
+            committed[target] = weights
+        # And by cancelling the caller's task mid-push (an asyncio cancel).
+        async def cancel_mid_push(seed=2000 + i):
+            async with connect_async(suite["collector"].address, timeout=60) as aclient:
+                task = asyncio.ensure_future(aclient.push_weights(
+                    perturbed(committed[0], seed=seed), transport=transport, progress=False))
+                await asyncio.sleep(timeout)
+                task.cancel()
+                try:
+                    await task
+                    return seed, True
+                except (asyncio.CancelledError, RlfleetClientError):
+                    return seed, False
+        version_before = client.policy_version
+        seed, _ = asyncio.run(cancel_mid_push())
+        barrier(client)
+        if client.policy_version == version_before + 1:
+            committed[version_before + 1] = perturbed(committed[0], seed=seed)
+        assert_serving(suite, client, committed, tiny_model_dir)
+    weights = perturbed(committed[0], seed=3000 + len(transport))
+    result = client.push_weights(weights, transport=transport, progress=False)  # the next push succeeds
+    committed[result.version] = weights
+    assert_serving(suite, client, committed, tiny_model_dir)
+    wait_until(lambda: our_segments(before) == set(), what="segments to be released")
+
+
+TRAINER = textwrap.dedent("""
+    import sys, threading, grpc, torch
+    from rlfleet.v1 import collector_pb2, collector_pb2_grpc
+    from rlfleet.wire import shm
+    from rlfleet.wire.weights import iter_push_messages
+    from tests.hf_reference import load_hf
+    address, model_dir, phase = sys.argv[1:4]
+    state = {k: v + 1.0 for k, v in load_hf(model_dir).state_dict().items()}
+    pairs = list(state.items())
+    if phase == "shm-written":  # dies after writing its segment, before telling anyone
+        _, manifest = next(iter_push_messages(pairs, version=0, checksum_algo=None))
+        segment = shm.create_segment(manifest.total_bytes)
+        shm.write_tensors(segment, [t for _, t in pairs])
+        print("ready", segment.path, flush=True)
+        threading.Event().wait()
+    def requests():  # grpc: half the chunks, then hang until killed
+        messages = list(iter_push_messages(pairs, version=0, chunk_bytes=16 << 10))
+        for i, (kind, msg) in enumerate(messages):
+            if i == len(messages) // 2:
+                print("ready", flush=True)
+                threading.Event().wait()
+            yield collector_pb2.PushWeightsRequest(**{kind: msg})
+    stub = collector_pb2_grpc.CollectorServiceStub(grpc.insecure_channel(address))
+    stub.PushWeights(requests(), timeout=600)
+""")
+
+
+@pytest.mark.parametrize("phase", ["grpc-half-streamed", "shm-written"])
+def test_trainer_sigkill_mid_push_leaves_old_version_and_no_segment(suite, client, committed, tiny_model_dir,
+                                                                    phase):
+    version = client.policy_version
+    before = set(shm.list_segments())
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, suite["collector"].address, str(tiny_model_dir),
+                                phase], stdout=subprocess.PIPE, text=True,
+                               cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        line = trainer.stdout.readline()
+        assert line.startswith("ready"), line
+        if phase == "grpc-half-streamed":  # the replicas are staging it: their segments exist now
+            wait_until(lambda: len(our_segments(before)) >= 1, what="replicas to stage")
+        else:
+            assert our_segments(before) == {line.split()[1]}
+    finally:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+    # Staged bytes are discarded; the orphaned trainer segment is swept (lock gone with its holder).
+    wait_until(lambda: our_segments(before) == set(), what="no segment left behind")
+    assert client.policy_version == version
+    assert_serving(suite, client, committed, tiny_model_dir)
+
+
+# ---------------------------------------------------------------- replicas
+
+
+def test_replica_killed_then_restarted_is_resynced_over_shm(suite, client, committed, tiny_model_dir):
+    victim_key = "generation-1"
+    victim = suite[victim_key]
+    victim.kill()  # SIGKILL the service and its engine core
+    weights = perturbed(committed[0], seed=4242)
+    result = client.push_weights(weights, progress=False)
+    committed[result.version] = weights
+    applied = {r.address: r.applied for r in result.replicas}
+    assert applied == {suite["generation-0"].address: True, victim.address: False}
+    assert_serving(suite, client, committed, tiny_model_dir, procs=[suite["generation-0"]])
+
+    restarted = ServiceProcess("generation", [*victim.args, "--port", str(victim.port)])
+    restarted.start(victim.log_path.parent / "restarted").wait_ready(600)
+    suite[victim_key] = restarted  # stopped by the suite fixture
+    assert replica_version(restarted) == 0  # a fresh engine: its checkpoint's weights
+
+    stub = collector_pb2_grpc.CollectorServiceStub(grpc.insecure_channel(suite["collector"].address))
+
+    def back_in_rotation():
+        status = stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=30)
+        return {r.address: (r.healthy, r.policy_version) for r in status.replicas}[victim.address] == \
+            (True, result.version)
+    wait_until(back_in_rotation, timeout=120, what="the restarted replica to be re-synced")
+    assert "re-synced to version" in open(suite["collector"].log_path).read()
+    assert "over shm" in open(suite["collector"].log_path).read()
+    assert_serving(suite, client, committed, tiny_model_dir)

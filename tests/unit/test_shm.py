@@ -1,0 +1,61 @@
+"""Shared-memory segments: layout, validation of paths from requests, and crash cleanup."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from rlfleet.wire import shm
+
+
+def test_write_then_open_elsewhere_sees_the_same_bytes(tmp_path):
+    tensors = [torch.randn(3, 4), torch.arange(5, dtype=torch.int16), torch.randn(7).to(torch.bfloat16)]
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    with shm.create_segment(size, directory=str(tmp_path)) as segment:
+        shm.write_tensors(segment, tensors)
+        reader = shm.open_segment(segment.path, size, directory=str(tmp_path))
+        flat = reader.as_uint8()
+        offsets = shm.tensor_offsets([t.numel() * t.element_size() for t in tensors])
+        for tensor, offset in zip(tensors, offsets):
+            assert torch.equal(shm.view_tensor(flat, offset, tensor.dtype, tensor.shape), tensor)
+        del flat
+        reader.close()
+        assert os.path.exists(segment.path)  # a reader never unlinks
+    assert not os.path.exists(segment.path)  # the creator does
+
+
+def test_paths_from_requests_are_confined_to_segments(tmp_path):
+    for bad in ["/etc/passwd", f"{tmp_path}/../rlfleet-w-{'0' * 32}", f"{tmp_path}/rlfleet-w-xyz",
+                f"{tmp_path}/sub/rlfleet-w-{'0' * 32}"]:
+        with pytest.raises(ValueError, match="not an rlfleet shm segment path"):
+            shm.open_segment(bad, 1, directory=str(tmp_path))
+    with pytest.raises(shm.SegmentUnavailable):
+        shm.open_segment(f"{tmp_path}/rlfleet-w-{'a' * 32}", 1, directory=str(tmp_path))
+
+
+def test_size_mismatch_is_unavailable(tmp_path):
+    with shm.create_segment(16, directory=str(tmp_path)) as segment:
+        with pytest.raises(shm.SegmentUnavailable, match="holds 16 bytes"):
+            shm.open_segment(segment.path, 32, directory=str(tmp_path))
+
+
+def test_sweep_removes_only_segments_of_dead_holders(tmp_path):
+    held = shm.create_segment(8, directory=str(tmp_path))
+    # A process that creates a segment and dies without cleaning up (SIGKILL-like: os._exit).
+    code = ("import os, sys; from rlfleet.wire import shm; "
+            f"s = shm.create_segment(8, directory={str(tmp_path)!r}); print(s.path, flush=True); os._exit(0)")
+    orphan = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+    assert os.path.exists(orphan)
+    assert shm.sweep_stale(str(tmp_path)) == []  # too young: its creator may not hold the lock yet
+    old = time.time() - 60
+    for path in (orphan, held.path):
+        os.utime(path, (old, old))
+    assert shm.sweep_stale(str(tmp_path)) == [orphan]
+    assert os.path.exists(held.path)  # still held by this process
+    held.close()
+    assert shm.list_segments(str(tmp_path)) == []
