@@ -6,10 +6,10 @@ accepts (``transports.py``). A push runs in two phases:
 1. **Stage.** Every replica receives and verifies the push (shm: it maps the
    trainer's segment; grpc: chunks forwarded as they arrive, pipelined, never
    held whole here) and answers STAGED. The bytes are also spooled to disk
-   for re-syncing replicas later.
+   for re-syncing replicas later (beside the staging, off the commit's path).
 2. **Commit.** Once the trainer's bytes are complete and verified (the push is
    *decided*), every staged replica is told to apply; the version commits
-   (spool and state fsync'd) when they applied. From the decision on, the
+   (state fsync'd) when they applied. From the decision on, the
    push completes even if the trainer goes away, so a trainer's cut can never
    leave an engine ahead of the collector.
 
@@ -60,11 +60,18 @@ class WeightFanout:
         self.max_push_bytes = max_push_bytes
         self.on_commit = on_commit
         self._lock = asyncio.Lock()  # one push (or re-sync) at a time: versions are monotone
+        self._spooling: asyncio.Task | None = None  # the last push's spool write (off the commit path)
 
     async def push(self, messages: AsyncIterator[tuple[str, object]]) -> PushOutcome:
         """``messages`` yields ("manifest", WeightManifest) then, for grpc pushes, ("chunk", WeightChunk)."""
         async with self._lock:
+            await self._spooled()
             return await self._push(messages)
+
+    async def _spooled(self) -> None:
+        """Wait for the previous push's spool write (pushes and re-syncs need it done)."""
+        if self._spooling is not None:
+            await asyncio.shield(self._spooling)
 
     async def _push(self, messages: AsyncIterator[tuple[str, object]]) -> PushOutcome:
         started = time.monotonic()
@@ -88,6 +95,7 @@ class WeightFanout:
         if source == "nccl":
             raise InvalidArgument("the nccl transport is not orchestrated by this collector yet; use shm or grpc")
         segment = open_trainer_segment(manifest, push) if source == "shm" else None
+        handed_off = False
         try:
             replicas = self.pool.require_any()
             spool = self.spool.begin(manifest)
@@ -95,6 +103,7 @@ class WeightFanout:
                 # Every byte is here: the push is decided.
                 push.received = push.total_bytes
                 streams = [ReplicaPush.start(r, manifest, self.pool.settings, segment) for r in replicas]
+                handed_off = True  # the spool writer closes the segment once it copied it
                 return await _finish_shielded(self._decide(streams, push, spool, started, segment))
             streams = [ReplicaPush.start(r, manifest, self.pool.settings, None) for r in replicas]
             try:
@@ -112,25 +121,55 @@ class WeightFanout:
                 raise
             return await _finish_shielded(self._decide(streams, push, spool, started, None))
         finally:
-            if segment is not None:
+            if segment is not None and not handed_off:
                 segment.close(unlink=False)
+
+    async def _spool(self, spool, segment: shm.Segment | None, decision: asyncio.Future) -> None:
+        """Spool the push to disk beside the staging, commit it once the version committed.
+
+        Not on the commit's path: a replica that is up applies from the transport, the spool only
+        serves later re-syncs, which wait for it (``_spooled``). A collector that dies between the
+        commit and the end of this write restarts without the bytes of that version; its replicas
+        that were down then rejoin at the next push."""
+        written = False
+        try:
+            if segment is not None:
+                await asyncio.to_thread(spool.write, segment.buffer)
+            await asyncio.to_thread(spool.flush)
+            written = True
+        except Exception:
+            log.exception("spooling version %d failed; re-syncs keep the previous version",
+                          spool.manifest.version)
+        committed = await decision
+        if segment is not None:
+            segment.close(unlink=False)  # only now: replicas falling back to grpc read from it until staged
+        if written and committed:
+            await asyncio.to_thread(spool.commit)
+        else:
+            spool.discard()
 
     async def _decide(self, streams: list[ReplicaPush], push: WeightPush, spool, started: float,
                       segment: shm.Segment | None) -> PushOutcome:
         version = push.version
+        decision = asyncio.get_running_loop().create_future()
+        self._spooling = asyncio.ensure_future(self._spool(spool, segment, decision))
         try:
-            if segment is not None:
-                await asyncio.to_thread(spool.write, segment.buffer)
+            return await self._stage_and_commit(streams, push, decision, started)
+        finally:
+            if not decision.done():
+                decision.set_result(False)
+
+    async def _stage_and_commit(self, streams: list[ReplicaPush], push: WeightPush, decision: asyncio.Future,
+                                started: float) -> PushOutcome:
+        version = push.version
+        try:
             staged_ok = await asyncio.gather(*(s.wait_staged() for s in streams))
-            await asyncio.to_thread(spool.flush)
         except BaseException:
             for s in streams:
                 s.cancel()
-            spool.discard()
             raise
         staged = [s for s, ok in zip(streams, staged_ok) if ok]
         if not staged:
-            spool.discard()
             self._raise_nothing_staged(version, streams)
         await self.gate.begin_push()
         committed = None
@@ -141,10 +180,9 @@ class WeightFanout:
                 if not outcome.applied:
                     await self.pool.mark_failed(stream.replica, outcome.error)
             if not any(o.applied for o in outcomes):
-                spool.discard()
                 errors = "; ".join(f"{o.address}: {o.error}" for o in outcomes)
                 raise Unavailable(f"no replica applied version {version}: {errors}")
-            await asyncio.to_thread(spool.commit)
+            decision.set_result(True)
             committed = version
             if self.on_commit is not None:
                 self.on_commit(committed)
@@ -174,6 +212,7 @@ class WeightFanout:
     async def resync(self, replica: Replica) -> bool:
         """Bring a replica that fell behind (or ran ahead) to the committed version, from the spool."""
         async with self._lock:
+            await self._spooled()
             manifest = self.spool.manifest()
             if manifest is None or manifest.version != self.gate.version:
                 log.warning("cannot re-sync %s: the spool holds no bytes of version %d",

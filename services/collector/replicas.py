@@ -34,8 +34,6 @@ class Replica:
     in_flight: int = 0
     failures: int = 0
     last_error: str = ""
-    accepts_shm: bool | None = None
-    """Whether this replica could map our shm segments (None: not tried yet)."""
 
 
 def expand_addresses(addresses: list[str]) -> list[str]:

@@ -3,7 +3,7 @@
 Negotiated per replica and per push: a push whose bytes lie in a shm segment
 is offered to each replica as that segment; a replica that cannot open it
 (another host or IPC namespace) answers FAILED_PRECONDITION "shm transport
-unavailable", is remembered as such, and gets the same bytes as grpc chunks
+unavailable" and gets the same bytes as grpc chunks
 read from the collector's mapping instead, within the same push. A grpc push
 is forwarded chunk by chunk as the trainer's chunks arrive.
 """
@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from rlfleet.client.channel import ChannelSettings
-from rlfleet.client.errors import from_rpc_error
+from rlfleet.client.channel import ChannelSettings, StatusWatch, stream_error
 from rlfleet.services.collector.replicas import Replica
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument
 from rlfleet.services.common.weight_stream import WeightPush
@@ -90,8 +89,7 @@ class ReplicaPush:
               segment: shm.Segment | None) -> "ReplicaPush":
         """Open the call and send the manifest (and, for a segment over grpc, the chunks)."""
         push = cls(replica, manifest, settings, segment)
-        use_shm = segment is not None and replica.accepts_shm is not False
-        push._open("shm" if use_shm else "grpc")
+        push._open("shm" if segment is not None else "grpc")
         return push
 
     def _open(self, transport: str) -> None:
@@ -106,6 +104,7 @@ class ReplicaPush:
         self._queue = asyncio.Queue(maxsize=QUEUE_CHUNKS)
         self._queue.put_nowait(generation_pb2.UpdateWeightsRequest(manifest=manifest))
         self._call = self.replica.stub.UpdateWeights(self._requests(), metadata=self.settings.metadata())
+        self._watch = StatusWatch(self._call)  # keeps the replica's status over grpc.aio's write-race INTERNAL
         if transport == "grpc" and self.segment is not None:
             self._feeder = asyncio.ensure_future(self._feed(SegmentChunks(self.segment)))
 
@@ -134,7 +133,7 @@ class ReplicaPush:
         try:
             reply = await self._call.read()
         except grpc.RpcError as exc:
-            error = from_rpc_error(exc, "UpdateWeights")
+            error = await stream_error(self._call, exc, "UpdateWeights", self._watch)
             self.error, self.code = str(error), error.code
             return False
         if reply is grpc.aio.EOF:
@@ -150,13 +149,12 @@ class ReplicaPush:
         ok = await self._read(weights_pb2.WEIGHT_PHASE_STAGED)
         if not ok and self.transport == "shm" and self.code == "FAILED_PRECONDITION" \
                 and SHM_UNAVAILABLE in self.error:
-            self.replica.accepts_shm = False
+            # Not remembered: the name may just have gone (a trainer that cut the push unlinks
+            # it); offering it costs one open per push.
             self.cancel()
             self.error = self.code = ""
             self._open("grpc")
             ok = await self._read(weights_pb2.WEIGHT_PHASE_STAGED)
-        elif ok and self.transport == "shm":
-            self.replica.accepts_shm = True
         self.stage_seconds = time.monotonic() - self.started
         if not ok:
             self.cancel()

@@ -83,7 +83,9 @@ class StagedPush:
             shapes=[list(s) for s in self.push.shapes],
             total_bytes=self.push.total_bytes)
         if self.segment is not None:
-            info["shm_path"] = self.segment.path
+            # Our own descriptor, not the name: the trainer may unlink the name (a cut push)
+            # between the stage and the commit; the worker is our child and opens it through /proc.
+            info["shm_path"] = self.segment.fd_path
         return info
 
     def close(self) -> None:

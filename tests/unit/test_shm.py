@@ -59,3 +59,18 @@ def test_sweep_removes_only_segments_of_dead_holders(tmp_path):
     assert os.path.exists(held.path)  # still held by this process
     held.close()
     assert shm.list_segments(str(tmp_path)) == []
+
+
+def test_a_holder_reaches_its_segment_through_its_descriptor_once_unlinked(tmp_path):
+    """The generation service hands its worker ``fd_path``: a trainer that unlinks the name
+    (a cut push) between stage and commit cannot pull the bytes from under the apply."""
+    with shm.create_segment(8, directory=str(tmp_path)) as writer:
+        shm.write_tensors(writer, [torch.arange(2, dtype=torch.int32)])
+        holder = shm.open_segment(writer.path, 8, directory=str(tmp_path))
+    assert not os.path.exists(writer.path)
+    reader = shm.open_segment(holder.fd_path, 8, trusted=True)
+    assert torch.equal(shm.view_tensor(reader.as_uint8(), 0, torch.int32, (2,)), torch.arange(2, dtype=torch.int32))
+    with pytest.raises(ValueError):
+        shm.open_segment(holder.fd_path, 8)  # never from a request
+    reader.close()
+    holder.close()

@@ -51,6 +51,8 @@ class Segment:
         self._map = mmap.mmap(fd, max(size, 1), mmap.MAP_SHARED,
                               mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
         self._full = memoryview(self._map)
+        self.fd_path = f"/proc/{os.getpid()}/fd/{fd}"
+        """Opens this very file while we hold it, even once unlinked (our child processes use it)."""
         self.buffer = self._full[:size]
         """The segment's bytes (valid until ``close``)."""
 
@@ -115,11 +117,13 @@ def check_path(path: str, directory: str | None = None) -> str:
     return path
 
 
-def open_segment(path: str, size: int, directory: str | None = None) -> Segment:
+def open_segment(path: str, size: int, directory: str | None = None, trusted: bool = False) -> Segment:
     """Map an existing segment read-only, holding its lock while mapped.
 
-    SegmentUnavailable if it does not exist here or its size is not ``size``."""
-    check_path(path, directory)
+    SegmentUnavailable if it does not exist here or its size is not ``size``. Paths
+    from requests must name a segment; ``trusted`` (a holder's ``fd_path``) skips that."""
+    if not trusted:
+        check_path(path, directory)
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as err:
