@@ -31,9 +31,9 @@ from typing import AsyncIterator
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.replicas import Replica, ReplicaPool
 from rlfleet.services.collector.spool import Spool
-from rlfleet.services.collector.transports import ReplicaOutcome, ReplicaPush, SegmentChunks, open_trainer_segment
+from rlfleet.services.collector.transports import ReplicaOutcome, ReplicaPush
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
-from rlfleet.services.common.weight_stream import WeightPush
+from rlfleet.services.common.weight_stream import WeightPush, open_offered_segment
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm
 
@@ -46,7 +46,6 @@ class PushOutcome:
     replicas: list[ReplicaOutcome]
     received_bytes: int
     seconds: float
-    transport: str
 
 
 class WeightFanout:
@@ -94,7 +93,7 @@ class WeightFanout:
         source = manifest.WhichOneof("source")
         if source == "nccl":
             raise InvalidArgument("the nccl transport is not orchestrated by this collector yet; use shm or grpc")
-        segment = open_trainer_segment(manifest, push) if source == "shm" else None
+        segment = open_offered_segment(manifest, push.total_bytes, "at the collector") if source == "shm" else None
         handed_off = False
         try:
             replicas = self.pool.require_any()
@@ -150,7 +149,6 @@ class WeightFanout:
 
     async def _decide(self, streams: list[ReplicaPush], push: WeightPush, spool, started: float,
                       segment: shm.Segment | None) -> PushOutcome:
-        version = push.version
         decision = asyncio.get_running_loop().create_future()
         self._spooling = asyncio.ensure_future(self._spool(spool, segment, decision))
         try:
@@ -192,8 +190,7 @@ class WeightFanout:
         log.info("weights committed", extra={"version": committed, "bytes": push.total_bytes,
                                              "applied": sum(o.applied for o in outcomes),
                                              "transports": transports})
-        return PushOutcome(committed, outcomes, push.total_bytes, time.monotonic() - started,
-                           "+".join(transports))
+        return PushOutcome(committed, outcomes, push.total_bytes, time.monotonic() - started)
 
     def _raise_nothing_staged(self, version: int, streams: list[ReplicaPush]) -> None:
         outcomes = [s.outcome() for s in streams]
@@ -260,4 +257,4 @@ async def _finish_shielded(coroutine):
     return task.result()
 
 
-__all__ = ["PushOutcome", "ReplicaOutcome", "SegmentChunks", "WeightFanout"]
+__all__ = ["PushOutcome", "ReplicaOutcome", "WeightFanout"]

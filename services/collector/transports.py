@@ -18,8 +18,6 @@ import grpc
 
 from rlfleet.client.channel import ChannelSettings, StatusWatch, stream_error
 from rlfleet.services.collector.replicas import Replica
-from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument
-from rlfleet.services.common.weight_stream import WeightPush
 from rlfleet.v1 import generation_pb2, weights_pb2
 from rlfleet.wire import shm
 from rlfleet.wire.shm import SHM_UNAVAILABLE
@@ -40,16 +38,6 @@ class ReplicaOutcome:
     transport: str = ""
     stage_seconds: float = 0.0
     apply_seconds: float = 0.0
-
-
-def open_trainer_segment(manifest: weights_pb2.WeightManifest, push: WeightPush) -> shm.Segment:
-    """Map the trainer's segment; FAILED_PRECONDITION (so the SDK falls back to grpc) if it is not here."""
-    try:
-        return shm.open_segment(manifest.shm.path, push.total_bytes)
-    except ValueError as err:
-        raise InvalidArgument(f"manifest.shm.path: {err}") from None
-    except OSError as err:
-        raise FailedPrecondition(f"{SHM_UNAVAILABLE} at the collector: {err}") from None
 
 
 class SegmentChunks:

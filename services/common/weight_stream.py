@@ -18,9 +18,9 @@ from typing import Sequence
 
 import torch
 
-from rlfleet.services.common.errors import Aborted, InvalidArgument, ResourceExhausted
+from rlfleet.services.common.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
 from rlfleet.v1 import weights_pb2
-from rlfleet.wire import WireError
+from rlfleet.wire import WireError, shm
 from rlfleet.wire.tensor import check_shape, dtype_from_wire
 
 UPDATE_MODES = {
@@ -140,3 +140,14 @@ class WeightPush:
             raise InvalidArgument(
                 f"manifest.checksum mismatch: stream has {self._checksum.algo}:{self._checksum.hexdigest()}, "
                 f"manifest says {self.checksum_spec}; nothing applied")
+
+
+def open_offered_segment(manifest: weights_pb2.WeightManifest, total_bytes: int, where: str) -> shm.Segment:
+    """Map the shm segment a manifest names: INVALID_ARGUMENT for a path that is not a segment's,
+    FAILED_PRECONDITION "shm transport unavailable" (the sender falls back to grpc) if it is not here."""
+    try:
+        return shm.open_segment(manifest.shm.path, total_bytes)
+    except ValueError as err:
+        raise InvalidArgument(f"manifest.shm.path: {err}") from None
+    except OSError as err:
+        raise FailedPrecondition(f"{shm.SHM_UNAVAILABLE} {where}: {err}") from None

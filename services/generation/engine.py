@@ -39,8 +39,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SwapMode = Literal["wait", "abort", "keep"]
-_MODES = {"wait": weights_pb2.UPDATE_MODE_WAIT, "abort": weights_pb2.UPDATE_MODE_ABORT,
-          "keep": weights_pb2.UPDATE_MODE_KEEP}
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
 
 
@@ -373,11 +371,12 @@ class GenerationEngine:
         """Stage ``(name, tensor)`` pairs in a segment and apply them (in-process callers and tests)."""
         if mode not in ("wait", "abort", "keep"):
             raise InvalidArgument(f"mode must be wait, abort or keep, got {mode!r}")
+        from rlfleet.client.push import MODES
         from rlfleet.wire.weights import iter_push_messages
 
         pairs = list(named_tensors)
         _, manifest = next(iter_push_messages(pairs, version=version, checksum_algo=None,
-                                              mode=_MODES[mode]))
+                                              mode=MODES[mode]))
         staged = self.stage(manifest, max_bytes=1 << 62)
         try:
             shm.write_tensors(staged.segment, [tensor for _, tensor in pairs])

@@ -16,12 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from rlfleet.services.common.weight_stream import WeightPush
+from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
+from rlfleet.services.common.weight_stream import WeightPush, open_offered_segment
 from rlfleet.services.generation.weights import TensorSpec, validate_push
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm
-from rlfleet.wire.shm import SHM_UNAVAILABLE
 
 
 
@@ -42,12 +41,7 @@ class StagedPush:
         source = manifest.WhichOneof("source")
         staged = cls(push=push, transport=source or "grpc", resync=manifest.resync)
         if source == "shm":
-            try:
-                staged.segment = shm.open_segment(manifest.shm.path, push.total_bytes)
-            except ValueError as err:
-                raise InvalidArgument(f"manifest.shm.path: {err}") from None
-            except OSError as err:
-                raise FailedPrecondition(f"{SHM_UNAVAILABLE}: {err}") from None
+            staged.segment = open_offered_segment(manifest, push.total_bytes, "at this replica")
             push.received = push.total_bytes  # the bytes are all there
         elif source == "nccl":
             rendezvous = manifest.nccl
