@@ -206,7 +206,9 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
                 rows[key].append(value)
             for key, result in (("grpc", r_grpc), ("shm", r_shm), ("shm2", r_shm2)):
                 details[key].append(result)
-        return dict(rows=rows, details=details)
+        from rlfleet.wire import shm
+        kept = sum(os.path.getsize(p) for p in shm.list_segments())  # the segments kept for the next push
+        return dict(rows=rows, details=details, kept=kept)
     finally:
         for client in clients:
             client.close()
@@ -315,6 +317,8 @@ def main() -> None:
     for t in ("shm", "grpc"):
         row(f"peak extra PSS / model ({t})", f"model {model_bytes / 1e6:.0f} MB",
             f"peak extra {pss[t]['num'] / 1e6:.0f} MB", pss[t], "<= 1.10", pss[t]["ratio"] <= 1.1)
+    print(f"kept in /dev/shm between pushes: {out['kept'] / 1e6:.0f} MB = {out['kept'] / model_bytes:.2f} x the "
+          f"model (each of the two clients' segment and collector A's staging segment; not counted as extra above)")
     print("breakdown:")
     print(breakdown("grpc, 1 replica", details["grpc"]))
     print(breakdown("shm, 1 replica", details["shm"]))

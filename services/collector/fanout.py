@@ -3,9 +3,13 @@
 The control plane stays here; the bytes take the fastest road each replica
 accepts (``transports.py``). A push runs in two phases:
 
-1. **Stage.** Every replica receives and verifies the push (shm: it maps the
-   trainer's segment; grpc: chunks forwarded as they arrive, pipelined, never
-   held whole here) and answers STAGED. The bytes are also spooled to disk
+1. **Stage.** The bytes come to lie in one shared-memory segment: the
+   trainer's (shm, mapped where it lies) or the collector's own (grpc: the
+   chunks are written into it as they arrive and checked). Every replica is
+   then offered that segment and maps the very same pages; a replica that
+   cannot (another host or IPC namespace) gets the bytes as grpc chunks read
+   from it, and from then on gets a grpc push's chunks forwarded as they
+   arrive. Each replica answers STAGED. The segment is also spooled to disk
    for re-syncing replicas later (beside the staging, off the commit's path).
 2. **Commit.** Once the trainer's bytes are complete and verified (the push is
    *decided*), every staged replica is told to apply; the version commits
@@ -22,8 +26,12 @@ the spool by the replica monitor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
@@ -32,7 +40,7 @@ from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.replicas import Replica, ReplicaPool
 from rlfleet.services.collector.spool import Spool
 from rlfleet.services.collector.transports import ReplicaOutcome, ReplicaPush
-from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from rlfleet.services.common.weight_stream import WeightPush, open_offered_segment
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm
@@ -60,6 +68,9 @@ class WeightFanout:
         self.on_commit = on_commit
         self._lock = asyncio.Lock()  # one push (or re-sync) at a time: versions are monotone
         self._spooling: asyncio.Task | None = None  # the last push's spool write (off the commit path)
+        self._staging = shm.SegmentCache()  # where grpc pushes land, kept between pushes
+        # The spool is background work: its thread yields the CPU to the replicas' apply.
+        self._spool_thread = ThreadPoolExecutor(1, "spool", initializer=_lower_priority)
 
     async def push(self, messages: AsyncIterator[tuple[str, object]]) -> PushOutcome:
         """``messages`` yields ("manifest", WeightManifest) then, for grpc pushes, ("chunk", WeightChunk)."""
@@ -93,37 +104,45 @@ class WeightFanout:
         source = manifest.WhichOneof("source")
         if source == "nccl":
             raise InvalidArgument("the nccl transport is not orchestrated by this collector yet; use shm or grpc")
-        segment = open_offered_segment(manifest, push.total_bytes, "at the collector") if source == "shm" else None
+        if source == "shm":
+            segment = open_offered_segment(manifest, push.total_bytes, "at the collector")
+        else:
+            segment = self._staging_segment(push.total_bytes)
+            push.attach_sink(segment.buffer)
         handed_off = False
         try:
             replicas = self.pool.require_any()
             spool = self.spool.begin(manifest)
-            if segment is not None:
-                # Every byte is here: the push is decided.
-                push.received = push.total_bytes
-                streams = [ReplicaPush.start(r, manifest, self.pool.settings, segment) for r in replicas]
-                handed_off = True  # the spool writer closes the segment once it copied it
-                return await _finish_shielded(self._decide(streams, push, spool, started, segment))
-            streams = [ReplicaPush.start(r, manifest, self.pool.settings, None) for r in replicas]
+            # Replicas known to live elsewhere get a grpc push's chunks as they arrive; the others
+            # are offered the segment once it holds every verified byte (shm: right away).
+            remote = [ReplicaPush.start(r, manifest, self.pool.settings, None)
+                      for r in replicas if source is None and r.shm_refused]
             try:
-                async for kind, message in iterator:
-                    if kind != "chunk":
-                        raise InvalidArgument("manifest sent twice: it must be the first message only")
-                    push.add_chunk(message)
-                    spool.write(message.data)
-                    await asyncio.gather(*(s.send_chunk(message) for s in streams))
+                if source == "shm":
+                    await asyncio.to_thread(push.add_all, segment.buffer)
+                else:
+                    async for kind, message in iterator:
+                        if kind != "chunk":
+                            raise InvalidArgument("manifest sent twice: it must be the first message only")
+                        push.add_chunk(message)
+                        if remote:
+                            await asyncio.gather(*(s.send_chunk(message) for s in remote))
                 push.finish()
             except BaseException:
-                for s in streams:
+                for s in remote:
                     s.cancel()
                 spool.discard()
                 raise
-            return await _finish_shielded(self._decide(streams, push, spool, started, None))
+            # Every byte is here and verified: the push is decided.
+            local = [ReplicaPush.start(r, manifest, self.pool.settings, segment)
+                     for r in replicas if not (source is None and r.shm_refused)]
+            handed_off = True  # the spool writer closes the segment once it copied it
+            return await _finish_shielded(self._decide(remote + local, push, spool, started, segment))
         finally:
-            if segment is not None and not handed_off:
-                segment.close(unlink=False)
+            if not handed_off:
+                self._release(segment)
 
-    async def _spool(self, spool, segment: shm.Segment | None, decision: asyncio.Future) -> None:
+    async def _spool(self, spool, segment: shm.Segment, decision: asyncio.Future) -> None:
         """Spool the push to disk beside the staging, commit it once the version committed.
 
         Not on the commit's path: a replica that is up applies from the transport, the spool only
@@ -132,23 +151,22 @@ class WeightFanout:
         that were down then rejoin at the next push."""
         written = False
         try:
-            if segment is not None:
-                await asyncio.to_thread(spool.write, segment.buffer)
-            await asyncio.to_thread(spool.flush)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._spool_thread, spool.copy, segment)
+            await loop.run_in_executor(self._spool_thread, spool.flush)
             written = True
         except Exception:
             log.exception("spooling version %d failed; re-syncs keep the previous version",
                           spool.manifest.version)
         committed = await decision
-        if segment is not None:
-            segment.close(unlink=False)  # only now: replicas falling back to grpc read from it until staged
+        self._release(segment)  # only now: replicas falling back to grpc read from it until staged
         if written and committed:
             await asyncio.to_thread(spool.commit)
         else:
             spool.discard()
 
     async def _decide(self, streams: list[ReplicaPush], push: WeightPush, spool, started: float,
-                      segment: shm.Segment | None) -> PushOutcome:
+                      segment: shm.Segment) -> PushOutcome:
         decision = asyncio.get_running_loop().create_future()
         self._spooling = asyncio.ensure_future(self._spool(spool, segment, decision))
         try:
@@ -205,6 +223,25 @@ class WeightFanout:
             asyncio.ensure_future(self.pool.mark_failed(stream.replica, stream.outcome().error))
         raise Unavailable(f"no replica staged version {version}: {errors}")
 
+    def _staging_segment(self, size: int) -> shm.Segment:
+        """Where a grpc push lands here: a segment the replicas on this host map as it is."""
+        try:
+            return self._staging.take(size)
+        except OSError as err:
+            raise ResourceExhausted(f"cannot stage a {size}-byte push in {shm.SHM_DIR} at the collector: "
+                                    f"{err.strerror} (raise the collector container's shm_size)") from None
+
+    def _release(self, segment: shm.Segment) -> None:
+        """Done with a push's segment: ours is kept for the next grpc push, the trainer's let go."""
+        if segment.owner:
+            self._staging.keep(segment)
+        else:
+            segment.close()
+
+    def close(self) -> None:
+        self._staging.close()
+        self._spool_thread.shutdown(wait=False)
+
     # --- re-sync -------------------------------------------------------------
     async def resync(self, replica: Replica) -> bool:
         """Bring a replica that fell behind (or ran ahead) to the committed version, from the spool."""
@@ -237,6 +274,11 @@ class WeightFanout:
             log.info("replica %s re-synced to version %d over %s", replica.address, manifest.version,
                      outcome.transport)
             return True
+
+
+def _lower_priority() -> None:
+    with contextlib.suppress(OSError):  # Linux: a thread's own nice value
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
 async def _finish_shielded(coroutine):

@@ -34,6 +34,8 @@ class Replica:
     in_flight: int = 0
     failures: int = 0
     last_error: str = ""
+    shm_refused: bool = False
+    """It could not open a segment of ours (another host or IPC namespace): grpc pushes stream to it."""
 
 
 def expand_addresses(addresses: list[str]) -> list[str]:

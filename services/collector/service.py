@@ -165,6 +165,7 @@ class CollectorService(Service[CollectorConfig]):
                 await task
         if self._tasks:
             self.save_state()
+        self.fanout.close()
         await self.pool.close()
         await asyncio.gather(*(c.close() for c in self._channels.values()), return_exceptions=True)
 

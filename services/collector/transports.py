@@ -87,6 +87,7 @@ class ReplicaPush:
         manifest.two_phase = True
         if transport == "shm":
             manifest.shm.path = self.segment.path
+            manifest.ClearField("checksum")  # verified here; the replica maps the very same pages
         else:
             manifest.ClearField("shm")
         self._queue = asyncio.Queue(maxsize=QUEUE_CHUNKS)
@@ -137,8 +138,10 @@ class ReplicaPush:
         ok = await self._read(weights_pb2.WEIGHT_PHASE_STAGED)
         if not ok and self.transport == "shm" and self.code == "FAILED_PRECONDITION" \
                 and SHM_UNAVAILABLE in self.error:
-            # Not remembered: the name may just have gone (a trainer that cut the push unlinks
-            # it); offering it costs one open per push.
+            # Remembered only for a segment of ours, which cannot have gone: a trainer that cut
+            # its push may have unlinked its own.
+            if self.segment.owner:
+                self.replica.shm_refused = True
             self.cancel()
             self.error = self.code = ""
             self._open("grpc")

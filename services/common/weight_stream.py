@@ -132,6 +132,16 @@ class WeightPush:
             self._checksum.update(data)
         self.received = end
 
+    def add_all(self, data: memoryview) -> None:
+        """Take every byte at once (they already lie in a segment): only the checksum is computed."""
+        if self.received or len(data) != self.total_bytes:
+            raise InvalidArgument(f"expected all {self.total_bytes} bytes at once, got {len(data)} "
+                                  f"after {self.received}")
+        if self._checksum is not None:
+            for start in range(0, len(data), 64 << 20):
+                self._checksum.update(data[start:start + (64 << 20)])
+        self.received = self.total_bytes
+
     def finish(self) -> None:
         """Verify completeness and checksum (ABORTED if the stream ended early)."""
         if self.received != self.total_bytes:

@@ -42,7 +42,7 @@ class StagedPush:
         staged = cls(push=push, transport=source or "grpc", resync=manifest.resync)
         if source == "shm":
             staged.segment = open_offered_segment(manifest, push.total_bytes, "at this replica")
-            push.received = push.total_bytes  # the bytes are all there
+            push.add_all(staged.segment.buffer)  # the bytes are all there (checksummed if asked)
         elif source == "nccl":
             rendezvous = manifest.nccl
             if not rendezvous.master_address or not rendezvous.master_port or rendezvous.world_size < 2:

@@ -138,7 +138,7 @@ class RlfleetWeightTransferEngine(_engine_base()):  # type: ignore[misc]
             return
         from rlfleet.wire.shm import open_segment
 
-        segment = open_segment(update_info.shm_path, update_info.total_bytes, trusted=True)
+        segment = open_segment(update_info.shm_path, update_info.total_bytes, trusted=True, populate=True)
         try:
             flat = segment.as_uint8()
             target = self.model_config.dtype if self.model_config is not None else None

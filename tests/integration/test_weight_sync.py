@@ -9,9 +9,11 @@ committed at that version (HF recompute, float32, 1e-4).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -90,8 +92,36 @@ def assert_serving(suite, client, committed, tiny_model_dir, procs=None):
         assert diff <= TOLERANCE, f"{proc.address}: log-probs differ from version {version}'s weights by {diff}"
 
 
-def our_segments(before: set[str]) -> set[str]:
-    return set(shm.list_segments()) - before
+def segment_holders() -> dict[str, set[int]]:
+    """Every rlfleet segment name some process holds open, with those processes' PIDs."""
+    holders: dict[str, set[int]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(os.path.join(shm.SHM_DIR, shm.PREFIX)):
+                holders.setdefault(target, set()).add(int(pid))
+    return holders
+
+
+def our_segments(suite, before: set[str]) -> set[str]:
+    """New segments, less the two kept for the next push (each held only by its keeper, one per
+    keeper): this process's client's (shm pushes) and the collector's staging (grpc pushes)."""
+    new = set(shm.list_segments()) - before
+    holders = segment_holders()
+    kept = {}
+    for path in new:
+        keepers = holders.get(path, set())
+        if len(keepers) == 1 and keepers <= {os.getpid(), suite["collector"].process.pid}:
+            kept.setdefault(next(iter(keepers)), []).append(path)
+    assert all(len(paths) == 1 for paths in kept.values()), f"more than one segment kept: {kept}"
+    return new - {path for paths in kept.values() for path in paths}
 
 
 def barrier(client) -> None:
@@ -117,10 +147,11 @@ def test_push_changes_log_probs_to_exactly_the_pushed_weights(suite, client, com
     result = client.push_weights(weights, transport=transport, progress=False)
     committed[result.version] = weights
     assert result.all_applied and len(result.replicas) == 2
-    assert result.transport == transport  # same host: both replicas take what the trainer offered
-    assert all(r.transport == transport for r in result.replicas)
+    assert result.transport == transport
+    # Same host: both replicas map the pages the trainer wrote (shm) or the collector received into (grpc).
+    assert all(r.transport == "shm" for r in result.replicas) and result.replica_transport == "shm"
     assert_serving(suite, client, committed, tiny_model_dir)
-    assert our_segments(before) == set()  # nothing left in /dev/shm
+    assert our_segments(suite, before) == set()  # nothing left in /dev/shm
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -192,7 +223,7 @@ def test_trainer_cut_at_any_phase_keeps_engines_and_collector_in_step(suite, cli
     result = client.push_weights(weights, transport=transport, progress=False)  # the next push succeeds
     committed[result.version] = weights
     assert_serving(suite, client, committed, tiny_model_dir)
-    wait_until(lambda: our_segments(before) == set(), what="segments to be released")
+    wait_until(lambda: our_segments(suite, before) == set(), what="segments to be released")
 
 
 TRAINER = textwrap.dedent("""
@@ -233,15 +264,13 @@ def test_trainer_sigkill_mid_push_leaves_old_version_and_no_segment(suite, clien
     try:
         line = trainer.stdout.readline()
         assert line.startswith("ready"), line
-        if phase == "grpc-half-streamed":  # the replicas are staging it: their segments exist now
-            wait_until(lambda: len(our_segments(before)) >= 1, what="replicas to stage")
-        else:
-            assert our_segments(before) == {line.split()[1]}
+        if phase == "shm-written":
+            assert our_segments(suite, before) == {line.split()[1]}
     finally:
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
     # Staged bytes are discarded; the orphaned trainer segment is swept (lock gone with its holder).
-    wait_until(lambda: our_segments(before) == set(), what="no segment left behind")
+    wait_until(lambda: our_segments(suite, before) == set(), what="no segment left behind")
     assert client.policy_version == version
     assert_serving(suite, client, committed, tiny_model_dir)
 
@@ -275,3 +304,42 @@ def test_replica_killed_then_restarted_is_resynced_over_shm(suite, client, commi
     assert "re-synced to version" in open(suite["collector"].log_path).read()
     assert "over shm" in open(suite["collector"].log_path).read()
     assert_serving(suite, client, committed, tiny_model_dir)
+
+
+def test_replica_on_another_host_gets_grpc_within_the_same_push(suite, client, committed, tiny_model_dir):
+    """A replica that cannot open our segments (here: its own shm directory, as on another host or
+    in another IPC namespace) is re-synced, then pushed to, over grpc, while its peer maps them."""
+    victim_key = "generation-1"
+    victim = suite[victim_key]
+    victim.kill()
+    weights = perturbed(committed[0], seed=4343)
+    result = client.push_weights(weights, progress=False)  # fails there: out of rotation until re-synced
+    committed[result.version] = weights
+    assert {r.address: r.applied for r in result.replicas}[victim.address] is False
+    elsewhere = tempfile.mkdtemp(prefix="rlfleet-test-otherhost-", dir=shm.SHM_DIR)
+    try:
+        restarted = ServiceProcess("generation", [*victim.args, "--port", str(victim.port)],
+                                   env={"RLFLEET_SHM_DIR": elsewhere})
+        restarted.start(victim.log_path.parent / "otherhost").wait_ready(600)
+        suite[victim_key] = restarted
+        stub = collector_pb2_grpc.CollectorServiceStub(grpc.insecure_channel(suite["collector"].address))
+
+        def back_in_rotation():
+            status = stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=30)
+            return {r.address: (r.healthy, r.policy_version) for r in status.replicas}[victim.address] == \
+                (True, client.policy_version)
+        wait_until(back_in_rotation, timeout=120, what="the replica to be re-synced over grpc")
+        assert f"replica {victim.address} re-synced to version {client.policy_version} over grpc" in \
+            open(suite["collector"].log_path).read()
+        assert_serving(suite, client, committed, tiny_model_dir)
+        expected = {suite["generation-0"].address: "shm", victim.address: "grpc"}
+        for i, transport in enumerate(["grpc", "shm"]):  # grpc: its chunks forwarded as they arrive
+            weights = perturbed(committed[0], seed=5000 + i)
+            result = client.push_weights(weights, transport=transport, progress=False)
+            committed[result.version] = weights
+            assert result.all_applied and result.transport == transport
+            assert {r.address: r.transport for r in result.replicas} == expected
+            assert_serving(suite, client, committed, tiny_model_dir)
+        assert os.listdir(elsewhere) == []  # its grpc staging segments are gone too
+    finally:
+        shutil.rmtree(elsewhere, ignore_errors=True)

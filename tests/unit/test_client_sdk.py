@@ -547,15 +547,22 @@ def test_auto_transport_tries_shm_once_then_stays_on_grpc_when_refused(client, s
         client.push_weights(weights, progress=False, transport="shm")  # asked for explicitly: no fallback
 
 
-def test_shm_push_hands_over_a_segment_and_unlinks_it(client, state):
+def test_shm_push_hands_over_a_segment_kept_for_the_next_push(client, state):
     state.accept_shm = True
     weights = {"a": torch.randn(64, 3), "b": torch.arange(5), "c": torch.randn(8).to(torch.bfloat16)}
     before = set(shm.list_segments())
     result = client.push_weights(weights, progress=False, transport="shm")
     assert result.version == 1 and state.shm_offers == 1 and state.calls["PushWeights"] == 1
-    assert state.pushes[-1]["manifest"].checksum == ""  # the bytes never crossed a network
+    first = state.pushes[-1]["manifest"]
+    assert first.checksum == ""  # the bytes never crossed a network
     assert_bit_exact(weights, state.pushes[-1]["tensors"])
-    assert set(shm.list_segments()) == before  # no segment left behind
+    assert set(shm.list_segments()) - before == {first.shm.path}  # kept for the next push
+    weights = {k: v + 1 for k, v in weights.items()}
+    assert client.push_weights(weights, progress=False, transport="shm").version == 2
+    assert state.pushes[-1]["manifest"].shm.path == first.shm.path  # rewritten in place: nobody held it
+    assert_bit_exact(weights, state.pushes[-1]["tensors"])
+    client.close()
+    assert set(shm.list_segments()) == before  # closing the client removes it
 
 
 # --- batches -------------------------------------------------------------------------------------------

@@ -31,9 +31,14 @@ def test_write_then_open_elsewhere_sees_the_same_bytes(tmp_path):
 
 def test_paths_from_requests_are_confined_to_segments(tmp_path):
     for bad in ["/etc/passwd", f"{tmp_path}/../rlfleet-w-{'0' * 32}", f"{tmp_path}/rlfleet-w-xyz",
-                f"{tmp_path}/sub/rlfleet-w-{'0' * 32}"]:
+                f"rlfleet-w-{'0' * 32}"]:
         with pytest.raises(ValueError, match="not an rlfleet shm segment path"):
             shm.open_segment(bad, 1, directory=str(tmp_path))
+    (tmp_path / "sub").mkdir()
+    elsewhere = tmp_path / "sub" / f"rlfleet-w-{'0' * 32}"
+    elsewhere.write_bytes(b"x")  # a segment's name, but not in our shm directory: never opened
+    with pytest.raises(shm.SegmentUnavailable, match="not in this host's shm directory"):
+        shm.open_segment(str(elsewhere), 1, directory=str(tmp_path))
     with pytest.raises(shm.SegmentUnavailable):
         shm.open_segment(f"{tmp_path}/rlfleet-w-{'a' * 32}", 1, directory=str(tmp_path))
 
@@ -74,3 +79,25 @@ def test_a_holder_reaches_its_segment_through_its_descriptor_once_unlinked(tmp_p
         shm.open_segment(holder.fd_path, 8)  # never from a request
     reader.close()
     holder.close()
+
+
+def test_a_kept_segment_is_rewritten_only_once_no_reader_holds_it(tmp_path):
+    cache = shm.SegmentCache(directory=str(tmp_path))
+    first = cache.take(16)
+    cache.keep(first)
+    assert cache.take(16) is first  # nobody else holds it: the same pages again
+    reader = shm.open_segment(first.path, 16, directory=str(tmp_path))
+    cache.keep(first)
+    second = cache.take(16)  # a reader still maps it: a new segment, the old name unlinked
+    assert second is not first and not os.path.exists(first.path) and os.path.exists(second.path)
+    reader.close()
+    cache.keep(second)
+    os.unlink(second.path)  # e.g. a sweep that slipped in while the lock was being converted
+    third = cache.take(16)
+    assert third is not second and os.path.exists(third.path)
+    cache.keep(third)
+    fourth = cache.take(32)  # another size: a new one
+    assert fourth is not third and not os.path.exists(third.path)
+    cache.keep(fourth)
+    cache.close()
+    assert shm.list_segments(str(tmp_path)) == []

@@ -178,6 +178,7 @@ class AsyncClient:
         if self._closed:
             return
         self._closed = True
+        self._transport_memo.close()
         for stream in list(self._streams):
             stream.abandon()
         if self._channel is not None:

@@ -42,10 +42,13 @@ class PushResult:
     """The collector's wall time of the push."""
     attempts: int
     """1 unless the push was retried after an early UNAVAILABLE."""
+    transport: str = ""
+    """How the bytes left the trainer: "shm" (a segment the collector mapped) or "grpc" (chunks)."""
 
     @property
-    def transport(self) -> str:
-        """How the bytes reached the replicas that applied it ("shm", "grpc", or "grpc+shm")."""
+    def replica_transport(self) -> str:
+        """How the bytes reached the replicas that applied it ("shm", "grpc", or "grpc+shm"): a
+        replica on the collector's host maps the collector's segment even for a grpc push."""
         return "+".join(sorted({r.transport for r in self.replicas if r.applied and r.transport}))
 
     @property
@@ -59,9 +62,10 @@ class PushResult:
         return all(r.applied for r in self.replicas)
 
     @classmethod
-    def from_proto(cls, reply: collector_pb2.PushWeightsResponse, seconds: float, attempts: int) -> "PushResult":
+    def from_proto(cls, reply: collector_pb2.PushWeightsResponse, seconds: float, attempts: int,
+                   transport: str = "") -> "PushResult":
         return cls(version=reply.version, bytes=reply.received_bytes, seconds=seconds,
-                   server_seconds=reply.seconds, attempts=attempts,
+                   server_seconds=reply.seconds, attempts=attempts, transport=transport,
                    replicas=tuple(ReplicaPushResult(r.address, r.applied, r.error, r.transport, r.stage_seconds,
                                                     r.apply_seconds) for r in reply.replicas))
 

@@ -45,16 +45,35 @@ class SegmentUnavailable(OSError):
 class Segment:
     """A mapped segment; ``close()`` unmaps it, releases the lock and unlinks it if we own it."""
 
-    def __init__(self, path: str, fd: int, size: int, writable: bool, owner: bool):
+    def __init__(self, path: str, fd: int, size: int, writable: bool, owner: bool, populate: bool = False):
         self.path, self.size, self.owner = path, size, owner
         self._fd = fd
-        self._map = mmap.mmap(fd, max(size, 1), mmap.MAP_SHARED,
-                              mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        # populate: map every page table entry now, in one call, rather than fault page by page
+        # (a reader about to read it all: ~4x cheaper here).
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        self._map = mmap.mmap(fd, max(size, 1), flags, mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
         self._full = memoryview(self._map)
         self.fd_path = f"/proc/{os.getpid()}/fd/{fd}"
         """Opens this very file while we hold it, even once unlinked (our child processes use it)."""
         self.buffer = self._full[:size]
         """The segment's bytes (valid until ``close``)."""
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def claim(self) -> bool:
+        """True if no other process holds this segment (we still hold it, shared) and it is still
+        the file under its name: its pages may then be rewritten. False otherwise (close it)."""
+        try:
+            # Converting our shared lock is not atomic: a sweep may slip in and unlink the name.
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+        try:
+            return os.stat(self.path).st_ino == os.fstat(self._fd).st_ino
+        except FileNotFoundError:
+            return False
 
     def as_uint8(self) -> torch.Tensor:
         """The whole segment as a flat uint8 tensor (a view, no copy)."""
@@ -109,15 +128,54 @@ def create_segment(size: int, directory: str | None = None) -> Segment:
         raise
 
 
+class SegmentCache:
+    """The last segment a writer filled, kept to be filled again by its next push of the same size.
+
+    A new segment costs its pages' allocation, zeroing, first-touch faults and freeing (~1.3 s
+    per GB of CPU here); a kept one costs only the copy. It is reused only once no reader holds
+    it any more (``Segment.claim``), otherwise a new one is made and the old name unlinked (its
+    readers keep their mapping). It stays in the shm directory between pushes; ``close`` (or the
+    process's death, through the sweep) removes it."""
+
+    def __init__(self, directory: str | None = None) -> None:
+        self.directory = directory
+        self._kept: Segment | None = None
+
+    def take(self, size: int) -> Segment:
+        """A segment of ``size`` bytes that nobody else holds: the kept one if possible, else a new one."""
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            if kept.size == size and kept.claim():
+                return kept
+            kept.close()
+        return create_segment(size, self.directory)
+
+    def keep(self, segment: Segment) -> None:
+        """Keep ``segment`` (ours) for the next ``take`` instead of closing it."""
+        if self._kept is not None and self._kept is not segment:
+            self._kept.close()
+        self._kept = segment
+
+    def close(self) -> None:
+        if self._kept is not None:
+            self._kept.close()
+            self._kept = None
+
+
 def check_path(path: str, directory: str | None = None) -> str:
-    """``path`` if it names a segment in the shm directory; ValueError otherwise."""
+    """``path`` if it names a segment in the shm directory. ValueError if it names no segment at
+    all; SegmentUnavailable for a segment's name in another directory (a sender configured with
+    another shm directory: not here). Nothing outside the shm directory is ever opened."""
     directory = directory or SHM_DIR
-    if os.path.dirname(path) != directory.rstrip("/") or not _NAME.match(os.path.basename(path)):
+    if not _NAME.match(os.path.basename(path)) or not os.path.isabs(path) or ".." in path.split(os.sep):
         raise ValueError(f"not an rlfleet shm segment path: {path!r} (expected {directory}/{PREFIX}<32 hex>)")
+    if os.path.dirname(path) != directory.rstrip("/"):
+        raise SegmentUnavailable(errno.ENOENT, f"{path} is not in this host's shm directory {directory}")
     return path
 
 
-def open_segment(path: str, size: int, directory: str | None = None, trusted: bool = False) -> Segment:
+def open_segment(path: str, size: int, directory: str | None = None, trusted: bool = False,
+                 populate: bool = False) -> Segment:
     """Map an existing segment read-only, holding its lock while mapped.
 
     SegmentUnavailable if it does not exist here or its size is not ``size``. Paths
@@ -133,7 +191,7 @@ def open_segment(path: str, size: int, directory: str | None = None, trusted: bo
         actual = os.fstat(fd).st_size
         if actual != size:
             raise SegmentUnavailable(errno.EINVAL, f"{path} holds {actual} bytes, the manifest says {size}")
-        return Segment(path, fd, size, writable=False, owner=False)
+        return Segment(path, fd, size, writable=False, owner=False, populate=populate)
     except BaseException:
         os.close(fd)
         raise
