@@ -103,7 +103,7 @@ class WeightFanout:
         push = WeightPush.from_manifest(manifest, self.max_push_bytes)
         source = manifest.WhichOneof("source")
         if source == "nccl":
-            raise InvalidArgument("the nccl transport is not orchestrated by this collector yet; use shm or grpc")
+            return await self._push_nccl(manifest, push, started)
         if source == "shm":
             segment = open_offered_segment(manifest, push.total_bytes, "at the collector")
         else:
@@ -170,14 +170,14 @@ class WeightFanout:
         decision = asyncio.get_running_loop().create_future()
         self._spooling = asyncio.ensure_future(self._spool(spool, segment, decision))
         try:
-            return await self._stage_and_commit(streams, push, decision, started)
+            staged = await self._stage(streams, push.version)
+            return await self._commit(streams, staged, push, decision, started)
         finally:
             if not decision.done():
                 decision.set_result(False)
 
-    async def _stage_and_commit(self, streams: list[ReplicaPush], push: WeightPush, decision: asyncio.Future,
-                                started: float) -> PushOutcome:
-        version = push.version
+    async def _stage(self, streams: list[ReplicaPush], version: int) -> list[ReplicaPush]:
+        """The replicas that staged the push (a cancel discards it on every replica)."""
         try:
             staged_ok = await asyncio.gather(*(s.wait_staged() for s in streams))
         except BaseException:
@@ -187,6 +187,11 @@ class WeightFanout:
         staged = [s for s, ok in zip(streams, staged_ok) if ok]
         if not staged:
             self._raise_nothing_staged(version, streams)
+        return staged
+
+    async def _commit(self, streams: list[ReplicaPush], staged: list[ReplicaPush], push: WeightPush,
+                      decision: asyncio.Future | None, started: float) -> PushOutcome:
+        version = push.version
         await self.gate.begin_push()
         committed = None
         try:
@@ -198,7 +203,8 @@ class WeightFanout:
             if not any(o.applied for o in outcomes):
                 errors = "; ".join(f"{o.address}: {o.error}" for o in outcomes)
                 raise Unavailable(f"no replica applied version {version}: {errors}")
-            decision.set_result(True)
+            if decision is not None:
+                decision.set_result(True)
             committed = version
             if self.on_commit is not None:
                 self.on_commit(committed)
@@ -209,6 +215,34 @@ class WeightFanout:
                                              "applied": sum(o.applied for o in outcomes),
                                              "transports": transports})
         return PushOutcome(committed, outcomes, push.total_bytes, time.monotonic() - started)
+
+    async def _push_nccl(self, manifest: weights_pb2.WeightManifest, push: WeightPush,
+                         started: float) -> PushOutcome:
+        """The trainer broadcasts over NCCL (rank 0) to every worker of every healthy replica; each
+        replica receives into a segment of its own (its stage), then applies from it like shm.
+
+        The collector brokers the group (each replica's rank offset) and decides; the bytes never
+        pass here, so an nccl push is not spooled (replicas that were down rejoin after the next
+        shm or grpc push). The push is decided once every replica staged it."""
+        rendezvous = manifest.nccl
+        if not rendezvous.master_address or not rendezvous.master_port:
+            raise InvalidArgument("manifest.nccl: master_address and master_port are required")
+        replicas = self.pool.require_any()
+        offsets, world_size = nccl_rank_offsets(replicas)
+        if rendezvous.world_size != world_size:
+            raise FailedPrecondition(
+                f"manifest.nccl.world_size is {rendezvous.world_size}, but the trainer and the "
+                f"{sum(r.transfer_world_size for r in replicas)} workers of the {len(replicas)} healthy "
+                f"replicas make {world_size}: read GetStatus again and retry")
+        streams = []
+        for replica, offset in zip(replicas, offsets):
+            offered = weights_pb2.WeightManifest()
+            offered.CopyFrom(manifest)
+            offered.nccl.rank_offset = offset
+            streams.append(ReplicaPush.start(replica, offered, self.pool.settings, None))
+        staged = await self._stage(streams, push.version)
+        push.received = push.total_bytes  # every staged replica holds every byte
+        return await _finish_shielded(self._commit(streams, staged, push, None, started))
 
     def _raise_nothing_staged(self, version: int, streams: list[ReplicaPush]) -> None:
         outcomes = [s.outcome() for s in streams]
@@ -274,6 +308,18 @@ class WeightFanout:
             log.info("replica %s re-synced to version %d over %s", replica.address, manifest.version,
                      outcome.transport)
             return True
+
+
+def nccl_rank_offsets(replicas: list[Replica]) -> tuple[list[int], int]:
+    """Each replica's first NCCL rank and the group's world size: the trainer is rank 0, then
+    every replica's workers (tensor x pipeline parallel) in order."""
+    offsets, rank = [], 1
+    for replica in replicas:
+        if replica.transfer_world_size <= 0:
+            raise FailedPrecondition(f"replica {replica.address} has not reported its worker count yet; retry")
+        offsets.append(rank)
+        rank += replica.transfer_world_size
+    return offsets, rank
 
 
 def _lower_priority() -> None:

@@ -36,6 +36,8 @@ class Replica:
     last_error: str = ""
     shm_refused: bool = False
     """It could not open a segment of ours (another host or IPC namespace): grpc pushes stream to it."""
+    transfer_world_size: int = 0
+    """Its inference workers (NCCL ranks in an nccl push), from its last probe."""
 
 
 def expand_addresses(addresses: list[str]) -> list[str]:
@@ -113,6 +115,7 @@ class ReplicaPool:
                 return None
             status = await replica.stub.GetEngineStatus(
                 generation_pb2.GetEngineStatusRequest(), timeout=timeout, metadata=self.settings.metadata())
+            replica.transfer_world_size = status.weight_transfer_world_size
             return status.policy_version
         except grpc.RpcError:
             return None

@@ -176,7 +176,8 @@ class CollectorService(Service[CollectorConfig]):
             stages=[collector_pb2.StageStatus(name=s.name, queued=s.queued, in_flight=s.in_flight,
                                               items_per_second=s.rate()) for s in pipeline.stages.values()],
             replicas=[collector_pb2.ReplicaStatus(address=r.address, healthy=r.healthy,
-                                                  policy_version=r.policy_version, in_flight=r.in_flight)
+                                                  policy_version=r.policy_version, in_flight=r.in_flight,
+                                                  weight_transfer_world_size=r.transfer_world_size)
                       for r in self.pool.replicas],
             staleness_histogram=pipeline.staleness_histogram(), trajectories=pipeline.appended,
             discarded_samples=pipeline.discarded_samples,

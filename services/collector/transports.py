@@ -75,9 +75,10 @@ class ReplicaPush:
     @classmethod
     def start(cls, replica: Replica, manifest: weights_pb2.WeightManifest, settings: ChannelSettings,
               segment: shm.Segment | None) -> "ReplicaPush":
-        """Open the call and send the manifest (and, for a segment over grpc, the chunks)."""
+        """Open the call and send the manifest (and, for a segment over grpc, the chunks; an nccl
+        manifest makes the replica join the trainer's broadcast)."""
         push = cls(replica, manifest, settings, segment)
-        push._open("shm" if segment is not None else "grpc")
+        push._open("shm" if segment is not None else "nccl" if manifest.HasField("nccl") else "grpc")
         return push
 
     def _open(self, transport: str) -> None:

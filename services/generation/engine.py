@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from rlfleet.services.common.errors import (
+    Aborted,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
@@ -61,7 +62,6 @@ class GenerationEngine:
         self._requests_running = 0
         self._request_ids_in_flight: set[str] = set()
         self._token_rate = TokenRate(config.tokens_per_second_window_s)
-        self._nccl_rendezvous: dict | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -367,6 +367,27 @@ class GenerationEngine:
                 self.check_version(staged.version)
             await asyncio.shield(self._swap(engine, staged))
 
+    async def receive_nccl(self, staged: StagedPush) -> None:
+        """Stage an nccl push: join the trainer's NCCL group (a collective: the trainer and every
+        other replica join at the same time), receive its broadcast into the staged segment, leave.
+
+        One group per push: a replica that went away never wedges the next one. Unverified: no
+        GPU vLLM runs where this was written (see README, Weight sync)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        from rlfleet.services.generation.transfer import stage_nccl_push
+
+        engine = self._require_engine()
+        await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={"nccl": staged.nccl}))
+        try:
+            written = await engine.collective_rpc(stage_nccl_push, args=(staged.update_info(),))
+        finally:
+            await engine.shutdown_weight_transfer_engine()
+        if max(written, default=0) != staged.push.total_bytes:
+            raise Aborted(f"nccl push: {max(written, default=0)} of {staged.push.total_bytes} bytes staged; "
+                          f"nothing applied")
+        staged.push.received = staged.push.total_bytes
+
     async def update_weights(self, version: int, named_tensors, mode: SwapMode = "wait") -> None:
         """Stage ``(name, tensor)`` pairs in a segment and apply them (in-process callers and tests)."""
         if mode not in ("wait", "abort", "keep"):
@@ -386,7 +407,7 @@ class GenerationEngine:
             staged.close()
 
     async def _swap(self, engine: AsyncLLM, staged: StagedPush) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         version, mode = staged.version, staged.mode
         self._admission_open.clear()
@@ -394,10 +415,6 @@ class GenerationEngine:
             self._state = EngineState.SWAPPING
         started = time.monotonic()
         try:
-            if staged.nccl is not None and staged.nccl != self._nccl_rendezvous:
-                # Joins the trainer's NCCL group: a collective, the trainer joins at the same time.
-                await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={"nccl": staged.nccl}))
-                self._nccl_rendezvous = staged.nccl
             # clear_cache=True also preempts kept requests so their KV is
             # rebuilt with the new weights when they resume.
             await engine.pause_generation(mode=mode, clear_cache=True)

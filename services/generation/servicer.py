@@ -93,6 +93,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise InvalidArgument("manifest.version must be set (> current version)")
         staged = self.engine.stage(manifest, self.max_push_bytes)
         try:
+            if staged.nccl is not None:
+                await self.engine.receive_nccl(staged)  # the bytes come over NCCL, into the segment
             while not staged.push.complete:
                 message = await _next_request(requests, f"after {staged.push.received} of "
                                                         f"{staged.push.total_bytes} bytes")

@@ -1,10 +1,12 @@
 """A weight push staged on a generation replica: validated, its bytes where the worker can map them.
 
 The first phase of a push. Whatever the transport, the bytes end up in one
-shared-memory segment that the vLLM worker maps (``transfer.py``):
+shared-memory segment that the vLLM worker maps (``transfer.py``), and the
+apply is the same for all:
 - grpc: the service creates a segment and writes the chunks into it as they arrive;
-- shm: the trainer's segment is opened where it lies (same host);
-- nccl: nothing is staged; the bytes arrive over NCCL during the apply.
+- shm: the sender's segment is opened where it lies (same host);
+- nccl: the service creates a segment and its vLLM workers receive the
+  trainer's broadcast into it (``GenerationEngine.receive_nccl``).
 The manifest is checked against the checkpoint before the segment is
 allocated, so its size is bounded by the model's. Nothing touches the engine
 until the commit; ``close()`` releases the segment
@@ -43,21 +45,23 @@ class StagedPush:
         if source == "shm":
             staged.segment = open_offered_segment(manifest, push.total_bytes, "at this replica")
             push.add_all(staged.segment.buffer)  # the bytes are all there (checksummed if asked)
-        elif source == "nccl":
+            return staged
+        if source == "nccl":
             rendezvous = manifest.nccl
-            if not rendezvous.master_address or not rendezvous.master_port or rendezvous.world_size < 2:
-                raise InvalidArgument("manifest.nccl: master_address, master_port and world_size >= 2 are required")
+            if not rendezvous.master_address or not rendezvous.master_port or rendezvous.world_size < 2 \
+                    or not 1 <= rendezvous.rank_offset < rendezvous.world_size:
+                raise InvalidArgument("manifest.nccl: master_address, master_port, world_size >= 2 and "
+                                      "1 <= rank_offset < world_size are required")
             staged.nccl = dict(master_address=rendezvous.master_address, master_port=rendezvous.master_port,
                                world_size=rendezvous.world_size, rank_offset=rendezvous.rank_offset,
                                packed=rendezvous.packed)
-            push.received = push.total_bytes
-        else:
-            try:
-                staged.segment = shm.create_segment(push.total_bytes)
-            except OSError as err:
-                raise ResourceExhausted(f"cannot stage a {push.total_bytes}-byte push in {shm.SHM_DIR}: "
-                                        f"{err.strerror} (raise the container's shm_size)") from None
-            push.attach_sink(staged.segment.buffer)
+        try:
+            staged.segment = shm.create_segment(push.total_bytes)
+        except OSError as err:
+            raise ResourceExhausted(f"cannot stage a {push.total_bytes}-byte push in {shm.SHM_DIR}: "
+                                    f"{err.strerror} (raise the container's shm_size)") from None
+        if staged.nccl is None:
+            push.attach_sink(staged.segment.buffer)  # grpc: the chunks land here
         return staged
 
     @property
@@ -71,15 +75,13 @@ class StagedPush:
     def update_info(self) -> dict[str, Any]:
         """What the worker engine (``transfer.RlfleetUpdateInfo``) needs to load the push."""
         info: dict[str, Any] = dict(
-            transport="nccl" if self.transport == "nccl" else "shm",
             names=list(self.push.names),
             dtype_names=[str(d).removeprefix("torch.") for d in self.push.dtypes],
             shapes=[list(s) for s in self.push.shapes],
             total_bytes=self.push.total_bytes)
-        if self.segment is not None:
-            # Our own descriptor, not the name: the trainer may unlink the name (a cut push)
-            # between the stage and the commit; the worker is our child and opens it through /proc.
-            info["shm_path"] = self.segment.fd_path
+        # Our own descriptor, not the name: the trainer may unlink the name (a cut push)
+        # between the stage and the commit; the worker is our child and opens it through /proc.
+        info["shm_path"] = self.segment.fd_path
         return info
 
     def close(self) -> None:

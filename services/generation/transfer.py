@@ -8,15 +8,17 @@ each worker. This engine, registered as ``"rlfleet"`` by the
 ``vllm.general_plugins`` entry point (``register``) so that it exists in the
 engine-core process too, loads from two transports:
 
-- ``shm``: the push's bytes lie in a shared-memory segment (written by the
-  trainer, or by the generation service as grpc chunks arrived). The worker
+- the push's bytes lie in a shared-memory segment (written by the trainer, the
+  collector, or the generation service as grpc chunks arrived). The worker
   maps it and loads each tensor from a view of the mapped pages: no pickling,
   no copy besides the one into the model's parameters.
-- ``nccl``: delegated to vLLM's own ``NCCLWeightTransferEngine`` (the trainer
-  broadcasts with vLLM's trainer-side engine), created when an init info
-  carrying a rendezvous arrives.
+- nccl pushes are first *staged* into such a segment (two-phase, like the
+  others): an init info carrying a rendezvous joins the trainer's group
+  through vLLM's own ``NCCLWeightTransferEngine``; ``stage_nccl_push`` (a
+  ``collective_rpc`` target) receives the broadcast with vLLM's consumers
+  and writes it into the segment; the apply then loads from the segment.
 
-Both load through vLLM's layerwise reload (``initialize_layerwise_reload`` /
+The load goes through vLLM's layerwise reload (``initialize_layerwise_reload`` /
 ``finalize_layerwise_reload`` around ``model.load_weights``), which maps HF
 checkpoint names onto fused parameters and re-runs post-load processing.
 Floating tensors in another dtype than the engine's (a bf16 trainer, a
@@ -53,9 +55,8 @@ class RlfleetInitInfo:
 
 @dataclass
 class RlfleetUpdateInfo:
-    """One update: every tensor of a push (names, wire dtype names, shapes) and where the bytes are."""
+    """One update: every tensor of a push (names, wire dtype names, shapes) and the segment holding them."""
 
-    transport: str
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
@@ -64,8 +65,6 @@ class RlfleetUpdateInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.transport not in ("shm", "nccl"):
-            raise ValueError(f"unknown transport {self.transport!r}")
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
             raise ValueError("names, dtype_names and shapes differ in length")
 
@@ -96,6 +95,56 @@ def shm_weights(segment_flat: torch.Tensor, update: RlfleetUpdateInfo,
         if target_dtype is not None and tensor.is_floating_point() and tensor.dtype != target_dtype:
             tensor = tensor.to(target_dtype)
         yield name, tensor
+
+
+class SegmentSink:
+    """Writes received ``(name, tensor)`` pairs at their offsets in a segment (device -> host)."""
+
+    def __init__(self, flat: torch.Tensor, update: RlfleetUpdateInfo):
+        from rlfleet.wire.shm import tensor_offsets
+
+        self.flat = flat
+        sizes = [math.prod(shape) * _torch_dtype(d).itemsize for d, shape in zip(update.dtype_names, update.shapes)]
+        self.where = dict(zip(update.names, zip(tensor_offsets(sizes), sizes)))
+        self.written = 0
+
+    def __call__(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in pairs:
+            offset, size = self.where[name]
+            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            if raw.numel() != size:
+                raise ValueError(f"{name}: received {raw.numel()} bytes, the manifest says {size}")
+            self.flat[offset:offset + size].copy_(raw)
+            self.written += size
+
+
+def receive_broadcast(nccl, update: RlfleetUpdateInfo, sink, device: torch.device) -> None:
+    """Receive one push from rank 0 the way vLLM's ``NCCLWeightTransferEngine.receive_weights``
+    does (packed buffers or tensor by tensor, as the trainer chose at init), handing each received
+    batch of ``(name, tensor)`` pairs to ``sink`` (None: take part without keeping anything)."""
+    specs = [(name, (list(shape), _torch_dtype(dtype_name)))
+             for name, dtype_name, shape in zip(update.names, update.dtype_names, update.shapes)]
+    keep = sink if sink is not None else (lambda pairs: None)
+    if nccl.packed:
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
+
+        packed_nccl_broadcast_consumer(iterator=iter(specs), group=nccl.model_update_group, src=0,
+                                       post_unpack_func=keep, buffer_size_bytes=nccl.packed_buffer_size_bytes,
+                                       num_buffers=nccl.packed_num_buffers, device=device)
+        return
+    stream = torch.cuda.current_stream() if device.type == "cuda" else None
+    for name, (shape, dtype) in specs:
+        weight = torch.empty(shape, dtype=dtype, device=device)
+        nccl.model_update_group.broadcast(weight, src=0, stream=stream)
+        keep([(name, weight)])
+
+
+def stage_nccl_push(worker, update: dict[str, Any]) -> int:
+    """``collective_rpc`` target, run in every worker: see ``receive_into_segment``."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if not isinstance(engine, RlfleetWeightTransferEngine):
+        raise RuntimeError(f"the worker's weight-transfer engine is {type(engine).__name__}, not rlfleet's")
+    return engine.receive_into_segment(RlfleetUpdateInfo(**update))
 
 
 class RlfleetWeightTransferEngine(_engine_base()):  # type: ignore[misc]
@@ -130,12 +179,6 @@ class RlfleetWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         finalize_layerwise_reload(self.model, self.model_config)
 
     def receive_weights(self, update_info: RlfleetUpdateInfo) -> None:
-        if update_info.transport == "nccl":
-            if self._nccl is None:
-                raise RuntimeError("nccl update before an nccl init_weight_transfer_engine")
-            self._nccl.receive_weights(self._nccl.parse_update_info(dict(
-                names=update_info.names, dtype_names=update_info.dtype_names, shapes=update_info.shapes)))
-            return
         from rlfleet.wire.shm import open_segment
 
         segment = open_segment(update_info.shm_path, update_info.total_bytes, trusted=True, populate=True)
@@ -144,6 +187,26 @@ class RlfleetWeightTransferEngine(_engine_base()):  # type: ignore[misc]
             target = self.model_config.dtype if self.model_config is not None else None
             self.model.load_weights(shm_weights(flat, update_info, target))
             del flat
+        finally:
+            segment.close(unlink=False)
+
+    def receive_into_segment(self, update_info: RlfleetUpdateInfo) -> int:
+        """Stage an nccl push: receive the trainer's broadcast and write it into the segment.
+
+        Every worker takes part in the broadcast (each is a rank); the first worker of each
+        data-parallel group writes. Returns the bytes written here."""
+        if self._nccl is None:
+            raise RuntimeError("nccl receive before an nccl init_weight_transfer_engine")
+        from rlfleet.wire.shm import open_segment
+
+        writer = self.parallel_config.rank == 0
+        segment = open_segment(update_info.shm_path, update_info.total_bytes, trusted=True, writable=writer)
+        try:
+            flat = segment.as_uint8()
+            sink = SegmentSink(flat, update_info) if writer else None
+            receive_broadcast(self._nccl, update_info, sink, self.device)
+            del flat
+            return sink.written if sink is not None else 0
         finally:
             segment.close(unlink=False)
 

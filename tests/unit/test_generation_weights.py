@@ -70,7 +70,7 @@ def test_worker_loads_views_of_the_segment_converting_floats(tmp_path, target):
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     with shm.create_segment(size, directory=str(tmp_path)) as segment:
         shm.write_tensors(segment, list(tensors.values()))
-        info = RlfleetUpdateInfo(transport="shm", names=list(tensors),
+        info = RlfleetUpdateInfo(names=list(tensors),
                                  dtype_names=[str(t.dtype).removeprefix("torch.") for t in tensors.values()],
                                  shapes=[list(t.shape) for t in tensors.values()], shm_path=segment.path,
                                  total_bytes=size)
@@ -86,6 +86,4 @@ def test_worker_loads_views_of_the_segment_converting_floats(tmp_path, target):
 
 def test_update_info_rejects_mismatched_lists():
     with pytest.raises(ValueError, match="differ in length"):
-        RlfleetUpdateInfo(transport="shm", names=["a"], dtype_names=[], shapes=[[1]])
-    with pytest.raises(ValueError, match="unknown transport"):
-        RlfleetUpdateInfo(transport="carrier-pigeon", names=[], dtype_names=[], shapes=[])
+        RlfleetUpdateInfo(names=["a"], dtype_names=[], shapes=[[1]])

@@ -98,7 +98,7 @@ class AsyncClient:
     async def push_weights(self, weights: Any, version: int | None = None, *, mode: str = "keep",
                            chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: bool = True,
                            timeout: float | None = None, checksum: str | None = "crc32",
-                           transport: str = "auto") -> PushResult:
+                           transport: str = "auto", nccl_address: str | None = None) -> PushResult:
         """Stream new weights to the collector, which fans them out and commits a new policy version.
 
         ``weights``: an ``nn.Module`` (its ``state_dict()``), a ``{name: tensor}`` mapping or
@@ -110,14 +110,18 @@ class AsyncClient:
         more when ``progress`` and tqdm is installed. ``timeout`` defaults to the client's
         timeout plus one second per 10 MiB. Retried only on an UNAVAILABLE that arrives before
         the last chunk is sent (see ``rlfleet.client.push``). ``transport``: "shm" (shared memory,
-        the collector on this host), "grpc" (chunks; ``chunk_bytes`` and ``checksum`` apply) or
-        "auto" (shm, falling back to grpc for good once the collector cannot open the segment).
+        the collector on this host), "grpc" (chunks; ``chunk_bytes`` and ``checksum`` apply),
+        "auto" (shm, falling back to grpc for good once the collector cannot open the segment) or
+        "nccl" (GPU trainers: CUDA tensors broadcast to every inference worker; needs
+        ``rlfleet[nccl]``; ``nccl_address`` is this host's address as the replicas reach it,
+        default ``$RLFLEET_NCCL_ADDRESS`` or the host name; unverified, see ``rlfleet.client.nccl``).
         """
         collector, _ = self._stubs()
         return await push_weights(collector.PushWeights, named_tensors(weights), version=version, mode=mode,
                                   chunk_bytes=chunk_bytes, progress=progress, timeout=timeout,
                                   settings=self.settings, checksum=checksum, transport=transport,
-                                  memo=self._transport_memo)
+                                  memo=self._transport_memo, status_call=collector.GetStatus,
+                                  nccl_address=nccl_address)
 
     async def submit_prompts(self, prompts: PromptInput | Iterable[PromptInput], *,
                              timeout: float | None = None) -> list[str]:

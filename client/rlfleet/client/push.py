@@ -1,6 +1,6 @@
 """``push_weights``: hand a state dict to the collector, by shared memory or as ~1 MiB chunks.
 
-Transports (``transport=``): ``shm`` writes every tensor once into a
+Transports (``transport=``; ``nccl``, for GPU trainers, is in ``rlfleet.client.nccl``): ``shm`` writes every tensor once into a
 shared-memory segment (``/dev/shm``) and sends only the manifest naming it;
 the collector and the generation replicas map the same pages. It works when
 the collector runs on the trainer's host and IPC namespace; a collector that
@@ -52,7 +52,7 @@ MODES = {"keep": weights_pb2.UPDATE_MODE_KEEP, "wait": weights_pb2.UPDATE_MODE_W
          "abort": weights_pb2.UPDATE_MODE_ABORT}
 PROGRESS_MIN_BYTES = 8 << 20
 """Pushes smaller than this never show a progress bar."""
-TRANSPORTS = ("auto", "shm", "grpc")
+TRANSPORTS = ("auto", "shm", "grpc", "nccl")
 DEADLINE_BYTES_PER_SECOND = 10 << 20
 """Default push deadline: the client's timeout plus one second per 10 MiB."""
 
@@ -109,10 +109,22 @@ async def push_weights(
     call_factory, pairs: list[tuple[str, torch.Tensor]], *, version: int | None, mode: str,
     chunk_bytes: int, progress: bool, timeout: float | None, settings: ChannelSettings,
     checksum: str | None = "crc32", transport: str = "auto", memo: TransportMemo | None = None,
+    status_call=None, nccl_address: str | None = None,
 ) -> PushResult:
-    """Push ``pairs`` through ``call_factory(timeout=, metadata=)`` (a PushWeights stub); see the module doc."""
+    """Push ``pairs`` through ``call_factory(timeout=, metadata=)`` (a PushWeights stub); see the module
+    doc. ``transport="nccl"`` also needs ``status_call`` (a GetStatus stub); see ``rlfleet.client.nccl``."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if transport == "nccl":
+        from rlfleet.client.nccl import push_nccl
+
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+        _, manifest = next(iter_push_messages(pairs, version=version or 0, mode=MODES[mode], checksum_algo=None))
+        deadline = timeout if timeout is not None else settings.timeout + manifest.total_bytes / (
+            100 * DEADLINE_BYTES_PER_SECOND)
+        return await push_nccl(call_factory, status_call, pairs, manifest, timeout=deadline, settings=settings,
+                               address=nccl_address)
     memo = memo or TransportMemo()
     if transport == "shm" or (transport == "auto" and not memo.shm_refused):
         try:

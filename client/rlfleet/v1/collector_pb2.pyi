@@ -107,16 +107,18 @@ class StageStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., queued: _Optional[int] = ..., in_flight: _Optional[int] = ..., items_per_second: _Optional[float] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("address", "healthy", "policy_version", "in_flight")
+    __slots__ = ("address", "healthy", "policy_version", "in_flight", "weight_transfer_world_size")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TRANSFER_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     address: str
     healthy: bool
     policy_version: int
     in_flight: int
-    def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., policy_version: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    weight_transfer_world_size: int
+    def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., policy_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., weight_transfer_world_size: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("policy_version", "mode", "max_staleness", "stages", "replicas", "staleness_histogram", "trajectories", "discarded_samples", "extra")

@@ -175,15 +175,15 @@ def check_path(path: str, directory: str | None = None) -> str:
 
 
 def open_segment(path: str, size: int, directory: str | None = None, trusted: bool = False,
-                 populate: bool = False) -> Segment:
-    """Map an existing segment read-only, holding its lock while mapped.
+                 populate: bool = False, writable: bool = False) -> Segment:
+    """Map an existing segment (read-only unless ``writable``), holding its lock while mapped.
 
     SegmentUnavailable if it does not exist here or its size is not ``size``. Paths
     from requests must name a segment; ``trusted`` (a holder's ``fd_path``) skips that."""
     if not trusted:
         check_path(path, directory)
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     except OSError as err:
         raise SegmentUnavailable(err.errno, f"cannot open {path}: {err.strerror}") from None
     try:
@@ -191,7 +191,7 @@ def open_segment(path: str, size: int, directory: str | None = None, trusted: bo
         actual = os.fstat(fd).st_size
         if actual != size:
             raise SegmentUnavailable(errno.EINVAL, f"{path} holds {actual} bytes, the manifest says {size}")
-        return Segment(path, fd, size, writable=False, owner=False, populate=populate)
+        return Segment(path, fd, size, writable=writable, owner=False, populate=populate)
     except BaseException:
         os.close(fd)
         raise
