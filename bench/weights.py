@@ -1,6 +1,7 @@
 """Weight pushes through the collector, as ratios against their floors, measured side by side in one run.
 
     .venv/bin/python bench/weights.py [--rounds 5] [--hidden 1024] [--layers 10] [--settle-seconds 1.5]
+                                      [--transport nccl]   (GPU hosts: floor vs nccl pushes; unverified)
 
 A tiny Qwen2 model of >= 500 MB float32 (``--hidden`` x ``--layers``, head_dim 64) is built once under
 ~/.cache/rlfleet. Processes: trajectory, reference and reward services (the small default tiny model:
@@ -178,6 +179,8 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
         def settle():
             return asyncio.sleep(ns.settle_seconds)
 
+        if ns.transport == "nccl":
+            return await measure_nccl(ns, engine, clients, {k: v.cuda() for k, v in state.items()}, settle)
         for round_index in range(-1, ns.rounds):  # round -1: warm-up
             await settle()
             raw = await asyncio.to_thread(raw_stream_seconds, sink.address, flat, CHUNK, GRPC_OPTIONS)
@@ -224,6 +227,44 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
             sink.close()
 
 
+async def measure_nccl(ns, engine, clients, state, settle) -> dict:
+    """GPU hosts (``--transport nccl``; unverified: written without a GPU): the floor, then nccl pushes
+    from this process's CUDA copy of the model to 1 replica (collector A) and to 2 (collector B)."""
+    rows = {k: [] for k in ("floor", "nccl", "nccl2")}
+    details = {k: [] for k in ("nccl", "nccl2")}
+    versions = [0, 0]
+    for round_index in range(-1, ns.rounds):
+        await settle()
+        floor = (await engine.collective_rpc("bench_floor_reload"))[0]
+        await settle()
+        versions[0] += 1
+        one = await asyncio.to_thread(push, clients[0], state, versions[0], "nccl", 1)
+        await settle()
+        versions[1] += 1
+        two = await asyncio.to_thread(push, clients[1], state, versions[1], "nccl", 2)
+        print(f"  round {round_index}: floor {floor:.3f}s | nccl {one.seconds:.3f}s | 2 replicas nccl "
+              f"{two.seconds:.3f}s", file=sys.stderr, flush=True)
+        if round_index >= 0:
+            for key, value in (("floor", floor), ("nccl", one.seconds), ("nccl2", two.seconds)):
+                rows[key].append(value)
+            details["nccl"].append(one)
+            details["nccl2"].append(two)
+    return dict(rows=rows, details=details, kept=0)
+
+
+def report_nccl(rows, details) -> None:
+    nccl_floor = ratio(rows["nccl"], rows["floor"])
+    two_one = ratio(rows["nccl2"], rows["nccl"])
+    print(f"nccl push, 1 replica: push / floor | vLLM reload_weights {nccl_floor['den']:.3f}s | push "
+          f"{nccl_floor['num']:.3f}s | {nccl_floor['ratio']:.2f} ({nccl_floor['low']:.2f}-{nccl_floor['high']:.2f})")
+    print(f"nccl push: 2 replicas / 1 replica | {two_one['den']:.3f}s | {two_one['num']:.3f}s | "
+          f"{two_one['ratio']:.2f} ({two_one['low']:.2f}-{two_one['high']:.2f})")
+    print(breakdown("nccl, 1 replica", details["nccl"]))
+    print(breakdown("nccl, 2 replicas", details["nccl2"]))
+    result = dict(nccl_vs_reload=nccl_floor["ratio"], two_vs_one_replica=two_one["ratio"])
+    print("RESULT " + json.dumps({k: round(float(v), 4) for k, v in result.items()}))
+
+
 def ratio(numerator: list[float], denominator: list[float]) -> dict:
     """Median (IQR) of the per-round ratios numerator / denominator, with the medians of both sides."""
     from _common import summarize
@@ -248,7 +289,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=10)
     parser.add_argument("--settle-seconds", type=float, default=1.5,
                         help="pause before each phase: an idle vLLM worker busy-polls ~1 s after its last step")
+    parser.add_argument("--transport", choices=["shm-grpc", "nccl"], default="shm-grpc",
+                        help="nccl: GPU hosts only (CUDA + GPU vLLM), floor vs nccl pushes; unverified")
     ns = parser.parse_args()
+    if ns.transport == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--transport nccl needs a CUDA device (and GPU vLLM for the replicas)")
     started = time.monotonic()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # The floor extension is imported by vLLM's engine-core process: put bench/ on its path.
@@ -292,6 +340,9 @@ def main() -> None:
             print(f"LEFTOVER shm segments (swept now): {leftover}", file=sys.stderr, flush=True)
             shm.sweep_stale(min_age_seconds=0)
     rows, details = out["rows"], out["details"]
+    if ns.transport == "nccl":
+        report_nccl(rows, details)
+        return
     grpc_raw = ratio(rows["raw"], rows["grpc"])
     shm_floor = ratio(rows["shm"], rows["floor"])
     two_one = ratio(rows["shm2"], rows["shm"])

@@ -67,6 +67,7 @@ class WeightFanout:
         self.max_push_bytes = max_push_bytes
         self.on_commit = on_commit
         self._lock = asyncio.Lock()  # one push (or re-sync) at a time: versions are monotone
+        self.pushes = 0  # pushes and re-syncs begun: a probe that straddled one is not trusted
         self._spooling: asyncio.Task | None = None  # the last push's spool write (off the commit path)
         self._staging = shm.SegmentCache()  # where grpc pushes land, kept between pushes
         # The spool is background work: its thread yields the CPU to the replicas' apply.
@@ -75,6 +76,7 @@ class WeightFanout:
     async def push(self, messages: AsyncIterator[tuple[str, object]]) -> PushOutcome:
         """``messages`` yields ("manifest", WeightManifest) then, for grpc pushes, ("chunk", WeightChunk)."""
         async with self._lock:
+            self.pushes += 1
             await self._spooled()
             return await self._push(messages)
 
@@ -272,6 +274,11 @@ class WeightFanout:
         else:
             segment.close()
 
+    @property
+    def busy(self) -> bool:
+        """A push or re-sync is in flight: replicas' versions are moving."""
+        return self._lock.locked()
+
     def close(self) -> None:
         self._staging.close()
         self._spool_thread.shutdown(wait=False)
@@ -280,6 +287,7 @@ class WeightFanout:
     async def resync(self, replica: Replica) -> bool:
         """Bring a replica that fell behind (or ran ahead) to the committed version, from the spool."""
         async with self._lock:
+            self.pushes += 1
             await self._spooled()
             manifest = self.spool.manifest()
             if manifest is None or manifest.version != self.gate.version:

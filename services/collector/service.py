@@ -137,12 +137,15 @@ class CollectorService(Service[CollectorConfig]):
 
     async def _watch_replicas(self) -> None:
         """Bring failed replicas back: probe, re-sync (or roll back) to the committed version, rejoin.
-        Also sweeps shm segments left by killed processes."""
+        Replicas in rotation are probed too: one that restarted between two pushes (serving its
+        checkpoint, not the committed version) goes out of rotation and is re-synced. Also sweeps
+        shm segments left by killed processes."""
         while True:
             await asyncio.sleep(self.config.replica_check_seconds)
             await asyncio.to_thread(shm.sweep_stale)
             for replica in self.pool.replicas:
                 if replica.healthy:
+                    await self._check_in_rotation(replica)
                     continue
                 version = await self.pool.probe(replica)
                 if version is None:
@@ -151,6 +154,17 @@ class CollectorService(Service[CollectorConfig]):
                     continue
                 await self.pool.mark_healthy(replica, self.gate.version)
                 log.info("replica %s back in rotation", replica.address)
+
+    async def _check_in_rotation(self, replica) -> None:
+        pushes = self.fanout.pushes
+        if self.fanout.busy:
+            return
+        version = await self.pool.probe(replica)
+        if version is None or self.fanout.busy or self.fanout.pushes != pushes or not replica.healthy:
+            return  # unreachable (its calls will tell), or versions moved meanwhile: judge next time
+        if version != replica.policy_version:
+            await self.pool.mark_failed(
+                replica, f"serves version {version}, not {replica.policy_version} (restarted?)")
 
     async def _checkpoint(self) -> None:
         while True:

@@ -311,11 +311,7 @@ def test_replica_on_another_host_gets_grpc_within_the_same_push(suite, client, c
     in another IPC namespace) is re-synced, then pushed to, over grpc, while its peer maps them."""
     victim_key = "generation-1"
     victim = suite[victim_key]
-    victim.kill()
-    weights = perturbed(committed[0], seed=4343)
-    result = client.push_weights(weights, progress=False)  # fails there: out of rotation until re-synced
-    committed[result.version] = weights
-    assert {r.address: r.applied for r in result.replicas}[victim.address] is False
+    victim.kill()  # and restarted at once, before any push: the collector must notice (its monitor or a call)
     elsewhere = tempfile.mkdtemp(prefix="rlfleet-test-otherhost-", dir=shm.SHM_DIR)
     try:
         restarted = ServiceProcess("generation", [*victim.args, "--port", str(victim.port)],
@@ -328,7 +324,9 @@ def test_replica_on_another_host_gets_grpc_within_the_same_push(suite, client, c
             status = stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=30)
             return {r.address: (r.healthy, r.policy_version) for r in status.replicas}[victim.address] == \
                 (True, client.policy_version)
-        wait_until(back_in_rotation, timeout=120, what="the replica to be re-synced over grpc")
+        wait_until(lambda: replica_version(restarted) == client.policy_version, timeout=120,
+                   what="the restarted replica to be noticed and re-synced over grpc")
+        wait_until(back_in_rotation, timeout=120, what="the replica back in rotation")
         assert f"replica {victim.address} re-synced to version {client.policy_version} over grpc" in \
             open(suite["collector"].log_path).read()
         assert_serving(suite, client, committed, tiny_model_dir)

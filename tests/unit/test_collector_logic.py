@@ -96,3 +96,49 @@ def test_prompt_source_validation_and_bounds():
         chat = PromptSource([{"prompt": [{"role": "user", "content": "hi"}]}])
         assert (await chat.next()).chat == [{"role": "user", "content": "hi"}]
     run(scenario())
+
+
+class _Pool:
+    """Stands in for ReplicaPool: probes answer what the replica now serves."""
+
+    def __init__(self, serving, on_probe=None):
+        self.serving, self.on_probe, self.failed = serving, on_probe, []
+
+    async def probe(self, replica):
+        if self.on_probe is not None:
+            self.on_probe()
+        return self.serving
+
+    async def mark_failed(self, replica, error):
+        replica.healthy = False
+        self.failed.append(error)
+
+
+class _Fanout:
+    def __init__(self):
+        self.pushes, self.busy = 0, False
+
+
+def check_in_rotation(serving, on_probe=None, busy=False):
+    from rlfleet.services.collector.replicas import Replica
+    from rlfleet.services.collector.service import CollectorService
+
+    service = CollectorService.__new__(CollectorService)
+    service.pool, service.fanout = _Pool(serving, on_probe), _Fanout()
+    service.fanout.busy = busy
+    replica = Replica("gen:1", None, None, healthy=True, policy_version=7)
+    if on_probe is not None:
+        service.pool.on_probe = lambda: on_probe(service.fanout)
+    run(service._check_in_rotation(replica))
+    return replica.healthy, service.pool.failed
+
+
+def test_a_replica_in_rotation_that_restarted_is_taken_out_for_a_resync():
+    assert check_in_rotation(7) == (True, [])
+    assert check_in_rotation(0) == (False, ["serves version 0, not 7 (restarted?)"])
+    assert check_in_rotation(None) == (True, [])  # unreachable: its calls will tell
+    assert check_in_rotation(0, busy=True) == (True, [])  # a push in flight: versions are moving
+
+    def push_meanwhile(fanout):
+        fanout.pushes += 1
+    assert check_in_rotation(8, on_probe=push_meanwhile) == (True, [])  # judged at the next check
