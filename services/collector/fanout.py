@@ -188,7 +188,7 @@ class WeightFanout:
             raise
         staged = [s for s, ok in zip(streams, staged_ok) if ok]
         if not staged:
-            self._raise_nothing_staged(version, streams)
+            await self._raise_nothing_staged(version, streams)
         return staged
 
     async def _commit(self, streams: list[ReplicaPush], staged: list[ReplicaPush], push: WeightPush,
@@ -246,7 +246,7 @@ class WeightFanout:
         push.received = push.total_bytes  # every staged replica holds every byte
         return await _finish_shielded(self._commit(streams, staged, push, None, started))
 
-    def _raise_nothing_staged(self, version: int, streams: list[ReplicaPush]) -> None:
+    async def _raise_nothing_staged(self, version: int, streams: list[ReplicaPush]) -> None:
         outcomes = [s.outcome() for s in streams]
         errors = "; ".join(f"{o.address}: {o.error}" for o in outcomes)
         codes = {o.code for o in outcomes}
@@ -256,7 +256,7 @@ class WeightFanout:
         if codes == {"INVALID_ARGUMENT"}:
             raise InvalidArgument(f"no replica staged version {version}: {outcomes[0].error}")
         for stream in streams:
-            asyncio.ensure_future(self.pool.mark_failed(stream.replica, stream.outcome().error))
+            await self.pool.mark_failed(stream.replica, stream.outcome().error)
         raise Unavailable(f"no replica staged version {version}: {errors}")
 
     def _staging_segment(self, size: int) -> shm.Segment:

@@ -734,3 +734,58 @@ async def test_async_errors_are_typed(server, state, code):
 def test_every_sdk_error_is_one_family():
     assert all(issubclass(cls, RlfleetClientError) for cls in CODES.values())
     assert isinstance(Client, type) and isinstance(AsyncClient, type)
+
+
+# --- a push whose call ends between its writes ----------------------------------------------------
+class _EndedCall:
+    """A PushWeights call whose deadline passed after the first write: grpc.aio then raises its core's
+    ExecuteBatchError from done_writing() (not an RpcError), and the call's status is DEADLINE_EXCEEDED."""
+
+    class _Error(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+        def details(self):
+            return "Deadline Exceeded"
+
+    def __init__(self, **_):
+        self.writes = 0
+
+    def add_done_callback(self, callback):
+        pass
+
+    def done(self):
+        return True
+
+    def cancel(self):
+        return False
+
+    async def write(self, request):
+        self.writes += 1
+
+    async def done_writing(self):
+        from grpc._cython import cygrpc
+
+        raise cygrpc.ExecuteBatchError("Failed execute_batch")
+
+    def __await__(self):
+        raise self._Error()
+        yield  # pragma: no cover - makes this a generator
+
+
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_a_call_ended_between_writes_raises_its_own_status(transport):
+    from rlfleet.client import DeadlineExceededError
+    from rlfleet.client.channel import ChannelSettings
+    from rlfleet.client.push import push_weights
+
+    calls = []
+
+    def factory(**kwargs):
+        calls.append(_EndedCall(**kwargs))
+        return calls[-1]
+
+    with pytest.raises(DeadlineExceededError):
+        asyncio.run(push_weights(factory, [("w", torch.ones(4))], version=1, mode="keep", chunk_bytes=8,
+                                 progress=False, timeout=1.0, settings=ChannelSettings(), transport=transport))
+    assert len(calls) == 1 and calls[0].writes >= 1

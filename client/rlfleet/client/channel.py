@@ -100,6 +100,16 @@ class _Status(grpc.RpcError):
         return self._details
 
 
+try:  # grpc.aio leaks its core's exception from done_writing() when the call ended meanwhile
+    from grpc._cython.cygrpc import ExecuteBatchError as _ExecuteBatchError
+except ImportError:  # pragma: no cover - moved or fixed upstream
+    _ExecuteBatchError = grpc.RpcError
+
+STREAM_WRITE_ERRORS: tuple[type[BaseException], ...] = (grpc.RpcError, asyncio.InvalidStateError, _ExecuteBatchError)
+"""What ``write``/``done_writing`` on a request stream raise once the call has ended (a deadline, the
+server's answer, a cancel): the call's own status, read next, is the real outcome."""
+
+
 def _core_write_failure(code: grpc.StatusCode, details: str) -> bool:
     return code == grpc.StatusCode.INTERNAL and details == _CORE_WRITE_FAILURE
 
@@ -152,6 +162,6 @@ def backoff(attempt: int, base: float) -> float:
 
 
 __all__ = [
-    "ChannelSettings", "RlfleetClientError", "StatusWatch", "aio_channel", "backoff", "call_with_retry",
-    "stream_error",
+    "ChannelSettings", "RlfleetClientError", "STREAM_WRITE_ERRORS", "StatusWatch", "aio_channel", "backoff",
+    "call_with_retry", "stream_error",
 ]

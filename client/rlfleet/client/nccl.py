@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 import torch
 
-from rlfleet.client.channel import ChannelSettings, StatusWatch, stream_error
+from rlfleet.client.channel import STREAM_WRITE_ERRORS, ChannelSettings, StatusWatch, stream_error
 from rlfleet.client.results import PushResult
 from rlfleet.v1 import collector_pb2
 
@@ -114,8 +114,11 @@ async def push_nccl(call_factory, status_call, pairs: list[tuple[str, torch.Tens
     call = call_factory(timeout=timeout, metadata=settings.metadata())
     watch = StatusWatch(call)
     try:
-        await call.write(request)
-        await call.done_writing()
+        try:
+            await call.write(request)
+            await call.done_writing()
+        except STREAM_WRITE_ERRORS:
+            pass  # the reply below carries the real status
         # Rank 0 hosts the rendezvous; the replicas join as the collector hands them the manifest.
         # If the collector refuses first, the sender thread stays in the rendezvous until its
         # store times out (it cannot be interrupted); the error is raised now.

@@ -39,7 +39,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import grpc
 import torch
 
-from rlfleet.client.channel import ChannelSettings, StatusWatch, backoff, stream_error
+from rlfleet.client.channel import STREAM_WRITE_ERRORS, ChannelSettings, StatusWatch, backoff, stream_error
 from rlfleet.client.errors import FailedPreconditionError, UnavailableError
 from rlfleet.client.results import PushResult
 from rlfleet.v1 import collector_pb2, weights_pb2
@@ -162,7 +162,7 @@ async def _push_shm(call_factory, pairs, *, version, mode, timeout, settings,
         try:
             await call.write(collector_pb2.PushWeightsRequest(manifest=manifest))
             await call.done_writing()
-        except (grpc.RpcError, asyncio.InvalidStateError):
+        except STREAM_WRITE_ERRORS:
             pass  # the reply below carries the real status
         try:
             reply = await call
@@ -236,7 +236,7 @@ async def _push_once(call_factory, messages: Iterator[tuple[str, Any]], *, chunk
                 if bar is not None:
                     bar.update(size)
             await call.done_writing()
-        except (grpc.RpcError, asyncio.InvalidStateError):
+        except STREAM_WRITE_ERRORS:
             # A write fails once the call has ended (the collector refused or answered early);
             # the write's own error is a generic INTERNAL, the reply below carries the real status.
             pass
