@@ -292,7 +292,8 @@ def test_replica_killed_then_restarted_is_resynced_over_shm(suite, client, commi
     restarted = ServiceProcess("generation", [*victim.args, "--port", str(victim.port)])
     restarted.start(victim.log_path.parent / "restarted").wait_ready(600)
     suite[victim_key] = restarted  # stopped by the suite fixture
-    assert replica_version(restarted) == 0  # a fresh engine: its checkpoint's weights
+    # A fresh engine serves its checkpoint (version 0) until the monitor re-syncs it, which may
+    # already have happened by now: only the outcome is asserted.
 
     stub = collector_pb2_grpc.CollectorServiceStub(grpc.insecure_channel(suite["collector"].address))
 
@@ -301,8 +302,8 @@ def test_replica_killed_then_restarted_is_resynced_over_shm(suite, client, commi
         return {r.address: (r.healthy, r.policy_version) for r in status.replicas}[victim.address] == \
             (True, result.version)
     wait_until(back_in_rotation, timeout=120, what="the restarted replica to be re-synced")
-    assert "re-synced to version" in open(suite["collector"].log_path).read()
-    assert "over shm" in open(suite["collector"].log_path).read()
+    assert f"replica {victim.address} re-synced to version {result.version} over shm" in \
+        open(suite["collector"].log_path).read()
     assert_serving(suite, client, committed, tiny_model_dir)
 
 
