@@ -118,12 +118,9 @@ async def push_weights(
     if transport == "nccl":
         from rlfleet.client.nccl import push_nccl
 
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
-        _, manifest = next(iter_push_messages(pairs, version=version or 0, mode=MODES[mode], checksum_algo=None))
-        deadline = timeout if timeout is not None else settings.timeout + manifest.total_bytes / (
-            100 * DEADLINE_BYTES_PER_SECOND)
-        return await push_nccl(call_factory, status_call, pairs, manifest, timeout=deadline, settings=settings,
+        manifest = _bare_manifest(pairs, version, mode)
+        return await push_nccl(call_factory, status_call, pairs, manifest,
+                               timeout=_bare_deadline(timeout, settings, manifest), settings=settings,
                                address=nccl_address)
     memo = memo or TransportMemo()
     if transport == "shm" or (transport == "auto" and not memo.shm_refused):
@@ -142,22 +139,31 @@ async def push_weights(
                             progress=progress, timeout=timeout, settings=settings, checksum=checksum)
 
 
+def _bare_manifest(pairs, version: int | None, mode: str) -> weights_pb2.WeightManifest:
+    """The manifest of a push whose bytes never cross gRPC (shm, nccl): no checksum."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    return next(iter_push_messages(pairs, version=version or 0, mode=MODES[mode], checksum_algo=None))[1]
+
+
+def _bare_deadline(timeout: float | None, settings: ChannelSettings, manifest) -> float:
+    """Default deadline of such a push: the client's timeout plus one second per 1000 MiB (100x grpc's)."""
+    return timeout if timeout is not None else settings.timeout + manifest.total_bytes / (
+        100 * DEADLINE_BYTES_PER_SECOND)
+
+
 async def _push_shm(call_factory, pairs, *, version, mode, timeout, settings,
                     segments: shm.SegmentCache) -> PushResult:
     """Write the tensors once into a segment (the one kept from the last push when nobody holds it
     any more) and send only the manifest naming it."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     started = time.perf_counter()
-    _, manifest = next(iter_push_messages(pairs, version=version or 0, mode=MODES[mode], checksum_algo=None))
+    manifest = _bare_manifest(pairs, version, mode)
     await asyncio.to_thread(shm.sweep_stale)
     segment = segments.take(manifest.total_bytes)
     try:
         await asyncio.to_thread(shm.write_tensors, segment, [tensor for _, tensor in pairs])
         manifest.shm.path = segment.path
-        deadline = timeout if timeout is not None else settings.timeout + manifest.total_bytes / (
-            100 * DEADLINE_BYTES_PER_SECOND)
-        call = call_factory(timeout=deadline, metadata=settings.metadata())
+        call = call_factory(timeout=_bare_deadline(timeout, settings, manifest), metadata=settings.metadata())
         watch = StatusWatch(call)
         try:
             await call.write(collector_pb2.PushWeightsRequest(manifest=manifest))
