@@ -228,7 +228,8 @@ class Pipeline:
             raise _Discard(f"too stale: started at v{start_version}, now v{now}, "
                            f"max_staleness {self.gate.max_staleness}")
         td = group_tensordict(samples=samples, ref_log_probs=ref_log_probs, rewards=rewards,
-                              group_id=group_id, prompt_id=item.prompt_id, kl_coef=rewards.kl_coef)
+                              group_id=group_id, prompt_id=item.prompt_id, kl_coef=rewards.kl_coef,
+                              query=item.query)
         request = trajectory_pb2.AppendRequest(trajectories=encode_tensordict(td), idempotency_key=f"{group_id:x}")
         async with self.stages["trajectory"].track():
             attempt = 0

@@ -38,6 +38,15 @@ class PromptItem:
     sampling: dict[str, Any] | None = None
     """Overrides of the configured sampling parameters."""
 
+    @property
+    def query(self) -> str:
+        """The prompt as text, as TorchRL names it: the raw text, or a chat's last user message
+        ("" for token ids, which the collector never detokenizes)."""
+        if self.text is not None:
+            return self.text
+        users = [message["content"] for message in self.chat or () if message.get("role") == "user"]
+        return users[-1] if users else ""
+
     def prompt_text(self) -> str:
         """Human-readable prompt for reward functions."""
         if self.text is not None:

@@ -194,5 +194,6 @@ class CollectorService(Service[CollectorConfig]):
                                                   weight_transfer_world_size=r.transfer_world_size)
                       for r in self.pool.replicas],
             staleness_histogram=pipeline.staleness_histogram(), trajectories=pipeline.appended,
-            discarded_samples=pipeline.discarded_samples,
+            discarded_samples=pipeline.discarded_samples, group_size=self.config.group_size,
+            groups_per_step=self.config.groups_per_step,
         )

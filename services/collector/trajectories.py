@@ -14,6 +14,7 @@ from rlfleet.wire import Ragged, decode_ragged, decode_tensor
 def group_tensordict(
     *, samples: Sequence[generation_pb2.GenerateResponse], ref_log_probs: Sequence[torch.Tensor],
     rewards: reward_pb2.ComputeRewardsResponse, group_id: int, prompt_id: str, kl_coef: float,
+    query: str = "",
 ) -> TensorDict:
     """One row per sample; ragged per-token entries become jagged nested tensors."""
     n = len(samples)
@@ -61,4 +62,5 @@ def group_tensordict(
     td["sampling", "max_tokens"] = torch.full((n,), params.max_tokens, dtype=torch.int64)
     td["trajectory_id"] = NonTensorStack.from_list([f"{group_id:x}-{s.sample_index}" for s in samples])
     td["prompt_id"] = NonTensorStack.from_list([prompt_id] * n)
+    td["query"] = NonTensorStack.from_list([query] * n)
     return td

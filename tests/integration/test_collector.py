@@ -165,7 +165,7 @@ def test_replica_killed_mid_run_loses_and_duplicates_nothing(backends, tmp_path)
         victim.kill()  # SIGKILL mid-generation
         while sum(rows.values()) < len(prompt_ids) * GROUP:
             batch = reader.next()
-            for pid, gid in zip(batch["prompt_id"].tolist(), batch["group_id"].tolist()):
+            for pid, gid in zip(list(batch["prompt_id"]), batch["group_id"].tolist()):
                 if pid not in prompt_ids:
                     continue  # left in the shared buffer by an earlier test's collector
                 seen[pid].add(gid)

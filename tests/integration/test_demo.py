@@ -84,20 +84,21 @@ def test_sdk_surfaces_real_service_errors_as_typed_exceptions(suite, demo_metric
         assert status.policy_version == current and all(r.healthy for r in status.replicas)
 
 
-def test_torchrl_style_collector_adapter(suite, demo_metrics, tiny_model_dir):
+def test_torchrl_collector_adapter_counts_increments_without_pushing_again(suite, demo_metrics, tiny_model_dir):
     from rlfleet.client.torchrl import RlfleetLLMCollector
 
     policy = load_hf(tiny_model_dir)
     with RlfleetLLMCollector(suite["collector"].address, dialog_turns_per_batch=32, total_dialog_turns=32,
                              policy=policy) as collector:
-        collector.client.submit_prompts(
-            [{"prompt": "answer in digits: two", "reward_fn": "char_fraction"} for _ in range(8)])
+        collector.submit_prompts([{"prompt": "answer in digits: two", "reward_fn": "char_fraction"}] * 8)
         before = collector.policy_version
         batches = list(collector)
-        assert len(batches) == 1 and batches[0].batch_size[0] == 32
+        assert len(batches) == 1 and batches[0].batch_size == (32,)
         data = batches[0]
-        for key in [("tokens", "response"), ("log_probs", "response"), ("next", "reward"), ("next", "done"),
-                    ("masks", "all_assistant_mask"), "policy_version", "advantage"]:
-            assert key in data.keys(True, True), key
+        keys = set(data.keys(True, True))  # (`in` on a lazy stack's key view misses ragged leaves)
+        for key in [("tokens", "full"), ("log_probs", "full"), ("next", "ref_log_probs", "full"), ("next", "reward"),
+                    ("next", "done"), ("masks", "all_assistant_mask"), "policy_version", "advantage"]:
+            assert key in keys, key
         assert collector.update_policy_weights_() == before + 1
-        assert collector.increment_version() == before + 2 == collector.policy_version
+        # TorchRL calls increment_version() after its pushes: counted, not pushed again.
+        assert collector.increment_version() == before + 1 == collector.policy_version

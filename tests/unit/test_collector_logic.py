@@ -52,6 +52,28 @@ def test_gate_versions_are_monotone_and_failed_push_keeps_version():
     run(scenario())
 
 
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_a_push_without_a_step_moves_the_step_count_not_the_lead(max_staleness):
+    """TorchRL's recipe pushes once before training: step 0 then runs on those weights and the
+    lead over the trainer stays k steps (else sync mode would generate a step that goes stale)."""
+    async def scenario():
+        gate = VersionGate(groups_per_step=2, max_staleness=max_staleness)
+        for version in (1, 2):  # pushes with nothing admitted: the trainer has not taken a step
+            await gate.begin_push()
+            await gate.end_push(version)
+        admitted = []
+        for version in (3, 4, 5):
+            while gate.may_start():
+                admitted.append(await gate.admit())
+            assert len(admitted) == 2 * (max_staleness + version - 2)  # k+1 steps ahead, then one per push
+            await gate.begin_push()
+            await gate.end_push(version)
+        # Step s started at version >= 2 + s - k: never more than k steps ahead of the trainer.
+        assert all(started >= 2 + gate.step_of(index) - max_staleness for index, started in admitted)
+        assert [started for index, started in admitted if gate.step_of(index) == 0] == [2, 2]
+    run(scenario())
+
+
 def test_give_back_reopens_a_slot():
     async def scenario():
         gate = VersionGate(groups_per_step=2, max_staleness=0)

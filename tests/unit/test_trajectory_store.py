@@ -54,7 +54,7 @@ def trajectory_ids(batch: tensor_pb2.TensorDict) -> list[str]:
 def check_rows(batch: tensor_pb2.TensorDict) -> None:
     """Every entry of every row is what make_trajectories built for that id."""
     td = decode_tensordict(batch)
-    ids = [int(t.split("-")[1]) for t in td["trajectory_id"].tolist()]
+    ids = [int(t.split("-")[1]) for t in list(td["trajectory_id"])]
     for key, expected in [
         (("tokens", "prompt"), [torch.arange(i % 3 + 1) + i for i in ids]),
         (("tokens", "response"), [torch.arange(i % 4) + 100 * i for i in ids]),

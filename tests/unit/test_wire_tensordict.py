@@ -43,7 +43,7 @@ def test_tensordict_round_trip_with_nested_keys_strings_and_ragged():
     td = sample_td()
     decoded = decode_tensordict(tensor_pb2.TensorDict.FromString(encode_tensordict(td).SerializeToString()))
     assert_td_equal(td, decoded)
-    assert decoded["trajectory_id"].tolist() == ["t0", "t1", "t2"]
+    assert list(decoded["trajectory_id"]) == ["t0", "t1", "t2"]
     assert get_ragged(decoded, ("next", "reward")).lengths.tolist() == [1, 2, 3]
 
 

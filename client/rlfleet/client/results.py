@@ -106,6 +106,10 @@ class Status:
     discarded_samples: int
     extra: Any = None
     """Extra dashboard counters as a TensorDict, or None."""
+    group_size: int = 0
+    """Samples generated per prompt (unless a prompt overrides ``n``)."""
+    groups_per_step: int = 0
+    """Groups per trainer step (the unit of staleness)."""
 
     @classmethod
     def from_proto(cls, reply: collector_pb2.GetStatusResponse) -> "Status":
@@ -121,7 +125,8 @@ class Status:
             replicas=tuple(ReplicaStatus(r.address, r.healthy, r.policy_version, r.in_flight)
                            for r in reply.replicas),
             staleness_histogram=tuple(reply.staleness_histogram), trajectories=reply.trajectories,
-            discarded_samples=reply.discarded_samples, extra=extra,
+            discarded_samples=reply.discarded_samples, extra=extra, group_size=reply.group_size,
+            groups_per_step=reply.groups_per_step,
         )
 
 

@@ -1,0 +1,22 @@
+"""TorchRL drop-in: ``RlfleetLLMCollector`` stands in for TorchRL 0.14's ``LLMCollector``.
+
+    from rlfleet.client.torchrl import RlfleetLLMCollector, RlfleetWeightSyncScheme
+
+    collector = RlfleetLLMCollector("collector:50050", dialog_turns_per_batch=32,
+                                    policy=train_policy, prompts=primer)    # a DataLoadingPrimer
+    for data in collector:                  # lazy stacks in TorchRL's LLM layout
+        loss = loss_fn(data)                # GRPOLoss reads them as they are
+        ...
+        collector.update_policy_weights_()  # pushes train_policy's weights; version += 1
+
+TorchRL itself is never imported here: the adapter speaks TensorDict, which both share, so the
+SDK installs without it (``pip install rlfleet[torchrl]`` brings the tested TorchRL).
+"""
+
+from rlfleet.client.torchrl.collector import RlfleetLLMCollector, RlfleetWeightSender, RlfleetWeightSyncScheme
+from rlfleet.client.torchrl.layout import to_torchrl
+from rlfleet.client.torchrl.logits import temperature_scaled
+from rlfleet.client.torchrl.weights import policy_state_dict
+
+__all__ = ["RlfleetLLMCollector", "RlfleetWeightSender", "RlfleetWeightSyncScheme", "policy_state_dict",
+           "temperature_scaled", "to_torchrl"]

@@ -1,0 +1,135 @@
+"""TorchRL 0.14 on rlfleet, end to end through the real suite, with no conversion code.
+
+TorchRL's own ``GRPOLoss``, ``MCAdvantage``, ``TransformersWrapper`` and ``GRPOTrainer`` read
+``RlfleetLLMCollector``'s batches and push through the adapter: in-process for the contract
+(log-probs aligned, versions, temperature), and as ``examples/train_torchrl.py`` (TorchRL's GRPO
+recipe with the collector swapped) for learning."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from rlfleet.client import connect
+from rlfleet.client.torchrl import RlfleetLLMCollector, temperature_scaled
+from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+ROOT = Path(__file__).resolve().parents[2]
+GROUP, GROUPS = 4, 8
+BATCH = GROUP * GROUPS
+EXAMPLE_STEPS = 14
+COLLECTOR_ARGS = ["--mode=sync", f"--group-size={GROUP}", f"--groups-per-step={GROUPS}",
+                  '--sampling={"temperature": 1.0, "max_tokens": 24}', "--reward-fn=char_fraction"]
+TASK = dict(reward_fn="char_fraction", reward_args={"pattern": "[0-9]"})
+
+
+@pytest.fixture(scope="module")
+def suite(tiny_model_dir, tmp_path_factory):
+    procs = start_suite(SuiteOptions(model_dir=tiny_model_dir, collector_args=COLLECTOR_ARGS),
+                        tmp_path_factory.mktemp("torchrl-suite"))
+    yield procs
+    stop_suite(procs)
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir):
+    from torchrl.modules.llm import TransformersWrapper
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return TransformersWrapper(model, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir), input_mode="tokens",
+                               generate=False, return_log_probs=True, pad_output=False)
+
+
+def queries(count: int, tag: str) -> DataLoader:
+    """A finite prompt source in a HF dataset's collated form ({"query": [...]} per batch)."""
+    rows = [{"query": f"answer in digits: {tag} {i}"} for i in range(count)]
+    return DataLoader(rows, batch_size=GROUPS)
+
+
+def advantages(data) -> dict[str, float]:
+    return dict(zip(data.get("trajectory_id").tolist(), data.get("advantage", as_padded_tensor=True).view(-1).tolist()))
+
+
+def test_grpo_loss_and_mc_advantage_run_on_rlfleet_batches_and_pushes_advance_one_version(suite, policy):
+    from torchrl.objectives.llm import GRPOLoss, MCAdvantage
+
+    steps = 4
+    loss_fn = GRPOLoss(policy, masking_strategy="sft", kl_to_ref_coeff=0.05, entropy_coeff=0.0)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=3e-4)
+    collector = RlfleetLLMCollector(suite["collector"].address, dialog_turns_per_batch=BATCH, policy=policy,
+                                    total_dialog_turns=steps * BATCH, prompts=queries(steps * GROUPS, "a"), **TASK)
+    with collector:
+        collector.client.wait_ready(timeout=300)
+        version = collector.update_policy_weights_()  # the engines now serve exactly these weights
+        for data in collector:
+            assert data.get("policy_version").unique().tolist() == [version]  # sync: on-policy
+            out = loss_fn(data)
+            # The trainer's log-probs over the engine's tokens equal the engine's behaviour log-probs:
+            # GRPOLoss found every response token where rlfleet put it (ratio 1 before the update).
+            assert abs(float(out.kl_approx)) < 1e-4 and abs(float(out.ESS) - 1) < 1e-3, out
+            recomputed = MCAdvantage(grpo_size=GROUP).inv(data.clone())  # groups by "query"; may reorder
+            assert advantages(recomputed) == pytest.approx(advantages(data), rel=1e-3, abs=1e-4)  # eps placement
+            loss = out.loss_objective + out.loss_kl_to_ref
+            assert torch.isfinite(loss)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            pushed = collector.update_policy_weights_()
+            assert pushed == version + 1 == collector.policy_version
+            version = pushed
+
+
+def test_at_temperature_t_a_scaled_wrapper_scores_what_the_engine_sampled(suite, policy):
+    from torchrl.objectives.llm import GRPOLoss
+
+    temperature = 0.7
+    loss_fn = GRPOLoss(policy, masking_strategy="sft")
+    with connect(suite["collector"].address) as client:
+        client.submit_prompts([{"prompt": [{"role": "user", "content": f"answer in digits: t {i}"}],
+                                "sampling": {"temperature": temperature}, **TASK} for i in range(GROUPS)])
+        collector = RlfleetLLMCollector(client, dialog_turns_per_batch=BATCH, total_dialog_turns=BATCH)
+        data = next(iter(collector))
+        collector.shutdown()
+    assert torch.allclose(data.get(("sampling", "temperature")), torch.tensor(temperature))
+    unscaled = loss_fn(data)
+    handle = temperature_scaled(policy.model, temperature)
+    try:
+        scaled = loss_fn(data)
+    finally:
+        handle.remove()
+    assert abs(float(scaled.kl_approx)) < 1e-4 and abs(float(scaled.ESS) - 1) < 1e-3, scaled
+    assert abs(float(unscaled.kl_approx)) > 10 * abs(float(scaled.kl_approx)), (unscaled, scaled)
+
+
+@pytest.fixture(scope="module")
+def recipe_metrics(suite, tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("torchrl-out")
+    subprocess.run([sys.executable, str(ROOT / "examples" / "train_torchrl.py"), "--collector",
+                    suite["collector"].address, "--model-dir", str(tiny_model_dir), "--steps", str(EXAMPLE_STEPS),
+                    "--out", str(out)], check=True, timeout=1200)
+    assert (out / "metrics.png").stat().st_size > 10_000
+    return json.loads((out / "metrics.json").read_text())
+
+
+def test_torchrl_recipe_with_rlfleet_collector_learns(recipe_metrics):
+    """GRPOTrainer + GRPOLoss + MCAdvantage replay buffer, untouched; the bound is test_demo's."""
+    assert len(recipe_metrics) == EXAMPLE_STEPS
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in recipe_metrics)
+    rewards = [m["reward_mean"] for m in recipe_metrics]
+    assert sum(rewards[-4:]) / 4 - rewards[0] >= 0.4, rewards
+
+
+def test_torchrl_recipe_versions_advance_one_per_step_on_policy(recipe_metrics):
+    versions = [m["policy_version"] for m in recipe_metrics]
+    assert versions == list(range(versions[0], versions[0] + EXAMPLE_STEPS))
+    for m in recipe_metrics:
+        # Sync: the step's batch was generated by the weights pushed just before it.
+        assert m["batch_policy_versions"] == [m["policy_version"] - 1], m

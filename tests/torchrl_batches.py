@@ -1,0 +1,53 @@
+"""Ragged batches exactly as a trainer receives them: the collector's own ``group_tensordict``
+over generation/reward replies, through the wire codec (encode -> bytes -> decode)."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict, lazy_stack
+
+from rlfleet.services.collector.trajectories import group_tensordict
+from rlfleet.services.trajectory.rows import concat_rows, split_rows
+from rlfleet.v1 import generation_pb2, reward_pb2, sampling_pb2, tensor_pb2
+from rlfleet.wire import Ragged, decode_tensordict, encode_ragged, encode_tensor, encode_tensordict
+
+
+def ragged_batch(*, groups: int = 2, group_size: int = 3, vocab: int = 100, seed: int = 0,
+                 behaviour=None, temperature: float = 1.0) -> TensorDict:
+    """``groups`` GRPO groups of ``group_size`` samples. ``behaviour(prompt, response)`` gives the
+    behaviour log-probs of one sample (default: random negatives)."""
+    generator = torch.Generator().manual_seed(seed)
+    parts = []
+    for group in range(groups):
+        prompt = torch.randint(1, vocab, (int(torch.randint(3, 7, (1,), generator=generator)),), generator=generator)
+        samples, refs, scores, rewards, kls = [], [], [], [], []
+        for index in range(group_size):
+            length = int(torch.randint(2, 6, (1,), generator=generator))
+            response = torch.randint(1, vocab, (length,), generator=generator)
+            lp = behaviour(prompt, response) if behaviour else -torch.rand(length, generator=generator) - 0.1
+            samples.append(generation_pb2.GenerateResponse(
+                sample_index=index, prompt_token_ids=encode_tensor(prompt), response_token_ids=encode_tensor(response),
+                behavior_log_probs=encode_tensor(lp.float()), finish_reason=sampling_pb2.FINISH_REASON_STOP,
+                policy_version_start=3, policy_version_end=4,
+                sampling=sampling_pb2.SamplingParams(temperature=temperature, top_p=1.0, max_tokens=8),
+                timing=generation_pb2.SampleTiming(total_seconds=0.5)))
+            refs.append(lp.float() - 0.05)
+            scores.append(float(torch.rand(1, generator=generator)))
+            rewards.append(torch.zeros(length))
+            rewards[-1][-1] = scores[-1]
+            kls.append(torch.full((length,), 0.05))
+        score = torch.tensor(scores)
+        advantage = (score - score.mean()) / (score.std() + 1e-6)
+        reply = reward_pb2.ComputeRewardsResponse(
+            kl=encode_ragged(Ragged.from_list(kls)), rewards=encode_ragged(Ragged.from_list(rewards)),
+            scores=encode_tensor(score), clipped_scores=encode_tensor(score), advantages=encode_tensor(advantage),
+            kl_mean=encode_tensor(torch.full((group_size,), 0.05)), kl_coef=0.1)
+        parts.append(group_tensordict(samples=samples, ref_log_probs=refs, rewards=reply, group_id=100 + group,
+                                      prompt_id=f"p{group}", kl_coef=0.1, query=f"question {group}"))
+    # As the trajectory service does: rows stored one by one, a batch concatenated from them.
+    rows = [row for td in parts for row in split_rows(encode_tensordict(td))]
+    return decode_tensordict(tensor_pb2.TensorDict.FromString(concat_rows(rows).SerializeToString()))
+
+
+def per_sample(td: TensorDict) -> TensorDict:
+    return lazy_stack(list(td.unbind(0)), 0)
