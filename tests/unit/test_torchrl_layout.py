@@ -302,6 +302,7 @@ def test_prompt_sources_in_torchrl_forms_become_specs():
 def test_a_primer_is_cycled_and_prompts_stay_a_few_batches_ahead(ragged):
     class Primer:  # TorchRL's DataLoadingPrimer keeps its loader as .dataloader and cycles it
         dataloader = [{"query": [f"q{i}" for i in range(4)]}]
+        repeats = 3
 
     batches = [FakeBatch(ragged)] * 3
     client = FakeClient(batches, group_size=3)
@@ -314,3 +315,14 @@ def test_a_primer_is_cycled_and_prompts_stay_a_few_batches_ahead(ragged):
     next(iterator)
     assert len(client.submitted) == 2 * per_batch + 2 * per_batch
     assert [s["prompt"][0]["content"] for s in client.submitted] == [f"q{i % 4}" for i in range(8)]
+
+
+def test_a_primer_repeating_prompts_other_than_the_group_size_is_refused(ragged):
+    class Primer:
+        dataloader = [{"query": ["q"]}]
+        repeats = 4
+
+    collector = RlfleetLLMCollector(FakeClient([FakeBatch(ragged)], group_size=3), dialog_turns_per_batch=6,
+                                    prompts=Primer())
+    with pytest.raises(ValueError, match="repeats each prompt 4 times.*group_size"):
+        next(iter(collector))

@@ -80,6 +80,7 @@ class RlfleetLLMCollector:
         """The result of the last weight push (version, bytes, seconds, transport)."""
         self._prompt_defaults = dict(reward_fn=reward_fn, reward_args=reward_args, system_prompt=system_prompt)
         self._prompts = prompt_items(prompts) if prompts is not None else None
+        self._repeats = getattr(prompts, "repeats", None)  # a DataLoadingPrimer's samples per prompt
         self._prompts_ahead = prompts_ahead
         self._submitted = 0
         self._delivered_samples = 0
@@ -132,8 +133,12 @@ class RlfleetLLMCollector:
             self._submitted += len(specs)
 
     def _learn_group_size(self) -> int:
-        self._group_size = max(1, self.client.status().group_size)
-        return self._group_size
+        group_size = max(1, self.client.status().group_size)
+        if self._repeats is not None and self._repeats != group_size:
+            raise ValueError(f"the prompt source repeats each prompt {self._repeats} times, but the collector "
+                             f"generates {group_size} samples per prompt (its group_size): make them equal")
+        self._group_size = group_size
+        return group_size
 
     # --- weights and versions ---------------------------------------------------------------
     def update_policy_weights_(self, policy_or_weights: Any = None, *, weights: Any = None, policy: Any = None,
