@@ -139,8 +139,7 @@ class FakeCollector(collector_pb2_grpc.CollectorServiceServicer):
             policy_version=state.version, mode="async", max_staleness=2,
             stages=[collector_pb2.StageStatus(name="generation", queued=3, in_flight=2, items_per_second=1.5)],
             replicas=[collector_pb2.ReplicaStatus(address="gen-0:1", healthy=True, policy_version=state.version)],
-            staleness_histogram=[5, 1], trajectories=6, discarded_samples=1,
-            extra=encode_tensordict({"queue": torch.tensor([7])}, batch_size=[1]))
+            staleness_histogram=[5, 1], trajectories=6, discarded_samples=1, group_size=4, groups_per_step=8)
 
     async def PushWeights(self, request_iterator, context):
         state = await enter(self.server, context, "PushWeights")
@@ -350,7 +349,7 @@ def test_policy_version_status_and_buffer_stats(client, state):
     assert status.policy_version == 7 and status.mode == "async" and status.max_staleness == 2
     assert status.stages[0].name == "generation" and status.stages[0].queued == 3
     assert status.replicas[0].healthy and status.staleness_histogram == (5, 1)
-    assert status.extra["queue"].tolist() == [7]
+    assert status.group_size == 4 and status.groups_per_step == 8
     state.add_batches(2)
     stats = client.buffer_stats()
     assert stats.ready == 2 and stats.capacity == 100

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from rlfleet.client.errors import InternalError
 from rlfleet.v1 import collector_pb2, trajectory_pb2
-from rlfleet.wire import WireError, decode_tensordict
 
 
 @dataclass(frozen=True)
@@ -104,8 +101,6 @@ class Status:
     """``[i]`` = trajectories that were ``i`` versions stale when appended."""
     trajectories: int
     discarded_samples: int
-    extra: Any = None
-    """Extra dashboard counters as a TensorDict, or None."""
     group_size: int = 0
     """Samples generated per prompt (unless a prompt overrides ``n``)."""
     groups_per_step: int = 0
@@ -113,19 +108,13 @@ class Status:
 
     @classmethod
     def from_proto(cls, reply: collector_pb2.GetStatusResponse) -> "Status":
-        extra = None
-        if reply.HasField("extra"):
-            try:
-                extra = decode_tensordict(reply.extra, "extra")
-            except WireError as err:
-                raise InternalError(f"malformed reply: {err}", method="GetStatus") from None
         return cls(
             policy_version=reply.policy_version, mode=reply.mode, max_staleness=reply.max_staleness,
             stages=tuple(StageStatus(s.name, s.queued, s.in_flight, s.items_per_second) for s in reply.stages),
             replicas=tuple(ReplicaStatus(r.address, r.healthy, r.policy_version, r.in_flight)
                            for r in reply.replicas),
             staleness_histogram=tuple(reply.staleness_histogram), trajectories=reply.trajectories,
-            discarded_samples=reply.discarded_samples, extra=extra, group_size=reply.group_size,
+            discarded_samples=reply.discarded_samples, group_size=reply.group_size,
             groups_per_step=reply.groups_per_step,
         )
 

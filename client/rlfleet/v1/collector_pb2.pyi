@@ -1,5 +1,4 @@
 from rlfleet.v1 import sampling_pb2 as _sampling_pb2
-from rlfleet.v1 import tensor_pb2 as _tensor_pb2
 from rlfleet.v1 import weights_pb2 as _weights_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -121,7 +120,7 @@ class ReplicaStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., policy_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., weight_transfer_world_size: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("policy_version", "mode", "max_staleness", "stages", "replicas", "staleness_histogram", "trajectories", "discarded_samples", "extra", "group_size", "groups_per_step")
+    __slots__ = ("policy_version", "mode", "max_staleness", "stages", "replicas", "staleness_histogram", "trajectories", "discarded_samples", "group_size", "groups_per_step")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -130,7 +129,6 @@ class GetStatusResponse(_message.Message):
     STALENESS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     DISCARDED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
-    EXTRA_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     GROUPS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
@@ -141,7 +139,6 @@ class GetStatusResponse(_message.Message):
     staleness_histogram: _containers.RepeatedScalarFieldContainer[int]
     trajectories: int
     discarded_samples: int
-    extra: _tensor_pb2.TensorDict
     group_size: int
     groups_per_step: int
-    def __init__(self, policy_version: _Optional[int] = ..., mode: _Optional[str] = ..., max_staleness: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., trajectories: _Optional[int] = ..., discarded_samples: _Optional[int] = ..., extra: _Optional[_Union[_tensor_pb2.TensorDict, _Mapping]] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ...) -> None: ...
+    def __init__(self, policy_version: _Optional[int] = ..., mode: _Optional[str] = ..., max_staleness: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., trajectories: _Optional[int] = ..., discarded_samples: _Optional[int] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ...) -> None: ...

@@ -26,18 +26,40 @@ if _version_not_supported:
 
 
 class TrajectoryServiceStub:
-    """Batch layout (keys of the TensorDicts below; TorchRL LLM naming):
-    tokens/{prompt,response,full}                ragged int64
-    masks/{all_attention_mask,all_assistant_mask} ragged bool (over full)
-    log_probs/response                           ragged float32 (behaviour)
-    ref_log_probs/response                       ragged float32
-    kl                                           ragged float32 (per token)
-    next/reward                                  ragged float32 (shaped, per token)
-    score, advantage                             [B] float32
-    next/done, next/terminated, next/truncated   [B] bool
-    policy_version_start, policy_version_end     [B] int64
-    trajectory_id, group_id                      strings / [B] int64
-    sampling/{temperature,top_p,top_k,...}        [B] tensors
+    """Batch schema (generated from rlfleet/wire/batch_schema.py: do not edit by hand).
+    Keys of the trajectory TensorDicts below (docs/batch-schema.md has units and meanings):
+    tokens/prompt             ragged int64 over prompt
+    tokens/response           ragged int64 over response
+    tokens/full               ragged int64 over full
+    masks/all_attention_mask  ragged bool over full
+    masks/all_assistant_mask  ragged bool over full
+    log_probs/response        ragged float32 over response
+    ref_log_probs/response    ragged float32 over response
+    kl                        ragged float32 over response
+    next/reward               ragged float32 over response
+    next/done                 tensor bool [B, 1]
+    next/terminated           tensor bool [B, 1]
+    next/truncated            tensor bool [B, 1]
+    score                     tensor float32 [B]
+    clipped_score             tensor float32 [B]
+    advantage                 tensor float32 [B]
+    kl_mean                   tensor float32 [B]
+    kl_coef                   tensor float32 [B]
+    policy_version_start      tensor int64 [B]
+    policy_version_end        tensor int64 [B]
+    group_id                  tensor int64 [B]
+    group_size                tensor int64 [B]
+    sample_index              tensor int64 [B]
+    generation_seconds        tensor float32 [B]
+    sampling/temperature      tensor float32 [B]
+    sampling/top_p            tensor float32 [B]
+    sampling/top_k            tensor int64 [B]
+    sampling/max_tokens       tensor int64 [B]
+    trajectory_id             strings
+    prompt_id                 strings
+    query                     strings
+    End of the batch schema.
+
     """
 
     def __init__(self, channel):
@@ -64,18 +86,40 @@ class TrajectoryServiceStub:
 
 
 class TrajectoryServiceServicer:
-    """Batch layout (keys of the TensorDicts below; TorchRL LLM naming):
-    tokens/{prompt,response,full}                ragged int64
-    masks/{all_attention_mask,all_assistant_mask} ragged bool (over full)
-    log_probs/response                           ragged float32 (behaviour)
-    ref_log_probs/response                       ragged float32
-    kl                                           ragged float32 (per token)
-    next/reward                                  ragged float32 (shaped, per token)
-    score, advantage                             [B] float32
-    next/done, next/terminated, next/truncated   [B] bool
-    policy_version_start, policy_version_end     [B] int64
-    trajectory_id, group_id                      strings / [B] int64
-    sampling/{temperature,top_p,top_k,...}        [B] tensors
+    """Batch schema (generated from rlfleet/wire/batch_schema.py: do not edit by hand).
+    Keys of the trajectory TensorDicts below (docs/batch-schema.md has units and meanings):
+    tokens/prompt             ragged int64 over prompt
+    tokens/response           ragged int64 over response
+    tokens/full               ragged int64 over full
+    masks/all_attention_mask  ragged bool over full
+    masks/all_assistant_mask  ragged bool over full
+    log_probs/response        ragged float32 over response
+    ref_log_probs/response    ragged float32 over response
+    kl                        ragged float32 over response
+    next/reward               ragged float32 over response
+    next/done                 tensor bool [B, 1]
+    next/terminated           tensor bool [B, 1]
+    next/truncated            tensor bool [B, 1]
+    score                     tensor float32 [B]
+    clipped_score             tensor float32 [B]
+    advantage                 tensor float32 [B]
+    kl_mean                   tensor float32 [B]
+    kl_coef                   tensor float32 [B]
+    policy_version_start      tensor int64 [B]
+    policy_version_end        tensor int64 [B]
+    group_id                  tensor int64 [B]
+    group_size                tensor int64 [B]
+    sample_index              tensor int64 [B]
+    generation_seconds        tensor float32 [B]
+    sampling/temperature      tensor float32 [B]
+    sampling/top_p            tensor float32 [B]
+    sampling/top_k            tensor int64 [B]
+    sampling/max_tokens       tensor int64 [B]
+    trajectory_id             strings
+    prompt_id                 strings
+    query                     strings
+    End of the batch schema.
+
     """
 
     def Append(self, request, context):
@@ -134,18 +178,40 @@ def add_TrajectoryServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class TrajectoryService:
-    """Batch layout (keys of the TensorDicts below; TorchRL LLM naming):
-    tokens/{prompt,response,full}                ragged int64
-    masks/{all_attention_mask,all_assistant_mask} ragged bool (over full)
-    log_probs/response                           ragged float32 (behaviour)
-    ref_log_probs/response                       ragged float32
-    kl                                           ragged float32 (per token)
-    next/reward                                  ragged float32 (shaped, per token)
-    score, advantage                             [B] float32
-    next/done, next/terminated, next/truncated   [B] bool
-    policy_version_start, policy_version_end     [B] int64
-    trajectory_id, group_id                      strings / [B] int64
-    sampling/{temperature,top_p,top_k,...}        [B] tensors
+    """Batch schema (generated from rlfleet/wire/batch_schema.py: do not edit by hand).
+    Keys of the trajectory TensorDicts below (docs/batch-schema.md has units and meanings):
+    tokens/prompt             ragged int64 over prompt
+    tokens/response           ragged int64 over response
+    tokens/full               ragged int64 over full
+    masks/all_attention_mask  ragged bool over full
+    masks/all_assistant_mask  ragged bool over full
+    log_probs/response        ragged float32 over response
+    ref_log_probs/response    ragged float32 over response
+    kl                        ragged float32 over response
+    next/reward               ragged float32 over response
+    next/done                 tensor bool [B, 1]
+    next/terminated           tensor bool [B, 1]
+    next/truncated            tensor bool [B, 1]
+    score                     tensor float32 [B]
+    clipped_score             tensor float32 [B]
+    advantage                 tensor float32 [B]
+    kl_mean                   tensor float32 [B]
+    kl_coef                   tensor float32 [B]
+    policy_version_start      tensor int64 [B]
+    policy_version_end        tensor int64 [B]
+    group_id                  tensor int64 [B]
+    group_size                tensor int64 [B]
+    sample_index              tensor int64 [B]
+    generation_seconds        tensor float32 [B]
+    sampling/temperature      tensor float32 [B]
+    sampling/top_p            tensor float32 [B]
+    sampling/top_k            tensor int64 [B]
+    sampling/max_tokens       tensor int64 [B]
+    trajectory_id             strings
+    prompt_id                 strings
+    query                     strings
+    End of the batch schema.
+
     """
 
     @staticmethod

@@ -1,0 +1,179 @@
+"""The batch schema: every key of a trajectory batch on the wire, in one machine-readable table.
+
+This table is the single source for the batch part of the contract:
+``python -m rlfleet.wire.batch_schema`` (run by ``scripts/gen-protos``) renders it into
+``docs/batch-schema.md`` and into the comment block of ``protos/rlfleet/v1/trajectory.proto``;
+``--check`` fails when either is stale. ``tests/unit/test_batch_schema.py`` fails when the
+collector's batches and this table differ in any key, kind, dtype or trailing shape.
+
+On the wire a batch is a ``TensorDict`` message with batch size ``[B]``. A key ``a/b`` is the entry
+``b`` of the nested ``TensorDict`` held by entry ``a`` (whose batch size is also ``[B]``). Kinds:
+``tensor`` (a dense tensor ``[B, *trailing]``), ``ragged`` (a ``RaggedTensor``: sample ``i`` holds
+``lengths[i]`` rows of shape ``trailing``, flat in ``values``), ``strings`` (``B`` strings).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+DOC_PATH = ROOT / "docs" / "batch-schema.md"
+PROTO_PATH = ROOT / "protos" / "rlfleet" / "v1" / "trajectory.proto"
+PROTO_BEGIN = "// Batch schema (generated from rlfleet/wire/batch_schema.py: do not edit by hand)."
+PROTO_END = "// End of the batch schema."
+
+
+@dataclass(frozen=True)
+class BatchField:
+    """One key of a trajectory batch."""
+
+    key: str
+    kind: str
+    """"tensor", "ragged" or "strings"."""
+    dtype: str
+    """The ``rlfleet.v1.Dtype`` name without ``DTYPE_`` ("" for strings)."""
+    trailing: tuple[int, ...]
+    """Dims after ``[B]`` (tensor) or after the sample's length (ragged)."""
+    meaning: str
+    unit: str = ""
+    over: str = ""
+    """For ragged keys: which tokens the rows are (prompt, response or full = prompt + response)."""
+
+
+def _tensor(key: str, dtype: str, meaning: str, unit: str = "", trailing: tuple[int, ...] = ()) -> BatchField:
+    return BatchField(key, "tensor", dtype, trailing, meaning, unit)
+
+
+def _ragged(key: str, dtype: str, over: str, meaning: str, unit: str = "") -> BatchField:
+    return BatchField(key, "ragged", dtype, (), meaning, unit, over)
+
+
+def _strings(key: str, meaning: str) -> BatchField:
+    return BatchField(key, "strings", "", (), meaning)
+
+
+BATCH_FIELDS: tuple[BatchField, ...] = (
+    _ragged("tokens/prompt", "INT64", "prompt", "Prompt token ids (after the chat template)."),
+    _ragged("tokens/response", "INT64", "response", "Sampled response token ids."),
+    _ragged("tokens/full", "INT64", "full", "prompt followed by response."),
+    _ragged("masks/all_attention_mask", "BOOL", "full", "All true (no padding inside a sample)."),
+    _ragged("masks/all_assistant_mask", "BOOL", "full", "False over the prompt, true over the response."),
+    _ragged("log_probs/response", "FLOAT32", "response",
+            "Behaviour log-probability of each response token under the generating engine, of "
+            "logits / temperature (the distribution sampled from).", "nats"),
+    _ragged("ref_log_probs/response", "FLOAT32", "response",
+            "Log-probability of each response token under the frozen reference model (temperature 1).", "nats"),
+    _ragged("kl", "FLOAT32", "response",
+            "Per-token KL estimate, behaviour vs reference (the reward service's estimator: k1, k2 or k3).",
+            "nats"),
+    _ragged("next/reward", "FLOAT32", "response",
+            "Shaped per-token reward: -kl_coef * kl on every token, plus clipped_score on the last.", "reward"),
+    _tensor("next/done", "BOOL", "True: every sample is a finished single-turn episode.", trailing=(1,)),
+    _tensor("next/terminated", "BOOL", "The sample ended on a stop condition (EOS or a stop string).",
+            trailing=(1,)),
+    _tensor("next/truncated", "BOOL", "The sample ended at max_tokens.", trailing=(1,)),
+    _tensor("score", "FLOAT32", "The reward function's task score.", "reward"),
+    _tensor("clipped_score", "FLOAT32",
+            "score clipped to [-score_clip, score_clip] (equal to score when no clip is set); the "
+            "advantage and next/reward are computed from it.", "reward"),
+    _tensor("advantage", "FLOAT32",
+            "Group-relative advantage of clipped_score within the sample's group: GRPO (s - mean) / "
+            "(std + eps) with the unbiased std, grpo_no_std (s - mean), or RLOO (leave-one-out mean).", "reward"),
+    _tensor("kl_mean", "FLOAT32", "Mean of kl over the sample's response tokens.", "nats per token"),
+    _tensor("kl_coef", "FLOAT32", "The KL coefficient used in next/reward (the KL controller's value then)."),
+    _tensor("policy_version_start", "INT64", "Committed policy version when the sample's generation started."),
+    _tensor("policy_version_end", "INT64",
+            "Policy version of the weights that produced the sample's last token (differs from start after "
+            "a keep-mode push during generation)."),
+    _tensor("group_id", "INT64",
+            "The group (one prompt's samples) the sample belongs to; 64-bit, may exceed 2^53 (use BigInt in "
+            "JavaScript)."),
+    _tensor("group_size", "INT64", "Samples in the sample's group."),
+    _tensor("sample_index", "INT64", "Index of the sample within its group, 0 .. group_size - 1."),
+    _tensor("generation_seconds", "FLOAT32",
+            "From the generation request's arrival at the engine to the sample's last token.", "seconds"),
+    _tensor("sampling/temperature", "FLOAT32", "Sampling temperature used."),
+    _tensor("sampling/top_p", "FLOAT32", "Nucleus sampling threshold used (1 = off)."),
+    _tensor("sampling/top_k", "INT64", "Top-k used (0 or -1 = off)."),
+    _tensor("sampling/max_tokens", "INT64", "Response length cap used.", "tokens"),
+    _strings("trajectory_id", "Unique id of the sample: '<group_id in hex>-<sample_index>'."),
+    _strings("prompt_id", "Id of the prompt (as submitted, or assigned by SubmitPrompts)."),
+    _strings("query", "The prompt as text: the raw text, or a chat's last user message; '' for token-id prompts."),
+)
+
+
+def row_schema(fields: tuple[BatchField, ...] = BATCH_FIELDS) -> dict:
+    """The table in the trajectory service's schema form (``services/trajectory/rows.py``)."""
+    from rlfleet.v1 import tensor_pb2
+
+    schema: dict = {}
+    for field in fields:
+        *parents, name = field.key.split("/")
+        node = schema
+        for parent in parents:
+            node = node.setdefault(parent, ["nested", [], {}])[2]
+        if field.kind == "strings":
+            node[name] = ["strings"]
+        else:
+            node[name] = [field.kind, tensor_pb2.Dtype.Value(f"DTYPE_{field.dtype}"), list(field.trailing)]
+    return schema
+
+
+def _shape(field: BatchField) -> str:
+    if field.kind == "strings":
+        return "`[B]` strings"
+    if field.kind == "ragged":
+        return f"ragged `[B, n_i{''.join(f', {d}' for d in field.trailing)}]`, n_i = {field.over} tokens"
+    return f"`[B{''.join(f', {d}' for d in field.trailing)}]`"
+
+
+def render_markdown(fields: tuple[BatchField, ...] = BATCH_FIELDS) -> str:
+    lines = ["# Trajectory batch schema", "",
+             "<!-- Generated by `python -m rlfleet.wire.batch_schema` from client/rlfleet/wire/batch_schema.py;"
+             " do not edit. -->", "",
+             "Every key of a batch delivered by `StreamBatches` (and appended by the collector). "
+             "`B` = samples in the batch; a key `a/b` is entry `b` of the nested TensorDict at entry `a`. "
+             "Ragged entries are `RaggedTensor`s: sample `i` owns `lengths[i]` consecutive rows of `values`. "
+             "Log-probabilities are natural logs. The TorchRL view of the same batch "
+             "(`rlfleet.client.torchrl.to_torchrl`) is tabled in `client/rlfleet/client/torchrl/layout.py`.", "",
+             "| key | kind, shape | dtype | unit | meaning |", "|---|---|---|---|---|"]
+    for field in fields:
+        lines.append(f"| `{field.key}` | {_shape(field)} | {field.dtype.lower() or 'string'} | "
+                     f"{field.unit} | {field.meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_proto_comment(fields: tuple[BatchField, ...] = BATCH_FIELDS) -> str:
+    width = max(len(f.key) for f in fields)
+    lines = [PROTO_BEGIN, "// Keys of the trajectory TensorDicts below (docs/batch-schema.md has units and meanings):"]
+    for field in fields:
+        kind = f"{field.kind} {field.dtype.lower()}".strip()
+        shape = "" if field.kind != "tensor" else f" [B{''.join(f', {d}' for d in field.trailing)}]"
+        over = f" over {field.over}" if field.over else ""
+        lines.append(f"//   {field.key.ljust(width)}  {kind}{shape}{over}")
+    lines.append(PROTO_END)
+    return "\n".join(lines)
+
+
+def _with_proto_comment(text: str) -> str:
+    start, end = text.index(PROTO_BEGIN), text.index(PROTO_END) + len(PROTO_END)
+    return text[:start] + render_proto_comment() + text[end:]
+
+
+def main(argv: list[str]) -> int:
+    check = argv[1:] == ["--check"]
+    wanted = {DOC_PATH: render_markdown(), PROTO_PATH: _with_proto_comment(PROTO_PATH.read_text())}
+    stale = [path for path, text in wanted.items() if not path.exists() or path.read_text() != text]
+    if check:
+        for path in stale:
+            print(f"{path.relative_to(ROOT)} is stale: run scripts/gen-protos and commit", file=sys.stderr)
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(wanted[path])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
