@@ -12,7 +12,7 @@ from pathlib import Path
 import tensordict
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERLAY = ROOT / ".venv" / "overlays" / "tensordict-0.15"
+OVERLAY = Path(sys.prefix) / "overlays" / "tensordict-0.15"  # scripts/bootstrap puts it in the venv
 TENSORDICT_TESTS = ["tests/unit/test_wire_tensordict.py", "tests/unit/test_client_sdk.py",
                     "tests/unit/test_trajectory_store.py", "tests/unit/test_torchrl_layout.py"]
 
