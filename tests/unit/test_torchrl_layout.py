@@ -326,3 +326,14 @@ def test_a_primer_repeating_prompts_other_than_the_group_size_is_refused(ragged)
                                     prompts=Primer())
     with pytest.raises(ValueError, match="repeats each prompt 4 times.*group_size"):
         next(iter(collector))
+
+
+def test_submit_prompts_takes_one_pass_even_over_a_primer():
+    class Primer:  # cycled when it feeds the collector, but an explicit submit is one pass
+        dataloader = [{"query": ["a", "b"]}, {"query": ["c"]}]
+
+    client = FakeClient()
+    collector = RlfleetLLMCollector(client, dialog_turns_per_batch=6, reward_fn="char_fraction")
+    assert len(collector.submit_prompts(Primer())) == 3
+    assert [s["prompt"][0]["content"] for s in client.submitted] == ["a", "b", "c"]
+    assert {s["reward_fn"] for s in client.submitted} == {"char_fraction"}

@@ -15,7 +15,6 @@ import logging
 import math
 from typing import Any, Iterator, Mapping
 
-import torch
 from tensordict import TensorDictBase
 
 from rlfleet.client.results import PushResult
@@ -113,7 +112,7 @@ class RlfleetLLMCollector:
 
     def submit_prompts(self, prompts: Any) -> list[str]:
         """Submit prompts in any form ``prompts=`` accepts (one pass over them); returns their ids."""
-        specs = [to_spec(item, **self._prompt_defaults) for item in prompt_items(prompts)]
+        specs = [to_spec(item, **self._prompt_defaults) for item in prompt_items(prompts, cycle=False)]
         return self.client.submit_prompts(specs) if specs else []
 
     def _feed(self) -> None:

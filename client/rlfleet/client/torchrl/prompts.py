@@ -19,10 +19,14 @@ from tensordict import TensorDictBase
 QUERY_KEYS = ("query", "question", "text")
 
 
-def prompt_items(source: Any) -> Iterator[Any]:
-    """Endless for a ``DataLoadingPrimer`` (or anything with ``.dataloader``), else one pass."""
+def prompt_items(source: Any, *, cycle: bool = True) -> Iterator[Any]:
+    """Endless for a ``DataLoadingPrimer`` (or anything with ``.dataloader``) unless ``cycle`` is
+    False, else one pass."""
     loader = getattr(source, "dataloader", None)
-    batches: Iterable = itertools.chain.from_iterable(_forever(loader)) if loader is not None else source
+    if loader is None:
+        batches: Iterable = source
+    else:
+        batches = itertools.chain.from_iterable(_forever(loader)) if cycle else loader
     for batch in batches:
         yield from _unbatch(batch)
 
