@@ -62,7 +62,7 @@ def main() -> None:
                       f"reward (last 3) {rewards[name][-1]:.2f}", file=sys.stderr)
     plain, recipe = TRAINERS
     ratios = [r / p for r, p in zip(medians[recipe], medians[plain])]
-    print(f"\n| trainer | median step (s), per round | reward, last 3 steps |\n|---|---|---|")
+    print("\n| trainer | median step (s), per round | reward, last 3 steps |\n|---|---|---|")
     for name in TRAINERS:
         print(f"| {name} | {', '.join(f'{s:.2f}' for s in medians[name])} | "
               f"{', '.join(f'{r:.2f}' for r in rewards[name])} |")

@@ -4,7 +4,7 @@ over generation/reward replies, through the wire codec (encode -> bytes -> decod
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDict, lazy_stack
+from tensordict import TensorDict
 
 from rlfleet.services.collector.trajectories import group_tensordict
 from rlfleet.services.trajectory.rows import concat_rows, split_rows
@@ -47,7 +47,3 @@ def ragged_batch(*, groups: int = 2, group_size: int = 3, vocab: int = 100, seed
     # As the trajectory service does: rows stored one by one, a batch concatenated from them.
     rows = [row for td in parts for row in split_rows(encode_tensordict(td))]
     return decode_tensordict(tensor_pb2.TensorDict.FromString(concat_rows(rows).SerializeToString()))
-
-
-def per_sample(td: TensorDict) -> TensorDict:
-    return lazy_stack(list(td.unbind(0)), 0)

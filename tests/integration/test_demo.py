@@ -2,41 +2,21 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from rlfleet.client import FailedPreconditionError, InvalidArgumentError, connect
-from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
 from tests.hf_reference import load_hf
+from tests.integration.conftest import DEMO_COLLECTOR_ARGS, run_example, suite_fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 14
-DEMO_COLLECTOR_ARGS = ["--mode=sync", "--group-size=4", "--groups-per-step=8",
-                       '--sampling={"temperature": 1.0, "max_tokens": 24}', "--reward-fn=char_fraction"]
-
-
-@pytest.fixture(scope="module")
-def suite(tiny_model_dir, tmp_path_factory):
-    procs = start_suite(SuiteOptions(model_dir=tiny_model_dir, collector_args=DEMO_COLLECTOR_ARGS),
-                        tmp_path_factory.mktemp("demo-suite"))
-    yield procs
-    stop_suite(procs)
+suite = suite_fixture(DEMO_COLLECTOR_ARGS, "demo-suite")
 
 
 @pytest.fixture(scope="module")
 def demo_metrics(suite, tiny_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo-out")
-    subprocess.run([sys.executable, str(ROOT / "examples" / "train_grpo.py"), "--collector",
-                    suite["collector"].address, "--model-dir", str(tiny_model_dir), "--steps", str(STEPS),
-                    "--out", str(out)], check=True, timeout=1200)
-    assert (out / "metrics.png").stat().st_size > 10_000
-    return json.loads((out / "metrics.json").read_text())
+    return run_example("train_grpo.py", suite, tiny_model_dir, STEPS, tmp_path_factory.mktemp("demo-out"))
 
 
 def test_reward_rises_beyond_noise(demo_metrics):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.client import connect
-from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
+from tests.integration.conftest import suite_fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,19 +21,14 @@ GROUP, BATCH = 2, 4
 
 @pytest.fixture(scope="module")
 def node_client():
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip("node/npm not installed: the Node conformance example runs where they are")
+    # Required, not optional: the contract's conformance check must run (Debian: apt install nodejs npm).
+    assert shutil.which("node") and shutil.which("npm"), "node and npm are needed for the Node conformance test"
     subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--silent"], cwd=NODE_DIR, check=True, timeout=600)
     return NODE_DIR / "client.mjs"
 
 
-@pytest.fixture(scope="module")
-def suite(tiny_model_dir, tmp_path_factory):
-    procs = start_suite(SuiteOptions(model_dir=tiny_model_dir, collector_args=[
-        f"--group-size={GROUP}", f"--groups-per-step={BATCH // GROUP}", '--sampling={"temperature": 1.0, "max_tokens": 8}']),
-        tmp_path_factory.mktemp("node-suite"))
-    yield procs
-    stop_suite(procs)
+suite = suite_fixture([f"--group-size={GROUP}", f"--groups-per-step={BATCH // GROUP}",
+                      '--sampling={"temperature": 1.0, "max_tokens": 8}'], "node-suite")
 
 
 def test_node_client_speaks_the_contract_from_protos_alone(node_client, suite):

@@ -121,12 +121,16 @@ def row_schema(fields: tuple[BatchField, ...] = BATCH_FIELDS) -> dict:
     return schema
 
 
+def _dims(field: BatchField) -> str:
+    return "".join(f", {d}" for d in field.trailing)
+
+
 def _shape(field: BatchField) -> str:
     if field.kind == "strings":
         return "`[B]` strings"
     if field.kind == "ragged":
-        return f"ragged `[B, n_i{''.join(f', {d}' for d in field.trailing)}]`, n_i = {field.over} tokens"
-    return f"`[B{''.join(f', {d}' for d in field.trailing)}]`"
+        return f"ragged `[B, n_i{_dims(field)}]`, n_i = {field.over} tokens"
+    return f"`[B{_dims(field)}]`"
 
 
 def render_markdown(fields: tuple[BatchField, ...] = BATCH_FIELDS) -> str:
@@ -150,7 +154,7 @@ def render_proto_comment(fields: tuple[BatchField, ...] = BATCH_FIELDS) -> str:
     lines = [PROTO_BEGIN, "// Keys of the trajectory TensorDicts below (docs/batch-schema.md has units and meanings):"]
     for field in fields:
         kind = f"{field.kind} {field.dtype.lower()}".strip()
-        shape = "" if field.kind != "tensor" else f" [B{''.join(f', {d}' for d in field.trailing)}]"
+        shape = f" [B{_dims(field)}]" if field.kind == "tensor" else ""
         over = f" over {field.over}" if field.over else ""
         lines.append(f"//   {field.key.ljust(width)}  {kind}{shape}{over}")
     lines.append(PROTO_END)
