@@ -262,7 +262,11 @@ class ServerThread:
         self.address = f"127.0.0.1:{self.port}"
 
     async def _start(self) -> int:
-        options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+        # No BDP probing: the receive window stays at its default size, so a handler that stops reading
+        # really does hold a push mid-stream (with probing the window can grow past a whole test push,
+        # letting the client hand over its last chunk before the handler fails: seen as a flake in CI).
+        options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
+                   ("grpc.http2.bdp_probe", 0)]
         self.server = grpc.aio.server(options=options)
         collector_pb2_grpc.add_CollectorServiceServicer_to_server(FakeCollector(self), self.server)
         trajectory_pb2_grpc.add_TrajectoryServiceServicer_to_server(FakeTrajectory(self), self.server)
