@@ -69,7 +69,8 @@ class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
     """Forwards a trainer's batch stream so it needs only the collector's address.
 
     In sync mode the stream opens at the current version, and a batch holding a
-    trajectory older than the latest push is acked upstream and dropped (counted)."""
+    trajectory older than the latest push is acked upstream and dropped (counted);
+    the answer to that ack is the proxy's own and is not forwarded."""
 
     def __init__(self, collector):
         self.collector = collector
@@ -92,6 +93,7 @@ class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
                 await upstream.done_writing()
 
         pumping = asyncio.create_task(pump())
+        own_acks: set[str] = set()  # lease ids this proxy acked (stale batches)
         try:
             while True:
                 try:
@@ -101,7 +103,12 @@ class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
                     raise UpstreamError(error.code, error.details) from None
                 if response is grpc.aio.EOF:
                     break
-                if collector.config.mode == "sync" and self._stale(response):
+                if response.HasField("settled"):
+                    if response.settled.lease_id in own_acks:
+                        own_acks.discard(response.settled.lease_id)
+                        continue
+                elif collector.config.mode == "sync" and self._stale(response):
+                    own_acks.add(response.lease_id)
                     await write(trajectory_pb2.StreamBatchesRequest(ack=trajectory_pb2.AckBatch(
                         lease_id=response.lease_id)))
                     collector.pipeline.discarded_samples += response.batch.batch_size[0]

@@ -4,7 +4,9 @@ Every store call runs on one dedicated thread (sqlite3 connections are
 thread-bound, and one thread also serializes the store: concurrent readers get
 disjoint batches without locks). The event loop only waits. A reader stream
 waits until a whole batch is ready and it has a free prefetch slot; any change
-(append, ack, nack, release, expiry) wakes the waiters.
+(append, ack, nack, release, expiry) wakes the waiters. Every ack and nack is
+answered on the stream by a ``Settlement`` (applied or not), queued before the
+slot it frees can carry the next batch.
 
 Because the executor runs calls in submission order, releasing a stream's
 leases when it ends also releases a lease whose call was still in flight when
@@ -24,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Literal, TypeVar
 
-from rlfleet.services.common.errors import InvalidArgument, Unavailable
+from rlfleet.services.common.errors import InvalidArgument, NotFound, Unavailable
 from rlfleet.services.trajectory.store import AppendResult, Delivery, Stats, TrajectoryStore
 from rlfleet.v1 import tensor_pb2
 
@@ -33,6 +35,22 @@ T = TypeVar("T")
 
 #: A reader's command after ``open``: ("ack" | "nack", lease_id).
 Command = tuple[Literal["ack", "nack"], str]
+
+OUTBOX_SIZE = 16
+"""Messages a reader stream queues ahead of gRPC's writes; beyond it the stream stops reading the
+reader's commands (flow control: a reader that acks without reading cannot grow memory)."""
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """The answer to one ack or nack (``StreamBatchesResponse.settled``)."""
+
+    lease_id: str
+    nack: bool
+    applied: bool
+    """False: nothing changed (the lease is not a live lease of this stream); ``reason`` says why."""
+    trajectories: int = 0
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -114,12 +132,15 @@ class TrajectoryBuffer:
         return await self._call(TrajectoryStore.stats)
 
     # --- reader streams ---------------------------------------------------------------------
-    async def stream(self, options: ReaderOptions, commands: AsyncIterator[Command]) -> AsyncIterator[Delivery]:
-        """Deliver batches to one reader until its commands end; then release what it holds.
+    async def stream(self, options: ReaderOptions,
+                     commands: AsyncIterator[Command]) -> AsyncIterator[Delivery | Settlement]:
+        """Deliver batches to one reader, and answer its acks and nacks, until its commands end;
+        then release what it holds.
 
         ``commands`` carries the reader's acks and nacks; when it ends (the
-        client half-closed) the stream ends. Errors in either direction end the
-        stream, and whatever the reader still holds goes back to ready.
+        client half-closed) the stream answers what it received and ends. Errors
+        in either direction end the stream, and whatever the reader still holds
+        goes back to ready.
         """
         options.check()
         if self._store is None:
@@ -131,24 +152,37 @@ class TrajectoryBuffer:
         leases: set[str] = set()  # delivered to this reader, not yet acked or nacked
         log.info("reader opened", extra={"reader": owner, "batch_size": options.batch_size,
                                          "whole_groups": options.whole_groups})
-        pump = asyncio.create_task(self._apply_commands(owner, leases, commands))
-        fetch: asyncio.Task | None = None
+        outbox: asyncio.Queue[Delivery | Settlement] = asyncio.Queue(OUTBOX_SIZE)
+        deliver = asyncio.create_task(self._deliver(owner, leases, options, outbox))
+        pump = asyncio.create_task(self._apply_commands(owner, leases, commands, outbox))
+        take: asyncio.Task | None = None
         try:
             while True:
-                fetch = asyncio.create_task(self._next_batch(owner, leases, options))
-                await asyncio.wait({fetch, pump}, return_when=asyncio.FIRST_COMPLETED)
-                if fetch.done():
-                    yield fetch.result()
+                take = asyncio.create_task(outbox.get())
+                await asyncio.wait({take, pump, deliver}, return_when=asyncio.FIRST_COMPLETED)
+                if take.done():
+                    yield take.result()
                     continue
-                fetch.cancel()
-                pump.result()  # the reader's error, if any; else it half-closed: end the stream
+                take.cancel()
+                if deliver.done():
+                    deliver.result()  # the store's error
+                deliver.cancel()
+                pump.result()  # the reader's error, if any; else it half-closed
+                while not outbox.empty():  # answer what it sent; undelivered batches are released below
+                    if isinstance(message := outbox.get_nowait(), Settlement):
+                        yield message
                 return
         finally:
-            for task in (fetch, pump):
+            for task in (take, deliver, pump):
                 if task is not None:
                     task.cancel()
             released = await self._release_owner(owner)
             log.info("reader closed", extra={"reader": owner, "released": released})
+
+    async def _deliver(self, owner: str, leases: set[str], options: ReaderOptions,
+                       outbox: asyncio.Queue) -> None:
+        while True:
+            await outbox.put(await self._next_batch(owner, leases, options))
 
     async def _next_batch(self, owner: str, leases: set[str], options: ReaderOptions) -> Delivery:
         lease_seconds = options.lease_seconds or self._default_lease_seconds
@@ -165,9 +199,17 @@ class TrajectoryBuffer:
                     return delivery
             await changed.wait()
 
-    async def _apply_commands(self, owner: str, leases: set[str], commands: AsyncIterator[Command]) -> None:
+    async def _apply_commands(self, owner: str, leases: set[str], commands: AsyncIterator[Command],
+                              outbox: asyncio.Queue) -> None:
         async for kind, lease_id in commands:
-            await self._call(TrajectoryStore.ack if kind == "ack" else TrajectoryStore.nack, owner, lease_id)
+            nack = kind == "nack"
+            try:
+                count = await self._call(TrajectoryStore.nack if nack else TrajectoryStore.ack, owner, lease_id)
+                settled = Settlement(lease_id, nack, applied=True, trajectories=count)
+            except NotFound as err:
+                settled = Settlement(lease_id, nack, applied=False, reason=str(err))
+                log.info("%s of a lease that is not live", kind, extra={"reader": owner, "lease": lease_id})
+            await outbox.put(settled)  # before the slot is freed: the answer precedes the next batch
             leases.discard(lease_id)
             self._notify()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from rlfleet.services.common.errors import InvalidArgument
-from rlfleet.services.trajectory.buffer import Command, ReaderOptions, TrajectoryBuffer
+from rlfleet.services.trajectory.buffer import Command, ReaderOptions, Settlement, TrajectoryBuffer
 from rlfleet.v1 import trajectory_pb2, trajectory_pb2_grpc
 
 
@@ -33,11 +33,16 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
             min_policy_version=opened.min_policy_version, lease_seconds=opened.lease_seconds,
             prefetch=opened.prefetch, consumer=opened.consumer or context.peer(),
         )
-        async for delivery in self._buffer.stream(options, _commands(requests)):
-            yield trajectory_pb2.StreamBatchesResponse(
-                lease_id=delivery.lease_id, batch=delivery.batch,
-                lease_expires_at=delivery.expires_at, redelivered=delivery.redelivered,
-            )
+        async for message in self._buffer.stream(options, _commands(requests)):
+            if isinstance(message, Settlement):
+                yield trajectory_pb2.StreamBatchesResponse(settled=trajectory_pb2.Settled(
+                    lease_id=message.lease_id, nack=message.nack, applied=message.applied,
+                    trajectories=message.trajectories, reason=message.reason))
+            else:
+                yield trajectory_pb2.StreamBatchesResponse(
+                    lease_id=message.lease_id, batch=message.batch,
+                    lease_expires_at=message.expires_at, redelivered=message.redelivered,
+                )
 
     async def GetStats(self, request: trajectory_pb2.GetStatsRequest, context) -> trajectory_pb2.GetStatsResponse:
         stats = await self._buffer.stats()

@@ -64,9 +64,16 @@ class Reader:
             batch_size=batch_size, whole_groups=True, **open_args)))
         self._responses = self._stub.StreamBatches(iter(self._queue.get, None), timeout=600)
 
+        self._acked: str | None = None  # the last ack sent, not yet answered
+
     def next(self):
         response = next(self._responses)
+        if self._acked is not None:  # the answer to the last ack precedes the batch its slot let through
+            assert (response.settled.lease_id, response.settled.applied) == (self._acked, True), response
+            response = next(self._responses)
+        assert response.lease_id and not response.HasField("settled")
         self._queue.put(trajectory_pb2.StreamBatchesRequest(ack=trajectory_pb2.AckBatch(lease_id=response.lease_id)))
+        self._acked = response.lease_id
         return decode_tensordict(response.batch)
 
     def close(self):

@@ -64,6 +64,19 @@ def test_sdk_surfaces_real_service_errors_as_typed_exceptions(suite, demo_metric
         assert status.policy_version == current and all(r.healthy for r in status.replicas)
 
 
+def test_the_server_answers_every_ack_and_the_sdk_records_it(suite, demo_metrics, tiny_model_dir):
+    with connect(suite["collector"].address) as client:
+        client.submit_prompts([{"prompt": "answer in digits: three", "reward_fn": "char_fraction"}] * 8)
+        with client.batches(16) as batches:  # one step's 8 groups of 4, in two batches
+            first = next(batches)
+            assert (first.settled, first.confirmed) == (None, None)
+            second = next(batches)  # auto-acks the first; the answer precedes the batch its slot let through
+            assert (first.settled, first.confirmed, first.settle_error) == ("ack", True, "")
+            assert second.confirmed is None
+        assert (second.settled, second.confirmed) == ("ack", True)  # close acked it and read the answer
+        client.push_weights(load_hf(tiny_model_dir), progress=False)  # sync mode: the next step needs a push
+
+
 def test_torchrl_collector_adapter_counts_increments_without_pushing_again(suite, demo_metrics, tiny_model_dir):
     from rlfleet.client.torchrl import RlfleetLLMCollector
 

@@ -50,6 +50,8 @@ def test_node_client_speaks_the_contract_from_protos_alone(node_client, suite):
     assert got["trajectory_id"] == [f"{h}-{i}" for h, i in zip(got["group_id_hex"], got["sample_index"])]
     assert set(got["prompt_id"]) == set(got["prompt_ids"])
     assert got["malformed"]["code"] == "INVALID_ARGUMENT" and "token_ids" in got["malformed"]["details"]
+    # The server answered the ack: applied, for the whole batch.
+    assert got["ack"] == {"lease_id": got["lease_id"], "applied": True, "trajectories": BATCH, "reason": ""}
     # The ack landed: nothing leased, the batch counted as acked, so it is never delivered again.
     with connect(address) as client:
         stats = client.buffer_stats()

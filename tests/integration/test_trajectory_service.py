@@ -95,7 +95,9 @@ def test_sigkill_loses_no_acknowledged_append_and_redelivers_unacked(start_servi
     reader = Reader(stub, batch_size=4)
     acked = reader.next()
     reader.ack(acked.lease_id)
-    wait_until(lambda: stats(stub).acked == 4)  # the ack is committed
+    answer = reader.next()  # the server's answer: the ack is committed
+    assert (answer.settled.lease_id, answer.settled.applied, answer.settled.trajectories) == (acked.lease_id, True, 4)
+    assert not answer.lease_id and not answer.HasField("batch")
     unacked = reader.next()
     proc.kill()
     proc.process.wait(TIMEOUT)
@@ -115,6 +117,30 @@ def test_sigkill_loses_no_acknowledged_append_and_redelivers_unacked(start_servi
     assert delivered.isdisjoint(trajectory_ids(acked.batch))
     check_rows(rest.batch)
     reader.disconnect()
+    channel.close()
+
+
+def test_every_ack_is_answered_and_a_late_one_does_not_end_the_stream(start_service, tmp_path):
+    proc = start_trajectory(start_service, tmp_path / "t.sqlite3")
+    stub, channel = connect(proc)
+    append(stub, groups(0, 4, 2), first_id=0)
+    reader = Reader(stub, batch_size=4, lease_seconds=0.5)
+    first = reader.next()
+    wait_until(lambda: stats(stub).ready == 8)  # its lease ran out: released for redelivery
+    reader.ack(first.lease_id)  # too late
+    late = reader.next()
+    assert (late.settled.lease_id, late.settled.applied, late.settled.nack) == (first.lease_id, False, False)
+    assert "expired and released for redelivery" in late.settled.reason
+    again = reader.next()  # the stream goes on, and the batch comes back
+    assert again.redelivered and trajectory_ids(again.batch) == trajectory_ids(first.batch)
+    reader.disconnect()
+    patient = Reader(stub, batch_size=4, lease_seconds=600)
+    batch = patient.next()
+    patient.ack(batch.lease_id)
+    answer = patient.next().settled
+    assert (answer.lease_id, answer.applied, answer.trajectories, answer.reason) == (batch.lease_id, True, 4, "")
+    assert stats(stub).acked == 4  # answered after the commit
+    patient.disconnect()
     channel.close()
 
 

@@ -10,7 +10,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from rlfleet.services.common.errors import InvalidArgument, NotFound, ResourceExhausted
-from rlfleet.services.trajectory.buffer import ReaderOptions, TrajectoryBuffer
+from rlfleet.services.trajectory.buffer import OUTBOX_SIZE, ReaderOptions, Settlement, TrajectoryBuffer
 from rlfleet.services.trajectory.store import TrajectoryStore
 from rlfleet.v1 import tensor_pb2
 from rlfleet.wire import Ragged, WireError, decode_tensordict, encode_tensordict, get_ragged
@@ -377,7 +377,9 @@ async def test_a_reader_waits_for_a_full_batch_and_respects_prefetch(buffer):
     await asyncio.sleep(0.05)
     assert not second.done()  # prefetch 1: the next batch waits for the ack
     commands.send("ack", first.lease_id)
-    assert (await asyncio.wait_for(second, 10)).size == 4
+    # The ack's answer comes first, then the batch its slot let through.
+    assert await asyncio.wait_for(second, 10) == Settlement(first.lease_id, nack=False, applied=True, trajectories=4)
+    assert (await asyncio.wait_for(anext(stream), 10)).size == 4
     await stream.aclose()
     stats = await buffer.stats()
     assert (stats.acked, stats.leased, stats.ready) == (4, 0, 4)  # closing released the un-acked batch
@@ -392,14 +394,52 @@ async def test_a_stream_ending_or_a_lease_expiring_redelivers(buffer):
     other = buffer.stream(ReaderOptions(batch_size=4, lease_seconds=60), Commands())
     again = await asyncio.wait_for(anext(other), 10)
     assert again.redelivered and trajectory_ids(again.batch) == trajectory_ids(first.batch)
-    commands.send("ack", first.lease_id)  # too late
-    with pytest.raises(NotFound):
-        await asyncio.wait_for(anext(stream), 10)
+    commands.send("ack", first.lease_id)  # too late: answered, nothing changes, the stream goes on
+    late = await asyncio.wait_for(anext(stream), 10)
+    assert isinstance(late, Settlement) and (late.lease_id, late.applied, late.trajectories) == (first.lease_id,
+                                                                                                False, 0)
+    assert "expired and released for redelivery" in late.reason
+    commands.close()
+    assert [m async for m in stream] == []
     await other.aclose()  # the reader left without acking
     third = buffer.stream(ReaderOptions(batch_size=4), Commands())
     assert (await asyncio.wait_for(anext(third), 10)).redelivered
     await third.aclose()
     assert (await buffer.stats()).redelivered_batches == 2
+
+
+async def test_every_command_is_answered_in_order_even_at_half_close(buffer):
+    await buffer.append(make_trajectories(groups(0, 4, 2)))
+    commands = Commands()
+    stream = buffer.stream(ReaderOptions(batch_size=2, prefetch=3), commands)
+    batches = [await asyncio.wait_for(anext(stream), 10) for _ in range(3)]
+    commands.send("nack", batches[1].lease_id)
+    commands.send("ack", batches[0].lease_id)
+    commands.send("ack", batches[0].lease_id)  # twice: the second is not applied
+    commands.send("ack", "no-such-lease")
+    commands.close()
+    answers = [m async for m in stream if isinstance(m, Settlement)]
+    assert [(a.lease_id, a.nack, a.applied, a.trajectories) for a in answers] == [
+        (batches[1].lease_id, True, True, 2), (batches[0].lease_id, False, True, 2),
+        (batches[0].lease_id, False, False, 0), ("no-such-lease", False, False, 0)]
+    stats = await buffer.stats()
+    assert (stats.acked, stats.leased, stats.ready) == (2, 0, 6)
+
+
+async def test_a_reader_that_acks_without_reading_is_held_back(buffer):
+    """Answers queue up to OUTBOX_SIZE; then the stream stops taking the reader's commands."""
+    commands = Commands()
+    stream = buffer.stream(ReaderOptions(batch_size=2), commands)
+    started = asyncio.ensure_future(anext(stream))  # starts the stream; nothing to deliver yet
+    for i in range(OUTBOX_SIZE * 4):
+        commands.send("ack", f"bogus-{i}")
+    await asyncio.sleep(0.2)
+    assert commands.queue.qsize() >= OUTBOX_SIZE * 4 - OUTBOX_SIZE - 2  # not read: flow control
+    first = await asyncio.wait_for(started, 10)
+    assert first.lease_id == "bogus-0" and not first.applied
+    commands.close()
+    rest = [m async for m in stream]
+    assert [m.lease_id for m in rest] == [f"bogus-{i}" for i in range(1, OUTBOX_SIZE * 4)]
 
 
 async def test_open_is_validated(buffer):

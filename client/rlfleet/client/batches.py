@@ -4,8 +4,12 @@ The RPC is bidirectional: the client sends ``open``, then ``ack`` / ``nack``
 messages on the same stream while the server delivers batches (at most
 ``prefetch`` un-acked at a time). ``Batch.ack()`` / ``nack()`` only queue a
 message (no round trip), so they are plain methods on both the sync and the
-async client and may be called from any thread; a failure they cause (e.g.
-NOT_FOUND for a lease that already expired) arrives on the next read.
+async client and may be called from any thread. The server answers each one
+on the stream; the answer is read with the next batch (it precedes the batch
+the ack's slot lets through) or by ``close()``, and sets ``Batch.confirmed``:
+True once the server applied it (an acked batch is then deleted for good),
+False if it came too late (the lease expired and the batch went back for
+redelivery: logged as a WARNING, and the stream goes on).
 
 Delivery is at-least-once. With ``auto_ack`` a batch is acked when the next
 one is requested, or when the stream is closed deliberately (``close()``, or
@@ -58,6 +62,11 @@ class Batch:
         """Seconds since the epoch after which the server redelivers the batch unless acked."""
         self.settled: str | None = None
         """None until ``ack()`` ("ack") or ``nack()`` ("nack") is called (or auto-acked)."""
+        self.confirmed: bool | None = None
+        """The server's answer to ``settled``: None until it arrives, True if applied (an acked
+        batch is deleted for good), False if not (``settle_error`` says why; the batch may be
+        delivered again)."""
+        self.settle_error: str = ""
         self._stream = stream
 
     def ack(self) -> None:
@@ -75,8 +84,16 @@ class Batch:
             raise FailedPreconditionError(
                 f"lease {self.lease_id}: the stream is closed, so the lease was released and the batch "
                 f"will be delivered again", method=METHOD)
-        self._stream._post(trajectory_pb2.StreamBatchesRequest(**{kind: {"lease_id": self.lease_id}}))
         self.settled = kind
+        self._stream._unconfirmed[self.lease_id] = self
+        self._stream._post(trajectory_pb2.StreamBatchesRequest(**{kind: {"lease_id": self.lease_id}}))
+
+    def _confirm(self, settled: trajectory_pb2.Settled) -> None:
+        self.confirmed = settled.applied
+        self.settle_error = settled.reason
+        if not settled.applied:
+            log.warning("StreamBatches: the %s of lease %s was not applied (%s); the batch may be "
+                        "delivered again", self.settled, self.lease_id, settled.reason)
 
     def __getitem__(self, key):
         return self.td.get(_key(key))
@@ -131,6 +148,7 @@ class BatchStream:
         self._call = None
         self._watch: StatusWatch | None = None
         self._last: Batch | None = None
+        self._unconfirmed: dict[str, Batch] = {}  # settled, the server's answer not read yet
         self._delivered = 0
         self.closed = False
 
@@ -189,17 +207,28 @@ class BatchStream:
             attempt += 1
 
     async def _receive(self):
-        """The next reply, or None at the end of the stream; raises typed errors."""
-        try:
-            reply = await self._call.read()
-        except grpc.RpcError as exc:
-            error = await stream_error(self._call, exc, METHOD, self._watch)
-            raise error from None
-        except asyncio.CancelledError:
-            if self.closed:  # closed under us (client closed): end quietly
+        """The next delivered batch's reply, or None at the end of the stream; raises typed errors.
+        Answers to acks and nacks read on the way are applied to their batches."""
+        while True:
+            try:
+                reply = await self._call.read()
+            except grpc.RpcError as exc:
+                error = await stream_error(self._call, exc, METHOD, self._watch)
+                raise error from None
+            except asyncio.CancelledError:
+                if self.closed:  # closed under us (client closed): end quietly
+                    return None
+                raise
+            if reply is grpc.aio.EOF:
                 return None
-            raise
-        return None if reply is grpc.aio.EOF else reply
+            if not reply.HasField("settled"):
+                return reply
+            self._settled(reply.settled)
+
+    def _settled(self, settled: trajectory_pb2.Settled) -> None:
+        batch = self._unconfirmed.pop(settled.lease_id, None)
+        if batch is not None:
+            batch._confirm(settled)
 
     # --- writing ---------------------------------------------------------------------------
     def _post(self, request: trajectory_pb2.StreamBatchesRequest | None) -> None:
@@ -220,8 +249,8 @@ class BatchStream:
         """End the stream cleanly: ack the last batch (if ``auto_ack``, or ``ack_last=True``), half-close,
         and wait briefly for the server to release the rest (prefetched batches go back to the buffer).
 
-        Errors while closing (e.g. the last ack hit an expired lease) are logged, not raised:
-        the batch is then simply delivered again.
+        The server's answers to the last acks are read on the way (``Batch.confirmed``). Errors
+        while closing are logged, not raised: an un-acked batch is then simply delivered again.
         """
         if self.closed:
             return
@@ -245,10 +274,11 @@ class BatchStream:
 
     aclose = close
 
-    @staticmethod
-    async def _drain(call) -> None:
-        while await call.read() is not grpc.aio.EOF:
-            pass  # prefetched batches: the server releases them when the stream ends
+    async def _drain(self, call) -> None:
+        while (reply := await call.read()) is not grpc.aio.EOF:
+            if reply.HasField("settled"):
+                self._settled(reply.settled)
+            # else a prefetched batch: the server releases it when the stream ends
 
     def _finish(self) -> None:
         self.closed = True

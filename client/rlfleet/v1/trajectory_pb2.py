@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlfleet.v1 import tensor_pb2 as rlfleet_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brlfleet/v1/trajectory.proto\x12\nrlfleet.v1\x1a\x17rlfleet/v1/tensor.proto\"V\n\rAppendRequest\x12,\n\x0ctrajectories\x18\x01 \x01(\x0b\x32\x16.rlfleet.v1.TensorDict\x12\x17\n\x0fidempotency_key\x18\x02 \x01(\t\"4\n\x0e\x41ppendResponse\x12\x10\n\x08\x61ppended\x18\x01 \x01(\x05\x12\x10\n\x08\x62uffered\x18\x02 \x01(\x03\"\x92\x01\n\x0fOpenBatchStream\x12\x12\n\nbatch_size\x18\x01 \x01(\x05\x12\x14\n\x0cwhole_groups\x18\x02 \x01(\x08\x12\x1a\n\x12min_policy_version\x18\x03 \x01(\x04\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\x12\x10\n\x08prefetch\x18\x05 \x01(\x05\x12\x10\n\x08\x63onsumer\x18\x06 \x01(\t\"\x1c\n\x08\x41\x63kBatch\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x1d\n\tNackBatch\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x97\x01\n\x14StreamBatchesRequest\x12+\n\x04open\x18\x01 \x01(\x0b\x32\x1b.rlfleet.v1.OpenBatchStreamH\x00\x12#\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x14.rlfleet.v1.AckBatchH\x00\x12%\n\x04nack\x18\x03 \x01(\x0b\x32\x15.rlfleet.v1.NackBatchH\x00\x42\x06\n\x04kind\"\x7f\n\x15StreamBatchesResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12%\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x16.rlfleet.v1.TensorDict\x12\x18\n\x10lease_expires_at\x18\x03 \x01(\x01\x12\x13\n\x0bredelivered\x18\x04 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\x98\x01\n\x10GetStatsResponse\x12\r\n\x05ready\x18\x01 \x01(\x03\x12\x0e\n\x06leased\x18\x02 \x01(\x03\x12\r\n\x05\x61\x63ked\x18\x03 \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x03\x12\x10\n\x08\x61ppended\x18\x05 \x01(\x03\x12\x1b\n\x13redelivered_batches\x18\x06 \x01(\x03\x12\x15\n\rdropped_stale\x18\x07 \x01(\x03\x32\xf5\x01\n\x11TrajectoryService\x12?\n\x06\x41ppend\x12\x19.rlfleet.v1.AppendRequest\x1a\x1a.rlfleet.v1.AppendResponse\x12X\n\rStreamBatches\x12 .rlfleet.v1.StreamBatchesRequest\x1a!.rlfleet.v1.StreamBatchesResponse(\x01\x30\x01\x12\x45\n\x08GetStats\x12\x1b.rlfleet.v1.GetStatsRequest\x1a\x1c.rlfleet.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brlfleet/v1/trajectory.proto\x12\nrlfleet.v1\x1a\x17rlfleet/v1/tensor.proto\"V\n\rAppendRequest\x12,\n\x0ctrajectories\x18\x01 \x01(\x0b\x32\x16.rlfleet.v1.TensorDict\x12\x17\n\x0fidempotency_key\x18\x02 \x01(\t\"4\n\x0e\x41ppendResponse\x12\x10\n\x08\x61ppended\x18\x01 \x01(\x05\x12\x10\n\x08\x62uffered\x18\x02 \x01(\x03\"\x92\x01\n\x0fOpenBatchStream\x12\x12\n\nbatch_size\x18\x01 \x01(\x05\x12\x14\n\x0cwhole_groups\x18\x02 \x01(\x08\x12\x1a\n\x12min_policy_version\x18\x03 \x01(\x04\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\x12\x10\n\x08prefetch\x18\x05 \x01(\x05\x12\x10\n\x08\x63onsumer\x18\x06 \x01(\t\"\x1c\n\x08\x41\x63kBatch\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x1d\n\tNackBatch\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x97\x01\n\x14StreamBatchesRequest\x12+\n\x04open\x18\x01 \x01(\x0b\x32\x1b.rlfleet.v1.OpenBatchStreamH\x00\x12#\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x14.rlfleet.v1.AckBatchH\x00\x12%\n\x04nack\x18\x03 \x01(\x0b\x32\x15.rlfleet.v1.NackBatchH\x00\x42\x06\n\x04kind\"\xa5\x01\n\x15StreamBatchesResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12%\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x16.rlfleet.v1.TensorDict\x12\x18\n\x10lease_expires_at\x18\x03 \x01(\x01\x12\x13\n\x0bredelivered\x18\x04 \x01(\x08\x12$\n\x07settled\x18\x05 \x01(\x0b\x32\x13.rlfleet.v1.Settled\"`\n\x07Settled\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0c\n\x04nack\x18\x02 \x01(\x08\x12\x0f\n\x07\x61pplied\x18\x03 \x01(\x08\x12\x14\n\x0ctrajectories\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\x11\n\x0fGetStatsRequest\"\x98\x01\n\x10GetStatsResponse\x12\r\n\x05ready\x18\x01 \x01(\x03\x12\x0e\n\x06leased\x18\x02 \x01(\x03\x12\r\n\x05\x61\x63ked\x18\x03 \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x03\x12\x10\n\x08\x61ppended\x18\x05 \x01(\x03\x12\x1b\n\x13redelivered_batches\x18\x06 \x01(\x03\x12\x15\n\rdropped_stale\x18\x07 \x01(\x03\x32\xf5\x01\n\x11TrajectoryService\x12?\n\x06\x41ppend\x12\x19.rlfleet.v1.AppendRequest\x1a\x1a.rlfleet.v1.AppendResponse\x12X\n\rStreamBatches\x12 .rlfleet.v1.StreamBatchesRequest\x1a!.rlfleet.v1.StreamBatchesResponse(\x01\x30\x01\x12\x45\n\x08GetStats\x12\x1b.rlfleet.v1.GetStatsRequest\x1a\x1c.rlfleet.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,12 +44,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NACKBATCH']._serialized_end=418
   _globals['_STREAMBATCHESREQUEST']._serialized_start=421
   _globals['_STREAMBATCHESREQUEST']._serialized_end=572
-  _globals['_STREAMBATCHESRESPONSE']._serialized_start=574
-  _globals['_STREAMBATCHESRESPONSE']._serialized_end=701
-  _globals['_GETSTATSREQUEST']._serialized_start=703
-  _globals['_GETSTATSREQUEST']._serialized_end=720
-  _globals['_GETSTATSRESPONSE']._serialized_start=723
-  _globals['_GETSTATSRESPONSE']._serialized_end=875
-  _globals['_TRAJECTORYSERVICE']._serialized_start=878
-  _globals['_TRAJECTORYSERVICE']._serialized_end=1123
+  _globals['_STREAMBATCHESRESPONSE']._serialized_start=575
+  _globals['_STREAMBATCHESRESPONSE']._serialized_end=740
+  _globals['_SETTLED']._serialized_start=742
+  _globals['_SETTLED']._serialized_end=838
+  _globals['_GETSTATSREQUEST']._serialized_start=840
+  _globals['_GETSTATSREQUEST']._serialized_end=857
+  _globals['_GETSTATSRESPONSE']._serialized_start=860
+  _globals['_GETSTATSRESPONSE']._serialized_end=1012
+  _globals['_TRAJECTORYSERVICE']._serialized_start=1015
+  _globals['_TRAJECTORYSERVICE']._serialized_end=1260
 # @@protoc_insertion_point(module_scope)

@@ -61,16 +61,32 @@ class StreamBatchesRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenBatchStream, _Mapping]] = ..., ack: _Optional[_Union[AckBatch, _Mapping]] = ..., nack: _Optional[_Union[NackBatch, _Mapping]] = ...) -> None: ...
 
 class StreamBatchesResponse(_message.Message):
-    __slots__ = ("lease_id", "batch", "lease_expires_at", "redelivered")
+    __slots__ = ("lease_id", "batch", "lease_expires_at", "redelivered", "settled")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     REDELIVERED_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     batch: _tensor_pb2.TensorDict
     lease_expires_at: float
     redelivered: bool
-    def __init__(self, lease_id: _Optional[str] = ..., batch: _Optional[_Union[_tensor_pb2.TensorDict, _Mapping]] = ..., lease_expires_at: _Optional[float] = ..., redelivered: _Optional[bool] = ...) -> None: ...
+    settled: Settled
+    def __init__(self, lease_id: _Optional[str] = ..., batch: _Optional[_Union[_tensor_pb2.TensorDict, _Mapping]] = ..., lease_expires_at: _Optional[float] = ..., redelivered: _Optional[bool] = ..., settled: _Optional[_Union[Settled, _Mapping]] = ...) -> None: ...
+
+class Settled(_message.Message):
+    __slots__ = ("lease_id", "nack", "applied", "trajectories", "reason")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NACK_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    nack: bool
+    applied: bool
+    trajectories: int
+    reason: str
+    def __init__(self, lease_id: _Optional[str] = ..., nack: _Optional[bool] = ..., applied: _Optional[bool] = ..., trajectories: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -137,6 +137,10 @@ class TrajectoryServiceServicer:
         batches as it finishes them. A batch not acked within its lease, or
         whose stream ends, is delivered again to some reader; an acked batch is
         never delivered again. Concurrent streams get disjoint batches.
+        Every ack and nack is answered, in the order sent, by a response whose
+        `settled` says whether it took effect (a response carries either a batch
+        or a `settled`, never both). An ack that comes too late (the lease
+        expired) is answered `applied = false` and the stream goes on.
         The collector's address also serves this RPC (forwarded), so a trainer
         only needs the collector's address.
         """

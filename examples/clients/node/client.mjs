@@ -69,19 +69,25 @@ function decodeTensorDict(td, prefix = "", out = {}) {
   return out;
 }
 
-// --- one batch: open, receive, ack, half-close ----------------------------------------------------
+// --- one batch: open, receive, ack, read the server's answer, half-close -----------------------------
+// A response carries either a batch (lease_id set) or `settled`: the answer to an ack or nack.
 function streamOneBatch() {
   return new Promise((resolve, reject) => {
     const stream = trajectory.StreamBatches({ deadline: new Date(Date.now() + 600_000) });
     let got = null;
+    let settled = null;
     stream.on("data", (message) => {
-      if (got) return;
-      got = message;
-      stream.write({ ack: { lease_id: message.lease_id } });
-      stream.end(); // half-close: the server ends the stream once the ack is processed
+      if (message.settled) {
+        if (got && message.settled.lease_id === got.lease_id) settled = message.settled;
+        stream.end(); // half-close: the server ends the stream (releasing anything else it sent)
+      } else if (!got) {
+        got = message;
+        stream.write({ ack: { lease_id: message.lease_id } });
+      }
     });
     stream.on("error", reject);
-    stream.on("end", () => (got ? resolve(got) : reject(new Error("stream ended without a batch"))));
+    stream.on("end", () => (got ? resolve({ message: got, settled })
+                                : reject(new Error("stream ended without a batch"))));
     stream.write({ open: { batch_size: batchSize, whole_groups: true } });
   });
 }
@@ -96,9 +102,11 @@ const prompts = Array.from({ length: groups }, (_, i) => ({
   prompt: { text: `answer in digits: node ${i}` }, reward_fn: "char_fraction", reward_args: { pattern: "[0-9]" } }));
 summary.prompt_ids = (await call(collector, "SubmitPrompts", { prompts })).prompt_ids;
 
-const message = await streamOneBatch();
+const { message, settled } = await streamOneBatch();
 const batch = decodeTensorDict(message.batch);
 summary.lease_id = message.lease_id;
+summary.ack = settled && { lease_id: settled.lease_id, applied: settled.applied,
+                           trajectories: settled.trajectories, reason: settled.reason };
 summary.batch_size = message.batch.batch_size.map(Number);
 summary.keys = Object.fromEntries(Object.entries(batch).map(([k, v]) => [k, v.kind]));
 const str = (values) => values.map((v) => (typeof v === "bigint" ? v.toString() : v));
