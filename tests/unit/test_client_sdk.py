@@ -69,6 +69,7 @@ class State:
         self.opens: list[trajectory_pb2.OpenBatchStream] = []
         self.streams_ended = 0
         self.stream_error: tuple[int, grpc.StatusCode] | None = None  # abort after n deliveries
+        self.expired: set[str] = set()  # leases whose ack comes too late (released for redelivery)
 
     def add_batches(self, count: int, size: int = 4) -> None:
         for i in range(count):
@@ -214,6 +215,7 @@ class FakeTrajectory(trajectory_pb2_grpc.TrajectoryServiceServicer):
         opened = (await anext(requests)).open
         state.opens.append(opened)
         leases: dict[str, tensor_pb2.TensorDict] = {}
+        answers: collections.deque = collections.deque()  # Settled, answered before the next batch
         changed, half_closed = asyncio.Event(), asyncio.Event()
 
         async def pump():
@@ -222,8 +224,13 @@ class FakeTrajectory(trajectory_pb2_grpc.TrajectoryServiceServicer):
                 lease_id = getattr(request, kind).lease_id
                 state.settled.append((kind, lease_id))
                 batch = leases.pop(lease_id, None)
-                if kind == "nack" and batch is not None:
+                applied = batch is not None and lease_id not in state.expired
+                if batch is not None and (kind == "nack" or not applied):
                     state.ready.appendleft((lease_id, batch, True))
+                answers.append(trajectory_pb2.Settled(
+                    lease_id=lease_id, nack=kind == "nack", applied=applied,
+                    trajectories=batch.batch_size[0] if applied else 0,
+                    reason="" if applied else "expired and released for redelivery"))
                 changed.set()
             half_closed.set()
             changed.set()
@@ -234,9 +241,13 @@ class FakeTrajectory(trajectory_pb2_grpc.TrajectoryServiceServicer):
             while True:
                 if state.stream_error is not None and delivered == state.stream_error[0]:
                     await context.abort(state.stream_error[1], "stream broke on purpose")
-                while not half_closed.is_set() and (len(leases) >= max(opened.prefetch, 1) or not state.ready):
+                while not half_closed.is_set() and not answers and (
+                        len(leases) >= max(opened.prefetch, 1) or not state.ready):
                     changed.clear()
                     await changed.wait()
+                if answers:
+                    yield trajectory_pb2.StreamBatchesResponse(settled=answers.popleft())
+                    continue
                 if half_closed.is_set():
                     return
                 lease_id, batch, redelivered = state.ready.popleft()
@@ -598,6 +609,22 @@ def test_batches_yield_tensordicts_and_auto_ack_the_previous_one(client, state):
     batches.close()  # a deliberate close acks the last batch
     assert state.settled[-1] == ("ack", third.lease_id)
     eventually(lambda: state.streams_ended == 1)
+
+
+def test_the_servers_answers_are_recorded_on_the_batches(client, state, caplog):
+    state.add_batches(3)
+    batches = client.batches(4)
+    first = next(batches)
+    state.expired.add(first.lease_id)  # its lease runs out before the ack arrives
+    second = next(batches)  # auto-acks the first: answered (not applied) before this batch arrives
+    assert (first.settled, first.confirmed) == ("ack", False)
+    assert "expired" in first.settle_error and "not applied" in caplog.text
+    assert second.lease_id == first.lease_id and second.redelivered  # the stream goes on; the batch came back
+    state.expired.clear()
+    third = next(batches)
+    assert second.confirmed is True and third.confirmed is None
+    batches.close()
+    assert (third.settled, third.confirmed, third.settle_error) == ("ack", True, "")
 
 
 def test_explicit_ack_without_auto_ack(client, state):
