@@ -28,6 +28,11 @@ class TrajectoryConfig(ServiceConfig):
     synchronous: Literal["FULL", "NORMAL"] = "FULL"
     """SQLite ``synchronous`` mode (WAL journal). FULL: an acknowledged append survives power loss
     (one fsync per commit). NORMAL: it survives a crash of the service but not of the machine."""
+    batch_schema: bool = True
+    """Refuse an Append holding a key that is not in the batch schema (docs/batch-schema.md), or
+    one whose kind, dtype or trailing dims differ from it (INVALID_ARGUMENT naming the key); keys
+    may be left out, except the required group_id and policy_version_start. False stores any
+    layout (the first append fixes it while rows are buffered)."""
     idempotency_window: int = Field(100_000, gt=0)
     """How many of the most recent Append idempotency keys are remembered (and deduplicated)."""
     lock_timeout_seconds: float = Field(10.0, ge=0)

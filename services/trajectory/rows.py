@@ -149,6 +149,24 @@ def schema_mismatch(expected: Schema, got: Schema, prefix: str = "trajectories")
     return None
 
 
+def schema_violation(documented: Schema, got: Schema, prefix: str = "trajectories") -> str | None:
+    """The first key of ``got`` that ``documented`` lacks or describes otherwise, as "<field>: <problem>",
+    or None. Keys of ``documented`` that ``got`` leaves out are not a violation."""
+    for key in sorted(got):
+        where = f"{prefix}.entries[{key}]"
+        want, have = documented.get(key), got[key]
+        if want is None:
+            return (f"{where}: not a key of the batch schema (docs/batch-schema.md); documented keys here: "
+                    f"{', '.join(sorted(documented))}")
+        if want[0] == have[0] == "nested" and want[1] == have[1]:
+            nested = schema_violation(want[2], have[2], f"{where}.nested")
+            if nested:
+                return nested
+        elif want != have:
+            return f"{where}: {_describe(have)}, but the batch schema (docs/batch-schema.md) says {_describe(want)}"
+    return None
+
+
 def _describe(entry: list[Any]) -> str:
     kind = entry[0]
     if kind in ("tensor", "ragged"):

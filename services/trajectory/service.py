@@ -13,6 +13,7 @@ from rlfleet.services.trajectory.config import TrajectoryConfig
 from rlfleet.services.trajectory.servicer import TrajectoryServicer
 from rlfleet.services.trajectory.store import TrajectoryStore
 from rlfleet.v1 import trajectory_pb2, trajectory_pb2_grpc
+from rlfleet.wire.batch_schema import row_schema
 
 log = logging.getLogger("rlfleet.trajectory")
 
@@ -32,7 +33,8 @@ class TrajectoryService(Service[TrajectoryConfig]):
         config = self.config
         return TrajectoryStore(config.db_path, config.capacity, synchronous=config.synchronous,
                                idempotency_window=config.idempotency_window,
-                               lock_timeout_seconds=config.lock_timeout_seconds)
+                               lock_timeout_seconds=config.lock_timeout_seconds,
+                               documented=row_schema() if config.batch_schema else None)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         trajectory_pb2_grpc.add_TrajectoryServiceServicer_to_server(TrajectoryServicer(self.buffer), server)

@@ -129,7 +129,9 @@ class TrajectoryStore:
 
     def __init__(self, path: str, capacity: int, *, synchronous: Literal["FULL", "NORMAL"] = "FULL",
                  idempotency_window: int = 100_000, lock_timeout_seconds: float = 10.0,
-                 clock: Callable[[], float] = time.time):
+                 documented: rowcodec.Schema | None = None, clock: Callable[[], float] = time.time):
+        """``documented``: the schema every append must keep to (its keys may be a subset);
+        None accepts any layout."""
         if capacity <= 0:
             raise ValueError(f"capacity must be > 0, got {capacity}")
         self.path = path
@@ -144,6 +146,7 @@ class TrajectoryStore:
         self._leased = 0
         self._appended = self._acked = self._redelivered_batches = self._dropped_stale = 0
         self._schema: rowcodec.Schema | None = None
+        self._documented = documented
         self._load()
 
     # --- lifecycle ----------------------------------------------------------------
@@ -187,6 +190,9 @@ class TrajectoryStore:
                 f"trajectory buffer full: {self.buffered} of {self.capacity} buffered, {count} more "
                 "do not fit; retry after trainers ack batches")
         schema = rowcodec.schema_of(msg)
+        violation = self._documented is not None and rowcodec.schema_violation(self._documented, schema)
+        if violation:
+            raise InvalidArgument(violation)
         if self._schema is not None and self.buffered:
             mismatch = rowcodec.schema_mismatch(self._schema, schema)
             if mismatch:

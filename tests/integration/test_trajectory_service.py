@@ -151,7 +151,10 @@ def test_malformed_requests_are_invalid_argument_and_the_service_keeps_serving(s
     del missing.entries["group_id"]
     broken = make_trajectories([1, 1])
     broken.entries["score"].tensor.data = b"\x00" * 7
+    undocumented = make_trajectories([1, 1])
+    undocumented.entries["my_metric"].CopyFrom(undocumented.entries["score"])
     for request, field in [
+        (pb.AppendRequest(trajectories=undocumented), "trajectories.entries[my_metric]: not a key of the batch schema"),
         (pb.AppendRequest(trajectories=missing), "trajectories.entries[group_id]"),
         (pb.AppendRequest(trajectories=broken), "trajectories.entries[score].tensor.data"),
         (pb.AppendRequest(), "trajectories: missing"),

@@ -14,6 +14,7 @@ from rlfleet.services.trajectory.buffer import OUTBOX_SIZE, ReaderOptions, Settl
 from rlfleet.services.trajectory.store import TrajectoryStore
 from rlfleet.v1 import tensor_pb2
 from rlfleet.wire import Ragged, WireError, decode_tensordict, encode_tensordict, get_ragged
+from rlfleet.wire.batch_schema import row_schema
 
 
 def make_trajectories(group_ids, first_id: int = 0, policy_version: int = 0,
@@ -31,7 +32,7 @@ def make_trajectories(group_ids, first_id: int = 0, policy_version: int = 0,
         "tokens": TensorDict({"prompt": prompt.to_nested(), "response": response.to_nested()}, batch_size=[count]),
         "log_probs": TensorDict({"response": behaviour.to_nested()}, batch_size=[count]),
         "score": torch.tensor([float(i) for i in ids]),
-        "next": TensorDict({"done": torch.tensor([i % 2 == 0 for i in ids])}, batch_size=[count]),
+        "next": TensorDict({"done": torch.tensor([[i % 2 == 0] for i in ids])}, batch_size=[count]),
         "sampling": TensorDict({"temperature": torch.full((count,), 0.7)}, batch_size=[count]),
         "group_id": torch.tensor(list(group_ids), dtype=torch.int64),
         "policy_version_start": torch.full((count,), policy_version, dtype=torch.int64),
@@ -65,7 +66,7 @@ def check_rows(batch: tensor_pb2.TensorDict) -> None:
         for have, want in zip(got, expected):
             assert torch.equal(have, want.to(have.dtype)), key
     assert td["score"].tolist() == [float(i) for i in ids]
-    assert td["next", "done"].tolist() == [i % 2 == 0 for i in ids]
+    assert td["next", "done"].tolist() == [[i % 2 == 0] for i in ids]
     assert td["sampling", "temperature"].shape == (len(ids),)
 
 
@@ -289,6 +290,30 @@ def test_rows_of_one_buffer_share_a_schema(store):
     delivery = store.lease("a", 1, lease_seconds=1)
     store.ack("a", delivery.lease_id)
     assert store.append(other).appended == 1  # an empty buffer takes a new schema
+
+
+def test_with_the_batch_schema_only_documented_keys_in_their_documented_form_are_stored(clock):
+    store = TrajectoryStore(":memory:", capacity=100, documented=row_schema(), clock=clock)
+    assert store.append(make_trajectories([1, 1])).appended == 2  # a subset of the documented keys
+    extra = make_trajectories([2, 2], first_id=2)
+    extra.entries["my_metric"].CopyFrom(extra.entries["score"])
+    nested_extra = make_trajectories([2, 2], first_id=2)
+    nested_extra.entries["next"].nested.entries["value"].CopyFrom(extra.entries["score"])
+    flat_done = make_trajectories([2, 2], first_id=2)
+    flat_done.entries["next"].nested.entries["done"].tensor.shape[:] = [2]  # [B] where [B, 1] is documented
+    as_strings = make_trajectories([2, 2], first_id=2)
+    as_strings.entries["query"].strings.values[:] = ["a", "b"]
+    as_strings.entries["score"].strings.values[:] = ["1", "2"]  # a string column under a tensor key
+    for msg, message in [
+        (extra, r"entries\[my_metric\]: not a key of the batch schema \(docs/batch-schema.md\)"),
+        (nested_extra, r"entries\[next\].nested.entries\[value\]: not a key of the batch schema"),
+        (flat_done, r"entries\[next\].nested.entries\[done\]: tensor DTYPE_BOOL with trailing dims \[\], "
+                    r"but the batch schema .* says tensor DTYPE_BOOL with trailing dims \[1\]"),
+        (as_strings, r"entries\[score\]: strings, but the batch schema .* says tensor DTYPE_FLOAT32"),
+    ]:
+        with pytest.raises(InvalidArgument, match=message):
+            store.append(msg)
+    assert store.stats().appended == 2  # nothing half-applied
 
 
 # --- durability -----------------------------------------------------------------------------
