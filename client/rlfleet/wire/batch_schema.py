@@ -141,7 +141,9 @@ def render_markdown(fields: tuple[BatchField, ...] = BATCH_FIELDS) -> str:
              "`B` = samples in the batch; a key `a/b` is entry `b` of the nested TensorDict at entry `a`. "
              "Ragged entries are `RaggedTensor`s: sample `i` owns `lengths[i]` consecutive rows of `values`. "
              "Log-probabilities are natural logs. The TorchRL view of the same batch "
-             "(`rlfleet.client.torchrl.to_torchrl`) is tabled in `client/rlfleet/client/torchrl/layout.py`.", "",
+             "(`rlfleet.client.torchrl.to_torchrl`) is tabled in `client/rlfleet/client/torchrl/layout.py`. "
+             "The trajectory service refuses an Append holding a key not listed here, or a key in another "
+             "kind, dtype or trailing shape (its config `batch_schema`).", "",
              "| key | kind, shape | dtype | unit | meaning |", "|---|---|---|---|---|"]
     for field in fields:
         lines.append(f"| `{field.key}` | {_shape(field)} | {field.dtype.lower() or 'string'} | "
