@@ -40,8 +40,8 @@ from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.replicas import Replica, ReplicaPool
 from rlfleet.services.collector.spool import Spool
 from rlfleet.services.collector.transports import ReplicaOutcome, ReplicaPush
-from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
-from rlfleet.services.common.weight_stream import WeightPush, open_offered_segment
+from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted, Unavailable
+from rlfleet.services.common.weight_stream import MAX_POLICY_VERSION, WeightPush, open_offered_segment
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm
 
@@ -98,6 +98,9 @@ class WeightFanout:
         if manifest.resync or manifest.two_phase:
             raise InvalidArgument("manifest.resync and manifest.two_phase are set by the collector, not the trainer")
         if manifest.version == 0:
+            if self.gate.version >= MAX_POLICY_VERSION:
+                raise OutOfRange(f"manifest.version: no version is left after {self.gate.version} "
+                                 f"(the largest policy version is {MAX_POLICY_VERSION})")
             manifest.version = self.gate.version + 1
         if manifest.version <= self.gate.version:
             raise FailedPrecondition(

@@ -9,7 +9,7 @@ import torch
 
 from rlfleet.client.errors import from_rpc_error
 from rlfleet.services.collector.prompts import PromptItem
-from rlfleet.services.common.errors import InvalidArgument, UpstreamError
+from rlfleet.services.common.errors import InvalidArgument, RlfleetError, UpstreamError
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc
 from rlfleet.wire import decode_tensor
 
@@ -96,8 +96,15 @@ class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
         own_acks: set[str] = set()  # lease ids this proxy acked (stale batches)
         try:
             while True:
+                reading = asyncio.ensure_future(upstream.read())
+                if not pumping.done():
+                    await asyncio.wait({reading, pumping}, return_when=asyncio.FIRST_COMPLETED)
+                    refused = pumping.done() and not pumping.cancelled() and pumping.exception()
+                    if isinstance(refused, RlfleetError):  # the trainer's message was bad: say so now
+                        reading.cancel()
+                        raise refused
                 try:
-                    response = await upstream.read()
+                    response = await reading
                 except grpc.RpcError as exc:
                     error = from_rpc_error(exc, "StreamBatches")
                     raise UpstreamError(error.code, error.details) from None

@@ -19,6 +19,12 @@ class InvalidArgument(RlfleetError):
     code = "INVALID_ARGUMENT"
 
 
+class OutOfRange(RlfleetError):
+    """A value past the range it may take (e.g. a policy version beyond int64)."""
+
+    code = "OUT_OF_RANGE"
+
+
 class FailedPrecondition(RlfleetError):
     """The request is well-formed but the service state refuses it (e.g. stale version)."""
 

@@ -3,6 +3,11 @@
 Servicers stay thin and never call ``context.abort`` for domain problems: they
 let ``RlfleetError`` / ``WireError`` propagate and this interceptor maps them.
 Anything unexpected becomes INTERNAL and is logged with its traceback.
+
+Requests arrive as bytes and are parsed here, after the auth check, inside the
+error mapping: a message that is not valid protobuf is INVALID_ARGUMENT naming
+the RPC, on unary and streaming RPCs alike (grpc's own deserializer would answer
+UNKNOWN or INTERNAL, and before authentication).
 """
 
 from __future__ import annotations
@@ -12,12 +17,12 @@ import hmac
 import inspect
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import grpc
 
 from rlfleet.services.common import metrics
-from rlfleet.services.common.errors import RlfleetError
+from rlfleet.services.common.errors import InvalidArgument, RlfleetError
 from rlfleet.wire import WireError
 
 log = logging.getLogger("rlfleet.rpc")
@@ -68,14 +73,39 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return False
 
 
+def _parser(handler: grpc.RpcMethodHandler, method: str) -> Callable[[bytes], Any]:
+    deserialize = handler.request_deserializer
+
+    def parse(raw: bytes) -> Any:
+        if deserialize is None:
+            return raw
+        try:
+            return deserialize(raw)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
+            raise InvalidArgument(f"{method}: the request is not a valid protobuf message "
+                                  f"({type(exc).__name__}: {exc})") from None
+    return parse
+
+
+async def _parsed(requests: AsyncIterator[bytes], parse: Callable[[bytes], Any]) -> AsyncIterator[Any]:
+    async for raw in requests:
+        yield parse(raw)
+
+
 def _wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    parse = _parser(handler, method)
+    streaming_request = handler.request_streaming
+
+    def request_of(raw_or_iterator):
+        return _parsed(raw_or_iterator, parse) if streaming_request else parse(raw_or_iterator)
+
     if handler.unary_unary or handler.stream_unary:
         behavior = handler.unary_unary or handler.stream_unary
 
         async def unary_response(request_or_iterator, context):
             started = time.perf_counter()
             try:
-                return await behavior(request_or_iterator, context)
+                return await behavior(request_of(request_or_iterator), context)
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 raise
             except Exception as exc:  # noqa: BLE001 - the one place errors become statuses
@@ -91,7 +121,7 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethod
         async def unary_response(request_or_iterator, context):  # streams responses
             started = time.perf_counter()
             try:
-                result = behavior(request_or_iterator, context)
+                result = behavior(request_of(request_or_iterator), context)
                 if inspect.isasyncgen(result):
                     async for item in result:
                         yield item
@@ -106,8 +136,7 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethod
 
         factory = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
                    else grpc.stream_stream_rpc_method_handler)
-    return factory(unary_response, request_deserializer=handler.request_deserializer,
-                   response_serializer=handler.response_serializer)
+    return factory(unary_response, request_deserializer=None, response_serializer=handler.response_serializer)
 
 
 def _unauthenticated_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -119,12 +148,11 @@ def _unauthenticated_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHa
         await deny(request_or_iterator, context)
         yield  # pragma: no cover - unreachable, makes this an async generator
 
+    # The request is never parsed: a caller without credentials learns nothing about its bytes.
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(deny, None, handler.response_serializer)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(deny, None, handler.response_serializer)
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(deny_stream, handler.request_deserializer,
-                                                    handler.response_serializer)
-    return grpc.stream_stream_rpc_method_handler(deny_stream, handler.request_deserializer,
-                                                 handler.response_serializer)
+        return grpc.unary_stream_rpc_method_handler(deny_stream, None, handler.response_serializer)
+    return grpc.stream_stream_rpc_method_handler(deny_stream, None, handler.response_serializer)

@@ -17,7 +17,7 @@ from typing import ClassVar, Generic, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
+from grpc_health.v1._async import HealthServicer as _AsyncHealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from rlfleet.services.common import metrics
@@ -44,6 +44,14 @@ def grpc_options(config: ServiceConfig) -> list[tuple[str, int]]:
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.so_reuseport", 0),
     ]
+
+
+class HealthServicer(_AsyncHealthServicer):
+    """grpcio's asyncio health servicer plus ``List`` (which it lacks: the base raised INTERNAL)."""
+
+    async def List(self, request: health_pb2.HealthListRequest, context) -> health_pb2.HealthListResponse:
+        return health_pb2.HealthListResponse(statuses={
+            name: health_pb2.HealthCheckResponse(status=status) for name, status in self._server_status.items()})
 
 
 class Service(abc.ABC, Generic[C]):

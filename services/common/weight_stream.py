@@ -18,10 +18,13 @@ from typing import Sequence
 
 import torch
 
-from rlfleet.services.common.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
+from rlfleet.services.common.errors import Aborted, FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import WireError, shm
 from rlfleet.wire.tensor import check_shape, dtype_from_wire
+
+MAX_POLICY_VERSION = 2**63 - 1
+"""The largest policy version: batches carry versions in int64 columns."""
 
 UPDATE_MODES = {
     weights_pb2.UPDATE_MODE_UNSPECIFIED: "keep",
@@ -73,6 +76,9 @@ class WeightPush:
     def from_manifest(cls, manifest: weights_pb2.WeightManifest, max_bytes: int) -> "WeightPush":
         """Validate a manifest. Chunks are only checked (order, size, checksum)
         until ``attach_sink`` gives them a place to land."""
+        if manifest.version > MAX_POLICY_VERSION:
+            raise OutOfRange(f"manifest.version: {manifest.version} is beyond the largest policy version "
+                             f"{MAX_POLICY_VERSION} (batches carry versions as int64)")
         names, dtypes, shapes, sizes = [], [], [], []
         seen: set[str] = set()
         for i, spec in enumerate(manifest.tensors):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import queue
 import time
 
 import grpc
@@ -58,7 +59,6 @@ class Reader:
     def __init__(self, channel, batch_size: int, **open_args):
         self.requests = collections.deque()
         self._stub = trajectory_pb2_grpc.TrajectoryServiceStub(channel)
-        import queue
         self._queue = queue.Queue()
         self._queue.put(trajectory_pb2.StreamBatchesRequest(open=trajectory_pb2.OpenBatchStream(
             batch_size=batch_size, whole_groups=True, **open_args)))
@@ -146,6 +146,37 @@ def test_async_mode_staleness_is_bounded(backends, tmp_path, tiny_model_dir):
         assert sum(status.staleness_histogram) >= 4 * 2 * GROUP, consumed
     finally:
         reader.close()
+        channel.close()
+        proc.stop()
+
+
+def test_a_malformed_message_through_the_proxy_fails_at_once_and_releases_the_batch(backends, tmp_path):
+    """The collector forwards StreamBatches; a message it cannot parse ends the stream with
+    INVALID_ARGUMENT (it used to hang until the deadline, the batch leased upstream)."""
+    proc, channel = start_collector(backends, tmp_path)
+    upstream = grpc.insecure_channel(backends["trajectory"].address)
+    trajectory = trajectory_pb2_grpc.TrajectoryServiceStub(upstream)
+    requests = queue.Queue()
+    try:
+        submit(channel, 1, "garbage")
+        requests.put(trajectory_pb2.StreamBatchesRequest(open=trajectory_pb2.OpenBatchStream(
+            batch_size=GROUP)).SerializeToString())
+        stream = channel.stream_stream("/rlfleet.v1.TrajectoryService/StreamBatches", request_serializer=None,
+                                       response_deserializer=trajectory_pb2.StreamBatchesResponse.FromString)
+        responses = stream(iter(requests.get, None), timeout=120)  # a hang would end DEADLINE_EXCEEDED
+        assert next(responses).lease_id
+        requests.put(b"\x0a\xff\xff\xff\x0f\x01")  # not a protobuf message
+        with pytest.raises(grpc.RpcError) as err:
+            next(responses)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert "TrajectoryService/StreamBatches: the request is not a valid protobuf message" in err.value.details()
+        deadline = time.monotonic() + 60
+        while trajectory.GetStats(trajectory_pb2.GetStatsRequest(), timeout=30).leased:
+            assert time.monotonic() < deadline, "the batch stayed leased upstream"
+            time.sleep(0.05)
+    finally:
+        requests.put(None)
+        upstream.close()
         channel.close()
         proc.stop()
 

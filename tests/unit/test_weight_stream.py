@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from rlfleet.services.common.errors import Aborted, InvalidArgument, ResourceExhausted
-from rlfleet.services.common.weight_stream import WeightPush
+from rlfleet.services.collector.admission import VersionGate
+from rlfleet.services.collector.fanout import WeightFanout
+from rlfleet.services.common.errors import Aborted, InvalidArgument, OutOfRange, ResourceExhausted
+from rlfleet.services.common.weight_stream import MAX_POLICY_VERSION, WeightPush
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm
 from rlfleet.wire.weights import iter_push_messages
@@ -83,3 +85,25 @@ def test_bad_manifests():
     bad.checksum = "md5:abc"
     with pytest.raises(InvalidArgument, match="checksum"):
         WeightPush.from_manifest(bad, 1 << 30)
+
+
+def test_versions_stop_at_int64():
+    manifest = messages()[0][1]
+    manifest.version = MAX_POLICY_VERSION
+    assert WeightPush.from_manifest(manifest, 1 << 30).version == MAX_POLICY_VERSION
+    manifest.version = MAX_POLICY_VERSION + 1
+    with pytest.raises(OutOfRange, match="manifest.version: 9223372036854775808 is beyond"):
+        WeightPush.from_manifest(manifest, 1 << 30)
+
+
+async def test_the_collector_assigns_no_version_past_int64(tmp_path):
+    fanout = WeightFanout(pool=None, gate=VersionGate(version=MAX_POLICY_VERSION), spool_dir=tmp_path,
+                          max_push_bytes=1 << 30)
+
+    async def push():
+        for kind, msg in iter_push_messages(STATE, version=0, chunk_bytes=16):  # 0: "the next version"
+            yield kind, msg
+
+    with pytest.raises(OutOfRange, match="no version is left after 9223372036854775807"):
+        await fanout.push(push())
+    assert fanout.gate.version == MAX_POLICY_VERSION
