@@ -43,6 +43,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
 
 async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
     mapped = status_for(exc)
+    if mapped is None and type(exc) is NotImplementedError:  # a generated base servicer's stub
+        mapped = (grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented by this service")
     if mapped is None:
         log.error("unexpected error in %s", method, exc_info=exc)
         mapped = (grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
