@@ -41,6 +41,17 @@ class CollectorConfig(ServiceConfig):
     """Passes over the dataset; 0 cycles forever."""
     max_submitted_prompts: int = Field(10_000, gt=0)
     """Bound of the trainer-submitted prompt queue (RESOURCE_EXHAUSTED beyond it)."""
+    max_prompt_bytes: int = Field(1 << 20, gt=0)
+    """Largest submitted prompt: its text or chat contents, ground truth and reward args together
+    (INVALID_ARGUMENT beyond it)."""
+    prompt_attempts: int = Field(5, ge=1)
+    """Transient failures (an upstream unavailable past its retries, an unexpected error) a prompt may
+    have before it is dead-lettered; retried with backoff meanwhile. A stage refusing the prompt's
+    input (INVALID_ARGUMENT / NOT_FOUND) dead-letters it at once."""
+    retry_backoff_seconds: float = Field(1.0, gt=0)
+    """Base of the exponential backoff (with jitter) before a failed prompt is generated again."""
+    max_dead_letters: int = Field(10_000, gt=0)
+    """Dead letters kept for ListFailures (the newest; the total is always counted)."""
 
     group_size: int = Field(4, ge=1)
     """Samples per prompt (the GRPO group, sampling.n)."""
@@ -71,8 +82,9 @@ class CollectorConfig(ServiceConfig):
 
     state_dir: str = "collector-state"
     """Directory for the resumable state (version, dataset position) and the weight spool used to re-sync replicas."""
-    max_push_bytes: int = Field(256 * 1024**3, gt=0)
-    """Largest weight push accepted."""
+    max_push_bytes: int | None = Field(None, gt=0)
+    """Largest weight push accepted, checked on the manifest before any memory is given to it.
+    ``None``: the smallest limit the replicas report (each, by default, 4 x its checkpoint's bytes)."""
     replica_check_seconds: float = Field(2.0, gt=0)
     """How often unhealthy replicas are probed (and re-synced before rejoining)."""
     replica_startup_seconds: float = Field(60.0, ge=0)

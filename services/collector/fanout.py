@@ -59,7 +59,7 @@ class PushOutcome:
 class WeightFanout:
     """Receives pushes from the trainer, stages and commits them on every replica, keeps the spool."""
 
-    def __init__(self, pool: ReplicaPool, gate: VersionGate, spool_dir: Path, max_push_bytes: int,
+    def __init__(self, pool: ReplicaPool, gate: VersionGate, spool_dir: Path, max_push_bytes: int | None,
                  on_commit=None):
         self.pool = pool
         self.gate = gate
@@ -105,7 +105,7 @@ class WeightFanout:
         if manifest.version <= self.gate.version:
             raise FailedPrecondition(
                 f"weights version {manifest.version} is not newer than current {self.gate.version}")
-        push = WeightPush.from_manifest(manifest, self.max_push_bytes)
+        push = WeightPush.from_manifest(manifest, self._push_limit())
         source = manifest.WhichOneof("source")
         if source == "nccl":
             return await self._push_nccl(manifest, push, started)
@@ -287,6 +287,15 @@ class WeightFanout:
         self._spool_thread.shutdown(wait=False)
 
     # --- re-sync -------------------------------------------------------------
+    def _push_limit(self) -> int:
+        """``max_push_bytes``, or the smallest limit the replicas reported (a replica would refuse more)."""
+        if self.max_push_bytes is not None:
+            return self.max_push_bytes
+        reported = [r.max_push_bytes for r in self.pool.replicas if r.max_push_bytes]
+        if not reported:
+            raise Unavailable("no generation replica has reported its largest accepted push yet")
+        return min(reported)
+
     async def resync(self, replica: Replica) -> bool:
         """Bring a replica that fell behind (or ran ahead) to the committed version, from the spool."""
         async with self._lock:

@@ -3,8 +3,14 @@
 Each admitted prompt runs as its own task through bounded stages, so many
 groups are in different stages at once and generation never waits on
 reference or reward scoring. A group is appended whole, once (idempotency
-key = group id), so a replica dying mid-generation (its partial group is
-dropped and regenerated elsewhere) can neither lose nor duplicate it.
+key = its prompt's ledger row), so a replica dying mid-generation (its partial
+group is dropped and regenerated elsewhere), or the collector dying after the
+Append, can neither lose nor duplicate it.
+
+Every prompt ends as one group or one dead letter: a stage that refuses the
+prompt's input (INVALID_ARGUMENT / NOT_FOUND) dead-letters it at once; any other
+failure is retried with backoff up to ``prompt_attempts`` times (counted in the
+ledger, so the budget survives restarts), then dead-lettered.
 """
 
 from __future__ import annotations
@@ -79,6 +85,8 @@ class PipelineOptions:
     max_generations_in_flight: int
     max_scoring_in_flight: int
     generation_attempts: int = 5
+    prompt_attempts: int = 5
+    retry_backoff_seconds: float = 1.0
 
 
 class _Discard(Exception):
@@ -101,7 +109,8 @@ class Pipeline:
         self.staleness = Counter()
         self.appended = 0
         self.discarded_samples = 0
-        self.failed_groups = 0
+        self.failed_prompts = 0
+        """Dead letters since the state directory was created (seeded from the ledger at start)."""
         self._groups = asyncio.Semaphore(options.max_groups_in_flight)
         self._generation = asyncio.Semaphore(options.max_generations_in_flight)
         self._scoring = asyncio.Semaphore(options.max_scoring_in_flight)
@@ -125,28 +134,45 @@ class Pipeline:
 
     async def _run_group(self, item: PromptItem, group_index: int) -> None:
         group_id = self._rng.getrandbits(62)
+        stage = "generation"
         try:
             samples = await self._generate(item, group_id)
+            stage = "reference"
             ref_log_probs = await self._score_reference(samples)
+            stage = "reward"
             rewards = await self._compute_rewards(item, samples, ref_log_probs, group_id)
-            await self._append(item, samples, ref_log_probs, rewards, group_id)
+            stage = "trajectory"
+            version = await self._append(item, samples, ref_log_probs, rewards, group_id)
+            # Sync mode keeps the prompt's row a while: a group that goes stale unread is generated again.
+            await self.source.done(item, retain_at_version=version if self.options.mode == "sync" else None)
         except _Discard as reason:
             log.info("group discarded, prompt requeued", extra={"prompt_id": item.prompt_id, "reason": str(reason)})
             self.source.requeue(item)
             await self.gate.give_back()
-        except (InvalidArgumentError, NotFoundError) as exc:
-            # Retrying a rejected prompt would fail forever: count it loudly and move on.
-            self.failed_groups += 1
-            log.error("group failed permanently", extra={"prompt_id": item.prompt_id, "error": str(exc)})
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 - a task's failure must be logged, never lost
-            self.failed_groups += 1
-            log.exception("group failed", extra={"prompt_id": item.prompt_id})
-            self.source.requeue(item)
-            await self.gate.give_back()
+        except Exception as exc:  # noqa: BLE001 - a task's failure must be accounted for, never lost
+            await self.gate.give_back()  # its slot goes to another prompt
+            await self._failed(item, stage, exc)
         finally:
             self._groups.release()
+
+    async def _failed(self, item: PromptItem, stage: str, exc: Exception) -> None:
+        """Dead-letter the prompt (input refused, or retries used up), or retry it after a backoff."""
+        code = exc.code if isinstance(exc, RlfleetClientError) else type(exc).__name__
+        permanent = isinstance(exc, (InvalidArgumentError, NotFoundError))
+        if not permanent:
+            attempts = await self.source.ledger.attempted(item)
+            if attempts < self.options.prompt_attempts:
+                delay = backoff(attempts - 1, self.options.retry_backoff_seconds)
+                log.warning("group failed in %s (attempt %d of %d), retrying in %.1f s: %s", stage, attempts,
+                            self.options.prompt_attempts, delay, exc, extra={"prompt_id": item.prompt_id})
+                asyncio.get_running_loop().call_later(delay, self.source.requeue, item)
+                return
+        dead = await self.source.dead(item, stage, code, str(exc))
+        self.failed_prompts += 1
+        log.error("prompt failed for good in %s: %s %s", stage, code, exc,
+                  extra={"prompt_id": item.prompt_id, "attempts": dead.attempts, "dead_letter": dead.seq})
 
     # --- stages ----------------------------------------------------------------
     def _request(self, item: PromptItem, group_id: int) -> generation_pb2.GenerateRequest:
@@ -217,7 +243,8 @@ class Pipeline:
             return await call_with_retry(self.reward.ComputeRewards, request, method="ComputeRewards",
                                          settings=self.settings)
 
-    async def _append(self, item, samples, ref_log_probs, rewards, group_id: int) -> None:
+    async def _append(self, item, samples, ref_log_probs, rewards, group_id: int) -> int:
+        """Append the group (or find it appended before a restart); returns its start version."""
         start_version = min(s.policy_version_start for s in samples)
         now = max(self.gate.version, *(s.policy_version_end for s in samples))
         if now - start_version > self.gate.max_staleness:
@@ -230,19 +257,24 @@ class Pipeline:
         td = group_tensordict(samples=samples, ref_log_probs=ref_log_probs, rewards=rewards,
                               group_id=group_id, prompt_id=item.prompt_id, kl_coef=rewards.kl_coef,
                               query=item.query)
-        request = trajectory_pb2.AppendRequest(trajectories=encode_tensordict(td), idempotency_key=f"{group_id:x}")
+        request = trajectory_pb2.AppendRequest(trajectories=encode_tensordict(td), idempotency_key=item.append_key)
         async with self.stages["trajectory"].track():
             attempt = 0
             while True:
                 try:
-                    await call_with_retry(self.trajectory.Append, request, method="Append", settings=self.settings)
+                    reply = await call_with_retry(self.trajectory.Append, request, method="Append",
+                                                  settings=self.settings)
                     break
                 except ResourceExhaustedError:
                     # Backpressure: the buffer is full until the trainer catches up.
                     await asyncio.sleep(min(2.0, 0.05 * 2 ** min(attempt, 6)))
                     attempt += 1
+        if not reply.appended:  # appended before a restart: the earlier group stands
+            log.info("group already appended", extra={"prompt_id": item.prompt_id, "key": item.append_key})
+            return start_version
         self.appended += len(samples)
         self.staleness[now - start_version] += len(samples)  # staleness when it became visible
+        return start_version
 
     def staleness_histogram(self) -> list[int]:
         if not self.staleness:

@@ -4,7 +4,9 @@ A dataset is a JSONL or Parquet file (or a Hugging Face ``datasets`` directory
 saved with ``save_to_disk``) with a prompt field — a string, or a list of chat
 messages ``{"role", "content"}`` — and optional ground-truth / reward fields.
 Epochs, seeded shuffling and a resumable position (epoch, index) are kept
-here; nothing in this module knows gRPC.
+here; every prompt handed out is first written to the prompt ledger
+(``ledger.py``), so a restarted collector generates it again. Nothing in this
+module knows gRPC.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import random
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
+
+if TYPE_CHECKING:
+    from rlfleet.services.collector.ledger import DeadLetter, PromptLedger
 
 
 @dataclass
@@ -37,6 +42,16 @@ class PromptItem:
     reward_args: dict[str, str] = field(default_factory=dict)
     sampling: dict[str, Any] | None = None
     """Overrides of the configured sampling parameters."""
+    ledger_seq: int | None = None
+    """Its row in the prompt ledger (set when it is written there)."""
+    attempts: int = 0
+    """Transient failures so far (persisted in the ledger)."""
+
+    @property
+    def append_key(self) -> str:
+        """The idempotency key of its group's Append: one group per ledger row, even when a
+        collector restarted after the Append and generates the prompt again."""
+        return f"{self.prompt_id}#{self.ledger_seq}"
 
     @property
     def query(self) -> str:
@@ -91,11 +106,14 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
 
 
 class PromptSource:
-    """Submitted prompts first, then dataset rows in (seeded) shuffled epochs."""
+    """Prompts to generate: given back ones first (a restart's pending prompts, discarded groups),
+    then submitted ones, then dataset rows in (seeded) shuffled epochs. Each is in the ledger
+    before it is handed out; ``done`` / ``dead`` end it there."""
 
-    def __init__(self, records: list[dict[str, Any]] | None = None, *, prompt_field: str = "prompt",
-                 ground_truth_field: str = "answer", shuffle: bool = True, seed: int = 0, epochs: int = 0,
-                 max_submitted: int = 10_000):
+    def __init__(self, ledger: "PromptLedger", records: list[dict[str, Any]] | None = None, *,
+                 prompt_field: str = "prompt", ground_truth_field: str = "answer", shuffle: bool = True,
+                 seed: int = 0, epochs: int = 0, max_submitted: int = 10_000):
+        self.ledger = ledger
         self._records = records or []
         self._prompt_field = prompt_field
         self._ground_truth_field = ground_truth_field
@@ -106,6 +124,10 @@ class PromptSource:
         self._submitted: collections.deque[PromptItem] = collections.deque()
         self._requeued: collections.deque[PromptItem] = collections.deque()
         self._available = asyncio.Event()
+        self.pending = 0
+        """Prompts in the ledger: handed out or queued, not yet ended."""
+        self.restored = False
+        """Whether ``restore`` ran (a collector takes submissions only after it)."""
         self.epoch = 0
         self.index = 0
         self._order = self._epoch_order(0)
@@ -123,27 +145,66 @@ class PromptSource:
         return {"epoch": self.epoch, "index": self.index}
 
     def load_state(self, state: dict[str, int]) -> None:
-        self.epoch, self.index = int(state.get("epoch", 0)), int(state.get("index", 0))
-        self._order = self._epoch_order(self.epoch)
+        epoch, self.index = int(state.get("epoch", 0)), int(state.get("index", 0))
+        if epoch != self.epoch:
+            self.epoch, self._order = epoch, self._epoch_order(epoch)
+
+    async def restore(self) -> int:
+        """After a restart: the ledger's dataset position, and its pending prompts queued first
+        (they were queued or generating when the collector stopped). Returns how many."""
+        position = await self.ledger.position()
+        if position is not None:
+            self.load_state(position)
+        pending = await self.ledger.pending()
+        self.pending = len(pending)
+        self._requeued.extend(pending)
+        if pending:
+            self._available.set()
+        self.restored = True
+        return len(pending)
 
     # --- input ----------------------------------------------------------------
-    def submit(self, items: list[PromptItem]) -> list[str]:
-        """Queue trainer prompts (all or nothing; RESOURCE_EXHAUSTED when full)."""
+    async def submit(self, items: list[PromptItem]) -> list[str]:
+        """Queue trainer prompts, durably (all or nothing; RESOURCE_EXHAUSTED when full). A prompt id
+        already pending is not queued again."""
         if len(self._submitted) + len(items) > self._max_submitted:
             raise ResourceExhausted(
                 f"prompt queue full ({len(self._submitted)} queued, max {self._max_submitted})")
         for item in items:
             if not item.prompt_id:
                 item.prompt_id = uuid.uuid4().hex
-            self._submitted.append(item)
-        if items:
+        added = await self.ledger.add(items)
+        self.pending += len(added)
+        self._submitted.extend(added)
+        if added:
             self._available.set()
         return [item.prompt_id for item in items]
 
     def requeue(self, item: PromptItem) -> None:
-        """Put back a prompt whose group was aborted, ahead of everything else."""
+        """Put back a pending prompt (its group was discarded, or failed and is retried), ahead of
+        everything else."""
         self._requeued.append(item)
         self._available.set()
+
+    async def done(self, item: PromptItem, retain_at_version: int | None = None) -> None:
+        """Its group was appended (see ``PromptLedger.done``)."""
+        await self.ledger.done(item, retain_at_version)
+        self.pending -= 1
+
+    async def regenerate(self, prompt_ids: list[str]) -> list[str]:
+        """Generate again the prompts of appended groups that were dropped stale, ahead of everything
+        else; returns the prompt ids whose row was no longer kept (not generated again)."""
+        again, missing = await self.ledger.regenerate(prompt_ids)
+        self.pending += len(again)
+        for item in again:
+            self.requeue(item)
+        return missing
+
+    async def dead(self, item: PromptItem, stage: str, code: str, error: str) -> "DeadLetter":
+        """It failed for good: a dead letter."""
+        dead = await self.ledger.dead(item, stage, code, error)
+        self.pending -= 1
+        return dead
 
     @property
     def exhausted(self) -> bool:
@@ -155,28 +216,34 @@ class PromptSource:
         return len(self._submitted) + len(self._requeued)
 
     # --- output ---------------------------------------------------------------
-    def _next_nowait(self) -> PromptItem | None:
-        if self._requeued:
-            return self._requeued.popleft()
-        if self._submitted:
-            return self._submitted.popleft()
+    def _next_row(self) -> tuple[PromptItem, dict[str, int]] | None:
+        """The next dataset prompt and the position after it (the source has not moved yet)."""
         if not self._records or (self._epochs and self.epoch >= self._epochs):
             return None
         row = self._order[self.index]
         item = item_from_record(self._records[row], row, self._prompt_field, self._ground_truth_field,
                                 default_id=f"row{row}")
         item.prompt_id = f"{item.prompt_id}@e{self.epoch}"
-        self.index += 1
-        if self.index >= len(self._order):
-            self.epoch, self.index = self.epoch + 1, 0
-            self._order = self._epoch_order(self.epoch)
-        return item
+        epoch, index = self.epoch, self.index + 1
+        if index >= len(self._order):
+            epoch, index = epoch + 1, 0
+        return item, {"epoch": epoch, "index": index}
 
     async def next(self) -> PromptItem:
         """The next prompt, waiting for submissions when the dataset is exhausted or absent."""
         while True:
-            item = self._next_nowait()
-            if item is not None:
-                return item
+            if self._requeued:
+                return self._requeued.popleft()
+            if self._submitted:
+                return self._submitted.popleft()
+            drawn = self._next_row()
+            if drawn is not None:
+                item, position = drawn
+                added = await self.ledger.add([item], position)  # durable before it is handed out
+                self.load_state(position)
+                if added:
+                    self.pending += 1
+                    return item
+                continue  # still pending from before a restart: it is queued already
             self._available.clear()
             await self._available.wait()

@@ -38,6 +38,8 @@ class Replica:
     """It could not open a segment of ours (another host or IPC namespace): grpc pushes stream to it."""
     transfer_world_size: int = 0
     """Its inference workers (NCCL ranks in an nccl push), from its last probe."""
+    max_push_bytes: int = 0
+    """The largest push it accepts, from its last probe (0: not reported yet)."""
 
 
 def expand_addresses(addresses: list[str]) -> list[str]:
@@ -116,6 +118,7 @@ class ReplicaPool:
             status = await replica.stub.GetEngineStatus(
                 generation_pb2.GetEngineStatusRequest(), timeout=timeout, metadata=self.settings.metadata())
             replica.transfer_world_size = status.weight_transfer_world_size
+            replica.max_push_bytes = status.max_push_bytes
             return status.policy_version
         except grpc.RpcError:
             return None

@@ -11,19 +11,22 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rlfleet.client.channel import ChannelSettings, aio_channel
+from rlfleet.client.channel import ChannelSettings, aio_channel, call_with_retry
+from rlfleet.client.errors import RlfleetClientError
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.config import CollectorConfig
 from rlfleet.services.collector.fanout import WeightFanout
+from rlfleet.services.collector.ledger import PromptLedger
 from rlfleet.services.collector.pipeline import Pipeline, PipelineOptions
 from rlfleet.services.collector.prompts import PromptSource, load_records
 from rlfleet.services.collector.replicas import ReplicaPool
 from rlfleet.services.collector.servicer import CollectorServicer, TrajectoryProxyServicer
 from rlfleet.services.collector.spool import write_atomically
+from rlfleet.services.common.errors import Unavailable
 from rlfleet.services.common.server import Service
 from rlfleet.wire import shm
 from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, reference_pb2_grpc, reward_pb2, reward_pb2_grpc,
-                        trajectory_pb2_grpc)
+                        trajectory_pb2, trajectory_pb2_grpc)
 
 log = logging.getLogger("rlfleet.collector")
 _KL = {"k1": reward_pb2.KL_ESTIMATOR_K1, "k2": reward_pb2.KL_ESTIMATOR_K2, "k3": reward_pb2.KL_ESTIMATOR_K3}
@@ -47,7 +50,8 @@ class CollectorService(Service[CollectorConfig]):
         self.gate = VersionGate(groups_per_step=config.groups_per_step, max_staleness=config.max_staleness)
         self.pool = ReplicaPool(config.generation_addresses, self.settings)
         records = load_records(config.dataset_path) if config.dataset_path else []
-        self.source = PromptSource(records, prompt_field=config.prompt_field,
+        self.ledger = PromptLedger(self.state_dir / "prompts.sqlite3", max_dead_letters=config.max_dead_letters)
+        self.source = PromptSource(self.ledger, records, prompt_field=config.prompt_field,
                                    ground_truth_field=config.ground_truth_field, shuffle=config.shuffle,
                                    seed=config.seed, epochs=config.epochs,
                                    max_submitted=config.max_submitted_prompts)
@@ -56,7 +60,7 @@ class CollectorService(Service[CollectorConfig]):
             ("trajectory", config.trajectory_address))}
         self.trajectory = trajectory_pb2_grpc.TrajectoryServiceStub(self._channels["trajectory"])
         self.fanout = WeightFanout(self.pool, self.gate, self.state_dir / "spool", config.max_push_bytes,
-                                   on_commit=lambda version: self.save_state())
+                                   on_commit=self._committed)
         self.pipeline = Pipeline(
             PipelineOptions(
                 group_size=config.group_size, sampling=dict(config.sampling), mode=config.mode,
@@ -64,12 +68,16 @@ class CollectorService(Service[CollectorConfig]):
                 advantage_mode=_ADV[config.advantage_mode], update_kl_controller=config.update_kl_controller,
                 max_groups_in_flight=config.max_groups_in_flight,
                 max_generations_in_flight=config.max_generations_in_flight,
-                max_scoring_in_flight=config.max_scoring_in_flight),
+                max_scoring_in_flight=config.max_scoring_in_flight, prompt_attempts=config.prompt_attempts,
+                retry_backoff_seconds=config.retry_backoff_seconds),
             self.gate, self.pool, self.source,
             reference_pb2_grpc.ReferenceServiceStub(self._channels["reference"]),
             reward_pb2_grpc.RewardServiceStub(self._channels["reward"]),
             self.trajectory, self.settings)
         self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
+        self.not_serving_reason = "starting"
+        """Why the collector does not serve yet ("" once it does)."""
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         collector_pb2_grpc.add_CollectorServiceServicer_to_server(CollectorServicer(self), server)
@@ -81,9 +89,42 @@ class CollectorService(Service[CollectorConfig]):
         return self.state_dir / "state.json"
 
     def save_state(self) -> None:
-        state = {"version": self.gate.version, "groups_started": self.gate.groups_started,
-                 "source": self.source.state()}
+        # The dataset position lives in the prompt ledger (moved with each prompt drawn).
+        state = {"version": self.gate.version, "groups_started": self.gate.groups_started}
         write_atomically(self.state_path, json.dumps(state).encode())
+
+    def _committed(self, version: int) -> None:
+        self.save_state()
+        if self.config.mode == "sync":
+            task = asyncio.get_running_loop().create_task(self.drop_stale(version), name=f"drop-stale-{version}")
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def drop_stale(self, version: int) -> None:
+        """Sync mode, after a commit: groups older than ``version`` still buffered (unread) can never
+        reach the trainer; drop them from the trajectory service and generate their prompts again.
+        Failures are retried at the next commit (which drops everything older, too)."""
+        try:
+            dropped = await call_with_retry(
+                self.trajectory.DropStale, trajectory_pb2.DropStaleRequest(below_policy_version=version),
+                method="DropStale", settings=self.settings)
+        except RlfleetClientError as exc:
+            log.warning("could not drop stale groups after the commit of v%d (retried at the next): %s", version, exc)
+            return
+        await self.regenerate(list(dropped.prompt_ids), int(dropped.dropped), f"dropped below v{version}")
+        await self.ledger.forget_appended(version - 1)  # kept one commit longer: a leased batch may come back
+
+    async def regenerate(self, prompt_ids: list[str], samples: int, why: str) -> None:
+        """Generate again the prompts of stale groups that were deleted unread (counted as discarded)."""
+        if not samples:
+            return
+        self.pipeline.discarded_samples += samples
+        missing = await self.source.regenerate(prompt_ids)
+        log.info("stale groups deleted unread, prompts generated again",
+                 extra={"why": why, "samples": samples, "prompts": len(prompt_ids) - len(missing)})
+        if missing:
+            log.warning("stale groups deleted whose prompts had left the ledger (not generated again)",
+                        extra={"prompt_ids": missing[:20], "count": len(missing)})
 
     def load_state(self) -> dict:
         return json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
@@ -91,10 +132,13 @@ class CollectorService(Service[CollectorConfig]):
     # --- lifecycle --------------------------------------------------------------
     async def start(self) -> None:
         """Wait for the dependencies, agree on the version, start the pipeline."""
+        pending = await self.source.restore()  # first: SubmitPrompts waits for it
+        _, self.pipeline.failed_prompts = await self.ledger.failures(0, 0)
+        if pending:
+            log.info("generating the prompts pending when the collector stopped", extra={"prompts": pending})
         await self._wait_for_dependencies()
         state = self.load_state()
-        if "source" in state:
-            self.source.load_state(state["source"])
+        self.not_serving_reason = "probing the generation replicas"
         versions = await self._probe_replicas()
         # The saved version is the truth once there is one: it is written (fsync'd) at every
         # commit, so a replica ahead of it applied a push that never committed (the collector
@@ -105,6 +149,7 @@ class CollectorService(Service[CollectorConfig]):
             if versions.get(replica.address) == self.gate.version:
                 await self.pool.mark_healthy(replica, self.gate.version)
         log.info("collector ready", extra={"version": self.gate.version, "replicas": versions})
+        self.not_serving_reason = ""
         self._tasks = [asyncio.create_task(self.pipeline.run(), name="pipeline"),
                        asyncio.create_task(self._watch_replicas(), name="replicas"),
                        asyncio.create_task(self._checkpoint(), name="checkpoint")]
@@ -123,6 +168,8 @@ class CollectorService(Service[CollectorConfig]):
             await asyncio.sleep(1.0)
 
     async def _wait_for_dependencies(self) -> None:
+        addresses = {"reference": self.config.reference_address, "reward": self.config.reward_address,
+                     "trajectory": self.config.trajectory_address}
         for name, channel in self._channels.items():
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
@@ -130,9 +177,11 @@ class CollectorService(Service[CollectorConfig]):
                     reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
                         break
-                except grpc.RpcError:
-                    pass
-                log.info("waiting for %s", name)
+                    answer = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+                except grpc.RpcError as exc:
+                    answer = exc.code().name
+                self.not_serving_reason = f"waiting for {name} at {addresses[name]}: {answer}"
+                log.info(self.not_serving_reason)
                 await asyncio.sleep(1.0)
 
     async def _watch_replicas(self) -> None:
@@ -172,14 +221,15 @@ class CollectorService(Service[CollectorConfig]):
             self.save_state()
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._background]:
             task.cancel()
-        for task in self._tasks:
+        for task in [*self._tasks, *self._background]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self._tasks:
             self.save_state()
         self.fanout.close()
+        self.ledger.close()
         await self.pool.close()
         await asyncio.gather(*(c.close() for c in self._channels.values()), return_exceptions=True)
 
@@ -195,5 +245,12 @@ class CollectorService(Service[CollectorConfig]):
                       for r in self.pool.replicas],
             staleness_histogram=pipeline.staleness_histogram(), trajectories=pipeline.appended,
             discarded_samples=pipeline.discarded_samples, group_size=self.config.group_size,
-            groups_per_step=self.config.groups_per_step,
+            groups_per_step=self.config.groups_per_step, pending_prompts=self.source.pending,
+            failed_prompts=pipeline.failed_prompts, serving=not self.not_serving_reason,
+            not_serving_reason=self.not_serving_reason,
         )
+
+    def check_serving(self) -> None:
+        """Unavailable until the collector serves (see ``not_serving_reason``)."""
+        if self.not_serving_reason:
+            raise Unavailable(f"the collector does not serve yet: {self.not_serving_reason}")

@@ -3,24 +3,47 @@
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 
 import grpc
 import torch
 
-from rlfleet.client.errors import from_rpc_error
+from rlfleet.client.channel import call_with_retry
+from rlfleet.client.errors import RlfleetClientError, from_rpc_error
 from rlfleet.services.collector.prompts import PromptItem
-from rlfleet.services.common.errors import InvalidArgument, RlfleetError, UpstreamError
-from rlfleet.v1 import collector_pb2, collector_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc
+from rlfleet.services.common.errors import InvalidArgument, RlfleetError, Unavailable, UpstreamError
+from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, reward_pb2, sampling_pb2, trajectory_pb2,
+                        trajectory_pb2_grpc)
 from rlfleet.wire import decode_tensor
 
 
-def prompt_item(spec: collector_pb2.PromptSpec, index: int) -> PromptItem:
+MAX_PROMPT_ID_BYTES = 256
+_SAMPLE = re.compile(r"sample (\d+): ")
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+def prompt_item(spec: collector_pb2.PromptSpec, index: int, max_prompt_bytes: int = 1 << 20) -> PromptItem:
+    """A submitted prompt, validated (INVALID_ARGUMENT naming ``prompts[index]`` and the field)."""
+    where = f"prompts[{index}]"
+    if len(spec.prompt_id.encode()) > MAX_PROMPT_ID_BYTES:
+        raise InvalidArgument(f"{where}.prompt_id: longer than {MAX_PROMPT_ID_BYTES} bytes")
+    size = spec.ByteSize() - (spec.sampling.ByteSize() if spec.HasField("sampling") else 0)
+    if size > max_prompt_bytes:
+        raise InvalidArgument(f"{where}: {size} bytes of prompt, ground truth and reward args exceed the "
+                              f"collector's max_prompt_bytes ({max_prompt_bytes})")
     item = PromptItem(prompt_id=spec.prompt_id, ground_truth=spec.ground_truth, reward_fn=spec.reward_fn,
                       reward_args=dict(spec.reward_args))
     kind = spec.prompt.WhichOneof("kind")
     if kind == "text":
         item.text = spec.prompt.text
     elif kind == "chat":
+        if not spec.prompt.chat.messages:
+            raise InvalidArgument(f"{where}.prompt.chat.messages: empty")
+        for i, message in enumerate(spec.prompt.chat.messages):
+            if message.role not in _ROLES:
+                raise InvalidArgument(f"{where}.prompt.chat.messages[{i}].role: {message.role!r} is not one of "
+                                      f"{', '.join(_ROLES)}")
         item.chat = [{"role": m.role, "content": m.content} for m in spec.prompt.chat.messages]
     elif kind == "token_ids":
         ids = decode_tensor(spec.prompt.token_ids, f"prompts[{index}].prompt.token_ids")
@@ -30,8 +53,26 @@ def prompt_item(spec: collector_pb2.PromptSpec, index: int) -> PromptItem:
     else:
         raise InvalidArgument(f"prompts[{index}].prompt is empty: set text, chat or token_ids")
     if spec.HasField("sampling"):
-        item.sampling = {f.name: v for f, v in spec.sampling.ListFields()}
+        check_sampling(spec.sampling, f"{where}.sampling")
+        item.sampling = {f.name: v for f, v in spec.sampling.ListFields() if f.name != "n"}
     return item
+
+
+def check_sampling(sampling: sampling_pb2.SamplingParams, where: str) -> None:
+    """Bounds a replica would refuse later, refused at submission instead (0 / empty = not overridden)."""
+    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
+        raise InvalidArgument(f"{where}.temperature: must be a finite number >= 0, got {sampling.temperature}")
+    if not math.isfinite(sampling.top_p) or not 0 <= sampling.top_p <= 1:
+        raise InvalidArgument(f"{where}.top_p: must be in (0, 1] (0: not overridden), got {sampling.top_p}")
+    for name in ("top_k", "max_tokens", "min_tokens"):
+        if getattr(sampling, name) < 0:
+            raise InvalidArgument(f"{where}.{name}: must be >= 0, got {getattr(sampling, name)}")
+    if sampling.max_tokens and sampling.min_tokens > sampling.max_tokens:
+        raise InvalidArgument(f"{where}.min_tokens: {sampling.min_tokens} exceeds max_tokens {sampling.max_tokens}")
+    if any(token < 0 for token in sampling.stop_token_ids):
+        raise InvalidArgument(f"{where}.stop_token_ids: token ids must be >= 0")
+    if any(not stop for stop in sampling.stop):
+        raise InvalidArgument(f"{where}.stop: empty stop string")
 
 
 class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
@@ -39,6 +80,8 @@ class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
         self.collector = collector
 
     async def PushWeights(self, request_iterator, context):
+        self.collector.check_serving()
+
         async def messages():
             async for request in request_iterator:
                 kind = request.WhichOneof("payload")
@@ -55,14 +98,49 @@ class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
                       for r in outcome.replicas])
 
     async def GetPolicyVersion(self, request, context):
+        self.collector.check_serving()
         return collector_pb2.GetPolicyVersionResponse(version=self.collector.gate.version)
 
     async def SubmitPrompts(self, request, context):
-        items = [prompt_item(spec, i) for i, spec in enumerate(request.prompts)]
-        return collector_pb2.SubmitPromptsResponse(prompt_ids=self.collector.source.submit(items))
+        if not self.collector.source.restored:
+            raise Unavailable("the collector is starting: its prompt ledger is not read yet")
+        max_bytes = self.collector.config.max_prompt_bytes
+        items = [prompt_item(spec, i, max_bytes) for i, spec in enumerate(request.prompts)]
+        await self._check_tasks(items)
+        return collector_pb2.SubmitPromptsResponse(prompt_ids=await self.collector.source.submit(items))
+
+    async def _check_tasks(self, items: list[PromptItem]) -> None:
+        """Ask the reward service whether it has each prompt's reward function and takes its arguments:
+        a prompt it would refuse is refused now (NOT_FOUND / INVALID_ARGUMENT naming the prompt)."""
+        collector = self.collector
+        first: dict[tuple, int] = {}  # distinct task -> the first prompt carrying it
+        for index, item in enumerate(items):
+            key = (item.reward_fn or collector.config.reward_fn, item.ground_truth, tuple(sorted(item.reward_args.items())))
+            first.setdefault(key, index)
+        tasks = [reward_pb2.Task(reward_fn=fn, ground_truth=truth, args=dict(args)) for fn, truth, args in first]
+        try:
+            await call_with_retry(collector.pipeline.reward.CheckTasks, reward_pb2.CheckTasksRequest(tasks=tasks),
+                                  method="CheckTasks", settings=collector.settings, timeout=30)
+        except RlfleetClientError as error:
+            if error.code not in ("INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED"):
+                raise Unavailable(f"the reward service could not check the prompts' reward functions: "
+                                  f"{error.details}") from None
+            match = _SAMPLE.match(error.details)
+            where = f"prompts[{list(first.values())[int(match.group(1))]}]" if match else "prompts"
+            details = error.details[match.end():] if match else error.details
+            raise UpstreamError(error.code, f"{where}: {details}") from None
 
     async def GetStatus(self, request, context):
         return self.collector.status()
+
+    async def ListFailures(self, request, context):
+        if request.after_seq < 0 or request.limit < 0:
+            raise InvalidArgument(f"after_seq and limit: must be >= 0, got {request.after_seq} and {request.limit}")
+        limit = min(request.limit or 100, 1000)
+        failures, total = await self.collector.ledger.failures(request.after_seq, limit)
+        return collector_pb2.ListFailuresResponse(total=total, failures=[
+            collector_pb2.PromptFailure(seq=f.seq, prompt_id=f.prompt_id, stage=f.stage, code=f.code, error=f.error,
+                                        attempts=f.attempts, failed_at=f.failed_at) for f in failures])
 
 
 class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
@@ -115,10 +193,14 @@ class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
                         own_acks.discard(response.settled.lease_id)
                         continue
                 elif collector.config.mode == "sync" and self._stale(response):
+                    # Stale (a push landed after it was appended): delete it, generate its prompts again.
+                    # (Regenerated first: a crash in between leaves the batch buffered, not the prompts lost.)
+                    entry = response.batch.entries.get("prompt_id")
+                    prompt_ids = list(dict.fromkeys(entry.strings.values)) if entry is not None else []
+                    await collector.regenerate(prompt_ids, response.batch.batch_size[0], "stale batch at the proxy")
                     own_acks.add(response.lease_id)
                     await write(trajectory_pb2.StreamBatchesRequest(ack=trajectory_pb2.AckBatch(
                         lease_id=response.lease_id)))
-                    collector.pipeline.discarded_samples += response.batch.batch_size[0]
                     continue
                 yield response
         finally:

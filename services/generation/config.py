@@ -44,6 +44,16 @@ class GenerationEngineConfig(BaseModel):
     max_num_seqs: int = Field(64, gt=0)
     """Maximum number of sequences vLLM schedules in one batch."""
 
+    max_n: int = Field(64, ge=1)
+    """Most samples one ``Generate`` call may ask for (``sampling.n``, a GRPO group).
+    Checked before anything is allocated; larger is INVALID_ARGUMENT."""
+
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    """Longest prompt accepted, in tokens. ``None``: ``max_model_len - 1`` (a prompt
+    needs room for one response token). Longer is INVALID_ARGUMENT. Text and chat
+    prompts are refused untokenized beyond ``PROMPT_CHARS_PER_TOKEN`` (32)
+    characters per allowed token, so tokenizing stays cheap."""
+
     max_queued_requests: int = Field(256, gt=0)
     """Admission bound: ``generate`` calls in flight (waiting or running, one per
     prompt regardless of ``n``). Beyond it new calls fail with ResourceExhausted
@@ -65,6 +75,17 @@ class GenerationEngineConfig(BaseModel):
 
     tokens_per_second_window_s: float = Field(10.0, gt=0)
     """Window over which ``status()`` measures generated tokens per second."""
+
+    max_push_bytes: int | None = Field(None, gt=0)
+    """Largest weight push accepted, in bytes. ``None``: ``max_push_factor`` times the
+    bytes of the served checkpoint. A push is staged in a shared-memory segment
+    (``/dev/shm``) of its size until applied; its manifest is checked against the
+    served model (names, dtypes, shapes) and this bound before that is allocated."""
+
+    max_push_factor: float = Field(4.0, ge=1.0)
+    """With ``max_push_bytes`` unset: the largest push, as a multiple of the served
+    checkpoint's bytes. Shapes must match the checkpoint exactly, so only a wider
+    dtype makes a push bigger: 4 admits float32 pushes onto an 8-bit checkpoint."""
 
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments passed verbatim to ``vllm.AsyncEngineArgs``
@@ -95,6 +116,3 @@ class GenerationConfig(ServiceConfig, GenerationEngineConfig):
     """gRPC port; 0 picks a free port (written to ``port_file``)."""
     max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
     """grpc.max_send/receive_message_length; weight pushes arrive in ~1 MiB chunks, so this only bounds prompts."""
-    max_push_bytes: int = Field(256 * 1024**3, gt=0)
-    """Largest weight push accepted. grpc pushes are staged in a shared-memory
-    segment (``/dev/shm``) of the push's size until applied."""

@@ -8,6 +8,7 @@ from ``rlfleet.services.common.errors``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -21,16 +22,12 @@ from rlfleet.services.common.errors import (
     Unavailable,
 )
 from rlfleet.services.generation.config import GenerationEngineConfig
-from rlfleet.services.generation.sampling import (
-    SampleAccumulator,
-    SampleResult,
-    SampleTiming,
-    SamplingSpec,
-)
+from rlfleet.services.generation.prompts import PromptTokenizer
+from rlfleet.services.generation.sampling import SampleAccumulator, SampleResult, SamplingSpec, finished_sample
 from rlfleet.services.generation.status import EngineState, EngineStatus, TokenRate
 from rlfleet.services.generation.staging import StagedPush
 from rlfleet.services.generation.transfer import WEIGHT_TRANSFER_CONFIG
-from rlfleet.services.generation.weights import TensorSpec, read_checkpoint_specs
+from rlfleet.services.generation.weights import TensorSpec, checkpoint_bytes, read_checkpoint_specs
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm
 
@@ -40,7 +37,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SwapMode = Literal["wait", "abort", "keep"]
-_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
 
 
 class GenerationEngine:
@@ -49,7 +45,7 @@ class GenerationEngine:
     def __init__(self, config: GenerationEngineConfig) -> None:
         self.config = config
         self._engine: AsyncLLM | None = None
-        self._tokenizer: Any = None
+        self.prompts = PromptTokenizer(config.tokenizer_path)
         self._checkpoint_specs: dict[str, TensorSpec] = {}
         self._vocab_size = 0
         self._max_model_len = config.max_model_len
@@ -71,16 +67,13 @@ class GenerationEngine:
             raise FailedPrecondition(f"engine is {self._state.value}, cannot start")
         self._state = EngineState.STARTING
         try:
-            from transformers import AutoTokenizer
             from vllm import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
 
             self._checkpoint_specs = await asyncio.to_thread(
                 read_checkpoint_specs, self.config.model
             )
-            self._tokenizer = await asyncio.to_thread(
-                AutoTokenizer.from_pretrained, self.config.tokenizer_path
-            )
+            await asyncio.to_thread(self.prompts.load)
             engine_args = AsyncEngineArgs(**self._engine_kwargs())
             # Construction blocks until the engine process is up; a thread keeps
             # the event loop (and a health endpoint on it) responsive meanwhile.
@@ -130,6 +123,7 @@ class GenerationEngine:
         engine, self._engine = self._engine, None
         self._state = EngineState.STOPPED
         self._admission_open.set()  # release callers held by a swap; they see STOPPED
+        self.prompts.close()
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)
 
@@ -168,30 +162,27 @@ class GenerationEngine:
 
     # ------------------------------------------------------------------ prompts
 
-    def render_chat(
-        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
-    ) -> list[int]:
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Longest prompt accepted: ``max_prompt_tokens`` if set, at most ``max_model_len - 1``."""
+        room = self._max_model_len - 1
+        return min(self.config.max_prompt_tokens or room, room)
+
+    def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of ``messages`` through the model's chat template."""
-        if self._tokenizer is None:
-            raise Unavailable("generation engine is not started")
-        try:
-            encoded = self._tokenizer.apply_chat_template(
-                list(messages),
-                tokenize=True,
-                add_generation_prompt=add_generation_prompt,
-                return_dict=True,
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise InvalidArgument(f"messages: cannot apply chat template: {e}") from e
-        return list(encoded["input_ids"])
+        return self.prompts.render_chat(messages, add_generation_prompt)
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of raw ``text`` (no chat template, no special tokens added)."""
-        if self._tokenizer is None:
-            raise Unavailable("generation engine is not started")
-        if not text:
-            raise InvalidArgument("prompt.text is empty")
-        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.prompts.tokenize(text)
+
+    async def encode_text(self, text: str) -> list[int]:
+        """``tokenize``, bounded and off the event loop."""
+        return await self.prompts.encode_text(text, self.max_prompt_tokens)
+
+    async def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """``render_chat``, bounded and off the event loop."""
+        return await self.prompts.encode_chat(messages, self.max_prompt_tokens)
 
     def check_version(self, version: int) -> None:
         """FailedPrecondition unless ``version`` is newer than the serving one (checked
@@ -201,6 +192,20 @@ class GenerationEngine:
                 f"weights version {version} is not newer than current {self._policy_version}"
             )
 
+    def check_sampling(self, sampling: SamplingSpec) -> None:
+        """InvalidArgument naming the field unless this replica can serve ``sampling``
+        (cheap: run before the prompt is even read, and again by ``generate``)."""
+        sampling.validate()
+        if sampling.n > self.config.max_n:
+            raise InvalidArgument(f"sampling.n is {sampling.n}, this replica serves at most max_n={self.config.max_n} "
+                                  f"samples per request")
+        if sampling.max_tokens >= self._max_model_len:
+            raise InvalidArgument(f"sampling.max_tokens is {sampling.max_tokens}, it must be below max_model_len "
+                                  f"{self._max_model_len} (the prompt takes at least one token)")
+        bad = next((t for t in sampling.stop_token_ids if t >= self._vocab_size), None) if self._vocab_size else None
+        if bad is not None:
+            raise InvalidArgument(f"sampling.stop_token_ids: token id {bad} outside vocabulary [0, {self._vocab_size})")
+
     def _validate_request(
         self, prompt_token_ids: Sequence[int], sampling: SamplingSpec, request_id: str
     ) -> None:
@@ -208,14 +213,17 @@ class GenerationEngine:
             raise InvalidArgument("request_id must not be empty")
         if request_id in self._request_ids_in_flight:
             raise InvalidArgument(f"request_id {request_id!r} is already in flight")
+        self.check_sampling(sampling)
         if not prompt_token_ids:
             raise InvalidArgument("prompt_token_ids must not be empty")
+        if len(prompt_token_ids) > self.max_prompt_tokens:
+            raise InvalidArgument(f"prompt is {len(prompt_token_ids)} tokens long, this replica accepts at most "
+                                  f"max_prompt_tokens={self.max_prompt_tokens}")
         bad = next((t for t in prompt_token_ids if not 0 <= t < self._vocab_size), None)
         if bad is not None:
             raise InvalidArgument(
                 f"prompt_token_ids: token id {bad} outside vocabulary [0, {self._vocab_size})"
             )
-        sampling.validate()
         if len(prompt_token_ids) + sampling.max_tokens > self._max_model_len:
             raise InvalidArgument(
                 f"prompt length {len(prompt_token_ids)} + sampling.max_tokens "
@@ -251,7 +259,9 @@ class GenerationEngine:
             engine = self._require_engine()
             submitted_at = time.monotonic()
             version_at_submit = self._policy_version
-            samples = {i: SampleAccumulator(index=i) for i in range(sampling.n)}
+            samples: dict[int, SampleAccumulator] = {}
+            # Greedy: vLLM computes one sample, and it is every one of the n.
+            copies = sampling.n // sampling.computed_samples
             stream = engine.generate(
                 {"prompt_token_ids": list(prompt_token_ids)}, sampling.to_vllm(), request_id
             )
@@ -259,7 +269,7 @@ class GenerationEngine:
                 async for output in stream:
                     now = time.monotonic()
                     for completion in output.outputs:
-                        sample = samples[completion.index]
+                        sample = samples.setdefault(completion.index, SampleAccumulator(index=completion.index))
                         sample.add(completion.token_ids, completion.logprobs, now)
                         if completion.token_ids:
                             self._token_rate.add(len(completion.token_ids), now)
@@ -268,10 +278,16 @@ class GenerationEngine:
                                 self._requests_running += 1
                         if completion.finish_reason is None:
                             continue
-                        yield self._finished_sample(
+                        result = finished_sample(
                             request_id, len(prompt_token_ids), sample, completion,
-                            version_at_submit, called_at, submitted_at, now,
+                            (version_at_submit, self._policy_version), (called_at, submitted_at, now),
                         )
+                        for index in range(copies):
+                            yield dataclasses.replace(result, index=index) if index else result
+            except _vllm_validation_error() as err:
+                # Everything vLLM checks is checked above; should a check be missed, the
+                # caller still learns that its request, not the replica, is at fault.
+                raise InvalidArgument(f"vLLM refused request {request_id}: {err}") from None
             finally:
                 # Closing vLLM's generator aborts the request if it is still
                 # running (consumer cancelled or stopped iterating).
@@ -282,64 +298,28 @@ class GenerationEngine:
             if running:
                 self._requests_running -= 1
 
-    def _finished_sample(
-        self,
-        request_id: str,
-        prompt_length: int,
-        sample: SampleAccumulator,
-        completion: Any,
-        version_at_submit: int,
-        called_at: float,
-        submitted_at: float,
-        now: float,
-    ) -> SampleResult:
-        finish_reason = _FINISH_REASONS.get(completion.finish_reason)
-        if finish_reason is None:
-            # vLLM's "error": an internal, request-level failure.
-            raise RuntimeError(
-                f"vLLM finished request {request_id} sample {sample.index} "
-                f"with {completion.finish_reason!r}"
-            )
-        # vLLM labels output tokens with the engine's weight version; a sample
-        # without tokens (aborted while queued) falls back to our own clock.
-        spans = [
-            (int(span.version), span.start, span.end)
-            for span in completion.weight_versions or []
-        ]
-        version_start = spans[0][0] if spans else version_at_submit
-        version_end = spans[-1][0] if spans else self._policy_version
-        return SampleResult(
-            request_id=request_id,
-            index=sample.index,
-            prompt_length=prompt_length,
-            response_token_ids=sample.response_token_ids,
-            behavior_log_probs=sample.behavior_log_probs,
-            finish_reason=finish_reason,
-            stop_reason=completion.stop_reason,
-            policy_version_start=version_start,
-            policy_version_end=version_end,
-            policy_version_spans=spans,
-            timing=SampleTiming(
-                queue_seconds=submitted_at - called_at,
-                first_token_seconds=(
-                    None if sample.first_token_at is None else sample.first_token_at - called_at
-                ),
-                total_seconds=now - called_at,
-            ),
-        )
-
     # ------------------------------------------------------------------ weights
 
-    def stage(self, manifest: weights_pb2.WeightManifest, max_bytes: int) -> StagedPush:
+    @property
+    def max_push_bytes(self) -> int:
+        """Largest weight push accepted: ``max_push_bytes``, or ``max_push_factor`` x the checkpoint's bytes."""
+        if self.config.max_push_bytes is not None:
+            return self.config.max_push_bytes
+        return int(self.config.max_push_factor * checkpoint_bytes(self._checkpoint_specs))
+
+    def stage(self, manifest: weights_pb2.WeightManifest, max_bytes: int | None = None) -> StagedPush:
         """First phase of a push: check version and manifest, prepare where the bytes go.
 
-        Nothing touches the engine; the caller fills a grpc push's segment,
-        then ``apply``s or ``close``s the staged push."""
+        The manifest is checked against the served model and ``max_bytes``
+        (default ``max_push_bytes``) before any memory is given to it. Nothing
+        touches the engine; the caller fills a grpc push's segment, then
+        ``apply``s or ``close``s the staged push."""
         if self._engine is None or self._state in (EngineState.STOPPED, EngineState.STARTING):
             raise Unavailable(f"generation engine is {self._state.value}")
         if not manifest.resync:
             self.check_version(manifest.version)
-        return StagedPush.begin(manifest, self._checkpoint_specs, max_bytes)
+        return StagedPush.begin(manifest, self._checkpoint_specs,
+                                self.max_push_bytes if max_bytes is None else max_bytes)
 
     async def apply(self, staged: StagedPush) -> None:
         """Second phase: swap the staged weights in as policy ``staged.version``.
@@ -398,7 +378,7 @@ class GenerationEngine:
         pairs = list(named_tensors)
         _, manifest = next(iter_push_messages(pairs, version=version, checksum_algo=None,
                                               mode=MODES[mode]))
-        staged = self.stage(manifest, max_bytes=1 << 62)
+        staged = self.stage(manifest)
         try:
             shm.write_tensors(staged.segment, [tensor for _, tensor in pairs])
             staged.push.received = staged.push.total_bytes
@@ -472,3 +452,9 @@ class GenerationEngine:
             max_queued_requests=self.config.max_queued_requests,
             tokens_per_second=self._token_rate.per_second(),
         )
+
+
+def _vllm_validation_error() -> type[Exception]:
+    from vllm.exceptions import VLLMValidationError
+
+    return VLLMValidationError

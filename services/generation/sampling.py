@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy
 
 from rlfleet.services.common.errors import InvalidArgument
 
@@ -17,6 +19,20 @@ if TYPE_CHECKING:
     from vllm import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]
+_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
+
+MIN_TEMPERATURE = 0.01
+"""Smallest non-zero temperature: vLLM raises anything lower to 0.01 (or, below
+1e-5, samples greedily), so the echoed temperature would not be the one sampled at."""
+MAX_TEMPERATURE = 2.0
+"""Largest temperature vLLM accepts."""
+_FLOAT32_MIN_TEMPERATURE = float(numpy.float32(MIN_TEMPERATURE))
+MAX_STOP_STRINGS = 16
+"""Most stop strings per request: each one is matched against the text of every new token."""
+MAX_STOP_STRING_CHARS = 1024
+"""Longest stop string."""
+MAX_STOP_TOKEN_IDS = 1024
+"""Most stop token ids per request."""
 
 
 @dataclass(frozen=True)
@@ -41,12 +57,28 @@ class SamplingSpec:
     ignore_eos: bool = False
     min_tokens: int = 0
 
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: every sample is the argmax continuation, so all ``n`` are identical."""
+        return self.temperature == 0
+
+    @property
+    def computed_samples(self) -> int:
+        """Samples vLLM computes: ``n``, or 1 when greedy (vLLM refuses ``n > 1`` at
+        temperature 0; the engine hands the one sample back ``n`` times)."""
+        return 1 if self.greedy else self.n
+
     def validate(self) -> None:
         """Raise InvalidArgument naming the first bad field."""
         if self.n < 1:
             raise InvalidArgument(f"sampling.n must be >= 1, got {self.n}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidArgument(f"sampling.temperature must be >= 0, got {self.temperature}")
+        # Compared at float32 precision: that is how the temperature travels (0.01 arrives as 0.0099999998).
+        if not self.greedy and not _FLOAT32_MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidArgument(
+                f"sampling.temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                f"got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -58,18 +90,22 @@ class SamplingSpec:
                 f"sampling.min_tokens must be in [0, max_tokens={self.max_tokens}], "
                 f"got {self.min_tokens}"
             )
+        check_stop_counts(len(self.stop), len(self.stop_token_ids))
         if any(not s for s in self.stop):
             raise InvalidArgument("sampling.stop must not contain empty strings")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise InvalidArgument(f"sampling.stop: strings may be at most {MAX_STOP_STRING_CHARS} characters long")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidArgument("sampling.stop_token_ids must be non-negative")
 
     def to_vllm(self) -> SamplingParams:
-        """vLLM SamplingParams streaming deltas with the sampled token's log-prob."""
+        """vLLM SamplingParams streaming deltas with the sampled token's log-prob,
+        for ``computed_samples`` samples."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(
-            n=self.n,
+            n=self.computed_samples,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -89,6 +125,16 @@ class SamplingSpec:
             # finishes; FINAL_ONLY would hold the group until the slowest one.
             output_kind=RequestOutputKind.DELTA,
         )
+
+
+def check_stop_counts(stop_strings: int, stop_token_ids: int) -> None:
+    """InvalidArgument if a request carries more stop strings or stop token ids than allowed
+    (callers unpacking a message check the counts before listing the entries)."""
+    if stop_strings > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"sampling.stop has {stop_strings} strings, at most {MAX_STOP_STRINGS} are allowed")
+    if stop_token_ids > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument(f"sampling.stop_token_ids has {stop_token_ids} ids, "
+                              f"at most {MAX_STOP_TOKEN_IDS} are allowed")
 
 
 @dataclass(frozen=True)
@@ -145,6 +191,40 @@ class SampleAccumulator:
             self.first_token_at = now
         self.response_token_ids.extend(token_ids)
         self.behavior_log_probs.extend(sampled_log_probs(token_ids, flat_log_probs))
+
+
+def finished_sample(request_id: str, prompt_length: int, sample: SampleAccumulator, completion: Any,
+                    versions: tuple[int, int], times: tuple[float, float, float]) -> SampleResult:
+    """The result of a sample vLLM reports finished (``completion``: its last CompletionOutput).
+
+    ``versions``: the policy version at submission and now; ``times``: monotonic
+    clock at the call, at submission to vLLM, and now."""
+    finish_reason = _FINISH_REASONS.get(completion.finish_reason)
+    if finish_reason is None:
+        # vLLM's "error": an internal, request-level failure.
+        raise RuntimeError(f"vLLM finished request {request_id} sample {sample.index} with {completion.finish_reason!r}")
+    version_at_submit, version_now = versions
+    called_at, submitted_at, now = times
+    # vLLM labels output tokens with the engine's weight version; a sample
+    # without tokens (aborted while queued) falls back to our own clock.
+    spans = [(int(span.version), span.start, span.end) for span in completion.weight_versions or []]
+    return SampleResult(
+        request_id=request_id,
+        index=sample.index,
+        prompt_length=prompt_length,
+        response_token_ids=sample.response_token_ids,
+        behavior_log_probs=sample.behavior_log_probs,
+        finish_reason=finish_reason,
+        stop_reason=completion.stop_reason,
+        policy_version_start=spans[0][0] if spans else version_at_submit,
+        policy_version_end=spans[-1][0] if spans else version_now,
+        policy_version_spans=spans,
+        timing=SampleTiming(
+            queue_seconds=submitted_at - called_at,
+            first_token_seconds=None if sample.first_token_at is None else sample.first_token_at - called_at,
+            total_seconds=now - called_at,
+        ),
+    )
 
 
 def sampled_log_probs(token_ids: Sequence[int], flat_log_probs) -> list[float]:

@@ -24,7 +24,7 @@ class GenerationService(Service[GenerationConfig]):
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-            GenerationServicer(self.engine, self.config.max_push_bytes), server)
+            GenerationServicer(self.engine), server)
 
     async def start(self) -> None:
         await self.engine.start()

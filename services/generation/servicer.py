@@ -9,7 +9,7 @@ import torch
 
 from rlfleet.services.common.errors import Aborted, InvalidArgument
 from rlfleet.services.generation.engine import GenerationEngine
-from rlfleet.services.generation.sampling import SampleResult, SamplingSpec
+from rlfleet.services.generation.sampling import SampleResult, SamplingSpec, check_stop_counts
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, weights_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
 
@@ -23,6 +23,7 @@ _FINISH = {
 
 def sampling_from_proto(params: sampling_pb2.SamplingParams) -> SamplingSpec:
     """Proto defaults (0 = unset) -> the engine's SamplingSpec, validated."""
+    check_stop_counts(len(params.stop), len(params.stop_token_ids))
     spec = SamplingSpec(
         n=params.n or 1,
         temperature=params.temperature,
@@ -52,29 +53,36 @@ def sampling_to_proto(spec: SamplingSpec) -> sampling_pb2.SamplingParams:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, engine: GenerationEngine, max_push_bytes: int):
+    def __init__(self, engine: GenerationEngine):
         self.engine = engine
-        self.max_push_bytes = max_push_bytes
 
-    def _prompt_token_ids(self, prompt: sampling_pb2.Prompt) -> list[int]:
+    async def _prompt_token_ids(self, prompt: sampling_pb2.Prompt) -> list[int]:
+        """The prompt's token ids; one longer than the engine accepts is refused before it is listed."""
+        limit = self.engine.max_prompt_tokens
         kind = prompt.WhichOneof("kind")
         if kind == "token_ids":
-            ids = decode_tensor(prompt.token_ids, "prompt.token_ids")
+            ids = decode_tensor(prompt.token_ids, "prompt.token_ids", max_elements=limit)
             if ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
                 raise InvalidArgument(
                     f"prompt.token_ids must be a 1-D int64/int32 tensor, got {ids.dtype} {list(ids.shape)}")
             return ids.tolist()
         if kind == "chat":
-            if not prompt.chat.messages:
+            messages = prompt.chat.messages
+            if not messages:
                 raise InvalidArgument("prompt.chat.messages is empty")
-            return self.engine.render_chat([{"role": m.role, "content": m.content} for m in prompt.chat.messages])
+            if len(messages) > limit:
+                raise InvalidArgument(f"prompt.chat.messages has {len(messages)} messages, "
+                                      f"more than max_prompt_tokens={limit}")
+            return await self.engine.encode_chat([{"role": m.role, "content": m.content} for m in messages])
         if kind == "text":
-            return self.engine.tokenize(prompt.text)
+            return await self.engine.encode_text(prompt.text)
         raise InvalidArgument("prompt is empty: set token_ids, chat or text")
 
     async def Generate(self, request, context):
-        prompt_ids = self._prompt_token_ids(request.prompt)
+        # Sampling first: n, max_tokens and the rest are refused before the prompt is even read.
         spec = sampling_from_proto(request.sampling)
+        self.engine.check_sampling(spec)
+        prompt_ids = await self._prompt_token_ids(request.prompt)
         echoed = sampling_to_proto(spec)
         request_id = request.request_id or uuid.uuid4().hex
         prompt_msg = encode_tensor(torch.tensor(prompt_ids, dtype=torch.int64))
@@ -91,7 +99,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         manifest = first.manifest
         if manifest.version == 0:
             raise InvalidArgument("manifest.version must be set (> current version)")
-        staged = self.engine.stage(manifest, self.max_push_bytes)
+        staged = self.engine.stage(manifest)
         try:
             if staged.nccl is not None:
                 await self.engine.receive_nccl(staged)  # the bytes come over NCCL, into the segment
@@ -130,6 +138,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             tokens_per_second=status.tokens_per_second, swapping=self.engine.swapping,
             max_queued_requests=status.max_queued_requests,
             weight_transports=list(WEIGHT_TRANSPORTS), weight_transfer_world_size=self.engine.transfer_world_size,
+            max_push_bytes=self.engine.max_push_bytes,
         )
 
 

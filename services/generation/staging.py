@@ -7,8 +7,9 @@ apply is the same for all:
 - shm: the sender's segment is opened where it lies (same host);
 - nccl: the service creates a segment and its vLLM workers receive the
   trainer's broadcast into it (``GenerationEngine.receive_nccl``).
-The manifest is checked against the checkpoint before the segment is
-allocated, so its size is bounded by the model's. Nothing touches the engine
+The manifest is checked against the checkpoint (names, dtypes, shapes) and
+its size against a multiple of the checkpoint's before the segment is
+allocated, so the segment is bounded by the model's size. Nothing touches the engine
 until the commit; ``close()`` releases the segment
 (and unlinks the one this service created) whether or not it was applied.
 """
@@ -20,10 +21,9 @@ from typing import Any
 
 from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
 from rlfleet.services.common.weight_stream import WeightPush, open_offered_segment
-from rlfleet.services.generation.weights import TensorSpec, validate_push
+from rlfleet.services.generation.weights import TensorSpec, validate_manifest
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm
-
 
 
 @dataclass
@@ -37,9 +37,12 @@ class StagedPush:
     @classmethod
     def begin(cls, manifest: weights_pb2.WeightManifest, checkpoint: dict[str, TensorSpec],
               max_bytes: int) -> "StagedPush":
-        """Validate ``manifest`` against the checkpoint and prepare where its bytes go."""
+        """Validate ``manifest`` against the checkpoint and prepare where its bytes go.
+
+        Names, dtypes and shapes are checked against the served model first, then
+        the size against ``max_bytes``: only a push that passes both is given memory."""
+        validate_manifest(manifest, checkpoint)
         push = WeightPush.from_manifest(manifest, max_bytes)
-        validate_push(push.names, push.dtypes, push.shapes, checkpoint)
         source = manifest.WhichOneof("source")
         staged = cls(push=push, transport=source or "grpc", resync=manifest.resync)
         if source == "shm":

@@ -8,6 +8,7 @@ dtype and shape. It is checked against the model's safetensors headers
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,9 @@ from pathlib import Path
 import torch
 
 from rlfleet.services.common.errors import InvalidArgument
+from rlfleet.v1 import weights_pb2
+from rlfleet.wire import WireError
+from rlfleet.wire.tensor import dtype_from_wire
 
 #: Wire dtype names (torch spelling) -> torch dtype.
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -93,6 +97,24 @@ def read_checkpoint_specs(model_dir: str | Path) -> dict[str, TensorSpec]:
     return specs
 
 
+def checkpoint_bytes(checkpoint: dict[str, TensorSpec]) -> int:
+    """Bytes of the checkpoint's tensors in their own dtypes (the served model's size)."""
+    return sum(math.prod(spec.shape) * TORCH_DTYPES[spec.dtype].itemsize for spec in checkpoint.values())
+
+
+def validate_manifest(manifest: weights_pb2.WeightManifest, checkpoint: dict[str, TensorSpec]) -> None:
+    """``validate_push`` on a manifest as received, before anything is sized from it."""
+    dtypes = []
+    for i, spec in enumerate(manifest.tensors):
+        try:
+            dtypes.append(dtype_from_wire(spec.dtype, f"manifest.tensors[{i}].dtype"))
+        except WireError as err:
+            raise InvalidArgument(f"{err} (tensor {spec.name!r})") from None
+    # The shapes stay the message's own containers: a dim count is compared before any dim is read.
+    validate_push([spec.name for spec in manifest.tensors], dtypes, [spec.shape for spec in manifest.tensors],
+                  checkpoint)
+
+
 def validate_push(names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]],
                   checkpoint: dict[str, TensorSpec]) -> None:
     """Raise InvalidArgument, naming the tensor, unless the manifest is a complete,
@@ -116,11 +138,9 @@ def validate_push(names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: S
             raise InvalidArgument(
                 f"weights: tensor {name!r} has dtype {str(dtype).removeprefix('torch.')}, checkpoint has {spec.dtype}"
             )
-        if tuple(shape) != spec.shape:
-            raise InvalidArgument(
-                f"weights: tensor {name!r} has shape {list(shape)}, "
-                f"checkpoint has {list(spec.shape)}"
-            )
+        if len(shape) != len(spec.shape) or tuple(shape) != spec.shape:
+            shown = f"shape {list(shape)}" if len(shape) <= 8 else f"{len(shape)} dimensions"
+            raise InvalidArgument(f"weights: tensor {name!r} has {shown}, checkpoint has shape {list(spec.shape)}")
     missing = sorted(checkpoint.keys() - seen)
     if missing:
         shown = ", ".join(repr(name) for name in missing[:5])

@@ -8,8 +8,10 @@ a worker thread (the event loop keeps accepting requests meanwhile) and hands
 every caller its own slice of the result.
 
 Each request is validated in its caller before it joins a batch, so one bad
-request fails alone. A failure of the forward pass is delivered to every
-caller of that batch — never swallowed.
+request fails alone. The queue is bounded (``max_queued_requests``,
+``max_queued_tokens``): a request that does not fit is ResourceExhausted at
+once. A failure of the forward pass is delivered to every caller of that
+batch — never swallowed.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from rlfleet.services.common.errors import Unavailable
+from rlfleet.services.common.errors import ResourceExhausted, Unavailable
 from rlfleet.services.reference.scorer import ReferenceScorer, ReferenceScores, TokenSequence
 
 
@@ -47,10 +49,14 @@ class MicroBatcher:
         *,
         max_wait_ms: float | None = None,
         token_budget: int | None = None,
+        max_queued_requests: int | None = None,
+        max_queued_tokens: int | None = None,
     ) -> None:
         self.scorer = scorer
         self.max_wait = (scorer.config.max_wait_ms if max_wait_ms is None else max_wait_ms) / 1000
         self.token_budget = token_budget or scorer.config.token_budget
+        self.max_queued_requests = max_queued_requests or scorer.config.max_queued_requests
+        self.max_queued_tokens = max_queued_tokens or scorer.config.max_queued_tokens
         self.forward_calls = 0
         """Number of batched forward calls run so far (each may hold many requests)."""
         self._pending: collections.deque[_Request] = collections.deque()
@@ -77,11 +83,16 @@ class MicroBatcher:
         self._ensure_running()
         future: asyncio.Future[ReferenceScores] = asyncio.get_running_loop().create_future()
         request = _Request(tokens, [int(start) for start in response_starts], with_entropy, future)
+        self._admit(request)
         self._pending.append(request)
         self._pending_tokens += request.tokens
         assert self._wakeup is not None
         self._wakeup.set()
         return await future
+
+    def check_size(self, sequences: int, tokens: int) -> None:
+        """The scorer's ``check_size``: refuse an oversize request before it is split or copied."""
+        self.scorer.check_size(sequences, tokens)
 
     async def aclose(self) -> None:
         """Stop the batching loop and fail whatever is still waiting with ``Unavailable``."""
@@ -103,6 +114,17 @@ class MicroBatcher:
         await self.aclose()
 
     # ---------------------------------------------------------------- internals
+
+    def _admit(self, request: _Request) -> None:
+        """ResourceExhausted unless the queue has room (one request always fits an empty queue)."""
+        if not self._pending:
+            return
+        if len(self._pending) >= self.max_queued_requests \
+                or self._pending_tokens + request.tokens > self.max_queued_tokens:
+            raise ResourceExhausted(
+                f"reference queue full: {len(self._pending)} requests of {self._pending_tokens} tokens waiting "
+                f"(max_queued_requests={self.max_queued_requests}, max_queued_tokens={self.max_queued_tokens}); "
+                f"retry later")
 
     def _ensure_running(self) -> None:
         if self._task is None:

@@ -49,6 +49,21 @@ class ReferenceConfig(BaseModel):
     call wait for all of its passes. ``None``: ``4 * token_budget`` (at 64 concurrent
     callers this cut the padding from 24% to 13% of the computed tokens)."""
 
+    max_request_tokens: int = Field(default=262_144, ge=2)
+    """Most tokens one ``ScoreLogProbs`` request may carry, all its sequences together
+    (so at most half as many sequences: each needs two tokens). Larger is INVALID_ARGUMENT
+    naming ``token_ids``, refused before the request is split or copied. The default is a
+    GRPO group of 64 sequences of 4096 tokens."""
+
+    max_queued_requests: int = Field(default=1024, ge=1)
+    """Requests waiting for a forward pass (the pass running is not counted). Beyond it a
+    request is RESOURCE_EXHAUSTED, to be retried later or sent to another replica."""
+
+    max_queued_tokens: int = Field(default=1_048_576, ge=2)
+    """Tokens of the requests waiting for a forward pass; a request that would pass it is
+    RESOURCE_EXHAUSTED (unless nothing waits: one request up to ``max_request_tokens``
+    is always accepted). Bounds the memory held by the queue."""
+
     torch_threads: int = Field(default=0, ge=0)
     """Intra-op CPU threads of the forward pass (``torch.set_num_threads``); 0 keeps torch's
     default of one per core. On a host shared with a vLLM CPU engine, 1 avoids OpenMP
@@ -72,6 +87,9 @@ class ReferenceConfig(BaseModel):
                 f"token_budget ({self.token_budget}) must be >= max_len ({self.max_len}) "
                 "or the longest accepted sequence could never be scored"
             )
+        if self.max_len is not None and self.max_len > self.max_request_tokens:
+            raise ValueError(f"max_request_tokens ({self.max_request_tokens}) must be >= max_len ({self.max_len}) "
+                             "or the longest accepted sequence could never be sent")
         return self
 
 

@@ -96,6 +96,16 @@ class ReferenceScorer:
 
     # ------------------------------------------------------------- validation
 
+    def check_size(self, sequences: int, tokens: int) -> None:
+        """InvalidArgument unless a request of this many sequences and tokens is accepted
+        (``max_request_tokens``); cheap, so callers run it before splitting the request."""
+        limit = self.config.max_request_tokens
+        if tokens > limit:
+            raise InvalidArgument(f"token_ids: the request holds {tokens} tokens, max_request_tokens is {limit}")
+        if sequences > limit // 2:
+            raise InvalidArgument(f"token_ids: the request holds {sequences} sequences, at most {limit // 2} fit "
+                                  f"in max_request_tokens={limit} (each needs two tokens)")
+
     def validate(
         self, sequences: Sequence[TokenSequence], response_starts: Sequence[int]
     ) -> list[Tensor]:
@@ -106,10 +116,13 @@ class ReferenceScorer:
             raise InvalidArgument(
                 f"{len(sequences)} sequences but {len(response_starts)} response_starts"
             )
-        return [
+        self.check_size(len(sequences), 0)
+        tokens = [
             self._validate_one(index, sequence, start)
             for index, (sequence, start) in enumerate(zip(sequences, response_starts))
         ]
+        self.check_size(len(tokens), sum(sequence.numel() for sequence in tokens))
+        return tokens
 
     def _validate_one(self, index: int, sequence: TokenSequence, start: int) -> Tensor:
         try:

@@ -8,7 +8,6 @@ import time
 
 import grpc
 
-from rlfleet.services.common.errors import Unavailable
 from rlfleet.services.common.server import Service
 from rlfleet.services.reference.batcher import MicroBatcher
 from rlfleet.services.reference.config import ReferenceServiceConfig
@@ -27,28 +26,21 @@ class ReferenceService(Service[ReferenceServiceConfig]):
     def __init__(self, config: ReferenceServiceConfig):
         super().__init__(config)
         self.scorer = ReferenceScorer(config)
-        self._batcher: MicroBatcher | None = None
-
-    @property
-    def batcher(self) -> MicroBatcher:
-        """The micro-batcher; ``Unavailable`` until the model is loaded."""
-        if self._batcher is None:
-            raise Unavailable("reference model is still loading")
-        return self._batcher
+        # Answers Unavailable until the model is loaded (the scorer's validation says so).
+        self.batcher = MicroBatcher(self.scorer, token_budget=config.micro_batch_token_limit)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
-        reference_pb2_grpc.add_ReferenceServiceServicer_to_server(ReferenceServicer(self), server)
+        reference_pb2_grpc.add_ReferenceServiceServicer_to_server(
+            ReferenceServicer(self.batcher, self.config.model_path), server)
 
     async def start(self) -> None:
         started = time.perf_counter()
         # Loading takes seconds to minutes: keep the loop free for health checks.
         await asyncio.to_thread(self.scorer.load)
-        self._batcher = MicroBatcher(self.scorer, token_budget=self.config.micro_batch_token_limit)
         log.info("reference model loaded", extra={
             "model": self.config.model_path, "vocab_size": self.scorer.vocab_size,
             "max_len": self.scorer.max_len, "seconds": round(time.perf_counter() - started, 2),
         })
 
     async def stop(self) -> None:
-        if self._batcher is not None:
-            await self._batcher.aclose()
+        await self.batcher.aclose()

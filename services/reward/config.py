@@ -97,6 +97,42 @@ class RewardServiceConfig(ServiceConfig):
     max_cached_scorers: int = Field(128, ge=1)
     """Built-in scorers built for per-request ``Task.args`` are cached, at most this many."""
 
+    reward_time_limit_seconds: float = Field(30.0, gt=0)
+    """Time one ComputeRewards call may take from arrival to answer (waiting for a worker thread,
+    decoding, reward functions, reward models). Past it the call is answered RESOURCE_EXHAUSTED
+    naming the reward function that was running (or the wait for a free worker): a slow function
+    is not retried by the SDK, since it would be as slow again. A Python thread cannot be stopped
+    mid-call: the function finishes in its worker thread and its result is dropped; the request
+    stops before its next reward function and never updates the KL controller. Below the SDK's
+    default 60 s deadline, so callers get this precise status rather than DEADLINE_EXCEEDED."""
+
+    # Request size bounds: checked on the message before anything is decoded or allocated.
+    # Over a bound: RESOURCE_EXHAUSTED naming the field and the limit (well-formed, too large here).
+    max_samples_per_request: int = Field(4096, ge=1)
+    """Most samples one ComputeRewards request may hold; also bounds ``tasks``, ``group_ids``,
+    ``prompt_texts`` and ``response_texts``. Split larger batches."""
+
+    max_tokens_per_sample: int = Field(131072, ge=1)
+    """Most response tokens one sample may have (each ragged field: token ids, log-probs, mask)."""
+
+    max_tokens_per_request: int = Field(2 * 1024 * 1024, ge=1)
+    """Most response tokens one request may hold, summed over its samples. Rewards are computed on
+    the concatenated tokens (never padded to batch x longest), so memory grows with this number:
+    roughly 100 bytes per token at the peak."""
+
+    max_text_chars: int = Field(512 * 1024, ge=0)
+    """Longest prompt or response text (characters), sent or decoded from token ids. Reward
+    functions run on these texts: this bounds their work per sample."""
+
+    max_ground_truth_chars: int = Field(64 * 1024, ge=0)
+    """Longest ``Task.ground_truth`` (characters); ``regex_match`` compiles it as a pattern."""
+
+    max_args_per_task: int = Field(16, ge=0)
+    """Most entries in one task's ``Task.args``."""
+
+    max_arg_chars: int = Field(4096, ge=1)
+    """Longest ``Task.args`` key or value (characters), patterns included."""
+
     @model_validator(mode="after")
     def _default_params_belong_to_the_default(self) -> RewardServiceConfig:
         if self.default_reward_fn in self.reward_functions and self.default_reward_params:

@@ -3,7 +3,8 @@
 ``RewardEngine.compute`` runs one batch through :mod:`pipeline` with the
 controller's current coefficient, then (if asked) feeds the batch KL to the
 controller and persists its state. Synchronous and thread-safe: the service
-calls it from worker threads. Knows nothing about gRPC.
+calls it from worker threads, with a :class:`TimeBudget` it also watches from
+the event loop. Knows nothing about gRPC.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 from torch import Tensor
 
 from rlfleet.services.common.errors import InvalidArgument, Unavailable
-from rlfleet.services.reward import pipeline
+from rlfleet.services.reward import pipeline, validation
+from rlfleet.services.reward.budget import TimeBudget
 from rlfleet.services.reward.config import RewardServiceConfig
 from rlfleet.services.reward.controllers import AdaptiveKLController, ConstantKLController, KLController
 from rlfleet.services.reward.functions import RewardFunctions, TaskSpec, expand_tasks
@@ -90,11 +92,20 @@ class RewardEngine:
                 "updates": self.controller.updates})
         self._loaded = True
 
+    def check_tasks(self, tasks: list[TaskSpec]) -> None:
+        """Resolve every task (unknown function: NotFound; bad arguments: InvalidArgument), scoring nothing."""
+        for index, task in enumerate(tasks):
+            self.functions.resolve(task, index)
+
     # ------------------------------------------------------------------ compute
 
-    def compute(self, request: RewardRequest) -> pipeline.RewardOutputs:
+    def compute(self, request: RewardRequest, budget: TimeBudget | None = None) -> pipeline.RewardOutputs:
+        """Score one batch. ``budget`` (default: unbounded) is checked before each step; the
+        controller is updated only if the budget lets the request commit."""
         if not self._loaded:
             raise Unavailable("reward service is still loading")
+        budget = budget or TimeBudget()
+        budget.enter("checking the inputs")
         inputs = request.inputs
         batch_size = inputs.batch_size
         for name, texts in (("prompt_texts", request.prompt_texts), ("response_texts", request.response_texts)):
@@ -104,13 +115,15 @@ class RewardEngine:
         kl_coef = self.controller.coef
 
         def score_batch() -> Tensor:
-            responses = list(request.response_texts) or self._decode(inputs)
+            responses = list(request.response_texts) or self._decode(inputs, budget)
             prompts = list(request.prompt_texts) or [""] * batch_size
             samples = [
                 ScoreInput(prompt, response, response_length=row.numel())
                 for prompt, response, row in zip(prompts, responses, inputs.behavior_log_probs)
             ]
-            return self.functions.score(samples, tasks)
+            scores = self.functions.score(samples, tasks, budget)
+            budget.enter("shaping rewards and computing advantages")
+            return scores
 
         outputs = pipeline.compute_rewards(
             inputs, score_batch,
@@ -122,10 +135,11 @@ class RewardEngine:
         )
         # After computing: this response carries the coefficient its rewards were shaped with.
         if request.update_kl_controller and batch_size:
+            budget.commit()  # never update for a request already answered "time is up"
             self._update_controller(outputs.batch_kl, batch_size)
         return outputs
 
-    def _decode(self, inputs: pipeline.RewardInputs) -> list[str]:
+    def _decode(self, inputs: pipeline.RewardInputs, budget: TimeBudget) -> list[str]:
         if inputs.response_token_ids is None:
             raise InvalidArgument("response_texts is empty and response_token_ids is absent: nothing to score")
         if self.tokenizer is None:
@@ -141,7 +155,10 @@ class RewardEngine:
                     f"sample {index}, token {position}: response_token_ids id {int(row[position])} is outside "
                     f"the tokenizer's vocabulary [0, {vocab_size})")
             rows.append(row.tolist())
-        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+        budget.enter("decoding response_token_ids")
+        texts = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+        validation.check_texts("response_texts (decoded from response_token_ids)", texts, self.config)
+        return texts
 
     def _update_controller(self, batch_kl: float, batch_size: int) -> None:
         path = self.config.kl_state_path

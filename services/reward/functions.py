@@ -5,7 +5,8 @@ A request's ``Task.reward_fn`` may name:
 * nothing: the service's ``default_reward_fn``;
 * a built-in (``numeric_match``, ``exact_match``, ``regex_match``, ``format_check``,
   ``length_penalty``, or the names the proto documents for them, see ``ALIASES``),
-  with ``Task.args`` as its parameters (strings, converted to the parameter's type);
+  with ``Task.args`` as its parameters (strings, converted to the parameter's type
+  and checked against its bounds by :func:`scores.build_scorer`);
 * a key of the config's ``reward_functions``.
 
 Import paths and ``reward_model`` are honoured only from the config (built at
@@ -16,7 +17,6 @@ caller can never make the service import code or load a model.
 from __future__ import annotations
 
 import collections
-import inspect
 import re
 import threading
 from collections.abc import Mapping, Sequence
@@ -24,11 +24,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from pydantic import TypeAdapter, ValidationError
 from torch import Tensor
 
 from rlfleet.services.common.errors import InvalidArgument, NotFound, RlfleetError
 from rlfleet.services.reward import scores
+from rlfleet.services.reward.budget import TimeBudget
 from rlfleet.services.reward.config import RewardFunctionConfig
 from rlfleet.services.reward.scores import Scorer, ScoreInput
 
@@ -97,11 +97,13 @@ class RewardFunctions:
         """Build every configured scorer (imports allowed here) and load reward models."""
         configured = {}
         for name, spec in self.configured_specs.items():
-            configured[name] = self._build_from_config(f"reward_functions[{name}]", spec.function, spec.params)
+            configured[name] = self._build_from_config(
+                f"reward_functions[{name}]", spec.function, spec.params, label=name)
         if self.default_fn in configured:
             default = configured[self.default_fn]
         else:
-            default = self._build_from_config("default_reward_fn", self.default_fn, self.default_params)
+            default = self._build_from_config("default_reward_fn", self.default_fn, self.default_params,
+                                              label=self.default_fn)
         for scorer in (*configured.values(), default):
             load = getattr(scorer, "load", None)
             if callable(load):
@@ -109,9 +111,10 @@ class RewardFunctions:
         self._configured, self._default = configured, default
 
     @staticmethod
-    def _build_from_config(where: str, function: str, params: Mapping[str, Any]) -> Scorer:
+    def _build_from_config(where: str, function: str, params: Mapping[str, Any], label: str) -> Scorer:
         try:
-            return scores.build_scorer(ALIASES.get(function, function), dict(params), allow_imports=True)
+            return scores.build_scorer(ALIASES.get(function, function), dict(params), allow_imports=True,
+                                       label=label)
         except RlfleetError as exc:
             raise type(exc)(f"{where}: {exc}") from exc
 
@@ -166,7 +169,7 @@ class RewardFunctions:
                 self._cache.move_to_end(key)
                 return key, display, self._cache[key]
         try:
-            scorer = scores.build_scorer(canonical, _coerce(canonical, params), allow_imports=False)
+            scorer = scores.build_scorer(canonical, dict(params), allow_imports=False)
         except RlfleetError as exc:
             raise type(exc)(f"sample {sample}: {exc}") from exc
         with self._lock:
@@ -177,9 +180,11 @@ class RewardFunctions:
 
     # -------------------------------------------------------------------- score
 
-    def score(self, samples: Sequence[ScoreInput], tasks: Sequence[TaskSpec]) -> Tensor:
+    def score(self, samples: Sequence[ScoreInput], tasks: Sequence[TaskSpec], budget: TimeBudget | None = None
+              ) -> Tensor:
         """Raw ``[B]`` float32 scores; ``tasks`` has one entry per sample (see :func:`expand_tasks`)
-        and supplies each sample's ground truth."""
+        and supplies each sample's ground truth. ``budget`` is checked before each function runs."""
+        budget = budget or TimeBudget()
         if len(tasks) != len(samples):
             raise InvalidArgument(f"{len(tasks)} tasks for {len(samples)} samples")
         samples = [replace(sample, ground_truth=task.ground_truth)
@@ -194,6 +199,7 @@ class RewardFunctions:
             groups.setdefault(key, (name, scorer, []))[2].append(index)
         out = torch.empty(len(samples), dtype=torch.float32)
         for name, scorer, indices in groups.values():
+            budget.enter(f"running reward function {name!r}")
             try:
                 values = scores.compute_scores(
                     scorer, [samples[i] for i in indices], name=f"reward function {name!r}")
@@ -211,24 +217,3 @@ def _renumbered(exc: RlfleetError, indices: list[int]) -> RlfleetError:
         return f"sample {indices[local]}" if local < len(indices) else match.group(0)
 
     return type(exc)(_SAMPLE.sub(to_request_index, str(exc), count=1))
-
-
-def _coerce(canonical: str, params: Mapping[str, Any]) -> dict[str, Any]:
-    """Task.args arrive as strings: convert each to the type its factory parameter declares."""
-    signature = scores.factory_signature(canonical)
-    out = {}
-    for key, value in params.items():
-        parameter = signature.parameters.get(key)
-        if not isinstance(value, str) or parameter is None or parameter.kind is inspect.Parameter.VAR_KEYWORD:
-            out[key] = value  # unknown names are reported by build_scorer, with the signature
-            continue
-        annotation = parameter.annotation
-        if annotation is inspect.Parameter.empty:
-            annotation = type(parameter.default) if parameter.default not in (inspect.Parameter.empty, None) else str
-        try:
-            out[key] = TypeAdapter(annotation).validate_python(value)
-        except ValidationError:
-            raise InvalidArgument(
-                f"reward function {canonical!r}: argument {key}={value!r} is not a valid {annotation}"
-            ) from None
-    return out

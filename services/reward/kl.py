@@ -22,7 +22,9 @@ k3 is unbiased because ``E_p[q/p] = 1``; it is non-negative because
 
 Two layouts are accepted everywhere: padded ``[B, T]`` tensors with a bool
 ``mask`` of response tokens, and ragged lists of 1-D tensors (one per sample,
-response tokens only), which is what arrives on the wire.
+response tokens only), which is what arrives on the wire. Ragged inputs are
+computed on the concatenation of their samples (flat ``[N]``, with the sample of
+each token), never padded: memory follows the tokens sent, not batch x longest.
 """
 
 from __future__ import annotations
@@ -165,9 +167,25 @@ def sequence_kl_ragged(
     per_token = per_token_kl_ragged(log_probs, ref_log_probs, estimator)
     lengths = torch.tensor([row.numel() for row in per_token], dtype=torch.long)
     dtype = per_token[0].dtype if per_token else torch.float32
-    sample_ids = torch.repeat_interleave(torch.arange(len(per_token)), lengths)
     flat = torch.cat(per_token) if per_token else torch.zeros(0, dtype=dtype)
-    sums = torch.zeros(len(per_token), dtype=dtype).index_add_(0, sample_ids, flat)
+    sums = sample_sums(flat, sample_ids_of(lengths), len(per_token))
     if reduction == "sum":
         return sums
     return sums / lengths.clamp_min(1).to(dtype)
+
+
+# ------------------------------------------------- flat [N]: samples back to back
+
+
+def sample_ids_of(lengths: Tensor) -> Tensor:
+    """``[N]`` int64: the sample each token belongs to, for samples of ``lengths`` tokens back to back."""
+    return torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+
+
+def sample_sums(values: Tensor, sample_ids: Tensor, batch_size: int) -> Tensor:
+    """Per-sample sum ``[B]`` of flat ``values`` ``[N]`` (``sample_ids[i]``: the sample of token ``i``).
+
+    Accumulated in float64: a long response sums many small terms, one by one here.
+    """
+    sums = torch.zeros(batch_size, dtype=torch.float64).index_add_(0, sample_ids, values.double())
+    return sums.to(values.dtype)

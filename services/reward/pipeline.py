@@ -7,6 +7,10 @@
     -> group advantages of the clipped scores (GRPO / GRPO without std / RLOO)
 
 Inputs are ragged: one 1-D tensor per sample holding only its response tokens.
+Once every length is checked the samples are concatenated (flat ``[N]`` plus the
+sample of each token) and computed on as such: nothing is padded to
+batch x longest, so memory follows the tokens sent (bounded by the service's
+``max_tokens_per_request`` before a request gets here).
 Nothing here knows about gRPC, the KL controller or where scores come from;
 every check names the field and the sample.
 """
@@ -78,15 +82,17 @@ class RewardOutputs:
 
 @dataclass(frozen=True)
 class _Checked:
-    behavior: Tensor  # [B, T] right-padded
-    ref: Tensor  # [B, T]
-    mask: Tensor  # [B, T] bool: real response tokens that count
+    behavior: Tensor  # [N]: every sample's response tokens, back to back
+    ref: Tensor  # [N]
+    mask: Tensor  # [N] bool: tokens that count
+    sample_ids: Tensor  # [N] int64: the sample of each token
+    counted: Tensor  # [B] int64: tokens that count, per sample
     lengths: list[int]
     group_ids: list[int]
 
 
 def validate_inputs(inputs: RewardInputs, advantage_mode: str = "grpo") -> _Checked:
-    """Check lengths, dtypes, finiteness, masks and groups; return padded views."""
+    """Check lengths, dtypes, finiteness, masks and groups; return the flat (concatenated) views."""
     if advantage_mode not in ADVANTAGE_MODES:
         raise InvalidArgument(f"unknown advantage mode {advantage_mode!r}; expected one of {list(ADVANTAGE_MODES)}")
     behavior = validation.as_ragged("behavior_log_probs", inputs.behavior_log_probs)
@@ -101,23 +107,22 @@ def validate_inputs(inputs: RewardInputs, advantage_mode: str = "grpo") -> _Chec
             if row.is_floating_point() or row.is_complex() or row.dtype == torch.bool:
                 raise InvalidArgument(f"response_token_ids: sample {index} must hold integers, got {row.dtype}")
         validation.check_same_lengths("response_token_ids", token_ids, "behavior_log_probs", behavior)
-
-    behavior_padded, length_mask = kl.pad_ragged(behavior)
-    ref_padded, _ = kl.pad_ragged(ref)
-    mask = length_mask
+    masks: list[Tensor] = []
     if inputs.response_masks is not None:
         masks = _rows_1d("response_mask", inputs.response_masks)
         for index, row in enumerate(masks):
             if row.dtype != torch.bool:
                 raise InvalidArgument(f"response_mask: sample {index} must be bool, got {row.dtype}")
         validation.check_same_lengths("response_mask", masks, "behavior_log_probs", behavior)
-        if masks:
-            mask = kl.pad_ragged([row.to(torch.uint8) for row in masks])[0].bool() & length_mask
 
+    # Every length is checked: only now are the samples concatenated (never padded).
+    behavior_flat, ref_flat = _concat(behavior), _concat(ref)
+    mask = torch.cat(masks) if masks else torch.ones(behavior_flat.shape, dtype=torch.bool)
     # Only tokens that count must be finite: a masked-out token may carry -inf.
-    validation.check_finite("behavior_log_probs", behavior_padded, mask)
-    validation.check_finite("ref_log_probs", ref_padded, mask)
-    counted = mask.sum(dim=-1) if batch_size else torch.zeros(0, dtype=torch.long)
+    validation.check_finite_tokens("behavior_log_probs", behavior_flat, lengths, mask)
+    validation.check_finite_tokens("ref_log_probs", ref_flat, lengths, mask)
+    sample_ids = kl.sample_ids_of(torch.tensor(lengths, dtype=torch.long))
+    counted = torch.bincount(sample_ids[mask], minlength=batch_size)
     if bool((counted == 0).any()):
         index = int((counted == 0).nonzero()[0])
         why = "the response is empty" if lengths[index] == 0 else "response_mask is all False"
@@ -125,7 +130,7 @@ def validate_inputs(inputs: RewardInputs, advantage_mode: str = "grpo") -> _Chec
 
     group_ids = list(inputs.group_ids) if inputs.group_ids else list(range(batch_size))
     adv.make_groups(group_ids, batch_size, min_group_size=2 if advantage_mode == "rloo" else 1)
-    return _Checked(behavior_padded, ref_padded, mask, lengths, group_ids)
+    return _Checked(behavior_flat, ref_flat, mask, sample_ids, counted, lengths, group_ids)
 
 
 def compute_rewards(
@@ -141,16 +146,19 @@ def compute_rewards(
     """Run the whole chain. ``score_batch()`` returns the raw ``[B]`` task scores; it is
     called only after every input check passed (reward models are expensive)."""
     checked = validate_inputs(inputs, advantage_mode)
-    per_token = kl.per_token_kl(checked.behavior, checked.ref, checked.mask, kl_estimator)
-    kl_sum = kl.masked_sum(per_token, checked.mask)
-    kl_mean = kl.masked_mean(per_token, checked.mask)
+    batch_size = inputs.batch_size
+    # The whole batch as one row of N tokens: the estimators are per token.
+    per_token = kl.per_token_kl(checked.behavior[None], checked.ref[None], checked.mask[None], kl_estimator)[0]
+    kl_sum = kl.sample_sums(per_token, checked.sample_ids, batch_size)
+    kl_mean = kl_sum / checked.counted.clamp_min(1)
 
     scores = torch.as_tensor(score_batch())
-    if scores.shape != (inputs.batch_size,):
-        raise InvalidArgument(f"scores have shape {tuple(scores.shape)}, expected [{inputs.batch_size}]")
+    if scores.shape != (batch_size,):
+        raise InvalidArgument(f"scores have shape {tuple(scores.shape)}, expected [{batch_size}]")
     validation.check_finite("score", scores)
     clipped = clip_scores(scores, score_clip)
-    shaped = shaping.shape_rewards(scores, per_token, checked.mask, kl_coef=kl_coef, score_clip=score_clip)
+    shaped = shaping.shape_rewards_flat(scores, per_token, checked.mask, checked.sample_ids,
+                                        kl_coef=kl_coef, score_clip=score_clip)
 
     if advantage_mode == "rloo":
         advantages = adv.rloo_advantages(clipped, checked.group_ids)
@@ -159,12 +167,9 @@ def compute_rewards(
             clipped, checked.group_ids, scale_by_std=advantage_mode == "grpo", eps=grpo_eps
         )
 
-    def unpad(values: Tensor) -> list[Tensor]:
-        return [row[:length] for row, length in zip(values, checked.lengths)]
-
     return RewardOutputs(
-        kl=unpad(per_token),
-        rewards=unpad(shaped.rewards),
+        kl=list(per_token.split(checked.lengths)),
+        rewards=list(shaped.rewards.split(checked.lengths)),
         scores=scores,
         clipped_scores=clipped,
         advantages=advantages,
@@ -172,6 +177,10 @@ def compute_rewards(
         kl_sum=kl_sum,
         kl_coef=float(kl_coef),
     )
+
+
+def _concat(rows: list[Tensor]) -> Tensor:
+    return torch.cat(rows) if rows else torch.zeros(0)
 
 
 def _rows_1d(name: str, rows: Sequence[Tensor]) -> list[Tensor]:

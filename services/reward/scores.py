@@ -13,23 +13,44 @@ are built by name with :func:`build_scorer`:
 Several scorers combine with :class:`WeightedSum` (e.g. correctness + format).
 Every returned score is checked (one finite number per sample), so a broken
 reward function fails loudly, naming itself and the sample.
+
+Parameters are checked against the factory's annotations before a scorer is
+built (a negative ``tolerance`` is refused, naming it), whether they come from a
+request (strings, converted) or from the config. A per-sample function that
+raises answers ``InvalidArgument`` naming the sample, the function and the
+exception: the caller's input or the configured function is at fault, not us.
+
+Patterns (``regex_match``, ``format_check``, ``char_fraction``) come from requests,
+so they are compiled with RE2 (``google-re2``): matching is linear in the text,
+whatever the pattern, and releases the GIL. RE2 syntax has no backreferences or
+lookaround, ``\\d``/``\\w``/``\\s`` are ASCII-only and ``$`` matches only at the very
+end (``(?m)`` for lines); ``.`` matches newlines here (Python's ``re.DOTALL``).
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import math
 import numbers
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
+import re2
 import torch
+from pydantic import Field, TypeAdapter, ValidationError
 from torch import Tensor
 
-from rlfleet.services.common.errors import InvalidArgument, NotFound
+from rlfleet.services.common.errors import InvalidArgument, NotFound, ResourceExhausted, RlfleetError
+from rlfleet.services.reward.validation import describe_exception, shorten
+
+log = logging.getLogger("rlfleet.reward")
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
 
 
 @dataclass(frozen=True)
@@ -74,32 +95,60 @@ def factory_signature(name: str) -> inspect.Signature:
     return inspect.signature(_REGISTRY[name], eval_str=True)
 
 
-def build_scorer(name: str, params: dict[str, Any] | None = None, *, allow_imports: bool = True) -> Scorer:
+def build_scorer(
+    name: str, params: dict[str, Any] | None = None, *, allow_imports: bool = True, label: str | None = None
+) -> Scorer:
     """Build the scorer called ``name`` (a registered name or ``"module:function"``).
 
-    ``allow_imports=False`` refuses import paths: a server should only import code
-    named in its own config, never a module named by a remote request.
+    ``params`` are checked and converted to the factory's annotated types (strings from a
+    request included). ``allow_imports=False`` refuses import paths: a server should only
+    import code named in its own config, never a module named by a remote request.
+    ``label`` is the name errors of a user function use (default: ``name``).
     """
     params = dict(params or {})
     if name in _REGISTRY:
-        factory = _REGISTRY[name]
-        try:
-            inspect.signature(factory).bind(**params)
-        except TypeError as exc:
-            raise InvalidArgument(
-                f"reward function {name!r}: bad parameters {sorted(params)}: {exc}"
-            ) from exc
-        return factory(**params)
+        return _REGISTRY[name](**_validated_params(name, params))
     if ":" in name:
         if not allow_imports:
             raise InvalidArgument(f"reward function {name!r}: import paths are not allowed here")
-        return _per_sample(name, _import_function(name), params)
+        return _per_sample(label or name, _import_function(name), params)
     raise NotFound(f"reward function {name!r} is not registered; known: {available()}")
 
 
+def _validated_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Bind ``params`` to the factory's signature and validate each against its annotation."""
+    signature = factory_signature(name)
+    try:
+        signature.bind(**params)
+    except TypeError as exc:
+        names = shorten(sorted(params))
+        raise InvalidArgument(f"reward function {name!r}: bad parameters {names}: {exc}") from exc
+    out = {}
+    for key, value in params.items():
+        parameter = signature.parameters.get(key)
+        if parameter is None or parameter.kind is inspect.Parameter.VAR_KEYWORD or (
+                parameter.annotation is inspect.Parameter.empty):
+            out[key] = value  # e.g. reward_model's pass-through options (config only)
+            continue
+        try:
+            out[key] = TypeAdapter(parameter.annotation).validate_python(value)
+        except ValidationError as exc:
+            reason = "; ".join(error["msg"] for error in exc.errors())
+            raise InvalidArgument(f"reward function {name!r}: argument {key}={shorten(value)}: {reason}") from None
+    return out
+
+
 def compute_scores(scorer: Scorer, samples: Sequence[ScoreInput], *, name: str = "reward function") -> Tensor:
-    """Run ``scorer`` and check it returned one finite number per sample -> float32 ``[B]``."""
-    scores = list(scorer(samples))
+    """Run ``scorer`` and check it returned one finite number per sample -> float32 ``[B]``.
+
+    A batch scorer (a reward model) running out of memory is ``ResourceExhausted``; anything
+    else it raises that is not an :class:`RlfleetError` is a bug, left for the INTERNAL path.
+    """
+    try:
+        scores = list(scorer(samples))
+    except (MemoryError, torch.OutOfMemoryError) as exc:
+        raise ResourceExhausted(f"{name} ran out of memory scoring {len(samples)} samples: "
+                                f"{describe_exception(exc)}") from exc
     if len(scores) != len(samples):
         raise InvalidArgument(f"{name} returned {len(scores)} scores for {len(samples)} samples")
     for index, score in enumerate(scores):
@@ -133,8 +182,18 @@ class WeightedSum:
 
 # ------------------------------------------------------------ verifiable tasks
 
+def _regex_options() -> re2.Options:
+    options = re2.Options()
+    options.dot_nl = True  # like re.DOTALL: responses span lines
+    options.log_errors = False  # a bad pattern is the caller's error, answered to it, not logged to stderr
+    options.max_mem = 2 << 20  # per compiled pattern (program + DFA cache); a bigger one does not compile
+    return options
+
+
+_REGEX_OPTIONS = _regex_options()
+
 # Last number in a text: optional sign, thousands separators, decimals, exponent.
-_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+")
+_NUMBER = re2.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+", _REGEX_OPTIONS)
 
 
 def last_number(text: str) -> float | None:
@@ -144,10 +203,10 @@ def last_number(text: str) -> float | None:
 
 
 def numeric_match_score(response: str, ground_truth: str, *, tolerance: float = 1e-6) -> float:
-    """1.0 if the last number in ``response`` equals the ground truth within ``tolerance``."""
+    """1.0 if the last number in ``response`` equals the ground truth within ``tolerance`` (>= 0)."""
     expected = last_number(ground_truth)
     if expected is None:
-        raise InvalidArgument(f"ground truth {ground_truth!r} holds no number")
+        raise InvalidArgument(f"ground truth {shorten(ground_truth)} holds no number")
     answer = last_number(response)
     if answer is None:
         return 0.0
@@ -165,107 +224,103 @@ def exact_match_score(
     return float(response == ground_truth)
 
 
-def _compile(pattern: str, what: str) -> re.Pattern[str]:
+def compile_pattern(pattern: str, what: str) -> Any:
+    """Compile a pattern from a request with RE2 (linear-time matching); ``what`` names it in errors."""
     try:
-        return re.compile(pattern, re.DOTALL)
-    except re.error as exc:
-        raise InvalidArgument(f"{what}: invalid regex {pattern!r}: {exc}") from exc
+        return re2.compile(pattern, _REGEX_OPTIONS)
+    except re2.error as exc:
+        reason = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+        raise InvalidArgument(
+            f"{what}={shorten(pattern)} is an invalid regex: RE2 syntax is required (no backreferences or "
+            f"lookaround): {reason}") from None
 
 
-def _needs_ground_truth(name: str, index: int, sample: ScoreInput) -> str:
-    if sample.ground_truth is None:
-        raise InvalidArgument(f"sample {index}: reward function {name!r} needs a ground_truth")
-    return sample.ground_truth
+def _each_sample(name: str, score_one: Callable[[ScoreInput], Any]) -> Scorer:
+    """A scorer calling ``score_one`` on every sample: each error and each bad score names the sample."""
 
-
-@register("numeric_match")
-def _numeric_match(tolerance: float = 1e-6) -> Scorer:
     def score(samples: Sequence[ScoreInput]) -> list[float]:
         out = []
         for index, sample in enumerate(samples):
-            truth = _needs_ground_truth("numeric_match", index, sample)
             try:
-                out.append(numeric_match_score(sample.response, truth, tolerance=tolerance))
-            except InvalidArgument as exc:
-                raise InvalidArgument(f"sample {index}: {exc}") from exc
+                value = score_one(sample)
+            except RlfleetError as exc:
+                raise type(exc)(f"sample {index}: {exc}") from exc
+            except MemoryError as exc:
+                raise ResourceExhausted(f"sample {index}: reward function {name!r} ran out of memory") from exc
+            except Exception as exc:  # noqa: BLE001 - the function failed on this input: the caller's answer
+                log.warning("reward function %r raised on a sample", name, exc_info=exc)
+                raise InvalidArgument(
+                    f"sample {index}: reward function {name!r} raised {describe_exception(exc)}") from exc
+            _check_score(f"reward function {name!r}", index, value)
+            out.append(float(value.item() if isinstance(value, Tensor) else value))
         return out
 
     return score
 
 
+def _needs_ground_truth(name: str, sample: ScoreInput) -> str:
+    if sample.ground_truth is None:
+        raise InvalidArgument(f"reward function {name!r} needs a ground_truth")
+    return sample.ground_truth
+
+
+@register("numeric_match")
+def _numeric_match(tolerance: NonNegativeFloat = 1e-6) -> Scorer:
+    return _each_sample("numeric_match", lambda sample: numeric_match_score(
+        sample.response, _needs_ground_truth("numeric_match", sample), tolerance=tolerance))
+
+
 @register("exact_match")
 def _exact_match(strip: bool = True, ignore_case: bool = False) -> Scorer:
-    def score(samples: Sequence[ScoreInput]) -> list[float]:
-        return [
-            exact_match_score(
-                sample.response, _needs_ground_truth("exact_match", index, sample),
-                strip=strip, ignore_case=ignore_case,
-            )
-            for index, sample in enumerate(samples)
-        ]
-
-    return score
+    return _each_sample("exact_match", lambda sample: exact_match_score(
+        sample.response, _needs_ground_truth("exact_match", sample), strip=strip, ignore_case=ignore_case))
 
 
 @register("regex_match")
 def _regex_match(pattern: str | None = None) -> Scorer:
     """1.0 if ``pattern`` (default: each sample's ground truth, as a regex) is found in the response."""
-    fixed = _compile(pattern, "regex_match") if pattern is not None else None
+    fixed = None if pattern is None else compile_pattern(pattern, "reward function 'regex_match': argument pattern")
 
-    def score(samples: Sequence[ScoreInput]) -> list[float]:
-        out = []
-        for index, sample in enumerate(samples):
-            regex = fixed or _compile(
-                _needs_ground_truth("regex_match", index, sample), f"sample {index}: regex_match"
-            )
-            out.append(float(regex.search(sample.response) is not None))
-        return out
+    def score_one(sample: ScoreInput) -> float:
+        regex = fixed or compile_pattern(
+            _needs_ground_truth("regex_match", sample), "reward function 'regex_match': ground_truth")
+        return float(regex.search(sample.response) is not None)
 
-    return score
+    return _each_sample("regex_match", score_one)
 
 
 @register("format_check")
-def _format_check(pattern: str, reward: float = 1.0, penalty: float = 0.0) -> Scorer:
+def _format_check(pattern: str, reward: FiniteFloat = 1.0, penalty: FiniteFloat = 0.0) -> Scorer:
     """``reward`` if the whole response matches ``pattern``, else ``penalty``."""
-    regex = _compile(pattern, "format_check")
-
-    def score(samples: Sequence[ScoreInput]) -> list[float]:
-        return [reward if regex.fullmatch(sample.response) else penalty for sample in samples]
-
-    return score
+    regex = compile_pattern(pattern, "reward function 'format_check': argument pattern")
+    return _each_sample("format_check", lambda sample: reward if regex.fullmatch(sample.response) else penalty)
 
 
 @register("char_fraction")
 def _char_fraction(pattern: str = "[0-9]", ignore_space: bool = True) -> Scorer:
     """Fraction of the response's characters matching the one-character ``pattern``
     (whitespace skipped by default); 0 for an empty response. A dense format reward."""
-    regex = _compile(pattern, "char_fraction")
+    regex = compile_pattern(pattern, "reward function 'char_fraction': argument pattern")
 
-    def score(samples: Sequence[ScoreInput]) -> list[float]:
-        out = []
-        for sample in samples:
-            chars = [c for c in sample.response if not (ignore_space and c.isspace())]
-            out.append(sum(1 for c in chars if regex.fullmatch(c)) / len(chars) if chars else 0.0)
-        return out
+    def score_one(sample: ScoreInput) -> float:
+        chars = [c for c in sample.response if not (ignore_space and c.isspace())]
+        # One match per distinct character: a text has few of them.
+        matching = {c: regex.fullmatch(c) is not None for c in set(chars)}
+        return sum(matching[c] for c in chars) / len(chars) if chars else 0.0
 
-    return score
+    return _each_sample("char_fraction", score_one)
 
 
 @register("length_penalty")
-def _length_penalty(max_length: int, coef: float = 0.01) -> Scorer:
+def _length_penalty(max_length: NonNegativeInt, coef: NonNegativeFloat = 0.01) -> Scorer:
     """``-coef * max(0, response_length - max_length)``, on response tokens."""
-    if max_length < 0 or coef < 0:
-        raise InvalidArgument("length_penalty: max_length and coef must be >= 0")
 
-    def score(samples: Sequence[ScoreInput]) -> list[float]:
-        out = []
-        for index, sample in enumerate(samples):
-            if sample.response_length is None:
-                raise InvalidArgument(f"sample {index}: length_penalty needs response_length")
-            out.append(-coef * max(0, sample.response_length - max_length))
-        return out
+    def score_one(sample: ScoreInput) -> float:
+        if sample.response_length is None:
+            raise InvalidArgument("length_penalty needs response_length")
+        return -coef * max(0, sample.response_length - max_length)
 
-    return score
+    return _each_sample("length_penalty", score_one)
 
 
 @register("reward_model")
@@ -301,19 +356,15 @@ def _import_function(spec: str) -> Callable[..., Any]:
 
 
 def _per_sample(name: str, function: Callable[..., Any], params: dict[str, Any]) -> Scorer:
-    def score(samples: Sequence[ScoreInput]) -> list[float]:
-        out = []
-        for index, sample in enumerate(samples):
-            value = function(sample, **params)
-            _check_score(f"reward function {name!r}", index, value)
-            out.append(float(value))
-        return out
-
-    return score
+    return _each_sample(name, lambda sample: function(sample, **params))
 
 
 def _check_score(name: str, index: int, value: Any) -> None:
     if isinstance(value, Tensor) and value.numel() == 1:
         value = value.item()
-    if not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise InvalidArgument(f"sample {index}: {name} returned {value!r}, expected a finite number")
+    try:
+        finite = isinstance(value, numbers.Real) and math.isfinite(value)
+    except OverflowError:  # an int beyond the float range
+        finite = False
+    if not finite:
+        raise InvalidArgument(f"sample {index}: {name} returned {shorten(value)}, expected a finite number")

@@ -11,8 +11,10 @@ from typing import Callable, TypeVar
 import grpc
 
 from rlfleet.services.common.server import Service
+from rlfleet.services.reward.budget import TimeBudget
 from rlfleet.services.reward.config import RewardServiceConfig
-from rlfleet.services.reward.engine import RewardEngine
+from rlfleet.services.reward.engine import RewardEngine, RewardRequest
+from rlfleet.services.reward.pipeline import RewardOutputs
 from rlfleet.services.reward.servicer import RewardServicer
 from rlfleet.v1 import reward_pb2, reward_pb2_grpc
 
@@ -37,6 +39,22 @@ class RewardService(Service[RewardServiceConfig]):
     async def run_blocking(self, function: Callable[..., T], *args) -> T:
         """Run ``function(*args)`` in the worker pool."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(function, *args))
+
+    async def compute(self, request: RewardRequest) -> RewardOutputs:
+        """``engine.compute`` in the worker pool, answered within ``reward_time_limit_seconds``
+        (the wait for a free worker included): the event loop never runs a reward function."""
+        budget = TimeBudget(self.config.reward_time_limit_seconds)
+        job = asyncio.get_running_loop().run_in_executor(self._executor, self.engine.compute, request, budget)
+        try:
+            done, _ = await asyncio.wait({job}, timeout=budget.remaining())
+        except asyncio.CancelledError:  # the caller went away: stop at the next checkpoint
+            budget.expire()
+            job.cancel()
+            raise
+        if not done and budget.expire():
+            job.cancel()  # drops it if still queued; a running function finishes, its result unused
+            raise budget.exceeded()
+        return await job  # done, or the worker committed a controller update: its short rest
 
     async def start(self) -> None:
         await self.run_blocking(self.engine.load)

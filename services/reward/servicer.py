@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlfleet.services.common.errors import InvalidArgument
+from rlfleet.services.reward import validation
+from rlfleet.services.reward.config import RewardServiceConfig
 from rlfleet.services.reward.engine import RewardRequest
 from rlfleet.services.reward.functions import TaskSpec
 from rlfleet.services.reward.pipeline import RewardInputs, RewardOutputs
@@ -37,13 +39,32 @@ def _enum(table: dict, value: int, field: str):
         raise InvalidArgument(f"{field}: unknown value {value}") from None
 
 
+_RAGGED_FIELDS = ("behavior_log_probs", "ref_log_probs", "response_token_ids", "response_mask")
+
+
+def check_size(request: reward_pb2.ComputeRewardsRequest, config: RewardServiceConfig) -> None:
+    """The service's size bounds, on counts and lengths only: nothing is decoded or allocated yet."""
+    for field in _RAGGED_FIELDS:
+        if request.HasField(field):
+            ragged = getattr(request, field)
+            dims = len(ragged.values.shape) if ragged.HasField("values") else None
+            validation.check_ragged_size(field, ragged.lengths, dims, config)
+    validation.check_count("group_ids", len(request.group_ids), config)
+    validation.check_texts("prompt_texts", request.prompt_texts, config)
+    validation.check_texts("response_texts", request.response_texts, config)
+    validation.check_count("tasks", len(request.tasks), config)
+    for index, task in enumerate(request.tasks):
+        validation.check_task(index, task.ground_truth, task.args, config)
+
+
 def _ragged(request, field: str, required: bool) -> list[torch.Tensor] | None:
     if not required and not request.HasField(field):
         return None
     return decode_ragged(getattr(request, field), field).to_list()
 
 
-def request_from_proto(request: reward_pb2.ComputeRewardsRequest) -> RewardRequest:
+def request_from_proto(request: reward_pb2.ComputeRewardsRequest, config: RewardServiceConfig) -> RewardRequest:
+    check_size(request, config)
     inputs = RewardInputs(
         behavior_log_probs=_ragged(request, "behavior_log_probs", required=True),
         ref_log_probs=_ragged(request, "ref_log_probs", required=True),
@@ -78,9 +99,18 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self.service = service
 
     async def ComputeRewards(self, request, context):
-        reward_request = request_from_proto(request)
-        outputs = await self.service.run_blocking(self.service.engine.compute, reward_request)
+        reward_request = request_from_proto(request, self.service.config)
+        outputs = await self.service.compute(reward_request)
         return response_to_proto(outputs)
+
+    async def CheckTasks(self, request, context):
+        config = self.service.config
+        validation.check_count("tasks", len(request.tasks), config)
+        for index, task in enumerate(request.tasks):
+            validation.check_task(index, task.ground_truth, task.args, config)
+        tasks = [TaskSpec(task.reward_fn, task.ground_truth or None, dict(task.args)) for task in request.tasks]
+        await self.service.run_blocking(self.service.engine.check_tasks, tasks)  # builds scorers: regexes
+        return reward_pb2.CheckTasksResponse()
 
     async def GetKLController(self, request, context):
         state = self.service.engine.controller_state()

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.services.reward import validation
-from rlfleet.services.reward.kl import pad_ragged
+from rlfleet.services.reward.kl import sample_ids_of
 from rlfleet.services.reward.scores import clip_scores
 
 PerToken = TypeVar("PerToken", Tensor, list[Tensor])
@@ -90,6 +90,56 @@ def shape_rewards(
     )
 
 
+def last_token_index_flat(mask: Tensor, sample_ids: Tensor, batch_size: int) -> Tensor:
+    """Flat position of each sample's last ``True`` in a flat ``[N]`` mask (-1 for none);
+    ``sample_ids[i]`` is the sample of token ``i``."""
+    positions = torch.arange(mask.numel(), device=mask.device)
+    marked = torch.where(mask, positions, torch.full_like(positions, -1))
+    last = torch.full((batch_size,), -1, dtype=torch.long, device=mask.device)
+    return last.scatter_reduce_(0, sample_ids, marked, reduce="amax")
+
+
+def shape_rewards_flat(
+    scores: Tensor,
+    per_token_kl: Tensor,
+    mask: Tensor,
+    sample_ids: Tensor,
+    *,
+    kl_coef: float,
+    score_clip: float | None = None,
+) -> ShapedRewards[Tensor]:
+    """Shaped rewards for flat ``[N]`` KL values: every sample's tokens back to back,
+    ``sample_ids[i]`` the sample of token ``i``, ``mask`` the tokens that count. No padding."""
+    if scores.ndim != 1:
+        raise InvalidArgument(f"scores has shape {tuple(scores.shape)}, expected [batch]")
+    if per_token_kl.shape != mask.shape or mask.dtype != torch.bool or sample_ids.shape != mask.shape:
+        raise InvalidArgument(
+            f"per-token KL, mask (bool) and sample ids must share one flat shape, got {tuple(per_token_kl.shape)}, "
+            f"{mask.dtype} {tuple(mask.shape)} and {tuple(sample_ids.shape)}"
+        )
+    if not math.isfinite(kl_coef) or kl_coef < 0:
+        raise InvalidArgument(f"kl_coef must be finite and >= 0, got {kl_coef}")
+    validation.check_finite("scores", scores)
+    if bool((~torch.isfinite(per_token_kl) & mask).any()):
+        raise InvalidArgument("kl holds NaN/inf at a counted token")
+
+    last = last_token_index_flat(mask, sample_ids, scores.shape[0])
+    if bool((last < 0).any()):
+        empty = int((last < 0).nonzero()[0])
+        raise InvalidArgument(f"sample {empty}: the response has no tokens to put the score on")
+
+    dtype = torch.promote_types(per_token_kl.dtype, torch.float32)
+    score_rewards = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    score_rewards[last] = clip_scores(scores.to(dtype), score_clip)
+    kl_rewards = torch.where(mask, -kl_coef * per_token_kl.to(dtype), torch.zeros((), dtype=dtype))
+    return ShapedRewards(
+        raw_scores=scores,
+        score_rewards=score_rewards,
+        kl_rewards=kl_rewards,
+        rewards=score_rewards + kl_rewards,
+    )
+
+
 def shape_rewards_ragged(
     scores: Tensor,
     per_token_kl: Sequence[Tensor],
@@ -101,16 +151,15 @@ def shape_rewards_ragged(
     per_token_kl = validation.as_ragged("kl", per_token_kl)
     if scores.ndim != 1 or scores.shape[0] != len(per_token_kl):
         raise InvalidArgument(f"scores has shape {tuple(scores.shape)}, expected [{len(per_token_kl)}]")
-    padded_kl, mask = pad_ragged(per_token_kl)
-    shaped = shape_rewards(scores, padded_kl, mask, kl_coef=kl_coef, score_clip=score_clip)
+    validation.check_finite_ragged("kl", per_token_kl)
     lengths = [row.numel() for row in per_token_kl]
-
-    def unpad(values: Tensor) -> list[Tensor]:
-        return [row[:length] for row, length in zip(values, lengths)]
-
+    flat_kl = torch.cat(per_token_kl) if per_token_kl else torch.zeros(0)
+    mask = torch.ones(flat_kl.shape, dtype=torch.bool)
+    sample_ids = sample_ids_of(torch.tensor(lengths, dtype=torch.long))
+    shaped = shape_rewards_flat(scores, flat_kl, mask, sample_ids, kl_coef=kl_coef, score_clip=score_clip)
     return ShapedRewards(
         raw_scores=scores,
-        score_rewards=unpad(shaped.score_rewards),
-        kl_rewards=unpad(shaped.kl_rewards),
-        rewards=unpad(shaped.rewards),
+        score_rewards=list(shaped.score_rewards.split(lengths)),
+        kl_rewards=list(shaped.kl_rewards.split(lengths)),
+        rewards=list(shaped.rewards.split(lengths)),
     )

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Literal, TypeVar
 
 from rlfleet.services.common.errors import InvalidArgument, NotFound, Unavailable
-from rlfleet.services.trajectory.store import AppendResult, Delivery, Stats, TrajectoryStore
+from rlfleet.services.trajectory.store import AppendResult, Delivery, Dropped, Stats, TrajectoryStore
 from rlfleet.v1 import tensor_pb2
 
 log = logging.getLogger("rlfleet.trajectory.buffer")
@@ -130,6 +130,10 @@ class TrajectoryBuffer:
 
     async def stats(self) -> Stats:
         return await self._call(TrajectoryStore.stats)
+
+    async def drop_stale(self, below_policy_version: int) -> Dropped:
+        # Nothing to notify: dropping makes no batch ready (readers' filters skip these rows anyway).
+        return await self._call(TrajectoryStore.drop_stale, below_policy_version)
 
     # --- reader streams ---------------------------------------------------------------------
     async def stream(self, options: ReaderOptions,

@@ -112,6 +112,15 @@ def _concat(parts: Sequence[tensor_pb2.TensorDict]) -> tensor_pb2.TensorDict:
     return out
 
 
+def row_string(raw: bytes, key: str) -> str | None:
+    """The value of the top-level string column ``key`` of one serialized row, or None without one."""
+    row = tensor_pb2.TensorDict.FromString(raw)
+    value = row.entries.get(key)
+    if value is None or value.WhichOneof("kind") != "strings" or not value.strings.values:
+        return None
+    return value.strings.values[0]
+
+
 def schema_of(msg: tensor_pb2.TensorDict) -> Schema:
     """What rows must share to be concatenated: keys, kinds, dtypes, trailing dims."""
     batch_dims = len(msg.batch_size)

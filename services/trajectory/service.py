@@ -31,7 +31,8 @@ class TrajectoryService(Service[TrajectoryConfig]):
 
     def _open_store(self) -> TrajectoryStore:
         config = self.config
-        return TrajectoryStore(config.db_path, config.capacity, synchronous=config.synchronous,
+        return TrajectoryStore(config.db_path, config.capacity, capacity_bytes=config.capacity_bytes,
+                               synchronous=config.synchronous,
                                idempotency_window=config.idempotency_window,
                                lock_timeout_seconds=config.lock_timeout_seconds,
                                documented=row_schema() if config.batch_schema else None)
@@ -41,7 +42,8 @@ class TrajectoryService(Service[TrajectoryConfig]):
 
     async def start(self) -> None:
         await self.buffer.start()
-        log.info("trajectory store open", extra={"db_path": self.config.db_path, "capacity": self.config.capacity})
+        log.info("trajectory store open", extra={"db_path": self.config.db_path, "capacity": self.config.capacity,
+                                                 "capacity_bytes": self.config.capacity_bytes})
 
     async def stop(self) -> None:
         await self.buffer.stop()

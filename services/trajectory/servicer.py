@@ -49,8 +49,15 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
         return trajectory_pb2.GetStatsResponse(
             ready=stats.ready, leased=stats.leased, acked=stats.acked, capacity=stats.capacity,
             appended=stats.appended, redelivered_batches=stats.redelivered_batches,
-            dropped_stale=stats.dropped_stale,
+            dropped_stale=stats.dropped_stale, buffered_bytes=stats.buffered_bytes,
+            capacity_bytes=stats.capacity_bytes,
         )
+
+    async def DropStale(self, request: trajectory_pb2.DropStaleRequest,
+                        context) -> trajectory_pb2.DropStaleResponse:
+        dropped = await self._buffer.drop_stale(request.below_policy_version)
+        return trajectory_pb2.DropStaleResponse(dropped=dropped.trajectories, group_ids=dropped.group_ids,
+                                                prompt_ids=dropped.prompt_ids)
 
 
 async def _commands(requests: AsyncIterator[trajectory_pb2.StreamBatchesRequest]) -> AsyncIterator[Command]:

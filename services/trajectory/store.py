@@ -12,7 +12,11 @@ Groups: all rows of one ``append`` call sharing a ``group_id`` form one group
 (the collector appends a GRPO group whole, in one call). A ``group_size``
 entry, if present, must equal that count, so a collector that splits groups
 gets an error instead of silently mis-batched groups. ``group_id``s are not
-merged across calls.
+merged across calls. A group's policy version is its oldest row's.
+
+Rows leave only by an ack or by ``drop_stale`` (an operator's call). A
+reader's ``min_policy_version`` filters what that reader is given and deletes
+nothing: readers cannot delete data they were not given.
 
 A store is not thread-safe: sqlite3 connections are bound to the thread that
 opened them, so one thread owns the store (see ``buffer.TrajectoryBuffer``).
@@ -41,6 +45,9 @@ log = logging.getLogger("rlfleet.trajectory.store")
 #: Keys every appended TensorDict must carry, each a [B] int64 tensor.
 REQUIRED_KEYS = ("group_id", "policy_version_start")
 GROUP_SIZE_KEY = "group_size"
+#: The string column whose values ``drop_stale`` reports (when the rows have it).
+PROMPT_ID_KEY = "prompt_id"
+DEFAULT_CAPACITY_BYTES = 8 << 30
 
 _SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS trajectories (
@@ -86,6 +93,17 @@ class Delivery:
 
 
 @dataclass(frozen=True)
+class Dropped:
+    """What ``drop_stale`` deleted."""
+
+    trajectories: int
+    group_ids: tuple[int, ...]
+    """Distinct, in delivery order."""
+    prompt_ids: tuple[str, ...]
+    """Distinct values of the rows' ``prompt_id`` string column; empty when the rows have none."""
+
+
+@dataclass(frozen=True)
 class Stats:
     ready: int
     leased: int
@@ -94,6 +112,9 @@ class Stats:
     appended: int
     redelivered_batches: int
     dropped_stale: int
+    """Trajectories deleted by ``drop_stale`` only: a reader's ``min_policy_version`` deletes nothing."""
+    buffered_bytes: int
+    capacity_bytes: int
 
 
 @dataclass
@@ -102,6 +123,8 @@ class _Row:
     unit: int
     policy_version_start: int
     deliveries: int
+    nbytes: int
+    """Size of its stored (serialized) payload: what ``capacity_bytes`` bounds."""
 
 
 @dataclass
@@ -127,15 +150,20 @@ class _Lease:
 class TrajectoryStore:
     """Bounded, durable buffer of trajectories with leased batch delivery."""
 
-    def __init__(self, path: str, capacity: int, *, synchronous: Literal["FULL", "NORMAL"] = "FULL",
+    def __init__(self, path: str, capacity: int, *, capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
+                 synchronous: Literal["FULL", "NORMAL"] = "FULL",
                  idempotency_window: int = 100_000, lock_timeout_seconds: float = 10.0,
                  documented: rowcodec.Schema | None = None, clock: Callable[[], float] = time.time):
-        """``documented``: the schema every append must keep to (its keys may be a subset);
-        None accepts any layout."""
+        """``capacity`` bounds the buffered rows, ``capacity_bytes`` their serialized payloads;
+        ``documented``: the schema every append must keep to (its keys may be a subset); None
+        accepts any layout."""
         if capacity <= 0:
             raise ValueError(f"capacity must be > 0, got {capacity}")
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         self.path = path
         self.capacity = capacity
+        self.capacity_bytes = capacity_bytes
         self._idempotency_window = idempotency_window
         self._clock = clock
         self._db = _connect(path, synchronous, lock_timeout_seconds)
@@ -144,6 +172,7 @@ class TrajectoryStore:
         self._leases: dict[str, _Lease] = {}
         self._ready = 0
         self._leased = 0
+        self._bytes = 0  # payload bytes of the ready + leased rows
         self._appended = self._acked = self._redelivered_batches = self._dropped_stale = 0
         self._schema: rowcodec.Schema | None = None
         self._documented = documented
@@ -153,17 +182,18 @@ class TrajectoryStore:
     def _load(self) -> None:
         row = self._db.execute("SELECT value FROM meta WHERE name = 'schema'").fetchone()
         self._schema = json.loads(row[0]) if row else None
-        cursor = self._db.execute(
-            "SELECT seq, unit, group_id, group_size, policy_version_start, deliveries "
+        cursor = self._db.execute(  # length() of a blob reads its size, not its content
+            "SELECT seq, unit, group_id, group_size, policy_version_start, deliveries, length(data) "
             "FROM trajectories ORDER BY seq")
-        for seq, unit_id, group_id, group_size, version, deliveries in cursor:
+        for seq, unit_id, group_id, group_size, version, deliveries, nbytes in cursor:
             unit = self._units.get(unit_id)
             if unit is None:
                 unit = self._units[unit_id] = _Unit(unit_id, group_id, group_size, version)
                 self._ready_units.append(unit_id)
-            unit.ready.append(_Row(seq, unit_id, version, deliveries))
+            unit.ready.append(_Row(seq, unit_id, version, deliveries, nbytes))
             unit.min_version = min(unit.min_version, version)
             self._ready += 1
+            self._bytes += nbytes
         self._ready_units.sort(key=self._order)
         if self._ready:
             log.info("reopened trajectory store", extra={"path": self.path, "ready": self._ready})
@@ -198,6 +228,14 @@ class TrajectoryStore:
             if mismatch:
                 raise InvalidArgument(mismatch)
         payloads = rowcodec.split_rows(msg)
+        size = sum(map(len, payloads))
+        if size > self.capacity_bytes:
+            raise InvalidArgument(f"trajectories: {size} bytes of trajectories can never fit the buffer's "
+                                  f"capacity_bytes of {self.capacity_bytes}")
+        if self._bytes + size > self.capacity_bytes:
+            raise ResourceExhausted(
+                f"trajectory buffer full: {self._bytes} of {self.capacity_bytes} bytes buffered, {size} more "
+                "do not fit; retry after trainers ack batches")
 
         next_seq = self._next_seq()
         new_units: list[_Unit] = []
@@ -205,7 +243,7 @@ class TrajectoryStore:
         for indices in units:
             unit = _Unit(next_seq, group_ids[indices[0]], len(indices), min(versions[i] for i in indices))
             for i in indices:
-                unit.ready.append(_Row(next_seq, unit.id, versions[i], 0))
+                unit.ready.append(_Row(next_seq, unit.id, versions[i], 0, len(payloads[i])))
                 records.append((next_seq, unit.id, unit.group_id, unit.size, versions[i], payloads[i]))
                 next_seq += 1
             new_units.append(unit)
@@ -228,6 +266,7 @@ class TrajectoryStore:
             self._units[unit.id] = unit
             bisect.insort(self._ready_units, unit.id, key=self._order)
         self._ready += count
+        self._bytes += size
         self._appended += count
         return AppendResult(count, self.buffered)
 
@@ -244,17 +283,19 @@ class TrajectoryStore:
         back to its place at the head). With
         ``whole_groups`` only complete groups are taken, and a group whose size
         does not divide ``batch_size`` is an error (it could never be delivered).
-        Ready rows below ``min_policy_version`` are deleted and counted as stale
-        (with ``whole_groups``, their whole group).
+        ``min_policy_version`` is this reader's filter: groups whose
+        policy_version_start (their oldest row's) is below it are skipped, and
+        stay ready for other readers; nothing is deleted (see ``drop_stale``).
+        The skipped groups are the head of the delivery order, so skipping them
+        costs one bisection.
         """
         if batch_size <= 0:
             raise InvalidArgument(f"open.batch_size: must be > 0, got {batch_size}")
-        if min_policy_version:
-            self._drop_stale(min_policy_version, whole_groups)
+        start = self._first_ready_at(min_policy_version)
         if whole_groups:
-            plan = self._plan_whole_groups(batch_size)  # scans even when short: bad group sizes fail fast
+            plan = self._plan_whole_groups(batch_size, start)  # scans even when short: bad group sizes fail fast
         else:
-            plan = self._plan_rows(batch_size) if self._ready >= batch_size else None
+            plan = self._plan_rows(batch_size, start) if self._ready >= batch_size else None
         if plan is None:
             return None
         rows = [row for unit, count in plan for row in unit.ready[:count]]
@@ -282,21 +323,21 @@ class TrajectoryStore:
         self._redelivered_batches += redelivered
         return Delivery(lease.id, batch, lease.expires_at, redelivered, len(rows))
 
-    def _plan_rows(self, batch_size: int) -> list[tuple[_Unit, int]]:
+    def _plan_rows(self, batch_size: int, start: int) -> list[tuple[_Unit, int]] | None:
         plan, need = [], batch_size
-        for unit_id in self._ready_units:
-            unit = self._units[unit_id]
+        for index in range(start, len(self._ready_units)):
+            unit = self._units[self._ready_units[index]]
             take = min(need, len(unit.ready))
             plan.append((unit, take))
             need -= take
             if not need:
                 return plan
-        raise AssertionError("ready count out of sync with the ready units")  # pragma: no cover
+        return None  # the filter skipped too much
 
-    def _plan_whole_groups(self, batch_size: int) -> list[tuple[_Unit, int]] | None:
+    def _plan_whole_groups(self, batch_size: int, start: int) -> list[tuple[_Unit, int]] | None:
         plan, need = [], batch_size
-        for unit_id in self._ready_units:
-            unit = self._units[unit_id]
+        for index in range(start, len(self._ready_units)):
+            unit = self._units[self._ready_units[index]]
             if unit.leased:
                 continue  # part of this group is out with another reader
             if batch_size % unit.size:
@@ -310,36 +351,57 @@ class TrajectoryStore:
                     return plan
         return None
 
-    def _drop_stale(self, min_version: int, whole_groups: bool) -> None:
-        doomed: list[tuple[_Unit, list[_Row]]] = []
-        for unit_id in self._ready_units:
-            unit = self._units[unit_id]
-            if unit.min_version >= min_version:
-                continue
-            stale = list(unit.ready) if whole_groups else [
-                row for row in unit.ready if row.policy_version_start < min_version]
-            if stale:
-                doomed.append((unit, stale))
-        if not doomed:
-            return
-        self._delete([row.seq for _, stale in doomed for row in stale])
-        for unit, stale in doomed:
-            gone = {row.seq for row in stale}
-            unit.ready = [row for row in unit.ready if row.seq not in gone]
-            self._ready -= len(stale)
-            self._dropped_stale += len(stale)
-            if not unit.ready:
-                self._remove_ready_unit(unit.id)
-                if not unit.leased:
-                    del self._units[unit.id]
+    def _first_ready_at(self, policy_version: int) -> int:
+        """Index in ``_ready_units`` of the first group whose policy_version_start is >= ``policy_version``."""
+        if not policy_version:
+            return 0
+        return bisect.bisect_left(self._ready_units, (policy_version,), key=self._order)
+
+    # --- drop stale -------------------------------------------------------------------------
+    def drop_stale(self, below_policy_version: int) -> Dropped:
+        """Delete the ready rows of every group whose policy_version_start is below
+        ``below_policy_version`` (durable once this returns). Leased rows are left alone: acked,
+        they are gone; released, the next call drops them."""
+        stop = self._first_ready_at(below_policy_version)
+        units = [self._units[unit_id] for unit_id in self._ready_units[:stop]]
+        rows = [row for unit in units for row in unit.ready]
+        if not rows:
+            return Dropped(0, (), ())
+        seqs = [row.seq for row in rows]
+        with self._transaction():
+            prompt_ids = self._prompt_ids(seqs)
+            self._delete_rows(seqs)
+        # Committed: only now does the in-memory index change.
+        del self._ready_units[:stop]
+        for unit in units:
+            unit.ready = []
+            if not unit.leased:
+                del self._units[unit.id]
+        self._ready -= len(rows)
+        self._bytes -= sum(row.nbytes for row in rows)
+        self._dropped_stale += len(rows)
+        group_ids = tuple(dict.fromkeys(unit.group_id for unit in units))
         log.info("dropped stale trajectories", extra={
-            "dropped": sum(len(stale) for _, stale in doomed), "min_policy_version": min_version})
+            "dropped": len(rows), "groups": len(group_ids), "below_policy_version": below_policy_version})
+        return Dropped(len(rows), group_ids, tuple(dict.fromkeys(prompt_ids)))
+
+    def _prompt_ids(self, seqs: Sequence[int]) -> list[str]:
+        """The rows' prompt ids in ``seqs`` order; none unless the buffered schema has the column."""
+        if not self._schema or self._schema.get(PROMPT_ID_KEY) != ["strings"]:
+            return []
+        payloads: dict[int, bytes] = {}
+        for chunk in _chunks(seqs):
+            payloads.update(self._db.execute(
+                f"SELECT seq, data FROM trajectories WHERE seq IN ({','.join('?' * len(chunk))})", chunk))
+        found = (rowcodec.row_string(payloads[seq], PROMPT_ID_KEY) for seq in seqs)
+        return [prompt_id for prompt_id in found if prompt_id is not None]
 
     # --- ack / release -------------------------------------------------------------------
     def ack(self, owner: str, lease_id: str) -> int:
         """Delete a leased batch for good; returns its size."""
         lease = self._owned_lease(owner, lease_id)
-        self._delete([row.seq for row in lease.rows])
+        with self._transaction():
+            self._delete_rows([row.seq for row in lease.rows])
         del self._leases[lease_id]
         for row in lease.rows:
             unit = self._units[row.unit]
@@ -347,6 +409,7 @@ class TrajectoryStore:
             if not unit.leased and not unit.ready:
                 del self._units[unit.id]
         self._leased -= len(lease.rows)
+        self._bytes -= sum(row.nbytes for row in lease.rows)
         self._acked += len(lease.rows)
         return len(lease.rows)
 
@@ -395,7 +458,8 @@ class TrajectoryStore:
     def stats(self) -> Stats:
         return Stats(ready=self._ready, leased=self._leased, acked=self._acked, capacity=self.capacity,
                      appended=self._appended, redelivered_batches=self._redelivered_batches,
-                     dropped_stale=self._dropped_stale)
+                     dropped_stale=self._dropped_stale, buffered_bytes=self._bytes,
+                     capacity_bytes=self.capacity_bytes)
 
     # --- sqlite helpers ----------------------------------------------------------------
     def _order(self, unit_id: int) -> tuple[int, int]:
@@ -411,10 +475,10 @@ class TrajectoryStore:
         index = bisect.bisect_left(self._ready_units, self._order(unit_id), key=self._order)
         del self._ready_units[index]
 
-    def _delete(self, seqs: Sequence[int]) -> None:
-        with self._transaction():
-            for chunk in _chunks(seqs):
-                self._db.execute(f"DELETE FROM trajectories WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
+    def _delete_rows(self, seqs: Sequence[int]) -> None:
+        """Delete rows; call inside ``_transaction``."""
+        for chunk in _chunks(seqs):
+            self._db.execute(f"DELETE FROM trajectories WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
 
     @contextmanager
     def _transaction(self) -> Iterator[None]:

@@ -56,7 +56,11 @@ def submit(channel, count: int, tag: str) -> list[str]:
 class Reader:
     """A trainer's batch stream through the collector's address."""
 
-    def __init__(self, channel, batch_size: int, **open_args):
+    def __init__(self, channel, batch_size: int, ack_late: bool = False, **open_args):
+        """``ack_late``: ack a batch when the next is asked for (as the SDK does), not on receipt; with
+        prefetch 1 the server then leases nothing new until the trainer is done with its batch."""
+        self.ack_late = ack_late
+        self._held: str | None = None
         self.requests = collections.deque()
         self._stub = trajectory_pb2_grpc.TrajectoryServiceStub(channel)
         self._queue = queue.Queue()
@@ -67,13 +71,19 @@ class Reader:
         self._acked: str | None = None  # the last ack sent, not yet answered
 
     def next(self):
+        if self._held is not None:
+            self._queue.put(trajectory_pb2.StreamBatchesRequest(ack=trajectory_pb2.AckBatch(lease_id=self._held)))
+            self._acked, self._held = self._held, None
         response = next(self._responses)
         if self._acked is not None:  # the answer to the last ack precedes the batch its slot let through
             assert (response.settled.lease_id, response.settled.applied) == (self._acked, True), response
             response = next(self._responses)
         assert response.lease_id and not response.HasField("settled")
-        self._queue.put(trajectory_pb2.StreamBatchesRequest(ack=trajectory_pb2.AckBatch(lease_id=response.lease_id)))
-        self._acked = response.lease_id
+        if self.ack_late:
+            self._held = response.lease_id
+        else:
+            self._queue.put(trajectory_pb2.StreamBatchesRequest(ack=trajectory_pb2.AckBatch(lease_id=response.lease_id)))
+            self._acked = response.lease_id
         return decode_tensordict(response.batch)
 
     def close(self):
@@ -144,6 +154,123 @@ def test_async_mode_staleness_is_bounded(backends, tmp_path, tiny_model_dir):
         status = collector_pb2_grpc.CollectorServiceStub(channel).GetStatus(collector_pb2.GetStatusRequest())
         assert 1 <= len(status.staleness_histogram) <= 2, list(status.staleness_histogram)
         assert sum(status.staleness_histogram) >= 4 * 2 * GROUP, consumed
+    finally:
+        reader.close()
+        channel.close()
+        proc.stop()
+
+
+def wait_for(predicate, what: str, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while not (result := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return result
+
+
+def status(channel) -> collector_pb2.GetStatusResponse:
+    return collector_pb2_grpc.CollectorServiceStub(channel).GetStatus(collector_pb2.GetStatusRequest(), timeout=30)
+
+
+def read_groups(reader: "Reader", prompt_ids: list[str]) -> dict[str, collections.Counter]:
+    """Rows per group id of each of ``prompt_ids``, reading until every one has a whole group."""
+    seen: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    while not all(sum(seen[p].values()) >= GROUP for p in prompt_ids):
+        batch = reader.next()
+        for pid, gid in zip(list(batch["prompt_id"]), batch["group_id"].tolist()):
+            if pid in prompt_ids:  # else left in the shared buffer by an earlier test's collector
+                seen[pid][gid] += 1
+    return seen
+
+
+def test_sync_mode_generates_again_the_groups_that_went_stale_unread(backends, tmp_path, tiny_model_dir):
+    """The trainer reads one group per step of two: the other goes stale at each push. It is dropped from
+    the trajectory service and its prompt generated again, so every prompt reaches the trainer once, on-policy."""
+    proc, channel = start_collector(backends, tmp_path, "--mode", "sync", "--groups-per-step", "2")
+    state = load_hf(tiny_model_dir).state_dict()
+    prompt_ids = submit(channel, 4, "stale")
+    reader = Reader(channel, batch_size=GROUP, ack_late=True)
+    trajectory = trajectory_pb2_grpc.TrajectoryServiceStub(grpc.insecure_channel(backends["trajectory"].address))
+    dropped = lambda: trajectory.GetStats(trajectory_pb2.GetStatsRequest(), timeout=30).dropped_stale  # noqa: E731
+    seen: collections.Counter = collections.Counter()
+    idle = lambda: all(s.queued == 0 and s.in_flight == 0 for s in status(channel).stages)  # noqa: E731
+    try:
+        for step in range(12):
+            batch = reader.next()  # acks the previous one (after the push, as a trainer does)
+            version = current_version(channel)
+            assert batch["policy_version_start"].tolist() == [version] * GROUP  # on-policy
+            seen.update(set(batch["prompt_id"]) & set(prompt_ids))
+            if set(seen) == set(prompt_ids):
+                break
+            wait_for(idle, "the step's other group to be appended")  # it stays in the buffer, unread
+            before = dropped()
+            push(channel, state)
+            if step == 0:  # the first step's other group is ready, unread: the collector's DropStale deletes it
+                wait_for(lambda: dropped() >= before + GROUP, "DropStale after the commit")
+        assert seen == collections.Counter(prompt_ids), seen  # each exactly once
+        current = status(channel)
+        assert current.discarded_samples >= GROUP and current.failed_prompts == 0
+    finally:
+        reader.close()
+        channel.close()
+        proc.stop()
+
+
+def test_a_prompt_whose_input_a_stage_refuses_is_a_dead_letter_at_once(backends, tmp_path):
+    proc, channel = start_collector(backends, tmp_path)
+    stub = collector_pb2_grpc.CollectorServiceStub(channel)
+    reader = Reader(channel, batch_size=GROUP)
+    try:
+        prompts = [collector_pb2.PromptSpec(prompt_id=f"poison-{i}", prompt=sampling_pb2.Prompt(text=f"what is {i}"))
+                   for i in range(3)]
+        # What the reward service would refuse is refused at submission, naming the prompt; nothing queued.
+        prompts[1].reward_fn = "no_such_fn"
+        with pytest.raises(grpc.RpcError) as err:
+            stub.SubmitPrompts(collector_pb2.SubmitPromptsRequest(prompts=prompts), timeout=30)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert err.value.details().startswith("prompts[1]: reward function 'no_such_fn' is not registered")
+        assert status(channel).pending_prompts == 0
+        # Longer than the model's context: only generation can tell, and refuses it.
+        prompts[1].reward_fn = ""
+        prompts[1].prompt.text = "count " * 2000
+        stub.SubmitPrompts(collector_pb2.SubmitPromptsRequest(prompts=prompts), timeout=30)
+        seen = read_groups(reader, ["poison-0", "poison-2"])
+        assert all(list(rows.values()) == [GROUP] for rows in seen.values())
+        failures = wait_for(lambda: stub.ListFailures(collector_pb2.ListFailuresRequest(), timeout=30).failures,
+                            "the dead letter")
+        assert [(f.prompt_id, f.stage, f.code, f.attempts) for f in failures] == [
+            ("poison-1", "generation", "INVALID_ARGUMENT", 0)], failures
+        current = status(channel)
+        assert (current.failed_prompts, current.pending_prompts) == (1, 0)  # not retried: nothing pending
+    finally:
+        reader.close()
+        channel.close()
+        proc.stop()
+
+
+def test_a_collector_killed_with_prompts_queued_and_generating_loses_and_duplicates_none(backends, tmp_path):
+    args = ("--mode", "async", "--max-staleness", "1000", "--max-groups-in-flight", "4",
+            "--sampling", json.dumps({"temperature": 1.0, "max_tokens": 120, "ignore_eos": True}))
+    proc, channel = start_collector(backends, tmp_path, *args)
+    try:
+        prompt_ids = submit(channel, 10, "chaos")
+        generating = lambda current: sum(r.in_flight for r in current.replicas)  # noqa: E731
+        before = wait_for(lambda: (lambda current: current if generating(current) else None)(status(channel)),
+                          "generations in flight")
+        assert before.pending_prompts > generating(before)  # some generating, the rest queued behind them
+        proc.kill()  # SIGKILL: no shutdown, nothing saved beyond what was already durable
+    finally:
+        proc.stop()
+        channel.close()
+
+    proc, channel = start_collector(backends, tmp_path, *args)  # the same state directory
+    reader = Reader(channel, batch_size=GROUP)
+    try:
+        seen = read_groups(reader, prompt_ids)
+        # Every submitted prompt ended as exactly one whole group: none lost, none twice.
+        assert {pid: list(rows.values()) for pid, rows in seen.items()} == {pid: [GROUP] for pid in prompt_ids}
+        wait_for(lambda: status(channel).pending_prompts == 0, "the ledger to empty")
+        assert status(channel).failed_prompts == 0
     finally:
         reader.close()
         channel.close()

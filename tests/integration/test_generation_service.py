@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import grpc
@@ -10,7 +11,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from rlfleet.services.launch import ServiceProcess
-from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, weights_pb2
+from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, tensor_pb2, weights_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
 from rlfleet.wire.weights import iter_push_messages
 from tests.hf_reference import load_hf, response_log_probs
@@ -23,7 +24,7 @@ PROMPT = [1, 348, 201, 330, 400, 223, 20, 267, 223, 21, 2, 201, 1, 305, 310, 201
 def generation(tiny_model_dir, tmp_path_factory):
     proc = ServiceProcess("generation", ["--model", str(tiny_model_dir), "--max-queued-requests", "8",
                                          "--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20),
-                                         "--log-format", "text"])
+                                         "--max-push-factor", "1.5", "--log-format", "text"])
     proc.start(tmp_path_factory.mktemp("generation"))
     try:
         proc.wait_ready(600)
@@ -125,6 +126,82 @@ def test_chat_prompt_and_bad_requests(stub):
                 prompt=prompt, sampling=sampling_pb2.SamplingParams(**sampling)), timeout=60))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
         assert word in err.value.details()
+
+
+def test_greedy_groups_are_n_identical_samples(stub):
+    """n > 1 at temperature 0 (vLLM refuses it: "n must be 1 when using greedy sampling") was
+    INTERNAL; now the one greedy continuation comes back n times, every time."""
+    for attempt in range(5):
+        samples = generate(stub, n=4, temperature=0.0, max_tokens=16)
+        assert [s.sample_index for s in samples] == [0, 1, 2, 3]
+        first_tokens, first_log_probs = tokens_and_log_probs(samples[0])
+        assert len(first_tokens) > 0
+        for sample in samples[1:]:
+            tokens, log_probs = tokens_and_log_probs(sample)
+            assert tokens == first_tokens and torch.equal(log_probs, first_log_probs)
+            assert sample.sampling.n == 4 and sample.sampling.temperature == 0.0
+
+
+def test_sizes_are_bounded_before_anything_is_allocated(stub):
+    good = sampling_pb2.Prompt(token_ids=encode_tensor(torch.tensor(PROMPT)))
+    cases = [
+        (good, {"n": 65}, ["sampling.n is 65", "max_n=64"]),
+        (good, {"n": 2**31 - 1}, ["sampling.n is 2147483647", "max_n=64"]),
+        (good, {"max_tokens": 2**31 - 1}, ["sampling.max_tokens is 2147483647", "max_model_len 1024"]),
+        (sampling_pb2.Prompt(token_ids=encode_tensor(torch.ones(1024, dtype=torch.int64))), {},
+         ["prompt.token_ids.shape", "at most 1023"]),
+        # Zero elements, strides past int64: was INTERNAL ("stride calculation overflowed").
+        (sampling_pb2.Prompt(token_ids=tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_INT64, shape=[0, 2**62, 2**62])),
+         {}, ["prompt.token_ids.shape", "overflows int64"]),
+        (sampling_pb2.Prompt(text="x" * 40_000), {}, ["prompt.text has 40000 characters"]),
+        (sampling_pb2.Prompt(chat=sampling_pb2.ChatMessages(
+            messages=[sampling_pb2.ChatMessage(role="user", content="")] * 2000)), {},
+         ["prompt.chat.messages has 2000 messages"]),
+        (good, {"temperature": 3.0}, ["sampling.temperature"]),
+        (good, {"temperature": 0.001}, ["sampling.temperature"]),
+        (good, {"stop_token_ids": [10**6]}, ["sampling.stop_token_ids", "vocabulary"]),
+        (good, {"stop": ["x"] * 17}, ["sampling.stop has 17 strings"]),
+    ]
+    for prompt, sampling, words in cases:
+        sampling = {"max_tokens": 4, **sampling}
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(generation_pb2.GenerateRequest(
+                prompt=prompt, sampling=sampling_pb2.SamplingParams(**sampling)), timeout=60))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (words, err.value.details())
+        for word in words:
+            assert word in err.value.details(), (word, err.value.details())
+    # The bounds themselves are accepted: a prompt of max_model_len - 1 tokens, one response token.
+    samples = generate(stub, prompt=[1] * 1023, max_tokens=1, temperature=1.0)
+    assert len(decode_tensor(samples[0].response_token_ids)) == 1
+
+
+def test_manifests_are_checked_against_the_model_before_staging(stub, tiny_model_dir):
+    """A manifest declaring a huge push got a zero-filled segment of that size before it was
+    checked; now it is refused from the served model's names, shapes and size."""
+    state = load_hf(tiny_model_dir).state_dict()
+    current = version(stub)
+
+    def refused(manifest):
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.UpdateWeights(iter([generation_pb2.UpdateWeightsRequest(manifest=manifest)]), timeout=60))
+        return err.value
+
+    def manifest_of(entries):
+        specs = [weights_pb2.WeightSpec(name=name, dtype=dtype, shape=shape) for name, dtype, shape in entries]
+        total = sum(math.prod(shape) * 4 for _, _, shape in entries)
+        return weights_pb2.WeightManifest(version=current + 1, tensors=specs, total_bytes=min(total, 2**64 - 1))
+
+    float32 = tensor_pb2.DTYPE_FLOAT32
+    real = [(name, float32, list(tensor.shape)) for name, tensor in state.items()]
+    unknown = refused(manifest_of(real + [("huge.weight", float32, [2**20, 2**20])]))  # 4 TiB
+    assert unknown.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown tensor 'huge.weight'" in unknown.details()
+    name = real[0][0]
+    grown = refused(manifest_of([(name, float32, [2**20, 2**20])] + real[1:]))
+    assert grown.code() == grpc.StatusCode.INVALID_ARGUMENT and f"{name!r} has shape" in grown.details()
+    # Float64 doubles the push: over this replica's --max-push-factor 1.5.
+    wide = refused(next(iter_push_messages([(k, v.double()) for k, v in state.items()], version=current + 1))[1])
+    assert wide.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "exceeds the limit" in wide.details()
+    assert version(stub) == current
 
 
 def test_weight_push_changes_log_probs_and_bad_pushes_change_nothing(stub, tiny_model_dir):

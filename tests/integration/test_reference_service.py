@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -17,6 +18,7 @@ from rlfleet.wire import Ragged, decode_ragged, encode_ragged
 pytestmark = pytest.mark.slow
 
 MAX_LEN = 256  # set through the env var, so the over-long case stays cheap
+MAX_REQUEST_TOKENS = 1024  # likewise, so the oversize-request cases stay cheap
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def reference(tiny_model, tmp_path_factory):
     """One service process for the module: model path by CLI flag, max_len by env var."""
     proc = ServiceProcess(
         "reference", ["--model-path", str(tiny_model), "--log-format", "text"],
-        env={"RLFLEET_REFERENCE_MAX_LEN": str(MAX_LEN)},
+        env={"RLFLEET_REFERENCE_MAX_LEN": str(MAX_LEN), "RLFLEET_REFERENCE_MAX_REQUEST_TOKENS": str(MAX_REQUEST_TOKENS)},
     )
     proc.start(tmp_path_factory.mktemp("reference"))
     try:
@@ -147,6 +149,17 @@ def _bad_requests(vocab_size: int):
         "float token ids": (float_ids, "sample 0: token ids must be integers"),
         "torn bytes": (torn, "token_ids.values.data"),
         "missing token_ids": (reference_pb2.ScoreLogProbsRequest(response_starts=[1]), "token_ids.values"),
+        "too many tokens": (request_for([torch.arange(256)] * 5, [1] * 5),
+                            f"token_ids: the request holds 1280 tokens, max_request_tokens is {MAX_REQUEST_TOKENS}"),
+        "too many sequences": (reference_pb2.ScoreLogProbsRequest(
+            token_ids=tensor_pb2.RaggedTensor(values=tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_INT64, shape=[0]),
+                                              lengths=[0] * 1_000_000), response_starts=[1]),
+            "token_ids: the request holds 1000000 sequences, at most 512 fit"),
+        # No elements, strides past int64: was INTERNAL ("stride calculation overflowed").
+        "overflowing zero-element shape": (reference_pb2.ScoreLogProbsRequest(
+            token_ids=tensor_pb2.RaggedTensor(values=tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_INT64,
+                                                                       shape=[0, 2**62, 2**62]), lengths=[0]),
+            response_starts=[1]), "token_ids.values.shape"),
     }
 
 
@@ -206,3 +219,33 @@ def test_unknown_dtype_enum_is_invalid_argument(stub):
         stub.ScoreLogProbs(request, timeout=60)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "token_ids.values.dtype" in err.value.details()
+
+
+def test_a_full_queue_is_resource_exhausted(tiny_model, tmp_path):
+    """Two requests may wait for a forward pass; a third is refused at once, not queued."""
+    # The batcher waits a minute for more work: whatever is queued stays queued meanwhile.
+    proc = ServiceProcess("reference", ["--model-path", str(tiny_model), "--log-format", "text",
+                                        "--max-queued-requests", "2", "--max-wait-ms", "60000",
+                                        "--micro-batch-tokens", "100000"])
+    proc.start(tmp_path)
+    channel = None
+    try:
+        proc.wait_ready(300)
+        channel = grpc.insecure_channel(proc.address)
+        stub = reference_pb2_grpc.ReferenceServiceStub(channel)
+        request = request_for([torch.arange(6)], [2])
+        calls = [stub.ScoreLogProbs.future(request, timeout=300) for _ in range(3)]
+        deadline = time.monotonic() + 50
+        while not any(call.done() for call in calls):
+            assert time.monotonic() < deadline, "no call was refused"
+            time.sleep(0.05)
+        refused = [call for call in calls if call.done()]
+        assert len(refused) == 1
+        assert refused[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused[0].details()
+        assert "max_queued_requests=2" in refused[0].details()
+        for call in calls:
+            call.cancel()
+    finally:
+        if channel is not None:
+            channel.close()
+        proc.stop()

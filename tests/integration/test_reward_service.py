@@ -1,11 +1,13 @@
 """The reward service as a real process: hand-checkable rewards on real tiny-model tokens,
-the adaptive KL controller across restarts, and bad input that names the sample."""
+the adaptive KL controller across restarts, bad input that names the sample, and bounded
+resources (linear-time patterns, a time limit on slow reward functions, size bounds)."""
 
 from __future__ import annotations
 
 import json
 import math
 import textwrap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,8 +96,24 @@ def make_request(batch: Batch, *, texts=True, **fields) -> reward_pb2.ComputeRew
 def user_rewards(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("user_rewards")
     (directory / "task_rewards.py").write_text(textwrap.dedent("""
+        import os
+        import time
+
         def mentions(sample, word="answer", bonus=1.0):
             return bonus if word in sample.response else 0.0
+
+        def picky(sample):
+            if "7" in sample.response:
+                raise ValueError("sevens are not allowed")
+            return 1.0
+
+        def spin(sample, started, release):
+            # A CPU-bound reward (pure Python) that runs until the test releases it.
+            open(started, "w").close()
+            deadline = time.monotonic() + 300
+            while not os.path.exists(release) and time.monotonic() < deadline:
+                sum(range(1000))
+            return 1.0
     """))
     return directory
 
@@ -103,7 +121,8 @@ def user_rewards(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reward(tiny_model, user_rewards, tmp_path_factory):
     """One service for the read-only tests: tokenizer by flag, functions by env var (JSON)."""
-    functions = {"mentions_answer": {"function": "task_rewards:mentions", "params": {"bonus": 2.0}}}
+    functions = {"mentions_answer": {"function": "task_rewards:mentions", "params": {"bonus": 2.0}},
+                 "picky": {"function": "task_rewards:picky"}}
     proc = ServiceProcess(
         "reward",
         ["--tokenizer-path", str(tiny_model), "--init-kl-coef", str(INIT_KL_COEF), "--score-clip", "10",
@@ -233,6 +252,26 @@ def bad_requests(batch: Batch) -> dict:
         "float mask": (make_request(batch, response_mask=encode_ragged([torch.ones(ids.numel())
                                                                          for ids in batch.token_ids])),
                        "INVALID_ARGUMENT", "response_mask: sample 0 must be bool"),
+        "negative tolerance": (make_request(batch, tasks=[reward_pb2.Task(reward_fn="numeric_match", ground_truth=t,
+                                                                          args={"tolerance": "-1"}) for t in TRUTHS]),
+                               "INVALID_ARGUMENT",
+                               "sample 0: reward function 'numeric_match': argument tolerance='-1': "
+                               "Input should be greater than or equal to 0"),
+        "configured function raises": (make_request(batch, tasks=[reward_pb2.Task(reward_fn="picky")]),
+                                       "INVALID_ARGUMENT",
+                                       "sample 1: reward function 'picky' raised ValueError: sevens are not allowed"),
+        "backreference pattern": (make_request(batch, tasks=[reward_pb2.Task(reward_fn="format_check",
+                                                                             args={"pattern": r"(a)\1"})]),
+                                  "INVALID_ARGUMENT",
+                                  "reward function 'format_check': argument pattern='(a)\\\\1' is an "
+                                  "invalid regex: RE2 syntax is required"),
+        "lookbehind ground truth": (make_request(batch, tasks=[reward_pb2.Task(reward_fn="regex_match",
+                                                                               ground_truth="(?<=is )5")] * 4),
+                                    "INVALID_ARGUMENT", "sample 0: reward function 'regex_match': ground_truth="),
+        "oversize ground truth": (make_request(batch, tasks=[reward_pb2.Task(reward_fn="numeric_match",
+                                                                             ground_truth="5" * 70_000)]),
+                                  "RESOURCE_EXHAUSTED", "tasks[0].ground_truth has 70000 characters, over "
+                                                        "max_ground_truth_chars=65536"),
     }
 
 
@@ -241,6 +280,8 @@ def bad_requests(batch: Batch) -> dict:
     "RLOO with a singleton group", "unknown reward function", "import path from a request",
     "reward model from a request", "missing ground truth", "three tasks for four samples",
     "token id outside the tokenizer", "missing ref_log_probs", "unknown estimator", "float mask",
+    "negative tolerance", "configured function raises", "backreference pattern", "lookbehind ground truth",
+    "oversize ground truth",
 ])
 def test_bad_input_gets_a_proper_code_naming_the_sample(stub, batch, case):
     request, code, message = bad_requests(batch)[case]
@@ -250,6 +291,100 @@ def test_bad_input_gets_a_proper_code_naming_the_sample(stub, batch, case):
     assert message in err.value.details()
     # The service keeps serving.
     assert decode_tensor(stub.ComputeRewards(make_request(batch), timeout=60).scores).tolist() == [1.0, 0.0, 1.0, 1.0]
+
+
+def test_catastrophic_backtracking_pattern_is_answered_at_once(stub, batch):
+    # (a+)+$ took 2.25 s on 26 characters with Python's re (2^n steps), blocking the event loop;
+    # at 64 it would never finish. RE2 matches in linear time.
+    texts = ["a" * 64 + "!", "a" * 64, "b", "aaa"]
+    by_arg = make_request(batch, response_texts=texts,
+                          tasks=[reward_pb2.Task(reward_fn="regex_match", args={"pattern": "(a+)+$"})])
+    assert decode_tensor(stub.ComputeRewards(by_arg, timeout=60).scores).tolist() == [0.0, 1.0, 0.0, 1.0]
+    by_truth = make_request(batch, response_texts=texts,
+                            tasks=[reward_pb2.Task(reward_fn="regex_match", ground_truth="^(a|aa)+$")] * 4)
+    assert decode_tensor(stub.ComputeRewards(by_truth, timeout=60).scores).tolist() == [0.0, 1.0, 0.0, 1.0]
+
+
+def peak_rss_mib(proc: ServiceProcess) -> float:
+    """The service process's peak resident memory so far (VmHWM)."""
+    for line in Path(f"/proc/{proc.process.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM in /proc/<pid>/status")
+
+
+def test_oversize_requests_get_a_precise_status_without_a_memory_blowup(reward, stub, batch):
+    before = peak_rss_mib(reward)
+    # The fuzz's request: many empty samples and one long one. Padded to batch x longest it was
+    # 100,001 x 20,000 floats per tensor; now its counts are refused before anything is decoded.
+    lengths = [0] * 100_000 + [20_000]
+    rows = [torch.full((n,), -1.0) for n in lengths]
+    many = make_request(batch, behavior_log_probs=encode_ragged(Ragged.from_list(rows, torch.float32)),
+                        ref_log_probs=encode_ragged(Ragged.from_list(rows, torch.float32)))
+    many.ClearField("response_token_ids")
+    too_long = make_request(batch, response_mask=encode_ragged(Ragged.from_list(
+        [torch.ones(n, dtype=torch.bool) for n in (3, 131_073, 2, 2)])))
+    for request, message in [
+        (many, "behavior_log_probs.lengths has 100001 entries, over max_samples_per_request=4096"),
+        (too_long, "sample 1: response_mask has 131073 tokens, over max_tokens_per_sample=131072"),
+    ]:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ComputeRewards(request, timeout=60)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+        assert message in err.value.details()
+
+    # Within every bound, but padded it would be 4096 x 131072 floats (2 GiB) per tensor:
+    # computed on its 135,167 tokens instead.
+    lengths = [1] * 4095 + [131_072]
+    behavior = [torch.full((n,), -1.0) for n in lengths]
+    ref = [torch.full((n,), -1.5) for n in lengths]
+    wide = reward_pb2.ComputeRewardsRequest(
+        behavior_log_probs=encode_ragged(Ragged.from_list(behavior, torch.float32)),
+        ref_log_probs=encode_ragged(Ragged.from_list(ref, torch.float32)),
+        response_texts=["x"] * len(lengths), tasks=[reward_pb2.Task(reward_fn="exact_match", ground_truth="x")])
+    reply = stub.ComputeRewards(wide, timeout=120)
+    assert decode_tensor(reply.kl_sum)[-1].item() == pytest.approx(0.5 * 131_072, rel=1e-6)
+    assert decode_tensor(reply.scores).tolist() == [1.0] * len(lengths)
+    assert peak_rss_mib(reward) - before < 300
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout}s")
+        time.sleep(0.05)
+
+
+def test_health_answers_while_a_slow_reward_runs_and_the_time_limit_answers(start_service, user_rewards, batch,
+                                                                            tmp_path):
+    started, release = tmp_path / "spin.started", tmp_path / "spin.release"
+    functions = {"slow": {"function": "task_rewards:spin",
+                          "params": {"started": str(started), "release": str(release)}}}
+    proc = start_service("reward", "--reward-time-limit-seconds", "3", "--log-format", "text",
+                         env={"RLFLEET_REWARD_REWARD_FUNCTIONS": json.dumps(functions),
+                              "PYTHONPATH": str(user_rewards)}).wait_ready(300)
+    stub, channel = stub_for(proc)
+    try:
+        call = stub.ComputeRewards.future(make_request(batch, tasks=[reward_pb2.Task(reward_fn="slow")]),
+                                          timeout=120)
+        wait_for(started.exists, 60, "the slow reward did not start")
+        # It spins until released: every health check below is answered while it runs.
+        for _ in range(5):
+            assert proc.health(timeout=10) == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            call.result(timeout=120)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+        assert ("ran past its time limit (reward_time_limit_seconds=3.0) while running reward function 'slow'"
+                in err.value.details())
+        # Still spinning (a thread cannot be stopped mid-call): the service keeps answering on the other worker.
+        assert not release.exists()
+        assert proc.health(timeout=10) == health_pb2.HealthCheckResponse.SERVING
+        reply = stub.ComputeRewards(make_request(batch), timeout=60)
+        assert decode_tensor(reply.scores).tolist() == [1.0, 0.0, 1.0, 1.0]
+    finally:
+        release.touch()
+        channel.close()
 
 
 def test_adaptive_controller_state_survives_restarts(start_service, batch, tmp_path):
@@ -306,3 +441,23 @@ def test_state_of_another_controller_kind_stops_the_start(start_service, tmp_pat
     with pytest.raises(RuntimeError, match="exited with code"):
         proc.wait_ready(300)
     assert "'constant' controller, not 'adaptive'" in proc.log_tail(80)
+
+
+def test_check_tasks_answers_what_compute_rewards_would_refuse_without_scoring(stub):
+    ok = [reward_pb2.Task(), reward_pb2.Task(reward_fn="picky"),
+          reward_pb2.Task(reward_fn="regex_match", ground_truth="[0-9]+"),
+          reward_pb2.Task(reward_fn="numeric_match", args={"tolerance": "0.5"})]
+    assert stub.CheckTasks(reward_pb2.CheckTasksRequest(tasks=ok), timeout=60) == reward_pb2.CheckTasksResponse()
+    for task, code, message in [
+        (reward_pb2.Task(reward_fn="no_such_fn"), grpc.StatusCode.NOT_FOUND,
+         "sample 1: reward function 'no_such_fn' is not registered"),
+        (reward_pb2.Task(reward_fn="numeric_match", args={"tolerance": "-1"}), grpc.StatusCode.INVALID_ARGUMENT,
+         "sample 1: reward function 'numeric_match': argument tolerance='-1'"),
+        (reward_pb2.Task(reward_fn="picky", args={"x": "1"}), grpc.StatusCode.INVALID_ARGUMENT,
+         "sample 1: reward function 'picky' is configured on the service"),
+        (reward_pb2.Task(reward_fn="format_check", args={"pattern": r"(a)\1"}), grpc.StatusCode.INVALID_ARGUMENT,
+         "RE2 syntax is required"),
+    ]:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.CheckTasks(reward_pb2.CheckTasksRequest(tasks=[ok[0], task]), timeout=60)
+        assert err.value.code() == code and message in err.value.details(), err.value

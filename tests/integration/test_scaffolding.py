@@ -7,7 +7,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
-from rlfleet.v1 import diagnostics_pb2, diagnostics_pb2_grpc
+from rlfleet.v1 import diagnostics_pb2, diagnostics_pb2_grpc, tensor_pb2
 from rlfleet.wire import Ragged, decode_tensordict, encode_tensordict, get_ragged
 
 
@@ -74,4 +74,41 @@ def test_oversized_message_is_resource_exhausted(start_service):
     with pytest.raises(grpc.RpcError) as err:
         stub.Echo(diagnostics_pb2.EchoRequest(payload=big), timeout=10)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    channel.close()
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's high-water mark of resident memory (exact, no sampling)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc status")
+
+
+def test_echo_refuses_overflowing_shapes_and_stays_cheap_on_many_small_entries(start_service):
+    proc = start_service("echo").wait_ready(60)
+    channel = grpc.insecure_channel(proc.address, options=[("grpc.max_receive_message_length", 64 << 20)])
+    stub = diagnostics_pb2_grpc.DiagnosticsServiceStub(channel)
+    # Zero elements, but strides beyond int64: was INTERNAL ("stride calculation overflowed").
+    request = diagnostics_pb2.EchoRequest(payload=encode_tensordict({"x": torch.zeros(1, 0)}, batch_size=[1]))
+    request.payload.entries["x"].tensor.shape[:] = [1, 0, 2**62, 2**62]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Echo(request, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "payload.entries[x].tensor.shape" in err.value.details() and "overflows int64" in err.value.details()
+
+    # Two million one-letter strings (6 MB): decoding built an object per string, ~220 bytes of
+    # server memory per request byte (1.3 GB here). Validated without building, it stays a few
+    # times the payload; the bound leaves room for allocator slack.
+    strings = 2_000_000
+    request = diagnostics_pb2.EchoRequest(payload=tensor_pb2.TensorDict(batch_size=[strings]))
+    request.payload.entries["s"].strings.values[:] = ["a"] * strings
+    size = request.ByteSize()
+    stub.Echo(diagnostics_pb2.EchoRequest(payload=encode_tensordict({"x": torch.ones(1)}, batch_size=[1])),
+              timeout=30)  # warm: lazy imports are not the echo's cost
+    before = peak_rss_bytes(proc.process.pid)
+    reply = stub.Echo(request, timeout=300)
+    growth = peak_rss_bytes(proc.process.pid) - before
+    assert len(reply.payload.entries["s"].strings.values) == strings
+    assert growth < 60 * size, f"echo of {size} bytes grew the server's peak memory by {growth} bytes"
     channel.close()

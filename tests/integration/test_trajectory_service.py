@@ -1,4 +1,4 @@
-"""The trajectory service as a real process: redelivery, SIGKILL durability, errors, capacity."""
+"""The trajectory service as a real process: redelivery, SIGKILL durability, errors, capacity, DropStale."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from rlfleet.v1 import trajectory_pb2 as pb
 from rlfleet.v1 import trajectory_pb2_grpc
 from rlfleet.wire import decode_tensordict
-from tests.unit.test_trajectory_store import check_rows, groups, make_trajectories, trajectory_ids
+from tests.unit.test_trajectory_store import check_rows, groups, make_trajectories, payload_bytes, trajectory_ids
 
 TIMEOUT = 60  # per call: the machine is shared with other heavy test runs
 
@@ -25,8 +25,9 @@ def connect(proc):
     return trajectory_pb2_grpc.TrajectoryServiceStub(channel), channel
 
 
-def append(stub, group_ids, first_id, key=""):
-    request = pb.AppendRequest(trajectories=make_trajectories(group_ids, first_id=first_id), idempotency_key=key)
+def append(stub, group_ids, first_id, key="", **layout):
+    request = pb.AppendRequest(trajectories=make_trajectories(group_ids, first_id=first_id, **layout),
+                               idempotency_key=key)
     return stub.Append(request, timeout=TIMEOUT)
 
 
@@ -43,6 +44,12 @@ class Reader:
 
     def ack(self, lease_id: str) -> None:
         self._requests.put(pb.StreamBatchesRequest(ack=pb.AckBatch(lease_id=lease_id)))
+
+    def synced(self) -> None:
+        """Return once the server has handled this stream's open: its first lease attempt runs on the store
+        thread before the answer to a later ack (the store runs calls in order)."""
+        self.ack("no-such-lease")
+        assert not self.next().settled.applied
 
     def disconnect(self) -> None:
         self._call.cancel()
@@ -203,4 +210,75 @@ def test_concurrent_readers_get_disjoint_whole_group_batches(start_service, tmp_
     wait_until(lambda: stats(stub).acked == 16)
     for reader in readers:
         reader.disconnect()
+    channel.close()
+
+
+def test_a_readers_min_policy_version_deletes_nothing(start_service, tmp_path):
+    proc = start_trajectory(start_service, tmp_path / "t.sqlite3")
+    stub, channel = connect(proc)
+    for n in range(3):
+        append(stub, groups(2 * n, 2, 2), first_id=4 * n, policy_version=n)
+    # Filters that match nothing: with whole groups and without, the highest version a uint64 holds.
+    filtered = [Reader(stub, batch_size=batch_size, whole_groups=whole_groups, min_policy_version=2**64 - 1)
+                for batch_size, whole_groups in [(1, False), (2, True)]]
+    for reader in filtered:
+        reader.synced()
+    append(stub, groups(6, 2, 2), first_id=12, policy_version=3)  # wakes the filtered readers: still nothing
+    newest = Reader(stub, batch_size=4, min_policy_version=3)
+    assert trajectory_ids(newest.next().batch) == [f"traj-{i}" for i in range(12, 16)]
+    for reader in filtered:
+        reader.synced()
+    current = stats(stub)
+    assert (current.ready, current.leased, current.dropped_stale) == (12, 4, 0)
+    everything = Reader(stub, batch_size=12)  # another reader still gets every row the filters skipped
+    batch = everything.next()
+    assert trajectory_ids(batch.batch) == [f"traj-{i}" for i in range(12)]
+    check_rows(batch.batch)
+    for reader in [*filtered, newest, everything]:
+        reader.disconnect()
+    channel.close()
+
+
+def test_drop_stale_deletes_durably_and_names_the_groups_and_prompts(start_service, tmp_path):
+    db_path = tmp_path / "t.sqlite3"
+    proc = start_trajectory(start_service, db_path)
+    stub, channel = connect(proc)
+    for n, version in enumerate([1, 1, 2, 3]):  # groups 0..3 of 2, prompt-<group>
+        append(stub, groups(n, 1, 2), first_id=2 * n, policy_version=version, prompt_ids=True)
+    reader = Reader(stub, batch_size=2, whole_groups=True)
+    leased = reader.next()  # group 0 is out: DropStale leaves it alone
+    assert trajectory_ids(leased.batch) == ["traj-0", "traj-1"]
+
+    dropped = stub.DropStale(pb.DropStaleRequest(below_policy_version=3), timeout=TIMEOUT)
+    assert (dropped.dropped, list(dropped.group_ids), list(dropped.prompt_ids)) == (4, [1, 2], ["prompt-1", "prompt-2"])
+    current = stats(stub)
+    assert (current.ready, current.leased, current.dropped_stale, current.acked) == (2, 2, 4, 0)
+    proc.kill()  # answered means committed: nothing comes back after a SIGKILL
+    proc.process.wait(TIMEOUT)
+    channel.close()
+
+    proc = start_trajectory(start_service, db_path)
+    stub, channel = connect(proc)
+    assert (stats(stub).ready, stats(stub).dropped_stale) == (4, 0)  # groups 0 and 3
+    dropped = stub.DropStale(pb.DropStaleRequest(below_policy_version=2**64 - 1), timeout=TIMEOUT)
+    assert (dropped.dropped, list(dropped.group_ids), list(dropped.prompt_ids)) == (4, [0, 3], ["prompt-0", "prompt-3"])
+    assert stub.DropStale(pb.DropStaleRequest(below_policy_version=2**64 - 1), timeout=TIMEOUT).dropped == 0
+    current = stats(stub)
+    assert (current.ready, current.buffered_bytes, current.dropped_stale) == (0, 0, 4)
+    channel.close()
+
+
+def test_a_buffer_full_in_bytes_is_resource_exhausted(start_service, tmp_path):
+    first, second = make_trajectories(groups(0, 2, 2), first_id=0), make_trajectories(groups(2, 2, 2), first_id=4)
+    limit = payload_bytes(first) + payload_bytes(second) - 1
+    proc = start_trajectory(start_service, tmp_path / "t.sqlite3", "--capacity-bytes", str(limit))
+    stub, channel = connect(proc)
+    assert stub.Append(pb.AppendRequest(trajectories=first), timeout=TIMEOUT).appended == 4
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Append(pb.AppendRequest(trajectories=second), timeout=TIMEOUT)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"{payload_bytes(first)} of {limit} bytes buffered" in err.value.details()
+    current = stats(stub)
+    assert (current.ready, current.appended) == (4, 4)
+    assert (current.buffered_bytes, current.capacity_bytes) == (payload_bytes(first), limit)
     channel.close()

@@ -11,6 +11,7 @@ the blocking client and the async client (on pytest's loop) can reach it.
 from __future__ import annotations
 
 import asyncio
+import re
 import collections
 import socket
 import threading
@@ -69,6 +70,8 @@ class State:
         self.opens: list[trajectory_pb2.OpenBatchStream] = []
         self.streams_ended = 0
         self.stream_error: tuple[int, grpc.StatusCode] | None = None  # abort after n deliveries
+        self.failure_requests: list[tuple[int, int]] = []
+        self.waiting_for = ""  # the collector's not_serving_reason
         self.expired: set[str] = set()  # leases whose ack comes too late (released for redelivery)
 
     def add_batches(self, count: int, size: int = 4) -> None:
@@ -140,7 +143,15 @@ class FakeCollector(collector_pb2_grpc.CollectorServiceServicer):
             policy_version=state.version, mode="async", max_staleness=2,
             stages=[collector_pb2.StageStatus(name="generation", queued=3, in_flight=2, items_per_second=1.5)],
             replicas=[collector_pb2.ReplicaStatus(address="gen-0:1", healthy=True, policy_version=state.version)],
-            staleness_histogram=[5, 1], trajectories=6, discarded_samples=1, group_size=4, groups_per_step=8)
+            staleness_histogram=[5, 1], trajectories=6, discarded_samples=1, group_size=4, groups_per_step=8,
+            pending_prompts=3, failed_prompts=1, serving=not state.waiting_for,
+            not_serving_reason=state.waiting_for)
+
+    async def ListFailures(self, request, context):
+        state = await self._unary("ListFailures", context)
+        state.failure_requests.append((request.after_seq, request.limit))
+        return collector_pb2.ListFailuresResponse(total=1, failures=[collector_pb2.PromptFailure(
+            seq=1, prompt_id="p1", stage="reward", code="NOT_FOUND", error="no such reward function")])
 
     async def PushWeights(self, request_iterator, context):
         state = await enter(self.server, context, "PushWeights")
@@ -205,6 +216,16 @@ class FakeTrajectory(trajectory_pb2_grpc.TrajectoryServiceServicer):
         if code is not None:
             await context.abort(code, "GetStats failed on purpose")
         return trajectory_pb2.GetStatsResponse(ready=len(state.ready), capacity=100, acked=len(state.settled))
+
+    async def DropStale(self, request, context):
+        state = await enter(self.server, context, "DropStale")
+        code = state.failure("DropStale")
+        if code is not None:
+            await context.abort(code, "Method not implemented!" if code == grpc.StatusCode.UNIMPLEMENTED
+                                else "DropStale failed on purpose")
+        # The answer echoes the request, so a test sees what was sent.
+        return trajectory_pb2.DropStaleResponse(dropped=request.below_policy_version, group_ids=[7, 9],
+                                                prompt_ids=["p7", "p9"])
 
     async def StreamBatches(self, request_iterator, context):
         state = await enter(self.server, context, "StreamBatches")
@@ -365,6 +386,10 @@ def test_policy_version_status_and_buffer_stats(client, state):
     assert status.stages[0].name == "generation" and status.stages[0].queued == 3
     assert status.replicas[0].healthy and status.staleness_histogram == (5, 1)
     assert status.group_size == 4 and status.groups_per_step == 8
+    assert (status.pending_prompts, status.failed_prompts) == (3, 1)
+    failures, total = client.failures(after_seq=0, limit=5)
+    assert total == 1 and failures[0].prompt_id == "p1" and failures[0].code == "NOT_FOUND"
+    assert state.failure_requests[-1] == (0, 5)
     state.add_batches(2)
     stats = client.buffer_stats()
     assert stats.ready == 2 and stats.capacity == 100
@@ -379,7 +404,9 @@ def test_submit_prompts_in_every_form(client, state):
         {"prompt": "What is 6*7?", "prompt_id": "q42", "ground_truth": "42", "reward_fn": "math",
          "reward_args": {"tolerance": 0.5}, "sampling": {"n": 4, "temperature": 0.7, "max_tokens": 32}},
     ])
-    assert ids == ["auto-0", "auto-1", "auto-2", "auto-3", "q42"]
+    # Ids are the SDK's (so a retried call is harmless), or the caller's.
+    assert ids == [p.prompt_id for p in state.prompts] and ids[4] == "q42"
+    assert all(re.fullmatch("[0-9a-f]{32}", i) for i in ids[:4]) and len(set(ids)) == 5
     text, chat, ids_list, ids_tensor, spec = state.prompts
     assert text.prompt.text == "plain text"
     assert [(m.role, m.content) for m in chat.prompt.chat.messages] == [("system", "be brief"), ("user", "2+2?")]
@@ -387,7 +414,7 @@ def test_submit_prompts_in_every_form(client, state):
     assert ids_tensor.prompt.token_ids.dtype == tensor_pb2.DTYPE_INT32
     assert spec.ground_truth == "42" and spec.reward_fn == "math" and dict(spec.reward_args) == {"tolerance": "0.5"}
     assert spec.sampling.n == 4 and spec.sampling.max_tokens == 32 and spec.sampling.temperature == pytest.approx(0.7)
-    assert client.submit_prompts("one prompt") == ["auto-0"]
+    assert client.submit_prompts("one prompt") == [state.prompts[-1].prompt_id]
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -419,8 +446,8 @@ def test_unary_errors_are_typed_and_only_transport_errors_retried(client, state,
     with pytest.raises(CODES[code]) as info:
         UNARY[method](client)
     assert not isinstance(info.value, grpc.RpcError) and info.value.method == method
-    # SubmitPrompts is not idempotent: DEADLINE_EXCEEDED may have queued the prompts already.
-    retried = code in RETRYABLE and not (method == "SubmitPrompts" and code == grpc.StatusCode.DEADLINE_EXCEEDED)
+    # (SubmitPrompts too: the SDK names every prompt, and the collector does not queue an id twice.)
+    retried = code in RETRYABLE
     assert state.calls[method] == (1 + RETRIES if retried else 1)
 
 
@@ -439,6 +466,16 @@ def test_client_side_deadline_on_unary_calls(server, state):
             client.status()
         assert time.monotonic() - started < 1.5
     eventually(lambda: state.calls["GetStatus"] == 2)
+
+
+def test_wait_ready_waits_until_the_collector_serves_and_says_what_it_waits_for(client, state):
+    state.waiting_for = "waiting for reference at 10.0.0.9:50052: UNAVAILABLE"
+    with pytest.raises(UnavailableError, match="not serving within 0.5 s: waiting for reference at 10.0.0.9"):
+        client.wait_ready(timeout=0.5)
+    assert client.status().serving is False
+    state.waiting_for = ""
+    client.wait_ready(timeout=5)
+    assert client.status().serving
 
 
 def test_server_down_is_unavailable_after_bounded_retries():
@@ -673,18 +710,40 @@ def test_leaving_with_by_exception_does_not_ack(client, state):
     assert state.settled == []
 
 
-@pytest.mark.parametrize("code", list(CODES), ids=lambda c: c.name)
+@pytest.mark.parametrize("code", [c for c in CODES if c not in RETRYABLE], ids=lambda c: c.name)
 def test_errors_mid_stream_are_typed_and_end_the_stream(client, state, code):
     state.add_batches(3)
     state.stream_error = (1, code)
     batches = client.batches(4)
     next(batches)
     with pytest.raises(CODES[code]) as info:
-        next(batches)  # after the first batch nothing is retried: the error is the caller's to see
+        next(batches)  # not a transport error: the caller's to see
     assert not isinstance(info.value, grpc.RpcError) and info.value.method == "StreamBatches"
     assert batches.closed and state.calls["StreamBatches"] == 1
     with pytest.raises(StopIteration):
         next(batches)
+
+
+@pytest.mark.parametrize("code", sorted(RETRYABLE, key=lambda c: c.name), ids=lambda c: c.name)
+def test_a_stream_broken_mid_way_is_reopened_and_unacked_batches_come_again(client, state, code, caplog):
+    state.add_batches(3)
+    state.stream_error = (1, code)  # every stream breaks after its first delivery
+    with client.batches(4) as batches:
+        first = next(batches)
+        second = next(batches)  # the first stream broke: a new one, with a WARNING
+        assert state.calls["StreamBatches"] == 2 and "StreamBatches broke" in caplog.text
+        # Its auto-ack went down with the old stream: unconfirmed, so it came back.
+        assert (first.settled, first.confirmed) == ("ack", False) and "stream broke" in first.settle_error
+        assert second.lease_id == first.lease_id and second.redelivered
+
+
+def test_a_stream_with_nothing_to_deliver_ends_at_its_idle_bound(client, state):
+    batches = client.batches(4, idle_timeout=0.3)
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceededError, match=r"no batch within 0.3 s \(idle_timeout\)"):
+        next(batches)
+    assert time.monotonic() - started < 30 and batches.closed
+    eventually(lambda: state.streams_ended == 1)  # the server saw the stream end
 
 
 @pytest.mark.parametrize("code", list(CODES), ids=lambda c: c.name)
@@ -728,7 +787,7 @@ async def test_async_client_end_to_end(server, state):
         result = await client.push_weights(weights, chunk_bytes=1000, progress=False)
         assert result.version == 5 and state.pushes[-1]["crc32"] == expected_crc32(weights)
         assert_bit_exact(weights, state.pushes[-1]["tensors"])
-        assert await client.submit_prompts(["a", {"prompt": [1, 2]}]) == ["auto-0", "auto-1"]
+        assert await client.submit_prompts(["a", {"prompt": [1, 2]}]) == [p.prompt_id for p in state.prompts[-2:]]
         assert (await client.status()).policy_version == 5
         seen = []
         async with client.batches(4, prefetch=1) as stream:
@@ -750,8 +809,12 @@ async def test_async_errors_are_typed(server, state, code):
     async with aclient(server) as client:
         stream = client.batches(4)
         await stream.__anext__()
-        with pytest.raises(CODES[code]):
-            await stream.__anext__()
+        if code in RETRYABLE:  # reopened
+            assert (await stream.__anext__()).redelivered
+            await stream.close()
+        else:
+            with pytest.raises(CODES[code]):
+                await stream.__anext__()
         state.fail("GetStatus", code)
         with pytest.raises(CODES[code]):
             await client.status()
@@ -819,3 +882,33 @@ def test_a_call_ended_between_writes_raises_its_own_status(transport):
         asyncio.run(push_weights(factory, [("w", torch.ones(4))], version=1, mode="keep", chunk_bytes=8,
                                  progress=False, timeout=1.0, settings=ChannelSettings(), transport=transport))
     assert len(calls) == 1 and calls[0].writes >= 1
+
+
+# --- drop_stale: an operator call, at the trajectory service's own address --------------------------
+def test_drop_stale_sends_the_version_and_returns_what_was_dropped(client, state):
+    from rlfleet.client.aio import DroppedStale
+
+    assert client.drop_stale(5) == DroppedStale(dropped=5, group_ids=(7, 9), prompt_ids=("p7", "p9"))
+    with pytest.raises(ValueError, match="below_policy_version must be >= 0"):
+        client.drop_stale(-1)
+    assert state.calls["DropStale"] == 1  # the bad version never left the client
+
+
+@pytest.mark.parametrize("code, calls", [(grpc.StatusCode.UNAVAILABLE, 1 + RETRIES),
+                                         (grpc.StatusCode.DEADLINE_EXCEEDED, 1),  # the rows may be gone: once
+                                         (grpc.StatusCode.INVALID_ARGUMENT, 1)], ids=lambda c: getattr(c, "name", c))
+def test_drop_stale_errors_are_typed_and_retried_on_unavailable_only(client, state, code, calls):
+    state.fail("DropStale", code)
+    with pytest.raises(CODES[code]) as info:
+        client.drop_stale(3)
+    assert info.value.method == "DropStale" and state.calls["DropStale"] == calls
+
+
+async def test_drop_stale_at_an_address_without_it_says_where_to_call(server, state):
+    from rlfleet.client import UnimplementedError
+
+    state.fail("DropStale", grpc.StatusCode.UNIMPLEMENTED)  # what the collector answers: it does not forward it
+    async with aclient(server) as client:
+        with pytest.raises(UnimplementedError, match="connect a client to the trajectory service's own address"):
+            await client.drop_stale(3)
+    assert state.calls["DropStale"] == 1

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rlfleet.services.collector.admission import VersionGate
+from rlfleet.services.collector.ledger import PromptLedger
 from rlfleet.services.collector.prompts import PromptItem, PromptSource
 from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
 
@@ -87,20 +88,24 @@ def records(n):
     return [{"prompt": f"q{i}", "answer": str(i)} for i in range(n)]
 
 
+def ledger() -> PromptLedger:
+    return PromptLedger(":memory:")
+
+
 def test_prompt_source_epochs_shuffle_resume_and_priority():
     async def scenario():
-        source = PromptSource(records(5), shuffle=True, seed=1, epochs=2)
+        source = PromptSource(ledger(), records(5), shuffle=True, seed=1, epochs=2)
         first = [(await source.next()).text for _ in range(5)]
         assert sorted(first) == [f"q{i}" for i in range(5)] and first != [f"q{i}" for i in range(5)]
         state = source.state()
         assert state == {"epoch": 1, "index": 0}
-        source.submit([PromptItem(prompt_id="", text="urgent")])
+        await source.submit([PromptItem(prompt_id="", text="urgent")])
         source.requeue(PromptItem(prompt_id="r", text="again"))
         assert (await source.next()).text == "again"
         assert (await source.next()).text == "urgent"
         second = [(await source.next()).text for _ in range(5)]
         assert sorted(second) == sorted(first) and source.exhausted
-        resumed = PromptSource(records(5), shuffle=True, seed=1, epochs=2)
+        resumed = PromptSource(ledger(), records(5), shuffle=True, seed=1, epochs=2)
         resumed.load_state(state)
         assert [(await resumed.next()).text for _ in range(5)] == second
     run(scenario())
@@ -108,15 +113,82 @@ def test_prompt_source_epochs_shuffle_resume_and_priority():
 
 def test_prompt_source_validation_and_bounds():
     async def scenario():
-        source = PromptSource([{"prompt": 3}])
+        source = PromptSource(ledger(), [{"prompt": 3}])
         with pytest.raises(InvalidArgument, match="row 0"):
             await source.next()
-        bounded = PromptSource(max_submitted=2)
+        bounded = PromptSource(ledger(), max_submitted=2)
         with pytest.raises(ResourceExhausted):
-            bounded.submit([PromptItem("a", text="x")] * 3)
-        assert bounded.queued == 0
-        chat = PromptSource([{"prompt": [{"role": "user", "content": "hi"}]}])
+            await bounded.submit([PromptItem(f"{i}", text="x") for i in range(3)])
+        assert bounded.queued == 0 and await bounded.ledger.count() == 0
+        chat = PromptSource(ledger(), [{"prompt": [{"role": "user", "content": "hi"}]}])
         assert (await chat.next()).chat == [{"role": "user", "content": "hi"}]
+    run(scenario())
+
+
+def test_every_prompt_handed_out_is_in_the_ledger_until_it_ends(tmp_path):
+    """A restarted source generates what was pending (queued or in flight), from where the dataset stood."""
+    path = tmp_path / "prompts.sqlite3"
+
+    async def first_life():
+        source = PromptSource(PromptLedger(path), records(4), shuffle=False)
+        assert await source.submit([PromptItem("s1", text="a"), PromptItem("s2", text="b")]) == ["s1", "s2"]
+        assert await source.submit([PromptItem("s1", text="a again")]) == ["s1"]  # pending: not queued twice
+        taken = [await source.next() for _ in range(4)]  # s1, s2, row0, row1
+        assert [t.prompt_id for t in taken] == ["s1", "s2", "row0@e0", "row1@e0"]
+        assert len({t.append_key for t in taken}) == 4
+        await source.done(taken[0])  # s1's group appended
+        dead = await source.dead(taken[2], "reward", "NOT_FOUND", "no such reward function")
+        assert (dead.prompt_id, dead.code) == ("row0@e0", "NOT_FOUND")
+        assert await source.ledger.attempted(taken[3]) == 1
+        assert source.pending == 2
+        source.ledger.close()  # a crash: s2 and row1 were in flight
+        return taken
+
+    async def second_life(taken):
+        source = PromptSource(PromptLedger(path), records(4), shuffle=False)
+        assert await source.restore() == 2 and source.pending == 2
+        again = [await source.next() for _ in range(3)]
+        assert [a.prompt_id for a in again] == ["s2", "row1@e0", "row2@e0"]  # then the dataset goes on
+        assert again[0].append_key == taken[1].append_key  # its Append is deduplicated if it landed
+        assert again[1].attempts == 1  # the retry budget survived
+        failures, total = await source.ledger.failures(0, 10)
+        assert total == 1 and [f.prompt_id for f in failures] == ["row0@e0"]
+        source.ledger.close()
+
+    run(second_life(run(first_life())))
+
+
+def test_sync_mode_keeps_appended_prompts_a_while_to_generate_stale_groups_again(tmp_path):
+    async def scenario():
+        source = PromptSource(PromptLedger(tmp_path / "p.sqlite3"))
+        await source.submit([PromptItem("a", text="x"), PromptItem("b", text="y")])
+        a, b = await source.next(), await source.next()
+        await source.done(a, retain_at_version=3)
+        await source.done(b, retain_at_version=4)
+        assert source.pending == 0 and await source.ledger.pending() == []  # not generated after a restart
+        assert await source.submit([PromptItem("a", text="x, submitted again")]) == ["a"]  # kept != pending
+        assert await source.regenerate(["b", "zz"]) == ["zz"]  # zz: never here (or forgotten)
+        again = await source.next()
+        assert (again.prompt_id, again.text) == ("b", "y") and again.append_key != b.append_key  # a new Append
+        assert await source.ledger.forget_appended(4) == 1  # a's kept row (v3); b's new row is pending
+        assert await source.regenerate(["a"]) == ["a"]
+        assert [p.prompt_id for p in await source.ledger.pending()] == ["a", "b"]
+        source.ledger.close()
+    run(scenario())
+
+
+def test_dead_letters_keep_the_newest_and_count_all(tmp_path):
+    async def scenario():
+        store = PromptLedger(tmp_path / "p.sqlite3", max_dead_letters=3)
+        items = await store.add([PromptItem(f"p{i}", text="x") for i in range(5)])
+        for item in items:
+            await store.dead(item, "generation", "INTERNAL", f"boom {item.prompt_id}")
+        failures, total = await store.failures(0, 100)
+        assert total == 5 and [f.prompt_id for f in failures] == ["p2", "p3", "p4"]
+        after, _ = await store.failures(failures[0].seq, 1)
+        assert [f.prompt_id for f in after] == ["p3"]
+        assert await store.count() == 0
+        store.close()
     run(scenario())
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from rlfleet.services.common.errors import InvalidArgument
+from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
+from rlfleet.services.generation.staging import StagedPush
 from rlfleet.services.generation.transfer import RlfleetUpdateInfo, shm_weights
-from rlfleet.services.generation.weights import TensorSpec, read_checkpoint_specs, validate_push
+from rlfleet.services.generation.weights import TensorSpec, checkpoint_bytes, read_checkpoint_specs, validate_push
+from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm
 
 CHECKPOINT = {
@@ -87,3 +91,70 @@ def test_worker_loads_views_of_the_segment_converting_floats(tmp_path, target):
 def test_update_info_rejects_mismatched_lists():
     with pytest.raises(ValueError, match="differ in length"):
         RlfleetUpdateInfo(names=["a"], dtype_names=[], shapes=[[1]])
+
+
+# --- a manifest is checked against the served model before any memory is given to it ------------
+
+def manifest_of(entries, version=1):
+    """A manifest declaring ``(name, dtype, shape)`` tensors (no bytes needed)."""
+    from rlfleet.wire.tensor import dtype_to_wire
+
+    specs = [weights_pb2.WeightSpec(name=name, dtype=dtype_to_wire(dtype), shape=list(shape))
+             for name, dtype, shape in entries]
+    total = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in entries)
+    return weights_pb2.WeightManifest(version=version, tensors=specs, total_bytes=min(total, 2**64 - 1))
+
+
+@pytest.fixture
+def no_segments(monkeypatch):
+    """Fail the test if a staging segment is ever created."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a segment was allocated for a manifest that should have been refused")
+    monkeypatch.setattr("rlfleet.services.generation.staging.shm.create_segment", refuse)
+
+
+def test_checkpoint_bytes_counts_each_tensor_in_its_own_dtype():
+    assert checkpoint_bytes(CHECKPOINT) == 4 * 3 * 4 + 3 * 2
+
+
+@pytest.mark.parametrize(
+    ("entries", "message"),
+    [
+        # Declares ~2**62 bytes: an unknown name is refused before the size is even computed.
+        (GOOD + [("huge.weight", torch.float32, (2**30, 2**30))], "unknown tensor 'huge.weight'"),
+        ([("embed.weight", torch.float32, (2**31, 2**31)), GOOD[1]], "'embed.weight' has shape"),
+        ([("embed.weight", torch.float32, [1] * 1000), GOOD[1]], "'embed.weight' has 1000 dimensions"),
+        (GOOD[:1], "missing tensors 'norm.weight'"),
+    ],
+)
+def test_manifest_not_matching_the_model_is_refused_before_allocating(no_segments, entries, message):
+    with pytest.raises(InvalidArgument, match=message):
+        StagedPush.begin(manifest_of(entries), CHECKPOINT, max_bytes=1 << 62)
+
+
+def test_push_over_the_size_limit_is_refused_before_allocating(no_segments):
+    wide = [("embed.weight", torch.float64, (4, 3)), ("norm.weight", torch.float64, (3,))]  # 120 bytes
+    with pytest.raises(ResourceExhausted, match="exceeds the limit of 119"):
+        StagedPush.begin(manifest_of(wide), CHECKPOINT, max_bytes=119)
+
+
+def test_a_valid_manifest_gets_a_segment_of_its_size(tmp_path, monkeypatch):
+    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
+    staged = StagedPush.begin(manifest_of(GOOD), CHECKPOINT, max_bytes=54)
+    try:
+        assert staged.segment.size == staged.push.total_bytes == 54
+    finally:
+        staged.close()
+
+
+def test_engine_push_limit_is_a_multiple_of_the_served_checkpoint():
+    from rlfleet.services.generation.config import GenerationEngineConfig
+    from rlfleet.services.generation.engine import GenerationEngine
+
+    engine = GenerationEngine(GenerationEngineConfig(model="/m"))
+    engine._checkpoint_specs = CHECKPOINT
+    assert engine.max_push_bytes == 4 * checkpoint_bytes(CHECKPOINT)  # max_push_factor's default
+    engine.config = GenerationEngineConfig(model="/m", max_push_factor=2.0)
+    assert engine.max_push_bytes == 2 * checkpoint_bytes(CHECKPOINT)
+    engine.config = GenerationEngineConfig(model="/m", max_push_bytes=1000)
+    assert engine.max_push_bytes == 1000

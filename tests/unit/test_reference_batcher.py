@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.services.common.errors import InvalidArgument, Unavailable
+from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from rlfleet.services.reference.batcher import MicroBatcher
 from rlfleet.services.reference.config import ReferenceConfig
 from rlfleet.services.reference.scorer import ReferenceScorer
@@ -145,3 +145,45 @@ async def test_empty_request(scorer):
     async with MicroBatcher(scorer) as batcher:
         result = await batcher.score([], [], with_entropy=True)
     assert result.log_probs == [] and result.entropies == []
+
+
+async def wait_pending(batcher: MicroBatcher, count: int) -> None:
+    deadline = asyncio.get_running_loop().time() + 60
+    while len(batcher._pending) < count:
+        assert asyncio.get_running_loop().time() < deadline, "requests never queued"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_full_queue_is_resource_exhausted_at_once(scorer):
+    # A minute's wait for more requests: whatever is queued stays queued while the test runs.
+    batcher = MicroBatcher(scorer, max_wait_ms=60_000, token_budget=10_000, max_queued_requests=2)
+    waiting = [asyncio.ensure_future(batcher.score([[1, 2, 3]], [1])) for _ in range(2)]
+    await wait_pending(batcher, 2)
+    with pytest.raises(ResourceExhausted, match="2 requests of 6 tokens waiting .*max_queued_requests=2"):
+        await batcher.score([[1, 2]], [1])
+    await batcher.aclose()
+    for future in waiting:
+        with pytest.raises(Unavailable):
+            await future
+
+
+async def test_queued_tokens_are_bounded_but_one_request_always_fits(scorer):
+    batcher = MicroBatcher(scorer, max_wait_ms=60_000, token_budget=10_000, max_queued_tokens=5)
+    big = asyncio.ensure_future(batcher.score([[1, 2, 3, 4], [5, 6, 7, 8]], [1, 1]))  # 8 > 5, but alone
+    await wait_pending(batcher, 1)
+    with pytest.raises(ResourceExhausted, match="max_queued_tokens=5"):
+        await batcher.score([[1, 2]], [1])
+    await batcher.aclose()
+    with pytest.raises(Unavailable):
+        await big
+
+
+async def test_oversize_request_is_invalid_argument_naming_token_ids(scorer):
+    limit = scorer.config.max_request_tokens
+    with pytest.raises(InvalidArgument, match=f"token_ids: the request holds {limit + 1} tokens"):
+        scorer.check_size(2, limit + 1)
+    with pytest.raises(InvalidArgument, match=f"at most {limit // 2} fit"):
+        scorer.check_size(limit // 2 + 1, limit)
+    async with MicroBatcher(scorer) as batcher:
+        with pytest.raises(InvalidArgument, match="token_ids: the request holds"):
+            await batcher.score([[1, 2]] * (limit // 2 + 1), [1] * (limit // 2 + 1))

@@ -165,3 +165,12 @@ def test_config_fields_are_documented_and_checked():
         ReferenceConfig(model_path="m", padding_side="middle")
     with pytest.raises(ValidationError):
         ReferenceConfig(model_path="m", unknown_option=1)
+
+
+def test_request_and_queue_bounds_are_configured_consistently():
+    config = ReferenceConfig(model_path="m")
+    assert (config.max_request_tokens, config.max_queued_requests, config.max_queued_tokens) == (262_144, 1024, 1 << 20)
+    with pytest.raises(ValidationError, match="max_request_tokens"):
+        ReferenceConfig(model_path="m", token_budget=100, max_len=100, max_request_tokens=50)
+    with pytest.raises(ValidationError):
+        ReferenceConfig(model_path="m", max_queued_requests=0)

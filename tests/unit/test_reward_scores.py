@@ -79,9 +79,9 @@ def test_unknown_and_misconfigured_functions():
         build_scorer("nope")
     with pytest.raises(InvalidArgument, match="reward function 'exact_match': bad parameters"):
         build_scorer("exact_match", {"pattern": "x"})
-    with pytest.raises(InvalidArgument, match="format_check: invalid regex"):
+    with pytest.raises(InvalidArgument, match="'format_check': argument pattern='\\(' is an invalid regex"):
         build_scorer("format_check", {"pattern": "("})
-    with pytest.raises(InvalidArgument, match="sample 0: regex_match: invalid regex"):
+    with pytest.raises(InvalidArgument, match="sample 0: reward function 'regex_match': ground_truth='\\(' is an invalid"):
         build_scorer("regex_match")(inputs("x", ground_truth="("))
     built_ins = {"numeric_match", "exact_match", "regex_match", "format_check", "length_penalty"}
     assert built_ins | {"reward_model"} <= set(scores.available())

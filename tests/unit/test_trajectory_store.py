@@ -11,17 +11,19 @@ from tensordict import NonTensorStack, TensorDict
 
 from rlfleet.services.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from rlfleet.services.trajectory.buffer import OUTBOX_SIZE, ReaderOptions, Settlement, TrajectoryBuffer
-from rlfleet.services.trajectory.store import TrajectoryStore
+from rlfleet.services.trajectory.rows import split_rows
+from rlfleet.services.trajectory.store import Dropped, TrajectoryStore
 from rlfleet.v1 import tensor_pb2
 from rlfleet.wire import Ragged, WireError, decode_tensordict, encode_tensordict, get_ragged
 from rlfleet.wire.batch_schema import row_schema
 
 
 def make_trajectories(group_ids, first_id: int = 0, policy_version: int = 0,
-                      group_size: bool = False) -> tensor_pb2.TensorDict:
+                      group_size: bool = False, prompt_ids: bool = False) -> tensor_pb2.TensorDict:
     """Trajectories in the TorchRL-style layout: row i is "traj-<first_id + i>".
 
     Lengths and values derive from the id, so any row can be checked after a round trip.
+    ``prompt_ids`` adds a ``prompt_id`` column: "prompt-<group_id>".
     """
     count = len(group_ids)
     ids = range(first_id, first_id + count)
@@ -41,7 +43,14 @@ def make_trajectories(group_ids, first_id: int = 0, policy_version: int = 0,
     if group_size:
         td["group_size"] = torch.tensor([list(group_ids).count(g) for g in group_ids], dtype=torch.int64)
     td["trajectory_id"] = NonTensorStack.from_list([f"traj-{i}" for i in ids])
+    if prompt_ids:
+        td["prompt_id"] = NonTensorStack.from_list([f"prompt-{g}" for g in group_ids])
     return encode_tensordict(td)
+
+
+def payload_bytes(msg: tensor_pb2.TensorDict) -> int:
+    """What the store counts against capacity_bytes for ``msg``: its rows, serialized."""
+    return sum(map(len, split_rows(msg)))
 
 
 def groups(first_group: int, n_groups: int, group_size: int) -> list[int]:
@@ -151,16 +160,75 @@ def test_a_group_is_appended_whole_and_group_size_must_agree(store):
     assert store.stats().ready == 4
 
 
-def test_stale_trajectories_are_dropped_and_counted(store):
+def test_min_policy_version_filters_one_reader_and_deletes_nothing(store):
     store.append(make_trajectories([1, 1], first_id=0, policy_version=1))
     store.append(make_trajectories([2, 2], first_id=2, policy_version=3))
     store.append(make_trajectories([3, 3], first_id=4, policy_version=2))
     delivery = store.lease("a", 2, lease_seconds=10, min_policy_version=2)
-    assert trajectory_ids(delivery.batch) == ["traj-4", "traj-5"]  # v1 dropped, then the oldest left (v2)
+    assert trajectory_ids(delivery.batch) == ["traj-4", "traj-5"]  # v1 skipped, then the oldest left (v2)
+    for whole_groups in (False, True):
+        assert store.lease("b", 2, lease_seconds=10, whole_groups=whole_groups, min_policy_version=4) is None
+        assert store.lease("b", 1, lease_seconds=10, whole_groups=whole_groups, min_policy_version=2**64 - 1) is None
     stats = store.stats()
-    assert (stats.dropped_stale, stats.ready) == (2, 2)
-    assert store.lease("a", 2, lease_seconds=10, min_policy_version=4) is None
-    assert store.stats().dropped_stale == 4
+    assert (stats.dropped_stale, stats.ready, stats.leased) == (0, 4, 2)
+    assert store._db.execute("SELECT count(*) FROM trajectories").fetchone()[0] == 6
+    rest = store.lease("c", 4, lease_seconds=10)  # another reader, no filter: the skipped rows are all there
+    assert trajectory_ids(rest.batch) == ["traj-0", "traj-1", "traj-2", "traj-3"]
+
+
+def test_a_filter_skips_whole_groups_by_their_oldest_row(store):
+    group = make_trajectories([1, 1], first_id=0, policy_version=5)
+    group.entries["policy_version_start"].tensor.data = torch.tensor([4, 5]).numpy().tobytes()  # a mixed group
+    store.append(group)
+    store.append(make_trajectories([2], first_id=2, policy_version=5))
+    assert trajectory_ids(store.lease("a", 1, lease_seconds=10, min_policy_version=5).batch) == ["traj-2"]
+    assert store.lease("a", 1, lease_seconds=10, min_policy_version=5) is None  # not traj-1 alone either
+    assert trajectory_ids(store.lease("b", 2, lease_seconds=10, min_policy_version=4).batch) == ["traj-0", "traj-1"]
+
+
+# --- drop stale ----------------------------------------------------------------------------
+
+
+def test_drop_stale_deletes_ready_groups_below_the_version_and_says_which(tmp_path, clock):
+    path = str(tmp_path / "drop.db")
+    store = TrajectoryStore(path, capacity=100, documented=row_schema(), clock=clock)
+    appends = [make_trajectories([group, group], first_id=2 * n, policy_version=version, prompt_ids=True)
+               for n, (group, version) in enumerate([(1, 1), (2, 1), (3, 2), (4, 3), (2, 2)])]  # group 2 twice
+    for msg in appends:
+        store.append(msg)
+    leased = store.lease("a", 2, lease_seconds=60, whole_groups=True)  # group 1 (oldest) is out
+    assert decode_tensordict(leased.batch)["group_id"].tolist() == [1, 1]
+
+    dropped = store.drop_stale(3)
+    assert dropped == Dropped(6, (2, 3), ("prompt-2", "prompt-3"))  # distinct, oldest first
+    stats = store.stats()
+    assert (stats.ready, stats.leased, stats.dropped_stale, stats.acked) == (2, 2, 6, 0)
+    assert stats.buffered_bytes == payload_bytes(appends[0]) + payload_bytes(appends[3])  # groups 1 and 4 left
+    assert store.drop_stale(3) == Dropped(0, (), ())  # again: nothing more
+    assert store.drop_stale(0) == Dropped(0, (), ())
+    assert store._db.execute("SELECT count(*) FROM trajectories").fetchone()[0] == 4
+    store.close()
+
+    store = TrajectoryStore(path, capacity=100, documented=row_schema(), clock=clock)  # durable, and the lease is back
+    stats = store.stats()
+    assert (stats.ready, stats.leased) == (4, 0)
+    assert stats.buffered_bytes == payload_bytes(appends[0]) + payload_bytes(appends[3])
+    assert store.drop_stale(2**64 - 1) == Dropped(4, (1, 4), ("prompt-1", "prompt-4"))
+    assert store.stats().buffered_bytes == 0 and store.lease("a", 1, lease_seconds=60) is None
+    store.close()
+
+
+def test_drop_stale_leaves_leased_rows_and_reports_no_prompts_without_the_column(store):
+    store.append(make_trajectories([1, 1, 1], policy_version=1))
+    partly = store.lease("rows", 1, lease_seconds=60)  # one row of group 1 is out
+    assert store.drop_stale(2) == Dropped(2, (1,), ())
+    assert store.stats().ready == 0
+    store.nack("rows", partly.lease_id)  # back, and still stale
+    assert store.lease("fresh", 1, lease_seconds=60, min_policy_version=2) is None
+    assert store.drop_stale(2) == Dropped(1, (1,), ())
+    assert store.stats().dropped_stale == 3
+    store.append(make_trajectories([2, 2], first_id=3, policy_version=2))  # the buffer works on
+    assert trajectory_ids(store.lease("fresh", 2, lease_seconds=60, min_policy_version=2).batch) == ["traj-3", "traj-4"]
 
 
 # --- leases -----------------------------------------------------------------------------
@@ -237,6 +305,31 @@ def test_capacity_backpressure_is_all_or_nothing(clock):
     store.ack("a", leased.lease_id)
     assert store.append(make_trajectories([3, 3], first_id=4), "k2").appended == 2  # k2 was not recorded
     with pytest.raises(InvalidArgument, match="can never fit"):
+        store.append(make_trajectories(groups(10, 3, 2)))
+    store.close()
+
+
+def test_capacity_in_bytes_is_all_or_nothing_and_survives_a_reopen(tmp_path, clock):
+    path = str(tmp_path / "bytes.db")
+    first, second = make_trajectories([1, 1]), make_trajectories([2, 2], first_id=2)
+    limit = payload_bytes(first) + payload_bytes(second) - 1
+    store = TrajectoryStore(path, capacity=100, capacity_bytes=limit, clock=clock)
+    store.append(first)
+    with pytest.raises(ResourceExhausted, match=f"{payload_bytes(first)} of {limit} bytes buffered"):
+        store.append(second, "k2")
+    stats = store.stats()
+    assert (stats.ready, stats.buffered_bytes, stats.capacity_bytes) == (2, payload_bytes(first), limit)
+    store.close()
+
+    store = TrajectoryStore(path, capacity=100, capacity_bytes=limit, clock=clock)  # bytes are counted from the rows
+    assert store.stats().buffered_bytes == payload_bytes(first)
+    leased = store.lease("a", 2, lease_seconds=60)  # leased rows still count
+    with pytest.raises(ResourceExhausted, match="bytes buffered"):
+        store.append(second, "k2")
+    store.ack("a", leased.lease_id)
+    assert store.stats().buffered_bytes == 0
+    assert store.append(second, "k2").appended == 2  # k2 was not recorded
+    with pytest.raises(InvalidArgument, match=r"trajectories: \d+ bytes of trajectories can never fit"):
         store.append(make_trajectories(groups(10, 3, 2)))
     store.close()
 

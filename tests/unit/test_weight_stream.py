@@ -5,7 +5,7 @@ import torch
 
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.fanout import WeightFanout
-from rlfleet.services.common.errors import Aborted, InvalidArgument, OutOfRange, ResourceExhausted
+from rlfleet.services.common.errors import Aborted, InvalidArgument, OutOfRange, ResourceExhausted, Unavailable
 from rlfleet.services.common.weight_stream import MAX_POLICY_VERSION, WeightPush
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm
@@ -107,3 +107,21 @@ async def test_the_collector_assigns_no_version_past_int64(tmp_path):
     with pytest.raises(OutOfRange, match="no version is left after 9223372036854775807"):
         await fanout.push(push())
     assert fanout.gate.version == MAX_POLICY_VERSION
+
+
+async def test_the_collector_takes_no_push_larger_than_its_smallest_replica_takes(tmp_path):
+    class Pool:
+        replicas = [type("R", (), {"max_push_bytes": b})() for b in (0, 10_000, 60)]  # 0: not reported yet
+
+    async def push():
+        for kind, msg in iter_push_messages(STATE, version=0, chunk_bytes=16):
+            yield kind, msg
+
+    fanout = WeightFanout(pool=Pool(), gate=VersionGate(), spool_dir=tmp_path, max_push_bytes=None)
+    assert fanout._push_limit() == 60
+    with pytest.raises(ResourceExhausted):  # the state is bigger than 60 bytes: refused before any allocation
+        await fanout.push(push())
+    Pool.replicas = [type("R", (), {"max_push_bytes": 0})()]
+    with pytest.raises(Unavailable, match="no generation replica has reported"):
+        fanout._push_limit()
+    assert WeightFanout(pool=Pool(), gate=VersionGate(), spool_dir=tmp_path, max_push_bytes=123)._push_limit() == 123

@@ -126,3 +126,93 @@ def test_malformed_ragged_raises_naming_field(lengths, field):
     with pytest.raises(WireError) as err:
         decode_ragged(msg, "tokens")
     assert err.value.field == f"tokens.{field}"
+
+
+# --- bounds: strides, dimensions, element and sample counts --------------------------------------
+
+HUGE_DIMS = [0, 1, 2, 3, 2**31, 2**32, 2**61, 2**62, 2**63 - 1]
+
+
+@pytest.mark.parametrize("shape", [[0, 2**62, 2**62], [0, 2**31, 2**32], [0, 2**61, 4], [2**62, 2, 0, 2]])
+def test_zero_element_shapes_whose_strides_overflow_are_refused_naming_the_field(shape):
+    msg = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_FLOAT32, shape=shape)
+    with pytest.raises(WireError, match="overflows int64") as err:
+        decode_tensor(msg, "x")
+    assert err.value.field == "x.shape"
+
+
+@settings(max_examples=300, deadline=None)
+@given(shape=st.lists(st.sampled_from(HUGE_DIMS), max_size=4), dtype=st.sampled_from(SUPPORTED_DTYPES))
+def test_every_shape_the_codec_accepts_is_one_torch_can_build(shape, dtype):
+    msg = tensor_pb2.Tensor(dtype=encode_tensor(torch.empty(0, dtype=dtype)).dtype, shape=shape)
+    if 0 not in shape:
+        return  # with elements, the data's length bounds the shape
+    try:
+        decoded = decode_tensor(msg)
+    except WireError as err:  # conservative: the product of all non-zero dims must fit
+        assert "overflows int64" in err.problem
+        return
+    assert list(decoded.shape) == shape and decoded.numel() == 0
+    assert encode_tensor(decoded).shape == shape  # and it goes back on the wire
+
+
+def test_too_many_dimensions_are_refused_before_they_are_read():
+    msg = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_UINT8, shape=[1] * 65, data=b"\x01")
+    with pytest.raises(WireError, match="65 dimensions, at most 64") as err:
+        decode_tensor(msg, "x")
+    assert err.value.field == "x.shape"
+    assert decode_tensor(tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_UINT8, shape=[1] * 64, data=b"\x01")).dim() == 64
+
+
+def test_optional_element_bound():
+    msg = encode_tensor(torch.arange(10))
+    assert decode_tensor(msg, max_elements=10).numel() == 10
+    with pytest.raises(WireError, match="10 elements, at most 9") as err:
+        decode_tensor(msg, "prompt", max_elements=9)
+    assert err.value.field == "prompt.shape"
+
+
+def test_ragged_bounds_on_values_and_samples():
+    msg = encode_ragged([torch.arange(3), torch.arange(4)])
+    assert decode_ragged(msg, max_elements=7, max_samples=2).batch_size == 2
+    with pytest.raises(WireError, match="at most 6") as err:
+        decode_ragged(msg, "tokens", max_elements=6)
+    assert err.value.field == "tokens.values.shape"
+    with pytest.raises(WireError, match="2 samples, at most 1") as err:
+        decode_ragged(msg, "tokens", max_samples=1)
+    assert err.value.field == "tokens.lengths"
+
+
+def test_ragged_lengths_whose_sum_wraps_int64_are_caught():
+    msg = encode_ragged([torch.arange(5)])
+    msg.lengths[:] = [5, 2**63 - 1, 2**63 - 1]
+    with pytest.raises(WireError, match="runs past the end") as err:
+        decode_ragged(msg, "tokens")
+    assert err.value.field == "tokens.lengths[1]"
+
+
+def test_ragged_lengths_are_checked_in_chunks_and_named_by_global_index():
+    count = (1 << 20) + 5  # past the first chunk of the length check
+    msg = tensor_pb2.RaggedTensor(values=encode_tensor(torch.arange(3)), lengths=[0] * count + [2, 2])
+    with pytest.raises(WireError, match=r"offset 4 > 3 rows") as err:
+        decode_ragged(msg, "tokens")
+    assert err.value.field == f"tokens.lengths[{count + 1}]"
+    msg.lengths[-1] = 1
+    ragged = decode_ragged(msg)
+    assert ragged.batch_size == count + 2 and ragged.lengths[-2:].tolist() == [2, 1]
+    msg.lengths[5] = -1
+    with pytest.raises(WireError, match="negative length -1") as err:
+        decode_ragged(msg, "tokens")
+    assert err.value.field == "tokens.lengths[5]"
+
+
+def test_check_ragged_validates_like_decode_ragged_and_counts_bytes():
+    from rlfleet.wire.ragged import check_ragged
+
+    msg = encode_ragged([torch.arange(3), torch.arange(4)])
+    assert check_ragged(msg) == 7 * 8
+    msg.lengths[:] = [3, 5]
+    for check in (check_ragged, decode_ragged):
+        with pytest.raises(WireError) as err:
+            check(msg, "tokens")
+        assert err.value.field == "tokens.lengths[1]"

@@ -8,7 +8,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from rlfleet.v1 import tensor_pb2
 from rlfleet.wire import Ragged, WireError, decode_tensordict, encode_tensordict, get_ragged
-from rlfleet.wire.tensordict import parse_tensordict
+from rlfleet.wire.tensordict import check_tensordict, parse_tensordict
 
 
 def sample_td(batch: int = 3) -> TensorDict:
@@ -84,14 +84,9 @@ def test_unparseable_bytes_raise_wire_error():
         parse_tensordict(b"\xff\xff\xff\xff")
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data())
-def test_fuzzed_messages_decode_consistently_or_raise_typed_error(data):
-    """Random byte corruptions never crash or hang: WireError, or a valid TensorDict
-    that re-encodes to exactly the (corrupted) message it came from. A corruption
-    that leaves the message equal decodes to the original tensors."""
-    original_td = sample_td(data.draw(st.integers(1, 4)))
-    raw = bytearray(encode_tensordict(original_td).SerializeToString())
+def corrupted(data, message: bytes) -> bytearray:
+    """``message`` with 1 to 4 random byte corruptions."""
+    raw = bytearray(message)
     for _ in range(data.draw(st.integers(1, 4))):
         kind = data.draw(st.sampled_from(["flip", "set", "truncate", "insert"]))
         if not raw:
@@ -105,6 +100,17 @@ def test_fuzzed_messages_decode_consistently_or_raise_typed_error(data):
             del raw[pos:]
         else:
             raw[pos:pos] = bytes([data.draw(st.integers(0, 255))])
+    return raw
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzzed_messages_decode_consistently_or_raise_typed_error(data):
+    """Random byte corruptions never crash or hang: WireError, or a valid TensorDict
+    that re-encodes to exactly the (corrupted) message it came from. A corruption
+    that leaves the message equal decodes to the original tensors."""
+    original_td = sample_td(data.draw(st.integers(1, 4)))
+    raw = corrupted(data, encode_tensordict(original_td).SerializeToString())
     try:
         decoded = decode_tensordict(parse_tensordict(bytes(raw)))
     except WireError:
@@ -114,3 +120,47 @@ def test_fuzzed_messages_decode_consistently_or_raise_typed_error(data):
     assert encode_tensordict(decoded) == reparsed
     if reparsed == encode_tensordict(original_td):
         assert_td_equal(original_td, decoded)
+
+
+def tensor_bytes_of(td: TensorDict) -> int:
+    total = 0
+    for key in td.keys(True, True):
+        value = td.get(key)
+        if isinstance(value, NonTensorStack):
+            continue
+        values = get_ragged(td, key).values if value.is_nested else value
+        total += values.numel() * values.element_size()
+    return total
+
+
+def test_check_tensordict_validates_without_building_and_counts_tensor_bytes():
+    td = sample_td()
+    assert check_tensordict(encode_tensordict(td)) == tensor_bytes_of(td)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_check_tensordict_agrees_with_decode_on_fuzzed_messages(data):
+    """The check (Echo's) and the decode (a real request's) are one validation: same verdict, same field."""
+    raw = corrupted(data, encode_tensordict(sample_td(data.draw(st.integers(1, 4)))).SerializeToString())
+    try:
+        msg = parse_tensordict(bytes(raw))
+    except WireError:
+        return
+    try:
+        decoded = decode_tensordict(msg, "payload")
+    except WireError as err:
+        with pytest.raises(WireError) as checked:
+            check_tensordict(msg, "payload")
+        assert checked.value.field == err.field and checked.value.problem == err.problem
+        return
+    assert check_tensordict(msg, "payload") == tensor_bytes_of(decoded)
+
+
+def test_zero_element_entries_with_overflowing_strides_are_refused():
+    msg = encode_tensordict({"x": torch.zeros(1, 0)}, batch_size=[1])
+    msg.entries["x"].tensor.shape[:] = [1, 0, 2**62, 2**62]
+    for check in (decode_tensordict, check_tensordict):
+        with pytest.raises(WireError, match="overflows int64") as err:
+            check(msg, "payload")
+        assert err.value.field == "payload.entries[x].tensor.shape"

@@ -25,13 +25,16 @@ from rlfleet.client.errors import (
     UnauthenticatedError, UnavailableError, UnimplementedError, from_rpc_error,
 )
 from rlfleet.client.prompts import to_prompt_specs
-from rlfleet.client.results import BufferStats, PushResult, ReplicaPushResult, ReplicaStatus, StageStatus, Status
+from rlfleet.client.results import (
+    BufferStats, DroppedStale, PromptFailure, PushResult, ReplicaPushResult, ReplicaStatus, StageStatus, Status,
+)
 from rlfleet.client.sync import BatchIterator, Client, connect
 from rlfleet.wire import Ragged
 
 __all__ = [
     "AbortedError", "AsyncClient", "Batch", "BatchIterator", "BatchStream", "BufferStats", "CancelledError",
-    "ChannelSettings", "Client", "DeadlineExceededError", "FailedPreconditionError", "InternalError",
+    "ChannelSettings", "Client", "DeadlineExceededError", "DroppedStale", "FailedPreconditionError",
+    "InternalError", "PromptFailure",
     "InvalidArgumentError", "NotFoundError", "PermissionDeniedError", "PushResult", "Ragged",
     "ReplicaPushResult", "ReplicaStatus", "ResourceExhaustedError", "RlfleetClientError", "StageStatus",
     "Status", "UnauthenticatedError", "UnavailableError", "UnimplementedError", "aio_channel",

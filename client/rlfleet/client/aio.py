@@ -2,7 +2,8 @@
 
 The sync ``Client`` runs these same coroutines on a private event loop.
 A trainer needs only the collector's address: it serves CollectorService and
-forwards TrajectoryService.StreamBatches / GetStats.
+forwards TrajectoryService.StreamBatches / GetStats (not DropStale: an operator
+call, made at the trajectory service's own address).
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ import logging
 import weakref
 from typing import Any, Iterable
 
-from rlfleet.client.batches import BatchStream
+from rlfleet.client.batches import DEFAULT_IDLE_TIMEOUT, DEFAULT_RECONNECT_SECONDS, BatchStream
 from rlfleet.client.channel import ChannelSettings, aio_channel, call_with_retry
-from rlfleet.client.errors import UnavailableError
+from rlfleet.client.errors import RlfleetClientError, UnavailableError, UnimplementedError
 from rlfleet.client.prompts import PromptInput, to_prompt_specs
 from rlfleet.client.push import DEFAULT_CHUNK_BYTES, TransportMemo, named_tensors, push_weights
-from rlfleet.client.results import BufferStats, PushResult, Status
+from rlfleet.client.results import BufferStats, DroppedStale, PromptFailure, PushResult, Status
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc
 
 log = logging.getLogger("rlfleet.client")
@@ -80,13 +81,31 @@ class AsyncClient:
 
     # --- calls --------------------------------------------------------------------------------
     async def wait_ready(self, timeout: float | None = None) -> None:
-        """Dial the collector and wait until the channel is ready (``UnavailableError`` after ``timeout``)."""
-        self._stubs()
+        """Wait until the collector serves: reachable, its upstream services answered, its replicas
+        probed and the policy version agreed (``Status.serving``). ``UnavailableError`` after
+        ``timeout``, saying what it still waited for (e.g. "waiting for reference at host:port")."""
+        collector, _ = self._stubs()
+        loop = asyncio.get_running_loop()
         limit = self.settings.timeout if timeout is None else timeout
-        try:
-            await asyncio.wait_for(self._channel.channel_ready(), limit)
-        except TimeoutError:
-            raise UnavailableError(f"{self.address} not reachable within {limit:g} s", method="connect") from None
+        deadline = loop.time() + limit
+        waiting_for = "not reachable"
+        while True:
+            remaining = deadline - loop.time()
+            try:
+                reply = await asyncio.wait_for(
+                    self._unary(collector.GetStatus, collector_pb2.GetStatusRequest(), "GetStatus",
+                                max(0.1, min(remaining, self.settings.timeout))), max(0.1, remaining))
+                if reply.serving:
+                    return
+                waiting_for = reply.not_serving_reason or "not serving"
+            except (RlfleetClientError, TimeoutError) as exc:
+                if isinstance(exc, RlfleetClientError) and not exc.retryable:
+                    raise
+                waiting_for = str(exc) or "no answer"
+            if loop.time() >= deadline:
+                raise UnavailableError(f"{self.address} not serving within {limit:g} s: {waiting_for}",
+                                       method="wait_ready")
+            await asyncio.sleep(min(0.5, max(0.0, deadline - loop.time())))
 
     async def policy_version(self, *, timeout: float | None = None) -> int:
         """The collector's current committed policy version."""
@@ -130,12 +149,14 @@ class AsyncClient:
         Each prompt is text (``str``), a chat (list of ``{"role", "content"}`` dicts), token ids
         (list of ints or 1-D integer tensor), or a dict ``{"prompt": ..., "prompt_id", "ground_truth",
         "reward_fn", "reward_args": {str: str}, "sampling": {SamplingParams fields}}``.
-        ``ResourceExhaustedError`` when the queue is full. Not idempotent, so DEADLINE_EXCEEDED
-        is not retried (only UNAVAILABLE).
+        The collector answers once the prompts are durable; each then ends as exactly one group or
+        one dead letter (``failures()``). Prompts without an id get one here, so a retried call is
+        harmless (an id already pending is not queued again). ``ResourceExhaustedError`` when the
+        queue is full; ``InvalidArgumentError`` naming the prompt for a malformed one.
         """
         collector, _ = self._stubs()
         request = collector_pb2.SubmitPromptsRequest(prompts=to_prompt_specs(prompts))
-        reply = await self._unary(collector.SubmitPrompts, request, "SubmitPrompts", timeout, idempotent=False)
+        reply = await self._unary(collector.SubmitPrompts, request, "SubmitPrompts", timeout)
         return list(reply.prompt_ids)
 
     async def status(self, *, timeout: float | None = None) -> Status:
@@ -144,22 +165,59 @@ class AsyncClient:
         return Status.from_proto(await self._unary(collector.GetStatus, collector_pb2.GetStatusRequest(),
                                                    "GetStatus", timeout))
 
+    async def failures(self, *, after_seq: int = 0, limit: int = 100,
+                       timeout: float | None = None) -> tuple[list[PromptFailure], int]:
+        """Prompts that failed for good (dead letters), oldest first, after ``after_seq``; and how many
+        there were in all. A dead prompt is never retried; pass the last ``seq`` seen to page on."""
+        collector, _ = self._stubs()
+        reply = await self._unary(collector.ListFailures,
+                                  collector_pb2.ListFailuresRequest(after_seq=after_seq, limit=limit),
+                                  "ListFailures", timeout)
+        return [PromptFailure.from_proto(f) for f in reply.failures], reply.total
+
     async def buffer_stats(self, *, timeout: float | None = None) -> BufferStats:
         """Trajectory buffer occupancy and counters (forwarded by the collector)."""
         _, trajectory = self._stubs()
         return BufferStats.from_proto(await self._unary(trajectory.GetStats, trajectory_pb2.GetStatsRequest(),
                                                         "GetStats", timeout))
 
+    async def drop_stale(self, below_policy_version: int, *, timeout: float | None = None) -> DroppedStale:
+        """Delete, for good, the ready trajectories of every group whose policy_version_start is below
+        ``below_policy_version``; returns what was deleted. Leased batches are untouched.
+
+        An operator / owner call: connect this client to the trajectory service's own address (the
+        collector does not forward DropStale; through it this raises ``UnimplementedError``).
+        Retried on UNAVAILABLE only: after DEADLINE_EXCEEDED the rows may already be gone, and a
+        repeat would answer with nothing dropped, losing the ids.
+        """
+        if below_policy_version < 0:
+            raise ValueError(f"below_policy_version must be >= 0, got {below_policy_version}")
+        _, trajectory = self._stubs()
+        request = trajectory_pb2.DropStaleRequest(below_policy_version=below_policy_version)
+        try:
+            reply = await self._unary(trajectory.DropStale, request, "DropStale", timeout, idempotent=False)
+        except UnimplementedError as exc:
+            raise UnimplementedError(
+                f"{exc.details} ({self.address} does not serve DropStale: the collector does not forward it; "
+                "connect a client to the trajectory service's own address)", method=exc.method) from None
+        return DroppedStale(reply.dropped, tuple(reply.group_ids), tuple(reply.prompt_ids))
+
     def batches(self, batch_size: int, *, whole_groups: bool = True, min_policy_version: int = 0,
                 lease_seconds: float = 0.0, prefetch: int = 1, consumer: str = "", auto_ack: bool = True,
-                max_batches: int | None = None) -> BatchStream:
+                max_batches: int | None = None, idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
+                reconnect_seconds: float = DEFAULT_RECONNECT_SECONDS) -> BatchStream:
         """Stream leased batches of ``batch_size`` trajectories (see ``rlfleet.client.batches``).
 
         ``whole_groups`` keeps every GRPO group in one batch (batch_size must be a multiple of the
-        group size); ``min_policy_version`` drops older trajectories server-side; ``lease_seconds``
+        group size); ``min_policy_version`` skips groups that started at an older version (they stay
+        buffered for other readers; ``drop_stale`` deletes them); ``lease_seconds``
         (0 = server default) is how long a batch may stay un-acked before redelivery; ``prefetch``
         batches are delivered ahead of acks; ``consumer`` names the reader in server logs;
         ``auto_ack`` acks each batch when the next is requested; ``max_batches`` ends the stream.
+        ``idle_timeout``: seconds to wait for a batch before ``DeadlineExceededError`` ends the stream
+        (None waits forever); a stream that breaks (UNAVAILABLE: the collector restarted, the
+        connection dropped) is reopened for up to ``reconnect_seconds``, with a WARNING; what the
+        old stream delivered and was not acked is delivered again.
         """
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
@@ -167,12 +225,15 @@ class AsyncClient:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         if max_batches is not None and max_batches < 0:
             raise ValueError(f"max_batches must be >= 0 or None, got {max_batches}")
+        if idle_timeout is not None and idle_timeout <= 0:
+            raise ValueError(f"idle_timeout must be > 0 or None, got {idle_timeout}")
         _, trajectory = self._stubs()
         open_request = trajectory_pb2.OpenBatchStream(
             batch_size=batch_size, whole_groups=whole_groups, min_policy_version=min_policy_version,
             lease_seconds=lease_seconds, prefetch=prefetch, consumer=consumer)
         stream = BatchStream(trajectory.StreamBatches, self.settings, open_request,
-                             auto_ack=auto_ack, max_batches=max_batches)
+                             auto_ack=auto_ack, max_batches=max_batches, idle_timeout=idle_timeout,
+                             reconnect_seconds=reconnect_seconds)
         self._streams.add(stream)
         return stream
 

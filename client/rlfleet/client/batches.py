@@ -11,6 +11,12 @@ True once the server applied it (an acked batch is then deleted for good),
 False if it came too late (the lease expired and the batch went back for
 redelivery: logged as a WARNING, and the stream goes on).
 
+A stream that breaks after its first batch (UNAVAILABLE: the collector
+restarted, the connection dropped) is reopened, with a WARNING, for up to
+``reconnect_seconds``; batches it delivered and that were not acked are
+delivered again. ``next()`` waits at most ``idle_timeout`` for a batch, then
+raises ``DeadlineExceededError``: the SDK never blocks forever.
+
 Delivery is at-least-once. With ``auto_ack`` a batch is acked when the next
 one is requested, or when the stream is closed deliberately (``close()``, or
 leaving its ``with`` block without an exception). A stream dropped without
@@ -28,7 +34,8 @@ import grpc
 import torch
 
 from rlfleet.client.channel import ChannelSettings, StatusWatch, backoff, stream_error
-from rlfleet.client.errors import FailedPreconditionError, InternalError, RlfleetClientError, from_rpc_error
+from rlfleet.client.errors import (DeadlineExceededError, FailedPreconditionError, InternalError,
+                                   RlfleetClientError, from_rpc_error)
 from rlfleet.v1 import trajectory_pb2
 from rlfleet.wire import Ragged, WireError, decode_tensordict, get_ragged
 
@@ -37,6 +44,10 @@ log = logging.getLogger("rlfleet.client")
 METHOD = "StreamBatches"
 CLOSE_TIMEOUT_SECONDS = 5.0
 """How long a clean close waits for the server to end the stream before cancelling it."""
+DEFAULT_IDLE_TIMEOUT = 1800.0
+"""How long ``next()`` waits for a batch before ``DeadlineExceededError`` (the SDK never blocks forever)."""
+DEFAULT_RECONNECT_SECONDS = 300.0
+"""How long a broken stream is reopened for (a collector restart takes seconds to a minute)."""
 
 
 def _key(key: Any) -> Any:
@@ -137,12 +148,15 @@ class BatchStream:
     """
 
     def __init__(self, call_factory: Callable, settings: ChannelSettings, open_request: trajectory_pb2.OpenBatchStream,
-                 *, auto_ack: bool, max_batches: int | None):
+                 *, auto_ack: bool, max_batches: int | None, idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
+                 reconnect_seconds: float = DEFAULT_RECONNECT_SECONDS):
         self._call_factory = call_factory
         self._settings = settings
         self._open_request = open_request
         self._auto_ack = auto_ack
         self._max_batches = max_batches
+        self._idle_timeout = idle_timeout
+        self._reconnect_seconds = reconnect_seconds
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue | None = None
         self._call = None
@@ -172,7 +186,7 @@ class BatchStream:
             await self.close()
             return None
         try:
-            reply = await (self._open() if self._call is None else self._receive())
+            reply = await self._next_reply()
         except BaseException:
             self._finish()
             raise
@@ -188,7 +202,38 @@ class BatchStream:
         self._delivered += 1
         return self._last
 
-    async def _open(self):
+    async def _next_reply(self):
+        """The next batch's reply within the idle bound, reopening a broken stream."""
+        try:
+            return await self._idle_bound(self._open() if self._call is None else self._receive())
+        except RlfleetClientError as error:
+            if not error.retryable or self.closed or not self._delivered:
+                raise
+            log.warning("StreamBatches broke (%s); reopening for up to %.0f s (batches delivered and not acked "
+                        "are delivered again)", error, self._reconnect_seconds)
+            self._end_call()
+            for batch in self._unconfirmed.values():  # their answers went down with the old stream
+                batch.confirmed = False
+                batch.settle_error = "the stream broke before the server answered; the batch may be delivered again"
+            self._unconfirmed.clear()
+            return await self._idle_bound(self._open(self._reconnect_seconds))
+
+    async def _idle_bound(self, reply):
+        if self._idle_timeout is None:
+            return await reply
+        try:
+            return await asyncio.wait_for(reply, self._idle_timeout)
+        except TimeoutError:
+            raise DeadlineExceededError(
+                f"no batch within {self._idle_timeout:g} s (idle_timeout); the stream is closed. Is the "
+                "collector generating? client.status() shows its pending prompts, stages and replicas",
+                method=METHOD) from None
+
+    async def _open(self, budget_seconds: float = 0.0):
+        """Open the stream and read its first reply: retryable errors are retried, ``settings.retries``
+        times or for ``budget_seconds``, whichever lasts longer."""
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + budget_seconds
         attempt = 0
         while True:
             self._loop = asyncio.get_running_loop()
@@ -201,9 +246,9 @@ class BatchStream:
                 return await self._receive()
             except RlfleetClientError as error:
                 self._end_call()
-                if not error.retryable or attempt >= self._settings.retries:
+                if not error.retryable or (attempt >= self._settings.retries and loop.time() >= give_up_at):
                     raise
-            await asyncio.sleep(backoff(attempt, self._settings.backoff_seconds))
+            await asyncio.sleep(min(backoff(attempt, self._settings.backoff_seconds), 5.0))
             attempt += 1
 
     async def _receive(self):

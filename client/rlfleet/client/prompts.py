@@ -3,12 +3,15 @@
 A prompt is raw text (``str``), a chat conversation (a list of
 ``{"role", "content"}`` dicts), or token ids (a list of ints or a 1-D integer
 tensor). A dict with a ``"prompt"`` key adds task metadata and sampling
-overrides. Mistakes raise ``TypeError`` / ``ValueError`` naming the prompt,
-before anything is sent.
+overrides. A prompt without an id gets a random one here, so a retried
+SubmitPrompts is harmless (the collector does not queue an id twice).
+Mistakes raise ``TypeError`` / ``ValueError`` naming the prompt, before
+anything is sent.
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, Iterable, Mapping, Sequence, Union
 
 import torch
@@ -40,9 +43,14 @@ def to_prompt_specs(prompts: PromptInput | Iterable[PromptInput]) -> list[collec
 
 def _spec(item: Any, where: str) -> collector_pb2.PromptSpec:
     if isinstance(item, collector_pb2.PromptSpec):
-        return item
+        if item.prompt_id:
+            return item
+        spec = collector_pb2.PromptSpec()
+        spec.CopyFrom(item)
+        spec.prompt_id = uuid.uuid4().hex
+        return spec
     if not isinstance(item, Mapping):
-        return collector_pb2.PromptSpec(prompt=_prompt(item, where))
+        return collector_pb2.PromptSpec(prompt=_prompt(item, where), prompt_id=uuid.uuid4().hex)
     if "prompt" not in item:
         hint = " (a chat must be wrapped in a list: submit_prompts([messages]))" if "role" in item else ""
         raise ValueError(f"{where}: a prompt dict needs a 'prompt' key{hint}")
@@ -51,7 +59,7 @@ def _spec(item: Any, where: str) -> collector_pb2.PromptSpec:
         raise ValueError(f"{where}: unknown keys {unknown}; allowed: {list(SPEC_KEYS)}")
     spec = collector_pb2.PromptSpec(
         prompt=_prompt(item["prompt"], f"{where}.prompt"),
-        prompt_id=str(item.get("prompt_id") or ""),
+        prompt_id=str(item.get("prompt_id") or uuid.uuid4().hex),
         ground_truth=str(item.get("ground_truth") or ""),
         reward_fn=str(item.get("reward_fn") or ""),
     )

@@ -105,6 +105,14 @@ class Status:
     """Samples generated per prompt (unless a prompt overrides ``n``)."""
     groups_per_step: int = 0
     """Groups per trainer step (the unit of staleness)."""
+    pending_prompts: int = 0
+    """Prompts admitted that have not yet ended as a group or a dead letter."""
+    failed_prompts: int = 0
+    """Dead letters so far (``client.failures()`` lists them)."""
+    serving: bool = True
+    """False while the collector starts (waiting for its upstream services or replicas)."""
+    not_serving_reason: str = ""
+    """What it waits for while not serving."""
 
     @classmethod
     def from_proto(cls, reply: collector_pb2.GetStatusResponse) -> "Status":
@@ -115,7 +123,9 @@ class Status:
                            for r in reply.replicas),
             staleness_histogram=tuple(reply.staleness_histogram), trajectories=reply.trajectories,
             discarded_samples=reply.discarded_samples, group_size=reply.group_size,
-            groups_per_step=reply.groups_per_step,
+            groups_per_step=reply.groups_per_step, pending_prompts=reply.pending_prompts,
+            failed_prompts=reply.failed_prompts, serving=reply.serving,
+            not_serving_reason=reply.not_serving_reason,
         )
 
 
@@ -130,9 +140,47 @@ class BufferStats:
     appended: int
     redelivered_batches: int
     dropped_stale: int
+    """Trajectories deleted by DropStale (never by a reader)."""
+    buffered_bytes: int = 0
+    capacity_bytes: int = 0
 
     @classmethod
     def from_proto(cls, reply: trajectory_pb2.GetStatsResponse) -> "BufferStats":
         return cls(ready=reply.ready, leased=reply.leased, acked=reply.acked, capacity=reply.capacity,
                    appended=reply.appended, redelivered_batches=reply.redelivered_batches,
-                   dropped_stale=reply.dropped_stale)
+                   dropped_stale=reply.dropped_stale, buffered_bytes=reply.buffered_bytes,
+                   capacity_bytes=reply.capacity_bytes)
+
+
+@dataclass(frozen=True)
+class DroppedStale:
+    """What ``drop_stale`` deleted (``DropStaleResponse``)."""
+
+    dropped: int
+    """Trajectories deleted."""
+    group_ids: tuple[int, ...]
+    """The groups they belonged to, each once, oldest policy version first."""
+    prompt_ids: tuple[str, ...]
+    """Their distinct ``prompt_id`` values; empty when the trajectories carry none."""
+
+
+@dataclass(frozen=True)
+class PromptFailure:
+    """A prompt that failed for good: a dead letter (``ListFailures``)."""
+
+    seq: int
+    """Increasing number (pass the last one seen as ``after_seq``)."""
+    prompt_id: str
+    stage: str
+    """"generation", "reference", "reward" or "trajectory"."""
+    code: str
+    """Status code name of the last failure, e.g. "INVALID_ARGUMENT"."""
+    error: str
+    attempts: int
+    """Transient failures before it (0: refused at first sight)."""
+    failed_at: float
+
+    @classmethod
+    def from_proto(cls, failure: collector_pb2.PromptFailure) -> "PromptFailure":
+        return cls(failure.seq, failure.prompt_id, failure.stage, failure.code, failure.error, failure.attempts,
+                   failure.failed_at)

@@ -13,11 +13,11 @@ import threading
 from typing import Any, Coroutine, Iterable, TypeVar
 
 from rlfleet.client.aio import DEFAULT_MAX_MESSAGE_BYTES, AsyncClient, make_settings
-from rlfleet.client.batches import Batch, BatchStream
+from rlfleet.client.batches import DEFAULT_IDLE_TIMEOUT, DEFAULT_RECONNECT_SECONDS, Batch, BatchStream
 from rlfleet.client.channel import ChannelSettings
 from rlfleet.client.prompts import PromptInput
 from rlfleet.client.push import DEFAULT_CHUNK_BYTES, named_tensors
-from rlfleet.client.results import BufferStats, PushResult, Status
+from rlfleet.client.results import BufferStats, DroppedStale, PromptFailure, PushResult, Status
 
 T = TypeVar("T")
 
@@ -179,13 +179,24 @@ class Client:
         """See ``AsyncClient.buffer_stats``."""
         return self._runner.run(self._async.buffer_stats(timeout=timeout))
 
+    def failures(self, *, after_seq: int = 0, limit: int = 100,
+                 timeout: float | None = None) -> tuple[list[PromptFailure], int]:
+        """See ``AsyncClient.failures``."""
+        return self._runner.run(self._async.failures(after_seq=after_seq, limit=limit, timeout=timeout))
+
+    def drop_stale(self, below_policy_version: int, *, timeout: float | None = None) -> DroppedStale:
+        """See ``AsyncClient.drop_stale`` (needs a client connected to the trajectory service's address)."""
+        return self._runner.run(self._async.drop_stale(below_policy_version, timeout=timeout))
+
     def batches(self, batch_size: int, *, whole_groups: bool = True, min_policy_version: int = 0,
                 lease_seconds: float = 0.0, prefetch: int = 1, consumer: str = "", auto_ack: bool = True,
-                max_batches: int | None = None) -> BatchIterator:
+                max_batches: int | None = None, idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
+                reconnect_seconds: float = DEFAULT_RECONNECT_SECONDS) -> BatchIterator:
         """See ``AsyncClient.batches``; returns a blocking iterator."""
         stream = self._async.batches(batch_size, whole_groups=whole_groups, min_policy_version=min_policy_version,
                                      lease_seconds=lease_seconds, prefetch=prefetch, consumer=consumer,
-                                     auto_ack=auto_ack, max_batches=max_batches)
+                                     auto_ack=auto_ack, max_batches=max_batches, idle_timeout=idle_timeout,
+                                     reconnect_seconds=reconnect_seconds)
         return BatchIterator(self._runner, stream)
 
     def close(self) -> None:

@@ -26,7 +26,7 @@ from rlfleet.v1 import sampling_pb2 as rlfleet_dot_v1_dot_sampling__pb2
 from rlfleet.v1 import weights_pb2 as rlfleet_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arlfleet/v1/collector.proto\x12\nrlfleet.v1\x1a\x19rlfleet/v1/sampling.proto\x1a\x18rlfleet/v1/weights.proto\"y\n\x12PushWeightsRequest\x12.\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.rlfleet.v1.WeightManifestH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.rlfleet.v1.WeightChunkH\x00\x42\t\n\x07payload\"\x85\x01\n\x11ReplicaPushResult\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x15\n\rstage_seconds\x18\x05 \x01(\x01\x12\x15\n\rapply_seconds\x18\x06 \x01(\x01\"\x80\x01\n\x13PushWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12/\n\x08replicas\x18\x02 \x03(\x0b\x32\x1d.rlfleet.v1.ReplicaPushResult\x12\x16\n\x0ereceived_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\x19\n\x17GetPolicyVersionRequest\"+\n\x18GetPolicyVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\"\x8a\x02\n\nPromptSpec\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\"\n\x06prompt\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Prompt\x12\x11\n\treward_fn\x18\x03 \x01(\t\x12\x14\n\x0cground_truth\x18\x04 \x01(\t\x12;\n\x0breward_args\x18\x05 \x03(\x0b\x32&.rlfleet.v1.PromptSpec.RewardArgsEntry\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.rlfleet.v1.SamplingParams\x1a\x31\n\x0fRewardArgsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"?\n\x14SubmitPromptsRequest\x12\'\n\x07prompts\x18\x01 \x03(\x0b\x32\x16.rlfleet.v1.PromptSpec\"+\n\x15SubmitPromptsResponse\x12\x12\n\nprompt_ids\x18\x01 \x03(\t\"\x12\n\x10GetStatusRequest\"X\n\x0bStageStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06queued\x18\x02 \x01(\x05\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12\x18\n\x10items_per_second\x18\x04 \x01(\x01\"\x80\x01\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x11\n\tin_flight\x18\x04 \x01(\x05\x12\"\n\x1aweight_transfer_world_size\x18\x05 \x01(\r\"\xae\x02\n\x11GetStatusResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x15\n\rmax_staleness\x18\x03 \x01(\x05\x12\'\n\x06stages\x18\x04 \x03(\x0b\x32\x17.rlfleet.v1.StageStatus\x12+\n\x08replicas\x18\x05 \x03(\x0b\x32\x19.rlfleet.v1.ReplicaStatus\x12\x1b\n\x13staleness_histogram\x18\x06 \x03(\x03\x12\x14\n\x0ctrajectories\x18\x07 \x01(\x03\x12\x19\n\x11\x64iscarded_samples\x18\x08 \x01(\x03\x12\x12\n\ngroup_size\x18\n \x01(\x05\x12\x17\n\x0fgroups_per_step\x18\x0b \x01(\x05J\x04\x08\t\x10\nR\x05\x65xtra2\xe3\x02\n\x10\x43ollectorService\x12P\n\x0bPushWeights\x12\x1e.rlfleet.v1.PushWeightsRequest\x1a\x1f.rlfleet.v1.PushWeightsResponse(\x01\x12]\n\x10GetPolicyVersion\x12#.rlfleet.v1.GetPolicyVersionRequest\x1a$.rlfleet.v1.GetPolicyVersionResponse\x12T\n\rSubmitPrompts\x12 .rlfleet.v1.SubmitPromptsRequest\x1a!.rlfleet.v1.SubmitPromptsResponse\x12H\n\tGetStatus\x12\x1c.rlfleet.v1.GetStatusRequest\x1a\x1d.rlfleet.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arlfleet/v1/collector.proto\x12\nrlfleet.v1\x1a\x19rlfleet/v1/sampling.proto\x1a\x18rlfleet/v1/weights.proto\"7\n\x13ListFailuresRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x03\x12\r\n\x05limit\x18\x02 \x01(\x05\"\x80\x01\n\rPromptFailure\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x0c\n\x04\x63ode\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x10\n\x08\x61ttempts\x18\x06 \x01(\x05\x12\x11\n\tfailed_at\x18\x07 \x01(\x01\"R\n\x14ListFailuresResponse\x12+\n\x08\x66\x61ilures\x18\x01 \x03(\x0b\x32\x19.rlfleet.v1.PromptFailure\x12\r\n\x05total\x18\x02 \x01(\x03\"y\n\x12PushWeightsRequest\x12.\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.rlfleet.v1.WeightManifestH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.rlfleet.v1.WeightChunkH\x00\x42\t\n\x07payload\"\x85\x01\n\x11ReplicaPushResult\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x15\n\rstage_seconds\x18\x05 \x01(\x01\x12\x15\n\rapply_seconds\x18\x06 \x01(\x01\"\x80\x01\n\x13PushWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12/\n\x08replicas\x18\x02 \x03(\x0b\x32\x1d.rlfleet.v1.ReplicaPushResult\x12\x16\n\x0ereceived_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\x19\n\x17GetPolicyVersionRequest\"+\n\x18GetPolicyVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\"\x8a\x02\n\nPromptSpec\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\"\n\x06prompt\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Prompt\x12\x11\n\treward_fn\x18\x03 \x01(\t\x12\x14\n\x0cground_truth\x18\x04 \x01(\t\x12;\n\x0breward_args\x18\x05 \x03(\x0b\x32&.rlfleet.v1.PromptSpec.RewardArgsEntry\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.rlfleet.v1.SamplingParams\x1a\x31\n\x0fRewardArgsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"?\n\x14SubmitPromptsRequest\x12\'\n\x07prompts\x18\x01 \x03(\x0b\x32\x16.rlfleet.v1.PromptSpec\"+\n\x15SubmitPromptsResponse\x12\x12\n\nprompt_ids\x18\x01 \x03(\t\"\x12\n\x10GetStatusRequest\"X\n\x0bStageStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06queued\x18\x02 \x01(\x05\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12\x18\n\x10items_per_second\x18\x04 \x01(\x01\"\x80\x01\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x11\n\tin_flight\x18\x04 \x01(\x05\x12\"\n\x1aweight_transfer_world_size\x18\x05 \x01(\r\"\x8c\x03\n\x11GetStatusResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x15\n\rmax_staleness\x18\x03 \x01(\x05\x12\'\n\x06stages\x18\x04 \x03(\x0b\x32\x17.rlfleet.v1.StageStatus\x12+\n\x08replicas\x18\x05 \x03(\x0b\x32\x19.rlfleet.v1.ReplicaStatus\x12\x1b\n\x13staleness_histogram\x18\x06 \x03(\x03\x12\x14\n\x0ctrajectories\x18\x07 \x01(\x03\x12\x19\n\x11\x64iscarded_samples\x18\x08 \x01(\x03\x12\x12\n\ngroup_size\x18\n \x01(\x05\x12\x17\n\x0fgroups_per_step\x18\x0b \x01(\x05\x12\x17\n\x0fpending_prompts\x18\x0c \x01(\x03\x12\x16\n\x0e\x66\x61iled_prompts\x18\r \x01(\x03\x12\x0f\n\x07serving\x18\x0e \x01(\x08\x12\x1a\n\x12not_serving_reason\x18\x0f \x01(\tJ\x04\x08\t\x10\nR\x05\x65xtra2\xb6\x03\n\x10\x43ollectorService\x12P\n\x0bPushWeights\x12\x1e.rlfleet.v1.PushWeightsRequest\x1a\x1f.rlfleet.v1.PushWeightsResponse(\x01\x12]\n\x10GetPolicyVersion\x12#.rlfleet.v1.GetPolicyVersionRequest\x1a$.rlfleet.v1.GetPolicyVersionResponse\x12T\n\rSubmitPrompts\x12 .rlfleet.v1.SubmitPromptsRequest\x1a!.rlfleet.v1.SubmitPromptsResponse\x12H\n\tGetStatus\x12\x1c.rlfleet.v1.GetStatusRequest\x1a\x1d.rlfleet.v1.GetStatusResponse\x12Q\n\x0cListFailures\x12\x1f.rlfleet.v1.ListFailuresRequest\x1a .rlfleet.v1.ListFailuresResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,32 +35,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROMPTSPEC_REWARDARGSENTRY']._loaded_options = None
   _globals['_PROMPTSPEC_REWARDARGSENTRY']._serialized_options = b'8\001'
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=95
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=216
-  _globals['_REPLICAPUSHRESULT']._serialized_start=219
-  _globals['_REPLICAPUSHRESULT']._serialized_end=352
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=355
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=483
-  _globals['_GETPOLICYVERSIONREQUEST']._serialized_start=485
-  _globals['_GETPOLICYVERSIONREQUEST']._serialized_end=510
-  _globals['_GETPOLICYVERSIONRESPONSE']._serialized_start=512
-  _globals['_GETPOLICYVERSIONRESPONSE']._serialized_end=555
-  _globals['_PROMPTSPEC']._serialized_start=558
-  _globals['_PROMPTSPEC']._serialized_end=824
-  _globals['_PROMPTSPEC_REWARDARGSENTRY']._serialized_start=775
-  _globals['_PROMPTSPEC_REWARDARGSENTRY']._serialized_end=824
-  _globals['_SUBMITPROMPTSREQUEST']._serialized_start=826
-  _globals['_SUBMITPROMPTSREQUEST']._serialized_end=889
-  _globals['_SUBMITPROMPTSRESPONSE']._serialized_start=891
-  _globals['_SUBMITPROMPTSRESPONSE']._serialized_end=934
-  _globals['_GETSTATUSREQUEST']._serialized_start=936
-  _globals['_GETSTATUSREQUEST']._serialized_end=954
-  _globals['_STAGESTATUS']._serialized_start=956
-  _globals['_STAGESTATUS']._serialized_end=1044
-  _globals['_REPLICASTATUS']._serialized_start=1047
-  _globals['_REPLICASTATUS']._serialized_end=1175
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1178
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1480
-  _globals['_COLLECTORSERVICE']._serialized_start=1483
-  _globals['_COLLECTORSERVICE']._serialized_end=1838
+  _globals['_LISTFAILURESREQUEST']._serialized_start=95
+  _globals['_LISTFAILURESREQUEST']._serialized_end=150
+  _globals['_PROMPTFAILURE']._serialized_start=153
+  _globals['_PROMPTFAILURE']._serialized_end=281
+  _globals['_LISTFAILURESRESPONSE']._serialized_start=283
+  _globals['_LISTFAILURESRESPONSE']._serialized_end=365
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=367
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=488
+  _globals['_REPLICAPUSHRESULT']._serialized_start=491
+  _globals['_REPLICAPUSHRESULT']._serialized_end=624
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=627
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=755
+  _globals['_GETPOLICYVERSIONREQUEST']._serialized_start=757
+  _globals['_GETPOLICYVERSIONREQUEST']._serialized_end=782
+  _globals['_GETPOLICYVERSIONRESPONSE']._serialized_start=784
+  _globals['_GETPOLICYVERSIONRESPONSE']._serialized_end=827
+  _globals['_PROMPTSPEC']._serialized_start=830
+  _globals['_PROMPTSPEC']._serialized_end=1096
+  _globals['_PROMPTSPEC_REWARDARGSENTRY']._serialized_start=1047
+  _globals['_PROMPTSPEC_REWARDARGSENTRY']._serialized_end=1096
+  _globals['_SUBMITPROMPTSREQUEST']._serialized_start=1098
+  _globals['_SUBMITPROMPTSREQUEST']._serialized_end=1161
+  _globals['_SUBMITPROMPTSRESPONSE']._serialized_start=1163
+  _globals['_SUBMITPROMPTSRESPONSE']._serialized_end=1206
+  _globals['_GETSTATUSREQUEST']._serialized_start=1208
+  _globals['_GETSTATUSREQUEST']._serialized_end=1226
+  _globals['_STAGESTATUS']._serialized_start=1228
+  _globals['_STAGESTATUS']._serialized_end=1316
+  _globals['_REPLICASTATUS']._serialized_start=1319
+  _globals['_REPLICASTATUS']._serialized_end=1447
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1450
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1846
+  _globals['_COLLECTORSERVICE']._serialized_start=1849
+  _globals['_COLLECTORSERVICE']._serialized_end=2287
 # @@protoc_insertion_point(module_scope)

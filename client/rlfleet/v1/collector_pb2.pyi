@@ -8,6 +8,40 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ListFailuresRequest(_message.Message):
+    __slots__ = ("after_seq", "limit")
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    after_seq: int
+    limit: int
+    def __init__(self, after_seq: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class PromptFailure(_message.Message):
+    __slots__ = ("seq", "prompt_id", "stage", "code", "error", "attempts", "failed_at")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_AT_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    prompt_id: str
+    stage: str
+    code: str
+    error: str
+    attempts: int
+    failed_at: float
+    def __init__(self, seq: _Optional[int] = ..., prompt_id: _Optional[str] = ..., stage: _Optional[str] = ..., code: _Optional[str] = ..., error: _Optional[str] = ..., attempts: _Optional[int] = ..., failed_at: _Optional[float] = ...) -> None: ...
+
+class ListFailuresResponse(_message.Message):
+    __slots__ = ("failures", "total")
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    failures: _containers.RepeatedCompositeFieldContainer[PromptFailure]
+    total: int
+    def __init__(self, failures: _Optional[_Iterable[_Union[PromptFailure, _Mapping]]] = ..., total: _Optional[int] = ...) -> None: ...
+
 class PushWeightsRequest(_message.Message):
     __slots__ = ("manifest", "chunk")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
@@ -120,7 +154,7 @@ class ReplicaStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., policy_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., weight_transfer_world_size: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("policy_version", "mode", "max_staleness", "stages", "replicas", "staleness_histogram", "trajectories", "discarded_samples", "group_size", "groups_per_step")
+    __slots__ = ("policy_version", "mode", "max_staleness", "stages", "replicas", "staleness_histogram", "trajectories", "discarded_samples", "group_size", "groups_per_step", "pending_prompts", "failed_prompts", "serving", "not_serving_reason")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +165,10 @@ class GetStatusResponse(_message.Message):
     DISCARDED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     GROUPS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    NOT_SERVING_REASON_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     mode: str
     max_staleness: int
@@ -141,4 +179,8 @@ class GetStatusResponse(_message.Message):
     discarded_samples: int
     group_size: int
     groups_per_step: int
-    def __init__(self, policy_version: _Optional[int] = ..., mode: _Optional[str] = ..., max_staleness: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., trajectories: _Optional[int] = ..., discarded_samples: _Optional[int] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ...) -> None: ...
+    pending_prompts: int
+    failed_prompts: int
+    serving: bool
+    not_serving_reason: str
+    def __init__(self, policy_version: _Optional[int] = ..., mode: _Optional[str] = ..., max_staleness: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., trajectories: _Optional[int] = ..., discarded_samples: _Optional[int] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., failed_prompts: _Optional[int] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ...) -> None: ...

@@ -55,6 +55,11 @@ class CollectorServiceStub:
                 request_serializer=rlfleet_dot_v1_dot_collector__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_collector__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.ListFailures = channel.unary_unary(
+                '/rlfleet.v1.CollectorService/ListFailures',
+                request_serializer=rlfleet_dot_v1_dot_collector__pb2.ListFailuresRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_collector__pb2.ListFailuresResponse.FromString,
+                _registered_method=True)
 
 
 class CollectorServiceServicer:
@@ -79,15 +84,23 @@ class CollectorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetPolicyVersion(self, request, context):
-        """The current policy version.
+        """The current policy version. UNAVAILABLE until the collector serves (it
+        has not agreed on a version yet; GetStatus says what it waits for).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def SubmitPrompts(self, request, context):
-        """Queues prompts from the trainer (ahead of the dataset source).
-        Errors: RESOURCE_EXHAUSTED when the prompt queue is full.
+        """Queues prompts from the trainer (ahead of the dataset source). Answers
+        once the prompts are durable in the collector's state directory: from
+        then on each prompt id ends as exactly one group in the trajectory service
+        or one dead letter (ListFailures), across collector restarts. A prompt id
+        already queued or in generation is not queued again (a retried call is
+        harmless). All or nothing. Errors: INVALID_ARGUMENT naming the prompt and
+        field (empty prompt, sampling out of bounds, prompt larger than the
+        collector's max_prompt_bytes, prompt_id longer than 256 bytes),
+        RESOURCE_EXHAUSTED when the queue of submitted prompts is full.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -95,6 +108,17 @@ class CollectorServiceServicer:
 
     def GetStatus(self, request, context):
         """Pipeline state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListFailures(self, request, context):
+        """Prompts that failed for good (dead letters), oldest first. A prompt
+        fails for good at once when a stage refuses its input (INVALID_ARGUMENT,
+        NOT_FOUND: e.g. an unknown reward function, or one that raised), or after
+        `prompt_attempts` transient failures (retried with backoff meanwhile). A
+        dead prompt is never retried; the collector logs it once with its id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,6 +146,11 @@ def add_CollectorServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=rlfleet_dot_v1_dot_collector__pb2.GetStatusRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_collector__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'ListFailures': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListFailures,
+                    request_deserializer=rlfleet_dot_v1_dot_collector__pb2.ListFailuresRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_collector__pb2.ListFailuresResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -233,6 +262,33 @@ class CollectorService:
             '/rlfleet.v1.CollectorService/GetStatus',
             rlfleet_dot_v1_dot_collector__pb2.GetStatusRequest.SerializeToString,
             rlfleet_dot_v1_dot_collector__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListFailures(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.CollectorService/ListFailures',
+            rlfleet_dot_v1_dot_collector__pb2.ListFailuresRequest.SerializeToString,
+            rlfleet_dot_v1_dot_collector__pb2.ListFailuresResponse.FromString,
             options,
             channel_credentials,
             insecure,

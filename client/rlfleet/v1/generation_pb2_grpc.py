@@ -58,11 +58,22 @@ class GenerationServiceServicer:
 
     def Generate(self, request, context):
         """Samples `sampling.n` completions of one prompt, streaming one message per
-        finished sample (in finish order, not index order). Errors:
-        INVALID_ARGUMENT (bad prompt or sampling params, naming the field),
-        RESOURCE_EXHAUSTED (admission queue full: retry later), UNAVAILABLE
-        (loading or swapping weights in wait/abort mode). Cancelling the call or
-        exceeding its deadline aborts the underlying vLLM requests.
+        finished sample (in finish order, not index order). With temperature 0
+        (greedy) the n samples are one computed sample sent n times: vLLM computes
+        a greedy continuation once. Limits, checked before anything is allocated
+        (sampling first, then the prompt): `sampling.n` at most the replica's
+        `max_n` (default 64); `sampling.max_tokens` below `max_model_len`, and
+        prompt tokens + max_tokens at most `max_model_len`; prompt tokens at most
+        `max_prompt_tokens` (default max_model_len - 1), text and chat prompts at
+        most 32 characters per allowed token before tokenizing (and chat at most
+        that many messages); temperature 0 or in [0.01, 2] (vLLM samples anything
+        in between at 0.01 or greedily); at most 16 stop strings of at most 1024
+        characters, at most 1024 stop token ids, each inside the vocabulary.
+        Errors: INVALID_ARGUMENT (bad prompt or sampling params, or past a limit,
+        naming the field and the limit), RESOURCE_EXHAUSTED (admission queue full:
+        retry later), UNAVAILABLE (loading or swapping weights in wait/abort
+        mode). Cancelling the call or exceeding its deadline aborts the
+        underlying vLLM requests.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -75,10 +86,14 @@ class GenerationServiceServicer:
         the caller sends a WeightCommit) and WEIGHT_PHASE_APPLIED. Errors:
         FAILED_PRECONDITION (version not greater than the current one; shm
         segment not openable here), INVALID_ARGUMENT (unknown tensor name, wrong
-        shape/dtype, size or checksum mismatch, chunk out of order), ABORTED (the
-        stream ended early or the client disconnected before the commit). On any
-        error before the commit the old weights keep serving and the version is
-        unchanged.
+        shape/dtype, size or checksum mismatch, chunk out of order),
+        RESOURCE_EXHAUSTED (the push is larger than the replica's
+        `max_push_bytes`, by default 4 x the served checkpoint's bytes), ABORTED
+        (the stream ended early or the client disconnected before the commit).
+        The manifest is checked against the served model (every checkpoint tensor
+        exactly once, same shape, same kind of dtype) and the size limit before
+        any memory is staged for it. On any error before the commit the old
+        weights keep serving and the version is unchanged.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -50,9 +50,15 @@ class ReferenceServiceServicer:
 
     def ScoreLogProbs(self, request, context):
         """Per-token log-probs (and optionally entropies) of the response part of
-        each sequence. Errors: INVALID_ARGUMENT naming the sample index (empty
-        sequence, response start out of range, token id outside the vocabulary,
-        sequence longer than the model's limit).
+        each sequence. Limits: at most the service's `max_request_tokens` tokens
+        per request (default 262144; so at most half as many sequences), each
+        sequence at most `max_len` tokens. Errors: INVALID_ARGUMENT naming the
+        sample index (empty sequence, response start out of range, token id
+        outside the vocabulary, sequence longer than the model's limit) or
+        `token_ids` (request over `max_request_tokens`, checked before it is
+        split); RESOURCE_EXHAUSTED when the queue of requests waiting for a
+        forward pass is full (`max_queued_requests`, default 1024, or
+        `max_queued_tokens`, default 1048576): retry later or elsewhere.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

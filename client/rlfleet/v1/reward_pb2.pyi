@@ -30,6 +30,16 @@ ADVANTAGE_MODE_GRPO: AdvantageMode
 ADVANTAGE_MODE_GRPO_NO_STD: AdvantageMode
 ADVANTAGE_MODE_RLOO: AdvantageMode
 
+class CheckTasksRequest(_message.Message):
+    __slots__ = ("tasks",)
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    tasks: _containers.RepeatedCompositeFieldContainer[Task]
+    def __init__(self, tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ...) -> None: ...
+
+class CheckTasksResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class Task(_message.Message):
     __slots__ = ("reward_fn", "ground_truth", "args")
     class ArgsEntry(_message.Message):

@@ -45,6 +45,11 @@ class RewardServiceStub:
                 request_serializer=rlfleet_dot_v1_dot_reward__pb2.GetKLControllerRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_reward__pb2.GetKLControllerResponse.FromString,
                 _registered_method=True)
+        self.CheckTasks = channel.unary_unary(
+                '/rlfleet.v1.RewardService/CheckTasks',
+                request_serializer=rlfleet_dot_v1_dot_reward__pb2.CheckTasksRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_reward__pb2.CheckTasksResponse.FromString,
+                _registered_method=True)
 
 
 class RewardServiceServicer:
@@ -54,7 +59,14 @@ class RewardServiceServicer:
     def ComputeRewards(self, request, context):
         """Scores a batch of samples. Errors: INVALID_ARGUMENT naming the sample
         (log-prob and token lengths differ, NaN/inf log-probs, group ids that do
-        not partition the batch), NOT_FOUND (unknown reward function).
+        not partition the batch, a Task.args value its function refuses, e.g. a
+        negative "tolerance", a pattern that is not RE2 syntax, a reward function
+        that raised on the sample); NOT_FOUND (unknown reward function);
+        RESOURCE_EXHAUSTED naming the field and the service's limit (more
+        samples, tokens or characters than its config allows; checked before
+        anything is decoded) or naming the reward function still running when
+        the service's per-request time limit ran out. Not retried by the SDK:
+        the same request would fail the same way.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -62,6 +74,17 @@ class RewardServiceServicer:
 
     def GetKLController(self, request, context):
         """The KL controller's current state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckTasks(self, request, context):
+        """Checks tasks without scoring anything: each must name a reward function
+        this service has, with arguments it accepts (the collector checks a
+        trainer's prompts with it before queueing them). Errors: NOT_FOUND
+        (unknown function), INVALID_ARGUMENT (arguments refused), naming the task
+        as "sample i"; RESOURCE_EXHAUSTED past the service's size bounds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -79,6 +102,11 @@ def add_RewardServiceServicer_to_server(servicer, server):
                     servicer.GetKLController,
                     request_deserializer=rlfleet_dot_v1_dot_reward__pb2.GetKLControllerRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_reward__pb2.GetKLControllerResponse.SerializeToString,
+            ),
+            'CheckTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckTasks,
+                    request_deserializer=rlfleet_dot_v1_dot_reward__pb2.CheckTasksRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_reward__pb2.CheckTasksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +164,33 @@ class RewardService:
             '/rlfleet.v1.RewardService/GetKLController',
             rlfleet_dot_v1_dot_reward__pb2.GetKLControllerRequest.SerializeToString,
             rlfleet_dot_v1_dot_reward__pb2.GetKLControllerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.RewardService/CheckTasks',
+            rlfleet_dot_v1_dot_reward__pb2.CheckTasksRequest.SerializeToString,
+            rlfleet_dot_v1_dot_reward__pb2.CheckTasksResponse.FromString,
             options,
             channel_credentials,
             insecure,

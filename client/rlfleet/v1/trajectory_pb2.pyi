@@ -1,7 +1,8 @@
 from rlfleet.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -93,7 +94,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("ready", "leased", "acked", "capacity", "appended", "redelivered_batches", "dropped_stale")
+    __slots__ = ("ready", "leased", "acked", "capacity", "appended", "redelivered_batches", "dropped_stale", "buffered_bytes", "capacity_bytes")
     READY_FIELD_NUMBER: _ClassVar[int]
     LEASED_FIELD_NUMBER: _ClassVar[int]
     ACKED_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +102,8 @@ class GetStatsResponse(_message.Message):
     APPENDED_FIELD_NUMBER: _ClassVar[int]
     REDELIVERED_BATCHES_FIELD_NUMBER: _ClassVar[int]
     DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     ready: int
     leased: int
     acked: int
@@ -108,4 +111,22 @@ class GetStatsResponse(_message.Message):
     appended: int
     redelivered_batches: int
     dropped_stale: int
-    def __init__(self, ready: _Optional[int] = ..., leased: _Optional[int] = ..., acked: _Optional[int] = ..., capacity: _Optional[int] = ..., appended: _Optional[int] = ..., redelivered_batches: _Optional[int] = ..., dropped_stale: _Optional[int] = ...) -> None: ...
+    buffered_bytes: int
+    capacity_bytes: int
+    def __init__(self, ready: _Optional[int] = ..., leased: _Optional[int] = ..., acked: _Optional[int] = ..., capacity: _Optional[int] = ..., appended: _Optional[int] = ..., redelivered_batches: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., buffered_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
+
+class DropStaleRequest(_message.Message):
+    __slots__ = ("below_policy_version",)
+    BELOW_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    below_policy_version: int
+    def __init__(self, below_policy_version: _Optional[int] = ...) -> None: ...
+
+class DropStaleResponse(_message.Message):
+    __slots__ = ("dropped", "group_ids", "prompt_ids")
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    group_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, dropped: _Optional[int] = ..., group_ids: _Optional[_Iterable[int]] = ..., prompt_ids: _Optional[_Iterable[str]] = ...) -> None: ...

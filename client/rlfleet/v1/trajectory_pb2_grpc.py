@@ -83,6 +83,11 @@ class TrajectoryServiceStub:
                 request_serializer=rlfleet_dot_v1_dot_trajectory__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_trajectory__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.DropStale = channel.unary_unary(
+                '/rlfleet.v1.TrajectoryService/DropStale',
+                request_serializer=rlfleet_dot_v1_dot_trajectory__pb2.DropStaleRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_trajectory__pb2.DropStaleResponse.FromString,
+                _registered_method=True)
 
 
 class TrajectoryServiceServicer:
@@ -124,8 +129,9 @@ class TrajectoryServiceServicer:
 
     def Append(self, request, context):
         """Appends finished trajectories (all-or-nothing, durable once acknowledged).
-        Errors: RESOURCE_EXHAUSTED when the buffer is full (backpressure: retry
-        later), INVALID_ARGUMENT for a malformed or incomplete TensorDict.
+        Errors: RESOURCE_EXHAUSTED when the buffer is full, in trajectories or
+        in bytes (backpressure: retry later), INVALID_ARGUMENT for a malformed or
+        incomplete TensorDict, or for one that could never fit the capacity.
         Re-sending the same idempotency key is a no-op.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -155,6 +161,22 @@ class TrajectoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropStale(self, request, context):
+        """Deletes, for good, the ready trajectories of every group whose
+        policy_version_start is below a version, and says which groups and
+        prompts they were (e.g. to generate them again). An operator / owner
+        operation, not a reader's: a reader's min_policy_version only filters
+        what it receives. The collector calls it in sync mode; it does not
+        forward it, so call it at the trajectory service's own address (per-role
+        permissions arrive with TLS; until then any caller with the token may).
+        Leased trajectories are untouched (acked, they are gone anyway; released,
+        a later call drops them). The deletion is durable before the answer.
+        Repeating a call drops nothing more, and answers empty.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrajectoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -172,6 +194,11 @@ def add_TrajectoryServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=rlfleet_dot_v1_dot_trajectory__pb2.GetStatsRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_trajectory__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'DropStale': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropStale,
+                    request_deserializer=rlfleet_dot_v1_dot_trajectory__pb2.DropStaleRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_trajectory__pb2.DropStaleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -289,6 +316,33 @@ class TrajectoryService:
             '/rlfleet.v1.TrajectoryService/GetStats',
             rlfleet_dot_v1_dot_trajectory__pb2.GetStatsRequest.SerializeToString,
             rlfleet_dot_v1_dot_trajectory__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropStale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.TrajectoryService/DropStale',
+            rlfleet_dot_v1_dot_trajectory__pb2.DropStaleRequest.SerializeToString,
+            rlfleet_dot_v1_dot_trajectory__pb2.DropStaleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from rlfleet.v1 import tensor_pb2
 from rlfleet.wire.errors import WireError
-from rlfleet.wire.tensor import decode_tensor, encode_tensor
+from rlfleet.wire.tensor import checked_tensor, decode_tensor, encode_tensor
 
 
 @dataclass(frozen=True)
@@ -126,25 +127,61 @@ def encode_ragged(ragged: Ragged | Sequence[torch.Tensor] | torch.Tensor,
     return msg
 
 
-def decode_ragged(msg: tensor_pb2.RaggedTensor, field: str = "") -> Ragged:
-    """Decode and validate a RaggedTensor message."""
+def decode_ragged(msg: tensor_pb2.RaggedTensor, field: str = "", *, max_elements: int | None = None,
+                  max_samples: int | None = None) -> Ragged:
+    """Decode and validate a RaggedTensor message.
+
+    ``max_elements`` bounds the values' element count, ``max_samples`` the number
+    of samples; both are checked before anything is built from them.
+    """
     prefix = f"{field}." if field else ""
     if not msg.HasField("values"):
         raise WireError(f"{prefix}values", "missing")
-    values = decode_tensor(msg.values, f"{prefix}values")
-    if values.dim() < 1:
+    values = decode_tensor(msg.values, f"{prefix}values", max_elements=max_elements)
+    lengths = _checked_lengths(msg, list(values.shape), prefix, max_samples)
+    return Ragged(values, torch.from_numpy(lengths))
+
+
+def check_ragged(msg: tensor_pb2.RaggedTensor, field: str = "") -> int:
+    """Validate a RaggedTensor message as ``decode_ragged`` does, building no tensor; its values' bytes."""
+    prefix = f"{field}." if field else ""
+    if not msg.HasField("values"):
+        raise WireError(f"{prefix}values", "missing")
+    _, shape, data = checked_tensor(msg.values, f"{prefix}values")
+    _checked_lengths(msg, shape, prefix, None)
+    return len(data)
+
+
+_CHUNK = 1 << 20
+"""Lengths checked per step: the temporaries of the check stay a few MiB whatever the batch."""
+
+
+def _checked_lengths(msg: tensor_pb2.RaggedTensor, values_shape: list[int], prefix: str,
+                     max_samples: int | None) -> np.ndarray:
+    """The lengths as one int64 array (never a list of Python ints: there may be millions),
+    each non-negative, summing to the values' rows."""
+    if not values_shape:
         raise WireError(f"{prefix}values.shape", "must be at least 1-D")
-    lengths = list(msg.lengths)
-    total = 0
-    for i, n in enumerate(lengths):
-        if n < 0:
-            raise WireError(f"{prefix}lengths[{i}]", f"negative length {n}")
-        total += n
-        if total > values.shape[0]:
-            raise WireError(
-                f"{prefix}lengths[{i}]",
-                f"runs past the end of values (offset {total} > {values.shape[0]} rows)",
-            )
-    if total != values.shape[0]:
-        raise WireError(f"{prefix}lengths", f"sum to {total} but values has {values.shape[0]} rows")
-    return Ragged(values, torch.tensor(lengths, dtype=torch.int64))
+    if max_samples is not None and len(msg.lengths) > max_samples:
+        raise WireError(f"{prefix}lengths", f"has {len(msg.lengths)} samples, at most {max_samples} are allowed")
+    lengths = np.array(msg.lengths, dtype=np.int64).reshape(-1)
+    rows, total = values_shape[0], 0
+    for start in range(0, len(lengths), _CHUNK):
+        part = lengths[start:start + _CHUNK]
+        negative = part < 0
+        if negative.any():
+            i = start + int(negative.argmax())
+            raise WireError(f"{prefix}lengths[{i}]", f"negative length {int(lengths[i])}")
+        # Non-negative lengths: the running sum only grows until it passes the end; a sum past
+        # 2**63-1 wraps to a negative number, flagged just the same.
+        offsets = np.cumsum(part)
+        past = (offsets > rows - total) | (offsets < 0)
+        if past.any():
+            j = int(past.argmax())
+            offset = total + (int(offsets[j - 1]) if j else 0) + int(part[j])
+            raise WireError(f"{prefix}lengths[{start + j}]",
+                            f"runs past the end of values (offset {offset} > {rows} rows)")
+        total += int(offsets[-1])
+    if total != rows:
+        raise WireError(f"{prefix}lengths", f"sum to {total} but values has {rows} rows")
+    return lengths

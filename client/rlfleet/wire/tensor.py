@@ -28,6 +28,8 @@ _TO_WIRE: dict[torch.dtype, int] = {
 }
 _FROM_WIRE: dict[int, torch.dtype] = {v: k for k, v in _TO_WIRE.items()}
 _INT64_MAX = 2**63 - 1
+MAX_NDIM = 64
+"""Most dimensions a tensor may have on the wire (numpy's limit; no model tensor comes close)."""
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(_TO_WIRE)
 
@@ -67,40 +69,40 @@ def encode_tensor(tensor: torch.Tensor, out: tensor_pb2.Tensor | None = None) ->
     return msg
 
 
-def check_shape(shape, field: str = "shape") -> int:
-    """Validate dims (non-negative, no int64 overflow); return the element count."""
-    numel = 1
+def check_shape(shape, field: str = "shape", max_elements: int | None = None) -> int:
+    """Validate dims and return the element count (``WireError`` naming ``field`` otherwise).
+
+    Dims must be non-negative, at most ``MAX_NDIM`` of them, and the product of
+    the non-zero ones must fit int64: torch computes strides from them even when
+    another dim is 0, so ``[0, 2**62, 2**62]`` (no elements, no bytes) would
+    overflow there. ``max_elements`` optionally bounds the element count.
+    """
+    if len(shape) > MAX_NDIM:
+        raise WireError(field, f"has {len(shape)} dimensions, at most {MAX_NDIM} are allowed")
+    numel = extent = 1
     for i, dim in enumerate(shape):
         if dim < 0:
             raise WireError(f"{field}[{i}]", f"negative dimension {dim}")
         numel *= dim
-        if numel > _INT64_MAX:
-            raise WireError(field, "element count overflows int64")
+        extent *= dim or 1
+        if extent > _INT64_MAX:
+            raise WireError(field, f"{list(shape)} overflows int64 (the product of the non-zero "
+                                   f"dimensions must be at most 2**63-1)")
+    if max_elements is not None and numel > max_elements:
+        raise WireError(field, f"{list(shape)} holds {numel} elements, at most {max_elements} are allowed")
     return numel
 
 
-def decode_tensor(msg: tensor_pb2.Tensor, field: str = "") -> torch.Tensor:
+def decode_tensor(msg: tensor_pb2.Tensor, field: str = "", *, max_elements: int | None = None) -> torch.Tensor:
     """Decode a Tensor message, viewing the received bytes without a copy.
 
     The result is read-only memory owned by the message's bytes: clone it
-    before writing in place.
+    before writing in place. ``max_elements`` bounds the element count (the
+    message size already bounds the bytes; this bounds what a caller builds
+    from them, e.g. a Python list of token ids).
     """
-
-    def where(name: str) -> str:
-        return f"{field}.{name}" if field else name
-
-    dtype = dtype_from_wire(msg.dtype, where("dtype"))
-    shape = list(msg.shape)
-    numel = check_shape(shape, where("shape"))
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    data = msg.data
-    expected = numel * itemsize
-    if len(data) != expected:
-        raise WireError(
-            where("data"),
-            f"has {len(data)} bytes, expected {expected} = prod({shape}) * {itemsize}",
-        )
-    if numel == 0:
+    dtype, shape, data = checked_tensor(msg, field, max_elements=max_elements)
+    if not data:
         return torch.empty(shape, dtype=dtype)
     if len(data) <= 1:
         # CPython caches one-byte bytes objects: never alias them.
@@ -109,10 +111,30 @@ def decode_tensor(msg: tensor_pb2.Tensor, field: str = "") -> torch.Tensor:
         warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
         flat = torch.frombuffer(data, dtype=torch.uint8 if dtype == torch.bool else dtype)
     if dtype == torch.bool:
-        if int(flat.max()) > 1:
-            raise WireError(where("data"), "bool tensor holds bytes other than 0 and 1")
         flat = flat.view(torch.bool)
     return flat.reshape(shape)
+
+
+def checked_tensor(msg: tensor_pb2.Tensor, field: str = "", *,
+                   max_elements: int | None = None) -> tuple[torch.dtype, list[int], bytes]:
+    """Validate a Tensor message as ``decode_tensor`` does, building no tensor: (dtype, shape, data)."""
+
+    def where(name: str) -> str:
+        return f"{field}.{name}" if field else name
+
+    dtype = dtype_from_wire(msg.dtype, where("dtype"))
+    numel = check_shape(msg.shape, where("shape"), max_elements)
+    shape = list(msg.shape)
+    data = msg.data
+    expected = numel * dtype.itemsize
+    if len(data) != expected:
+        raise WireError(
+            where("data"),
+            f"has {len(data)} bytes, expected {expected} = prod({shape}) * {dtype.itemsize}",
+        )
+    if dtype == torch.bool and data.translate(None, b"\x00\x01"):
+        raise WireError(where("data"), "bool tensor holds bytes other than 0 and 1")
+    return dtype, shape, data
 
 
 def nbytes(shape, dtype: torch.dtype) -> int:

@@ -13,8 +13,8 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from rlfleet.v1 import tensor_pb2
 from rlfleet.wire.errors import WireError
-from rlfleet.wire.ragged import Ragged, decode_ragged, encode_ragged
-from rlfleet.wire.tensor import check_shape, decode_tensor, encode_tensor
+from rlfleet.wire.ragged import Ragged, check_ragged, decode_ragged, encode_ragged
+from rlfleet.wire.tensor import check_shape, checked_tensor, decode_tensor, encode_tensor
 
 
 def encode_tensordict(td: TensorDictBase | Mapping[str, Any], batch_size: Sequence[int] | None = None,
@@ -63,11 +63,28 @@ def _encode_value(value: Any, batch_size: Sequence[int], entry: tensor_pb2.Tenso
 
 def decode_tensordict(msg: tensor_pb2.TensorDict, field: str = "") -> TensorDict:
     """Decode and validate a TensorDict message."""
+    td, _ = _walk(msg, field, build=True)
+    return td
+
+
+def check_tensordict(msg: tensor_pb2.TensorDict, field: str = "") -> int:
+    """Validate a TensorDict message exactly as ``decode_tensordict`` does, building nothing.
+
+    Returns the number of tensor bytes it holds (dense and ragged values). No
+    tensor is built and strings are only counted (decoding builds an object per
+    string), so memory stays near the message's own size whatever it holds."""
+    _, nbytes = _walk(msg, field, build=False)
+    return nbytes
+
+
+def _walk(msg: tensor_pb2.TensorDict, field: str, build: bool) -> tuple[TensorDict | None, int]:
+    """The one validation of a TensorDict message; with ``build`` it also assembles the TensorDict."""
     prefix = f"{field}." if field else ""
+    check_shape(msg.batch_size, f"{prefix}batch_size")
     batch_size = list(msg.batch_size)
-    check_shape(batch_size, f"{prefix}batch_size")
     data: dict[str, Any] = {}
     strings: dict[str, list[str]] = {}
+    nbytes = 0
     for key in sorted(msg.entries):
         where = f"{prefix}entries[{key}]"
         if not key or "." in key:
@@ -77,37 +94,50 @@ def decode_tensordict(msg: tensor_pb2.TensorDict, field: str = "") -> TensorDict
         if kind is None:
             raise WireError(where, "empty value (set tensor, ragged, strings or nested)")
         if kind == "tensor":
-            tensor = decode_tensor(value.tensor, f"{where}.tensor")
-            if list(tensor.shape[: len(batch_size)]) != batch_size:
-                raise WireError(f"{where}.tensor.shape",
-                                f"{list(tensor.shape)} does not start with batch size {batch_size}")
-            data[key] = tensor
+            if build:
+                tensor = data[key] = decode_tensor(value.tensor, f"{where}.tensor")
+                shape, size = list(tensor.shape), tensor.numel() * tensor.element_size()
+            else:
+                _, shape, raw = checked_tensor(value.tensor, f"{where}.tensor")
+                size = len(raw)
+            if shape[: len(batch_size)] != batch_size:
+                raise WireError(f"{where}.tensor.shape", f"{shape} does not start with batch size {batch_size}")
+            nbytes += size
         elif kind == "nested":
-            nested = decode_tensordict(value.nested, f"{where}.nested")
-            if list(nested.batch_size[: len(batch_size)]) != batch_size:
+            nested, nested_bytes = _walk(value.nested, f"{where}.nested", build)
+            nested_batch = list(value.nested.batch_size)
+            if nested_batch[: len(batch_size)] != batch_size:
                 raise WireError(f"{where}.nested.batch_size",
-                                f"{list(nested.batch_size)} does not start with batch size {batch_size}")
-            data[key] = nested
+                                f"{nested_batch} does not start with batch size {batch_size}")
+            nbytes += nested_bytes
+            if build:
+                data[key] = nested
         else:
             if len(batch_size) != 1:
                 raise WireError(where, f"{kind} entries need a 1-D batch size, got {batch_size}")
             if kind == "ragged":
-                ragged = decode_ragged(value.ragged, f"{where}.ragged")
-                if ragged.batch_size != batch_size[0]:
-                    raise WireError(f"{where}.ragged.lengths",
-                                    f"has {ragged.batch_size} samples, batch size is {batch_size[0]}")
-                data[key] = _to_nested(ragged)
+                samples = len(value.ragged.lengths)
+                if build:
+                    ragged = decode_ragged(value.ragged, f"{where}.ragged")
+                    nbytes += ragged.values.numel() * ragged.values.element_size()
+                    data[key] = _to_nested(ragged)
+                else:
+                    nbytes += check_ragged(value.ragged, f"{where}.ragged")
+                if samples != batch_size[0]:
+                    raise WireError(f"{where}.ragged.lengths", f"has {samples} samples, batch size is {batch_size[0]}")
             else:
-                items = list(value.strings.values)
-                if len(items) != batch_size[0]:
-                    raise WireError(f"{where}.strings",
-                                    f"has {len(items)} strings, batch size is {batch_size[0]}")
-                strings[key] = items
+                count = len(value.strings.values)
+                if count != batch_size[0]:
+                    raise WireError(f"{where}.strings", f"has {count} strings, batch size is {batch_size[0]}")
+                if build:
+                    strings[key] = list(value.strings.values)
+    if not build:
+        return None, nbytes
     td = TensorDict(data, batch_size=batch_size)
     for key, items in strings.items():
         # Set after construction: the constructor would turn a stack into a sub-TensorDict.
         td[key] = NonTensorStack.from_list(items) if items else NonTensorStack(batch_size=[0])
-    return td
+    return td, nbytes
 
 
 def _to_nested(ragged: Ragged) -> torch.Tensor | Ragged:

@@ -1,0 +1,233 @@
+"""The prompt ledger: every admitted prompt, durable until it ends as a group or a dead letter.
+
+A trainer's prompts are written here (one SQLite transaction, fsync'd) before
+SubmitPrompts answers; a dataset prompt is written as it is drawn, in the same
+transaction as the dataset position that moves past it. A prompt's row is
+deleted when its group is appended to the trajectory service, or moved to the
+dead letters when it fails for good. In sync mode an appended group's row is
+kept (marked with its version) for two more commits: if the group goes stale
+unread (a push landed before the trainer read it), the collector drops it from
+the trajectory service and generates its prompt again from this row. A restarted collector generates every row
+still here, so nothing submitted is lost; and because a group's Append is keyed
+by its row (``<prompt_id>#<seq>``), a group appended just before a crash is not
+appended twice when its prompt is generated again.
+
+Every call runs on one dedicated thread (sqlite3 connections are thread-bound,
+and fsyncs must not stall the event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+import sqlite3
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from rlfleet.services.collector.prompts import PromptItem
+
+T = TypeVar("T")
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS prompts (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    prompt_id TEXT NOT NULL,
+    item TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    appended_version INTEGER  -- NULL: pending; else its group was appended at this version (sync mode)
+);
+CREATE UNIQUE INDEX IF NOT EXISTS pending_prompt_ids ON prompts (prompt_id) WHERE appended_version IS NULL;
+CREATE INDEX IF NOT EXISTS appended_prompts ON prompts (prompt_id) WHERE appended_version IS NOT NULL;
+CREATE TABLE IF NOT EXISTS dead_letters (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    prompt_id TEXT NOT NULL,
+    item TEXT NOT NULL,
+    stage TEXT NOT NULL,
+    code TEXT NOT NULL,
+    error TEXT NOT NULL,
+    attempts INTEGER NOT NULL,
+    failed_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A prompt that failed for good (``PromptFailure`` on the wire)."""
+
+    seq: int
+    prompt_id: str
+    stage: str
+    code: str
+    error: str
+    attempts: int
+    failed_at: float
+
+
+def _dump(item: PromptItem) -> str:
+    fields = dataclasses.asdict(item)
+    fields.pop("ledger_seq")
+    fields.pop("attempts")
+    return json.dumps(fields)
+
+
+def _load(raw: str, seq: int, attempts: int) -> PromptItem:
+    return PromptItem(**json.loads(raw), ledger_seq=seq, attempts=attempts)
+
+
+class PromptLedger:
+    """The prompt table and the dead letters, in one SQLite file (see the module doc)."""
+
+    def __init__(self, path: str | Path, *, max_dead_letters: int = 10_000):
+        self.path = str(path)
+        self.max_dead_letters = max_dead_letters
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="prompt-ledger")
+        self._db: sqlite3.Connection = self._executor.submit(self._open).result()
+
+    def _open(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")  # a committed prompt survives power loss
+        db.executescript(_SCHEMA)
+        return db
+
+    async def _call(self, method: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, functools.partial(method, *args))
+
+    def close(self) -> None:
+        self._executor.submit(self._db.close).result()
+        self._executor.shutdown(wait=True)
+
+    # --- prompts ------------------------------------------------------------------------
+    async def add(self, items: list[PromptItem], position: dict[str, int] | None = None) -> list[PromptItem]:
+        """Write ``items`` (and the dataset ``position`` past them) in one transaction; sets each
+        new item's ``ledger_seq``. Returns the items added: one whose prompt_id is already pending
+        is not added again (a retried SubmitPrompts)."""
+        return await self._call(self._add, items, position)
+
+    def _add(self, items: list[PromptItem], position: dict[str, int] | None) -> list[PromptItem]:
+        added = []
+        with self._transaction():
+            for item in items:
+                cursor = self._db.execute("INSERT OR IGNORE INTO prompts (prompt_id, item) VALUES (?, ?)",
+                                          (item.prompt_id, _dump(item)))
+                if cursor.rowcount:
+                    item.ledger_seq, item.attempts = cursor.lastrowid, 0
+                    added.append(item)
+            if position is not None:
+                self._db.execute("INSERT OR REPLACE INTO meta VALUES ('position', ?)", (json.dumps(position),))
+        return added
+
+    async def pending(self) -> list[PromptItem]:
+        """Every prompt not yet ended, oldest first (what a restarted collector generates)."""
+        return await self._call(self._pending)
+
+    def _pending(self) -> list[PromptItem]:
+        rows = self._db.execute(
+            "SELECT seq, item, attempts FROM prompts WHERE appended_version IS NULL ORDER BY seq").fetchall()
+        return [_load(raw, seq, attempts) for seq, raw, attempts in rows]
+
+    async def position(self) -> dict[str, int] | None:
+        row = await self._call(lambda: self._db.execute("SELECT value FROM meta WHERE name = 'position'").fetchone())
+        return json.loads(row[0]) if row else None
+
+    async def count(self) -> int:
+        return await self._call(lambda: self._db.execute(
+            "SELECT COUNT(*) FROM prompts WHERE appended_version IS NULL").fetchone()[0])
+
+    async def done(self, item: PromptItem, retain_at_version: int | None = None) -> None:
+        """Its group was appended: the prompt has ended (its row kept, marked, if ``retain_at_version``)."""
+        await self._call(self._done, item.ledger_seq, retain_at_version)
+
+    def _done(self, seq: int, retain_at_version: int | None) -> None:
+        with self._transaction():
+            if retain_at_version is None:
+                self._db.execute("DELETE FROM prompts WHERE seq = ?", (seq,))
+            else:
+                self._db.execute("UPDATE prompts SET appended_version = ? WHERE seq = ?", (retain_at_version, seq))
+
+    async def regenerate(self, prompt_ids: list[str]) -> tuple[list[PromptItem], list[str]]:
+        """Make the kept rows of appended groups pending again, each as a new row (so its next
+        Append gets a new key): (the new items, the prompt ids with no kept row)."""
+        return await self._call(self._regenerate, prompt_ids)
+
+    def _regenerate(self, prompt_ids: list[str]) -> tuple[list[PromptItem], list[str]]:
+        again, missing = [], []
+        with self._transaction():
+            for prompt_id in prompt_ids:
+                row = self._db.execute("SELECT seq, item, attempts FROM prompts WHERE prompt_id = ? AND "
+                                       "appended_version IS NOT NULL ORDER BY seq DESC LIMIT 1", (prompt_id,)).fetchone()
+                if row is None:
+                    missing.append(prompt_id)
+                    continue
+                seq, raw, attempts = row
+                self._db.execute("DELETE FROM prompts WHERE seq = ?", (seq,))
+                cursor = self._db.execute("INSERT OR IGNORE INTO prompts (prompt_id, item, attempts) VALUES (?, ?, ?)",
+                                          (prompt_id, raw, attempts))
+                if cursor.rowcount:  # else the trainer submitted it again meanwhile: already pending
+                    again.append(_load(raw, cursor.lastrowid, attempts))
+        return again, missing
+
+    async def forget_appended(self, below_version: int) -> int:
+        """Delete the kept rows of groups appended at a version below ``below_version``."""
+        return await self._call(self._forget_appended, below_version)
+
+    def _forget_appended(self, below_version: int) -> int:
+        with self._transaction():
+            return self._db.execute("DELETE FROM prompts WHERE appended_version < ?", (below_version,)).rowcount
+
+    async def attempted(self, item: PromptItem) -> int:
+        """Count a failed attempt (persisted: the budget survives restarts); returns the new count."""
+        item.attempts = await self._call(self._attempted, item.ledger_seq)
+        return item.attempts
+
+    def _attempted(self, seq: int) -> int:
+        with self._transaction():
+            self._db.execute("UPDATE prompts SET attempts = attempts + 1 WHERE seq = ?", (seq,))
+        return self._db.execute("SELECT attempts FROM prompts WHERE seq = ?", (seq,)).fetchone()[0]
+
+    # --- dead letters -------------------------------------------------------------------------
+    async def dead(self, item: PromptItem, stage: str, code: str, error: str) -> DeadLetter:
+        """Move the prompt to the dead letters (keeping the newest ``max_dead_letters``)."""
+        return await self._call(self._dead, item, stage, code, error)
+
+    def _dead(self, item: PromptItem, stage: str, code: str, error: str) -> DeadLetter:
+        now = time.time()
+        with self._transaction():
+            self._db.execute("DELETE FROM prompts WHERE seq = ?", (item.ledger_seq,))
+            cursor = self._db.execute(
+                "INSERT INTO dead_letters (prompt_id, item, stage, code, error, attempts, failed_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (item.prompt_id, _dump(item), stage, code, error, item.attempts, now))
+            self._db.execute("DELETE FROM dead_letters WHERE seq <= ?", (cursor.lastrowid - self.max_dead_letters,))
+        return DeadLetter(cursor.lastrowid, item.prompt_id, stage, code, error, item.attempts, now)
+
+    async def failures(self, after: int, limit: int) -> tuple[list[DeadLetter], int]:
+        """Dead letters with seq > ``after``, oldest first, and how many there were in all."""
+        return await self._call(self._failures, after, limit)
+
+    def _failures(self, after: int, limit: int) -> tuple[list[DeadLetter], int]:
+        rows = self._db.execute(
+            "SELECT seq, prompt_id, stage, code, error, attempts, failed_at FROM dead_letters "
+            "WHERE seq > ? ORDER BY seq LIMIT ?", (after, limit)).fetchall()
+        total = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'dead_letters'").fetchone()
+        return [DeadLetter(*row) for row in rows], total[0] if total else 0
+
+    # --- transactions -------------------------------------------------------------------------
+    def _transaction(self):
+        db = self._db
+
+        class _Transaction:
+            def __enter__(self):
+                db.execute("BEGIN IMMEDIATE")
+
+            def __exit__(self, exc_type, exc, tb):
+                db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+
+        return _Transaction()
