@@ -12,6 +12,7 @@ import torch
 from rlfleet.client.channel import call_with_retry
 from rlfleet.client.errors import RlfleetClientError, from_rpc_error
 from rlfleet.services.collector.prompts import PromptItem
+from rlfleet.services.generation import sampling as generation_sampling
 from rlfleet.services.common.errors import InvalidArgument, RlfleetError, Unavailable, UpstreamError
 from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, reward_pb2, sampling_pb2, trajectory_pb2,
                         trajectory_pb2_grpc)
@@ -60,8 +61,15 @@ def prompt_item(spec: collector_pb2.PromptSpec, index: int, max_prompt_bytes: in
 
 def check_sampling(sampling: sampling_pb2.SamplingParams, where: str) -> None:
     """Bounds a replica would refuse later, refused at submission instead (0 / empty = not overridden)."""
-    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
-        raise InvalidArgument(f"{where}.temperature: must be a finite number >= 0, got {sampling.temperature}")
+    # (Compared with float32's rounding: 0.01 arrives as 0.0099999998. NaN fails both bounds.)
+    if sampling.temperature and not generation_sampling.MIN_TEMPERATURE - 1e-6 <= sampling.temperature <= \
+            generation_sampling.MAX_TEMPERATURE:
+        raise InvalidArgument(f"{where}.temperature: must be in [{generation_sampling.MIN_TEMPERATURE}, "
+                              f"{generation_sampling.MAX_TEMPERATURE}] (0: not overridden), got {sampling.temperature}")
+    try:
+        generation_sampling.check_stop_counts(len(sampling.stop), len(sampling.stop_token_ids))
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{where}: {exc}") from None
     if not math.isfinite(sampling.top_p) or not 0 <= sampling.top_p <= 1:
         raise InvalidArgument(f"{where}.top_p: must be in (0, 1] (0: not overridden), got {sampling.top_p}")
     for name in ("top_k", "max_tokens", "min_tokens"):

@@ -236,3 +236,33 @@ def test_a_replica_in_rotation_that_restarted_is_taken_out_for_a_resync():
     def push_meanwhile(fanout):
         fanout.pushes += 1
     assert check_in_rotation(8, on_probe=push_meanwhile) == (True, [])  # judged at the next check
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("temperature", 2.5, "prompts[3].sampling.temperature: must be in [0.01, 2.0]"),
+    ("temperature", float("nan"), "prompts[3].sampling.temperature"),
+    ("top_p", 1.5, "prompts[3].sampling.top_p: must be in (0, 1]"),
+    ("max_tokens", -1, "prompts[3].sampling.max_tokens: must be >= 0"),
+    ("stop", [""], "prompts[3].sampling.stop: empty stop string"),
+    ("stop", ["x"] * 17, "prompts[3].sampling: sampling.stop has 17 strings, at most 16"),
+])
+def test_submitted_prompts_are_refused_at_once_naming_the_field(field, value, message):
+    from rlfleet.services.collector.servicer import prompt_item
+    from rlfleet.v1 import collector_pb2, sampling_pb2
+
+    spec = collector_pb2.PromptSpec(prompt=sampling_pb2.Prompt(text="hi"), sampling=sampling_pb2.SamplingParams())
+    if isinstance(value, list):
+        getattr(spec.sampling, field).extend(value)
+    else:
+        setattr(spec.sampling, field, value)
+    with pytest.raises(InvalidArgument) as err:
+        prompt_item(spec, 3)
+    assert message in str(err.value)
+    good = collector_pb2.PromptSpec(prompt_id="p", prompt=sampling_pb2.Prompt(text="hi"),
+                                    sampling=sampling_pb2.SamplingParams(n=8, temperature=0.01, max_tokens=4))
+    assert prompt_item(good, 0).sampling == {"temperature": pytest.approx(0.01), "max_tokens": 4}  # n: the group's
+    with pytest.raises(InvalidArgument, match="max_prompt_bytes"):
+        prompt_item(collector_pb2.PromptSpec(prompt=sampling_pb2.Prompt(text="x" * 2000)), 0, max_prompt_bytes=1000)
+    with pytest.raises(InvalidArgument, match=r"prompts\[0\].prompt.chat.messages\[0\].role: 'robot'"):
+        prompt_item(collector_pb2.PromptSpec(prompt=sampling_pb2.Prompt(chat=sampling_pb2.ChatMessages(
+            messages=[sampling_pb2.ChatMessage(role="robot", content="hi")]))), 0)
