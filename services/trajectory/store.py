@@ -28,47 +28,24 @@ from __future__ import annotations
 import bisect
 import json
 import logging
-import sqlite3
 import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Literal, Sequence
+from typing import Callable, Iterator, Literal, Sequence
 
 from rlfleet.services.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from rlfleet.services.trajectory import rows as rowcodec
+from rlfleet.services.trajectory import sqlite as sqlite_file
+from rlfleet.services.trajectory.appends import validate_append
 from rlfleet.v1 import tensor_pb2
-from rlfleet.wire import decode_tensordict
 
 log = logging.getLogger("rlfleet.trajectory.store")
 
-#: Keys every appended TensorDict must carry, each a [B] int64 tensor.
-REQUIRED_KEYS = ("group_id", "policy_version_start")
-GROUP_SIZE_KEY = "group_size"
 #: The string column whose values ``drop_stale`` reports (when the rows have it).
 PROMPT_ID_KEY = "prompt_id"
 DEFAULT_CAPACITY_BYTES = 8 << 30
 
-_SCHEMA_SQL = """
-CREATE TABLE IF NOT EXISTS trajectories (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- append order, never reused
-    unit INTEGER NOT NULL,                  -- seq of the first row of its group
-    group_id INTEGER NOT NULL,
-    group_size INTEGER NOT NULL,            -- rows of the group when appended
-    policy_version_start INTEGER NOT NULL,
-    deliveries INTEGER NOT NULL DEFAULT 0,  -- times leased, > 0 means a redelivery
-    data BLOB NOT NULL                      -- serialized single-row rlfleet.v1.TensorDict
-);
-CREATE TABLE IF NOT EXISTS idempotency_keys (
-    key TEXT PRIMARY KEY,
-    appended INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS meta (
-    name TEXT PRIMARY KEY,
-    value TEXT NOT NULL
-);
-"""
-_SQL_CHUNK = 500  # bound on "?" placeholders per statement
 
 
 @dataclass(frozen=True)
@@ -166,7 +143,7 @@ class TrajectoryStore:
         self.capacity_bytes = capacity_bytes
         self._idempotency_window = idempotency_window
         self._clock = clock
-        self._db = _connect(path, synchronous, lock_timeout_seconds)
+        self._db = sqlite_file.connect(path, synchronous, lock_timeout_seconds)
         self._units: dict[int, _Unit] = {}
         self._ready_units: list[int] = []  # unit ids with ready rows, in delivery order (see _order)
         self._leases: dict[str, _Lease] = {}
@@ -205,7 +182,7 @@ class TrajectoryStore:
     # --- append ---------------------------------------------------------------------
     def append(self, msg: tensor_pb2.TensorDict, idempotency_key: str = "") -> AppendResult:
         """Store every row of ``msg`` or none (durable once this returns)."""
-        group_ids, versions, units = _validate(msg)
+        group_ids, versions, units = validate_append(msg)
         count = len(group_ids)
         if idempotency_key and self._db.execute(
                 "SELECT 1 FROM idempotency_keys WHERE key = ?", (idempotency_key,)).fetchone():
@@ -302,7 +279,7 @@ class TrajectoryStore:
         seqs = [row.seq for row in rows]
         with self._transaction():
             payloads: dict[int, bytes] = {}
-            for chunk in _chunks(seqs):
+            for chunk in sqlite_file.chunks(seqs):
                 marks = ",".join("?" * len(chunk))
                 self._db.execute(f"UPDATE trajectories SET deliveries = deliveries + 1 WHERE seq IN ({marks})", chunk)
                 payloads.update(self._db.execute(f"SELECT seq, data FROM trajectories WHERE seq IN ({marks})", chunk))
@@ -390,7 +367,7 @@ class TrajectoryStore:
         if not self._schema or self._schema.get(PROMPT_ID_KEY) != ["strings"]:
             return []
         payloads: dict[int, bytes] = {}
-        for chunk in _chunks(seqs):
+        for chunk in sqlite_file.chunks(seqs):
             payloads.update(self._db.execute(
                 f"SELECT seq, data FROM trajectories WHERE seq IN ({','.join('?' * len(chunk))})", chunk))
         found = (rowcodec.row_string(payloads[seq], PROMPT_ID_KEY) for seq in seqs)
@@ -477,7 +454,7 @@ class TrajectoryStore:
 
     def _delete_rows(self, seqs: Sequence[int]) -> None:
         """Delete rows; call inside ``_transaction``."""
-        for chunk in _chunks(seqs):
+        for chunk in sqlite_file.chunks(seqs):
             self._db.execute(f"DELETE FROM trajectories WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
 
     @contextmanager
@@ -491,74 +468,3 @@ class TrajectoryStore:
         self._db.execute("COMMIT")
 
 
-def _connect(path: str, synchronous: str, lock_timeout_seconds: float) -> sqlite3.Connection:
-    # Autocommit mode: transactions are explicit (BEGIN IMMEDIATE ... COMMIT).
-    db = sqlite3.connect(path, isolation_level=None, timeout=lock_timeout_seconds)
-    try:
-        if path != ":memory:":
-            # One process owns the file: a second service on the same path would
-            # deliver the same rows twice. The lock dies with the process (SIGKILL too).
-            db.execute("PRAGMA locking_mode = EXCLUSIVE")
-            mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if mode.lower() != "wal":
-                raise RuntimeError(f"{path}: could not enable WAL journaling (got {mode!r})")
-            # FULL fsyncs the WAL at every commit, so an acknowledged append survives
-            # power loss and OS crashes too; NORMAL survives process crashes (SIGKILL)
-            # only, but saves an fsync per append/lease/ack.
-            db.execute(f"PRAGMA synchronous = {synchronous}")
-            # Keep the WAL from staying at its high-water mark after large batches.
-            db.execute("PRAGMA journal_size_limit = 67108864")
-        db.execute("BEGIN IMMEDIATE")  # takes the (exclusive) lock now, not at the first append
-        for statement in _SCHEMA_SQL.split(";"):
-            if statement.strip():
-                db.execute(statement)
-        db.execute("COMMIT")
-    except sqlite3.OperationalError as exc:
-        db.close()
-        if "locked" in str(exc):
-            raise RuntimeError(f"{path}: the trajectory database is in use by another process "
-                               f"(waited {lock_timeout_seconds}s for its lock)") from exc
-        raise
-    return db
-
-
-def _validate(msg: tensor_pb2.TensorDict) -> tuple[list[int], list[int], list[list[int]]]:
-    """Decode-validate an append; returns (group ids, policy versions, row indices per group)."""
-    td = decode_tensordict(msg, "trajectories")
-    if len(td.batch_size) != 1:
-        raise InvalidArgument(f"trajectories.batch_size: must be 1-D [B], got {list(td.batch_size)}")
-    count = td.batch_size[0]
-    group_ids = _int64_column(msg, td, REQUIRED_KEYS[0], count)
-    versions = _int64_column(msg, td, REQUIRED_KEYS[1], count)
-    groups: dict[int, list[int]] = {}
-    for i, group_id in enumerate(group_ids):
-        groups.setdefault(group_id, []).append(i)
-    if GROUP_SIZE_KEY in msg.entries:
-        sizes = _int64_column(msg, td, GROUP_SIZE_KEY, count)
-        for group_id, indices in groups.items():
-            for i in indices:
-                if sizes[i] != len(indices):
-                    raise InvalidArgument(
-                        f"trajectories.entries[{GROUP_SIZE_KEY}][{i}]: says {sizes[i]} but this Append "
-                        f"carries {len(indices)} rows of group_id {group_id}; append each group whole, "
-                        "in one call")
-    return group_ids, versions, list(groups.values())
-
-
-def _int64_column(msg: tensor_pb2.TensorDict, td, key: str, count: int) -> list[int]:
-    where = f"trajectories.entries[{key}]"
-    if key not in msg.entries:
-        raise InvalidArgument(f"{where}: missing; required keys: {', '.join(REQUIRED_KEYS)} "
-                              "(each a [B] int64 tensor)")
-    value = msg.entries[key]
-    if (value.WhichOneof("kind") != "tensor" or value.tensor.dtype != tensor_pb2.DTYPE_INT64
-            or list(value.tensor.shape) != [count]):
-        got = (f"tensor {tensor_pb2.Dtype.Name(value.tensor.dtype)} {list(value.tensor.shape)}"
-               if value.WhichOneof("kind") == "tensor" else value.WhichOneof("kind"))
-        raise InvalidArgument(f"{where}: must be a [{count}] int64 tensor, got {got}")
-    return td.get(key).tolist()
-
-
-def _chunks(items: Sequence[int]) -> Iterable[Sequence[int]]:
-    for start in range(0, len(items), _SQL_CHUNK):
-        yield items[start:start + _SQL_CHUNK]

@@ -1,0 +1,63 @@
+"""The trajectory store's SQLite file: its schema and how it is opened (one owner, WAL)."""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Iterable, Sequence
+
+SCHEMA_SQL = """
+CREATE TABLE IF NOT EXISTS trajectories (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- append order, never reused
+    unit INTEGER NOT NULL,                  -- seq of the first row of its group
+    group_id INTEGER NOT NULL,
+    group_size INTEGER NOT NULL,            -- rows of the group when appended
+    policy_version_start INTEGER NOT NULL,
+    deliveries INTEGER NOT NULL DEFAULT 0,  -- times leased, > 0 means a redelivery
+    data BLOB NOT NULL                      -- serialized single-row rlfleet.v1.TensorDict
+);
+CREATE TABLE IF NOT EXISTS idempotency_keys (
+    key TEXT PRIMARY KEY,
+    appended INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS meta (
+    name TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+"""
+SQL_CHUNK = 500  # bound on "?" placeholders per statement
+
+
+def connect(path: str, synchronous: str, lock_timeout_seconds: float) -> sqlite3.Connection:
+    # Autocommit mode: transactions are explicit (BEGIN IMMEDIATE ... COMMIT).
+    db = sqlite3.connect(path, isolation_level=None, timeout=lock_timeout_seconds)
+    try:
+        if path != ":memory:":
+            # One process owns the file: a second service on the same path would
+            # deliver the same rows twice. The lock dies with the process (SIGKILL too).
+            db.execute("PRAGMA locking_mode = EXCLUSIVE")
+            mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise RuntimeError(f"{path}: could not enable WAL journaling (got {mode!r})")
+            # FULL fsyncs the WAL at every commit, so an acknowledged append survives
+            # power loss and OS crashes too; NORMAL survives process crashes (SIGKILL)
+            # only, but saves an fsync per append/lease/ack.
+            db.execute(f"PRAGMA synchronous = {synchronous}")
+            # Keep the WAL from staying at its high-water mark after large batches.
+            db.execute("PRAGMA journal_size_limit = 67108864")
+        db.execute("BEGIN IMMEDIATE")  # takes the (exclusive) lock now, not at the first append
+        for statement in SCHEMA_SQL.split(";"):
+            if statement.strip():
+                db.execute(statement)
+        db.execute("COMMIT")
+    except sqlite3.OperationalError as exc:
+        db.close()
+        if "locked" in str(exc):
+            raise RuntimeError(f"{path}: the trajectory database is in use by another process "
+                               f"(waited {lock_timeout_seconds}s for its lock)") from exc
+        raise
+    return db
+
+
+def chunks(items: Sequence[int]) -> Iterable[Sequence[int]]:
+    for start in range(0, len(items), SQL_CHUNK):
+        yield items[start:start + SQL_CHUNK]
