@@ -47,7 +47,8 @@ class CollectorConfig(ServiceConfig):
     prompt_attempts: int = Field(5, ge=1)
     """Transient failures (an upstream unavailable past its retries, an unexpected error) a prompt may
     have before it is dead-lettered; retried with backoff meanwhile. A stage refusing the prompt's
-    input (INVALID_ARGUMENT / NOT_FOUND) dead-letters it at once."""
+    input (INVALID_ARGUMENT / NOT_FOUND) dead-letters it at once. No prompt is drawn while an upstream
+    service is down, so an outage costs a prompt at most the attempt it was in."""
     retry_backoff_seconds: float = Field(1.0, gt=0)
     """Base of the exponential backoff (with jitter) before a failed prompt is generated again."""
     max_dead_letters: int = Field(10_000, gt=0)
@@ -86,7 +87,8 @@ class CollectorConfig(ServiceConfig):
     """Largest weight push accepted, checked on the manifest before any memory is given to it.
     ``None``: the smallest limit the replicas report (each, by default, 4 x its checkpoint's bytes)."""
     replica_check_seconds: float = Field(2.0, gt=0)
-    """How often unhealthy replicas are probed (and re-synced before rejoining)."""
+    """How often unhealthy replicas are probed (and re-synced before rejoining), and the upstream
+    services' health checked (``Status.serving``)."""
     replica_startup_seconds: float = Field(60.0, ge=0)
     """At start, how long to wait for every replica to answer before starting with the ones that did."""
     upstream_timeout_seconds: float = Field(120.0, gt=0)

@@ -27,14 +27,14 @@ import torch
 
 from rlfleet.client.channel import ChannelSettings, backoff, call_with_retry
 from rlfleet.client.errors import (InvalidArgumentError, NotFoundError, ResourceExhaustedError,
-                                   RlfleetClientError, from_rpc_error)
+                                   RlfleetClientError, UnavailableError, from_rpc_error)
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.prompts import PromptItem, PromptSource
 from rlfleet.services.collector.replicas import ReplicaPool
 from rlfleet.services.collector.trajectories import group_tensordict
 from rlfleet.v1 import (generation_pb2, reference_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_grpc,
                         sampling_pb2, trajectory_pb2, trajectory_pb2_grpc)
-from rlfleet.wire import Ragged, decode_ragged, decode_tensor, encode_ragged, encode_tensor, encode_tensordict
+from rlfleet.wire import decode_ragged, decode_tensor, encode_ragged, encode_tensor, encode_tensordict
 
 log = logging.getLogger("rlfleet.collector.pipeline")
 
@@ -116,12 +116,18 @@ class Pipeline:
         self._scoring = asyncio.Semaphore(options.max_scoring_in_flight)
         self._tasks: set[asyncio.Task] = set()
         self._rng = random.Random()
+        self.upstream_up = asyncio.Event()
+        """Set while reference, reward and trajectory answer; while clear no prompt is drawn, so an outage
+        costs a prompt at most the attempt it was in. Cleared by a stage found UNAVAILABLE, set again by
+        the collector's upstream watch once every one answers its health check."""
+        self.upstream_up.set()
 
     async def run(self) -> None:
         """Feed admitted prompts into group tasks until cancelled or the source is exhausted."""
         try:
             while not self.source.exhausted:
                 await self._groups.acquire()
+                await self.upstream_up.wait()
                 item = await self.source.next()
                 group_index, start_version = await self.gate.admit()
                 task = asyncio.create_task(self._run_group(item, group_index))
@@ -161,6 +167,8 @@ class Pipeline:
         """Dead-letter the prompt (input refused, or retries used up), or retry it after a backoff."""
         code = exc.code if isinstance(exc, RlfleetClientError) else type(exc).__name__
         permanent = isinstance(exc, (InvalidArgumentError, NotFoundError))
+        if isinstance(exc, UnavailableError) and stage != "generation":  # replicas have their own pool
+            self.upstream_up.clear()
         if not permanent:
             attempts = await self.source.ledger.attempted(item)
             if attempts < self.options.prompt_attempts:

@@ -78,6 +78,9 @@ class CollectorService(Service[CollectorConfig]):
         self._background: set[asyncio.Task] = set()
         self.not_serving_reason = "starting"
         """Why the collector does not serve yet ("" once it does)."""
+        self.outages: dict[str, str] = {}
+        """Upstream services found down since the start (name -> what their health check answered),
+        and "generation" while no replica is in rotation: ``Status.serving`` is false meanwhile."""
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         collector_pb2_grpc.add_CollectorServiceServicer_to_server(CollectorServicer(self), server)
@@ -152,6 +155,7 @@ class CollectorService(Service[CollectorConfig]):
         self.not_serving_reason = ""
         self._tasks = [asyncio.create_task(self.pipeline.run(), name="pipeline"),
                        asyncio.create_task(self._watch_replicas(), name="replicas"),
+                       asyncio.create_task(self._watch_upstream(), name="upstream"),
                        asyncio.create_task(self._checkpoint(), name="checkpoint")]
 
     async def _probe_replicas(self) -> dict[str, int]:
@@ -167,22 +171,48 @@ class CollectorService(Service[CollectorConfig]):
                      extra={"answered": sorted(versions), "replicas": len(self.pool.replicas)})
             await asyncio.sleep(1.0)
 
+    @property
+    def _addresses(self) -> dict[str, str]:
+        return {"reference": self.config.reference_address, "reward": self.config.reward_address,
+                "trajectory": self.config.trajectory_address}
+
+    async def _health(self, name: str) -> str:
+        """What ``name``'s health check answers: "" when SERVING, else the status or error code."""
+        try:
+            reply = await health_pb2_grpc.HealthStub(self._channels[name]).Check(
+                health_pb2.HealthCheckRequest(), timeout=5)
+        except grpc.RpcError as exc:
+            return exc.code().name
+        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+            return ""
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
     async def _wait_for_dependencies(self) -> None:
-        addresses = {"reference": self.config.reference_address, "reward": self.config.reward_address,
-                     "trajectory": self.config.trajectory_address}
-        for name, channel in self._channels.items():
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                try:
-                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        break
-                    answer = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-                except grpc.RpcError as exc:
-                    answer = exc.code().name
-                self.not_serving_reason = f"waiting for {name} at {addresses[name]}: {answer}"
+        for name in self._channels:
+            while answer := await self._health(name):
+                self.not_serving_reason = f"waiting for {name} at {self._addresses[name]}: {answer}"
                 log.info(self.not_serving_reason)
                 await asyncio.sleep(1.0)
+
+    async def _watch_upstream(self) -> None:
+        """Once serving: the upstream services' health every ``replica_check_seconds`` (and whether any
+        replica is in rotation), for ``Status.serving``; the pipeline draws no prompt while one of them is
+        down. An outage is one WARNING line, its end one INFO line; nothing submitted is lost."""
+        while True:
+            await asyncio.sleep(self.config.replica_check_seconds)
+            answers = dict(zip(self._channels, await asyncio.gather(*(self._health(n) for n in self._channels))))
+            answers["generation"] = "" if self.pool.healthy() else "no replica in rotation"
+            for name, answer in answers.items():
+                if answer and name not in self.outages:
+                    where = f" at {self._addresses[name]}" if name in self._addresses else ""
+                    log.warning("%s%s is down (%s): generation pauses until it is back", name, where, answer)
+                elif not answer and name in self.outages:
+                    log.info("%s is back", name)
+            self.outages = {name: answer for name, answer in answers.items() if answer}
+            if any(name in self._addresses for name in self.outages):
+                self.pipeline.upstream_up.clear()
+            else:
+                self.pipeline.upstream_up.set()
 
     async def _watch_replicas(self) -> None:
         """Bring failed replicas back: probe, re-sync (or roll back) to the committed version, rejoin.
@@ -246,9 +276,17 @@ class CollectorService(Service[CollectorConfig]):
             staleness_histogram=pipeline.staleness_histogram(), trajectories=pipeline.appended,
             discarded_samples=pipeline.discarded_samples, group_size=self.config.group_size,
             groups_per_step=self.config.groups_per_step, pending_prompts=self.source.pending,
-            failed_prompts=pipeline.failed_prompts, serving=not self.not_serving_reason,
-            not_serving_reason=self.not_serving_reason,
+            failed_prompts=pipeline.failed_prompts, serving=not self.serving_problem,
+            not_serving_reason=self.serving_problem,
         )
+
+    @property
+    def serving_problem(self) -> str:
+        """Why the collector does not serve ("" when it does): starting, or an upstream outage."""
+        if self.not_serving_reason:
+            return self.not_serving_reason
+        return "; ".join(f"{name} at {self._addresses[name]} is down: {answer}" if name in self._addresses
+                         else f"{name}: {answer}" for name, answer in sorted(self.outages.items()))
 
     def check_serving(self) -> None:
         """Unavailable until the collector serves (see ``not_serving_reason``)."""

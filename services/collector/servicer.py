@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import re
 
@@ -13,15 +14,18 @@ from rlfleet.client.channel import call_with_retry
 from rlfleet.client.errors import RlfleetClientError, from_rpc_error
 from rlfleet.services.collector.prompts import PromptItem
 from rlfleet.services.generation import sampling as generation_sampling
-from rlfleet.services.common.errors import InvalidArgument, RlfleetError, Unavailable, UpstreamError
+from rlfleet.services.common.errors import Aborted, InvalidArgument, Unavailable, UpstreamError
 from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, reward_pb2, sampling_pb2, trajectory_pb2,
                         trajectory_pb2_grpc)
 from rlfleet.wire import decode_tensor
 
 
 MAX_PROMPT_ID_BYTES = 256
+log = logging.getLogger("rlfleet.collector")
 _SAMPLE = re.compile(r"sample (\d+): ")
 _ROLES = ("system", "user", "assistant", "tool")
+_CORE_WRITE_FAILURE = "Internal error from Core"
+"""What grpc.aio reports for a call whose write raced its end, instead of the status it ended with."""
 
 
 def prompt_item(spec: collector_pb2.PromptSpec, index: int, max_prompt_bytes: int = 1 << 20) -> PromptItem:
@@ -119,8 +123,14 @@ class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
 
     async def _check_tasks(self, items: list[PromptItem]) -> None:
         """Ask the reward service whether it has each prompt's reward function and takes its arguments:
-        a prompt it would refuse is refused now (NOT_FOUND / INVALID_ARGUMENT naming the prompt)."""
+        a prompt it would refuse is refused now (NOT_FOUND / INVALID_ARGUMENT naming the prompt).
+        While the reward service is down the prompts are taken unchecked (a WARNING): taking them
+        durably matters more, and the reward stage still dead-letters what it refuses."""
         collector = self.collector
+        if "reward" in collector.outages:
+            log.warning("reward service down: %d prompts taken without checking their reward functions",
+                        len(items))
+            return
         first: dict[tuple, int] = {}  # distinct task -> the first prompt carrying it
         for index, item in enumerate(items):
             key = (item.reward_fn or collector.config.reward_fn, item.ground_truth, tuple(sorted(item.reward_args.items())))
@@ -131,8 +141,9 @@ class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
                                   method="CheckTasks", settings=collector.settings, timeout=30)
         except RlfleetClientError as error:
             if error.code not in ("INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED"):
-                raise Unavailable(f"the reward service could not check the prompts' reward functions: "
-                                  f"{error.details}") from None
+                log.warning("reward service unreachable (%s): %d prompts taken without checking their reward "
+                            "functions", error.code, len(items))
+                return
             match = _SAMPLE.match(error.details)
             where = f"prompts[{list(first.values())[int(match.group(1))]}]" if match else "prompts"
             details = error.details[match.end():] if match else error.details
@@ -165,16 +176,30 @@ class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
         collector = self.collector
         upstream = collector.trajectory.StreamBatches(metadata=collector.settings.metadata())
         write_lock = asyncio.Lock()
+        # A write racing the upstream's end (it refused an earlier message) fails, and grpc's aio client
+        # then reports the call as INTERNAL "Internal error from Core": the upstream's status is lost.
+        lost_status: list[int] = []  # the trainer's message the upstream ended the stream before
 
-        async def write(message):
+        async def write(message, index: int | None = None) -> bool:
             async with write_lock:
-                await upstream.write(message)
+                try:
+                    await upstream.write(message)
+                    return True
+                except asyncio.InvalidStateError:  # it ended before: its status is kept, read below
+                    return False
+                except grpc.aio.AioRpcError:
+                    if index is not None:
+                        lost_status.append(index)
+                    return False
 
         async def pump():
+            index = 0
             async for message in request_iterator:
                 if message.WhichOneof("kind") == "open" and collector.config.mode == "sync":
                     message.open.min_policy_version = max(message.open.min_policy_version, collector.gate.version)
-                await write(message)
+                if not await write(message, index):
+                    return
+                index += 1
             async with write_lock:
                 await upstream.done_writing()
 
@@ -185,13 +210,22 @@ class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
                 reading = asyncio.ensure_future(upstream.read())
                 if not pumping.done():
                     await asyncio.wait({reading, pumping}, return_when=asyncio.FIRST_COMPLETED)
-                    refused = pumping.done() and not pumping.cancelled() and pumping.exception()
-                    if isinstance(refused, RlfleetError):  # the trainer's message was bad: say so now
-                        reading.cancel()
-                        raise refused
+                # Checked whether or not it was awaited just now: the trainer's bad message may have come
+                # while a batch was being yielded, and the upstream would then keep the stream open.
+                refused = pumping.done() and not pumping.cancelled() and pumping.exception()
+                if refused and not isinstance(refused, grpc.RpcError):  # (the upstream's own end: read below)
+                    reading.cancel()
+                    raise refused  # the trainer's message was bad (RlfleetError), or a bug of ours
                 try:
                     response = await reading
                 except grpc.RpcError as exc:
+                    # Only INTERNAL "Internal error from Core" is a lost status. Any other code is the upstream's
+                    # own: UNAVAILABLE (the trajectory service is down or restarting) must reach the trainer as
+                    # such, for the SDK to reopen the stream; a write to an unreachable upstream fails, too.
+                    if lost_status and (exc.code(), exc.details()) == (grpc.StatusCode.INTERNAL, _CORE_WRITE_FAILURE):
+                        raise Aborted(f"the trajectory service ended the batch stream before message "
+                                      f"{lost_status[0]} was forwarded: it refused an earlier message, for a "
+                                      f"reason lost in that race (send one message at a time to see it)") from None
                     error = from_rpc_error(exc, "StreamBatches")
                     raise UpstreamError(error.code, error.details) from None
                 if response is grpc.aio.EOF:

@@ -266,3 +266,111 @@ def test_submitted_prompts_are_refused_at_once_naming_the_field(field, value, me
     with pytest.raises(InvalidArgument, match=r"prompts\[0\].prompt.chat.messages\[0\].role: 'robot'"):
         prompt_item(collector_pb2.PromptSpec(prompt=sampling_pb2.Prompt(chat=sampling_pb2.ChatMessages(
             messages=[sampling_pb2.ChatMessage(role="robot", content="hi")]))), 0)
+
+
+class _UpstreamEndedFirst:
+    """A StreamBatches call to the trajectory service that refuses the first message: a write racing
+    its end fails, and grpc's aio client then reports the call as INTERNAL, the real status lost."""
+
+    def __init__(self):
+        self.written = []
+        self.ended = asyncio.Event()
+
+    def _lost(self):
+        import grpc
+        return grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                    details="Internal error from Core")
+
+    async def write(self, message):
+        if self.written:
+            self.ended.set()
+            raise self._lost()
+        self.written.append(message)
+
+    async def read(self):
+        await self.ended.wait()
+        raise self._lost()
+
+    async def done_writing(self):
+        pass
+
+    def cancel(self):
+        pass
+
+
+def test_the_batch_proxy_answers_aborted_not_internal_when_the_upstream_ends_the_stream_first():
+    """Fuzz finding: a trainer's bad first message through the collector sometimes got INTERNAL."""
+    from types import SimpleNamespace
+
+    from rlfleet.services.collector.servicer import TrajectoryProxyServicer
+    from rlfleet.services.common.errors import Aborted
+    from rlfleet.v1 import trajectory_pb2
+
+    upstream = _UpstreamEndedFirst()
+    collector = SimpleNamespace(trajectory=SimpleNamespace(StreamBatches=lambda metadata: upstream),
+                                settings=SimpleNamespace(metadata=lambda: ()), config=SimpleNamespace(mode="async"))
+
+    async def trainer():
+        yield trajectory_pb2.StreamBatchesRequest(nack=trajectory_pb2.NackBatch(lease_id="no-such-lease"))
+        yield trajectory_pb2.StreamBatchesRequest(open=trajectory_pb2.OpenBatchStream(batch_size=1))
+
+    async def stream():
+        return [r async for r in TrajectoryProxyServicer(collector).StreamBatches(trainer(), None)]
+
+    with pytest.raises(Aborted, match="ended the batch stream before message 1 was forwarded"):
+        asyncio.run(stream())
+
+
+class _UpstreamOneBatch:
+    """A StreamBatches call to the trajectory service that delivers one batch, then keeps the stream open."""
+
+    def __init__(self):
+        self.written = []
+        self.delivered = False
+
+    async def write(self, message):
+        self.written.append(message)
+
+    async def read(self):
+        if not self.delivered:
+            self.delivered = True
+            from rlfleet.v1 import trajectory_pb2
+            return trajectory_pb2.StreamBatchesResponse(lease_id="lease-1")
+        await asyncio.Event().wait()  # nothing more: open until cancelled
+
+    async def done_writing(self):
+        pass
+
+    def cancel(self):
+        pass
+
+
+def test_the_batch_proxy_ends_at_once_on_a_bad_message_that_came_while_it_yielded_a_batch():
+    """The trainer's bad message arrived while the proxy was handing a batch over: it used to be missed,
+    and the stream hung (the upstream keeps it open) until the trainer's deadline."""
+    from types import SimpleNamespace
+
+    from rlfleet.services.collector.servicer import TrajectoryProxyServicer
+    from rlfleet.services.common.errors import InvalidArgument
+    from rlfleet.v1 import trajectory_pb2
+
+    upstream = _UpstreamOneBatch()
+    collector = SimpleNamespace(trajectory=SimpleNamespace(StreamBatches=lambda metadata: upstream),
+                                settings=SimpleNamespace(metadata=lambda: ()), config=SimpleNamespace(mode="async"))
+    batch_read = asyncio.Event()
+
+    async def trainer():
+        yield trajectory_pb2.StreamBatchesRequest(open=trajectory_pb2.OpenBatchStream(batch_size=1))
+        await batch_read.wait()
+        raise InvalidArgument("TrajectoryService/StreamBatches: the request is not a valid protobuf message")
+
+    async def stream():
+        responses = TrajectoryProxyServicer(collector).StreamBatches(trainer(), None)
+        assert (await anext(responses)).lease_id == "lease-1"
+        batch_read.set()
+        for _ in range(10):  # the bad message is read while the proxy is suspended at its yield
+            await asyncio.sleep(0)
+        await asyncio.wait_for(anext(responses), 10)
+
+    with pytest.raises(InvalidArgument, match="not a valid protobuf message"):
+        asyncio.run(stream())

@@ -110,9 +110,10 @@ class Status:
     failed_prompts: int = 0
     """Dead letters so far (``client.failures()`` lists them)."""
     serving: bool = True
-    """False while the collector starts (waiting for its upstream services or replicas)."""
+    """False while the collector starts (waiting for its upstream services or replicas), and later
+    while an upstream service is down or no generation replica is in rotation."""
     not_serving_reason: str = ""
-    """What it waits for while not serving."""
+    """What it waits for, or which upstream is down, while not serving."""
 
     @classmethod
     def from_proto(cls, reply: collector_pb2.GetStatusResponse) -> "Status":
