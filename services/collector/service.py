@@ -55,9 +55,10 @@ class CollectorService(Service[CollectorConfig]):
                                    ground_truth_field=config.ground_truth_field, shuffle=config.shuffle,
                                    seed=config.seed, epochs=config.epochs,
                                    max_submitted=config.max_submitted_prompts)
-        self._channels = {name: aio_channel(address, self.settings) for name, address in (
-            ("reference", config.reference_address), ("reward", config.reward_address),
-            ("trajectory", config.trajectory_address))}
+        self._addresses = {"reference": config.reference_address, "reward": config.reward_address,
+                           "trajectory": config.trajectory_address}
+        """The upstream services (not the replicas) by name."""
+        self._channels = {name: aio_channel(address, self.settings) for name, address in self._addresses.items()}
         self.trajectory = trajectory_pb2_grpc.TrajectoryServiceStub(self._channels["trajectory"])
         self.fanout = WeightFanout(self.pool, self.gate, self.state_dir / "spool", config.max_push_bytes,
                                    on_commit=self._committed)
@@ -170,11 +171,6 @@ class CollectorService(Service[CollectorConfig]):
             log.info("waiting for generation replicas",
                      extra={"answered": sorted(versions), "replicas": len(self.pool.replicas)})
             await asyncio.sleep(1.0)
-
-    @property
-    def _addresses(self) -> dict[str, str]:
-        return {"reference": self.config.reference_address, "reward": self.config.reward_address,
-                "trajectory": self.config.trajectory_address}
 
     async def _health(self, name: str) -> str:
         """What ``name``'s health check answers: "" when SERVING, else the status or error code."""
