@@ -106,7 +106,7 @@ async def service_tokens(stub, requests, tag: str) -> tuple[int, float]:
 
 
 async def measure_tokens(ns, engine, address: str, vocab_size: int, meter: CpuMeter) -> dict:
-    from rlfleet.services.generation.servicer import sampling_from_proto
+    from rlfleet.services.generation.sampling import sampling_from_proto
 
     prompts = make_prompts(ns.prompts, tuple(ns.prompt_len), vocab_size, seed=0)
     params = [sampling_pb2.SamplingParams(n=ns.n, temperature=1.0, top_p=1.0, max_tokens=ns.max_tokens,

@@ -15,6 +15,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -32,6 +33,8 @@ class ServiceProcess:
     log_path: Path | None = None
     port: int | None = None
     process: subprocess.Popen | None = None
+    preexec_fn: Callable[[], None] | None = None
+    """Run in the child before it starts (e.g. resource limits a fault test sets)."""
 
     def start(self, workdir: Path | None = None) -> "ServiceProcess":
         workdir = Path(workdir or tempfile.mkdtemp(prefix=f"rlfleet-{self.name}-"))
@@ -48,6 +51,7 @@ class ServiceProcess:
             [sys.executable, "-m", f"rlfleet.services.{self.name}", *args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
             start_new_session=True,  # a Ctrl-C in the launcher's terminal is handled by the launcher
+            preexec_fn=self.preexec_fn,
         )
         return self
 

@@ -1,4 +1,14 @@
-"""Policy versions and staleness-bounded admission.
+"""Policy versions and the staleness bound — every place it applies.
+
+The bound applies three times, each rule a method of ``VersionGate``:
+
+- at admission (``admit``): a group does not *start* more than ``max_staleness`` steps ahead of the
+  committed version (below);
+- at append (``too_stale_to_append``): a group that finished more than ``max_staleness`` versions
+  after it started (pushes landed while it generated; in sync mode any push) is not appended, its
+  prompt is generated again;
+- at read (``stale_at_read``, sync mode only): a batch read after a push that came after it was
+  appended is off-policy; the collector's batch proxy drops it and generates its prompts again.
 
 The collector counts trainer steps in groups: groups ``[s*G, (s+1)*G)`` (G =
 ``groups_per_step``) feed the trainer's step ``s``. A group of step ``s`` may
@@ -33,18 +43,35 @@ class VersionGate:
     """The committed policy version and the admission rule above."""
 
     def __init__(self, *, version: int = 0, groups_per_step: int = 1, max_staleness: int = 0,
-                 groups_started: int = 0):
+                 groups_started: int = 0, sync: bool = False):
         if groups_per_step < 1:
             raise ValueError("groups_per_step must be >= 1")
         if max_staleness < 0:
             raise ValueError("max_staleness must be >= 0")
         self.version = version
         self.groups_per_step = groups_per_step
-        self.max_staleness = max_staleness
+        self.max_staleness = 0 if sync else max_staleness
+        self.sync = sync
+        """On-policy: nothing from an older version reaches the trainer (the bound is 0 and applies at
+        read too)."""
         self.groups_started = groups_started
         self.base = 0
         self._changed = asyncio.Condition()
         self._pushing = False
+
+    def too_stale_to_append(self, start_version: int, now_version: int) -> bool:
+        """A group that started at ``start_version`` would reach the trainer at ``now_version``
+        (the latest of the committed version and the version its samples ended at)."""
+        return now_version - start_version > self.max_staleness
+
+    def stale_at_read(self, oldest_start_version: int) -> bool:
+        """Sync mode: a batch whose oldest trajectory started before the committed version."""
+        return self.sync and oldest_start_version < self.version
+
+    def restart_at(self, version: int) -> None:
+        """A restarted collector: ``version`` committed, step count re-aligned to it."""
+        self.version = version
+        self.groups_started = version * self.groups_per_step
 
     def step_of(self, group_index: int) -> int:
         return group_index // self.groups_per_step

@@ -46,6 +46,8 @@ from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm
 
 log = logging.getLogger("rlfleet.collector.fanout")
+PROBE_SECONDS = 2.0
+"""How long a push waits for a replica out of rotation to answer before leaving it out."""
 
 
 @dataclass
@@ -85,6 +87,19 @@ class WeightFanout:
         if self._spooling is not None:
             await asyncio.shield(self._spooling)
 
+    async def _targets(self, manifest: weights_pb2.WeightManifest) -> list[Replica]:
+        """The replicas a push goes to: those in rotation, and those out of rotation that answer now
+        (a push is the way back for a replica the spool cannot re-sync; it takes the push as a
+        re-sync, whatever version it serves). Never refused while one of them answers."""
+        others = [r for r in self.pool.replicas if not r.healthy]
+        answered = await asyncio.gather(*(self.pool.probe(r, timeout=PROBE_SECONDS) for r in others))
+        back = [r for r, version in zip(others, answered) if version is not None]
+        targets = self.pool.healthy() + back
+        if not targets:
+            raise Unavailable(f"no generation replica answers (of {len(self.pool.replicas)}: "
+                              + "; ".join(f"{r.address}: {r.last_error or 'not serving'}" for r in others) + ")")
+        return targets
+
     async def _push(self, messages: AsyncIterator[tuple[str, object]]) -> PushOutcome:
         started = time.monotonic()
         iterator = messages.__aiter__()
@@ -116,11 +131,11 @@ class WeightFanout:
             push.attach_sink(segment.buffer)
         handed_off = False
         try:
-            replicas = self.pool.require_any()
+            replicas = await self._targets(manifest)
             spool = self.spool.begin(manifest)
             # Replicas known to live elsewhere get a grpc push's chunks as they arrive; the others
             # are offered the segment once it holds every verified byte (shm: right away).
-            remote = [ReplicaPush.start(r, manifest, self.pool.settings, None)
+            remote = [ReplicaPush.start(r, _offered(manifest, r), self.pool.settings, None)
                       for r in replicas if source is None and r.shm_refused]
             try:
                 if source == "shm":
@@ -139,7 +154,7 @@ class WeightFanout:
                 spool.discard()
                 raise
             # Every byte is here and verified: the push is decided.
-            local = [ReplicaPush.start(r, manifest, self.pool.settings, segment)
+            local = [ReplicaPush.start(r, _offered(manifest, r), self.pool.settings, segment)
                      for r in replicas if not (source is None and r.shm_refused)]
             handed_off = True  # the spool writer closes the segment once it copied it
             return await _finish_shielded(self._decide(remote + local, push, spool, started, segment))
@@ -208,11 +223,25 @@ class WeightFanout:
             if not any(o.applied for o in outcomes):
                 errors = "; ".join(f"{o.address}: {o.error}" for o in outcomes)
                 raise Unavailable(f"no replica applied version {version}: {errors}")
+            if self.on_commit is not None:
+                try:
+                    self.on_commit(version)  # durable before the trainer (or the spool) hears of it
+                except OSError as err:
+                    # The replicas that applied run ahead of the committed version: out of rotation,
+                    # rolled back from the spool (it still holds the previous version) by the monitor.
+                    for stream, outcome in zip(streams, outcomes):
+                        if outcome.applied:
+                            await self.pool.mark_failed(stream.replica, f"applied version {version}, which "
+                                                        f"could not be made durable")
+                    raise Unavailable(f"version {version} was applied but could not be recorded durably at the "
+                                      f"collector ({err}); it stays at {self.gate.version}") from None
             if decision is not None:
                 decision.set_result(True)
             committed = version
-            if self.on_commit is not None:
-                self.on_commit(committed)
+            for stream, outcome in zip(streams, outcomes):
+                if outcome.applied and not stream.replica.healthy:
+                    await self.pool.mark_healthy(stream.replica, version)  # a push brought it back
+                    log.info("replica %s back in rotation with version %d", stream.replica.address, version)
         finally:
             await self.gate.end_push(committed)
         transports = sorted({o.transport for o in outcomes if o.applied})
@@ -328,6 +357,17 @@ class WeightFanout:
             log.info("replica %s re-synced to version %d over %s", replica.address, manifest.version,
                      outcome.transport)
             return True
+
+
+def _offered(manifest: weights_pb2.WeightManifest, replica: Replica) -> weights_pb2.WeightManifest:
+    """The manifest as a replica gets it: a replica out of rotation takes it as a re-sync (it may
+    serve any version, even one that never committed)."""
+    if replica.healthy:
+        return manifest
+    offered = weights_pb2.WeightManifest()
+    offered.CopyFrom(manifest)
+    offered.resync = True
+    return offered
 
 
 def nccl_rank_offsets(replicas: list[Replica]) -> tuple[list[int], int]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from rlfleet.services.collector.prompts import PromptItem
+from rlfleet.services.collector.prompt_item import PromptItem
 
 T = TypeVar("T")
 _SCHEMA = """
@@ -193,14 +193,19 @@ class PromptLedger:
         return self._db.execute("SELECT attempts FROM prompts WHERE seq = ?", (seq,)).fetchone()[0]
 
     # --- dead letters -------------------------------------------------------------------------
-    async def dead(self, item: PromptItem, stage: str, code: str, error: str) -> DeadLetter:
-        """Move the prompt to the dead letters (keeping the newest ``max_dead_letters``)."""
-        return await self._call(self._dead, item, stage, code, error)
+    async def dead(self, item: PromptItem, stage: str, code: str, error: str,
+                   position: dict[str, int] | None = None) -> DeadLetter:
+        """Move the prompt to the dead letters (keeping the newest ``max_dead_letters``); a dataset
+        row that is not a prompt is written there directly, with the dataset ``position`` past it."""
+        return await self._call(self._dead, item, stage, code, error, position)
 
-    def _dead(self, item: PromptItem, stage: str, code: str, error: str) -> DeadLetter:
+    def _dead(self, item: PromptItem, stage: str, code: str, error: str,
+              position: dict[str, int] | None) -> DeadLetter:
         now = time.time()
         with self._transaction():
             self._db.execute("DELETE FROM prompts WHERE seq = ?", (item.ledger_seq,))
+            if position is not None:
+                self._db.execute("INSERT OR REPLACE INTO meta VALUES ('position', ?)", (json.dumps(position),))
             cursor = self._db.execute(
                 "INSERT INTO dead_letters (prompt_id, item, stage, code, error, attempts, failed_at) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",

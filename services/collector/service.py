@@ -1,11 +1,13 @@
-"""The collector service: wires prompt source, version gate, replicas, fan-out and pipeline."""
+"""The collector service: wires prompt source, version gate, replicas, fan-out and rollout, and
+supervises their background tasks (one that dies takes the service to NOT_SERVING, and every
+trainer call then answers FAILED_PRECONDITION with the reason)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
+import re
 from pathlib import Path
 
 import grpc
@@ -15,14 +17,16 @@ from rlfleet.client.channel import ChannelSettings, aio_channel, call_with_retry
 from rlfleet.client.errors import RlfleetClientError
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.config import CollectorConfig
+from rlfleet.services.collector.dataset import load_records
 from rlfleet.services.collector.fanout import WeightFanout
 from rlfleet.services.collector.ledger import PromptLedger
-from rlfleet.services.collector.pipeline import Pipeline, PipelineOptions
-from rlfleet.services.collector.prompts import PromptSource, load_records
+from rlfleet.services.collector.prompt_item import PromptItem, from_row
 from rlfleet.services.collector.replicas import ReplicaPool
+from rlfleet.services.collector.rollout import Pipeline, PipelineOptions
 from rlfleet.services.collector.servicer import CollectorServicer, TrajectoryProxyServicer
+from rlfleet.services.collector.source import PromptSource
 from rlfleet.services.collector.spool import write_atomically
-from rlfleet.services.common.errors import Unavailable
+from rlfleet.services.common.errors import InvalidArgument, StartupError, Unavailable, UpstreamError
 from rlfleet.services.common.server import Service
 from rlfleet.wire import shm
 from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, reference_pb2_grpc, reward_pb2, reward_pb2_grpc,
@@ -32,6 +36,7 @@ log = logging.getLogger("rlfleet.collector")
 _KL = {"k1": reward_pb2.KL_ESTIMATOR_K1, "k2": reward_pb2.KL_ESTIMATOR_K2, "k3": reward_pb2.KL_ESTIMATOR_K3}
 _ADV = {"grpo": reward_pb2.ADVANTAGE_MODE_GRPO, "grpo_no_std": reward_pb2.ADVANTAGE_MODE_GRPO_NO_STD,
         "rloo": reward_pb2.ADVANTAGE_MODE_RLOO}
+_SAMPLE = re.compile(r"sample (\d+): ")
 
 
 class CollectorService(Service[CollectorConfig]):
@@ -47,9 +52,11 @@ class CollectorService(Service[CollectorConfig]):
                                         max_message_bytes=config.max_message_bytes)
         self.state_dir = Path(config.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.gate = VersionGate(groups_per_step=config.groups_per_step, max_staleness=config.max_staleness)
+        self.gate = VersionGate(groups_per_step=config.groups_per_step, max_staleness=config.max_staleness,
+                                sync=config.mode == "sync")
         self.pool = ReplicaPool(config.generation_addresses, self.settings)
         records = load_records(config.dataset_path) if config.dataset_path else []
+        _check_some_row_is_a_prompt(records, config)
         self.ledger = PromptLedger(self.state_dir / "prompts.sqlite3", max_dead_letters=config.max_dead_letters)
         self.source = PromptSource(self.ledger, records, prompt_field=config.prompt_field,
                                    ground_truth_field=config.ground_truth_field, shuffle=config.shuffle,
@@ -74,9 +81,7 @@ class CollectorService(Service[CollectorConfig]):
             self.gate, self.pool, self.source,
             reference_pb2_grpc.ReferenceServiceStub(self._channels["reference"]),
             reward_pb2_grpc.RewardServiceStub(self._channels["reward"]),
-            self.trajectory, self.settings)
-        self._tasks: list[asyncio.Task] = []
-        self._background: set[asyncio.Task] = set()
+            self.trajectory, self.settings, on_fatal=self.fail)
         self.not_serving_reason = "starting"
         """Why the collector does not serve yet ("" once it does)."""
         self.outages: dict[str, str] = {}
@@ -92,17 +97,16 @@ class CollectorService(Service[CollectorConfig]):
     def state_path(self) -> Path:
         return self.state_dir / "state.json"
 
-    def save_state(self) -> None:
-        # The dataset position lives in the prompt ledger (moved with each prompt drawn).
-        state = {"version": self.gate.version, "groups_started": self.gate.groups_started}
-        write_atomically(self.state_path, json.dumps(state).encode())
+    def save_state(self, version: int) -> None:
+        """Make ``version`` the committed one, durably (fsync'd file and directory). The dataset
+        position lives in the prompt ledger (moved with each prompt drawn)."""
+        write_atomically(self.state_path, json.dumps({"version": version}).encode())
 
     def _committed(self, version: int) -> None:
-        self.save_state()
-        if self.config.mode == "sync":
-            task = asyncio.get_running_loop().create_task(self.drop_stale(version), name=f"drop-stale-{version}")
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+        """Every replica that applied serves ``version``: it is durable before the trainer hears of it."""
+        self.save_state(version)
+        if self.gate.sync:
+            self.supervise(self.drop_stale(version), f"drop-stale-{version}")
 
     async def drop_stale(self, version: int) -> None:
         """Sync mode, after a commit: groups older than ``version`` still buffered (unread) can never
@@ -147,17 +151,15 @@ class CollectorService(Service[CollectorConfig]):
         # The saved version is the truth once there is one: it is written (fsync'd) at every
         # commit, so a replica ahead of it applied a push that never committed (the collector
         # died mid-commit) and is rolled back from the spool by the replica monitor.
-        self.gate.version = state["version"] if "version" in state else max([0, *versions.values()])
-        self.gate.groups_started = self.gate.version * self.gate.groups_per_step
+        self.gate.restart_at(state["version"] if "version" in state else max([0, *versions.values()]))
         for replica in self.pool.replicas:
             if versions.get(replica.address) == self.gate.version:
                 await self.pool.mark_healthy(replica, self.gate.version)
         log.info("collector ready", extra={"version": self.gate.version, "replicas": versions})
         self.not_serving_reason = ""
-        self._tasks = [asyncio.create_task(self.pipeline.run(), name="pipeline"),
-                       asyncio.create_task(self._watch_replicas(), name="replicas"),
-                       asyncio.create_task(self._watch_upstream(), name="upstream"),
-                       asyncio.create_task(self._checkpoint(), name="checkpoint")]
+        self.supervise(self.pipeline.run(), "the rollout loop")
+        self.supervise(self._watch_replicas(), "the replica monitor")
+        self.supervise(self._watch_upstream(), "the upstream health watch")
 
     async def _probe_replicas(self) -> dict[str, int]:
         """Every replica's version, waiting (bounded) for all of them so the first groups spread over all."""
@@ -241,19 +243,8 @@ class CollectorService(Service[CollectorConfig]):
             await self.pool.mark_failed(
                 replica, f"serves version {version}, not {replica.policy_version} (restarted?)")
 
-    async def _checkpoint(self) -> None:
-        while True:
-            await asyncio.sleep(5.0)
-            self.save_state()
-
     async def stop(self) -> None:
-        for task in [*self._tasks, *self._background]:
-            task.cancel()
-        for task in [*self._tasks, *self._background]:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        if self._tasks:
-            self.save_state()
+        await self.stop_supervised()
         self.fanout.close()
         self.ledger.close()
         await self.pool.close()
@@ -272,19 +263,79 @@ class CollectorService(Service[CollectorConfig]):
             staleness_histogram=pipeline.staleness_histogram(), trajectories=pipeline.appended,
             discarded_samples=pipeline.discarded_samples, group_size=self.config.group_size,
             groups_per_step=self.config.groups_per_step, pending_prompts=self.source.pending,
-            failed_prompts=pipeline.failed_prompts, serving=not self.serving_problem,
+            failed_prompts=pipeline.failed_prompts + self.source.bad_rows, serving=not self.serving_problem,
             not_serving_reason=self.serving_problem,
         )
 
     @property
     def serving_problem(self) -> str:
-        """Why the collector does not serve ("" when it does): starting, or an upstream outage."""
+        """Why the collector does not serve ("" when it does): it failed, it is starting, or an
+        upstream outage."""
+        if self.failure:
+            return self.failure
         if self.not_serving_reason:
             return self.not_serving_reason
         return "; ".join(f"{name} at {self._addresses[name]} is down: {answer}" if name in self._addresses
                          else f"{name}: {answer}" for name, answer in sorted(self.outages.items()))
 
     def check_serving(self) -> None:
-        """Unavailable until the collector serves (see ``not_serving_reason``)."""
+        """FAILED_PRECONDITION once the collector failed; UNAVAILABLE until it serves (see
+        ``not_serving_reason``)."""
+        self.check_working()
         if self.not_serving_reason:
             raise Unavailable(f"the collector does not serve yet: {self.not_serving_reason}")
+
+    def check_submitting(self) -> None:
+        """Submissions are taken from the moment the prompt ledger is read (before the replicas
+        answer: the prompts wait durably), until the collector fails."""
+        self.check_working()
+        if not self.source.restored:
+            raise Unavailable("the collector is starting: its prompt ledger is not read yet")
+
+    async def submit(self, items: list[PromptItem]) -> list[str]:
+        """Queue validated prompts durably, once the reward service said it takes their tasks."""
+        await self._check_tasks(items)
+        return await self.source.submit(items)
+
+    async def _check_tasks(self, items: list[PromptItem]) -> None:
+        """Ask the reward service whether it has each prompt's reward function and takes its arguments:
+        a prompt it would refuse is refused now (NOT_FOUND / INVALID_ARGUMENT naming the prompt).
+        While the reward service is down the prompts are taken unchecked (a WARNING): taking them
+        durably matters more, and the reward stage still dead-letters what it refuses."""
+        if "reward" in self.outages:
+            log.warning("reward service down: %d prompts taken without checking their reward functions",
+                        len(items))
+            return
+        first: dict[tuple, int] = {}  # distinct task -> the first prompt carrying it
+        for index, item in enumerate(items):
+            key = (item.reward_fn or self.config.reward_fn, item.ground_truth, tuple(sorted(item.reward_args.items())))
+            first.setdefault(key, index)
+        tasks = [reward_pb2.Task(reward_fn=fn, ground_truth=truth, args=dict(args)) for fn, truth, args in first]
+        try:
+            await call_with_retry(self.pipeline.reward.CheckTasks, reward_pb2.CheckTasksRequest(tasks=tasks),
+                                  method="CheckTasks", settings=self.settings, timeout=30)
+        except RlfleetClientError as error:
+            if error.code not in ("INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED"):
+                log.warning("reward service unreachable (%s): %d prompts taken without checking their reward "
+                            "functions", error.code, len(items))
+                return
+            match = _SAMPLE.match(error.details)
+            where = f"prompts[{list(first.values())[int(match.group(1))]}]" if match else "prompts"
+            details = error.details[match.end():] if match else error.details
+            raise UpstreamError(error.code, f"{where}: {details}") from None
+
+
+def _check_some_row_is_a_prompt(records: list, config: CollectorConfig) -> None:
+    """A dataset none of whose rows is a prompt (the wrong ``prompt_field``?) is refused at start;
+    single bad rows are dead-lettered when their turn comes."""
+    if not records:
+        return
+    first_error = None
+    for row, record in enumerate(records):
+        try:
+            from_row(record, f"dataset row {row}", config.prompt_field, config.ground_truth_field, f"row{row}")
+            return
+        except InvalidArgument as exc:
+            first_error = first_error or exc
+    raise StartupError(f"dataset_path: no row of {config.dataset_path} is a prompt with prompt_field "
+                       f"{config.prompt_field!r} (e.g. {first_error})")

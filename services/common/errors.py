@@ -67,3 +67,8 @@ class UpstreamError(RlfleetError):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
+
+
+class StartupError(Exception):
+    """The service cannot do its job with this configuration (a setting, a file it names): it refuses
+    to start, with a message naming the setting (and the file and line where there is one)."""

@@ -12,10 +12,12 @@ import abc
 import asyncio
 import logging
 import signal
+import sys
 from pathlib import Path
-from typing import ClassVar, Generic, TypeVar
+from typing import ClassVar, Generic, NoReturn, TypeVar
 
 import grpc
+import pydantic
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer as _AsyncHealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -23,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from rlfleet.services.common import metrics
 from rlfleet.services.common.config import ServiceConfig
 from rlfleet.services.common.diagnostics import DiagnosticsServicer
+from rlfleet.services.common.errors import FailedPrecondition, StartupError
 from rlfleet.services.common.interceptors import ErrorInterceptor
 from rlfleet.services.common.logs import setup_logging
 from rlfleet.v1 import diagnostics_pb2, diagnostics_pb2_grpc
@@ -63,6 +66,12 @@ class Service(abc.ABC, Generic[C]):
     def __init__(self, config: C):
         self.config = config
         self.health: HealthServicer | None = None
+        self.failure = ""
+        """Why the service stopped working ("" while it works): a supervised task died. Health is
+        NOT_SERVING from then on and ``check_working`` refuses every call with this reason."""
+        self._supervised: set[asyncio.Task] = set()
+        self.failed = asyncio.Event()
+        """Set when the service fails (long calls wait on it too, to end with the reason)."""
 
     @abc.abstractmethod
     def add_to_server(self, server: grpc.aio.Server) -> None:
@@ -74,10 +83,47 @@ class Service(abc.ABC, Generic[C]):
     async def stop(self) -> None:
         """Release resources after the server stopped accepting RPCs."""
 
+    def supervise(self, coroutine, name: str) -> asyncio.Task:
+        """Run ``coroutine`` as a background task of this service: if it raises, the service fails
+        (``fail``); ``stop_supervised`` cancels them all."""
+        task = asyncio.get_running_loop().create_task(coroutine, name=name)
+        self._supervised.add(task)
+        task.add_done_callback(self._supervised_done)
+        return task
+
+    def _supervised_done(self, task: asyncio.Task) -> None:
+        self._supervised.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.fail(task.get_name(), task.exception())
+
+    def fail(self, what: str, exc: BaseException) -> None:
+        """``what`` (a background task, a callback) raised ``exc``, which nothing expected: the service
+        can no longer do its job. Logs the traceback, turns health NOT_SERVING, and every later call
+        checked by ``check_working`` answers FAILED_PRECONDITION with the reason."""
+        log.error("%s died: the service stops serving until it is restarted", what, exc_info=exc)
+        if not self.failure:
+            self.failure = f"{what} died: {type(exc).__name__}: {exc} (see the service's log; restart it)"
+        self.failed.set()
+        asyncio.get_running_loop().create_task(self.set_serving(False))
+
+    def check_working(self) -> None:
+        """FAILED_PRECONDITION naming the reason once the service failed (see ``fail``)."""
+        if self.failure:
+            raise FailedPrecondition(f"{type(self).__name__} does not work: {self.failure}")
+
+    async def stop_supervised(self) -> None:
+        """Cancel the supervised tasks and wait for them (a failure was reported when it happened)."""
+        tasks = list(self._supervised)
+        for task in tasks:
+            task.cancel()
+        # Outcomes other than the cancellation were reported by ``_supervised_done`` as they came.
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     async def set_serving(self, serving: bool) -> None:
         """Flip health for every served name (e.g. NOT_SERVING during a weight swap)."""
         if self.health is None:
             return
+        serving = serving and not self.failure
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self.service_names):
             await self.health.set(name, status)
@@ -137,11 +183,23 @@ async def serve(service: Service, stop_event: asyncio.Event | None = None) -> No
 
 def run(service_cls: type[Service], config_cls: type[ServiceConfig], argv=None) -> None:
     """Console entry point body: parse config, set up logging, serve."""
-    config = config_cls.load(argv)
+    try:
+        config = config_cls.load(argv)
+    except pydantic.ValidationError as exc:
+        _refuse(config_cls.service_name, str(exc))
     setup_logging(config_cls.service_name, config.log_level, config.log_format)
 
     async def main() -> None:
         # Built inside the loop: grpc.aio channels bind to the loop that creates them.
         await serve(service_cls(config))
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except StartupError as exc:
+        _refuse(config_cls.service_name, str(exc))
+
+
+def _refuse(service_name: str, why: str) -> NoReturn:
+    """A configuration the service cannot work with: say which setting, exit 2 (no traceback)."""
+    print(f"rlfleet-{service_name}: refusing to start: {why}", file=sys.stderr)
+    raise SystemExit(2)

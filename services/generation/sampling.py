@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy
 
 from rlfleet.services.common.errors import InvalidArgument
+from rlfleet.v1 import sampling_pb2
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -125,6 +126,53 @@ class SamplingSpec:
             # finishes; FINAL_ONLY would hold the group until the slowest one.
             output_kind=RequestOutputKind.DELTA,
         )
+
+
+def sampling_from_proto(params: sampling_pb2.SamplingParams) -> SamplingSpec:
+    """Proto defaults (0 = unset) -> the engine's SamplingSpec, validated."""
+    check_stop_counts(len(params.stop), len(params.stop_token_ids))
+    spec = SamplingSpec(
+        n=params.n or 1,
+        temperature=params.temperature,
+        top_p=params.top_p or 1.0,
+        top_k=params.top_k,
+        max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
+        stop=tuple(params.stop),
+        stop_token_ids=tuple(params.stop_token_ids),
+        seed=params.seed if params.HasField("seed") else None,
+        ignore_eos=params.ignore_eos,
+    )
+    spec.validate()
+    return spec
+
+
+def sampling_to_proto(spec: SamplingSpec) -> sampling_pb2.SamplingParams:
+    """The effective sampling parameters, echoed with every sample."""
+    params = sampling_pb2.SamplingParams(
+        n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+        max_tokens=spec.max_tokens, min_tokens=spec.min_tokens, stop=list(spec.stop),
+        stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
+    )
+    if spec.seed is not None:
+        params.seed = spec.seed
+    return params
+
+
+def sampling_from_fields(fields: dict[str, Any], where: str = "sampling") -> SamplingSpec:
+    """A mapping of SamplingParams fields (a config's ``sampling``, a prompt's overrides) -> the
+    validated SamplingSpec, by the rules a replica applies to a request: InvalidArgument naming
+    ``where`` and the field for an unknown field, a value of the wrong type or out of bounds."""
+    try:
+        params = sampling_pb2.SamplingParams(**fields)
+    except (ValueError, TypeError) as exc:  # unknown field, wrong type or range for the field
+        raise InvalidArgument(f"{where}: {exc}") from None
+    try:
+        return sampling_from_proto(params)
+    except InvalidArgument as exc:
+        message = str(exc)
+        raise InvalidArgument(f"{where}{message[len('sampling'):]}" if message.startswith("sampling")
+                              else f"{where}: {message}") from None
 
 
 def check_stop_counts(stop_strings: int, stop_token_ids: int) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from rlfleet.services.common.errors import Aborted, InvalidArgument
 from rlfleet.services.generation.engine import GenerationEngine
-from rlfleet.services.generation.sampling import SampleResult, SamplingSpec, check_stop_counts
+from rlfleet.services.generation.sampling import SampleResult, SamplingSpec, sampling_from_proto, sampling_to_proto
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, weights_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
 
@@ -19,37 +19,6 @@ _FINISH = {
     "length": sampling_pb2.FINISH_REASON_LENGTH,
     "abort": sampling_pb2.FINISH_REASON_ABORT,
 }
-
-
-def sampling_from_proto(params: sampling_pb2.SamplingParams) -> SamplingSpec:
-    """Proto defaults (0 = unset) -> the engine's SamplingSpec, validated."""
-    check_stop_counts(len(params.stop), len(params.stop_token_ids))
-    spec = SamplingSpec(
-        n=params.n or 1,
-        temperature=params.temperature,
-        top_p=params.top_p or 1.0,
-        top_k=params.top_k,
-        max_tokens=params.max_tokens,
-        min_tokens=params.min_tokens,
-        stop=tuple(params.stop),
-        stop_token_ids=tuple(params.stop_token_ids),
-        seed=params.seed if params.HasField("seed") else None,
-        ignore_eos=params.ignore_eos,
-    )
-    spec.validate()
-    return spec
-
-
-def sampling_to_proto(spec: SamplingSpec) -> sampling_pb2.SamplingParams:
-    """The effective sampling parameters, echoed with every sample."""
-    params = sampling_pb2.SamplingParams(
-        n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-        max_tokens=spec.max_tokens, min_tokens=spec.min_tokens, stop=list(spec.stop),
-        stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
-    )
-    if spec.seed is not None:
-        params.seed = spec.seed
-    return params
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):

@@ -7,7 +7,8 @@ import torch
 
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.ledger import PromptLedger
-from rlfleet.services.collector.prompts import PromptItem, PromptSource
+from rlfleet.services.collector.prompt_item import PromptItem
+from rlfleet.services.collector.source import PromptSource
 from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
 
 
@@ -239,33 +240,57 @@ def test_a_replica_in_rotation_that_restarted_is_taken_out_for_a_resync():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("temperature", 2.5, "prompts[3].sampling.temperature: must be in [0.01, 2.0]"),
+    ("temperature", 2.5, "prompts[3].sampling.temperature must be 0 (greedy) or in [0.01, 2.0]"),
     ("temperature", float("nan"), "prompts[3].sampling.temperature"),
-    ("top_p", 1.5, "prompts[3].sampling.top_p: must be in (0, 1]"),
-    ("max_tokens", -1, "prompts[3].sampling.max_tokens: must be >= 0"),
-    ("stop", [""], "prompts[3].sampling.stop: empty stop string"),
-    ("stop", ["x"] * 17, "prompts[3].sampling: sampling.stop has 17 strings, at most 16"),
+    ("top_p", 1.5, "prompts[3].sampling.top_p must be in (0, 1]"),
+    ("max_tokens", -1, "prompts[3].sampling.max_tokens must be >= 1"),
+    ("stop", [""], "prompts[3].sampling.stop must not contain empty strings"),
+    ("stop", ["x"] * 17, "prompts[3].sampling.stop has 17 strings, at most 16"),
+    ("min_tokens", 100, "prompts[3].sampling.min_tokens must be in [0, max_tokens=64]"),
 ])
-def test_submitted_prompts_are_refused_at_once_naming_the_field(field, value, message):
-    from rlfleet.services.collector.servicer import prompt_item
+def test_submitted_prompts_are_refused_at_once_by_the_generation_rules_naming_the_field(field, value, message):
+    from rlfleet.services.collector.prompt_item import from_spec
     from rlfleet.v1 import collector_pb2, sampling_pb2
 
+    defaults = {"temperature": 1.0, "max_tokens": 64}
+    check = dict(max_prompt_bytes=1 << 20, sampling_defaults=defaults, group_size=4)
     spec = collector_pb2.PromptSpec(prompt=sampling_pb2.Prompt(text="hi"), sampling=sampling_pb2.SamplingParams())
     if isinstance(value, list):
         getattr(spec.sampling, field).extend(value)
     else:
         setattr(spec.sampling, field, value)
     with pytest.raises(InvalidArgument) as err:
-        prompt_item(spec, 3)
+        from_spec(spec, "prompts[3]", **check)
     assert message in str(err.value)
     good = collector_pb2.PromptSpec(prompt_id="p", prompt=sampling_pb2.Prompt(text="hi"),
                                     sampling=sampling_pb2.SamplingParams(n=8, temperature=0.01, max_tokens=4))
-    assert prompt_item(good, 0).sampling == {"temperature": pytest.approx(0.01), "max_tokens": 4}  # n: the group's
+    assert from_spec(good, "p", **check).sampling == {"temperature": pytest.approx(0.01), "max_tokens": 4}  # n: the group's
     with pytest.raises(InvalidArgument, match="max_prompt_bytes"):
-        prompt_item(collector_pb2.PromptSpec(prompt=sampling_pb2.Prompt(text="x" * 2000)), 0, max_prompt_bytes=1000)
+        from_spec(collector_pb2.PromptSpec(prompt=sampling_pb2.Prompt(text="x" * 2000)), "prompts[0]",
+                  **{**check, "max_prompt_bytes": 1000})
     with pytest.raises(InvalidArgument, match=r"prompts\[0\].prompt.chat.messages\[0\].role: 'robot'"):
-        prompt_item(collector_pb2.PromptSpec(prompt=sampling_pb2.Prompt(chat=sampling_pb2.ChatMessages(
-            messages=[sampling_pb2.ChatMessage(role="robot", content="hi")]))), 0)
+        from_spec(collector_pb2.PromptSpec(prompt=sampling_pb2.Prompt(chat=sampling_pb2.ChatMessages(
+            messages=[sampling_pb2.ChatMessage(role="robot", content="hi")]))), "prompts[0]", **check)
+
+
+def test_repeated_sampling_overrides_are_kept_as_lists_that_the_ledger_can_store(tmp_path):
+    """The fuzz found SubmitPrompts answering INTERNAL for a prompt overriding ``stop``: the repeated
+    field went to the ledger's JSON as a protobuf container. It is a list now, and round-trips."""
+    from rlfleet.services.collector.prompt_item import from_spec
+    from rlfleet.v1 import collector_pb2, sampling_pb2
+
+    spec = collector_pb2.PromptSpec(prompt_id="s", prompt=sampling_pb2.Prompt(text="hi"),
+                                    sampling=sampling_pb2.SamplingParams(stop=["\n", "END"], stop_token_ids=[7]))
+    item = from_spec(spec, "prompts[0]", max_prompt_bytes=1 << 20, sampling_defaults={"max_tokens": 8}, group_size=2)
+    assert item.sampling == {"stop": ["\n", "END"], "stop_token_ids": [7]}
+
+    async def scenario():
+        store = PromptLedger(tmp_path / "prompts.sqlite3")
+        await store.add([item])
+        (back,) = await store.pending()
+        store.close()
+        return back
+    assert run(scenario()).sampling == {"stop": ["\n", "END"], "stop_token_ids": [7]}
 
 
 class _UpstreamEndedFirst:
@@ -308,7 +333,8 @@ def test_the_batch_proxy_answers_aborted_not_internal_when_the_upstream_ends_the
 
     upstream = _UpstreamEndedFirst()
     collector = SimpleNamespace(trajectory=SimpleNamespace(StreamBatches=lambda metadata: upstream),
-                                settings=SimpleNamespace(metadata=lambda: ()), config=SimpleNamespace(mode="async"))
+                                settings=SimpleNamespace(metadata=lambda: ()), gate=VersionGate(),
+                                check_working=lambda: None, failed=asyncio.Event())
 
     async def trainer():
         yield trajectory_pb2.StreamBatchesRequest(nack=trajectory_pb2.NackBatch(lease_id="no-such-lease"))
@@ -356,7 +382,8 @@ def test_the_batch_proxy_ends_at_once_on_a_bad_message_that_came_while_it_yielde
 
     upstream = _UpstreamOneBatch()
     collector = SimpleNamespace(trajectory=SimpleNamespace(StreamBatches=lambda metadata: upstream),
-                                settings=SimpleNamespace(metadata=lambda: ()), config=SimpleNamespace(mode="async"))
+                                settings=SimpleNamespace(metadata=lambda: ()), gate=VersionGate(),
+                                check_working=lambda: None, failed=asyncio.Event())
     batch_read = asyncio.Event()
 
     async def trainer():

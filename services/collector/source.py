@@ -1,108 +1,31 @@
 """Where prompts come from: trainer-submitted prompts first, then a dataset.
 
-A dataset is a JSONL or Parquet file (or a Hugging Face ``datasets`` directory
-saved with ``save_to_disk``) with a prompt field — a string, or a list of chat
-messages ``{"role", "content"}`` — and optional ground-truth / reward fields.
-Epochs, seeded shuffling and a resumable position (epoch, index) are kept
-here; every prompt handed out is first written to the prompt ledger
-(``ledger.py``), so a restarted collector generates it again. Nothing in this
-module knows gRPC.
+A dataset (``dataset.py`` reads it) has a prompt field — a string, or a list
+of chat messages ``{"role", "content"}`` — and optional ground-truth / reward
+fields. Epochs, seeded shuffling and a resumable position (epoch, index) are
+kept here; every prompt handed out is first written to the prompt ledger
+(``ledger.py``), so a restarted collector generates it again. A row that is
+not a prompt (``prompt_item.from_row`` says why) is dead-lettered with its
+reason, the position moving past it in the same transaction, and the next
+row follows. Nothing in this module knows gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import json
+import logging
 import random
 import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlfleet.services.collector.prompt_item import PromptItem, from_row
 from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
 
 if TYPE_CHECKING:
     from rlfleet.services.collector.ledger import DeadLetter, PromptLedger
 
-
-@dataclass
-class PromptItem:
-    """One prompt and how to score it."""
-
-    prompt_id: str
-    text: str | None = None
-    """Raw text prompt (tokenized by generation without a chat template)."""
-    chat: list[dict[str, str]] | None = None
-    """Chat messages (generation applies the model's chat template)."""
-    token_ids: list[int] | None = None
-    """Pre-tokenized prompt."""
-    ground_truth: str = ""
-    reward_fn: str = ""
-    reward_args: dict[str, str] = field(default_factory=dict)
-    sampling: dict[str, Any] | None = None
-    """Overrides of the configured sampling parameters."""
-    ledger_seq: int | None = None
-    """Its row in the prompt ledger (set when it is written there)."""
-    attempts: int = 0
-    """Transient failures so far (persisted in the ledger)."""
-
-    @property
-    def append_key(self) -> str:
-        """The idempotency key of its group's Append: one group per ledger row, even when a
-        collector restarted after the Append and generates the prompt again."""
-        return f"{self.prompt_id}#{self.ledger_seq}"
-
-    @property
-    def query(self) -> str:
-        """The prompt as text, as TorchRL names it: the raw text, or a chat's last user message
-        ("" for token ids, which the collector never detokenizes)."""
-        if self.text is not None:
-            return self.text
-        users = [message["content"] for message in self.chat or () if message.get("role") == "user"]
-        return users[-1] if users else ""
-
-    def prompt_text(self) -> str:
-        """Human-readable prompt for reward functions."""
-        if self.text is not None:
-            return self.text
-        if self.chat:
-            return self.chat[-1].get("content", "")
-        return ""
-
-
-def item_from_record(record: dict[str, Any], index: int, prompt_field: str, ground_truth_field: str,
-                     default_id: str) -> PromptItem:
-    """A dataset row -> PromptItem (InvalidArgument naming the row when malformed)."""
-    prompt = record.get(prompt_field)
-    item = PromptItem(prompt_id=str(record.get("id", default_id)),
-                      ground_truth=str(record.get(ground_truth_field, "") or ""),
-                      reward_fn=str(record.get("reward_fn", "") or ""))
-    if isinstance(prompt, str) and prompt:
-        item.text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-        item.chat = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
-    else:
-        raise InvalidArgument(f"dataset row {index}: field {prompt_field!r} must be a string or chat messages")
-    return item
-
-
-def load_records(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a JSONL / JSON / Parquet file or a saved ``datasets`` directory."""
-    path = Path(path)
-    if path.is_dir():
-        import datasets  # optional: only for `save_to_disk` directories
-
-        return [dict(row) for row in datasets.load_from_disk(str(path))]
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq  # optional
-
-        return pq.read_table(path).to_pylist()
-    text = path.read_text()
-    if path.suffix == ".json":
-        data = json.loads(text)
-        return list(data) if isinstance(data, list) else list(data["data"])
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+log = logging.getLogger("rlfleet.collector.source")
 
 
 class PromptSource:
@@ -110,7 +33,7 @@ class PromptSource:
     then submitted ones, then dataset rows in (seeded) shuffled epochs. Each is in the ledger
     before it is handed out; ``done`` / ``dead`` end it there."""
 
-    def __init__(self, ledger: "PromptLedger", records: list[dict[str, Any]] | None = None, *,
+    def __init__(self, ledger: "PromptLedger", records: list[Any] | None = None, *,
                  prompt_field: str = "prompt", ground_truth_field: str = "answer", shuffle: bool = True,
                  seed: int = 0, epochs: int = 0, max_submitted: int = 10_000):
         self.ledger = ledger
@@ -128,6 +51,9 @@ class PromptSource:
         """Prompts in the ledger: handed out or queued, not yet ended."""
         self.restored = False
         """Whether ``restore`` ran (a collector takes submissions only after it)."""
+        self.bad_rows = 0
+        """Dataset rows dead-lettered because they are not prompts (each once per epoch)."""
+        self._rows_judged = self._good_rows = 0  # in this epoch, since this process started it
         self.epoch = 0
         self.index = 0
         self._order = self._epoch_order(0)
@@ -216,18 +142,44 @@ class PromptSource:
         return len(self._submitted) + len(self._requeued)
 
     # --- output ---------------------------------------------------------------
-    def _next_row(self) -> tuple[PromptItem, dict[str, int]] | None:
-        """The next dataset prompt and the position after it (the source has not moved yet)."""
+    def _next_row(self) -> tuple[PromptItem | InvalidArgument, dict[str, int]] | None:
+        """The next dataset prompt (or why that row is not one) and the position after it (the
+        source has not moved yet)."""
         if not self._records or (self._epochs and self.epoch >= self._epochs):
             return None
         row = self._order[self.index]
-        item = item_from_record(self._records[row], row, self._prompt_field, self._ground_truth_field,
-                                default_id=f"row{row}")
-        item.prompt_id = f"{item.prompt_id}@e{self.epoch}"
+        try:
+            item = from_row(self._records[row], f"dataset row {row}", self._prompt_field,
+                            self._ground_truth_field, default_id=f"row{row}")
+            item.prompt_id = f"{item.prompt_id}@e{self.epoch}"
+        except InvalidArgument as refused:
+            item = refused
         epoch, index = self.epoch, self.index + 1
         if index >= len(self._order):
             epoch, index = epoch + 1, 0
+        self._judged(item, new_epoch=epoch != self.epoch)
         return item, {"epoch": epoch, "index": index}
+
+    def _judged(self, item: PromptItem | InvalidArgument, new_epoch: bool) -> None:
+        """Count good rows: a whole epoch without one means the dataset holds no prompt at all (the
+        wrong ``prompt_field``?), which dead-lettering row after row forever would only hide."""
+        self._rows_judged += 1
+        self._good_rows += isinstance(item, PromptItem)
+        if not new_epoch:
+            return
+        if self._rows_judged == len(self._order) and not self._good_rows:
+            raise InvalidArgument(f"no row of the dataset is a prompt (e.g. {item}); check the collector's "
+                                  f"prompt_field ({self._prompt_field!r}) and the dataset")
+        self._rows_judged = self._good_rows = 0
+
+    async def _dead_row(self, refused: InvalidArgument, position: dict[str, int]) -> None:
+        row = self._order[self.index]
+        item = PromptItem(prompt_id=f"row{row}@e{self.epoch}")
+        dead = await self.ledger.dead(item, "dataset", "INVALID_ARGUMENT", str(refused), position)
+        self.load_state(position)
+        self.bad_rows += 1
+        log.error("dataset row is not a prompt, dead-lettered: %s", refused,
+                  extra={"prompt_id": item.prompt_id, "dead_letter": dead.seq})
 
     async def next(self) -> PromptItem:
         """The next prompt, waiting for submissions when the dataset is exhausted or absent."""
@@ -239,6 +191,9 @@ class PromptSource:
             drawn = self._next_row()
             if drawn is not None:
                 item, position = drawn
+                if isinstance(item, InvalidArgument):
+                    await self._dead_row(item, position)
+                    continue
                 added = await self.ledger.add([item], position)  # durable before it is handed out
                 self.load_state(position)
                 if added:

@@ -7,10 +7,11 @@ key = its prompt's ledger row), so a replica dying mid-generation (its partial
 group is dropped and regenerated elsewhere), or the collector dying after the
 Append, can neither lose nor duplicate it.
 
-Every prompt ends as one group or one dead letter: a stage that refuses the
-prompt's input (INVALID_ARGUMENT / NOT_FOUND) dead-letters it at once; any other
-failure is retried with backoff up to ``prompt_attempts`` times (counted in the
-ledger, so the budget survives restarts), then dead-lettered.
+Every prompt ends as one group or one dead letter (``failures.py`` says which
+failure ends how; the retry budget is counted in the ledger, so it survives
+restarts). What nobody expected is not a failure of the prompt but a bug: it is
+re-raised and reported to ``on_fatal`` (the service stops serving, with the
+traceback in its log), never retried into dead letters.
 """
 
 from __future__ import annotations
@@ -21,22 +22,25 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 import torch
 
 from rlfleet.client.channel import ChannelSettings, backoff, call_with_retry
-from rlfleet.client.errors import (InvalidArgumentError, NotFoundError, ResourceExhaustedError,
-                                   RlfleetClientError, UnavailableError, from_rpc_error)
+from rlfleet.client.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError, from_rpc_error
+from rlfleet.services.collector import failures
 from rlfleet.services.collector.admission import VersionGate
-from rlfleet.services.collector.prompts import PromptItem, PromptSource
+from rlfleet.services.collector.failures import Discard, GenerationFailed
+from rlfleet.services.collector.prompt_item import PromptItem
 from rlfleet.services.collector.replicas import ReplicaPool
+from rlfleet.services.collector.source import PromptSource
 from rlfleet.services.collector.trajectories import group_tensordict
 from rlfleet.v1 import (generation_pb2, reference_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_grpc,
                         sampling_pb2, trajectory_pb2, trajectory_pb2_grpc)
 from rlfleet.wire import decode_ragged, decode_tensor, encode_ragged, encode_tensor, encode_tensordict
 
-log = logging.getLogger("rlfleet.collector.pipeline")
+log = logging.getLogger("rlfleet.collector.rollout")
 
 
 @dataclass
@@ -89,15 +93,14 @@ class PipelineOptions:
     retry_backoff_seconds: float = 1.0
 
 
-class _Discard(Exception):
-    """The group cannot become a trajectory (aborted / stale): requeue its prompt."""
-
-
 class Pipeline:
     def __init__(self, options: PipelineOptions, gate: VersionGate, pool: ReplicaPool, source: PromptSource,
                  reference: reference_pb2_grpc.ReferenceServiceStub, reward: reward_pb2_grpc.RewardServiceStub,
-                 trajectory: trajectory_pb2_grpc.TrajectoryServiceStub, settings: ChannelSettings):
+                 trajectory: trajectory_pb2_grpc.TrajectoryServiceStub, settings: ChannelSettings,
+                 on_fatal: Callable[[str, BaseException], None]):
         self.options = options
+        self.on_fatal = on_fatal
+        """Told of a group task that raised what nobody expected (a bug): the service fails."""
         self.gate = gate
         self.pool = pool
         self.source = source
@@ -130,13 +133,18 @@ class Pipeline:
                 await self.upstream_up.wait()
                 item = await self.source.next()
                 group_index, start_version = await self.gate.admit()
-                task = asyncio.create_task(self._run_group(item, group_index))
+                task = asyncio.create_task(self._run_group(item, group_index), name=f"group of {item.prompt_id}")
                 self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                task.add_done_callback(self._group_done)
         finally:
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _group_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.on_fatal(f"the rollout task of prompt {task.get_name()[len('group of '):]!r}", task.exception())
 
     async def _run_group(self, item: PromptItem, group_index: int) -> None:
         group_id = self._rng.getrandbits(62)
@@ -151,25 +159,25 @@ class Pipeline:
             version = await self._append(item, samples, ref_log_probs, rewards, group_id)
             # Sync mode keeps the prompt's row a while: a group that goes stale unread is generated again.
             await self.source.done(item, retain_at_version=version if self.options.mode == "sync" else None)
-        except _Discard as reason:
+        except Discard as reason:
             log.info("group discarded, prompt requeued", extra={"prompt_id": item.prompt_id, "reason": str(reason)})
             self.source.requeue(item)
             await self.gate.give_back()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a task's failure must be accounted for, never lost
+        except Exception as exc:  # noqa: BLE001 - classified; what nobody expected is re-raised (on_fatal)
+            verdict = failures.verdict(exc)
+            if verdict is None:
+                raise
             await self.gate.give_back()  # its slot goes to another prompt
-            await self._failed(item, stage, exc)
+            await self._failed(item, stage, exc, verdict)
         finally:
             self._groups.release()
 
-    async def _failed(self, item: PromptItem, stage: str, exc: Exception) -> None:
+    async def _failed(self, item: PromptItem, stage: str, exc: Exception, verdict: failures.Verdict) -> None:
         """Dead-letter the prompt (input refused, or retries used up), or retry it after a backoff."""
-        code = exc.code if isinstance(exc, RlfleetClientError) else type(exc).__name__
-        permanent = isinstance(exc, (InvalidArgumentError, NotFoundError))
-        if isinstance(exc, UnavailableError) and stage != "generation":  # replicas have their own pool
+        code = failures.error_code(exc)
+        if failures.pauses_admission(exc, stage):
             self.upstream_up.clear()
-        if not permanent:
+        if verdict == "retry":
             attempts = await self.source.ledger.attempted(item)
             if attempts < self.options.prompt_attempts:
                 delay = backoff(attempts - 1, self.options.retry_backoff_seconds)
@@ -219,9 +227,10 @@ class Pipeline:
                     self.pool.release(replica)
                 if any(s.finish_reason == sampling_pb2.FINISH_REASON_ABORT for s in samples):
                     self.discarded_samples += len(samples)
-                    raise _Discard("generation aborted by a weight update")
+                    raise Discard("generation aborted by a weight update")
                 return sorted(samples, key=lambda s: s.sample_index)
-        raise RuntimeError(f"generation failed on {self.options.generation_attempts} attempts")
+        raise GenerationFailed(f"generation failed on {self.options.generation_attempts} attempts "
+                               f"(replicas tried: {', '.join(sorted(tried)) or 'none'})")
 
     async def _score_reference(self, samples) -> list[torch.Tensor]:
         full = [torch.cat([decode_tensor(s.prompt_token_ids), decode_tensor(s.response_token_ids)]) for s in samples]
@@ -255,13 +264,11 @@ class Pipeline:
         """Append the group (or find it appended before a restart); returns its start version."""
         start_version = min(s.policy_version_start for s in samples)
         now = max(self.gate.version, *(s.policy_version_end for s in samples))
-        if now - start_version > self.gate.max_staleness:
-            # Admission bounds how far ahead a group starts; a group that finished too late (pushes
-            # landed while it generated) would reach the trainer staler than allowed — in sync mode
-            # any push does that. Its prompt is generated again on the current weights; counted.
+        if self.gate.too_stale_to_append(start_version, now):
+            # Its prompt is generated again on the current weights; counted.
             self.discarded_samples += len(samples)
-            raise _Discard(f"too stale: started at v{start_version}, now v{now}, "
-                           f"max_staleness {self.gate.max_staleness}")
+            raise Discard(f"too stale: started at v{start_version}, now v{now}, "
+                          f"max_staleness {self.gate.max_staleness}")
         td = group_tensordict(samples=samples, ref_log_probs=ref_log_probs, rewards=rewards,
                               group_id=group_id, prompt_id=item.prompt_id, kl_coef=rewards.kl_coef,
                               query=item.query)
