@@ -62,12 +62,14 @@ class WeightFanout:
     """Receives pushes from the trainer, stages and commits them on every replica, keeps the spool."""
 
     def __init__(self, pool: ReplicaPool, gate: VersionGate, spool_dir: Path, max_push_bytes: int | None,
-                 on_commit=None):
+                 on_commit=None, on_fatal=None):
         self.pool = pool
         self.gate = gate
         self.spool = Spool(Path(spool_dir))
         self.max_push_bytes = max_push_bytes
         self.on_commit = on_commit
+        self.on_fatal = on_fatal
+        """Told of a background part of a push that raised what nobody expected: the service fails."""
         self._lock = asyncio.Lock()  # one push (or re-sync) at a time: versions are monotone
         self.pushes = 0  # pushes and re-syncs begun: a probe that straddled one is not trusted
         self._spooling: asyncio.Task | None = None  # the last push's spool write (off the commit path)
@@ -83,9 +85,10 @@ class WeightFanout:
             return await self._push(messages)
 
     async def _spooled(self) -> None:
-        """Wait for the previous push's spool write (pushes and re-syncs need it done)."""
+        """Wait for the previous push's spool write (pushes and re-syncs need it done; how it ended
+        was reported by it)."""
         if self._spooling is not None:
-            await asyncio.shield(self._spooling)
+            await asyncio.wait({self._spooling})
 
     async def _targets(self, manifest: weights_pb2.WeightManifest) -> list[Replica]:
         """The replicas a push goes to: those in rotation, and those out of rotation that answer now
@@ -175,26 +178,36 @@ class WeightFanout:
             await loop.run_in_executor(self._spool_thread, spool.copy, segment)
             await loop.run_in_executor(self._spool_thread, spool.flush)
             written = True
-        except Exception:
-            log.exception("spooling version %d failed; re-syncs keep the previous version",
-                          spool.manifest.version)
+        except OSError as err:
+            log.error("spooling version %d failed (%s): replicas that restart cannot be re-synced until a "
+                      "later push spools", spool.manifest.version, err)
         committed = await decision
         self._release(segment)  # only now: replicas falling back to grpc read from it until staged
-        if written and committed:
+        if not (written and committed):
+            spool.discard()
+            return
+        try:
             await asyncio.to_thread(spool.commit)
-        else:
+        except OSError as err:
+            log.error("committing version %d to the spool failed (%s): re-syncs keep the previous version",
+                      spool.manifest.version, err)
             spool.discard()
 
     async def _decide(self, streams: list[ReplicaPush], push: WeightPush, spool, started: float,
                       segment: shm.Segment) -> PushOutcome:
         decision = asyncio.get_running_loop().create_future()
         self._spooling = asyncio.ensure_future(self._spool(spool, segment, decision))
+        self._spooling.add_done_callback(self._spool_done)
         try:
             staged = await self._stage(streams, push.version)
             return await self._commit(streams, staged, push, decision, started)
         finally:
             if not decision.done():
                 decision.set_result(False)
+
+    def _spool_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and self.on_fatal is not None:
+            self.on_fatal("the weight spool writer", task.exception())  # not an I/O error: a bug
 
     async def _stage(self, streams: list[ReplicaPush], version: int) -> list[ReplicaPush]:
         """The replicas that staged the push (a cancel discards it on every replica)."""

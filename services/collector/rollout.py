@@ -126,9 +126,11 @@ class Pipeline:
         self.upstream_up.set()
 
     async def run(self) -> None:
-        """Feed admitted prompts into group tasks until cancelled or the source is exhausted."""
+        """Feed admitted prompts into group tasks until cancelled. A finished dataset (its epochs
+        done) ends nothing: the groups in flight complete, and submitted or retried prompts are
+        still generated (the source waits for them)."""
         try:
-            while not self.source.exhausted:
+            while True:
                 await self._groups.acquire()
                 await self.upstream_up.wait()
                 item = await self.source.next()

@@ -68,7 +68,7 @@ class CollectorService(Service[CollectorConfig]):
         self._channels = {name: aio_channel(address, self.settings) for name, address in self._addresses.items()}
         self.trajectory = trajectory_pb2_grpc.TrajectoryServiceStub(self._channels["trajectory"])
         self.fanout = WeightFanout(self.pool, self.gate, self.state_dir / "spool", config.max_push_bytes,
-                                   on_commit=self._committed)
+                                   on_commit=self._committed, on_fatal=self.fail)
         self.pipeline = Pipeline(
             PipelineOptions(
                 group_size=config.group_size, sampling=dict(config.sampling), mode=config.mode,
@@ -264,7 +264,7 @@ class CollectorService(Service[CollectorConfig]):
             discarded_samples=pipeline.discarded_samples, group_size=self.config.group_size,
             groups_per_step=self.config.groups_per_step, pending_prompts=self.source.pending,
             failed_prompts=pipeline.failed_prompts + self.source.bad_rows, serving=not self.serving_problem,
-            not_serving_reason=self.serving_problem,
+            not_serving_reason=self.serving_problem, failed=bool(self.failure),
         )
 
     @property

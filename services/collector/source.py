@@ -133,11 +133,6 @@ class PromptSource:
         return dead
 
     @property
-    def exhausted(self) -> bool:
-        return (not self._submitted and not self._requeued and self._epochs > 0
-                and self.epoch >= self._epochs)
-
-    @property
     def queued(self) -> int:
         return len(self._submitted) + len(self._requeued)
 

@@ -105,7 +105,12 @@ def test_prompt_source_epochs_shuffle_resume_and_priority():
         assert (await source.next()).text == "again"
         assert (await source.next()).text == "urgent"
         second = [(await source.next()).text for _ in range(5)]
-        assert sorted(second) == sorted(first) and source.exhausted
+        assert sorted(second) == sorted(first) and source.state() == {"epoch": 2, "index": 0}
+        waiting = asyncio.ensure_future(source.next())  # the dataset is done: it waits for submissions
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        await source.submit([PromptItem(prompt_id="late", text="after the epochs")])
+        assert (await asyncio.wait_for(waiting, 10)).text == "after the epochs"
         resumed = PromptSource(ledger(), records(5), shuffle=True, seed=1, epochs=2)
         resumed.load_state(state)
         assert [(await resumed.next()).text for _ in range(5)] == second
@@ -384,19 +389,19 @@ def test_the_batch_proxy_ends_at_once_on_a_bad_message_that_came_while_it_yielde
     collector = SimpleNamespace(trajectory=SimpleNamespace(StreamBatches=lambda metadata: upstream),
                                 settings=SimpleNamespace(metadata=lambda: ()), gate=VersionGate(),
                                 check_working=lambda: None, failed=asyncio.Event())
-    batch_read = asyncio.Event()
+    batch_read, bad_message_read = asyncio.Event(), asyncio.Event()
 
     async def trainer():
         yield trajectory_pb2.StreamBatchesRequest(open=trajectory_pb2.OpenBatchStream(batch_size=1))
         await batch_read.wait()
+        bad_message_read.set()  # the proxy's reader gets the raise below in this same step, and ends with it
         raise InvalidArgument("TrajectoryService/StreamBatches: the request is not a valid protobuf message")
 
     async def stream():
         responses = TrajectoryProxyServicer(collector).StreamBatches(trainer(), None)
         assert (await anext(responses)).lease_id == "lease-1"
         batch_read.set()
-        for _ in range(10):  # the bad message is read while the proxy is suspended at its yield
-            await asyncio.sleep(0)
+        await asyncio.wait_for(bad_message_read.wait(), 10)  # read while the proxy is suspended at its yield
         await asyncio.wait_for(anext(responses), 10)
 
     with pytest.raises(InvalidArgument, match="not a valid protobuf message"):

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 from rlfleet.client.batches import DEFAULT_IDLE_TIMEOUT, DEFAULT_RECONNECT_SECONDS, BatchStream
 from rlfleet.client.channel import ChannelSettings, aio_channel, call_with_retry
-from rlfleet.client.errors import RlfleetClientError, UnavailableError, UnimplementedError
+from rlfleet.client.errors import FailedPreconditionError, RlfleetClientError, UnavailableError, UnimplementedError
 from rlfleet.client.prompts import PromptInput, to_prompt_specs
 from rlfleet.client.push import DEFAULT_CHUNK_BYTES, TransportMemo, named_tensors, push_weights
 from rlfleet.client.results import BufferStats, DroppedStale, PromptFailure, PushResult, Status
@@ -97,6 +97,8 @@ class AsyncClient:
                                 max(0.1, min(remaining, self.settings.timeout))), max(0.1, remaining))
                 if reply.serving:
                     return
+                if reply.failed:  # it will not serve until restarted: no point waiting
+                    raise FailedPreconditionError(reply.not_serving_reason, method="wait_ready")
                 waiting_for = reply.not_serving_reason or "not serving"
             except (RlfleetClientError, TimeoutError) as exc:
                 if isinstance(exc, RlfleetClientError) and not exc.retryable:

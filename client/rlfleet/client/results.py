@@ -114,6 +114,9 @@ class Status:
     while an upstream service is down or no generation replica is in rotation."""
     not_serving_reason: str = ""
     """What it waits for, or which upstream is down, while not serving."""
+    failed: bool = False
+    """It stopped working for good (a background task died; ``not_serving_reason`` says which and
+    why): every trainer call answers ``FailedPreconditionError`` until it is restarted."""
 
     @classmethod
     def from_proto(cls, reply: collector_pb2.GetStatusResponse) -> "Status":
@@ -126,7 +129,7 @@ class Status:
             discarded_samples=reply.discarded_samples, group_size=reply.group_size,
             groups_per_step=reply.groups_per_step, pending_prompts=reply.pending_prompts,
             failed_prompts=reply.failed_prompts, serving=reply.serving,
-            not_serving_reason=reply.not_serving_reason,
+            not_serving_reason=reply.not_serving_reason, failed=reply.failed,
         )
 
 

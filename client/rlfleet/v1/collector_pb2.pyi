@@ -154,7 +154,7 @@ class ReplicaStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., policy_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., weight_transfer_world_size: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("policy_version", "mode", "max_staleness", "stages", "replicas", "staleness_histogram", "trajectories", "discarded_samples", "group_size", "groups_per_step", "pending_prompts", "failed_prompts", "serving", "not_serving_reason")
+    __slots__ = ("policy_version", "mode", "max_staleness", "stages", "replicas", "staleness_histogram", "trajectories", "discarded_samples", "group_size", "groups_per_step", "pending_prompts", "failed_prompts", "serving", "not_serving_reason", "failed")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,7 @@ class GetStatusResponse(_message.Message):
     FAILED_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     NOT_SERVING_REASON_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     mode: str
     max_staleness: int
@@ -183,4 +184,5 @@ class GetStatusResponse(_message.Message):
     failed_prompts: int
     serving: bool
     not_serving_reason: str
-    def __init__(self, policy_version: _Optional[int] = ..., mode: _Optional[str] = ..., max_staleness: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., trajectories: _Optional[int] = ..., discarded_samples: _Optional[int] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., failed_prompts: _Optional[int] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ...) -> None: ...
+    failed: bool
+    def __init__(self, policy_version: _Optional[int] = ..., mode: _Optional[str] = ..., max_staleness: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., trajectories: _Optional[int] = ..., discarded_samples: _Optional[int] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., failed_prompts: _Optional[int] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ..., failed: _Optional[bool] = ...) -> None: ...

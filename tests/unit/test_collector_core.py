@@ -1,0 +1,254 @@
+"""The collector's rules, each on its own: failure classification, the staleness bound at admission,
+append and read, the dataset reader, bad dataset rows, supervision of background tasks, the
+durable commit and pushes that bring replicas back. Fakes stand in for the stubs only."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlfleet.client.errors import (AbortedError, DeadlineExceededError, InternalError, InvalidArgumentError,
+                                   NotFoundError, UnavailableError)
+from rlfleet.services.collector import failures
+from rlfleet.services.collector.admission import VersionGate
+from rlfleet.services.collector.dataset import load_records
+from rlfleet.services.collector.ledger import PromptLedger
+from rlfleet.services.collector.source import PromptSource
+from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, StartupError
+from rlfleet.wire import WireError
+
+
+# --- failure classification ---------------------------------------------------------------------
+@pytest.mark.parametrize("exc,verdict", [
+    (InvalidArgumentError("x"), "dead"),
+    (NotFoundError("no reward fn"), "dead"),
+    (WireError("ref_log_probs", "bad lengths"), "dead"),
+    (UnavailableError("down"), "retry"),
+    (DeadlineExceededError("slow"), "retry"),
+    (AbortedError("cut"), "retry"),
+    (InternalError("upstream bug"), "retry"),
+    (failures.GenerationFailed("5 attempts"), "retry"),
+    (KeyError("content"), None),       # a bug of ours: never retried into dead letters
+    (TypeError("unexpected"), None),
+    (OSError("disk full"), None),
+])
+def test_each_failure_ends_as_a_retry_a_dead_letter_or_a_bug(exc, verdict):
+    assert failures.verdict(exc) == verdict
+
+
+def test_dead_letter_codes_and_which_failures_pause_admission():
+    assert failures.error_code(NotFoundError("x")) == "NOT_FOUND"
+    assert failures.error_code(WireError("kl", "bad")) == "INVALID_ARGUMENT"
+    assert failures.error_code(failures.GenerationFailed("x")) == "GenerationFailed"
+    down = UnavailableError("reward down")
+    assert failures.pauses_admission(down, "reward") and failures.pauses_admission(down, "trajectory")
+    assert not failures.pauses_admission(down, "generation")  # replicas have their own pool
+    assert not failures.pauses_admission(InvalidArgumentError("x"), "reward")
+
+
+# --- the staleness bound --------------------------------------------------------------------------
+def test_the_staleness_bound_at_append_and_at_read():
+    asynchronous = VersionGate(max_staleness=1, version=5)
+    assert not asynchronous.too_stale_to_append(4, 5) and asynchronous.too_stale_to_append(3, 5)
+    assert not asynchronous.stale_at_read(0)  # async: the reader's min_policy_version decides
+    sync = VersionGate(max_staleness=3, sync=True, version=5)
+    assert sync.max_staleness == 0  # sync forces the bound to 0
+    assert sync.too_stale_to_append(4, 5) and not sync.too_stale_to_append(5, 5)
+    assert sync.stale_at_read(4) and not sync.stale_at_read(5)
+
+
+def test_a_restart_realigns_the_step_count_to_the_committed_version():
+    gate = VersionGate(groups_per_step=4, max_staleness=0)
+    gate.restart_at(3)
+    assert (gate.version, gate.groups_started) == (3, 12) and gate.may_start()
+    gate.groups_started += 4  # step 3 admitted: step 4 waits for version 4
+    assert not gate.may_start()
+
+
+# --- the dataset reader -----------------------------------------------------------------------------
+ROWS = [{"prompt": "one", "answer": "1"}, {"prompt": [{"role": "user", "content": "two"}], "answer": "2"}]
+
+
+def test_load_records_reads_jsonl_json_parquet_and_saved_datasets(tmp_path):
+    import datasets
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n\n")
+    assert load_records(jsonl) == ROWS
+    (tmp_path / "rows.json").write_text(json.dumps(ROWS))
+    assert load_records(tmp_path / "rows.json") == ROWS
+    (tmp_path / "wrapped.json").write_text(json.dumps({"data": ROWS}))
+    assert load_records(tmp_path / "wrapped.json") == ROWS
+    flat = [{"prompt": "one", "answer": "1"}, {"prompt": "two", "answer": "2"}]
+    pq.write_table(pyarrow.Table.from_pylist(flat), tmp_path / "rows.parquet")
+    assert load_records(tmp_path / "rows.parquet") == flat
+    datasets.Dataset.from_list(flat).save_to_disk(str(tmp_path / "saved"))
+    assert load_records(tmp_path / "saved") == flat
+
+
+@pytest.mark.parametrize("name,content,message", [
+    ("bad.jsonl", '{"prompt": "a"}\n\n{"prompt": "b"\n', "bad.jsonl line 3 column"),
+    ("bad.json", '[{"prompt": "a"},\n {"prompt": }]', "bad.json line 2 column"),
+    ("scalar.json", '"just a string"', "expected a list of rows"),
+    ("bad.parquet", "not parquet at all", "is not a readable Parquet file"),
+    ("binary.jsonl", b"\xff\xfe\x00garbage", "cannot read"),
+])
+def test_a_dataset_that_cannot_be_read_is_a_startup_error_naming_file_and_line(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(StartupError, match="dataset_path: .*" + message.replace("(", r"\(")):
+        load_records(path)
+    with pytest.raises(StartupError, match="does not exist"):
+        load_records(tmp_path / "missing.jsonl")
+
+
+# --- bad rows in the prompt source ----------------------------------------------------------------------
+def test_bad_rows_are_dead_lettered_with_their_reason_and_the_good_rows_follow(tmp_path):
+    records = [{"prompt": "good 0"}, {"prompt": 42}, {"prompt": [{"role": "user"}]}, ["a", "list"],
+               {"question": "no prompt"}, {"prompt": [{"role": "robot", "content": "x"}]}, {"prompt": "good 6"}]
+
+    async def scenario():
+        source = PromptSource(PromptLedger(tmp_path / "prompts.sqlite3"), records, shuffle=False, epochs=1)
+        taken = [(await source.next()).prompt_id, (await source.next()).prompt_id]
+        dead, total = await source.ledger.failures(0, 100)
+        position = await source.ledger.position()
+        source.ledger.close()
+        return source, taken, dead, total, position
+
+    source, taken, dead, total, position = asyncio.run(scenario())
+    assert taken == ["row0@e0", "row6@e0"]
+    assert total == 5 and source.bad_rows == 5
+    assert [(d.prompt_id, d.stage, d.code) for d in dead] == [
+        (f"row{i}@e0", "dataset", "INVALID_ARGUMENT") for i in range(1, 6)]
+    errors = [d.error for d in dead]
+    assert "dataset row 1.prompt: must be a non-empty string or a list of chat messages, got int" in errors[0]
+    assert "dataset row 2.prompt[0].content: must be a string, got nothing" in errors[1]
+    assert "dataset row 3: a row must be an object, got list" in errors[2]
+    assert "dataset row 4: no field 'prompt'" in errors[3]
+    assert "dataset row 5.prompt[0].role: 'robot' is not one of" in errors[4]
+    assert position == {"epoch": 1, "index": 0}  # moved past the dead rows with them (a restart skips them)
+
+
+def test_an_epoch_without_a_single_prompt_is_an_error_not_an_endless_loop_of_dead_letters(tmp_path):
+    async def scenario():
+        source = PromptSource(PromptLedger(tmp_path / "prompts.sqlite3"), [{"q": 1}, {"q": 2}], epochs=0)
+        try:
+            with pytest.raises(InvalidArgument, match="no row of the dataset is a prompt.*prompt_field"):
+                await asyncio.wait_for(source.next(), 30)
+        finally:
+            source.ledger.close()
+    asyncio.run(scenario())
+
+
+# --- supervision -----------------------------------------------------------------------------------------
+class _Supervised:
+    """The Service base's supervision, without a server (health is absent: nothing to flip)."""
+
+    def __new__(cls):
+        from rlfleet.services.common.server import Service
+
+        class Probe(Service):
+            def add_to_server(self, server):
+                pass
+        return Probe(SimpleNamespace())
+
+
+def test_a_supervised_task_that_raises_fails_the_service_with_the_reason(caplog):
+    async def scenario():
+        service = _Supervised()
+        service.check_working()  # fine while nothing failed
+
+        async def dies():
+            raise KeyError("content")
+
+        async def runs_forever():
+            await asyncio.Event().wait()
+
+        service.supervise(runs_forever(), "the replica monitor")
+        service.supervise(dies(), "the rollout loop")
+        await asyncio.wait_for(service.failed.wait(), 10)
+        with pytest.raises(FailedPrecondition, match=r"the rollout loop died: KeyError: 'content'"):
+            service.check_working()
+        await service.stop_supervised()  # the other one is cancelled; nothing raised here
+        return service
+
+    service = asyncio.run(scenario())
+    assert "the rollout loop died" in service.failure
+    died = [r for r in caplog.records if "the rollout loop died" in r.getMessage()]
+    assert died and died[0].exc_info is not None  # the traceback is in the log
+
+
+def test_a_task_cancelled_at_stop_is_not_a_failure():
+    async def scenario():
+        service = _Supervised()
+        service.supervise(asyncio.Event().wait(), "waiter")
+        await asyncio.sleep(0)
+        await service.stop_supervised()
+        return service
+    assert asyncio.run(scenario()).failure == ""
+
+
+# --- the durable commit and pushes that bring replicas back -------------------------------------------------
+def test_the_state_written_at_commit_holds_the_new_version(tmp_path):
+    """The bug: the commit callback saved the gate's version before the gate moved to the new one,
+    so a collector killed before its next checkpoint came back one version behind its replicas."""
+    from rlfleet.services.collector.service import CollectorService
+
+    service = CollectorService.__new__(CollectorService)
+    service.state_dir, service.gate = tmp_path, VersionGate(version=6)
+    service._committed(7)
+    assert json.loads((tmp_path / "state.json").read_text()) == {"version": 7}
+    assert service.load_state() == {"version": 7}
+
+
+class _Pool:
+    def __init__(self, replicas, answering):
+        self.replicas, self.answering = replicas, answering
+        self.settings = None
+
+    def healthy(self):
+        return [r for r in self.replicas if r.healthy]
+
+    async def probe(self, replica, timeout=5.0):
+        return self.answering.get(replica.address)
+
+
+def test_a_push_goes_to_replicas_out_of_rotation_that_answer_as_a_resync():
+    from rlfleet.services.collector.fanout import WeightFanout, _offered
+    from rlfleet.services.collector.replicas import Replica
+    from rlfleet.services.common.errors import Unavailable
+    from rlfleet.v1 import weights_pb2
+
+    up = Replica("gen:1", None, None, healthy=True, policy_version=4)
+    back = Replica("gen:2", None, None, healthy=False, policy_version=5)  # ran ahead: a crashed commit
+    gone = Replica("gen:3", None, None, healthy=False, last_error="connection refused")
+    fanout = WeightFanout.__new__(WeightFanout)
+    fanout.pool = _Pool([up, back, gone], {"gen:1": 4, "gen:2": 5})
+    manifest = weights_pb2.WeightManifest(version=5)
+    targets = asyncio.run(fanout._targets(manifest))
+    assert [r.address for r in targets] == ["gen:1", "gen:2"]
+    assert not _offered(manifest, up).resync and _offered(manifest, back).resync
+    assert not manifest.resync  # the trainer's manifest is not changed
+    fanout.pool = _Pool([gone], {})
+    with pytest.raises(Unavailable, match="no generation replica answers.*gen:3: connection refused"):
+        asyncio.run(fanout._targets(manifest))
+
+
+def test_sampling_fields_are_checked_by_the_generation_rules():
+    from rlfleet.services.generation.sampling import sampling_from_fields
+
+    spec = sampling_from_fields({"temperature": 0.7, "max_tokens": 8, "stop": ["\n"], "n": 4})
+    assert (spec.n, spec.max_tokens, spec.stop) == (4, 8, ("\n",))
+    with pytest.raises(InvalidArgument, match="sampling: no field 'temprature' \\(SamplingParams has n, temperature"):
+        sampling_from_fields({"temprature": 1.0})
+    with pytest.raises(InvalidArgument, match="prompts\\[2\\].sampling.top_p must be in"):
+        sampling_from_fields({"top_p": 3.0, "max_tokens": 4}, "prompts[2].sampling")
+    with pytest.raises(InvalidArgument, match="sampling.max_tokens: .*str"):
+        sampling_from_fields({"max_tokens": "many"})
+    assert torch.tensor(0).item() == 0  # torch imported by the wire codec the collector loads
