@@ -25,8 +25,8 @@ from rlfleet.services.collector.replicas import ReplicaPool
 from rlfleet.services.collector.rollout import Pipeline, PipelineOptions
 from rlfleet.services.collector.servicer import CollectorServicer, TrajectoryProxyServicer
 from rlfleet.services.collector.source import PromptSource
-from rlfleet.services.collector.spool import write_atomically
 from rlfleet.services.common.errors import InvalidArgument, StartupError, Unavailable, UpstreamError
+from rlfleet.services.common.files import write_atomically
 from rlfleet.services.common.server import Service
 from rlfleet.wire import shm
 from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, reference_pb2_grpc, reward_pb2, reward_pb2_grpc,

@@ -15,29 +15,11 @@ import logging
 import os
 from pathlib import Path
 
+from rlfleet.services.common.files import write_atomically
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm
 
 log = logging.getLogger("rlfleet.collector.spool")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Temp file, fsync, rename, fsync the directory."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def data_path(directory: Path, version: int) -> Path:

@@ -1,9 +1,13 @@
 """One pydantic config per service, loaded from a file, env vars and CLI flags.
 
-Precedence (highest first): CLI flags, environment variables, the config file
-(``--config path.yaml|.json``), field defaults. Env vars are named
-``RLFLEET_<SERVICE>_<FIELD>`` (e.g. ``RLFLEET_REFERENCE_PORT=50052``); dict
-and list fields take JSON in env vars and on the command line.
+Precedence (highest first): CLI flags (``--field-name VALUE`` or
+``--field-name=VALUE``), environment variables ``RLFLEET_<SERVICE>_<FIELD>``
+(e.g. ``RLFLEET_REFERENCE_PORT=50052``), the config file (``--config
+path.yaml|.json``), field defaults. pydantic-settings reads the sources; dict
+and list fields take JSON in env vars and flags, decoded by the model (bad JSON
+is a ``ValidationError`` naming the field); any other value is handed to the
+field as written, so a string field given ``[abc`` or ``{x`` keeps it. On the
+command line ``null`` sets an optional field to None.
 """
 
 from __future__ import annotations
@@ -11,18 +15,38 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import types
+import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Sequence, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    CliSettingsSource,
+    EnvSettingsSource,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 C = TypeVar("C", bound="ServiceConfig")
 
 
-class ServiceConfig(BaseModel):
+class ServiceConfig(BaseSettings):
     """Fields every service has. Each service subclasses this and sets ``service_name``."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=True)
+    model_config = SettingsConfigDict(
+        extra="forbid", validate_default=True, use_attribute_docstrings=True,
+        # Flags and file keys are matched exactly; env var names ignore case (see _EnvironSource).
+        case_sensitive=True,
+        # Dict/list values reach the model as text and _decode_json turns them into
+        # ValidationErrors naming the field, not a SettingsError from inside a source.
+        enable_decoding=False,
+        cli_kebab_case=True,
+    )
     service_name: ClassVar[str] = "service"
 
     host: str = "0.0.0.0"
@@ -47,28 +71,47 @@ class ServiceConfig(BaseModel):
     """If set, every RPC must carry ``authorization: Bearer <token>`` metadata (UNAUTHENTICATED otherwise); health stays open."""
 
     @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # A config built in code holds exactly its arguments; only load() reads the outside world.
+        return (init_settings,)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _decode_json(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, str) and info.field_name and _takes_json(cls.model_fields[info.field_name].annotation):
+            try:
+                return json.loads(value)
+            except ValueError as err:
+                raise ValueError(f"invalid JSON ({err})") from None
+        return value
+
+    @classmethod
     def env_prefix(cls) -> str:
         return f"RLFLEET_{cls.service_name.upper()}_"
 
     @classmethod
-    def load(cls: type[C], argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> C:
-        """Build the config from ``argv`` (CLI flags), ``environ`` and ``--config``."""
-        environ = os.environ if environ is None else environ
-        parser = cls.argument_parser()
-        ns = parser.parse_args(argv)
-        values: dict[str, Any] = {}
-        if ns.config:
-            values.update(read_config_file(ns.config))
-        prefix = cls.env_prefix()
-        for name in cls.user_fields():
-            raw = environ.get(prefix + name.upper())
-            if raw is not None:
-                values[name] = _parse_value(raw)
-        for name in cls.user_fields():
-            raw = getattr(ns, name)
-            if raw is not None:
-                values[name] = _parse_value(raw)
-        return cls.model_validate(values)
+    def load(cls: type[C], argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> C:
+        """Build the config from ``argv`` (CLI flags; default ``sys.argv[1:]``), ``environ``
+        (default ``os.environ``) and the ``--config`` file they name."""
+        parser, cli = cls._command_line()
+        parsed = vars(parser.parse_args(sys.argv[1:] if argv is None else list(argv)))
+        config_file = parsed.pop("config")
+        # Dict/list flags are argparse "append" actions: the last one wins, like every other flag.
+        cli(parsed_args={name: value[-1] if isinstance(value, list) else value for name, value in parsed.items()})
+        # Highest precedence first; pydantic-settings fills each field from the first source that has it.
+        sources: list[PydanticBaseSettingsSource] = [
+            cli, _EnvironSource(cls, os.environ if environ is None else environ, cls.env_prefix()),
+        ]
+        if config_file:
+            sources.append(InitSettingsSource(cls, init_kwargs=read_config_file(config_file)))
+        return cls(_build_sources=(tuple(sources), {}))
 
     @classmethod
     def user_fields(cls) -> list[str]:
@@ -76,19 +119,42 @@ class ServiceConfig(BaseModel):
 
     @classmethod
     def argument_parser(cls) -> argparse.ArgumentParser:
+        """``--config`` plus one ``--field-name`` flag per field, documented by the field's docstring."""
+        return cls._command_line()[0]
+
+    @classmethod
+    def _command_line(cls) -> tuple[argparse.ArgumentParser, CliSettingsSource]:
         parser = argparse.ArgumentParser(
             prog=f"rlfleet-{cls.service_name}",
             description=(cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else None,
-            epilog=f"Every flag can also be set as env var {cls.env_prefix()}<FIELD> or in --config.",
+            epilog=(f"Every flag can also be set as env var {cls.env_prefix()}<FIELD> or in --config. "
+                    "Dict and list values are JSON; null sets an optional field to None."),
+            allow_abbrev=False,  # a truncated or mistyped flag is an error, not another field
         )
         parser.add_argument("--config", help="YAML or JSON file with config fields")
-        for field_name in cls.user_fields():
-            field = cls.model_fields[field_name]
-            parser.add_argument(
-                "--" + field_name.replace("_", "-"), dest=field_name, default=None,
-                metavar=field_name.upper(), help=(field.description or "").replace("%", "%%"),
-            )
-        return parser
+        return parser, CliSettingsSource(cls, root_parser=parser)
+
+
+class _EnvironSource(EnvSettingsSource):
+    """``RLFLEET_<SERVICE>_<FIELD>`` variables, read from the mapping ``load`` was given."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str], prefix: str):
+        self._environ = environ
+        super().__init__(settings_cls, env_prefix=prefix, case_sensitive=False)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        # EnvSettingsSource reads os.environ here; DotEnvSettingsSource overrides it the same way.
+        return {name.lower(): value for name, value in self._environ.items()}
+
+
+def _takes_json(annotation: Any) -> bool:
+    """Whether a field's values are dicts, lists or models (spelt as JSON in env vars and flags)."""
+    is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    for member in typing.get_args(annotation) if is_union else (annotation,):
+        container = typing.get_origin(member) or member
+        if isinstance(container, type) and issubclass(container, (dict, list, tuple, set, frozenset, BaseModel)):
+            return True
+    return False
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -103,10 +169,3 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of config fields")
     return data
-
-
-def _parse_value(raw: str) -> Any:
-    # JSON for dicts/lists/numbers/bools; anything else stays a string for pydantic.
-    if raw[:1] in "[{":
-        return json.loads(raw)
-    return raw

@@ -14,14 +14,14 @@ import hashlib
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
 from rlfleet.services.common.errors import Aborted, FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import WireError, shm
-from rlfleet.wire.tensor import check_shape, dtype_from_wire
+from rlfleet.wire.dtypes import dtype_from_wire
+from rlfleet.wire.tensor import check_shape
 
 MAX_POLICY_VERSION = 2**63 - 1
 """The largest policy version: batches carry versions in int64 columns."""

@@ -431,14 +431,6 @@ class GenerationEngine:
         """The weight version vLLM itself reports (``get_weight_version``)."""
         return await self._require_engine().get_weight_version()
 
-    async def weight_checksums(self) -> dict[str, str]:
-        """Per-parameter digests of the weights vLLM computes with (debugging)."""
-        engine = self._require_engine()
-        merged: dict[str, str] = {}
-        for worker_digests in await engine.compute_weight_checksums():
-            merged.update(worker_digests)
-        return merged
-
     # ------------------------------------------------------------------ status
 
     def status(self) -> EngineStatus:

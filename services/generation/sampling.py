@@ -163,10 +163,15 @@ def sampling_from_fields(fields: dict[str, Any], where: str = "sampling") -> Sam
     """A mapping of SamplingParams fields (a config's ``sampling``, a prompt's overrides) -> the
     validated SamplingSpec, by the rules a replica applies to a request: InvalidArgument naming
     ``where`` and the field for an unknown field, a value of the wrong type or out of bounds."""
-    try:
-        params = sampling_pb2.SamplingParams(**fields)
-    except (ValueError, TypeError) as exc:  # unknown field, wrong type or range for the field
-        raise InvalidArgument(f"{where}: {exc}") from None
+    params = sampling_pb2.SamplingParams()
+    known = params.DESCRIPTOR.fields_by_name
+    for name, value in fields.items():
+        if name not in known:
+            raise InvalidArgument(f"{where}: no field {name!r} (SamplingParams has {', '.join(known)})")
+        try:
+            params.MergeFrom(sampling_pb2.SamplingParams(**{name: value}))
+        except (ValueError, TypeError) as exc:  # a value of the wrong type, or out of the field's range
+            raise InvalidArgument(f"{where}.{name}: {exc}") from None
     try:
         return sampling_from_proto(params)
     except InvalidArgument as exc:

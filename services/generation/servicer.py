@@ -12,6 +12,7 @@ from rlfleet.services.generation.engine import GenerationEngine
 from rlfleet.services.generation.sampling import SampleResult, SamplingSpec, sampling_from_proto, sampling_to_proto
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, weights_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
+from rlfleet.wire.dtypes import TOKEN_ID_DTYPES
 
 WEIGHT_TRANSPORTS = ("grpc", "shm", "nccl")
 _FINISH = {
@@ -31,7 +32,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         kind = prompt.WhichOneof("kind")
         if kind == "token_ids":
             ids = decode_tensor(prompt.token_ids, "prompt.token_ids", max_elements=limit)
-            if ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
+            if ids.dim() != 1 or ids.dtype not in TOKEN_ID_DTYPES:
                 raise InvalidArgument(
                     f"prompt.token_ids must be a 1-D int64/int32 tensor, got {ids.dtype} {list(ids.shape)}")
             return ids.tolist()

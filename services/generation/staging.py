@@ -24,6 +24,7 @@ from rlfleet.services.common.weight_stream import WeightPush, open_offered_segme
 from rlfleet.services.generation.weights import TensorSpec, validate_manifest
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm
+from rlfleet.wire.dtypes import dtype_name
 
 
 @dataclass
@@ -79,7 +80,7 @@ class StagedPush:
         """What the worker engine (``transfer.RlfleetUpdateInfo``) needs to load the push."""
         info: dict[str, Any] = dict(
             names=list(self.push.names),
-            dtype_names=[str(d).removeprefix("torch.") for d in self.push.dtypes],
+            dtype_names=[dtype_name(d) for d in self.push.dtypes],
             shapes=[list(s) for s in self.push.shapes],
             total_bytes=self.push.total_bytes)
         # Our own descriptor, not the name: the trainer may unlink the name (a cut push)

@@ -75,21 +75,15 @@ def _engine_base():
     return WeightTransferEngine
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
-
-
 def shm_weights(segment_flat: torch.Tensor, update: RlfleetUpdateInfo,
                 target_dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` views of a mapped segment, floating tensors converted to ``target_dtype``."""
+    from rlfleet.wire.dtypes import dtype_from_name
     from rlfleet.wire.shm import view_tensor
 
     offset = 0
     for name, dtype_name, shape in zip(update.names, update.dtype_names, update.shapes):
-        dtype = _torch_dtype(dtype_name)
+        dtype = dtype_from_name(dtype_name)
         tensor = view_tensor(segment_flat, offset, dtype, shape)
         offset += math.prod(shape) * dtype.itemsize
         if target_dtype is not None and tensor.is_floating_point() and tensor.dtype != target_dtype:
@@ -101,10 +95,11 @@ class SegmentSink:
     """Writes received ``(name, tensor)`` pairs at their offsets in a segment (device -> host)."""
 
     def __init__(self, flat: torch.Tensor, update: RlfleetUpdateInfo):
+        from rlfleet.wire.dtypes import BY_NAME
         from rlfleet.wire.shm import tensor_offsets
 
         self.flat = flat
-        sizes = [math.prod(shape) * _torch_dtype(d).itemsize for d, shape in zip(update.dtype_names, update.shapes)]
+        sizes = [math.prod(shape) * BY_NAME[d].itemsize for d, shape in zip(update.dtype_names, update.shapes)]
         self.where = dict(zip(update.names, zip(tensor_offsets(sizes), sizes)))
         self.written = 0
 
@@ -122,7 +117,9 @@ def receive_broadcast(nccl, update: RlfleetUpdateInfo, sink, device: torch.devic
     """Receive one push from rank 0 the way vLLM's ``NCCLWeightTransferEngine.receive_weights``
     does (packed buffers or tensor by tensor, as the trainer chose at init), handing each received
     batch of ``(name, tensor)`` pairs to ``sink`` (None: take part without keeping anything)."""
-    specs = [(name, (list(shape), _torch_dtype(dtype_name)))
+    from rlfleet.wire.dtypes import dtype_from_name
+
+    specs = [(name, (list(shape), dtype_from_name(dtype_name)))
              for name, dtype_name, shape in zip(update.names, update.dtype_names, update.shapes)]
     keep = sink if sink is not None else (lambda pairs: None)
     if nccl.packed:

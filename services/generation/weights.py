@@ -19,39 +19,7 @@ import torch
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import WireError
-from rlfleet.wire.tensor import dtype_from_wire
-
-#: Wire dtype names (torch spelling) -> torch dtype.
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-
-#: safetensors header dtype tags -> wire dtype names.
-SAFETENSORS_DTYPES: dict[str, str] = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
+from rlfleet.wire.dtypes import BY_NAME, BY_SAFETENSORS, dtype_from_wire, dtype_name
 
 
 @dataclass(frozen=True)
@@ -59,6 +27,7 @@ class TensorSpec:
     """Dtype and shape of one checkpoint tensor."""
 
     dtype: str
+    """The dtype's name in ``rlfleet.wire.dtypes`` (``"bfloat16"``)."""
     shape: tuple[int, ...]
 
 
@@ -70,10 +39,10 @@ def _read_safetensors_header(path: Path) -> dict[str, TensorSpec]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+        dtype = BY_SAFETENSORS.get(entry["dtype"])
         if dtype is None:
             raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
-        specs[name] = TensorSpec(dtype=dtype, shape=tuple(entry["shape"]))
+        specs[name] = TensorSpec(dtype=dtype.name, shape=tuple(entry["shape"]))
     return specs
 
 
@@ -99,7 +68,7 @@ def read_checkpoint_specs(model_dir: str | Path) -> dict[str, TensorSpec]:
 
 def checkpoint_bytes(checkpoint: dict[str, TensorSpec]) -> int:
     """Bytes of the checkpoint's tensors in their own dtypes (the served model's size)."""
-    return sum(math.prod(spec.shape) * TORCH_DTYPES[spec.dtype].itemsize for spec in checkpoint.values())
+    return sum(math.prod(spec.shape) * BY_NAME[spec.dtype].itemsize for spec in checkpoint.values())
 
 
 def validate_manifest(manifest: weights_pb2.WeightManifest, checkpoint: dict[str, TensorSpec]) -> None:
@@ -134,9 +103,9 @@ def validate_push(names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: S
         spec = checkpoint.get(name)
         if spec is None:
             raise InvalidArgument(f"weights: unknown tensor {name!r} (not in the model checkpoint)")
-        if dtype.is_floating_point != TORCH_DTYPES[spec.dtype].is_floating_point:
+        if dtype.is_floating_point != BY_NAME[spec.dtype].torch.is_floating_point:
             raise InvalidArgument(
-                f"weights: tensor {name!r} has dtype {str(dtype).removeprefix('torch.')}, checkpoint has {spec.dtype}"
+                f"weights: tensor {name!r} has dtype {dtype_name(dtype)}, checkpoint has {spec.dtype}"
             )
         if len(shape) != len(spec.shape) or tuple(shape) != spec.shape:
             shown = f"shape {list(shape)}" if len(shape) <= 8 else f"{len(shape)} dimensions"

@@ -25,8 +25,7 @@ from torch import Tensor
 
 from rlfleet.services.common.errors import InvalidArgument, Unavailable
 from rlfleet.services.reference.config import ReferenceConfig
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from rlfleet.wire.dtypes import dtype_from_name
 
 TokenSequence = Sequence[int] | Tensor
 
@@ -82,7 +81,7 @@ class ReferenceScorer:
             torch.set_num_threads(self.config.torch_threads)
         model = AutoModelForCausalLM.from_pretrained(
             self.config.model_path,
-            dtype=_DTYPES[self.config.dtype],
+            dtype=dtype_from_name(self.config.dtype),
             attn_implementation=self.config.attn_implementation,
             trust_remote_code=self.config.trust_remote_code,
         )

@@ -24,7 +24,6 @@ import abc
 import json
 import math
 import os
-import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument
+from rlfleet.services.common.files import write_atomically
 
 STATE_FORMAT_VERSION = 1
 
@@ -135,23 +135,7 @@ class KLController(abc.ABC):
         """Atomically write the state to ``path`` (temp file in the same dir, fsync, rename)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        payload = json.dumps(self.state_dict(), indent=2, sort_keys=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as tmp:
-                tmp.write(payload)
-                tmp.flush()
-                os.fsync(tmp.fileno())
-            os.replace(tmp_name, path)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
-        # Persist the rename itself (the directory entry) across a power loss.
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_atomically(path, json.dumps(self.state_dict(), indent=2, sort_keys=True))
 
     def load(self, path: str | os.PathLike[str]) -> bool:
         """Restore from ``path`` if it exists. Returns whether a state was loaded."""

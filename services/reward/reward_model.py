@@ -23,8 +23,7 @@ import torch
 
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument
 from rlfleet.services.reward.scores import ScoreInput
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from rlfleet.wire.dtypes import MODEL_DTYPE_NAMES, dtype_from_name
 
 
 class RewardModelScorer:
@@ -42,12 +41,12 @@ class RewardModelScorer:
     ) -> None:
         if batch_size < 1:
             raise InvalidArgument(f"reward_model: batch_size must be >= 1, got {batch_size}")
-        if dtype not in _DTYPES:
-            raise InvalidArgument(f"reward_model: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if dtype not in MODEL_DTYPE_NAMES:
+            raise InvalidArgument(f"reward_model: dtype must be one of {sorted(MODEL_DTYPE_NAMES)}, got {dtype!r}")
         self.path = path
         self.batch_size = batch_size
         self.device = torch.device(device)
-        self.dtype = _DTYPES[dtype]
+        self.dtype = dtype_from_name(dtype)
         self.max_length = max_length
         self.label_index = label_index
         self.model: Any = None

@@ -13,15 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-import torch
-
 from rlfleet.v1 import tensor_pb2
-from rlfleet.wire.tensor import dtype_from_wire
-
-_ITEMSIZE = {
-    wire: torch.empty((), dtype=dtype_from_wire(wire)).element_size()
-    for wire in tensor_pb2.Dtype.values() if wire != tensor_pb2.DTYPE_UNSPECIFIED
-}
+from rlfleet.wire.dtypes import BY_WIRE
 
 #: A batch's schema: key -> ["tensor", dtype, trailing dims] | ["ragged", dtype,
 #: trailing dims] | ["strings"] | ["nested", extra batch dims, sub-schema].
@@ -50,7 +43,7 @@ def _split(msg: tensor_pb2.TensorDict) -> list[tensor_pb2.TensorDict]:
         elif kind == "ragged":
             values, data = value.ragged.values, value.ragged.values.data
             trailing = list(values.shape[1:])
-            row_bytes = math.prod(trailing) * _ITEMSIZE[values.dtype]
+            row_bytes = math.prod(trailing) * BY_WIRE[values.dtype].itemsize
             offset = 0
             for row, length in zip(rows, value.ragged.lengths):
                 out = row.entries[key].ragged

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 import torch
 
 from rlfleet.v1 import collector_pb2, sampling_pb2
+from rlfleet.wire.dtypes import TOKEN_ID_DTYPES
 from rlfleet.wire.tensor import encode_tensor
 
 ChatMessage = Mapping[str, str]
@@ -92,7 +93,7 @@ def _prompt(value: Any, where: str) -> sampling_pb2.Prompt:
 
 
 def _token_ids(tensor: torch.Tensor, where: str) -> torch.Tensor:
-    if tensor.dim() != 1 or tensor.numel() == 0 or tensor.dtype not in (torch.int64, torch.int32):
+    if tensor.dim() != 1 or tensor.numel() == 0 or tensor.dtype not in TOKEN_ID_DTYPES:
         raise ValueError(f"{where}: token ids must be a non-empty 1-D int64/int32 tensor, "
                          f"got shape {list(tensor.shape)} {tensor.dtype}")
     return tensor

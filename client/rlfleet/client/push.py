@@ -44,7 +44,7 @@ from rlfleet.client.errors import FailedPreconditionError, UnavailableError
 from rlfleet.client.results import PushResult
 from rlfleet.v1 import collector_pb2, weights_pb2
 from rlfleet.wire import shm
-from rlfleet.wire.tensor import SUPPORTED_DTYPES
+from rlfleet.wire.dtypes import SUPPORTED_DTYPES
 from rlfleet.wire.weights import DEFAULT_CHUNK_BYTES, iter_push_messages
 
 METHOD = "PushWeights"

@@ -5,7 +5,8 @@ Every decoder validates what it reads and raises ``WireError`` naming the field.
 
 from rlfleet.wire.errors import WireError
 from rlfleet.wire.ragged import Ragged, decode_ragged, encode_ragged
-from rlfleet.wire.tensor import SUPPORTED_DTYPES, decode_tensor, encode_tensor, tensor_bytes
+from rlfleet.wire.dtypes import SUPPORTED_DTYPES
+from rlfleet.wire.tensor import decode_tensor, encode_tensor, tensor_bytes
 from rlfleet.wire.tensordict import decode_tensordict, encode_tensordict, get_ragged
 
 __all__ = [

@@ -2,52 +2,22 @@
 
 from __future__ import annotations
 
-import math
 import sys
 import warnings
 
 import torch
 
 from rlfleet.v1 import tensor_pb2
+# SUPPORTED_DTYPES and the two converters stay importable from here (they lived here before dtypes.py).
+from rlfleet.wire.dtypes import SUPPORTED_DTYPES, dtype_from_wire, dtype_to_wire  # noqa: F401
 from rlfleet.wire.errors import WireError
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in sight
     raise ImportError("rlfleet's wire format assumes a little-endian host")
 
-_TO_WIRE: dict[torch.dtype, int] = {
-    torch.float32: tensor_pb2.DTYPE_FLOAT32,
-    torch.float16: tensor_pb2.DTYPE_FLOAT16,
-    torch.bfloat16: tensor_pb2.DTYPE_BFLOAT16,
-    torch.float64: tensor_pb2.DTYPE_FLOAT64,
-    torch.int64: tensor_pb2.DTYPE_INT64,
-    torch.int32: tensor_pb2.DTYPE_INT32,
-    torch.int16: tensor_pb2.DTYPE_INT16,
-    torch.int8: tensor_pb2.DTYPE_INT8,
-    torch.uint8: tensor_pb2.DTYPE_UINT8,
-    torch.bool: tensor_pb2.DTYPE_BOOL,
-}
-_FROM_WIRE: dict[int, torch.dtype] = {v: k for k, v in _TO_WIRE.items()}
 _INT64_MAX = 2**63 - 1
 MAX_NDIM = 64
 """Most dimensions a tensor may have on the wire (numpy's limit; no model tensor comes close)."""
-
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(_TO_WIRE)
-
-
-def dtype_to_wire(dtype: torch.dtype) -> int:
-    """The wire enum value of a torch dtype (``WireError`` if unsupported)."""
-    try:
-        return _TO_WIRE[dtype]
-    except KeyError:
-        raise WireError("dtype", f"unsupported dtype {dtype}") from None
-
-
-def dtype_from_wire(value: int, field: str = "dtype") -> torch.dtype:
-    """The torch dtype of a wire enum value (``WireError`` if unknown)."""
-    try:
-        return _FROM_WIRE[value]
-    except KeyError:
-        raise WireError(field, f"unknown dtype {value}") from None
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
@@ -136,7 +106,3 @@ def checked_tensor(msg: tensor_pb2.Tensor, field: str = "", *,
         raise WireError(where("data"), "bool tensor holds bytes other than 0 and 1")
     return dtype, shape, data
 
-
-def nbytes(shape, dtype: torch.dtype) -> int:
-    """Bytes a tensor of this shape and dtype takes on the wire."""
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()

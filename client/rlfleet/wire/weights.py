@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 import torch
 
 from rlfleet.v1 import weights_pb2
-from rlfleet.wire.tensor import dtype_to_wire, tensor_bytes
+from rlfleet.wire.dtypes import dtype_to_wire
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 
