@@ -3,10 +3,9 @@
 
 def main(argv=None) -> None:
     from rlfleet.services.collector.config import CollectorConfig
-    from rlfleet.services.collector.service import CollectorService
     from rlfleet.services.common.server import run
 
-    run(CollectorService, CollectorConfig, argv)
+    run("rlfleet.services.collector.service:CollectorService", CollectorConfig, argv)
 
 
 if __name__ == "__main__":

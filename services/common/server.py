@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import importlib
 import logging
 import signal
 import sys
@@ -24,9 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rlfleet.services.common import metrics
 from rlfleet.services.common.config import ServiceConfig
-from rlfleet.services.common.diagnostics import DiagnosticsServicer
 from rlfleet.services.common.errors import FailedPrecondition, StartupError
-from rlfleet.services.common.interceptors import ErrorInterceptor
 from rlfleet.services.common.logs import setup_logging
 from rlfleet.v1 import diagnostics_pb2, diagnostics_pb2_grpc
 
@@ -138,6 +137,11 @@ async def serve(service: Service, stop_event: asyncio.Event | None = None) -> No
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_event.set)
 
+    # Imported here, not at the top: they load the codec (torch, tensordict: seconds), and a bad
+    # config is refused before that (``run``).
+    from rlfleet.services.common.diagnostics import DiagnosticsServicer
+    from rlfleet.services.common.interceptors import ErrorInterceptor
+
     server = grpc.aio.server(
         interceptors=[ErrorInterceptor(config.auth_token)], options=grpc_options(config),
         maximum_concurrent_rpcs=None,
@@ -181,13 +185,17 @@ async def serve(service: Service, stop_event: asyncio.Event | None = None) -> No
         log.info("stopped")
 
 
-def run(service_cls: type[Service], config_cls: type[ServiceConfig], argv=None) -> None:
-    """Console entry point body: parse config, set up logging, serve."""
+def run(service: str, config_cls: type[ServiceConfig], argv=None) -> None:
+    """Console entry point body: parse config, set up logging, serve. ``service`` names the service
+    class as ``"module:Class"``: it is imported once the config is valid, so that a bad setting is
+    refused at once (exit 2, naming it), not after the service's heavy imports (torch, vLLM)."""
     try:
         config = config_cls.load(argv)
     except pydantic.ValidationError as exc:
         _refuse(config_cls.service_name, str(exc))
     setup_logging(config_cls.service_name, config.log_level, config.log_format)
+    module, _, name = service.partition(":")
+    service_cls = getattr(importlib.import_module(module), name)
 
     async def main() -> None:
         # Built inside the loop: grpc.aio channels bind to the loop that creates them.

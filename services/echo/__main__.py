@@ -4,9 +4,8 @@
 def main(argv=None) -> None:
     from rlfleet.services.common.server import run
     from rlfleet.services.echo.config import EchoConfig
-    from rlfleet.services.echo.service import EchoService
 
-    run(EchoService, EchoConfig, argv)
+    run("rlfleet.services.echo.service:EchoService", EchoConfig, argv)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,8 @@
 def main(argv=None) -> None:
     from rlfleet.services.common.server import run
     from rlfleet.services.generation.config import GenerationConfig
-    from rlfleet.services.generation.service import GenerationService
 
-    run(GenerationService, GenerationConfig, argv)
+    run("rlfleet.services.generation.service:GenerationService", GenerationConfig, argv)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,8 @@
 def main(argv=None) -> None:
     from rlfleet.services.common.server import run
     from rlfleet.services.reference.config import ReferenceServiceConfig
-    from rlfleet.services.reference.service import ReferenceService
 
-    run(ReferenceService, ReferenceServiceConfig, argv)
+    run("rlfleet.services.reference.service:ReferenceService", ReferenceServiceConfig, argv)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,8 @@
 def main(argv=None) -> None:
     from rlfleet.services.common.server import run
     from rlfleet.services.trajectory.config import TrajectoryConfig
-    from rlfleet.services.trajectory.service import TrajectoryService
 
-    run(TrajectoryService, TrajectoryConfig, argv)
+    run("rlfleet.services.trajectory.service:TrajectoryService", TrajectoryConfig, argv)
 
 
 if __name__ == "__main__":
