@@ -1,6 +1,7 @@
-"""End-to-end pipeline throughput, as ratios against generation alone and against sync mode.
+"""End-to-end pipeline throughput, as ratios against generation alone, against sync mode and against in-process vLLM.
 
     .venv/bin/python bench/pipeline.py [--groups 32] [--rounds 3] [--steps 6] [--step-seconds 0.5] [--sync-rounds 2]
+        [--parts abc] [--inprocess-rounds 3] [--long-tokens 1024] [--long-groups 4]
 
 The suite (trajectory, reference, reward, one generation replica) starts once
 as real processes; only the collector is restarted between configurations,
@@ -31,6 +32,17 @@ through the collector. trajectories/s = all trajectories / wall time from the
 submit to the last push. sync and async alternate ``--sync-rounds`` times, a
 fresh collector each; ratio = async / sync per round, median. The staleness
 histograms (trajectories by versions stale at append) are shown as a check.
+
+(c) trajectories/s end to end vs plain vLLM in-process (``bench/_inprocess.py``): an ``AsyncLLM``
+built in this process from the generation service's own config and engine kwargs (same KV-cache
+bytes, max_model_len, max_num_seqs, dtype, prefix caching, seed, processed log-probs), fed the
+same prompt token ids the service makes from the text prompts (checked against what the trainer
+receives), ``n = --group-size``, the sampled token's log-prob, all prompts at once. The two sides
+alternate (rlfleet, in-process, rlfleet, ...) ``--inprocess-rounds`` times after a warm-up, each
+phase ``--settle-seconds`` after the previous one (an idle engine spins a core for ~1 s), for a
+``--max-tokens`` row (``--groups`` groups) and a ``--long-tokens`` row (``--long-groups`` groups);
+ratio = end-to-end / in-process per round, median. Both engines live at once (the tiny model's
+KV cache is 256 MiB each). The last line is ``RESULT {json}`` with the ratios of every part run.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import sys
@@ -120,18 +133,26 @@ def leftover(client) -> int:
 
 # ---------------------------------------------------------------- (a) end to end vs generation alone
 
-def end_to_end(address: str, prompts: list[str], tag: str, ns) -> tuple[float, dict[str, float]]:
-    """Seconds from submit to the last batch of all groups, and the mean groups per stage."""
-    per_batch = ns.group_size * ns.groups_per_step
-    if len(prompts) % ns.groups_per_step:
+def end_to_end(address: str, prompts: list[str], tag: str, ns, *, groups_per_batch: int | None = None,
+               sampling: dict | None = None, seen_prompts: set | None = None) -> tuple[float, dict[str, float]]:
+    """Seconds from submit to the last batch of all groups, and the mean groups per stage.
+
+    ``sampling`` overrides the collector's sampling per prompt; ``seen_prompts`` (if given) collects
+    the prompt token ids the trainer received, as tuples."""
+    groups_per_batch = groups_per_batch or ns.groups_per_step
+    per_batch = ns.group_size * groups_per_batch
+    if len(prompts) % groups_per_batch:
         raise ValueError("--groups must be a multiple of --groups-per-step")
+    extra = {"sampling": sampling} if sampling else {}
     with connect(address) as client, StatusPoller(address) as poller:
         started = time.perf_counter()
-        client.submit_prompts([{"prompt": text, "prompt_id": f"{tag}-{i}"} for i, text in enumerate(prompts)])
+        client.submit_prompts([{"prompt": text, "prompt_id": f"{tag}-{i}", **extra} for i, text in enumerate(prompts)])
         rows = 0
-        with client.batches(per_batch, max_batches=len(prompts) // ns.groups_per_step) as batches:
+        with client.batches(per_batch, max_batches=len(prompts) // groups_per_batch) as batches:
             for batch in batches:
                 rows += len(batch)
+                if seen_prompts is not None:
+                    seen_prompts.update(tuple(ids.tolist()) for ids in batch.ragged("tokens/prompt").to_list())
         seconds = time.perf_counter() - started
         if rows != len(prompts) * ns.group_size:
             raise RuntimeError(f"read {rows} trajectories, expected {len(prompts) * ns.group_size}")
@@ -255,6 +276,105 @@ def measure_sync_async(backends, workdir: Path, model_dir: Path, ns) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- (c) end to end vs in-process vLLM
+
+def generation_service_args(options: SuiteOptions) -> list[str]:
+    """The flags ``start_suite`` gives the generation service (repeated here: the in-process baseline
+    builds its engine from the same config)."""
+    return ["--model", str(options.model_dir), "--kv-cache-memory-bytes", str(options.kv_cache_bytes),
+            "--max-model-len", str(options.max_model_len), *options.generation_args]
+
+
+def inprocess_rows(options: SuiteOptions, ns) -> dict[int, tuple[list[str], list[list[int]]]]:
+    """Response length -> (prompt texts, their token ids as the service makes them)."""
+    from _inprocess import prompt_token_ids
+
+    rows = {}
+    for tokens, groups in ((ns.max_tokens, ns.groups), (ns.long_tokens, ns.long_groups)):
+        texts = prompt_texts(groups)
+        rows[tokens] = (texts, prompt_token_ids(str(options.model_dir), texts))
+    return rows
+
+
+async def inprocess_round(address: str, engine, rows: dict, round_index: int, ns) -> dict[int, tuple[float, float]]:
+    """One round of (c): per row, end to end then in-process, each after ``--settle-seconds``; seconds each."""
+    out = {}
+    for tokens, (texts, token_ids) in rows.items():
+        groups_per_batch = math.gcd(ns.groups_per_step, len(texts))
+        if round_index < 0:  # warm-up: one batch of each side is enough
+            texts, token_ids = texts[:groups_per_batch], token_ids[:groups_per_batch]
+        seen: set = set()
+        await asyncio.sleep(ns.settle_seconds)  # an idle vLLM worker spins ~1 s: let the other engine settle
+        seconds_e2e, _ = await asyncio.to_thread(
+            end_to_end, address, texts, f"c{tokens}r{round_index}", ns, groups_per_batch=groups_per_batch,
+            sampling={"max_tokens": tokens}, seen_prompts=seen)
+        await asyncio.sleep(ns.settle_seconds)
+        seconds_local, samples = await engine.generate_groups(token_ids, ns.group_size, tokens)
+        if samples != len(token_ids) * ns.group_size:
+            raise RuntimeError(f"in-process: {samples} full samples of {tokens} tokens, "
+                               f"expected {len(token_ids) * ns.group_size}")
+        if seen != {tuple(ids) for ids in token_ids}:
+            raise RuntimeError("the pipeline's prompt token ids differ from the in-process ones: not the same work")
+        out[tokens] = (seconds_e2e, seconds_local)
+    return out
+
+
+async def alternate_inprocess(address: str, kwargs: dict, rows: dict, ns) -> dict[int, dict[str, list[float]]]:
+    """(c) rounds: rlfleet end to end, then in-process vLLM, per row; trajectories/s of each side."""
+    from _inprocess import InProcessEngine
+
+    rates = {tokens: {"e2e": [], "inprocess": []} for tokens in rows}
+    log(f"  (c) starting the in-process engine (~30 s): {kwargs}")
+    engine = await InProcessEngine(kwargs).start()
+    try:
+        for round_index in range(-1, ns.inprocess_rounds):  # round -1: warm-up of both sides
+            seconds = await inprocess_round(address, engine, rows, round_index, ns)
+            if round_index < 0:
+                continue
+            for tokens, (seconds_e2e, seconds_local) in seconds.items():
+                trajectories = len(rows[tokens][0]) * ns.group_size
+                rates[tokens]["e2e"].append(trajectories / seconds_e2e)
+                rates[tokens]["inprocess"].append(trajectories / seconds_local)
+                log(f"  (c) round {round_index}, {tokens}-token responses: end-to-end "
+                    f"{rates[tokens]['e2e'][-1]:.1f} traj/s, in-process vLLM {rates[tokens]['inprocess'][-1]:.1f} "
+                    f"traj/s, ratio {seconds_local / seconds_e2e:.2f}")
+    finally:
+        await engine.shutdown()
+    return rates
+
+
+def measure_inprocess(backends, workdir: Path, options: SuiteOptions, ns) -> dict:
+    """(c) end to end (a fresh async collector, as in (a)) vs plain vLLM in this process, same engine settings."""
+    from _inprocess import engine_kwargs
+
+    kwargs = engine_kwargs(generation_service_args(options))
+    rows = inprocess_rows(options, ns)
+    collector = start_collector(backends, workdir, "inproc", ns, "--mode", "async", "--max-staleness", "1000000",
+                                "--groups-per-step", str(ns.groups_per_step))
+    try:
+        rates = asyncio.run(alternate_inprocess(collector.address, kwargs, rows, ns))
+    finally:
+        collector.stop()
+    return {tokens: {**summarize(sides["inprocess"], sides["e2e"]), "groups": len(rows[tokens][0]),
+                     "e2e_per_round": sides["e2e"], "inprocess_per_round": sides["inprocess"],
+                     "ratios_per_round": [e / i for e, i in zip(sides["e2e"], sides["inprocess"])]}
+            for tokens, sides in rates.items()}
+
+
+def report_inprocess(rows: dict, options: SuiteOptions, ns) -> None:
+    print(f"\n(c) trajectories/s end to end vs plain vLLM in-process | same engine settings (kv cache "
+          f"{options.kv_cache_bytes >> 20} MiB, max_model_len {options.max_model_len}, the service's max_num_seqs "
+          f"and dtype) | groups of {ns.group_size} | {ns.inprocess_rounds} alternating rounds "
+          f"(rlfleet, in-process, ...), {ns.settle_seconds:g} s apart")
+    print(f"{'response tokens':>15} | {'groups':>6} | {'in-process traj/s':>18} | {'end-to-end traj/s':>17} | "
+          f"{'ratio':>5} | {'ratio IQR':>11} | per-round ratios")
+    print(f"{'-' * 15}-+-{'-' * 6}-+-{'-' * 18}-+-{'-' * 17}-+-{'-' * 5}-+-{'-' * 11}-+-{'-' * 20}")
+    for tokens, row in rows.items():
+        print(f"{tokens:>15} | {row['groups']:>6} | {row['base']:>18.1f} | {row['measured']:>17.1f} | "
+              f"{row['ratio']:>5.2f} | {row['low']:>5.2f}-{row['high']:<5.2f} | "
+              + " ".join(f"{r:.2f}" for r in row["ratios_per_round"]))
+
+
 # ---------------------------------------------------------------- main
 
 def main() -> None:
@@ -270,18 +390,29 @@ def main() -> None:
     parser.add_argument("--groups-per-step-b", type=int, default=4, help="(b) groups per trainer step")
     parser.add_argument("--step-seconds", type=float, default=0.5, help="(b) simulated trainer compute per step")
     parser.add_argument("--sync-rounds", type=int, default=2, help="(b) alternating sync/async runs")
-    parser.add_argument("--parts", default="ab", help="which parts to run: a, b or ab")
+    parser.add_argument("--inprocess-rounds", type=int, default=3, help="(c) alternating end-to-end/in-process rounds")
+    parser.add_argument("--long-tokens", type=int, default=1024, help="(c) response length of the long row")
+    parser.add_argument("--long-groups", type=int, default=4, help="(c) groups of the long row")
+    parser.add_argument("--settle-seconds", type=float, default=1.5,
+                        help="(c) pause before each phase: an idle vLLM worker busy-spins ~1 s after its last step, "
+                             "which would steal a core from the other engine's phase")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="both engines' max_model_len (default 1024, or room for --long-tokens when (c) runs)")
+    parser.add_argument("--parts", default="abc", help="which parts to run: any of a, b, c")
     parser.add_argument("--reference-threads", type=int, default=SuiteOptions.reference_threads,
                         help="the reference service's --torch-threads (0: torch's default, one per core)")
     ns = parser.parse_args()
+    if "c" in ns.parts and ns.long_tokens == ns.max_tokens:
+        parser.error("--long-tokens must differ from --max-tokens (they name the two rows of (c))")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
     from rlfleet.services.models.tiny import build_tiny_model
 
     model_dir = ns.model_dir or build_tiny_model(Path(tempfile.gettempdir()) / "rlfleet-bench-tiny-model")
     workdir = Path(tempfile.mkdtemp(prefix="rlfleet-bench-pipeline-"))
-    options = SuiteOptions(model_dir=model_dir, generation_replicas=1, kv_cache_bytes=256 << 20, max_model_len=1024,
-                           reference_threads=ns.reference_threads)
+    max_model_len = ns.max_model_len or (max(1024, ns.long_tokens + 128) if "c" in ns.parts else 1024)
+    options = SuiteOptions(model_dir=model_dir, generation_replicas=1, kv_cache_bytes=256 << 20,
+                           max_model_len=max_model_len, reference_threads=ns.reference_threads)
     backends = start_suite(options, workdir, without_collector=True)
     try:
         meter = CpuMeter()
@@ -289,6 +420,7 @@ def main() -> None:
             meter.add(key.split("-")[0], proc.process.pid)
         e2e = measure_end_to_end(backends, workdir, meter, ns) if "a" in ns.parts else None
         sync = measure_sync_async(backends, workdir, model_dir, ns) if "b" in ns.parts else None
+        inprocess = measure_inprocess(backends, workdir, options, ns) if "c" in ns.parts else None
     finally:
         stop_suite(backends)
     print(f"\nmachine load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())} "
@@ -297,7 +429,26 @@ def main() -> None:
         report_end_to_end(e2e, model_dir, ns)
     if sync is not None:
         report_sync_async(sync, e2e, ns)
+    if inprocess is not None:
+        report_inprocess(inprocess, options, ns)
     print(HOW_TO_READ)
+    print("RESULT " + json.dumps(result_json(e2e, sync, inprocess, ns)))
+
+
+def result_json(e2e: dict | None, sync: dict | None, inprocess: dict | None, ns) -> dict:
+    """The ratios of every part run (medians, and per round where the part keeps them)."""
+    out: dict = {"parts": ns.parts}
+    if e2e is not None:
+        out.update(e2e_over_generation=e2e["ratio"], e2e_over_generation_sorted_ratios=e2e["ratios"],
+                   e2e_traj_per_s=e2e["measured"], generation_alone_traj_per_s=e2e["base"])
+    if sync is not None:
+        out.update(async_over_sync=sync["ratio"], async_over_sync_sorted_ratios=sync["ratios"])
+    for tokens, row in (inprocess or {}).items():
+        out[f"e2e_over_inprocess_{tokens}"] = row["ratio"]
+        out[f"e2e_over_inprocess_{tokens}_per_round"] = row["ratios_per_round"]
+        out[f"e2e_traj_per_s_{tokens}_per_round"] = row["e2e_per_round"]
+        out[f"inprocess_traj_per_s_{tokens}_per_round"] = row["inprocess_per_round"]
+    return out
 
 
 def report_end_to_end(e2e: dict, model_dir: Path, ns) -> None:
@@ -348,7 +499,11 @@ How to read: ratios are medians of per-round ratios from runs adjacent in time (
     'groups inside each stage' is where a group spends its time (Little's law); the CPU table shows whether the
     other services fit beside vLLM on this machine's cores.
 (b) ratio = async traj/s / sync traj/s for a trainer that computes and pushes each step (> 1: async overlaps
-    generation with the trainer; staleness histograms: trajectories by versions stale at append)."""
+    generation with the trainer; staleness histograms: trajectories by versions stale at append).
+(c) ratio = end-to-end traj/s / plain in-process vLLM traj/s (AsyncLLM in the bench's process, the service's
+    engine settings, the same prompt token ids, all prompts submitted at once): 1.0 = the whole data plane
+    (gRPC, the generation service, reference, reward, trajectory buffer, batch delivery) costs nothing over
+    calling vLLM yourself. The long row shows whether a fixed per-group cost hides behind longer generation."""
 
 
 if __name__ == "__main__":

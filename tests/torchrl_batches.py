@@ -1,4 +1,4 @@
-"""Ragged batches exactly as a trainer receives them: the collector's own ``group_tensordict``
+"""Ragged batches exactly as a trainer receives them: the collector's own ``group_message``
 over generation/reward replies, through the wire codec (encode -> bytes -> decode)."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from rlfleet.services.collector.trajectories import group_tensordict
+from rlfleet.services.collector.trajectories import GroupSamples, group_message
 from rlfleet.services.trajectory.rows import concat_rows, split_rows
 from rlfleet.v1 import generation_pb2, reward_pb2, sampling_pb2, tensor_pb2
-from rlfleet.wire import Ragged, decode_tensordict, encode_ragged, encode_tensor, encode_tensordict
+from rlfleet.wire import Ragged, decode_tensordict, encode_ragged, encode_tensor
 
 
 def ragged_batch(*, groups: int = 2, group_size: int = 3, vocab: int = 100, seed: int = 0,
@@ -42,8 +42,9 @@ def ragged_batch(*, groups: int = 2, group_size: int = 3, vocab: int = 100, seed
             kl=encode_ragged(Ragged.from_list(kls)), rewards=encode_ragged(Ragged.from_list(rewards)),
             scores=encode_tensor(score), clipped_scores=encode_tensor(score), advantages=encode_tensor(advantage),
             kl_mean=encode_tensor(torch.full((group_size,), 0.05)), kl_coef=0.1)
-        parts.append(group_tensordict(samples=samples, ref_log_probs=refs, rewards=reply, group_id=100 + group,
-                                      prompt_id=f"p{group}", kl_coef=0.1, query=f"question {group}"))
+        parts.append(group_message(group=GroupSamples.decode(samples), ref_log_probs=encode_ragged(refs),
+                                   rewards=reply, group_id=100 + group, prompt_id=f"p{group}",
+                                   query=f"question {group}"))
     # As the trajectory service does: rows stored one by one, a batch concatenated from them.
-    rows = [row for td in parts for row in split_rows(encode_tensordict(td))]
+    rows = [row for message in parts for row in split_rows(message)]
     return decode_tensordict(tensor_pb2.TensorDict.FromString(concat_rows(rows).SerializeToString()))

@@ -35,10 +35,10 @@ from rlfleet.services.collector.failures import Discard, GenerationFailed
 from rlfleet.services.collector.prompt_item import PromptItem
 from rlfleet.services.collector.replicas import ReplicaPool
 from rlfleet.services.collector.source import PromptSource
-from rlfleet.services.collector.trajectories import group_tensordict
+from rlfleet.services.collector.trajectories import GroupSamples, group_message
 from rlfleet.v1 import (generation_pb2, reference_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_grpc,
-                        sampling_pb2, trajectory_pb2, trajectory_pb2_grpc)
-from rlfleet.wire import decode_ragged, decode_tensor, encode_ragged, encode_tensor, encode_tensordict
+                        sampling_pb2, tensor_pb2, trajectory_pb2, trajectory_pb2_grpc)
+from rlfleet.wire import WireError, encode_tensor
 
 log = logging.getLogger("rlfleet.collector.rollout")
 
@@ -152,13 +152,13 @@ class Pipeline:
         group_id = self._rng.getrandbits(62)
         stage = "generation"
         try:
-            samples = await self._generate(item, group_id)
+            group = GroupSamples.decode(await self._generate(item, group_id))
             stage = "reference"
-            ref_log_probs = await self._score_reference(samples)
+            ref_log_probs = await self._score_reference(group)
             stage = "reward"
-            rewards = await self._compute_rewards(item, samples, ref_log_probs, group_id)
+            rewards = await self._compute_rewards(item, group, ref_log_probs, group_id)
             stage = "trajectory"
-            version = await self._append(item, samples, ref_log_probs, rewards, group_id)
+            version = await self._append(item, group, ref_log_probs, rewards, group_id)
             # Sync mode keeps the prompt's row a while: a group that goes stale unread is generated again.
             await self.source.done(item, retain_at_version=version if self.options.mode == "sync" else None)
         except Discard as reason:
@@ -234,22 +234,25 @@ class Pipeline:
         raise GenerationFailed(f"generation failed on {self.options.generation_attempts} attempts "
                                f"(replicas tried: {', '.join(sorted(tried)) or 'none'})")
 
-    async def _score_reference(self, samples) -> list[torch.Tensor]:
-        full = [torch.cat([decode_tensor(s.prompt_token_ids), decode_tensor(s.response_token_ids)]) for s in samples]
-        request = reference_pb2.ScoreLogProbsRequest(
-            token_ids=encode_ragged(full),
-            response_starts=[len(decode_tensor(s.prompt_token_ids)) for s in samples])
+    async def _score_reference(self, group: GroupSamples) -> tensor_pb2.RaggedTensor:
+        """The reference log-probs of each response, as the reference service sent them."""
+        request = reference_pb2.ScoreLogProbsRequest(token_ids=group.full_message,
+                                                     response_starts=group.prompts.lengths.tolist())
         async with self.stages["reference"].track(), self._scoring:
             reply = await call_with_retry(self.reference.ScoreLogProbs, request, method="ScoreLogProbs",
                                           settings=self.settings)
-        return decode_ragged(reply.ref_log_probs, "ref_log_probs").to_list()
+        if list(reply.ref_log_probs.lengths) != group.responses.lengths.tolist():
+            raise WireError("ref_log_probs.lengths", f"{list(reply.ref_log_probs.lengths)} do not match the "
+                            f"response lengths {group.responses.lengths.tolist()}")
+        return reply.ref_log_probs
 
-    async def _compute_rewards(self, item: PromptItem, samples, ref_log_probs, group_id: int):
-        n = len(samples)
+    async def _compute_rewards(self, item: PromptItem, group: GroupSamples, ref_log_probs: tensor_pb2.RaggedTensor,
+                               group_id: int) -> reward_pb2.ComputeRewardsResponse:
+        n = len(group)
         request = reward_pb2.ComputeRewardsRequest(
-            response_token_ids=encode_ragged([decode_tensor(s.response_token_ids) for s in samples]),
-            behavior_log_probs=encode_ragged([decode_tensor(s.behavior_log_probs) for s in samples]),
-            ref_log_probs=encode_ragged(ref_log_probs),
+            response_token_ids=group.responses_message,
+            behavior_log_probs=group.behavior_message,
+            ref_log_probs=ref_log_probs,
             prompt_texts=[item.prompt_text()] * n,
             tasks=[reward_pb2.Task(reward_fn=item.reward_fn or self.options.default_reward_fn,
                                    ground_truth=item.ground_truth, args=item.reward_args)],
@@ -262,19 +265,19 @@ class Pipeline:
             return await call_with_retry(self.reward.ComputeRewards, request, method="ComputeRewards",
                                          settings=self.settings)
 
-    async def _append(self, item, samples, ref_log_probs, rewards, group_id: int) -> int:
+    async def _append(self, item: PromptItem, group: GroupSamples, ref_log_probs: tensor_pb2.RaggedTensor,
+                      rewards: reward_pb2.ComputeRewardsResponse, group_id: int) -> int:
         """Append the group (or find it appended before a restart); returns its start version."""
-        start_version = min(s.policy_version_start for s in samples)
-        now = max(self.gate.version, *(s.policy_version_end for s in samples))
+        start_version = group.start_version
+        now = max(self.gate.version, group.end_version)
         if self.gate.too_stale_to_append(start_version, now):
             # Its prompt is generated again on the current weights; counted.
-            self.discarded_samples += len(samples)
+            self.discarded_samples += len(group)
             raise Discard(f"too stale: started at v{start_version}, now v{now}, "
                           f"max_staleness {self.gate.max_staleness}")
-        td = group_tensordict(samples=samples, ref_log_probs=ref_log_probs, rewards=rewards,
-                              group_id=group_id, prompt_id=item.prompt_id, kl_coef=rewards.kl_coef,
-                              query=item.query)
-        request = trajectory_pb2.AppendRequest(trajectories=encode_tensordict(td), idempotency_key=item.append_key)
+        request = trajectory_pb2.AppendRequest(idempotency_key=item.append_key)
+        request.trajectories.CopyFrom(group_message(group=group, ref_log_probs=ref_log_probs, rewards=rewards,
+                                                    group_id=group_id, prompt_id=item.prompt_id, query=item.query))
         async with self.stages["trajectory"].track():
             attempt = 0
             while True:
@@ -289,8 +292,8 @@ class Pipeline:
         if not reply.appended:  # appended before a restart: the earlier group stands
             log.info("group already appended", extra={"prompt_id": item.prompt_id, "key": item.append_key})
             return start_version
-        self.appended += len(samples)
-        self.staleness[now - start_version] += len(samples)  # staleness when it became visible
+        self.appended += len(group)
+        self.staleness[now - start_version] += len(group)  # staleness when it became visible
         return start_version
 
     def staleness_histogram(self) -> list[int]:

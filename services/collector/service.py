@@ -88,6 +88,9 @@ class CollectorService(Service[CollectorConfig]):
         """Upstream services found down since the start (name -> what their health check answered),
         and "generation" while no replica is in rotation: ``Status.serving`` is false meanwhile."""
 
+    def torch_threads(self) -> int:
+        return 1  # small tensors: see Service.torch_threads
+
     def add_to_server(self, server: grpc.aio.Server) -> None:
         collector_pb2_grpc.add_CollectorServiceServicer_to_server(CollectorServicer(self), server)
         trajectory_pb2_grpc.add_TrajectoryServiceServicer_to_server(TrajectoryProxyServicer(self), server)

@@ -97,6 +97,9 @@ class RewardServiceConfig(ServiceConfig):
     max_cached_scorers: int = Field(128, ge=1)
     """Built-in scorers built for per-request ``Task.args`` are cached, at most this many."""
 
+    torch_threads: int = Field(1, ge=0)
+    """Torch intra-op threads (0: one per core). 1 suits KL and advantage math on a few hundred
+    tokens per sample (parallelism comes from concurrent requests); a CPU reward model may want more."""
     reward_time_limit_seconds: float = Field(30.0, gt=0)
     """Time one ComputeRewards call may take from arrival to answer (waiting for a worker thread,
     decoding, reward functions, reward models). Past it the call is answered RESOURCE_EXHAUSTED

@@ -26,7 +26,7 @@ import math
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -48,6 +48,9 @@ class KLUpdate:
     """How many steps the update accounted for."""
     coef: float
     """The coefficient after the update."""
+
+
+_UPDATE_FIELDS = tuple(f.name for f in fields(KLUpdate))
 
 
 class KLController(abc.ABC):
@@ -105,8 +108,19 @@ class KLController(abc.ABC):
                 "coef": self.coef,
                 "steps": self.steps,
                 "updates": self.updates,
-                "history": [asdict(update) for update in self.history],
+                # Not dataclasses.asdict: it deep-copies each entry, milliseconds for a full history.
+                "history": [{name: getattr(update, name) for name in _UPDATE_FIELDS} for update in self.history],
             }
+
+    def snapshot(self) -> tuple[float, int, int, list[KLUpdate]]:
+        """What ``restore`` puts back (cheap: the history's entries are immutable and shared)."""
+        with self._lock:
+            return self.coef, self.steps, self.updates, list(self.history)
+
+    def restore(self, snapshot: tuple[float, int, int, list[KLUpdate]]) -> None:
+        """Undo the updates since ``snapshot`` was taken."""
+        with self._lock:
+            self.coef, self.steps, self.updates, self.history = snapshot[0], snapshot[1], snapshot[2], list(snapshot[3])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``coef``, ``steps`` and ``history``; refuse state of another kind/format."""

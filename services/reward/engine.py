@@ -163,14 +163,14 @@ class RewardEngine:
     def _update_controller(self, batch_kl: float, batch_size: int) -> None:
         path = self.config.kl_state_path
         with self._controller_lock:
-            before = self.controller.state_dict()
+            before = self.controller.snapshot()
             self.controller.update(batch_kl, n_steps=batch_size)
             if path:
                 try:
                     self.controller.save(path)
                 except BaseException:
                     # Never a half-applied change: memory and file stay in step.
-                    self.controller.load_state_dict(before)
+                    self.controller.restore(before)
                     raise
 
     def controller_state(self) -> ControllerState:

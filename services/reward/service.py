@@ -33,6 +33,9 @@ class RewardService(Service[RewardServiceConfig]):
         # Reward functions and reward models may be slow: never on the event loop.
         self._executor = ThreadPoolExecutor(max_workers=config.compute_threads, thread_name_prefix="reward")
 
+    def torch_threads(self) -> int:
+        return self.config.torch_threads
+
     def add_to_server(self, server: grpc.aio.Server) -> None:
         reward_pb2_grpc.add_RewardServiceServicer_to_server(RewardServicer(self), server)
 

@@ -37,6 +37,9 @@ class TrajectoryService(Service[TrajectoryConfig]):
                                lock_timeout_seconds=config.lock_timeout_seconds,
                                documented=row_schema() if config.batch_schema else None)
 
+    def torch_threads(self) -> int:
+        return 1  # small tensors: see Service.torch_threads
+
     def add_to_server(self, server: grpc.aio.Server) -> None:
         trajectory_pb2_grpc.add_TrajectoryServiceServicer_to_server(TrajectoryServicer(self.buffer), server)
 

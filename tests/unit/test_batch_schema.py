@@ -12,7 +12,7 @@ from tests.torchrl_batches import ragged_batch
 
 
 def test_every_key_the_collector_emits_is_documented_with_its_kind_dtype_and_shape():
-    # ragged_batch runs the collector's own group_tensordict and the trajectory service's row codec.
+    # ragged_batch runs the collector's own group_message and the trajectory service's row codec.
     emitted = schema_of(encode_tensordict(ragged_batch(groups=2, group_size=3)))
     documented = batch_schema.row_schema()
     assert schema_mismatch(documented, emitted, "batch") is None, schema_mismatch(documented, emitted, "batch")
