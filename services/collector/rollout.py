@@ -17,6 +17,8 @@ traceback in its log), never retried into dead letters.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import logging
 import random
 import time
@@ -45,35 +47,45 @@ log = logging.getLogger("rlfleet.collector.rollout")
 
 @dataclass
 class StageStats:
-    """Counters of one stage, for GetStatus."""
+    """Counters of one stage, for GetStatus: groups waiting for the stage's limit (``queued``), in
+    it (``in_flight``), done, and the completions of the last ``HORIZON_SECONDS`` (for the rate)."""
+
+    HORIZON_SECONDS = 30.0
 
     name: str
     queued: int = 0
     in_flight: int = 0
     done: int = 0
-    window: list[float] = field(default_factory=list)
+    window: collections.deque = field(default_factory=collections.deque)
 
-    def rate(self, horizon: float = 30.0) -> float:
-        now = time.monotonic()
-        self.window = [t for t in self.window if t > now - horizon]
-        return len(self.window) / horizon
+    def rate(self) -> float:
+        self._forget(time.monotonic())
+        return len(self.window) / self.HORIZON_SECONDS
 
-    def track(self):
-        stage = self
+    def _forget(self, now: float) -> None:
+        while self.window and self.window[0] <= now - self.HORIZON_SECONDS:
+            self.window.popleft()
 
-        class _Track:
-            async def __aenter__(self):
-                stage.queued -= 1
-                stage.in_flight += 1
-
-            async def __aexit__(self, exc_type, exc, tb):
-                stage.in_flight -= 1
-                if exc_type is None:
-                    stage.done += 1
-                    stage.window.append(time.monotonic())
-
-        stage.queued += 1
-        return _Track()
+    @contextlib.asynccontextmanager
+    async def track(self, limit: asyncio.Semaphore | None = None):
+        """Queued until ``limit`` lets the group in, then in flight until the block ends."""
+        self.queued += 1
+        try:
+            if limit is not None:
+                await limit.acquire()
+        finally:
+            self.queued -= 1
+        self.in_flight += 1
+        try:
+            yield
+            self.done += 1
+            now = time.monotonic()
+            self.window.append(now)
+            self._forget(now)
+        finally:
+            self.in_flight -= 1
+            if limit is not None:
+                limit.release()
 
 
 @dataclass
@@ -209,13 +221,12 @@ class Pipeline:
     async def _generate(self, item: PromptItem, group_id: int) -> list[generation_pb2.GenerateResponse]:
         request = self._request(item, group_id)
         tried: set[str] = set()
-        async with self.stages["generation"].track():
+        async with self.stages["generation"].track(self._generation):
             for attempt in range(self.options.generation_attempts):
                 replica = await self.pool.acquire(exclude=tried)
                 try:
-                    async with self._generation:
-                        call = replica.stub.Generate(request, metadata=self.settings.metadata())
-                        samples = [s async for s in call]
+                    call = replica.stub.Generate(request, metadata=self.settings.metadata())
+                    samples = [s async for s in call]
                 except grpc.RpcError as exc:
                     error = from_rpc_error(exc, "Generate")
                     if isinstance(error, (InvalidArgumentError, NotFoundError)):
@@ -238,7 +249,7 @@ class Pipeline:
         """The reference log-probs of each response, as the reference service sent them."""
         request = reference_pb2.ScoreLogProbsRequest(token_ids=group.full_message,
                                                      response_starts=group.prompts.lengths.tolist())
-        async with self.stages["reference"].track(), self._scoring:
+        async with self.stages["reference"].track(self._scoring):
             reply = await call_with_retry(self.reference.ScoreLogProbs, request, method="ScoreLogProbs",
                                           settings=self.settings)
         if list(reply.ref_log_probs.lengths) != group.responses.lengths.tolist():
@@ -261,7 +272,7 @@ class Pipeline:
             advantage_mode=self.options.advantage_mode,
             update_kl_controller=self.options.update_kl_controller,
         )
-        async with self.stages["reward"].track(), self._scoring:
+        async with self.stages["reward"].track(self._scoring):
             return await call_with_retry(self.reward.ComputeRewards, request, method="ComputeRewards",
                                          settings=self.settings)
 

@@ -252,3 +252,28 @@ def test_sampling_fields_are_checked_by_the_generation_rules():
     with pytest.raises(InvalidArgument, match="sampling.max_tokens: .*str"):
         sampling_from_fields({"max_tokens": "many"})
     assert torch.tensor(0).item() == 0  # torch imported by the wire codec the collector loads
+
+
+def test_a_stage_counts_groups_waiting_for_its_limit_as_queued_and_forgets_old_completions():
+    """GetStatus showed nothing queued ever: groups waiting for the scoring limit counted as in flight."""
+    from rlfleet.services.collector.rollout import StageStats
+
+    async def scenario():
+        stage, limit = StageStats("reference"), asyncio.Semaphore(1)
+        release = asyncio.Event()
+
+        async def group():
+            async with stage.track(limit):
+                await release.wait()
+
+        tasks = [asyncio.ensure_future(group()) for _ in range(3)]
+        await asyncio.sleep(0)
+        counts = (stage.queued, stage.in_flight)
+        release.set()
+        await asyncio.gather(*tasks)
+        stage.window.appendleft(0.0)  # a completion long past the horizon
+        return counts, (stage.queued, stage.in_flight, stage.done), stage.rate()
+
+    counts, after, rate = asyncio.run(scenario())
+    assert counts == (2, 1) and after == (0, 0, 3)
+    assert rate == pytest.approx(3 / StageStats.HORIZON_SECONDS)
