@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
+import numpy
 import torch
 
 from rlfleet.v1 import generation_pb2, reward_pb2, sampling_pb2, tensor_pb2
@@ -79,49 +80,66 @@ def group_message(*, group: GroupSamples, ref_log_probs: tensor_pb2.RaggedTensor
     for key, tensor in (("score", rewards.scores), ("clipped_score", rewards.clipped_scores),
                         ("advantage", rewards.advantages), ("kl_mean", rewards.kl_mean)):
         entries[key].tensor.CopyFrom(tensor)
-    _tensor(entries["kl_coef"], torch.full((n,), rewards.kl_coef, dtype=torch.float32))
-    _tensor(entries["policy_version_start"], torch.tensor([s.policy_version_start for s in samples]))
-    _tensor(entries["policy_version_end"], torch.tensor([s.policy_version_end for s in samples]))
-    _tensor(entries["group_id"], torch.full((n,), group_id, dtype=torch.int64))
-    _tensor(entries["group_size"], torch.full((n,), n, dtype=torch.int64))
-    _tensor(entries["sample_index"], torch.tensor([s.sample_index for s in samples], dtype=torch.int64))
-    _tensor(entries["generation_seconds"], torch.tensor([s.timing.total_seconds for s in samples],
-                                                        dtype=torch.float32))
+    _column(entries["kl_coef"], [rewards.kl_coef] * n, numpy.float32)
+    _column(entries["policy_version_start"], [s.policy_version_start for s in samples], numpy.int64)
+    _column(entries["policy_version_end"], [s.policy_version_end for s in samples], numpy.int64)
+    _column(entries["group_id"], [group_id] * n, numpy.int64)
+    _column(entries["group_size"], [n] * n, numpy.int64)
+    _column(entries["sample_index"], [s.sample_index for s in samples], numpy.int64)
+    _column(entries["generation_seconds"], [s.timing.total_seconds for s in samples], numpy.float32)
     tokens = _nested(entries["tokens"], n)
     encode_ragged(group.prompts, out=tokens.entries["prompt"].ragged)
     tokens.entries["response"].ragged.CopyFrom(group.responses_message)
     tokens.entries["full"].ragged.CopyFrom(group.full_message)
     masks = _nested(entries["masks"], n)
-    total = int(group.full.lengths.sum())
-    encode_ragged(Ragged(torch.ones(total, dtype=torch.bool), group.full.lengths),
-                  out=masks.entries["all_attention_mask"].ragged)
-    assistant = torch.cat([piece for p, r in zip(group.prompts.lengths.tolist(), group.responses.lengths.tolist())
-                           for piece in (torch.zeros(p, dtype=torch.bool), torch.ones(r, dtype=torch.bool))]) \
-        if total else torch.empty(0, dtype=torch.bool)
-    encode_ragged(Ragged(assistant, group.full.lengths), out=masks.entries["all_assistant_mask"].ragged)
+    prompt_lengths, response_lengths = group.prompts.lengths.tolist(), group.responses.lengths.tolist()
+    total = sum(prompt_lengths) + sum(response_lengths)
+    _ragged_column(masks.entries["all_attention_mask"], numpy.ones(total, dtype=numpy.bool_), group.full.lengths)
+    assistant = numpy.zeros(total, dtype=numpy.bool_)
+    start = 0
+    for prompt_length, response_length in zip(prompt_lengths, response_lengths):
+        assistant[start + prompt_length:start + prompt_length + response_length] = True
+        start += prompt_length + response_length
+    _ragged_column(masks.entries["all_assistant_mask"], assistant, group.full.lengths)
     _nested(entries["log_probs"], n).entries["response"].ragged.CopyFrom(group.behavior_message)
     _nested(entries["ref_log_probs"], n).entries["response"].ragged.CopyFrom(_float32(ref_log_probs))
     entries["kl"].ragged.CopyFrom(rewards.kl)
     after = _nested(entries["next"], n)
     after.entries["reward"].ragged.CopyFrom(rewards.rewards)
     finish = [s.finish_reason for s in samples]
-    _tensor(after.entries["done"], torch.ones(n, 1, dtype=torch.bool))
-    _tensor(after.entries["terminated"], torch.tensor([[f == sampling_pb2.FINISH_REASON_STOP] for f in finish]))
-    _tensor(after.entries["truncated"], torch.tensor([[f == sampling_pb2.FINISH_REASON_LENGTH] for f in finish]))
+    _column(after.entries["done"], [[True]] * n, numpy.bool_)
+    _column(after.entries["terminated"], [[f == sampling_pb2.FINISH_REASON_STOP] for f in finish], numpy.bool_)
+    _column(after.entries["truncated"], [[f == sampling_pb2.FINISH_REASON_LENGTH] for f in finish], numpy.bool_)
     params = samples[0].sampling
     sampling = _nested(entries["sampling"], n)
-    _tensor(sampling.entries["temperature"], torch.full((n,), params.temperature, dtype=torch.float32))
-    _tensor(sampling.entries["top_p"], torch.full((n,), params.top_p, dtype=torch.float32))
-    _tensor(sampling.entries["top_k"], torch.full((n,), params.top_k, dtype=torch.int64))
-    _tensor(sampling.entries["max_tokens"], torch.full((n,), params.max_tokens, dtype=torch.int64))
+    _column(sampling.entries["temperature"], [params.temperature] * n, numpy.float32)
+    _column(sampling.entries["top_p"], [params.top_p] * n, numpy.float32)
+    _column(sampling.entries["top_k"], [params.top_k] * n, numpy.int64)
+    _column(sampling.entries["max_tokens"], [params.max_tokens] * n, numpy.int64)
     entries["trajectory_id"].strings.values[:] = [f"{group_id:x}-{s.sample_index}" for s in samples]
     entries["prompt_id"].strings.values[:] = [prompt_id] * n
     entries["query"].strings.values[:] = [query] * n
     return msg
 
 
-def _tensor(entry: tensor_pb2.TensorDictValue, tensor: torch.Tensor) -> None:
-    encode_tensor(tensor, out=entry.tensor)
+_WIRE = {numpy.dtype(numpy.int64): tensor_pb2.DTYPE_INT64, numpy.dtype(numpy.float32): tensor_pb2.DTYPE_FLOAT32,
+         numpy.dtype(numpy.bool_): tensor_pb2.DTYPE_BOOL}
+"""The few dtypes of a group's small columns: built with numpy, a fraction of a torch tensor's cost."""
+
+
+def _column(entry: tensor_pb2.TensorDictValue, values, dtype) -> None:
+    """A small dense column, written straight into its message (little-endian, as the wire wants)."""
+    array = numpy.asarray(values, dtype=numpy.dtype(dtype).newbyteorder("<"))
+    entry.tensor.dtype = _WIRE[numpy.dtype(dtype)]
+    entry.tensor.shape[:] = array.shape
+    entry.tensor.data = array.tobytes()
+
+
+def _ragged_column(entry: tensor_pb2.TensorDictValue, values: numpy.ndarray, lengths: torch.Tensor) -> None:
+    entry.ragged.values.dtype = _WIRE[values.dtype]
+    entry.ragged.values.shape[:] = values.shape
+    entry.ragged.values.data = values.tobytes()
+    entry.ragged.lengths[:] = lengths.tolist()
 
 
 def _nested(entry: tensor_pb2.TensorDictValue, n: int) -> tensor_pb2.TensorDict:
