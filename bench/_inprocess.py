@@ -38,7 +38,7 @@ def engine_kwargs(service_args: list[str]) -> dict[str, Any]:
 
 def prompt_token_ids(tokenizer_path: str, texts: list[str]) -> list[list[int]]:
     """Token ids of text prompts, as the generation service tokenizes a ``Prompt.text``."""
-    from rlfleet.services.generation.prompts import PromptTokenizer
+    from rlfleet.services.generation.prompt_tokens import PromptTokenizer
 
     tokenizer = PromptTokenizer(tokenizer_path)
     tokenizer.load()

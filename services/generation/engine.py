@@ -22,7 +22,7 @@ from rlfleet.services.common.errors import (
     Unavailable,
 )
 from rlfleet.services.generation.config import GenerationEngineConfig
-from rlfleet.services.generation.prompts import PromptTokenizer
+from rlfleet.services.generation.prompt_tokens import PromptTokenizer
 from rlfleet.services.generation.sampling import SampleAccumulator, SampleResult, SamplingSpec, finished_sample
 from rlfleet.services.generation.status import EngineState, EngineStatus, TokenRate
 from rlfleet.services.generation.staging import StagedPush

@@ -1,6 +1,6 @@
 """The reward service's domain object: reward functions, tokenizer and the KL controller.
 
-``RewardEngine.compute`` runs one batch through :mod:`pipeline` with the
+``RewardEngine.compute`` runs one batch through :mod:`batch_rewards` with the
 controller's current coefficient, then (if asked) feeds the batch KL to the
 controller and persists its state. Synchronous and thread-safe: the service
 calls it from worker threads, with a :class:`TimeBudget` it also watches from
@@ -18,7 +18,7 @@ from typing import Any
 from torch import Tensor
 
 from rlfleet.services.common.errors import InvalidArgument, Unavailable
-from rlfleet.services.reward import pipeline, validation
+from rlfleet.services.reward import batch_rewards, validation
 from rlfleet.services.reward.budget import TimeBudget
 from rlfleet.services.reward.config import RewardServiceConfig
 from rlfleet.services.reward.controllers import AdaptiveKLController, ConstantKLController, KLController
@@ -32,7 +32,7 @@ log = logging.getLogger("rlfleet.reward")
 class RewardRequest:
     """One ComputeRewards call in domain terms."""
 
-    inputs: pipeline.RewardInputs
+    inputs: batch_rewards.RewardInputs
     prompt_texts: Sequence[str] = ()
     """One per sample, or empty (reward functions then see an empty prompt)."""
     response_texts: Sequence[str] = ()
@@ -99,7 +99,7 @@ class RewardEngine:
 
     # ------------------------------------------------------------------ compute
 
-    def compute(self, request: RewardRequest, budget: TimeBudget | None = None) -> pipeline.RewardOutputs:
+    def compute(self, request: RewardRequest, budget: TimeBudget | None = None) -> batch_rewards.RewardOutputs:
         """Score one batch. ``budget`` (default: unbounded) is checked before each step; the
         controller is updated only if the budget lets the request commit."""
         if not self._loaded:
@@ -125,7 +125,7 @@ class RewardEngine:
             budget.enter("shaping rewards and computing advantages")
             return scores
 
-        outputs = pipeline.compute_rewards(
+        outputs = batch_rewards.compute_rewards(
             inputs, score_batch,
             kl_coef=kl_coef,
             kl_estimator=request.kl_estimator or self.config.default_kl_estimator,
@@ -139,7 +139,7 @@ class RewardEngine:
             self._update_controller(outputs.batch_kl, batch_size)
         return outputs
 
-    def _decode(self, inputs: pipeline.RewardInputs, budget: TimeBudget) -> list[str]:
+    def _decode(self, inputs: batch_rewards.RewardInputs, budget: TimeBudget) -> list[str]:
         if inputs.response_token_ids is None:
             raise InvalidArgument("response_texts is empty and response_token_ids is absent: nothing to score")
         if self.tokenizer is None:

@@ -11,7 +11,7 @@ from rlfleet.services.reward import validation
 from rlfleet.services.reward.config import RewardServiceConfig
 from rlfleet.services.reward.engine import RewardRequest
 from rlfleet.services.reward.functions import TaskSpec
-from rlfleet.services.reward.pipeline import RewardInputs, RewardOutputs
+from rlfleet.services.reward.batch_rewards import RewardInputs, RewardOutputs
 from rlfleet.v1 import reward_pb2, reward_pb2_grpc
 from rlfleet.wire import Ragged, decode_ragged, encode_ragged, encode_tensor
 
