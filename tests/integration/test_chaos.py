@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ from rlfleet.client.errors import DeadlineExceededError, RlfleetClientError
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
 from tests.hf_reference import load_hf
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 GROUP = 4
@@ -38,6 +38,14 @@ WAVE = 4
 the chaos waited for a busy moment)."""
 VICTIMS = ("generation-1", "trajectory", "reward", "reference", "collector")
 STEPS_BETWEEN_KILLS = 3
+RECOVERY_TIMEOUT = 180.0
+"""Until the pipeline reaches a state the chaos waits for (a busy moment, an outage seen, a service back, the
+ledger and buffer empty): a restarted service other than a replica loads in seconds, the collector notices
+within a few health checks (--replica-check-seconds 0.5), a wave of prompts is generated in seconds; minutes
+on a loaded 2-core machine."""
+RESYNC_TIMEOUT = 300.0
+"""Until a restarted replica is re-synced and back in rotation: its vLLM engine's start (the longest wait
+here), then one health check and one re-sync push of the tiny model."""
 
 
 class Fleet:
@@ -117,14 +125,6 @@ def quietly(call):
         raise
 
 
-def wait_for(predicate, what: str, timeout: float = 180):
-    deadline = time.monotonic() + timeout
-    while not (result := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return result
-
-
 def strings(batch, key: str) -> list[str]:
     return batch[key].tolist()
 
@@ -188,24 +188,27 @@ def kill_at_a_busy_moment(fleet: Fleet, trainer: Trainer, victim: str, batch) ->
     else:
         busy = lambda s: s.pending_prompts > generating(s) > 0  # noqa: E731
 
-    wait_for(lambda: (status := trainer.busy_status()) is not None and busy(status), f"a busy moment to kill {victim}")
+    wait_for(lambda: (status := trainer.busy_status()) is not None and busy(status), RECOVERY_TIMEOUT,
+             f"a busy moment to kill {victim}")
     trainer.held_at_kill[victim] = batch
     if victim == "reward":
         # Down for a while: the collector says so in its status, and still takes prompts (unchecked).
         fleet.kill(victim)
         down = f"reward at {fleet.procs[victim].address} is down"
-        status = wait_for(lambda: (s := quietly(client.status)) is not None and not s.serving and s, "NOT serving")
+        status = wait_for(lambda: (s := quietly(client.status)) is not None and not s.serving and s, RECOVERY_TIMEOUT,
+                          "the collector to say it is NOT serving")
         assert down in status.not_serving_reason, status.not_serving_reason
         trainer.submit()
         fleet.kill_and_restart(victim, killed=True).wait_ready(120)
-        wait_for(lambda: (s := quietly(client.status)) is not None and s.serving, "serving again")
+        wait_for(lambda: (s := quietly(client.status)) is not None and s.serving, RECOVERY_TIMEOUT,
+                 "the collector serving again")
         return
     fleet.kill_and_restart(victim)
     if victim.startswith("generation"):
         # Its calls failed: out of rotation. A push now commits on the survivor; the restarted
         # replica comes back at the old version and the collector must re-sync it from its spool.
         wait_for(lambda: not {r.address: r.healthy for r in trainer.busy_status().replicas}[address],
-                 "the killed replica out of rotation")
+                 RECOVERY_TIMEOUT, "the killed replica out of rotation")
         pushed = client.push_weights(trainer.weights, progress=False)
         assert pushed.version == 1 and [r.address for r in pushed.replicas if r.applied] == [
             fleet.procs["generation-0"].address], pushed
@@ -260,12 +263,12 @@ def test_each_service_killed_during_an_sdk_training_loop_loses_and_duplicates_no
             assert again and all(b.redelivered for b in again) and again[-1].confirmed, victim
 
         # Nothing lost or stuck: the ledger is empty, the buffer holds nothing, the replica is back.
-        wait_for(lambda: client.status().pending_prompts == 0, "the prompt ledger to empty")
+        wait_for(lambda: client.status().pending_prompts == 0, RECOVERY_TIMEOUT, "the prompt ledger to empty")
         assert client.status().failed_prompts == 0
-        wait_for(lambda: (stats := client.buffer_stats()).ready == 0 and stats.leased == 0,
+        wait_for(lambda: (stats := client.buffer_stats()).ready == 0 and stats.leased == 0, RECOVERY_TIMEOUT,
                  "the buffer to hold nothing ready or leased")
-        wait_for(lambda: all(r.healthy and r.policy_version == 1 for r in client.status().replicas),
-                 "the restarted replica re-synced to version 1 and back in rotation", timeout=300)
+        wait_for(lambda: all(r.healthy and r.policy_version == 1 for r in client.status().replicas), RESYNC_TIMEOUT,
+                 "the restarted replica re-synced to version 1 and back in rotation")
         # An outage is a WARNING in the logs, never an ERROR.
         assert fleet.error_lines() == []
     finally:

@@ -9,18 +9,24 @@ import time
 
 import grpc
 import pytest
-import torch
 
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
 from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, sampling_pb2, trajectory_pb2, trajectory_pb2_grpc,
                         weights_pb2)
-from rlfleet.wire import decode_tensordict
 from rlfleet.wire.weights import iter_push_messages
 from tests.hf_reference import load_hf
+from tests.integration.readers import Reader
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 GROUP = 4
+PIPELINE_TIMEOUT = 120.0
+"""Until the pipeline has done something observable (groups generated, scored and appended; a dead letter; a
+ledger emptied; a replica busy): a few groups of at most 200 tokens from the tiny model on CPU take seconds,
+minutes on a loaded 2-core machine."""
+RELEASE_TIMEOUT = 60.0
+"""Until the trajectory service releases a broken stream's lease: one store call once the stream ends."""
 
 
 @pytest.fixture(scope="module")
@@ -51,44 +57,6 @@ def submit(channel, count: int, tag: str) -> list[str]:
     prompts = [collector_pb2.PromptSpec(prompt_id=f"{tag}-{i}", prompt=sampling_pb2.Prompt(text=f"what is {i} plus {i}"))
                for i in range(count)]
     return list(stub.SubmitPrompts(collector_pb2.SubmitPromptsRequest(prompts=prompts), timeout=30).prompt_ids)
-
-
-class Reader:
-    """A trainer's batch stream through the collector's address."""
-
-    def __init__(self, channel, batch_size: int, ack_late: bool = False, **open_args):
-        """``ack_late``: ack a batch when the next is asked for (as the SDK does), not on receipt; with
-        prefetch 1 the server then leases nothing new until the trainer is done with its batch."""
-        self.ack_late = ack_late
-        self._held: str | None = None
-        self.requests = collections.deque()
-        self._stub = trajectory_pb2_grpc.TrajectoryServiceStub(channel)
-        self._queue = queue.Queue()
-        self._queue.put(trajectory_pb2.StreamBatchesRequest(open=trajectory_pb2.OpenBatchStream(
-            batch_size=batch_size, whole_groups=True, **open_args)))
-        self._responses = self._stub.StreamBatches(iter(self._queue.get, None), timeout=600)
-
-        self._acked: str | None = None  # the last ack sent, not yet answered
-
-    def next(self):
-        if self._held is not None:
-            self._queue.put(trajectory_pb2.StreamBatchesRequest(ack=trajectory_pb2.AckBatch(lease_id=self._held)))
-            self._acked, self._held = self._held, None
-        response = next(self._responses)
-        if self._acked is not None:  # the answer to the last ack precedes the batch its slot let through
-            assert (response.settled.lease_id, response.settled.applied) == (self._acked, True), response
-            response = next(self._responses)
-        assert response.lease_id and not response.HasField("settled")
-        if self.ack_late:
-            self._held = response.lease_id
-        else:
-            self._queue.put(trajectory_pb2.StreamBatchesRequest(ack=trajectory_pb2.AckBatch(lease_id=response.lease_id)))
-            self._acked = response.lease_id
-        return decode_tensordict(response.batch)
-
-    def close(self):
-        self._queue.put(None)
-        self._responses.cancel()
 
 
 def push(channel, state, mode=weights_pb2.UPDATE_MODE_KEEP):
@@ -145,11 +113,10 @@ def test_async_mode_staleness_is_bounded(backends, tmp_path, tiny_model_dir):
                 # Async runs ahead: with k=1 the groups of the next step are generated on the current
                 # weights without waiting for the trainer's push (sync mode would stop after one step).
                 stub = collector_pb2_grpc.CollectorServiceStub(channel)
-                deadline = time.monotonic() + 120
-                while stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=10).trajectories < 2 * 2 * GROUP:
-                    assert time.monotonic() < deadline, "the next step was not generated before the push"
-                    time.sleep(0.1)
-            time.sleep(0.5)  # a trainer step
+                wait_for(lambda: stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=10).trajectories
+                         >= 2 * 2 * GROUP, PIPELINE_TIMEOUT, "the next step to be generated before the push",
+                         interval=0.1)
+            time.sleep(0.5)  # a trainer step: the work a trainer does, not a wait (async runs ahead meanwhile)
             push(channel, state)
         status = collector_pb2_grpc.CollectorServiceStub(channel).GetStatus(collector_pb2.GetStatusRequest())
         assert 1 <= len(status.staleness_histogram) <= 2, list(status.staleness_histogram)
@@ -158,14 +125,6 @@ def test_async_mode_staleness_is_bounded(backends, tmp_path, tiny_model_dir):
         reader.close()
         channel.close()
         proc.stop()
-
-
-def wait_for(predicate, what: str, timeout: float = 120):
-    deadline = time.monotonic() + timeout
-    while not (result := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return result
 
 
 def status(channel) -> collector_pb2.GetStatusResponse:
@@ -202,11 +161,12 @@ def test_sync_mode_generates_again_the_groups_that_went_stale_unread(backends, t
             seen.update(set(batch["prompt_id"]) & set(prompt_ids))
             if set(seen) == set(prompt_ids):
                 break
-            wait_for(idle, "the step's other group to be appended")  # it stays in the buffer, unread
+            # The step's other group stays in the buffer, unread.
+            wait_for(idle, PIPELINE_TIMEOUT, "the step's other group to be appended")
             before = dropped()
             push(channel, state)
             if step == 0:  # the first step's other group is ready, unread: the collector's DropStale deletes it
-                wait_for(lambda: dropped() >= before + GROUP, "DropStale after the commit")
+                wait_for(lambda: dropped() >= before + GROUP, PIPELINE_TIMEOUT, "DropStale after the commit")
         assert seen == collections.Counter(prompt_ids), seen  # each exactly once
         current = status(channel)
         assert current.discarded_samples >= GROUP and current.failed_prompts == 0
@@ -237,7 +197,7 @@ def test_a_prompt_whose_input_a_stage_refuses_is_a_dead_letter_at_once(backends,
         seen = read_groups(reader, ["poison-0", "poison-2"])
         assert all(list(rows.values()) == [GROUP] for rows in seen.values())
         failures = wait_for(lambda: stub.ListFailures(collector_pb2.ListFailuresRequest(), timeout=30).failures,
-                            "the dead letter")
+                            PIPELINE_TIMEOUT, "the dead letter")
         assert [(f.prompt_id, f.stage, f.code, f.attempts) for f in failures] == [
             ("poison-1", "generation", "INVALID_ARGUMENT", 0)], failures
         current = status(channel)
@@ -256,7 +216,7 @@ def test_a_collector_killed_with_prompts_queued_and_generating_loses_and_duplica
         prompt_ids = submit(channel, 10, "chaos")
         generating = lambda current: sum(r.in_flight for r in current.replicas)  # noqa: E731
         before = wait_for(lambda: (lambda current: current if generating(current) else None)(status(channel)),
-                          "generations in flight")
+                          PIPELINE_TIMEOUT, "generations in flight")
         assert before.pending_prompts > generating(before)  # some generating, the rest queued behind them
         proc.kill()  # SIGKILL: no shutdown, nothing saved beyond what was already durable
     finally:
@@ -269,7 +229,7 @@ def test_a_collector_killed_with_prompts_queued_and_generating_loses_and_duplica
         seen = read_groups(reader, prompt_ids)
         # Every submitted prompt ended as exactly one whole group: none lost, none twice.
         assert {pid: list(rows.values()) for pid, rows in seen.items()} == {pid: [GROUP] for pid in prompt_ids}
-        wait_for(lambda: status(channel).pending_prompts == 0, "the ledger to empty")
+        wait_for(lambda: status(channel).pending_prompts == 0, PIPELINE_TIMEOUT, "the ledger to empty")
         assert status(channel).failed_prompts == 0
     finally:
         reader.close()
@@ -297,10 +257,8 @@ def test_a_malformed_message_through_the_proxy_fails_at_once_and_releases_the_ba
             next(responses)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
         assert "TrajectoryService/StreamBatches: the request is not a valid protobuf message" in err.value.details()
-        deadline = time.monotonic() + 60
-        while trajectory.GetStats(trajectory_pb2.GetStatsRequest(), timeout=30).leased:
-            assert time.monotonic() < deadline, "the batch stayed leased upstream"
-            time.sleep(0.05)
+        wait_for(lambda: not trajectory.GetStats(trajectory_pb2.GetStatsRequest(), timeout=30).leased,
+                 RELEASE_TIMEOUT, "the batch leased upstream to be released")
     finally:
         requests.put(None)
         upstream.close()
@@ -319,14 +277,9 @@ def test_replica_killed_mid_run_loses_and_duplicates_nothing(backends, tmp_path)
     try:
         stub = collector_pb2_grpc.CollectorServiceStub(channel)
         victim = backends["generation-1"]
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # wait until the victim is generating for us
-            replicas = stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=10).replicas
-            if any(r.address == victim.address and r.in_flight > 0 for r in replicas):
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail("the second replica never received work")
+        wait_for(lambda: any(r.address == victim.address and r.in_flight > 0
+                             for r in stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=10).replicas),
+                 PIPELINE_TIMEOUT, "the second replica to be generating for us")
         victim.kill()  # SIGKILL mid-generation
         while sum(rows.values()) < len(prompt_ids) * GROUP:
             batch = reader.next()

@@ -7,7 +7,7 @@ import torch
 
 from rlfleet.client import FailedPreconditionError, InvalidArgumentError, connect
 from tests.hf_reference import load_hf
-from tests.integration.conftest import DEMO_COLLECTOR_ARGS, run_example, suite_fixture
+from tests.integration.suites import DEMO_COLLECTOR_ARGS, run_example, suite_fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 STEPS = 14

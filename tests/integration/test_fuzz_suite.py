@@ -1,8 +1,8 @@
 """Property-based fuzz (hypothesis) of every RPC of a real collector and generation replica, in a suite of their own.
 
 ``test_fuzz.py`` fuzzes trajectory, reward and reference on their own; this module starts the whole suite
-(one vLLM replica) and fuzzes, with that module's machinery and rules (no UNKNOWN / INTERNAL / UNAVAILABLE /
-DATA_LOSS, no call past its deadline, the process alive after every request):
+(one vLLM replica) and fuzzes, with the same machinery and rules (``fuzzing.py``: no UNKNOWN / INTERNAL /
+UNAVAILABLE / DATA_LOSS, no call past its deadline, the process alive after every request):
 
 - the collector: CollectorService, the TrajectoryService it serves (StreamBatches and GetStats forwarded,
   the others refused), Health, Diagnostics and reflection;
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 import torch
@@ -41,10 +40,10 @@ from rlfleet.wire import encode_tensor
 from rlfleet.wire.weights import iter_push_messages
 from tests import fuzz_messages
 from tests.hf_reference import load_hf
-from tests.integration.test_collector import Reader
-from tests.integration.test_fuzz import (CALL_TIMEOUT, DIAGNOSTICS, FUZZ_SETTINGS, HEALTH, SEED, SHARED,
-                                         TRAJECTORY, Fuzzed, _plans, _seeds, check_outcome, send)
-from tests.integration.test_fuzz import fuzz_log  # noqa: F401 (this module's fixture too: its own summary)
+from tests.integration.fuzzing import (CALL_TIMEOUT, DIAGNOSTICS, FUZZ_SETTINGS, HEALTH, SEED, SHARED, TRAJECTORY,
+                                       Fuzzed, check_outcome, request_plans, send, valid_requests)
+from tests.integration.readers import Reader
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -91,7 +90,7 @@ def _prompt(kind: str) -> sampling_pb2.Prompt:
 
 
 def _own_seeds(method) -> list:
-    """Valid requests of the collector's and generation's own RPCs and Health (the others: ``test_fuzz._seeds``)."""
+    """Valid requests of the collector's and generation's own RPCs and Health (the others: ``valid_requests``)."""
     cp, gp, sp = collector_pb2, generation_pb2, sampling_pb2
     short = sp.SamplingParams(max_tokens=8, temperature=1.0)
     table = {
@@ -117,7 +116,7 @@ def _own_seeds(method) -> list:
         "Check": [health_pb2.HealthCheckRequest(service=s) for s in ("", COLLECTOR.full_name, GENERATION.full_name)],
         "Watch": [health_pb2.HealthCheckRequest(service=s) for s in ("", TRAJECTORY.full_name, "nope")],
     }
-    return table[method.name] if method.name in table else _seeds(method)
+    return table[method.name] if method.name in table else valid_requests(method)
 
 
 class AtNextVersion:
@@ -191,7 +190,7 @@ def _push_plans(method, state) -> st.SearchStrategy:
     edited = st.tuples(st.sampled_from(pushes), st.sampled_from(["replace", "drop", "repeat", "swap", "cut", "insert"]),
                        st.integers(0, 64), one).map(edit)
     whole = st.one_of(st.sampled_from(pushes), edited, edited).map(lambda push: (push, False))
-    return st.one_of(_plans(method, seeds), whole)
+    return st.one_of(request_plans(method, seeds), whole)
 
 
 # ------------------------------------------------------------------ fixtures
@@ -230,13 +229,13 @@ def _engine_version(replica: Fuzzed) -> int:
 
 
 @pytest.mark.parametrize("name,service,method,examples", _targets())
-def test_fuzz(suite, weights, fuzz_log, name, service, method, examples):  # noqa: F811 (fuzz_log: the fixture)
+def test_fuzz(suite, weights, fuzz_log, name, service, method, examples):
     target = suite[name]
     rpc = f"{name}:{service.name}.{method.name}"
     if method.name in PUSHES:
         plans, timeout = _push_plans(method, weights), PUSH_TIMEOUT
     else:
-        plans = _plans(method, _own_seeds(method))
+        plans = request_plans(method, _own_seeds(method))
         timeout = GENERATE_TIMEOUT if method.name == "Generate" else CALL_TIMEOUT
 
     @settings(max_examples=examples, **FUZZ_SETTINGS)
@@ -256,12 +255,9 @@ def test_fuzz(suite, weights, fuzz_log, name, service, method, examples):  # noq
 # ------------------------------------------------------------------ after the fuzz
 
 
-def _wait_for(what: str, check, timeout: float = SETTLE_TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while not (answer := check()):
-        assert time.monotonic() < deadline, f"after {timeout:.0f} s: {what}"
-        time.sleep(0.5)
-    return answer
+def _serving(target: Fuzzed, service_name: str) -> bool:
+    answer = target.unary(HEALTH, "Check", health_pb2.HealthCheckRequest(service=service_name))
+    return answer.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_both_services_serve_and_agree_on_the_version_after_the_fuzz(suite):
@@ -269,9 +265,8 @@ def test_both_services_serve_and_agree_on_the_version_after_the_fuzz(suite):
     for target, own in ((collector, COLLECTOR), (replica, GENERATION)):
         target.alive()
         for service_name in ("", own.full_name):
-            _wait_for(f"{own.name} {service_name!r} SERVING", lambda: target.unary(
-                HEALTH, "Check", health_pb2.HealthCheckRequest(service=service_name)).status
-                == health_pb2.HealthCheckResponse.SERVING)
+            wait_for(lambda: _serving(target, service_name), SETTLE_TIMEOUT, f"{own.name} {service_name!r} SERVING",
+                     interval=0.5)
         payload = tensor_pb2.TensorDict(batch_size=[0])
         assert target.unary(DIAGNOSTICS, "Echo", diagnostics_pb2.EchoRequest(payload=payload)).payload == payload
 
@@ -281,7 +276,8 @@ def test_both_services_serve_and_agree_on_the_version_after_the_fuzz(suite):
         return (status.serving and all(r.healthy for r in status.replicas) and version == status.policy_version
                 == _engine_version(replica))
 
-    _wait_for("the collector's policy version equals the replica's, the replica in rotation", agreed)
+    wait_for(agreed, SETTLE_TIMEOUT, "the collector's policy version equals the replica's, the replica in rotation",
+             interval=0.5)
 
     request = generation_pb2.GenerateRequest(prompt=_prompt("text"), sampling=sampling_pb2.SamplingParams(
         n=2, max_tokens=4, ignore_eos=True, seed=1))
@@ -304,7 +300,8 @@ def test_the_collector_still_takes_a_prompt_to_a_batch_after_the_fuzz(suite):
     def status():
         return collector.unary(COLLECTOR, "GetStatus", collector_pb2.GetStatusRequest())
 
-    _wait_for("the collector's prompt queue drained", lambda: status().pending_prompts == 0)
+    wait_for(lambda: status().pending_prompts == 0, SETTLE_TIMEOUT, "the collector's prompt queue to drain",
+             interval=0.5)
     failures = collector.unary(COLLECTOR, "ListFailures", collector_pb2.ListFailuresRequest(limit=1000)).failures
     assert prompt_id not in [f.prompt_id for f in failures]
     reader = Reader(collector.channel, batch_size=GROUP)  # acks each batch it reads (and checks the ack applied)

@@ -7,7 +7,6 @@ the engine's policy version: each weight push uses the next version.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import pytest_asyncio
@@ -22,6 +21,7 @@ from rlfleet.services.generation.config import GenerationEngineConfig
 from rlfleet.services.generation.engine import GenerationEngine
 from rlfleet.services.generation.sampling import SampleResult, SamplingSpec
 from rlfleet.services.models.tiny import build_tiny_model
+from tests.waiting import wait_for_async
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -29,6 +29,12 @@ MAX_QUEUED_REQUESTS = 4
 LOG_PROB_TOLERANCE = 1e-4
 PROMPT = [1, 348, 201, 330, 400, 223, 20, 267, 223, 21, 2, 201, 1, 305, 310, 201]
 LONG_RESPONSE_TOKENS = 400
+ENGINE_STEP_TIMEOUT = 60.0
+"""Until the engine shows what a call set off (a request running or admitted, a swap waiting for the drain):
+one engine step of the tiny model, milliseconds; 60 s for a loaded 2-core machine. The long request
+(LONG_RESPONSE_TOKENS) runs for seconds, so it is still running when this returns."""
+ABORT_TIMEOUT = 30.0
+"""Until requests whose consumers were cancelled have left vLLM: the aborts reach the engine core at its next step."""
 
 
 # ---------------------------------------------------------------- fixtures
@@ -104,14 +110,6 @@ def max_abs_diff(sample: SampleResult, reference: torch.Tensor) -> float:
 
 async def collect(engine: GenerationEngine, spec: SamplingSpec, request_id: str, prompt=PROMPT):
     return [sample async for sample in engine.generate(prompt, spec, request_id)]
-
-
-async def wait_until(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        await asyncio.sleep(0.005)
 
 
 def long_spec() -> SamplingSpec:
@@ -196,7 +194,7 @@ async def test_stale_version_is_refused(engine, base_state_dict):
 async def test_keep_mode_sample_spans_two_versions(engine, model_dir, base_state_dict):
     old_weights, new_weights = perturbed(base_state_dict, seed=1), perturbed(base_state_dict, seed=2)
     generation = asyncio.create_task(collect(engine, long_spec(), "keep-in-flight"))
-    await wait_until(lambda: engine.status().requests_running == 1)
+    await wait_for_async(lambda: engine.status().requests_running == 1, ENGINE_STEP_TIMEOUT, "the request running")
     await engine.update_weights(2, as_push(new_weights), mode="keep")
     (sample,) = await generation
 
@@ -216,7 +214,7 @@ async def test_keep_mode_sample_spans_two_versions(engine, model_dir, base_state
 
 async def test_abort_mode_ends_in_flight_samples(engine, base_state_dict):
     generation = asyncio.create_task(collect(engine, long_spec(), "abort-in-flight"))
-    await wait_until(lambda: engine.status().requests_running == 1)
+    await wait_for_async(lambda: engine.status().requests_running == 1, ENGINE_STEP_TIMEOUT, "the request running")
     await engine.update_weights(3, as_push(perturbed(base_state_dict, seed=3)), mode="abort")
     (sample,) = await generation
 
@@ -230,11 +228,11 @@ async def test_abort_mode_ends_in_flight_samples(engine, base_state_dict):
 
 async def test_wait_mode_drains_then_swaps(engine, base_state_dict):
     generation = asyncio.create_task(collect(engine, long_spec(), "wait-in-flight"))
-    await wait_until(lambda: engine.status().requests_running == 1)
+    await wait_for_async(lambda: engine.status().requests_running == 1, ENGINE_STEP_TIMEOUT, "the request running")
     push = asyncio.create_task(
         engine.update_weights(4, as_push(perturbed(base_state_dict, seed=4)), mode="wait")
     )
-    await wait_until(lambda: engine.swapping)
+    await wait_for_async(lambda: engine.swapping, ENGINE_STEP_TIMEOUT, "the swap to wait for the drain")
     assert not engine.serving
     (sample,) = await generation
     await push
@@ -249,7 +247,8 @@ async def test_admission_bound_and_cancellation(engine):
         asyncio.create_task(collect(engine, long_spec(), f"flood-{i}"))
         for i in range(MAX_QUEUED_REQUESTS)
     ]
-    await wait_until(lambda: engine.status().requests_in_flight == MAX_QUEUED_REQUESTS)
+    await wait_for_async(lambda: engine.status().requests_in_flight == MAX_QUEUED_REQUESTS, ENGINE_STEP_TIMEOUT,
+                         "the flood admitted")
     with pytest.raises(ResourceExhausted):
         await collect(engine, SamplingSpec(max_tokens=4), "one-too-many")
 
@@ -258,7 +257,8 @@ async def test_admission_bound_and_cancellation(engine):
     await asyncio.gather(*flood, return_exceptions=True)
     assert engine.status().requests_in_flight == 0
     # Cancelling the consumers aborted the vLLM requests too.
-    await wait_until(lambda: engine._engine.get_num_unfinished_requests() == 0, timeout=10)
+    await wait_for_async(lambda: engine._engine.get_num_unfinished_requests() == 0, ABORT_TIMEOUT,
+                         "the cancelled requests to leave vLLM")
     (sample,) = await collect(engine, SamplingSpec(max_tokens=4), "after-flood")
     assert sample.finish_reason in ("stop", "length")
     assert engine.status().tokens_per_second > 0

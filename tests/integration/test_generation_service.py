@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import grpc
 import pytest
@@ -15,9 +14,16 @@ from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, tensor
 from rlfleet.wire import decode_tensor, encode_tensor
 from rlfleet.wire.weights import iter_push_messages
 from tests.hf_reference import load_hf, response_log_probs
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 PROMPT = [1, 348, 201, 330, 400, 223, 20, 267, 223, 21, 2, 201, 1, 305, 310, 201]
+SCHEDULE_TIMEOUT = 120.0
+"""Until calls sent to the engine are running: a few engine steps of the tiny model, but up to 8 x 1000-token
+requests are admitted at once on a loaded 2-core machine."""
+DRAIN_TIMEOUT = 60.0
+"""Until the engine reflects an end it was told of: cancelled calls aborted, or its dead engine core noticed
+(the next engine-core call or health check fails)."""
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +85,9 @@ def test_keep_mode_push_during_long_generation_records_both_versions(stub, tiny_
         sampling=sampling_pb2.SamplingParams(n=4, temperature=1.0, max_tokens=1000, ignore_eos=True))
     current = version(stub)
     calls = [stub.Generate(request, timeout=300) for _ in range(6)]  # ~10 s of engine work, all in flight
-    deadline = time.monotonic() + 120
-    while stub.GetEngineStatus(generation_pb2.GetEngineStatusRequest(), timeout=30).running_requests < 6:
-        assert time.monotonic() < deadline, "generation never started"
-        time.sleep(0.01)  # push once every call has tokens flowing: the swap must land mid-generation
+    # Push once every call has tokens flowing: the swap must land mid-generation.
+    wait_for(lambda: stub.GetEngineStatus(generation_pb2.GetEngineStatusRequest(), timeout=30).running_requests >= 6,
+             SCHEDULE_TIMEOUT, "all 6 calls running", interval=0.01)
     push(stub, state, current + 1, mode=weights_pb2.UPDATE_MODE_KEEP)
     samples = [sample for call in calls for sample in call]
     assert len(samples) == 24
@@ -276,10 +281,8 @@ def test_admission_control_and_health(stub, generation):
         if grpc.StatusCode.RESOURCE_EXHAUSTED in codes:
             break
     assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
-    deadline = time.monotonic() + 60
-    while stub.GetEngineStatus(generation_pb2.GetEngineStatusRequest()).running_requests and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert stub.GetEngineStatus(generation_pb2.GetEngineStatusRequest()).running_requests == 0
+    wait_for(lambda: stub.GetEngineStatus(generation_pb2.GetEngineStatusRequest(), timeout=30).running_requests == 0,
+             DRAIN_TIMEOUT, "the cancelled calls to be aborted", interval=0.2)
 
 
 def test_dead_engine_core_turns_health_not_serving(stub, generation):
@@ -293,9 +296,8 @@ def test_dead_engine_core_turns_health_not_serving(stub, generation):
     assert cores, [(c.name(), c.cmdline()) for c in children]
     for core in cores:
         core.kill()
-    deadline = time.monotonic() + 60
-    while generation.health() == health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_for(lambda: generation.health() != health_pb2.HealthCheckResponse.SERVING, DRAIN_TIMEOUT,
+             "health to leave SERVING", interval=0.2)
     assert generation.health() == health_pb2.HealthCheckResponse.NOT_SERVING
     with pytest.raises(grpc.RpcError) as err:
         generate(stub, max_tokens=4)

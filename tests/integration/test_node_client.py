@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.client import connect
-from tests.integration.conftest import suite_fixture
+from tests.integration.suites import suite_fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[2]

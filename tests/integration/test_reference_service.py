@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -14,6 +13,7 @@ from grpc_health.v1 import health_pb2
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.v1 import reference_pb2, reference_pb2_grpc, tensor_pb2
 from rlfleet.wire import Ragged, decode_ragged, encode_ragged
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -235,11 +235,9 @@ def test_a_full_queue_is_resource_exhausted(tiny_model, tmp_path):
         stub = reference_pb2_grpc.ReferenceServiceStub(channel)
         request = request_for([torch.arange(6)], [2])
         calls = [stub.ScoreLogProbs.future(request, timeout=300) for _ in range(3)]
-        deadline = time.monotonic() + 50
-        while not any(call.done() for call in calls):
-            assert time.monotonic() < deadline, "no call was refused"
-            time.sleep(0.05)
-        refused = [call for call in calls if call.done()]
+        # Refused at once; the bound stays under --max-wait-ms (60 s), past which the two queued calls would
+        # run and a third one could be queued.
+        refused = wait_for(lambda: [call for call in calls if call.done()], 50, "a call to be refused")
         assert len(refused) == 1
         assert refused[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused[0].details()
         assert "max_queued_requests=2" in refused[0].details()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import textwrap
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from grpc_health.v1 import health_pb2
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.v1 import reward_pb2, reward_pb2_grpc
 from rlfleet.wire import Ragged, decode_ragged, decode_tensor, encode_ragged
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -348,14 +348,6 @@ def test_oversize_requests_get_a_precise_status_without_a_memory_blowup(reward, 
     assert peak_rss_mib(reward) - before < 300
 
 
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout}s")
-        time.sleep(0.05)
-
-
 def test_health_answers_while_a_slow_reward_runs_and_the_time_limit_answers(start_service, user_rewards, batch,
                                                                             tmp_path):
     started, release = tmp_path / "spin.started", tmp_path / "spin.release"
@@ -368,7 +360,7 @@ def test_health_answers_while_a_slow_reward_runs_and_the_time_limit_answers(star
     try:
         call = stub.ComputeRewards.future(make_request(batch, tasks=[reward_pb2.Task(reward_fn="slow")]),
                                           timeout=120)
-        wait_for(started.exists, 60, "the slow reward did not start")
+        wait_for(started.exists, 60, "the slow reward to start")  # a worker picks it up at once: 60 s is slack
         # It spins until released: every health check below is answered while it runs.
         for _ in range(5):
             assert proc.health(timeout=10) == health_pb2.HealthCheckResponse.SERVING

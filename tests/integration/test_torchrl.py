@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from rlfleet.client import connect
 from rlfleet.client.torchrl import RlfleetLLMCollector, temperature_scaled
-from tests.integration.conftest import DEMO_COLLECTOR_ARGS, run_example, suite_fixture
+from tests.integration.suites import DEMO_COLLECTOR_ARGS, run_example, suite_fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 GROUP, GROUPS = 4, 8

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import queue
-import time
 
 import grpc
 import pytest
@@ -11,9 +10,12 @@ import pytest
 from rlfleet.v1 import trajectory_pb2 as pb
 from rlfleet.v1 import trajectory_pb2_grpc
 from rlfleet.wire import decode_tensordict
-from tests.unit.test_trajectory_store import check_rows, groups, make_trajectories, payload_bytes, trajectory_ids
+from tests.trajectories import check_rows, groups, make_trajectories, payload_bytes, trajectory_ids
+from tests.waiting import wait_for
 
-TIMEOUT = 60  # per call: the machine is shared with other heavy test runs
+TIMEOUT = 60
+"""Per call, and for what one call sets off (a commit, a lease expiry): milliseconds of work, but the machine
+is shared with other heavy test runs."""
 
 
 def start_trajectory(start_service, db_path, *args):
@@ -55,13 +57,6 @@ class Reader:
         self._call.cancel()
 
 
-def wait_until(predicate, timeout=TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
 def stats(stub) -> pb.GetStatsResponse:
     return stub.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT)
 
@@ -85,7 +80,7 @@ def test_a_batch_left_unacked_is_delivered_again(start_service, tmp_path):
     third = third_reader.next()
     assert third.redelivered and trajectory_ids(third.batch) == trajectory_ids(first.batch)
     third_reader.ack(third.lease_id)
-    wait_until(lambda: stats(stub).acked == 4)
+    wait_for(lambda: stats(stub).acked == 4, TIMEOUT, "the ack to be committed")
     current = stats(stub)
     assert (current.ready, current.leased, current.redelivered_batches) == (0, 0, 2)
     slow.disconnect()
@@ -133,7 +128,8 @@ def test_every_ack_is_answered_and_a_late_one_does_not_end_the_stream(start_serv
     append(stub, groups(0, 4, 2), first_id=0)
     reader = Reader(stub, batch_size=4, lease_seconds=0.5)
     first = reader.next()
-    wait_until(lambda: stats(stub).ready == 8)  # its lease ran out: released for redelivery
+    # Its lease (0.5 s) runs out and the expiry task releases it for redelivery.
+    wait_for(lambda: stats(stub).ready == 8, TIMEOUT, "the expired lease to be released")
     reader.ack(first.lease_id)  # too late
     late = reader.next()
     assert (late.settled.lease_id, late.settled.applied, late.settled.nack) == (first.lease_id, False, False)
@@ -207,7 +203,7 @@ def test_concurrent_readers_get_disjoint_whole_group_batches(start_service, tmp_
         assert all(group_ids.count(g) == 2 for g in group_ids)  # whole groups of 2
     for reader, batch in zip(readers * 2, batches):
         reader.ack(batch.lease_id)
-    wait_until(lambda: stats(stub).acked == 16)
+    wait_for(lambda: stats(stub).acked == 16, TIMEOUT, "every ack to be committed")
     for reader in readers:
         reader.disconnect()
     channel.close()

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 
 import grpc
 import pytest
@@ -27,16 +26,39 @@ from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, generation_pb2, generation_pb2_grpc, sampling_pb2
 from rlfleet.wire import decode_tensor, encode_tensor, shm
 from tests.hf_reference import load_hf, response_log_probs
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 PROMPT = [1, 348, 201, 330, 400, 223, 20, 267, 223, 21, 2, 201, 1, 305, 310, 201]
 TOLERANCE = 1e-4
 
+# Deadlines, each from what it waits for (the tiny model: a few MB of weights, one engine step is milliseconds),
+# with room for a loaded 2-core CI machine.
+REPLICA_CHECK_SECONDS = 0.5
+"""The collector's monitor period (--replica-check-seconds): each tick it sweeps the shm segments of dead
+processes, probes replicas out of rotation (and re-syncs them), and checks those in rotation for a restart."""
+QUERY_TIMEOUT = 30.0
+"""A status call (GetEngineStatus, GetStatus): answered from memory."""
+PUSH_TIMEOUT = 120.0
+"""One push of the tiny model through the collector to both replicas (stage, vLLM's pause, load, prefix cache
+reset): seconds."""
+GENERATE_TIMEOUT = PUSH_TIMEOUT
+"""One Generate of 16 tokens: milliseconds per token, but it may wait behind a push's swap (bounded by a push)."""
+ENGINE_START_TIMEOUT = 600.0
+"""A restarted replica until SERVING: a new process, vLLM's engine core, the model loaded and warmed up; the
+slowest thing here (the suite fixture allows 900 s for every service together)."""
+RESYNC_TIMEOUT = PUSH_TIMEOUT + 20 * REPLICA_CHECK_SECONDS
+"""A restarted replica back at the collector's version and in rotation: noticed within a few monitor ticks (a
+tick skips its check while a push moves versions), then one re-sync push from the spool."""
+RELEASE_TIMEOUT = PUSH_TIMEOUT + 20 * REPLICA_CHECK_SECONDS
+"""Shared-memory segments of a cut or killed push gone: dropped when the push that staged them ends (bounded
+by a push), or swept at the next monitor tick once the process holding them is dead."""
+
 
 @pytest.fixture(scope="module")
 def suite(tiny_model_dir, tmp_path_factory):
     options = SuiteOptions(model_dir=tiny_model_dir, generation_replicas=2, kv_cache_bytes=64 << 20,
-                           collector_args=["--replica-check-seconds", "0.5", "--mode", "async",
+                           collector_args=["--replica-check-seconds", str(REPLICA_CHECK_SECONDS), "--mode", "async",
                                            "--max-staleness", "1000", "--sampling",
                                            '{"temperature": 1.0, "max_tokens": 8}'])
     procs = start_suite(options, tmp_path_factory.mktemp("weight-sync"))
@@ -46,7 +68,7 @@ def suite(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(suite):
-    with connect(suite["collector"].address, timeout=120) as client:
+    with connect(suite["collector"].address, timeout=PUSH_TIMEOUT) as client:
         yield client
 
 
@@ -68,7 +90,7 @@ def replicas(suite):
 def replica_version(proc) -> int:
     with grpc.insecure_channel(proc.address) as channel:
         return generation_pb2_grpc.GenerationServiceStub(channel).GetEngineStatus(
-            generation_pb2.GetEngineStatusRequest(), timeout=30).policy_version
+            generation_pb2.GetEngineStatusRequest(), timeout=QUERY_TIMEOUT).policy_version
 
 
 def sample(proc, seed: int):
@@ -76,7 +98,8 @@ def sample(proc, seed: int):
         request = generation_pb2.GenerateRequest(
             prompt=sampling_pb2.Prompt(token_ids=encode_tensor(torch.tensor(PROMPT))),
             sampling=sampling_pb2.SamplingParams(temperature=1.0, max_tokens=16, seed=seed))
-        reply = next(iter(generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=120)))
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        reply = next(iter(stub.Generate(request, timeout=GENERATE_TIMEOUT)))
     return decode_tensor(reply.response_token_ids).tolist(), decode_tensor(reply.behavior_log_probs).clone(), reply
 
 
@@ -128,13 +151,6 @@ def barrier(client) -> None:
     """Returns once no push is in flight at the collector: a stale push waits for the push lock, then fails."""
     with pytest.raises(FailedPreconditionError):
         client.push_weights({"x": torch.zeros(1)}, version=1, transport="grpc", progress=False)
-
-
-def wait_until(predicate, timeout: float = 90.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 # ---------------------------------------------------------------- transports
@@ -192,7 +208,7 @@ def test_trainer_cut_at_any_phase_keeps_engines_and_collector_in_step(suite, cli
     for i, timeout in enumerate([0.02, 0.1, 0.3, 0.6, 1.0]):
         weights = perturbed(committed[0], seed=1000 + 10 * i + len(transport))
         target = client.policy_version + 1
-        with connect(suite["collector"].address, timeout=60) as cut_client:
+        with connect(suite["collector"].address, timeout=PUSH_TIMEOUT) as cut_client:
             try:
                 cut_client.push_weights(weights, version=target, transport=transport, timeout=timeout,
                                         progress=False)
@@ -203,10 +219,10 @@ def test_trainer_cut_at_any_phase_keeps_engines_and_collector_in_step(suite, cli
             committed[target] = weights
         # And by cancelling the caller's task mid-push (an asyncio cancel).
         async def cancel_mid_push(seed=2000 + i):
-            async with connect_async(suite["collector"].address, timeout=60) as aclient:
+            async with connect_async(suite["collector"].address, timeout=PUSH_TIMEOUT) as aclient:
                 task = asyncio.ensure_future(aclient.push_weights(
                     perturbed(committed[0], seed=seed), transport=transport, progress=False))
-                await asyncio.sleep(timeout)
+                await asyncio.sleep(timeout)  # the cut itself (at 5 points of the push), not a wait
                 task.cancel()
                 try:
                     await task
@@ -223,7 +239,7 @@ def test_trainer_cut_at_any_phase_keeps_engines_and_collector_in_step(suite, cli
     result = client.push_weights(weights, transport=transport, progress=False)  # the next push succeeds
     committed[result.version] = weights
     assert_serving(suite, client, committed, tiny_model_dir)
-    wait_until(lambda: our_segments(suite, before) == set(), what="segments to be released")
+    wait_for(lambda: our_segments(suite, before) == set(), RELEASE_TIMEOUT, "segments to be released", interval=0.1)
 
 
 TRAINER = textwrap.dedent("""
@@ -270,7 +286,7 @@ def test_trainer_sigkill_mid_push_leaves_old_version_and_no_segment(suite, clien
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
     # Staged bytes are discarded; the orphaned trainer segment is swept (lock gone with its holder).
-    wait_until(lambda: our_segments(suite, before) == set(), what="no segment left behind")
+    wait_for(lambda: our_segments(suite, before) == set(), RELEASE_TIMEOUT, "no segment left behind", interval=0.1)
     assert client.policy_version == version
     assert_serving(suite, client, committed, tiny_model_dir)
 
@@ -290,7 +306,7 @@ def test_replica_killed_then_restarted_is_resynced_over_shm(suite, client, commi
     assert_serving(suite, client, committed, tiny_model_dir, procs=[suite["generation-0"]])
 
     restarted = ServiceProcess("generation", [*victim.args, "--port", str(victim.port)])
-    restarted.start(victim.log_path.parent / "restarted").wait_ready(600)
+    restarted.start(victim.log_path.parent / "restarted").wait_ready(ENGINE_START_TIMEOUT)
     suite[victim_key] = restarted  # stopped by the suite fixture
     # A fresh engine serves its checkpoint (version 0) until the monitor re-syncs it, which may
     # already have happened by now: only the outcome is asserted.
@@ -298,10 +314,10 @@ def test_replica_killed_then_restarted_is_resynced_over_shm(suite, client, commi
     stub = collector_pb2_grpc.CollectorServiceStub(grpc.insecure_channel(suite["collector"].address))
 
     def back_in_rotation():
-        status = stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=30)
+        status = stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=QUERY_TIMEOUT)
         return {r.address: (r.healthy, r.policy_version) for r in status.replicas}[victim.address] == \
             (True, result.version)
-    wait_until(back_in_rotation, timeout=120, what="the restarted replica to be re-synced")
+    wait_for(back_in_rotation, RESYNC_TIMEOUT, "the restarted replica to be re-synced", interval=0.1)
     assert f"replica {victim.address} re-synced to version {result.version} over shm" in \
         open(suite["collector"].log_path).read()
     assert_serving(suite, client, committed, tiny_model_dir)
@@ -317,17 +333,17 @@ def test_replica_on_another_host_gets_grpc_within_the_same_push(suite, client, c
     try:
         restarted = ServiceProcess("generation", [*victim.args, "--port", str(victim.port)],
                                    env={"RLFLEET_SHM_DIR": elsewhere})
-        restarted.start(victim.log_path.parent / "otherhost").wait_ready(600)
+        restarted.start(victim.log_path.parent / "otherhost").wait_ready(ENGINE_START_TIMEOUT)
         suite[victim_key] = restarted
         stub = collector_pb2_grpc.CollectorServiceStub(grpc.insecure_channel(suite["collector"].address))
 
         def back_in_rotation():
-            status = stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=30)
+            status = stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=QUERY_TIMEOUT)
             return {r.address: (r.healthy, r.policy_version) for r in status.replicas}[victim.address] == \
                 (True, client.policy_version)
-        wait_until(lambda: replica_version(restarted) == client.policy_version, timeout=120,
-                   what="the restarted replica to be noticed and re-synced over grpc")
-        wait_until(back_in_rotation, timeout=120, what="the replica back in rotation")
+        wait_for(lambda: replica_version(restarted) == client.policy_version, RESYNC_TIMEOUT,
+                 "the restarted replica to be noticed and re-synced over grpc", interval=0.1)
+        wait_for(back_in_rotation, RESYNC_TIMEOUT, "the replica back in rotation", interval=0.1)
         assert f"replica {victim.address} re-synced to version {client.policy_version} over grpc" in \
             open(suite["collector"].log_path).read()
         assert_serving(suite, client, committed, tiny_model_dir)

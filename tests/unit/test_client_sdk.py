@@ -33,6 +33,7 @@ from rlfleet.v1 import (
 )
 from rlfleet.wire import Ragged, encode_tensordict
 from rlfleet.wire.tensor import dtype_from_wire
+from tests.waiting import wait_for
 
 TOKEN = "s3cret"
 CODES = {
@@ -48,6 +49,9 @@ CODES = {
 }
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 RETRIES = 2
+SERVER_TIMEOUT = 10.0
+"""Until the fake server (its own thread and loop) has handled what the client sent or ended: milliseconds;
+10 s for a loaded machine."""
 
 
 # --- the fake services --------------------------------------------------------------------------
@@ -112,7 +116,7 @@ async def enter(server, context, method: str) -> State:
     if server.required_token and metadata.get("authorization") != f"Bearer {server.required_token}":
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid token")
     if state.hang_seconds:
-        await asyncio.sleep(state.hang_seconds)
+        await asyncio.sleep(state.hang_seconds)  # a slow server: the client's deadline ends the call long before
     return state
 
 
@@ -340,14 +344,6 @@ def aclient(server, **kwargs) -> AsyncClient:
     return connect_async(server.address, **{"timeout": 5, "retries": RETRIES, "backoff_seconds": 0.001, **kwargs})
 
 
-def eventually(condition, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.005)
-
-
 def state_dict() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return {
@@ -465,7 +461,7 @@ def test_client_side_deadline_on_unary_calls(server, state):
         with pytest.raises(DeadlineExceededError):
             client.status()
         assert time.monotonic() - started < 1.5
-    eventually(lambda: state.calls["GetStatus"] == 2)
+    wait_for(lambda: state.calls["GetStatus"] == 2, SERVER_TIMEOUT, "the server to see both attempts")
 
 
 def test_wait_ready_waits_until_the_collector_serves_and_says_what_it_waits_for(client, state):
@@ -642,10 +638,10 @@ def test_batches_yield_tensordicts_and_auto_ack_the_previous_one(client, state):
     second.nack()
     third = next(batches)  # the nacked batch comes straight back
     assert third.lease_id == second.lease_id and third.redelivered
-    eventually(lambda: ("nack", second.lease_id) in state.settled)
+    wait_for(lambda: ("nack", second.lease_id) in state.settled, SERVER_TIMEOUT, "the server to see the nack")
     batches.close()  # a deliberate close acks the last batch
     assert state.settled[-1] == ("ack", third.lease_id)
-    eventually(lambda: state.streams_ended == 1)
+    wait_for(lambda: state.streams_ended == 1, SERVER_TIMEOUT, "the server to see the stream end")
 
 
 def test_the_servers_answers_are_recorded_on_the_batches(client, state, caplog):
@@ -672,7 +668,7 @@ def test_explicit_ack_without_auto_ack(client, state):
         first.ack()  # idempotent
         second = next(batches)
     assert state.settled == [("ack", first.lease_id)]  # closing without auto_ack does not ack
-    eventually(lambda: state.streams_ended == 1)
+    wait_for(lambda: state.streams_ended == 1, SERVER_TIMEOUT, "the server to see the stream end")
     assert state.ready[0][0] == second.lease_id and state.ready[0][2]  # back for redelivery
     with pytest.raises(FailedPreconditionError, match="delivered again"):
         second.ack()  # too late: the lease went back with the stream
@@ -683,7 +679,7 @@ def test_max_batches_and_prefetch(client, state):
     got = list(client.batches(4, prefetch=3, max_batches=3))
     assert [b.td["score"][0].item() for b in got] == [0.0, 1.0, 2.0]
     assert [s for s in state.settled if s[0] == "ack"] == [("ack", b.lease_id) for b in got]
-    eventually(lambda: state.streams_ended == 1)
+    wait_for(lambda: state.streams_ended == 1, SERVER_TIMEOUT, "the server to see the stream end")
     assert len(state.ready) == 2  # the prefetched-but-unread batches went back
 
 
@@ -693,7 +689,7 @@ def test_break_ends_the_stream_and_the_batch_is_redelivered(client, state):
         lease = batch.lease_id
         break
     del batch
-    eventually(lambda: state.streams_ended == 1)
+    wait_for(lambda: state.streams_ended == 1, SERVER_TIMEOUT, "the server to see the stream end")
     assert state.settled == []
     with client.batches(4) as batches:
         again = next(batches)
@@ -706,7 +702,7 @@ def test_leaving_with_by_exception_does_not_ack(client, state):
         with client.batches(4) as batches:
             for _ in batches:
                 1 / 0
-    eventually(lambda: state.streams_ended == 1)
+    wait_for(lambda: state.streams_ended == 1, SERVER_TIMEOUT, "the server to see the stream end")
     assert state.settled == []
 
 
@@ -743,7 +739,7 @@ def test_a_stream_with_nothing_to_deliver_ends_at_its_idle_bound(client, state):
     with pytest.raises(DeadlineExceededError, match=r"no batch within 0.3 s \(idle_timeout\)"):
         next(batches)
     assert time.monotonic() - started < 30 and batches.closed
-    eventually(lambda: state.streams_ended == 1)  # the server saw the stream end
+    wait_for(lambda: state.streams_ended == 1, SERVER_TIMEOUT, "the server to see the stream end")
 
 
 @pytest.mark.parametrize("code", list(CODES), ids=lambda c: c.name)
@@ -770,7 +766,7 @@ def test_closing_the_client_ends_open_streams(server, state):
     next(batches)
     client.close()
     client.close()  # idempotent
-    eventually(lambda: state.streams_ended == 1)
+    wait_for(lambda: state.streams_ended == 1, SERVER_TIMEOUT, "the server to see the stream end")
     with pytest.raises(StopIteration):
         next(batches)
     with pytest.raises(RuntimeError, match="closed"):

@@ -10,6 +10,11 @@ from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted, U
 from rlfleet.services.reference.batcher import MicroBatcher
 from rlfleet.services.reference.config import ReferenceConfig
 from rlfleet.services.reference.scorer import ReferenceScorer
+from tests.waiting import wait_for_async
+
+QUEUE_TIMEOUT = 60.0
+"""Until ``score`` calls already scheduled have queued their requests: one pass of the event loop; 60 s for a
+loaded machine."""
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +27,10 @@ def scorer(request) -> ReferenceScorer:
     ))
     scorer.load()
     return scorer
+
+
+async def wait_pending(batcher: MicroBatcher, count: int) -> None:
+    await wait_for_async(lambda: len(batcher._pending) >= count, QUEUE_TIMEOUT, f"{count} requests queued")
 
 
 def random_request(rng: random.Random, vocab_size: int):
@@ -66,7 +75,7 @@ async def test_staggered_callers_and_a_small_token_budget(scorer):
     requests = [random_request(rng, scorer.vocab_size) for _ in range(12)]
 
     async def call(batcher, delay, sequences, starts):
-        await asyncio.sleep(delay)
+        await asyncio.sleep(delay)  # arrivals spread over 30 ms: the load, not a wait for anything
         return await batcher.score(sequences, starts)
 
     async with MicroBatcher(scorer, max_wait_ms=5, token_budget=64) as batcher:
@@ -122,7 +131,7 @@ async def test_a_cancelled_caller_does_not_disturb_the_others(scorer):
     async with MicroBatcher(scorer, max_wait_ms=30) as batcher:
         doomed = asyncio.ensure_future(batcher.score([[4, 5, 6]], [1]))
         survivor = asyncio.ensure_future(batcher.score([[7, 8, 9]], [2]))
-        await asyncio.sleep(0)
+        await wait_pending(batcher, 2)  # both queued: the batch is taken 30 ms after the first
         doomed.cancel()
         result = await survivor
     assert doomed.cancelled()
@@ -133,7 +142,7 @@ async def test_a_cancelled_caller_does_not_disturb_the_others(scorer):
 async def test_close_fails_waiting_callers_and_refuses_new_ones(scorer):
     batcher = MicroBatcher(scorer, max_wait_ms=10_000, token_budget=10_000)
     waiting = asyncio.ensure_future(batcher.score([[1, 2, 3]], [1]))
-    await asyncio.sleep(0.01)
+    await wait_pending(batcher, 1)
     await batcher.aclose()
     with pytest.raises(Unavailable):
         await waiting
@@ -145,13 +154,6 @@ async def test_empty_request(scorer):
     async with MicroBatcher(scorer) as batcher:
         result = await batcher.score([], [], with_entropy=True)
     assert result.log_probs == [] and result.entropies == []
-
-
-async def wait_pending(batcher: MicroBatcher, count: int) -> None:
-    deadline = asyncio.get_running_loop().time() + 60
-    while len(batcher._pending) < count:
-        assert asyncio.get_running_loop().time() < deadline, "requests never queued"
-        await asyncio.sleep(0.01)
 
 
 async def test_a_full_queue_is_resource_exhausted_at_once(scorer):

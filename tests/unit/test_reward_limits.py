@@ -19,10 +19,11 @@ from rlfleet.services.reward.budget import TimeBudget
 from rlfleet.services.reward.config import RewardFunctionConfig, RewardServiceConfig
 from rlfleet.services.reward.engine import RewardEngine, RewardRequest
 from rlfleet.services.reward.functions import RewardFunctions, TaskSpec
-from rlfleet.services.reward.pipeline import RewardInputs, compute_rewards
+from rlfleet.services.reward.batch_rewards import RewardInputs, compute_rewards
 from rlfleet.services.reward.scores import ScoreInput, build_scorer, compute_scores
 from rlfleet.v1 import reward_pb2
 from rlfleet.wire import Ragged, encode_ragged
+from tests.waiting import wait_for_async
 
 
 def samples(*responses, ground_truth=None):
@@ -36,6 +37,7 @@ def user_module(tmp_path, monkeypatch):
         import threading
 
         RELEASE = threading.Event()
+        STARTED = threading.Event()
 
         def picky(sample):
             if "7" in sample.response:
@@ -58,11 +60,12 @@ def user_module(tmp_path, monkeypatch):
             raise RuntimeError("x" * 100_000)
 
         def hold(sample):
+            STARTED.set()
             RELEASE.wait(120)  # released by the test
             return 1.0
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("hardening_rewards", None)  # a fresh RELEASE per test
+    sys.modules.pop("hardening_rewards", None)  # a fresh RELEASE and STARTED per test
     yield "hardening_rewards"
     module = sys.modules.pop("hardening_rewards", None)
     if module is not None:
@@ -244,10 +247,17 @@ def test_the_service_answers_at_the_time_limit_and_its_event_loop_keeps_running(
     async def scenario():
         await service.run_blocking(service.engine.load)
         ticks = 0
+
+        async def other_work():  # what the loop must keep serving (health checks) while the reward runs
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.ensure_future(other_work())
         call = asyncio.ensure_future(service.compute(request))
-        while not call.done():  # the loop serves other work (health checks) while the reward runs
-            await asyncio.sleep(0.01)
-            ticks += 1
+        await asyncio.wait({call})
+        ticker.cancel()
         return ticks, call
 
     try:
@@ -273,7 +283,8 @@ def test_the_wait_for_a_free_worker_counts_in_the_time_limit(user_module):
     async def scenario():
         await service.run_blocking(service.engine.load)
         first = asyncio.ensure_future(service.compute(busy))
-        await asyncio.sleep(0)  # the first takes the only worker
+        held = sys.modules[user_module].STARTED  # imported by engine.load
+        await wait_for_async(held.is_set, 60, "the first request to take the only worker")
         second = asyncio.ensure_future(service.compute(quick))
         return await asyncio.gather(first, second, return_exceptions=True)
 

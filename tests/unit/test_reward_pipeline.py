@@ -10,7 +10,7 @@ from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, 
 from rlfleet.services.reward.config import RewardFunctionConfig, RewardServiceConfig
 from rlfleet.services.reward.engine import RewardEngine, RewardRequest
 from rlfleet.services.reward.functions import RewardFunctions, TaskSpec, expand_tasks
-from rlfleet.services.reward.pipeline import RewardInputs, compute_rewards
+from rlfleet.services.reward.batch_rewards import RewardInputs, compute_rewards
 from rlfleet.services.reward.scores import ScoreInput
 
 REF = [[-1.0, -2.0, -3.0], [-0.5, -1.5], [-2.0, -2.0, -2.0, -2.0]]

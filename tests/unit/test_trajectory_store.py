@@ -7,76 +7,18 @@ import sqlite3
 
 import pytest
 import torch
-from tensordict import NonTensorStack, TensorDict
 
 from rlfleet.services.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from rlfleet.services.trajectory.buffer import OUTBOX_SIZE, ReaderOptions, Settlement, TrajectoryBuffer
-from rlfleet.services.trajectory.rows import split_rows
 from rlfleet.services.trajectory.store import Dropped, TrajectoryStore
-from rlfleet.v1 import tensor_pb2
-from rlfleet.wire import Ragged, WireError, decode_tensordict, encode_tensordict, get_ragged
+from rlfleet.wire import WireError, decode_tensordict, encode_tensordict
 from rlfleet.wire.batch_schema import row_schema
+from tests.trajectories import check_rows, groups, make_trajectories, payload_bytes, trajectory_ids
+from tests.waiting import wait_for_async
 
-
-def make_trajectories(group_ids, first_id: int = 0, policy_version: int = 0,
-                      group_size: bool = False, prompt_ids: bool = False) -> tensor_pb2.TensorDict:
-    """Trajectories in the TorchRL-style layout: row i is "traj-<first_id + i>".
-
-    Lengths and values derive from the id, so any row can be checked after a round trip.
-    ``prompt_ids`` adds a ``prompt_id`` column: "prompt-<group_id>".
-    """
-    count = len(group_ids)
-    ids = range(first_id, first_id + count)
-    prompt = Ragged.from_list([torch.arange(i % 3 + 1, dtype=torch.int64) + i for i in ids])
-    response = Ragged.from_list([torch.arange(i % 4, dtype=torch.int64) + 100 * i for i in ids])  # some empty
-    behaviour = Ragged.from_list([torch.full((i % 4,), -0.5 * i) for i in ids])
-    td = TensorDict({
-        "tokens": TensorDict({"prompt": prompt.to_nested(), "response": response.to_nested()}, batch_size=[count]),
-        "log_probs": TensorDict({"response": behaviour.to_nested()}, batch_size=[count]),
-        "score": torch.tensor([float(i) for i in ids]),
-        "next": TensorDict({"done": torch.tensor([[i % 2 == 0] for i in ids])}, batch_size=[count]),
-        "sampling": TensorDict({"temperature": torch.full((count,), 0.7)}, batch_size=[count]),
-        "group_id": torch.tensor(list(group_ids), dtype=torch.int64),
-        "policy_version_start": torch.full((count,), policy_version, dtype=torch.int64),
-        "policy_version_end": torch.full((count,), policy_version, dtype=torch.int64),
-    }, batch_size=[count])
-    if group_size:
-        td["group_size"] = torch.tensor([list(group_ids).count(g) for g in group_ids], dtype=torch.int64)
-    td["trajectory_id"] = NonTensorStack.from_list([f"traj-{i}" for i in ids])
-    if prompt_ids:
-        td["prompt_id"] = NonTensorStack.from_list([f"prompt-{g}" for g in group_ids])
-    return encode_tensordict(td)
-
-
-def payload_bytes(msg: tensor_pb2.TensorDict) -> int:
-    """What the store counts against capacity_bytes for ``msg``: its rows, serialized."""
-    return sum(map(len, split_rows(msg)))
-
-
-def groups(first_group: int, n_groups: int, group_size: int) -> list[int]:
-    return [g for g in range(first_group, first_group + n_groups) for _ in range(group_size)]
-
-
-def trajectory_ids(batch: tensor_pb2.TensorDict) -> list[str]:
-    return list(batch.entries["trajectory_id"].strings.values)
-
-
-def check_rows(batch: tensor_pb2.TensorDict) -> None:
-    """Every entry of every row is what make_trajectories built for that id."""
-    td = decode_tensordict(batch)
-    ids = [int(t.split("-")[1]) for t in list(td["trajectory_id"])]
-    for key, expected in [
-        (("tokens", "prompt"), [torch.arange(i % 3 + 1) + i for i in ids]),
-        (("tokens", "response"), [torch.arange(i % 4) + 100 * i for i in ids]),
-        (("log_probs", "response"), [torch.full((i % 4,), -0.5 * i) for i in ids]),
-    ]:
-        got = get_ragged(td, key).to_list()
-        assert len(got) == len(ids)
-        for have, want in zip(got, expected):
-            assert torch.equal(have, want.to(have.dtype)), key
-    assert td["score"].tolist() == [float(i) for i in ids]
-    assert td["next", "done"].tolist() == [[i % 2 == 0] for i in ids]
-    assert td["sampling", "temperature"].shape == (len(ids),)
+WAIT = 10.0
+"""Bound on what the async buffer does on its own (a store call, waking a reader, a 0.3 s lease running out):
+milliseconds, 10 s for a loaded CI machine."""
 
 
 class FakeClock:
@@ -481,23 +423,44 @@ async def buffer():
     await buffer.stop()
 
 
-async def test_a_reader_waits_for_a_full_batch_and_respects_prefetch(buffer):
+@pytest.fixture
+def leases(monkeypatch) -> list[tuple[int, bool]]:
+    """Every lease attempt the buffer makes, as it runs on the store thread: (rows ready then, leased)."""
+    attempts: list[tuple[int, bool]] = []
+    lease = TrajectoryStore.lease
+
+    def recorded(store, *args, **kwargs):
+        ready = store.stats().ready
+        delivery = lease(store, *args, **kwargs)
+        attempts.append((ready, delivery is not None))
+        return delivery
+
+    monkeypatch.setattr(TrajectoryStore, "lease", recorded)
+    return attempts
+
+
+async def test_a_reader_waits_for_a_full_batch_and_respects_prefetch(buffer, leases):
     commands = Commands()
     stream = buffer.stream(ReaderOptions(batch_size=4, prefetch=1), commands)
     waiting = asyncio.ensure_future(anext(stream))
     await buffer.append(make_trajectories([1, 1]))
-    await asyncio.sleep(0.05)
-    assert not waiting.done()  # 2 of 4 ready: no short batch
+    # The reader looks once the 2 rows are in, and takes nothing: no short batch. Until the next
+    # append it waits for a change, so it cannot have answered meanwhile.
+    await wait_for_async(lambda: any(ready == 2 for ready, _ in leases), WAIT, "a lease attempt with 2 of 4 ready")
+    assert (2, True) not in leases and not waiting.done()
     await buffer.append(make_trajectories([2, 2, 3, 3, 4, 4], first_id=2))
-    first = await asyncio.wait_for(waiting, 10)
+    first = await asyncio.wait_for(waiting, WAIT)
     assert trajectory_ids(first.batch) == [f"traj-{i}" for i in range(4)]
     second = asyncio.ensure_future(anext(stream))
-    await asyncio.sleep(0.05)
-    assert not second.done()  # prefetch 1: the next batch waits for the ack
+    # Prefetch 1: with 4 rows ready the reader asks for no second lease until it acks the first. The
+    # store thread runs calls in order: a lease asked for with the first batch would be done by now.
+    attempts = len(leases)
+    stats = await buffer.stats()
+    assert (stats.ready, stats.leased, len(leases)) == (4, 4, attempts) and not second.done()
     commands.send("ack", first.lease_id)
     # The ack's answer comes first, then the batch its slot let through.
-    assert await asyncio.wait_for(second, 10) == Settlement(first.lease_id, nack=False, applied=True, trajectories=4)
-    assert (await asyncio.wait_for(anext(stream), 10)).size == 4
+    assert await asyncio.wait_for(second, WAIT) == Settlement(first.lease_id, nack=False, applied=True, trajectories=4)
+    assert (await asyncio.wait_for(anext(stream), WAIT)).size == 4
     await stream.aclose()
     stats = await buffer.stats()
     assert (stats.acked, stats.leased, stats.ready) == (4, 0, 4)  # closing released the un-acked batch
@@ -507,13 +470,13 @@ async def test_a_stream_ending_or_a_lease_expiring_redelivers(buffer):
     await buffer.append(make_trajectories(groups(0, 2, 2)))
     commands = Commands()
     stream = buffer.stream(ReaderOptions(batch_size=4, lease_seconds=0.3), commands)
-    first = await asyncio.wait_for(anext(stream), 10)
+    first = await asyncio.wait_for(anext(stream), WAIT)
     # The expiry task releases the batch once its lease runs out: another reader gets it.
     other = buffer.stream(ReaderOptions(batch_size=4, lease_seconds=60), Commands())
-    again = await asyncio.wait_for(anext(other), 10)
+    again = await asyncio.wait_for(anext(other), WAIT)
     assert again.redelivered and trajectory_ids(again.batch) == trajectory_ids(first.batch)
     commands.send("ack", first.lease_id)  # too late: answered, nothing changes, the stream goes on
-    late = await asyncio.wait_for(anext(stream), 10)
+    late = await asyncio.wait_for(anext(stream), WAIT)
     assert isinstance(late, Settlement) and (late.lease_id, late.applied, late.trajectories) == (first.lease_id,
                                                                                                 False, 0)
     assert "expired and released for redelivery" in late.reason
@@ -521,7 +484,7 @@ async def test_a_stream_ending_or_a_lease_expiring_redelivers(buffer):
     assert [m async for m in stream] == []
     await other.aclose()  # the reader left without acking
     third = buffer.stream(ReaderOptions(batch_size=4), Commands())
-    assert (await asyncio.wait_for(anext(third), 10)).redelivered
+    assert (await asyncio.wait_for(anext(third), WAIT)).redelivered
     await third.aclose()
     assert (await buffer.stats()).redelivered_batches == 2
 
@@ -530,7 +493,7 @@ async def test_every_command_is_answered_in_order_even_at_half_close(buffer):
     await buffer.append(make_trajectories(groups(0, 4, 2)))
     commands = Commands()
     stream = buffer.stream(ReaderOptions(batch_size=2, prefetch=3), commands)
-    batches = [await asyncio.wait_for(anext(stream), 10) for _ in range(3)]
+    batches = [await asyncio.wait_for(anext(stream), WAIT) for _ in range(3)]
     commands.send("nack", batches[1].lease_id)
     commands.send("ack", batches[0].lease_id)
     commands.send("ack", batches[0].lease_id)  # twice: the second is not applied
@@ -551,9 +514,12 @@ async def test_a_reader_that_acks_without_reading_is_held_back(buffer):
     started = asyncio.ensure_future(anext(stream))  # starts the stream; nothing to deliver yet
     for i in range(OUTBOX_SIZE * 4):
         commands.send("ack", f"bogus-{i}")
-    await asyncio.sleep(0.2)
-    assert commands.queue.qsize() >= OUTBOX_SIZE * 4 - OUTBOX_SIZE - 2  # not read: flow control
-    first = await asyncio.wait_for(started, 10)
+    # It reads what fits: the answer `started` takes, OUTBOX_SIZE queued, one more waiting for room.
+    held = OUTBOX_SIZE * 4 - OUTBOX_SIZE - 2
+    await wait_for_async(lambda: commands.queue.qsize() <= held, WAIT, "the stream to read a full outbox's worth")
+    await buffer.stats()  # the store thread has answered every ack the stream took: it would take more now
+    assert commands.queue.qsize() == held  # the rest not read: flow control
+    first = await asyncio.wait_for(started, WAIT)
     assert first.lease_id == "bogus-0" and not first.applied
     commands.close()
     rest = [m async for m in stream]

@@ -1,0 +1,37 @@
+"""The whole suite as a module-scoped fixture, and the examples run against it (demo, TorchRL, node client)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO_COLLECTOR_ARGS = ["--mode=sync", "--group-size=4", "--groups-per-step=8",
+                       '--sampling={"temperature": 1.0, "max_tokens": 24}', "--reward-fn=char_fraction"]
+"""The collector settings of scripts/demo (8 groups of 4 per step, on-policy, the digits task)."""
+
+
+def suite_fixture(collector_args: list[str], name: str):
+    """A module-scoped fixture: the whole suite as processes with ``collector_args``, stopped after the module."""
+    @pytest.fixture(scope="module")
+    def suite(tiny_model_dir, tmp_path_factory):
+        procs = start_suite(SuiteOptions(model_dir=tiny_model_dir, collector_args=collector_args),
+                            tmp_path_factory.mktemp(name))
+        yield procs
+        stop_suite(procs)
+    return suite
+
+
+def run_example(script: str, suite, model_dir: Path, steps: int, out: Path) -> list[dict]:
+    """Run ``examples/<script>`` against ``suite`` for ``steps``; its metrics.json (the plot checked written)."""
+    subprocess.run([sys.executable, str(ROOT / "examples" / script), "--collector", suite["collector"].address,
+                    "--model-dir", str(model_dir), "--steps", str(steps), "--out", str(out)],
+                   check=True, timeout=1200)
+    assert (out / "metrics.png").stat().st_size > 10_000
+    return json.loads((out / "metrics.json").read_text())
