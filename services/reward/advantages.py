@@ -134,11 +134,3 @@ def rloo_advantages(
     others_mean = (_group_sums(rewards, groups)[groups.index] - rewards) / (sizes[groups.index] - 1)
     return (rewards - others_mean).float()
 
-
-def broadcast_to_tokens(advantages: Tensor, mask: Tensor) -> Tensor:
-    """Per-sequence advantages ``[B]`` -> per-token ``[B, T]``, 0 outside ``mask``."""
-    if advantages.shape != mask.shape[:1]:
-        raise InvalidArgument(
-            f"advantages has shape {tuple(advantages.shape)}, expected [{mask.shape[0]}]"
-        )
-    return torch.where(mask, advantages.unsqueeze(-1), torch.zeros((), dtype=advantages.dtype))

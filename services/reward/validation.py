@@ -175,15 +175,6 @@ def check_finite(name: str, values: Tensor, mask: Tensor | None = None) -> None:
     raise InvalidArgument(f"sample {where[0]}, token {where[1]}: {name} is {value}")
 
 
-def check_finite_ragged(name: str, rows: Sequence[Tensor]) -> None:
-    """Ragged twin of :func:`check_finite`."""
-    for index, row in enumerate(rows):
-        bad = (~torch.isfinite(row)).nonzero()
-        if bad.numel():
-            token = int(bad[0, 0])
-            raise InvalidArgument(f"sample {index}, token {token}: {name} is {row[token].item()}")
-
-
 def check_finite_tokens(name: str, values: Tensor, lengths: Sequence[int], mask: Tensor | None = None) -> None:
     """Flat twin of :func:`check_finite`: ``values`` is ``[N]``, the samples' tokens back to back
     (``lengths`` tokens each); the first NaN/inf where ``mask`` is set names its sample and token."""

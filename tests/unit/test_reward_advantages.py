@@ -6,12 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlfleet.services.common.errors import InvalidArgument
-from rlfleet.services.reward.advantages import (
-    broadcast_to_tokens,
-    grpo_advantages,
-    make_groups,
-    rloo_advantages,
-)
+from rlfleet.services.reward.advantages import grpo_advantages, make_groups, rloo_advantages
 
 
 def test_grpo_on_three_numbers():
@@ -66,14 +61,6 @@ def test_bad_inputs_name_the_sample():
         grpo_advantages(torch.zeros(2), [0, 0.5])
     with pytest.raises(InvalidArgument, match="scores must be 1-D"):
         rloo_advantages(torch.zeros(2, 2), [0, 0])
-
-
-def test_broadcast_to_tokens():
-    mask = torch.tensor([[True, True, False], [False, True, True]])
-    got = broadcast_to_tokens(torch.tensor([2.0, -1.0]), mask)
-    assert got.tolist() == [[2.0, 2.0, 0.0], [0.0, -1.0, -1.0]]
-    with pytest.raises(InvalidArgument, match="advantages has shape"):
-        broadcast_to_tokens(torch.zeros(3), mask)
 
 
 @st.composite

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlfleet.services.common.errors import InvalidArgument
-from rlfleet.services.reward import kl
+from rlfleet.services.reward import kl, validation
 
 # Three tokens by hand: log_ratio r = log p - log q = [0.5, -1, 0].
 LOG_P = torch.tensor([-1.0, -2.0, -0.5])
@@ -26,17 +26,18 @@ def test_k3_is_q_over_p_minus_one_minus_log_q_over_p():
     torch.testing.assert_close(kl.kl_k3(LOG_P, LOG_Q), expected)
 
 
-def test_padded_per_token_and_sequence_reductions():
+def test_padded_per_token_kl_and_per_sample_sums():
     log_p = torch.stack([LOG_P, LOG_P])
     log_q = torch.stack([LOG_Q, LOG_Q])
     mask = torch.tensor([[True, True, True], [True, True, False]])
     per_token = kl.per_token_kl(log_p, log_q, mask, "k1")
     torch.testing.assert_close(per_token, torch.tensor([[0.5, -1.0, 0.0], [0.5, -1.0, 0.0]]))
-    torch.testing.assert_close(kl.sequence_kl(log_p, log_q, mask, "k1", "sum"), torch.tensor([-0.5, -0.5]))
-    torch.testing.assert_close(
-        kl.sequence_kl(log_p, log_q, mask, "k1", "mean"), torch.tensor([-0.5 / 3, -0.25])
-    )
-    torch.testing.assert_close(kl.sequence_kl(log_p, log_q, mask, "k2", "sum"), torch.tensor([0.625, 0.625]))
+    # The pipeline's layout: the samples' tokens back to back, summed per sample.
+    sample_ids = kl.sample_ids_of(torch.tensor([3, 2]))
+    assert sample_ids.tolist() == [0, 0, 0, 1, 1]
+    torch.testing.assert_close(kl.sample_sums(per_token[mask], sample_ids, 2), torch.tensor([-0.5, -0.5]))
+    k2 = kl.per_token_kl(log_p, log_q, mask, "k2")
+    torch.testing.assert_close(kl.sample_sums(k2[mask], sample_ids, 2), torch.tensor([0.625, 0.625]))
 
 
 def test_padding_may_hold_garbage():
@@ -49,27 +50,21 @@ def test_padding_may_hold_garbage():
         assert out[0, 1:].eq(0).all()
 
 
-def test_empty_row_has_mean_zero_not_nan():
-    out = kl.sequence_kl(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.bool))
-    assert out.tolist() == [0.0]
+def test_a_sample_without_tokens_sums_to_zero():
+    sums = kl.sample_sums(torch.tensor([0.5, 0.25]), torch.tensor([0, 2]), 3)
+    assert sums.tolist() == [0.5, 0.0, 0.25]
 
 
-def test_ragged_matches_padded():
+def test_one_flat_row_matches_padded_rows():
     rows_p = [LOG_P, LOG_P[:2], LOG_P[:1]]
     rows_q = [LOG_Q, LOG_Q[:2], LOG_Q[:1]]
-    padded_p, mask = kl.pad_ragged(rows_p)
-    padded_q, _ = kl.pad_ragged(rows_q)
+    padded_p = torch.nn.utils.rnn.pad_sequence(rows_p, batch_first=True)
+    padded_q = torch.nn.utils.rnn.pad_sequence(rows_q, batch_first=True)
+    mask = torch.arange(3) < torch.tensor([3, 2, 1])[:, None]
+    flat_p, flat_q = torch.cat(rows_p)[None], torch.cat(rows_q)[None]
     for estimator in ("k1", "k2", "k3"):
-        ragged = kl.per_token_kl_ragged(rows_p, rows_q, estimator)
-        assert [row.numel() for row in ragged] == [3, 2, 1]
-        padded = kl.per_token_kl(padded_p, padded_q, mask, estimator)
-        for index, row in enumerate(ragged):
-            torch.testing.assert_close(row, padded[index, : row.numel()])
-        for reduction in ("mean", "sum"):
-            torch.testing.assert_close(
-                kl.sequence_kl_ragged(rows_p, rows_q, estimator, reduction),
-                kl.sequence_kl(padded_p, padded_q, mask, estimator, reduction),
-            )
+        flat = kl.per_token_kl(flat_p, flat_q, torch.ones_like(flat_p, dtype=torch.bool), estimator)[0]
+        torch.testing.assert_close(flat, kl.per_token_kl(padded_p, padded_q, mask, estimator)[mask])
 
 
 def test_bf16_inputs_are_computed_in_float32():
@@ -79,9 +74,9 @@ def test_bf16_inputs_are_computed_in_float32():
 
 def test_ragged_length_mismatch_names_the_sample():
     with pytest.raises(InvalidArgument, match="sample 1: log_probs has 2 tokens but ref_log_probs has 3"):
-        kl.per_token_kl_ragged([LOG_P, LOG_P[:2]], [LOG_Q, LOG_Q])
+        validation.check_same_lengths("log_probs", [LOG_P, LOG_P[:2]], "ref_log_probs", [LOG_Q, LOG_Q])
     with pytest.raises(InvalidArgument, match="2 samples but ref_log_probs has 1"):
-        kl.per_token_kl_ragged([LOG_P, LOG_P], [LOG_Q])
+        validation.check_same_lengths("log_probs", [LOG_P, LOG_P], "ref_log_probs", [LOG_Q])
 
 
 def test_padded_shape_mismatch_names_the_field():
@@ -101,19 +96,17 @@ def test_non_finite_log_probs_name_sample_and_token(bad):
     with pytest.raises(InvalidArgument, match="sample 2, token 1: log_probs"):
         kl.per_token_kl(log_p, torch.zeros(3, 4), mask)
     with pytest.raises(InvalidArgument, match="sample 2, token 1: ref_log_probs"):
-        kl.per_token_kl_ragged(list(torch.zeros(3, 4)), list(log_p))
+        validation.check_finite_tokens("ref_log_probs", log_p.reshape(-1), [4, 4, 4])
 
 
-def test_unknown_estimator_and_reduction():
+def test_unknown_estimator():
     with pytest.raises(InvalidArgument, match="unknown KL estimator 'k4'"):
-        kl.per_token_kl_ragged([], [], "k4")
-    with pytest.raises(InvalidArgument, match="unknown reduction 'max'"):
-        kl.sequence_kl_ragged([LOG_P], [LOG_Q], "k1", "max")
+        kl.per_token_kl(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool), "k4")
 
 
 def test_ragged_rejects_non_tensors():
     with pytest.raises(InvalidArgument, match="log_probs: sample 0 must be a 1-D tensor"):
-        kl.per_token_kl_ragged([[0.0]], [LOG_Q])
+        validation.as_ragged("log_probs", [[0.0]])
 
 
 # ---------------------------------------------------------------- properties

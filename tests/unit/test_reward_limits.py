@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
-from rlfleet.services.reward import kl, servicer, shaping, validation
+from rlfleet.services.reward import kl, servicer, validation
 from rlfleet.services.reward.budget import TimeBudget
 from rlfleet.services.reward.config import RewardFunctionConfig, RewardServiceConfig
 from rlfleet.services.reward.engine import RewardEngine, RewardRequest
@@ -387,11 +387,16 @@ def test_decoded_response_texts_are_bounded_too(tmp_path):
 
 def padded_reference(inputs: RewardInputs, scores, kl_coef, estimator):
     """What the pipeline computed before (padded to batch x longest), to check the flat version against."""
-    behavior, mask = kl.pad_ragged(inputs.behavior_log_probs)
-    ref, _ = kl.pad_ragged(inputs.ref_log_probs)
-    per_token = kl.per_token_kl(behavior, ref, mask, estimator)
-    shaped = shaping.shape_rewards(scores, per_token, mask, kl_coef=kl_coef)
-    return per_token, kl.masked_sum(per_token, mask), kl.masked_mean(per_token, mask), shaped.rewards
+    lengths = torch.tensor([row.numel() for row in inputs.behavior_log_probs])
+    behavior = torch.nn.utils.rnn.pad_sequence(list(inputs.behavior_log_probs), batch_first=True)
+    ref = torch.nn.utils.rnn.pad_sequence(list(inputs.ref_log_probs), batch_first=True)
+    mask = torch.arange(behavior.shape[-1]) < lengths[:, None]
+    per_token = kl.per_token_kl(behavior, ref, mask, estimator)  # 0 outside the mask
+    kl_sum = per_token.sum(dim=-1)
+    score_rewards = torch.zeros_like(per_token)
+    score_rewards[torch.arange(len(lengths)), lengths - 1] = scores.to(per_token.dtype)
+    rewards = torch.where(mask, score_rewards - kl_coef * per_token, torch.zeros_like(per_token))
+    return per_token, kl_sum, kl_sum / lengths, rewards
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
