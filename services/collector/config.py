@@ -104,11 +104,11 @@ class CollectorConfig(ServiceConfig):
     def _sampling_as_a_replica_takes_it(self) -> "CollectorConfig":
         """Checked by the generation service's own rules (a typo, a bound) so that a collector that
         could never generate refuses to start, naming the setting."""
+        from rlfleet.services.collector.prompt_item import check_sampling
         from rlfleet.services.common.errors import InvalidArgument
-        from rlfleet.services.generation.sampling import sampling_from_fields
 
         try:
-            sampling_from_fields({**self.sampling, "n": self.group_size}, "sampling")
+            check_sampling(self.sampling, None, self.group_size, "sampling")
         except InvalidArgument as exc:
             raise ValueError(str(exc)) from None
         return self

@@ -69,6 +69,8 @@ class WeightFanout:
         self.max_push_bytes = max_push_bytes
         self.on_commit = on_commit
         self.on_fatal = on_fatal
+        self.spool_error = ""
+        """Why the spool does not hold the committed version (``Status.spool_error``); "" when current."""
         """Told of a background part of a push that raised what nobody expected: the service fails."""
         self._lock = asyncio.Lock()  # one push (or re-sync) at a time: versions are monotone
         self.pushes = 0  # pushes and re-syncs begun: a probe that straddled one is not trusted
@@ -172,26 +174,26 @@ class WeightFanout:
         serves later re-syncs, which wait for it (``_spooled``). A collector that dies between the
         commit and the end of this write restarts without the bytes of that version; its replicas
         that were down then rejoin at the next push."""
-        written = False
+        version, failure = spool.manifest.version, ""
         try:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._spool_thread, spool.copy, segment)
             await loop.run_in_executor(self._spool_thread, spool.flush)
-            written = True
         except OSError as err:
-            log.error("spooling version %d failed (%s): replicas that restart cannot be re-synced until a "
-                      "later push spools", spool.manifest.version, err)
+            failure = f"spooling version {version} failed: {err}"
         committed = await decision
         self._release(segment)  # only now: replicas falling back to grpc read from it until staged
-        if not (written and committed):
-            spool.discard()
-            return
-        try:
-            await asyncio.to_thread(spool.commit)
-        except OSError as err:
-            log.error("committing version %d to the spool failed (%s): re-syncs keep the previous version",
-                      spool.manifest.version, err)
-            spool.discard()
+        if committed and not failure:
+            try:
+                await asyncio.to_thread(spool.commit)
+                self.spool_error = ""
+                return
+            except OSError as err:
+                failure = f"committing version {version} to the spool failed: {err}"
+        spool.discard()
+        if committed:  # an aborted push leaves the spool as current as it was
+            self.spool_error = failure
+            log.error("%s: replicas that restart cannot be re-synced to it until a later push spools", failure)
 
     async def _decide(self, streams: list[ReplicaPush], push: WeightPush, spool, started: float,
                       segment: shm.Segment) -> PushOutcome:

@@ -83,11 +83,17 @@ def check_chat(messages: list[Any], where: str) -> list[dict[str, str]]:
     return chat
 
 
-def effective_sampling(defaults: dict[str, Any], overrides: dict[str, Any] | None, group_size: int,
-                       where: str) -> dict[str, Any]:
+def sampling_fields(defaults: dict[str, Any], overrides: dict[str, Any] | None, group_size: int) -> dict[str, Any]:
     """The sampling fields a group is generated with: ``defaults`` (the collector's config), then the
-    prompt's ``overrides``, ``n`` = the group size; validated by the generation service's rules."""
-    fields = {**defaults, **(overrides or {}), "n": group_size}
+    prompt's ``overrides``, ``n`` = the group size."""
+    return {**defaults, **(overrides or {}), "n": group_size}
+
+
+def check_sampling(defaults: dict[str, Any], overrides: dict[str, Any] | None, group_size: int,
+                   where: str) -> dict[str, Any]:
+    """``sampling_fields``, validated by the generation service's own rules (InvalidArgument naming
+    ``where`` and the field)."""
+    fields = sampling_fields(defaults, overrides, group_size)
     sampling_from_fields(fields, where)
     return fields
 
@@ -120,7 +126,7 @@ def from_spec(spec: collector_pb2.PromptSpec, where: str, *, max_prompt_bytes: i
         # Only the fields set (0 / empty: not overridden); repeated fields as lists (JSON in the ledger).
         overrides = {f.name: (v if isinstance(v, (str, bytes, int, float)) else list(v))
                      for f, v in spec.sampling.ListFields() if f.name != "n"}
-        effective_sampling(sampling_defaults, overrides, group_size, f"{where}.sampling")
+        check_sampling(sampling_defaults, overrides, group_size, f"{where}.sampling")
         item.sampling = overrides
     return item
 

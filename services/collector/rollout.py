@@ -34,7 +34,7 @@ from rlfleet.client.errors import InvalidArgumentError, NotFoundError, ResourceE
 from rlfleet.services.collector import failures
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.failures import Discard, GenerationFailed
-from rlfleet.services.collector.prompt_item import PromptItem
+from rlfleet.services.collector.prompt_item import PromptItem, sampling_fields
 from rlfleet.services.collector.replicas import ReplicaPool
 from rlfleet.services.collector.source import PromptSource
 from rlfleet.services.collector.trajectories import GroupSamples, group_message
@@ -92,7 +92,6 @@ class StageStats:
 class PipelineOptions:
     group_size: int
     sampling: dict
-    mode: str
     default_reward_fn: str
     kl_estimator: int
     advantage_mode: int
@@ -172,7 +171,7 @@ class Pipeline:
             stage = "trajectory"
             version = await self._append(item, group, ref_log_probs, rewards, group_id)
             # Sync mode keeps the prompt's row a while: a group that goes stale unread is generated again.
-            await self.source.done(item, retain_at_version=version if self.options.mode == "sync" else None)
+            await self.source.done(item, retain_at_version=version if self.gate.sync else None)
         except Discard as reason:
             log.info("group discarded, prompt requeued", extra={"prompt_id": item.prompt_id, "reason": str(reason)})
             self.source.requeue(item)
@@ -206,8 +205,7 @@ class Pipeline:
 
     # --- stages ----------------------------------------------------------------
     def _request(self, item: PromptItem, group_id: int) -> generation_pb2.GenerateRequest:
-        sampling = {**self.options.sampling, **(item.sampling or {})}
-        sampling["n"] = self.options.group_size
+        sampling = sampling_fields(self.options.sampling, item.sampling, self.options.group_size)
         request = generation_pb2.GenerateRequest(request_id=f"{group_id:x}",
                                                  sampling=sampling_pb2.SamplingParams(**sampling))
         if item.token_ids is not None:

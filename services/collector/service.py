@@ -20,7 +20,7 @@ from rlfleet.services.collector.config import CollectorConfig
 from rlfleet.services.collector.dataset import load_records
 from rlfleet.services.collector.fanout import WeightFanout
 from rlfleet.services.collector.ledger import PromptLedger
-from rlfleet.services.collector.prompt_item import PromptItem, from_row
+from rlfleet.services.collector.prompt_item import PromptItem
 from rlfleet.services.collector.replicas import ReplicaPool
 from rlfleet.services.collector.rollout import Pipeline, PipelineOptions
 from rlfleet.services.collector.servicer import CollectorServicer, TrajectoryProxyServicer
@@ -56,12 +56,15 @@ class CollectorService(Service[CollectorConfig]):
                                 sync=config.mode == "sync")
         self.pool = ReplicaPool(config.generation_addresses, self.settings)
         records = load_records(config.dataset_path) if config.dataset_path else []
-        _check_some_row_is_a_prompt(records, config)
         self.ledger = PromptLedger(self.state_dir / "prompts.sqlite3", max_dead_letters=config.max_dead_letters)
-        self.source = PromptSource(self.ledger, records, prompt_field=config.prompt_field,
-                                   ground_truth_field=config.ground_truth_field, shuffle=config.shuffle,
-                                   seed=config.seed, epochs=config.epochs,
-                                   max_submitted=config.max_submitted_prompts)
+        try:
+            self.source = PromptSource(self.ledger, records, prompt_field=config.prompt_field,
+                                       ground_truth_field=config.ground_truth_field, shuffle=config.shuffle,
+                                       seed=config.seed, epochs=config.epochs,
+                                       max_submitted=config.max_submitted_prompts)
+        except InvalidArgument as exc:
+            self.ledger.close()
+            raise StartupError(f"dataset_path: {config.dataset_path}: {exc}") from None
         self._addresses = {"reference": config.reference_address, "reward": config.reward_address,
                            "trajectory": config.trajectory_address}
         """The upstream services (not the replicas) by name."""
@@ -71,7 +74,7 @@ class CollectorService(Service[CollectorConfig]):
                                    on_commit=self._committed, on_fatal=self.fail)
         self.pipeline = Pipeline(
             PipelineOptions(
-                group_size=config.group_size, sampling=dict(config.sampling), mode=config.mode,
+                group_size=config.group_size, sampling=dict(config.sampling),
                 default_reward_fn=config.reward_fn, kl_estimator=_KL[config.kl_estimator],
                 advantage_mode=_ADV[config.advantage_mode], update_kl_controller=config.update_kl_controller,
                 max_groups_in_flight=config.max_groups_in_flight,
@@ -268,6 +271,7 @@ class CollectorService(Service[CollectorConfig]):
             groups_per_step=self.config.groups_per_step, pending_prompts=self.source.pending,
             failed_prompts=pipeline.failed_prompts + self.source.bad_rows, serving=not self.serving_problem,
             not_serving_reason=self.serving_problem, failed=bool(self.failure),
+            spool_error=self.fanout.spool_error,
         )
 
     @property
@@ -326,19 +330,3 @@ class CollectorService(Service[CollectorConfig]):
             where = f"prompts[{list(first.values())[int(match.group(1))]}]" if match else "prompts"
             details = error.details[match.end():] if match else error.details
             raise UpstreamError(error.code, f"{where}: {details}") from None
-
-
-def _check_some_row_is_a_prompt(records: list, config: CollectorConfig) -> None:
-    """A dataset none of whose rows is a prompt (the wrong ``prompt_field``?) is refused at start;
-    single bad rows are dead-lettered when their turn comes."""
-    if not records:
-        return
-    first_error = None
-    for row, record in enumerate(records):
-        try:
-            from_row(record, f"dataset row {row}", config.prompt_field, config.ground_truth_field, f"row{row}")
-            return
-        except InvalidArgument as exc:
-            first_error = first_error or exc
-    raise StartupError(f"dataset_path: no row of {config.dataset_path} is a prompt with prompt_field "
-                       f"{config.prompt_field!r} (e.g. {first_error})")

@@ -53,12 +53,27 @@ class PromptSource:
         """Whether ``restore`` ran (a collector takes submissions only after it)."""
         self.bad_rows = 0
         """Dataset rows dead-lettered because they are not prompts (each once per epoch)."""
-        self._rows_judged = self._good_rows = 0  # in this epoch, since this process started it
+        self._check_some_row_is_a_prompt()
         self.epoch = 0
         self.index = 0
         self._order = self._epoch_order(0)
         if self._records or self._submitted:
             self._available.set()
+
+    def _check_some_row_is_a_prompt(self) -> None:
+        """A dataset none of whose rows is a prompt (the wrong ``prompt_field``?) is refused at once
+        (dead-lettering row after row forever would only hide it); single bad rows are dead-lettered
+        when their turn comes."""
+        first_error = None
+        for row, record in enumerate(self._records):
+            try:
+                from_row(record, f"dataset row {row}", self._prompt_field, self._ground_truth_field, f"row{row}")
+                return
+            except InvalidArgument as exc:
+                first_error = first_error or exc
+        if first_error is not None:
+            raise InvalidArgument(f"no row of the dataset is a prompt with prompt_field {self._prompt_field!r} "
+                                  f"(e.g. {first_error})")
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self._records)))
@@ -152,20 +167,7 @@ class PromptSource:
         epoch, index = self.epoch, self.index + 1
         if index >= len(self._order):
             epoch, index = epoch + 1, 0
-        self._judged(item, new_epoch=epoch != self.epoch)
         return item, {"epoch": epoch, "index": index}
-
-    def _judged(self, item: PromptItem | InvalidArgument, new_epoch: bool) -> None:
-        """Count good rows: a whole epoch without one means the dataset holds no prompt at all (the
-        wrong ``prompt_field``?), which dead-lettering row after row forever would only hide."""
-        self._rows_judged += 1
-        self._good_rows += isinstance(item, PromptItem)
-        if not new_epoch:
-            return
-        if self._rows_judged == len(self._order) and not self._good_rows:
-            raise InvalidArgument(f"no row of the dataset is a prompt (e.g. {item}); check the collector's "
-                                  f"prompt_field ({self._prompt_field!r}) and the dataset")
-        self._rows_judged = self._good_rows = 0
 
     async def _dead_row(self, refused: InvalidArgument, position: dict[str, int]) -> None:
         row = self._order[self.index]

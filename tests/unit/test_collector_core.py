@@ -135,15 +135,15 @@ def test_bad_rows_are_dead_lettered_with_their_reason_and_the_good_rows_follow(t
     assert position == {"epoch": 1, "index": 0}  # moved past the dead rows with them (a restart skips them)
 
 
-def test_an_epoch_without_a_single_prompt_is_an_error_not_an_endless_loop_of_dead_letters(tmp_path):
-    async def scenario():
-        source = PromptSource(PromptLedger(tmp_path / "prompts.sqlite3"), [{"q": 1}, {"q": 2}], epochs=0)
-        try:
-            with pytest.raises(InvalidArgument, match="no row of the dataset is a prompt.*prompt_field"):
-                await asyncio.wait_for(source.next(), 30)
-        finally:
-            source.ledger.close()
-    asyncio.run(scenario())
+def test_a_dataset_without_a_single_prompt_is_refused_not_an_endless_loop_of_dead_letters(tmp_path):
+    ledger = PromptLedger(tmp_path / "prompts.sqlite3")
+    try:
+        with pytest.raises(InvalidArgument, match=r"no row of the dataset is a prompt with prompt_field 'prompt' "
+                                                  r"\(e.g. dataset row 0: no field 'prompt'"):
+            PromptSource(ledger, [{"q": 1}, {"q": 2}], epochs=0)
+        PromptSource(ledger, [{"q": 1}, {"prompt": "one good row is enough"}])
+    finally:
+        ledger.close()
 
 
 # --- supervision -----------------------------------------------------------------------------------------
@@ -238,6 +238,47 @@ def test_a_push_goes_to_replicas_out_of_rotation_that_answer_as_a_resync():
     fanout.pool = _Pool([gone], {})
     with pytest.raises(Unavailable, match="no generation replica answers.*gen:3: connection refused"):
         asyncio.run(fanout._targets(manifest))
+
+
+def test_a_spool_write_that_fails_is_in_status_until_a_later_push_spools(tmp_path):
+    """Disk full while spooling: the push still commits (replicas applied it), the reason is kept for
+    ``Status.spool_error``, the spool is left as it was, and the next push that spools clears it."""
+    import errno
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlfleet.services.collector.fanout import WeightFanout
+    from rlfleet.services.collector.spool import Spool
+    from rlfleet.v1 import weights_pb2
+    from rlfleet.wire import shm
+
+    fanout = WeightFanout.__new__(WeightFanout)
+    fanout.spool, fanout.spool_error, fanout._spool_thread = Spool(tmp_path), "", ThreadPoolExecutor(1)
+    fanout._release = lambda segment: segment.close()
+
+    def disk_full(segment):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async def push(version: int, fail: bool, committed: bool = True) -> None:
+        segment = shm.create_segment(8)
+        segment.buffer[:] = bytes(range(8))
+        write = fanout.spool.begin(weights_pb2.WeightManifest(version=version, total_bytes=8))
+        if fail:
+            write.copy = disk_full
+        decision = asyncio.get_running_loop().create_future()
+        decision.set_result(committed)
+        await fanout._spool(write, segment, decision)
+
+    try:
+        asyncio.run(push(3, fail=True))
+        assert fanout.spool_error == "spooling version 3 failed: [Errno 28] No space left on device"
+        assert fanout.spool.manifest() is None and not list(tmp_path.glob("*.tmp"))
+        asyncio.run(push(4, fail=True, committed=False))  # an aborted push changes nothing
+        assert fanout.spool_error.startswith("spooling version 3 failed")
+        asyncio.run(push(5, fail=False))
+        assert fanout.spool_error == "" and fanout.spool.manifest().version == 5
+        assert (tmp_path / "weights-5.bin").read_bytes() == bytes(range(8))
+    finally:
+        fanout._spool_thread.shutdown()
 
 
 def test_sampling_fields_are_checked_by_the_generation_rules():

@@ -119,9 +119,8 @@ def test_prompt_source_epochs_shuffle_resume_and_priority():
 
 def test_prompt_source_validation_and_bounds():
     async def scenario():
-        source = PromptSource(ledger(), [{"prompt": 3}])
         with pytest.raises(InvalidArgument, match="row 0"):
-            await source.next()
+            PromptSource(ledger(), [{"prompt": 3}])
         bounded = PromptSource(ledger(), max_submitted=2)
         with pytest.raises(ResourceExhausted):
             await bounded.submit([PromptItem(f"{i}", text="x") for i in range(3)])

@@ -117,6 +117,9 @@ class Status:
     failed: bool = False
     """It stopped working for good (a background task died; ``not_serving_reason`` says which and
     why): every trainer call answers ``FailedPreconditionError`` until it is restarted."""
+    spool_error: str = ""
+    """Why the weight spool does not hold the committed version (disk full, I/O error): replicas
+    that restart cannot be re-synced until a later push spools; "" when it is current."""
 
     @classmethod
     def from_proto(cls, reply: collector_pb2.GetStatusResponse) -> "Status":
@@ -130,6 +133,7 @@ class Status:
             groups_per_step=reply.groups_per_step, pending_prompts=reply.pending_prompts,
             failed_prompts=reply.failed_prompts, serving=reply.serving,
             not_serving_reason=reply.not_serving_reason, failed=reply.failed,
+            spool_error=reply.spool_error,
         )
 
 
