@@ -372,7 +372,7 @@ def parse_args() -> argparse.Namespace:
     # the trainers' lease/ack calls, and batch delivery stalls for seconds (measured here).
     parser.add_argument("--max-groups-in-flight", type=int, default=64, help="collector default: 32")
     parser.add_argument("--max-generations-in-flight", type=int, default=64, help="collector default: 16")
-    parser.add_argument("--max-scoring-in-flight", type=int, default=64, help="collector default: 8")
+    parser.add_argument("--max-scoring-in-flight", type=int, default=64, help="collector default: 32")
     parser.add_argument("--service-arg", action="append", default=[], metavar="SERVICE:--FLAG=VALUE",
                         help="extra flag for one service, e.g. trajectory:--synchronous=NORMAL (repeatable)")
     parser.add_argument("--log-level", default="WARNING", help="the services' log level")

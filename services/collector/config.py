@@ -78,8 +78,11 @@ class CollectorConfig(ServiceConfig):
     """Groups admitted but not yet appended (all stages together)."""
     max_generations_in_flight: int = Field(16, ge=1)
     """Concurrent Generate calls across replicas."""
-    max_scoring_in_flight: int = Field(8, ge=1)
-    """Concurrent reference/reward calls."""
+    max_scoring_in_flight: int = Field(32, ge=1)
+    """Groups being scored at once (reference and reward)."""
+    max_groups_per_call: int = Field(64, ge=1)
+    """Most groups in one reference, reward or trajectory call: the groups that queued for a service
+    while its previous calls were in flight go out together (1: one call per group)."""
 
     state_dir: str = "collector-state"
     """Directory for the resumable state (version, dataset position) and the weight spool used to re-sync replicas."""

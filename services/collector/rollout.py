@@ -31,15 +31,16 @@ import torch
 
 from rlfleet.client.channel import ChannelSettings, backoff, call_with_retry
 from rlfleet.client.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError, from_rpc_error
-from rlfleet.services.collector import failures
+from rlfleet.services.collector import batched_calls, failures
 from rlfleet.services.collector.admission import VersionGate
+from rlfleet.services.collector.coalescer import Coalescer
 from rlfleet.services.collector.failures import Discard, GenerationFailed
 from rlfleet.services.collector.prompt_item import PromptItem, sampling_fields
 from rlfleet.services.collector.replicas import ReplicaPool
 from rlfleet.services.collector.source import PromptSource
 from rlfleet.services.collector.trajectories import GroupSamples, group_message
 from rlfleet.v1 import (generation_pb2, reference_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_grpc,
-                        sampling_pb2, tensor_pb2, trajectory_pb2, trajectory_pb2_grpc)
+                        sampling_pb2, tensor_pb2, trajectory_pb2_grpc)
 from rlfleet.wire import WireError, encode_tensor
 
 log = logging.getLogger("rlfleet.collector.rollout")
@@ -99,9 +100,16 @@ class PipelineOptions:
     max_groups_in_flight: int
     max_generations_in_flight: int
     max_scoring_in_flight: int
+    max_groups_per_call: int = 64
     generation_attempts: int = 5
     prompt_attempts: int = 5
     retry_backoff_seconds: float = 1.0
+
+
+def _one_group_may_be_why(exc: BaseException) -> bool:
+    """A call for several groups failed for something one of them may carry (a refused input, a
+    reply that does not decode, too many rows for the buffer): made again group by group."""
+    return failures.verdict(exc) == "dead" or isinstance(exc, ResourceExhaustedError)
 
 
 class Pipeline:
@@ -128,6 +136,18 @@ class Pipeline:
         self._groups = asyncio.Semaphore(options.max_groups_in_flight)
         self._generation = asyncio.Semaphore(options.max_generations_in_flight)
         self._scoring = asyncio.Semaphore(options.max_scoring_in_flight)
+        # Groups that queue for the reference, reward or trajectory service while its calls are in
+        # flight go out together in its next call (a refused call is made again group by group: see
+        # coalescer.py). Two calls in flight per service keep it busy while the next one gathers;
+        # with one group per call, as many calls as groups may be scored or appended at once.
+        per_call = options.max_groups_per_call
+        scoring_calls = 2 if per_call > 1 else options.max_scoring_in_flight
+        self._references = Coalescer(self._reference_call, split_on=_one_group_may_be_why, max_items=per_call,
+                                     concurrency=scoring_calls)
+        self._rewards = Coalescer(self._reward_call, split_on=_one_group_may_be_why, max_items=per_call,
+                                  concurrency=scoring_calls)
+        self._appends = Coalescer(self._append_call, split_on=_one_group_may_be_why, max_items=per_call,
+                                  concurrency=2 if per_call > 1 else options.max_groups_in_flight)
         self._tasks: set[asyncio.Task] = set()
         self._rng = random.Random()
         self.upstream_up = asyncio.Event()
@@ -248,12 +268,19 @@ class Pipeline:
         request = reference_pb2.ScoreLogProbsRequest(token_ids=group.full_message,
                                                      response_starts=group.prompts.lengths.tolist())
         async with self.stages["reference"].track(self._scoring):
-            reply = await call_with_retry(self.reference.ScoreLogProbs, request, method="ScoreLogProbs",
-                                          settings=self.settings)
-        if list(reply.ref_log_probs.lengths) != group.responses.lengths.tolist():
-            raise WireError("ref_log_probs.lengths", f"{list(reply.ref_log_probs.lengths)} do not match the "
+            ref_log_probs = await self._references.submit(request, request.ByteSize())
+        if list(ref_log_probs.lengths) != group.responses.lengths.tolist():
+            raise WireError("ref_log_probs.lengths", f"{list(ref_log_probs.lengths)} do not match the "
                             f"response lengths {group.responses.lengths.tolist()}")
-        return reply.ref_log_probs
+        return ref_log_probs
+
+    async def _reference_call(self, requests: list[reference_pb2.ScoreLogProbsRequest]
+                              ) -> list[tensor_pb2.RaggedTensor]:
+        """One ScoreLogProbs for the groups that queued (``_references``)."""
+        request = requests[0] if len(requests) == 1 else batched_calls.merge_reference_requests(requests)
+        reply = await call_with_retry(self.reference.ScoreLogProbs, request, method="ScoreLogProbs",
+                                      settings=self.settings)
+        return batched_calls.split_reference_response(reply, [len(r.response_starts) for r in requests])
 
     async def _compute_rewards(self, item: PromptItem, group: GroupSamples, ref_log_probs: tensor_pb2.RaggedTensor,
                                group_id: int) -> reward_pb2.ComputeRewardsResponse:
@@ -271,8 +298,15 @@ class Pipeline:
             update_kl_controller=self.options.update_kl_controller,
         )
         async with self.stages["reward"].track(self._scoring):
-            return await call_with_retry(self.reward.ComputeRewards, request, method="ComputeRewards",
-                                         settings=self.settings)
+            return await self._rewards.submit(request, request.ByteSize())
+
+    async def _reward_call(self, requests: list[reward_pb2.ComputeRewardsRequest]
+                           ) -> list[reward_pb2.ComputeRewardsResponse]:
+        """One ComputeRewards for the groups that queued (``_rewards``)."""
+        request = requests[0] if len(requests) == 1 else batched_calls.merge_reward_requests(requests)
+        reply = await call_with_retry(self.reward.ComputeRewards, request, method="ComputeRewards",
+                                      settings=self.settings)
+        return batched_calls.split_reward_response(reply, [len(r.group_ids) for r in requests])
 
     async def _append(self, item: PromptItem, group: GroupSamples, ref_log_probs: tensor_pb2.RaggedTensor,
                       rewards: reward_pb2.ComputeRewardsResponse, group_id: int) -> int:
@@ -284,26 +318,34 @@ class Pipeline:
             self.discarded_samples += len(group)
             raise Discard(f"too stale: started at v{start_version}, now v{now}, "
                           f"max_staleness {self.gate.max_staleness}")
-        request = trajectory_pb2.AppendRequest(idempotency_key=item.append_key)
-        request.trajectories.CopyFrom(group_message(group=group, ref_log_probs=ref_log_probs, rewards=rewards,
-                                                    group_id=group_id, prompt_id=item.prompt_id, query=item.query))
+        rows = group_message(group=group, ref_log_probs=ref_log_probs, rewards=rewards, group_id=group_id,
+                             prompt_id=item.prompt_id, query=item.query)
         async with self.stages["trajectory"].track():
             attempt = 0
             while True:
                 try:
-                    reply = await call_with_retry(self.trajectory.Append, request, method="Append",
-                                                  settings=self.settings)
+                    appended = await self._appends.submit((item.append_key, rows), rows.ByteSize())
                     break
                 except ResourceExhaustedError:
                     # Backpressure: the buffer is full until the trainer catches up.
                     await asyncio.sleep(min(2.0, 0.05 * 2 ** min(attempt, 6)))
                     attempt += 1
-        if not reply.appended:  # appended before a restart: the earlier group stands
+        if not appended:  # appended before a restart: the earlier group stands
             log.info("group already appended", extra={"prompt_id": item.prompt_id, "key": item.append_key})
             return start_version
         self.appended += len(group)
         self.staleness[now - start_version] += len(group)  # staleness when it became visible
         return start_version
+
+    async def _append_call(self, groups: list[tuple[str, tensor_pb2.TensorDict]]) -> list[bool]:
+        """One Append for the groups that queued (``_appends``); whether each was stored (False: it
+        was appended before, under its key)."""
+        reply = await call_with_retry(self.trajectory.Append, batched_calls.append_request(groups),
+                                      method="Append", settings=self.settings)
+        if len(reply.duplicate_groups) != len(groups):
+            raise WireError("duplicate_groups", f"the trajectory service answered {len(reply.duplicate_groups)} "
+                                                f"for {len(groups)} groups")
+        return [not duplicate for duplicate in reply.duplicate_groups]
 
     def staleness_histogram(self) -> list[int]:
         if not self.staleness:

@@ -17,7 +17,7 @@ import numpy
 import torch
 
 from rlfleet.v1 import generation_pb2, reward_pb2, sampling_pb2, tensor_pb2
-from rlfleet.wire import Ragged, decode_ragged, decode_tensor, encode_ragged, encode_tensor
+from rlfleet.wire import Ragged, decode_ragged, decode_tensor, encode_ragged
 
 FLOAT32 = tensor_pb2.DTYPE_FLOAT32
 

@@ -1,6 +1,9 @@
-"""What an Append must carry: the required columns, whole groups; decoded and checked before storing."""
+"""What an Append must carry: the required columns, whole groups, valid deduplication keys; decoded and
+checked before storing."""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.v1 import tensor_pb2
@@ -10,6 +13,9 @@ from rlfleet.wire.tensordict import check_tensordict
 #: Keys every appended TensorDict must carry, each a [B] int64 tensor.
 REQUIRED_KEYS = ("group_id", "policy_version_start")
 GROUP_SIZE_KEY = "group_size"
+MAX_KEY_BYTES = 512
+"""Longest deduplication key (``idempotency_key`` or one of ``group_keys``), UTF-8: room for the collector's
+"<prompt_id>#<ledger seq>" with a prompt_id of its 256-byte maximum."""
 
 
 def validate_append(msg: tensor_pb2.TensorDict) -> tuple[list[int], list[int], list[list[int]]]:
@@ -48,3 +54,37 @@ def int64_column(msg: tensor_pb2.TensorDict, key: str, count: int) -> list[int]:
                if value.WhichOneof("kind") == "tensor" else value.WhichOneof("kind"))
         raise InvalidArgument(f"{where}: must be a [{count}] int64 tensor, got {got}")
     return decode_tensor(value.tensor, where).tolist()
+
+
+def dedup_keys(idempotency_key: str, group_keys: Sequence[str], group_count: int) -> list[str]:
+    """The deduplication key of each of the ``group_count`` groups, in order, or [] without dedup.
+
+    ``idempotency_key`` covers the whole call (every group gets it: all are stored or all skipped),
+    ``group_keys`` one group each; both set, a count that is not ``group_count``, or an empty, repeated or
+    too long key is an error.
+    """
+    if idempotency_key and group_keys:
+        raise InvalidArgument("group_keys: set either idempotency_key or group_keys, not both")
+    if idempotency_key:
+        _check_key_length(idempotency_key, "idempotency_key")
+        return [idempotency_key] * group_count
+    if group_keys and len(group_keys) != group_count:
+        raise InvalidArgument(f"group_keys: {len(group_keys)} keys for the {group_count} groups in trajectories; "
+                              "give one key per group, in the order of each group's first row")
+    first_index: dict[str, int] = {}
+    for i, key in enumerate(group_keys):
+        if not key:
+            raise InvalidArgument(f"group_keys[{i}]: empty; every group needs a key")
+        _check_key_length(key, f"group_keys[{i}]")
+        if key in first_index:
+            raise InvalidArgument(f"group_keys[{i}]: {key!r} repeats group_keys[{first_index[key]}]; "
+                                  "each group needs its own key")
+        first_index[key] = i
+    return list(group_keys)
+
+
+def _check_key_length(key: str, where: str) -> None:
+    size = len(key.encode())
+    if size > MAX_KEY_BYTES:
+        raise InvalidArgument(f"{where}: {size} bytes, longer than the {MAX_KEY_BYTES} bytes (UTF-8) "
+                              "a deduplication key may have")

@@ -26,7 +26,7 @@ import queue
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Literal, TypeVar
+from typing import AsyncIterator, Callable, Literal, Sequence, TypeVar
 
 from rlfleet.services.common.errors import InvalidArgument, NotFound, Unavailable
 from rlfleet.services.trajectory.store import AppendResult, Delivery, Dropped, Stats, TrajectoryStore
@@ -161,8 +161,10 @@ class TrajectoryBuffer:
         self._changed = asyncio.Event()
 
     # --- unary operations -----------------------------------------------------------------
-    async def append(self, trajectories: tensor_pb2.TensorDict, idempotency_key: str = "") -> AppendResult:
-        result = await self._call(TrajectoryStore.append, trajectories, idempotency_key, priority=APPENDS)
+    async def append(self, trajectories: tensor_pb2.TensorDict, idempotency_key: str = "",
+                     group_keys: Sequence[str] = ()) -> AppendResult:
+        result = await self._call(TrajectoryStore.append, trajectories, idempotency_key, group_keys,
+                                  priority=APPENDS)
         if result.appended:
             self._notify()
         return result

@@ -19,8 +19,9 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
     async def Append(self, request: trajectory_pb2.AppendRequest, context) -> trajectory_pb2.AppendResponse:
         if not request.HasField("trajectories"):
             raise InvalidArgument("trajectories: missing")
-        result = await self._buffer.append(request.trajectories, request.idempotency_key)
-        return trajectory_pb2.AppendResponse(appended=result.appended, buffered=result.buffered)
+        result = await self._buffer.append(request.trajectories, request.idempotency_key, list(request.group_keys))
+        return trajectory_pb2.AppendResponse(appended=result.appended, buffered=result.buffered,
+                                             duplicate_groups=result.duplicate_groups)
 
     async def StreamBatches(self, request_iterator, context) -> AsyncIterator[trajectory_pb2.StreamBatchesResponse]:
         requests = aiter(request_iterator)

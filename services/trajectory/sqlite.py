@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
-from typing import Iterable, Sequence
+from typing import Iterable, Sequence, TypeVar
 
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS trajectories (
@@ -25,6 +25,7 @@ CREATE TABLE IF NOT EXISTS meta (
 );
 """
 SQL_CHUNK = 500  # bound on "?" placeholders per statement
+T = TypeVar("T")
 
 
 def connect(path: str, synchronous: str, lock_timeout_seconds: float) -> sqlite3.Connection:
@@ -58,6 +59,6 @@ def connect(path: str, synchronous: str, lock_timeout_seconds: float) -> sqlite3
     return db
 
 
-def chunks(items: Sequence[int]) -> Iterable[Sequence[int]]:
+def chunks(items: Sequence[T]) -> Iterable[Sequence[T]]:
     for start in range(0, len(items), SQL_CHUNK):
         yield items[start:start + SQL_CHUNK]

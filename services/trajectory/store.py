@@ -14,6 +14,10 @@ entry, if present, must equal that count, so a collector that splits groups
 gets an error instead of silently mis-batched groups. ``group_id``s are not
 merged across calls. A group's policy version is its oldest row's.
 
+Deduplication: an ``idempotency_key`` makes a resent call a no-op; ``group_keys``
+(one per group) skip just the groups appended before, so one call can carry
+several groups. Both kinds share one table of the most recent keys.
+
 Rows leave only by an ack or by ``drop_stale`` (an operator's call). A
 reader's ``min_policy_version`` filters what that reader is given and deletes
 nothing: readers cannot delete data they were not given.
@@ -37,7 +41,7 @@ from typing import Callable, Iterator, Literal, Sequence
 from rlfleet.services.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from rlfleet.services.trajectory import rows as rowcodec
 from rlfleet.services.trajectory import sqlite as sqlite_file
-from rlfleet.services.trajectory.appends import validate_append
+from rlfleet.services.trajectory.appends import dedup_keys, validate_append
 from rlfleet.v1 import tensor_pb2
 
 log = logging.getLogger("rlfleet.trajectory.store")
@@ -51,9 +55,12 @@ DEFAULT_CAPACITY_BYTES = 8 << 30
 @dataclass(frozen=True)
 class AppendResult:
     appended: int
-    """Trajectories stored by the call (0 for a duplicate idempotency key)."""
+    """Trajectories stored by the call (0 for a duplicate idempotency key; with group keys, the rows of
+    the groups not skipped)."""
     buffered: int
     """Trajectories buffered (ready + leased) after the call."""
+    duplicate_groups: tuple[bool, ...] = ()
+    """With group keys: for each group, in order, whether it was skipped as appended before; else empty."""
 
 
 @dataclass(frozen=True)
@@ -180,32 +187,30 @@ class TrajectoryStore:
         self._db.close()
 
     # --- append ---------------------------------------------------------------------
-    def append(self, msg: tensor_pb2.TensorDict, idempotency_key: str = "") -> AppendResult:
-        """Store every row of ``msg`` or none (durable once this returns)."""
+    def append(self, msg: tensor_pb2.TensorDict, idempotency_key: str = "",
+               group_keys: Sequence[str] = ()) -> AppendResult:
+        """Store the rows of ``msg``, all or none (durable once this returns), less the groups appended
+        before: ``idempotency_key`` deduplicates the whole call, ``group_keys`` each group (see
+        ``dedup_keys``). A call with nothing new to store is a no-op, checked no further than its validity."""
         group_ids, versions, units = validate_append(msg)
-        count = len(group_ids)
-        if idempotency_key and self._db.execute(
-                "SELECT 1 FROM idempotency_keys WHERE key = ?", (idempotency_key,)).fetchone():
-            return AppendResult(0, self.buffered)
+        keys = dedup_keys(idempotency_key, group_keys, len(units))
+        duplicates = self._stored_before(keys)
+        if any(duplicates):
+            units = [indices for indices, duplicate in zip(units, duplicates) if not duplicate]
+            keys = [key for key, duplicate in zip(keys, duplicates) if not duplicate]
+        reported = tuple(duplicates) if group_keys else ()
+        count = sum(map(len, units))
         if count == 0:
-            return AppendResult(0, self.buffered)
+            return AppendResult(0, self.buffered, reported)
         if count > self.capacity:
-            raise InvalidArgument(f"trajectories.batch_size: {count} trajectories can never fit "
+            raise InvalidArgument(f"trajectories.batch_size: {count} trajectories to store can never fit "
                                   f"the buffer's capacity of {self.capacity}")
         if self.buffered + count > self.capacity:
             raise ResourceExhausted(
                 f"trajectory buffer full: {self.buffered} of {self.capacity} buffered, {count} more "
                 "do not fit; retry after trainers ack batches")
-        schema = rowcodec.schema_of(msg)
-        violation = self._documented is not None and rowcodec.schema_violation(self._documented, schema)
-        if violation:
-            raise InvalidArgument(violation)
-        if self._schema is not None and self.buffered:
-            mismatch = rowcodec.schema_mismatch(self._schema, schema)
-            if mismatch:
-                raise InvalidArgument(mismatch)
-        payloads = rowcodec.split_rows(msg)
-        size = sum(map(len, payloads))
+        schema = self._admitted_schema(msg)
+        new_units, records, size = self._new_units(units, group_ids, versions, rowcodec.split_rows(msg))
         if size > self.capacity_bytes:
             raise InvalidArgument(f"trajectories: {size} bytes of trajectories can never fit the buffer's "
                                   f"capacity_bytes of {self.capacity_bytes}")
@@ -213,17 +218,6 @@ class TrajectoryStore:
             raise ResourceExhausted(
                 f"trajectory buffer full: {self._bytes} of {self.capacity_bytes} bytes buffered, {size} more "
                 "do not fit; retry after trainers ack batches")
-
-        next_seq = self._next_seq()
-        new_units: list[_Unit] = []
-        records = []
-        for indices in units:
-            unit = _Unit(next_seq, group_ids[indices[0]], len(indices), min(versions[i] for i in indices))
-            for i in indices:
-                unit.ready.append(_Row(next_seq, unit.id, versions[i], 0, len(payloads[i])))
-                records.append((next_seq, unit.id, unit.group_id, unit.size, versions[i], payloads[i]))
-                next_seq += 1
-            new_units.append(unit)
         with self._transaction():
             self._db.executemany(
                 "INSERT INTO trajectories (seq, unit, group_id, group_size, policy_version_start, data) "
@@ -231,12 +225,7 @@ class TrajectoryStore:
             if schema != self._schema:
                 self._db.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('schema', ?)",
                                  (json.dumps(schema),))
-            if idempotency_key:
-                self._db.execute("INSERT INTO idempotency_keys (key, appended) VALUES (?, ?)",
-                                 (idempotency_key, count))
-                # Bounded dedup window: forget the oldest keys (rowid order = insertion order).
-                self._db.execute("DELETE FROM idempotency_keys WHERE rowid <= "
-                                 "(SELECT max(rowid) FROM idempotency_keys) - ?", (self._idempotency_window,))
+            self._remember_keys(keys, units)
         # Committed: only now does the in-memory index change.
         self._schema = schema
         for unit in new_units:
@@ -245,7 +234,61 @@ class TrajectoryStore:
         self._ready += count
         self._bytes += size
         self._appended += count
-        return AppendResult(count, self.buffered)
+        return AppendResult(count, self.buffered, reported)
+
+    def _stored_before(self, keys: Sequence[str]) -> list[bool]:
+        """For each key, whether it is among the remembered deduplication keys."""
+        if not keys:
+            return []
+        stored: set[str] = set()
+        for chunk in sqlite_file.chunks(list(dict.fromkeys(keys))):
+            stored.update(key for (key,) in self._db.execute(
+                f"SELECT key FROM idempotency_keys WHERE key IN ({','.join('?' * len(chunk))})", chunk))
+        return [key in stored for key in keys]
+
+    def _remember_keys(self, keys: Sequence[str], units: Sequence[Sequence[int]]) -> None:
+        """Record the keys of the stored groups (``keys[i]`` covers ``units[i]``); call inside
+        ``_transaction``."""
+        if not keys:
+            return
+        rows_per_key: dict[str, int] = {}
+        for key, indices in zip(keys, units):
+            rows_per_key[key] = rows_per_key.get(key, 0) + len(indices)
+        self._db.executemany("INSERT INTO idempotency_keys (key, appended) VALUES (?, ?)", rows_per_key.items())
+        # Bounded dedup window: forget the oldest keys (rowid order = insertion order).
+        self._db.execute("DELETE FROM idempotency_keys WHERE rowid <= "
+                         "(SELECT max(rowid) FROM idempotency_keys) - ?", (self._idempotency_window,))
+
+    def _admitted_schema(self, msg: tensor_pb2.TensorDict) -> rowcodec.Schema:
+        """The schema of ``msg``, if the buffer may take it: the documented one's, and the buffered rows'."""
+        schema = rowcodec.schema_of(msg)
+        violation = self._documented is not None and rowcodec.schema_violation(self._documented, schema)
+        if violation:
+            raise InvalidArgument(violation)
+        if self._schema is not None and self.buffered:
+            mismatch = rowcodec.schema_mismatch(self._schema, schema)
+            if mismatch:
+                raise InvalidArgument(mismatch)
+        return schema
+
+    def _new_units(self, units: Sequence[Sequence[int]], group_ids: Sequence[int], versions: Sequence[int],
+                   payloads: Sequence[bytes]) -> tuple[list[_Unit], list[tuple], int]:
+        """The groups ``units`` (row indices) as index entries and table records, numbered from the next
+        seq, and their payloads' size."""
+        next_seq = self._next_seq()
+        new_units: list[_Unit] = []
+        records = []
+        size = 0
+        for indices in units:
+            unit = _Unit(next_seq, group_ids[indices[0]], len(indices), min(versions[i] for i in indices))
+            for i in indices:
+                nbytes = len(payloads[i])
+                unit.ready.append(_Row(next_seq, unit.id, versions[i], 0, nbytes))
+                records.append((next_seq, unit.id, unit.group_id, unit.size, versions[i], payloads[i]))
+                size += nbytes
+                next_seq += 1
+            new_units.append(unit)
+        return new_units, records, size
 
     def _next_seq(self) -> int:
         row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'trajectories'").fetchone()

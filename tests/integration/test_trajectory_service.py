@@ -177,6 +177,32 @@ def test_malformed_requests_are_invalid_argument_and_the_service_keeps_serving(s
     channel.close()
 
 
+def test_group_keys_deduplicate_each_group_of_a_multi_group_append(start_service, tmp_path):
+    proc = start_trajectory(start_service, tmp_path / "t.sqlite3")
+    stub, channel = connect(proc)
+    request = pb.AppendRequest(trajectories=make_trajectories(groups(0, 2, 2)), group_keys=["c/0", "c/1"])
+    first = stub.Append(request, timeout=TIMEOUT)
+    assert (first.appended, first.buffered, list(first.duplicate_groups)) == (4, 4, [False, False])
+    resent = stub.Append(request, timeout=TIMEOUT)
+    assert (resent.appended, resent.buffered, list(resent.duplicate_groups)) == (0, 4, [True, True])
+
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Append(pb.AppendRequest(trajectories=make_trajectories(groups(2, 2, 2), first_id=4),
+                                     group_keys=["c/2"]), timeout=TIMEOUT)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == ("group_keys: 1 keys for the 2 groups in trajectories; give one key per group, "
+                                   "in the order of each group's first row")
+
+    reader = Reader(stub, batch_size=4)
+    batch = reader.next()
+    assert trajectory_ids(batch.batch) == [f"traj-{i}" for i in range(4)]  # each row once
+    check_rows(batch.batch)
+    current = stats(stub)
+    assert (current.ready, current.leased, current.appended) == (0, 4, 4)
+    reader.disconnect()
+    channel.close()
+
+
 def test_a_full_buffer_is_resource_exhausted(start_service, tmp_path):
     proc = start_trajectory(start_service, tmp_path / "t.sqlite3", "--capacity", "6")
     stub, channel = connect(proc)

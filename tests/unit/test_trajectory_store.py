@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlfleet.services.common.errors import InvalidArgument, NotFound, ResourceExhausted
+from rlfleet.services.trajectory.appends import MAX_KEY_BYTES
 from rlfleet.services.trajectory.buffer import OUTBOX_SIZE, ReaderOptions, Settlement, TrajectoryBuffer
 from rlfleet.services.trajectory.store import Dropped, TrajectoryStore
 from rlfleet.wire import WireError, decode_tensordict, encode_tensordict
@@ -287,6 +288,86 @@ def test_idempotency_key_makes_a_resend_a_no_op(clock):
     assert store.append(make_trajectories([1, 1]), "collector/1").appended == 2
     assert store.append(make_trajectories([4]), "collector/4").appended == 0
     assert store.stats().appended == 8
+    store.close()
+
+
+def test_group_keys_skip_only_the_groups_appended_before_and_survive_a_reopen(tmp_path, clock):
+    path = str(tmp_path / "keys.db")
+    store = TrajectoryStore(path, capacity=100, clock=clock)
+    first = store.append(make_trajectories(groups(0, 3, 2)), group_keys=["c/0", "c/1", "c/2"])
+    assert (first.appended, first.buffered, first.duplicate_groups) == (6, 6, (False, False, False))
+    # Groups 1 (rows traj-6, traj-7) and 3 (traj-8, traj-9): group 1's key was stored before.
+    second = store.append(make_trajectories([1, 1, 3, 3], first_id=6), group_keys=["c/1", "c/3"])
+    assert (second.appended, second.buffered, second.duplicate_groups) == (2, 8, (True, False))
+    assert store.stats().appended == 8
+    store.close()
+
+    store = TrajectoryStore(path, capacity=100, clock=clock)  # the keys are in the file
+    again = store.append(make_trajectories([3, 3, 0, 0], first_id=8), group_keys=["c/3", "c/0"])
+    assert (again.appended, again.buffered, again.duplicate_groups) == (0, 8, (True, True))
+    assert store.append(make_trajectories([2, 2], first_id=4), "c/2").appended == 0  # one table for both kinds
+    plain = store.append(make_trajectories([4], first_id=10), "c/4")
+    assert (plain.appended, plain.duplicate_groups) == (1, ())  # without group_keys: no per-group answer
+    delivery = store.lease("a", 9, lease_seconds=60)
+    assert trajectory_ids(delivery.batch) == [f"traj-{i}" for i in (0, 1, 2, 3, 4, 5, 8, 9, 10)]
+    check_rows(delivery.batch)
+    store.close()
+
+
+def test_group_keys_are_remembered_in_the_idempotency_window(clock):
+    store = TrajectoryStore(":memory:", capacity=100, idempotency_window=2, clock=clock)
+    store.append(make_trajectories(groups(0, 3, 1)), group_keys=["k/0", "k/1", "k/2"])  # "k/0" is forgotten
+    result = store.append(make_trajectories(groups(0, 3, 1), first_id=3), group_keys=["k/0", "k/1", "k/2"])
+    assert (result.appended, result.duplicate_groups) == (1, (False, True, True))
+    longest = "é" * (MAX_KEY_BYTES // 2)  # the limit counts UTF-8 bytes, and is inclusive
+    assert store.append(make_trajectories([5]), group_keys=[longest]).appended == 1
+    assert store.append(make_trajectories([5]), group_keys=[longest]).duplicate_groups == (True,)
+    store.close()
+
+
+@pytest.mark.parametrize("idempotency_key, group_keys, message", [
+    ("x", ["x/1", "x/2"], r"^group_keys: set either idempotency_key or group_keys, not both$"),
+    ("", ["x/1"], r"^group_keys: 1 keys for the 2 groups in trajectories"),
+    ("", ["x/1", "x/2", "x/3"], r"^group_keys: 3 keys for the 2 groups in trajectories"),
+    ("", ["x/1", ""], r"^group_keys\[1\]: empty"),
+    ("", ["x/1", "x/1"], r"^group_keys\[1\]: 'x/1' repeats group_keys\[0\]"),
+    ("", ["x/1", "é" * 257], rf"^group_keys\[1\]: 514 bytes, longer than the {MAX_KEY_BYTES} bytes"),
+    ("k" * (MAX_KEY_BYTES + 1), [], rf"^idempotency_key: {MAX_KEY_BYTES + 1} bytes, longer than the {MAX_KEY_BYTES}"),
+])
+def test_invalid_dedup_keys_name_the_problem_and_store_nothing(store, idempotency_key, group_keys, message):
+    store.append(make_trajectories([0]), group_keys=["x/0"])
+    msg = make_trajectories([1, 1, 2, 2], first_id=1)
+    with pytest.raises(InvalidArgument, match=message):
+        store.append(msg, idempotency_key, group_keys=group_keys)
+    assert (store.buffered, store.stats().appended) == (1, 1)
+    assert store.append(msg, group_keys=["x/1", "x/2"]).appended == 4  # no key was burnt
+
+
+def test_group_keys_capacity_counts_only_the_rows_to_store(clock):
+    store = TrajectoryStore(":memory:", capacity=4, clock=clock)
+    store.append(make_trajectories([0, 0]), group_keys=["g/0"])
+    store.ack("a", store.lease("a", 2, lease_seconds=60).lease_id)
+    whole = make_trajectories(groups(0, 3, 2))  # 6 rows could never fit; the 4 new ones do
+    assert store.append(whole, group_keys=["g/0", "g/1", "g/2"]).duplicate_groups == (True, False, False)
+    assert store.buffered == 4
+    assert store.append(whole, group_keys=["g/0", "g/1", "g/2"]).appended == 0  # nothing to store: no backpressure
+    with pytest.raises(ResourceExhausted, match="4 of 4 buffered, 2 more do not fit"):
+        store.append(make_trajectories([1, 1, 3, 3], first_id=2), group_keys=["g/1", "g/3"])
+    with pytest.raises(InvalidArgument, match="6 trajectories to store can never fit the buffer's capacity of 4"):
+        store.append(make_trajectories(groups(4, 3, 2)), group_keys=["g/4", "g/5", "g/6"])
+    store.close()
+
+    known, new = make_trajectories([0, 0]), make_trajectories([1, 1], first_id=2)
+    whole = make_trajectories([0, 0, 1, 1])
+    limit = payload_bytes(new)
+    assert payload_bytes(known) <= limit < payload_bytes(whole)
+    store = TrajectoryStore(":memory:", capacity=100, capacity_bytes=limit, clock=clock)
+    store.append(known, group_keys=["g/0"])
+    with pytest.raises(ResourceExhausted, match="bytes buffered"):
+        store.append(whole, group_keys=["g/0", "g/1"])
+    store.ack("a", store.lease("a", 2, lease_seconds=60).lease_id)
+    assert store.append(whole, group_keys=["g/0", "g/1"]).appended == 2  # only group 1's bytes count
+    assert store.stats().buffered_bytes == limit
     store.close()
 
 

@@ -8,20 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AppendRequest(_message.Message):
-    __slots__ = ("trajectories", "idempotency_key")
+    __slots__ = ("trajectories", "idempotency_key", "group_keys")
     TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    GROUP_KEYS_FIELD_NUMBER: _ClassVar[int]
     trajectories: _tensor_pb2.TensorDict
     idempotency_key: str
-    def __init__(self, trajectories: _Optional[_Union[_tensor_pb2.TensorDict, _Mapping]] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+    group_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, trajectories: _Optional[_Union[_tensor_pb2.TensorDict, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., group_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AppendResponse(_message.Message):
-    __slots__ = ("appended", "buffered")
+    __slots__ = ("appended", "buffered", "duplicate_groups")
     APPENDED_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_GROUPS_FIELD_NUMBER: _ClassVar[int]
     appended: int
     buffered: int
-    def __init__(self, appended: _Optional[int] = ..., buffered: _Optional[int] = ...) -> None: ...
+    duplicate_groups: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, appended: _Optional[int] = ..., buffered: _Optional[int] = ..., duplicate_groups: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class OpenBatchStream(_message.Message):
     __slots__ = ("batch_size", "whole_groups", "min_policy_version", "lease_seconds", "prefetch", "consumer")

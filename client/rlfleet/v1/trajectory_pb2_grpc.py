@@ -132,7 +132,8 @@ class TrajectoryServiceServicer:
         Errors: RESOURCE_EXHAUSTED when the buffer is full, in trajectories or
         in bytes (backpressure: retry later), INVALID_ARGUMENT for a malformed or
         incomplete TensorDict, or for one that could never fit the capacity.
-        Re-sending the same idempotency key is a no-op.
+        Re-sending the same idempotency key is a no-op; with group_keys, each
+        group appended before is skipped and the others are stored.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
