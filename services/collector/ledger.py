@@ -19,6 +19,7 @@ and fsyncs must not stall the event loop).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from rlfleet.services.collector.coalescer import Coalescer
 from rlfleet.services.collector.prompt_item import PromptItem
 
 T = TypeVar("T")
@@ -69,11 +71,11 @@ class DeadLetter:
     failed_at: float
 
 
+_STORED_FIELDS = tuple(f.name for f in dataclasses.fields(PromptItem) if f.name not in ("ledger_seq", "attempts"))
+
+
 def _dump(item: PromptItem) -> str:
-    fields = dataclasses.asdict(item)
-    fields.pop("ledger_seq")
-    fields.pop("attempts")
-    return json.dumps(fields)
+    return json.dumps({name: getattr(item, name) for name in _STORED_FIELDS})
 
 
 def _load(raw: str, seq: int, attempts: int) -> PromptItem:
@@ -88,6 +90,8 @@ class PromptLedger:
         self.max_dead_letters = max_dead_letters
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="prompt-ledger")
         self._db: sqlite3.Connection = self._executor.submit(self._open).result()
+        self._ends = Coalescer(self._end, split_on=lambda exc: False)
+        """Group commit of ``done``: what queued while a transaction ran is the next one."""
 
     def _open(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, isolation_level=None)
@@ -142,15 +146,20 @@ class PromptLedger:
             "SELECT COUNT(*) FROM prompts WHERE appended_version IS NULL").fetchone()[0])
 
     async def done(self, item: PromptItem, retain_at_version: int | None = None) -> None:
-        """Its group was appended: the prompt has ended (its row kept, marked, if ``retain_at_version``)."""
-        await self._call(self._done, item.ledger_seq, retain_at_version)
+        """Its group was appended: the prompt has ended (its row kept, marked, if ``retain_at_version``).
+        Durable when this returns; the ends that queued meanwhile share one transaction."""
+        await self._ends.submit((item.ledger_seq, retain_at_version))
 
-    def _done(self, seq: int, retain_at_version: int | None) -> None:
+    async def _end(self, ends: list[tuple[int, int | None]]) -> list[None]:
+        await self._call(self._done, ends)
+        return [None] * len(ends)
+
+    def _done(self, ends: list[tuple[int, int | None]]) -> None:
         with self._transaction():
-            if retain_at_version is None:
-                self._db.execute("DELETE FROM prompts WHERE seq = ?", (seq,))
-            else:
-                self._db.execute("UPDATE prompts SET appended_version = ? WHERE seq = ?", (retain_at_version, seq))
+            self._db.executemany("DELETE FROM prompts WHERE seq = ?",
+                                 [(seq,) for seq, version in ends if version is None])
+            self._db.executemany("UPDATE prompts SET appended_version = ? WHERE seq = ?",
+                                 [(version, seq) for seq, version in ends if version is not None])
 
     async def regenerate(self, prompt_ids: list[str]) -> tuple[list[PromptItem], list[str]]:
         """Make the kept rows of appended groups pending again, each as a new row (so its next
@@ -225,14 +234,12 @@ class PromptLedger:
         return [DeadLetter(*row) for row in rows], total[0] if total else 0
 
     # --- transactions -------------------------------------------------------------------------
+    @contextlib.contextmanager
     def _transaction(self):
-        db = self._db
-
-        class _Transaction:
-            def __enter__(self):
-                db.execute("BEGIN IMMEDIATE")
-
-            def __exit__(self, exc_type, exc, tb):
-                db.execute("COMMIT" if exc_type is None else "ROLLBACK")
-
-        return _Transaction()
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")

@@ -146,6 +146,32 @@ def test_a_dataset_without_a_single_prompt_is_refused_not_an_endless_loop_of_dea
         ledger.close()
 
 
+def test_groups_that_end_together_end_in_one_durable_transaction(tmp_path):
+    from rlfleet.services.collector.prompt_item import PromptItem
+
+    path = tmp_path / "prompts.sqlite3"
+
+    async def scenario():
+        ledger = PromptLedger(path)
+        items = await ledger.add([PromptItem(f"p{i}", text=str(i)) for i in range(8)])
+        await asyncio.gather(*(ledger.done(item) for item in items[:5]), ledger.done(items[5], retain_at_version=3))
+        calls = ledger._ends.calls
+        ledger.close()
+        return calls
+
+    calls = asyncio.run(scenario())
+    assert calls <= 2  # the first end alone, the five that queued behind it together
+    reopened = PromptLedger(path)
+    try:
+        pending = asyncio.run(reopened.pending())
+        assert [p.prompt_id for p in pending] == ["p6", "p7"]
+        kept = reopened._executor.submit(lambda: reopened._db.execute(
+            "SELECT prompt_id, appended_version FROM prompts WHERE appended_version IS NOT NULL").fetchall()).result()
+        assert kept == [("p5", 3)]
+    finally:
+        reopened.close()
+
+
 # --- supervision -----------------------------------------------------------------------------------------
 class _Supervised:
     """The Service base's supervision, without a server (health is absent: nothing to flip)."""
