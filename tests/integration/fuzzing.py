@@ -98,7 +98,9 @@ def valid_requests(method) -> list:
         "Append": [tp.AppendRequest(trajectories=make_trajectories(groups(g, 2, 2), first_id=4 * g), idempotency_key=k)
                    for g, k in [(0, ""), (1, "fuzz/1"), (2, "pre/0")]]
                   + [tp.AppendRequest(trajectories=make_trajectories([7], first_id=9, prompt_ids=True)),
-                     tp.AppendRequest(trajectories=make_trajectories([8, 8], first_id=5, policy_version=2**62))],
+                     tp.AppendRequest(trajectories=make_trajectories([8, 8], first_id=5, policy_version=2**62)),
+                     tp.AppendRequest(trajectories=make_trajectories([11, 11, 12, 12], first_id=20),
+                                      group_keys=["fuzz/g11", "fuzz/g12"])],
         "StreamBatches": VALID_OPENS + [tp.StreamBatchesRequest(ack=tp.AckBatch(lease_id="0" * 32)),
                                         tp.StreamBatchesRequest(nack=tp.NackBatch(lease_id="no-such-lease"))],
         "GetStats": [tp.GetStatsRequest()],
