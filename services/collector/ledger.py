@@ -19,7 +19,6 @@ and fsyncs must not stall the event loop).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import json
@@ -32,6 +31,7 @@ from typing import Any, Callable, TypeVar
 
 from rlfleet.services.collector.coalescer import Coalescer
 from rlfleet.services.collector.prompt_item import PromptItem
+from rlfleet.services.common.sqlite import transaction
 
 T = TypeVar("T")
 _SCHEMA = """
@@ -117,7 +117,7 @@ class PromptLedger:
 
     def _add(self, items: list[PromptItem], position: dict[str, int] | None) -> list[PromptItem]:
         added = []
-        with self._transaction():
+        with transaction(self._db):
             for item in items:
                 cursor = self._db.execute("INSERT OR IGNORE INTO prompts (prompt_id, item) VALUES (?, ?)",
                                           (item.prompt_id, _dump(item)))
@@ -155,7 +155,7 @@ class PromptLedger:
         return [None] * len(ends)
 
     def _done(self, ends: list[tuple[int, int | None]]) -> None:
-        with self._transaction():
+        with transaction(self._db):
             self._db.executemany("DELETE FROM prompts WHERE seq = ?",
                                  [(seq,) for seq, version in ends if version is None])
             self._db.executemany("UPDATE prompts SET appended_version = ? WHERE seq = ?",
@@ -168,7 +168,7 @@ class PromptLedger:
 
     def _regenerate(self, prompt_ids: list[str]) -> tuple[list[PromptItem], list[str]]:
         again, missing = [], []
-        with self._transaction():
+        with transaction(self._db):
             for prompt_id in prompt_ids:
                 row = self._db.execute("SELECT seq, item, attempts FROM prompts WHERE prompt_id = ? AND "
                                        "appended_version IS NOT NULL ORDER BY seq DESC LIMIT 1", (prompt_id,)).fetchone()
@@ -188,7 +188,7 @@ class PromptLedger:
         return await self._call(self._forget_appended, below_version)
 
     def _forget_appended(self, below_version: int) -> int:
-        with self._transaction():
+        with transaction(self._db):
             return self._db.execute("DELETE FROM prompts WHERE appended_version < ?", (below_version,)).rowcount
 
     async def attempted(self, item: PromptItem) -> int:
@@ -197,7 +197,7 @@ class PromptLedger:
         return item.attempts
 
     def _attempted(self, seq: int) -> int:
-        with self._transaction():
+        with transaction(self._db):
             self._db.execute("UPDATE prompts SET attempts = attempts + 1 WHERE seq = ?", (seq,))
         return self._db.execute("SELECT attempts FROM prompts WHERE seq = ?", (seq,)).fetchone()[0]
 
@@ -211,7 +211,7 @@ class PromptLedger:
     def _dead(self, item: PromptItem, stage: str, code: str, error: str,
               position: dict[str, int] | None) -> DeadLetter:
         now = time.time()
-        with self._transaction():
+        with transaction(self._db):
             self._db.execute("DELETE FROM prompts WHERE seq = ?", (item.ledger_seq,))
             if position is not None:
                 self._db.execute("INSERT OR REPLACE INTO meta VALUES ('position', ?)", (json.dumps(position),))
@@ -232,14 +232,3 @@ class PromptLedger:
             "WHERE seq > ? ORDER BY seq LIMIT ?", (after, limit)).fetchall()
         total = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'dead_letters'").fetchone()
         return [DeadLetter(*row) for row in rows], total[0] if total else 0
-
-    # --- transactions -------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _transaction(self):
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")

@@ -34,11 +34,11 @@ import json
 import logging
 import time
 import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 from rlfleet.services.common.errors import InvalidArgument, NotFound, ResourceExhausted
+from rlfleet.services.common.sqlite import transaction
 from rlfleet.services.trajectory import rows as rowcodec
 from rlfleet.services.trajectory import sqlite as sqlite_file
 from rlfleet.services.trajectory.appends import dedup_keys, validate_append
@@ -218,7 +218,7 @@ class TrajectoryStore:
             raise ResourceExhausted(
                 f"trajectory buffer full: {self._bytes} of {self.capacity_bytes} bytes buffered, {size} more "
                 "do not fit; retry after trainers ack batches")
-        with self._transaction():
+        with transaction(self._db):
             self._db.executemany(
                 "INSERT INTO trajectories (seq, unit, group_id, group_size, policy_version_start, data) "
                 "VALUES (?, ?, ?, ?, ?, ?)", records)
@@ -320,7 +320,7 @@ class TrajectoryStore:
             return None
         rows = [row for unit, count in plan for row in unit.ready[:count]]
         seqs = [row.seq for row in rows]
-        with self._transaction():
+        with transaction(self._db):
             payloads: dict[int, bytes] = {}
             for chunk in sqlite_file.chunks(seqs):
                 marks = ",".join("?" * len(chunk))
@@ -388,7 +388,7 @@ class TrajectoryStore:
         if not rows:
             return Dropped(0, (), ())
         seqs = [row.seq for row in rows]
-        with self._transaction():
+        with transaction(self._db):
             prompt_ids = self._prompt_ids(seqs)
             self._delete_rows(seqs)
         # Committed: only now does the in-memory index change.
@@ -420,7 +420,7 @@ class TrajectoryStore:
     def ack(self, owner: str, lease_id: str) -> int:
         """Delete a leased batch for good; returns its size."""
         lease = self._owned_lease(owner, lease_id)
-        with self._transaction():
+        with transaction(self._db):
             self._delete_rows([row.seq for row in lease.rows])
         del self._leases[lease_id]
         for row in lease.rows:
@@ -499,15 +499,5 @@ class TrajectoryStore:
         """Delete rows; call inside ``_transaction``."""
         for chunk in sqlite_file.chunks(seqs):
             self._db.execute(f"DELETE FROM trajectories WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
-
-    @contextmanager
-    def _transaction(self) -> Iterator[None]:
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
 
 

@@ -1,0 +1,21 @@
+"""SQLite in autocommit mode with explicit transactions, as the collector's ledger and the
+trajectory store use it."""
+
+from __future__ import annotations
+
+import sqlite3
+from contextlib import contextmanager
+from typing import Iterator
+
+
+@contextmanager
+def transaction(db: sqlite3.Connection) -> Iterator[None]:
+    """``BEGIN IMMEDIATE`` (the write lock now, not at the first write) ... ``COMMIT``, or ``ROLLBACK``
+    on any exception (re-raised). ``db`` must be in autocommit mode (``isolation_level=None``)."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
