@@ -28,7 +28,7 @@ def test_client_side_imports_without_vllm_or_transformers():
         "        if name.split('.')[0] in ('vllm', 'transformers', 'grpc_health', 'pydantic'):\n"
         "            raise ImportError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import rlfleet.client, rlfleet.wire\n"
+        "import rlfleet.client, rlfleet.wire, rlfleet.env\n"
         "from rlfleet.v1 import collector_pb2_grpc, trajectory_pb2_grpc, generation_pb2_grpc\n"
         "print('ok')\n"
     )
