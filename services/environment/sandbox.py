@@ -12,6 +12,11 @@ and the scratch directory is removed.
 the process-group kill remain, but the snippet sees the host's file system and network, a child that
 leaves the process group (``setsid``) outlives the call, and RLIMIT_NPROC counts every process of
 uid 65534 on the host.
+
+A process that runs sandboxes from inside gRPC handlers must start with
+``GRPC_ENABLE_FORK_SUPPORT=0`` (set before grpc is imported, as ``services/environment/__main__.py``
+does): with gRPC's fork support on, the forked child runs gRPC's atfork handlers while other
+threads are inside gRPC and dies with SIGSEGV before it can exec.
 """
 
 from __future__ import annotations

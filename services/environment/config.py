@@ -1,0 +1,93 @@
+"""Configuration of the environment service.
+
+Environments a request may name are the built-in ``tool_calling`` and the ones listed in
+``environments``. Import paths are accepted **only** from this config: a remote request can never
+make the service import code.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from rlfleet.services.common.config import ServiceConfig
+from rlfleet.services.environment.mcp_tools import MCPServerSpec
+from rlfleet.services.environment.sandbox import SandboxLimits
+
+TOOL_CALLING = "tool_calling"
+"""The built-in environment's name: ``ToolCallingEnv`` over the service's sandbox and MCP tools."""
+
+
+class EnvironmentServiceConfig(ServiceConfig):
+    """The environment service: multi-turn episodes answered with token-exact observations.
+
+    Env vars are ``RLFLEET_ENVIRONMENT_<FIELD>``; dict and list fields take JSON.
+    """
+
+    service_name = "environment"
+
+    port: int = Field(50055, ge=0, le=65535)
+    """gRPC port; 0 picks a free port (written to ``port_file``)."""
+
+    tokenizer_path: str
+    """The policy model's directory (or hub id): its tokenizer and chat template render prompts and
+    observations into token ids, so they must be the sampling model's own."""
+
+    environments: dict[str, str] = Field(default_factory=dict)
+    """Environments requests may name besides ``tool_calling``, as ``{name: "package.module:Class"}``;
+    each class subclasses ``rlfleet.env.Environment`` and is built with no arguments, once per episode.
+    Imported at startup: a bad path stops the service before it reports SERVING."""
+
+    sandbox: SandboxLimits = Field(default_factory=SandboxLimits)
+    """``tool_calling``: what one python tool call may use (CPU, wall time, memory, output)."""
+
+    allow_rlimits_only: bool = False
+    """``tool_calling``: when the host has no bwrap sandbox, run snippets with rlimits and an
+    unprivileged uid only (they see the host's files and network). False: refuse to start instead."""
+
+    mcp_servers: list[MCPServerSpec] = Field(default_factory=list)
+    """``tool_calling``: MCP servers whose tools the model may call, connected at startup and shared by
+    every episode (a server that cannot be reached stops the service before it reports SERVING)."""
+
+    max_turns: int = Field(8, ge=1)
+    """Assistant turns per episode; an episode still going after this many is ``truncated``."""
+
+    max_tool_calls_per_turn: int = Field(4, ge=1)
+    """``tool_calling``: tool calls run per turn; past it the episode is ``truncated``."""
+
+    max_open_episodes: int = Field(1024, ge=1)
+    """Episodes open at once; OpenEpisode past it answers RESOURCE_EXHAUSTED (close or wait for the
+    idle reaper)."""
+
+    step_timeout_seconds: float = Field(120.0, gt=0)
+    """How long an environment's reset or step (or close) may take; past it the episode is ended and the
+    call answers DEADLINE_EXCEEDED naming the episode. Bounds the tool calls of a turn, run in sequence."""
+
+    idle_episode_seconds: float = Field(600.0, gt=0)
+    """Episodes not stepped (or opened) for this long are closed by a background reaper: a caller that
+    died does not hold its slot forever."""
+
+    max_prompt_messages: int = Field(256, ge=1)
+    """Most messages in an OpenEpisode prompt."""
+
+    max_message_chars: int = Field(256 * 1024, ge=1)
+    """Longest message content, ground truth or metadata value (characters)."""
+
+    max_metadata_entries: int = Field(64, ge=0)
+    """Most entries in an OpenEpisode's ``metadata``."""
+
+    max_episode_id_chars: int = Field(256, ge=1)
+    """Longest episode id."""
+
+    max_turn_tokens: int = Field(131072, ge=1)
+    """Most tokens in one Step's ``token_ids``."""
+
+    @field_validator("environments")
+    @classmethod
+    def _names_are_free(cls, environments: dict[str, str]) -> dict[str, str]:
+        if TOOL_CALLING in environments:
+            raise ValueError(f"{TOOL_CALLING!r} is the built-in environment; register yours under another name")
+        for name, path in environments.items():
+            module, _, attribute = path.partition(":")
+            if not name or not module or not attribute:
+                raise ValueError(f"environments[{name!r}] = {path!r}: give a name and a 'package.module:Class' path")
+        return environments

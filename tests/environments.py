@@ -1,0 +1,45 @@
+"""Scripted environments the environment service's tests register by import path
+(``tests.environments:CounterEnv``): no model, no tools, known answers."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rlfleet.env import AssistantTurn, Environment, StepResult, Task
+
+
+class CounterEnv(Environment):
+    """Three turns: turn i is rewarded i, the user says "turn i" back, the third ends the episode."""
+
+    TURNS = 3
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    async def reset(self, task: Task) -> list[dict]:
+        return [{"role": "system", "content": "count with me"}, *task.prompt]
+
+    async def step(self, turn: AssistantTurn) -> StepResult:
+        self.turns += 1
+        done = self.turns >= self.TURNS
+        messages = [] if done else [{"role": "user", "content": f"turn {self.turns}"}]
+        return StepResult(messages=messages, reward=float(self.turns), done=done,
+                          info={"turn": self.turns, "finish_reason": turn.finish_reason, "text": turn.text})
+
+    def final_reward(self) -> float | None:
+        return 10.0 * self.turns
+
+
+class RaisingEnv(Environment):
+    """Raises on its first step, like a buggy environment."""
+
+    async def step(self, turn: AssistantTurn) -> StepResult:
+        raise RuntimeError("the scripted environment broke")
+
+
+class HangingEnv(Environment):
+    """Never answers a step."""
+
+    async def step(self, turn: AssistantTurn) -> StepResult:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
