@@ -127,7 +127,7 @@ class Episodes:
                 raise FailedPrecondition(f"{episode.name} is open with another task; close it or pick another id")
             return await asyncio.shield(episode.opening)
         if environment not in self.factories:
-            raise NotFound(f"environment {environment!r} is not registered; the environments are: "
+            raise NotFound(f"environment {quoted(environment)} is not registered; the environments are: "
                            f"{', '.join(sorted(self.factories))}")
         if len(self._open) >= self.limits.max_open_episodes:
             raise ResourceExhausted(f"{len(self._open)} episodes are open, the service's max_open_episodes; "
@@ -278,6 +278,13 @@ class Episodes:
             log.warning("environment close failed", exc_info=exc, extra={"episode_id": episode.episode_id})
 
 
+def quoted(value: str, limit: int = 40) -> str:
+    """``value`` as an error message shows what a request sent: its first ``limit`` characters and its length.
+    A status's message travels in a trailer that clients cap at 16 KiB: echoing a huge value whole would turn
+    the precise status into RESOURCE_EXHAUSTED "Stream removed"."""
+    return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"
+
+
 def _json_tools(tools: Any) -> list[dict[str, Any]]:
     tools = list(tools)
     for index, tool in enumerate(tools):
@@ -296,4 +303,4 @@ def _final_reward(env: Environment) -> float | None:
 
 
 __all__ = ["EnvironmentFailed", "EnvironmentTimedOut", "EpisodeLimits", "Episodes", "Opening", "StepAnswer",
-           "Turn", "TemplateNotPrefixStable"]
+           "Turn", "TemplateNotPrefixStable", "quoted"]

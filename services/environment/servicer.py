@@ -10,7 +10,7 @@ import torch
 from rlfleet.env import ROLES, Task
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.services.environment.config import EnvironmentServiceConfig
-from rlfleet.services.environment.episodes import Episodes, StepAnswer, Turn
+from rlfleet.services.environment.episodes import Episodes, StepAnswer, Turn, quoted
 from rlfleet.v1 import environment_pb2, environment_pb2_grpc, sampling_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
 
@@ -79,7 +79,7 @@ def _messages(messages, config: EnvironmentServiceConfig) -> list[dict[str, str]
     decoded = []
     for index, message in enumerate(messages):
         if message.role not in ROLES:
-            raise InvalidArgument(f"prompt[{index}].role: {message.role!r} is not one of {', '.join(ROLES)}")
+            raise InvalidArgument(f"prompt[{index}].role: {quoted(message.role)} is not one of {', '.join(ROLES)}")
         decoded.append({"role": message.role, "content": _text(f"prompt[{index}].content", message.content, config)})
     return decoded
 
@@ -88,7 +88,7 @@ def _metadata(metadata, config: EnvironmentServiceConfig) -> dict[str, str]:
     if len(metadata) > config.max_metadata_entries:
         raise InvalidArgument(f"metadata: {len(metadata)} entries, more than max_metadata_entries "
                               f"({config.max_metadata_entries})")
-    return {key: _text(f"metadata[{key[:40]!r}]", value, config) for key, value in metadata.items()}
+    return {key: _text(f"metadata[{quoted(key)}]", value, config) for key, value in metadata.items()}
 
 
 def _token_ids(request, config: EnvironmentServiceConfig, vocabulary_size: int) -> list[int]:
@@ -110,7 +110,7 @@ def _finish_reason(value: str) -> str:
     if value == "":
         return "stop"
     if value not in FINISH_REASONS:
-        raise InvalidArgument(f"finish_reason: {value!r} is not one of {', '.join(FINISH_REASONS)}")
+        raise InvalidArgument(f"finish_reason: {quoted(value)} is not one of {', '.join(FINISH_REASONS)}")
     return value
 
 

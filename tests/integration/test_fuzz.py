@@ -11,9 +11,12 @@ valid serializations corrupted; client streams get short sequences of them. For 
   after a valid ``open``; Health/Watch is read to its first answer, then cancelled);
 
 and after the fuzz every service is SERVING and answers a normal request as it did before, and the
-trajectories appended before the fuzz are still there byte for byte. DropStale deletes data by design:
-it is fuzzed against a trajectory instance of its own, and against a third one started with
-``--batch-schema false`` (any layout is stored: Append, StreamBatches and DropStale then handle rows
+trajectories appended before the fuzz are still there byte for byte. The environment service (root only, like
+``test_environment_service.py``: its sandbox drops to uid 65534) is fuzzed on its own RPCs (the shared ones run
+the same code as elsewhere), with counter episodes of ``tests/environments.py`` opened before the fuzz for the
+Step and CloseEpisode seeds to name; afterwards a fresh counter episode still runs its three turns token-exactly.
+DropStale deletes data by design: it is fuzzed against a trajectory instance of its own, and against a third one
+started with ``--batch-schema false`` (any layout is stored: Append, StreamBatches and DropStale then handle rows
 that are not the documented ones). Generation and collector need the whole suite with a vLLM engine:
 ``test_fuzz_suite.py`` fuzzes them with the same machinery (``fuzzing.py``). The status histogram per RPC is printed
 at the end of the module and written to ``fuzz-summary.json`` in the module's temporary directory.
@@ -26,6 +29,7 @@ another seed (to explore: ``RLFLEET_FUZZ_SEED=7 RLFLEET_FUZZ_EXAMPLES=2000``).
 from __future__ import annotations
 
 import collections
+import json
 import math
 import os
 import threading
@@ -38,12 +42,13 @@ from hypothesis import strategies as st
 
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.services.trajectory.rows import concat_rows, split_rows
-from rlfleet.v1 import diagnostics_pb2, reference_pb2, reward_pb2, tensor_pb2, trajectory_pb2
-from rlfleet.wire import decode_ragged
+from rlfleet.v1 import diagnostics_pb2, environment_pb2, reference_pb2, reward_pb2, tensor_pb2, trajectory_pb2
+from rlfleet.wire import decode_ragged, decode_tensor
 from tests import fuzz_messages
-from tests.integration.fuzzing import (CALL_TIMEOUT, DIAGNOSTICS, FUZZ_SETTINGS, HEALTH, HELD_OPEN_TIMEOUT, REFERENCE,
-                                       REWARD, SEED, SHARED, TRAJECTORY, Fuzzed, check_outcome, open_request,
-                                       request_plans, reward_request, score_request, send)
+from tests.integration.fuzzing import (CALL_TIMEOUT, CLOSED_EPISODES, DIAGNOSTICS, ENVIRONMENT, FUZZ_SETTINGS, HEALTH,
+                                       HELD_OPEN_TIMEOUT, REFERENCE, REWARD, SEED, SHARED, STEPPED_EPISODES,
+                                       TRAJECTORY, Fuzzed, check_outcome, episode_request, open_request,
+                                       request_plans, reward_request, score_request, send, step_request)
 from tests.trajectories import check_rows, groups, make_trajectories
 from tests.waiting import wait_for
 
@@ -55,7 +60,11 @@ RELEASE_TIMEOUT = HELD_OPEN_TIMEOUT + 3 * CALL_TIMEOUT
 """After the fuzz, until every fuzzed stream's leases are released: a stream held open ends at its deadline,
 then the release is one store call (each well under a call's timeout)."""
 
-OWN = {"trajectory": TRAJECTORY, "reward": REWARD, "reference": REFERENCE}
+OWN = {"trajectory": TRAJECTORY, "reward": REWARD, "reference": REFERENCE, "environment": ENVIRONMENT}
+AS_ROOT = os.geteuid() == 0
+ROOT_ONLY = pytest.mark.skipif(not AS_ROOT, reason="the environment service's sandbox drops to uid 65534: needs root")
+ENVIRONMENTS = {"counter": "tests.environments:CounterEnv"}
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRE_FUZZ = [  # (idempotency key, group ids, first trajectory number, policy version)
     ("pre/0", groups(0, 2, 2), 1000, 0), ("pre/1", groups(2, 2, 2), 1004, 0), ("pre/2", groups(4, 2, 2), 1008, 3)]
 
@@ -63,13 +72,14 @@ PRE_FUZZ = [  # (idempotency key, group ids, first trajectory number, policy ver
 def _targets():
     params = []
     for name, own in OWN.items():
-        for service in (own, *SHARED):
-            # The shared services run the same code everywhere: fuzzed hardest on the first service.
+        # The shared services run the same code everywhere: fuzzed hardest on the first service, not at all on
+        # the environment service (its RPCs are the ones new there).
+        for service in (own,) if own is ENVIRONMENT else (own, *SHARED):
             examples = EXAMPLES if service is own or name == "trajectory" else max(1, EXAMPLES // 3)
             for method in service.methods:
                 target = "drop" if method.name == "DropStale" else name
-                params.append(pytest.param(target, service, method, examples,
-                                           id=f"{target}:{service.name}.{method.name}"))
+                params.append(pytest.param(target, service, method, examples, marks=ROOT_ONLY if own is ENVIRONMENT
+                                           else (), id=f"{target}:{service.name}.{method.name}"))
     for method in ("Append", "StreamBatches", "DropStale"):  # in this order: rows of any layout, then their drop
         params.append(pytest.param("loose", TRAJECTORY, TRAJECTORY.methods_by_name[method], max(1, EXAMPLES // 2),
                                    id=f"loose:TrajectoryService.{method}"))
@@ -81,7 +91,8 @@ def _targets():
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir, tmp_path_factory):
-    """The services under fuzz, started together; the trajectories of PRE_FUZZ appended before any fuzz."""
+    """The services under fuzz, started together; the trajectories of PRE_FUZZ appended and the episodes the
+    Step and CloseEpisode seeds name opened before any fuzz."""
     root = tmp_path_factory.mktemp("fuzzed")
     quick = ["--log-format", "text", "--grace-seconds", "1"]  # nothing is in flight at the end: stop fast
     procs = {
@@ -95,6 +106,11 @@ def fleet(tiny_model_dir, tmp_path_factory):
                                     env={"RLFLEET_REFERENCE_MAX_LEN": str(MAX_LEN),
                                          "RLFLEET_REFERENCE_MAX_REQUEST_TOKENS": "4096"}),
     }
+    if AS_ROOT:  # a hanging step would answer DEADLINE_EXCEEDED naming its episode, well within a call's timeout
+        procs["environment"] = ServiceProcess(
+            "environment", ["--tokenizer-path", str(tiny_model_dir), "--step-timeout-seconds", "5", *quick],
+            env={"RLFLEET_ENVIRONMENT_ENVIRONMENTS": json.dumps(ENVIRONMENTS),
+                 "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))})
     try:
         for name, proc in procs.items():
             proc.start(root / name)
@@ -106,6 +122,11 @@ def fleet(tiny_model_dir, tmp_path_factory):
             assert trajectory.unary(TRAJECTORY, "Append", request).appended == len(group_ids)
         baselines = {"reward": fuzzed["reward"].unary(REWARD, "ComputeRewards", reward_request()),
                      "reference": fuzzed["reference"].unary(REFERENCE, "ScoreLogProbs", score_request(True))}
+        if AS_ROOT:
+            openings = [fuzzed["environment"].unary(ENVIRONMENT, "OpenEpisode", episode_request(episode_id))
+                        for episode_id in STEPPED_EPISODES + CLOSED_EPISODES]
+            assert all(opening == openings[0] for opening in openings)
+            baselines["environment"] = openings[0]
         yield fuzzed, baselines
         for target in fuzzed.values():
             target.channel.close()
@@ -141,7 +162,7 @@ def test_fuzz(fleet, fuzz_log, name, service, method, examples):
             target.unary(TRAJECTORY, "Append", request)
         code, details = send(target, service, method, messages, hold_open)
         fuzz_log.record(rpc, code.name + (" (held open)" if hold_open else ""), len(messages))
-        check_outcome(target, rpc, messages, hold_open, code, details)
+        check_outcome(target, rpc, messages, hold_open, code, details, precise=name == "environment")
 
     (fuzz if SEED is None else seed(int(SEED))(fuzz))()
 
@@ -151,18 +172,20 @@ def test_big_requests_below_the_message_limit(fleet, fuzz_log):
     fuzzed, _ = fleet
     payload = tensor_pb2.TensorDict(batch_size=[1], entries={"blob": tensor_pb2.TensorDictValue(
         tensor=tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_UINT8, shape=[1, 48 << 20], data=b"\x7f" * (48 << 20)))})
-    for name, service, method, request in [
-            ("trajectory", DIAGNOSTICS, "Echo", diagnostics_pb2.EchoRequest(payload=payload)),
-            ("trajectory", TRAJECTORY, "Append", trajectory_pb2.AppendRequest(trajectories=payload)),
-            ("reward", REWARD, "ComputeRewards", reward_pb2.ComputeRewardsRequest(prompt_texts=["x" * (48 << 20)])),
-            ("reference", REFERENCE, "ScoreLogProbs",
-             reference_pb2.ScoreLogProbsRequest(response_starts=[2**62] * (5 << 20)))]:
+    big = [("trajectory", DIAGNOSTICS, "Echo", diagnostics_pb2.EchoRequest(payload=payload)),
+           ("trajectory", TRAJECTORY, "Append", trajectory_pb2.AppendRequest(trajectories=payload)),
+           ("reward", REWARD, "ComputeRewards", reward_pb2.ComputeRewardsRequest(prompt_texts=["x" * (48 << 20)])),
+           ("reference", REFERENCE, "ScoreLogProbs",
+            reference_pb2.ScoreLogProbsRequest(response_starts=[2**62] * (5 << 20)))]
+    if "environment" in fuzzed:
+        big.append(("environment", ENVIRONMENT, "Step", step_request(STEPPED_EPISODES[0], [5], text="x" * (48 << 20))))
+    for name, service, method, request in big:
         raw = request.SerializeToString()
         assert 40 << 20 < len(raw) < 64 << 20
         rpc = f"{name}:{service.name}.{method} (~48 MiB)"
         code, details = send(fuzzed[name], service, service.methods_by_name[method], [raw], hold_open=False)
         fuzz_log.record(rpc, code.name)
-        check_outcome(fuzzed[name], rpc, [raw], False, code, details)
+        check_outcome(fuzzed[name], rpc, [raw], False, code, details, precise=name == "environment")
 
 
 # ------------------------------------------------------------------ after the fuzz
@@ -224,6 +247,30 @@ def test_every_service_is_serving_and_answers_after_the_fuzz(fleet):
     for below, dropped in [(5, 0), (6, 2)]:
         answer = drop.unary(TRAJECTORY, "DropStale", trajectory_pb2.DropStaleRequest(below_policy_version=below))
         assert answer.dropped == dropped and list(answer.group_ids) == ([77] if dropped else [])
+
+
+@ROOT_ONLY
+def test_the_environment_service_still_runs_a_counter_episode_after_the_fuzz(fleet, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    fuzzed, baselines = fleet
+    environment = fuzzed["environment"]
+    assert environment.unary(ENVIRONMENT, "OpenEpisode", episode_request("after-fuzz")) == baselines["environment"]
+    for turn in (1, 2, 3):
+        sampled = tokenizer(f"one {turn}", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        answer = environment.unary(ENVIRONMENT, "Step", step_request("after-fuzz", sampled))
+        assert (answer.reward, answer.has_reward, answer.done, answer.truncated) == (turn, True, turn == 3, False)
+        assert (answer.info["turn"], answer.info["text"]) == (str(turn), f"one {turn}<|im_end|>")
+        observation = tokenizer.decode(decode_tensor(answer.observation_token_ids).tolist())
+        if turn < 3:
+            assert [(m.role, m.content) for m in answer.observation] == [("user", f"turn {turn}")]
+            assert observation == f"\n<|im_start|>user\nturn {turn}<|im_end|>\n<|im_start|>assistant\n"
+        else:
+            assert (list(answer.observation), observation) == ([], "")
+    closed = environment.unary(ENVIRONMENT, "CloseEpisode",
+                               environment_pb2.CloseEpisodeRequest(episode_id="after-fuzz"))
+    assert (closed.final_reward, closed.has_final_reward) == (30.0, True)
 
 
 def test_an_instance_storing_any_layout_still_round_trips_after_the_fuzz(fleet):
