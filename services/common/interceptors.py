@@ -41,6 +41,24 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     return None
 
 
+MAX_DETAILS_BYTES = 2048
+"""An error message's bound in UTF-8 bytes. grpc sends it percent-encoded (a byte outside printable
+ASCII takes 3) in the trailers, and clients refuse trailers past 8 KiB (soft) / 16 KiB (hard): a
+message that quoted a huge request field whole would turn the precise status into
+RESOURCE_EXHAUSTED "Stream removed". 2 KiB stays under the soft limit even fully escaped."""
+
+
+def bounded_details(details: str, limit: int = MAX_DETAILS_BYTES) -> str:
+    """``details`` as is, or its head and tail with the middle cut, under ``limit`` UTF-8 bytes."""
+    raw = details.encode()
+    if len(raw) <= limit:
+        return details
+    keep = (limit - 64) // 2
+    head = raw[:keep].decode(errors="ignore")
+    tail = raw[-keep:].decode(errors="ignore")
+    return f"{head} [... {len(raw) - 2 * keep} bytes cut ...] {tail}"
+
+
 async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
     mapped = status_for(exc)
     if mapped is None and type(exc) is NotImplementedError:  # a generated base servicer's stub
@@ -49,7 +67,7 @@ async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, meth
         log.error("unexpected error in %s", method, exc_info=exc)
         mapped = (grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
     metrics.RPC_ERRORS.labels(method=method, code=mapped[0].name).inc()
-    await context.abort(mapped[0], mapped[1])
+    await context.abort(mapped[0], bounded_details(mapped[1]))
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

@@ -313,15 +313,12 @@ def send(target: Fuzzed, service, method, messages, hold_open: bool,
             feeder.ended.set()
 
 
-def check_outcome(target: Fuzzed, rpc: str, messages, hold_open: bool, code, details: str,
-                  precise: bool = False) -> None:
-    """The rules (see the module's docstring): no forbidden status, no deadline passed unless held open, alive.
-
-    ``precise``: nor an error message too big to arrive (``TRAILER_TOO_BIG``); not yet kept by every service
-    (DiagnosticsService.Echo and RewardService.CheckTasks echo huge fields whole)."""
+def check_outcome(target: Fuzzed, rpc: str, messages, hold_open: bool, code, details: str) -> None:
+    """The rules (see the module's docstring): no forbidden status, no deadline passed unless held open, no
+    error message too big to arrive (``TRAILER_TOO_BIG``), alive."""
     waits = hold_open  # a stream left open after a valid `open` legitimately waits for its deadline
     bad = (code in FORBIDDEN or (code == grpc.StatusCode.DEADLINE_EXCEEDED and not waits)
-           or (precise and TRAILER_TOO_BIG in details))
+           or TRAILER_TOO_BIG in details)
     assert not bad, (f"{rpc}: {code.name} {details!r}\nrequest: {_describe(messages)}\n"
                      f"service log tail:\n{target.proc.log_tail(60)}")
     target.alive()
