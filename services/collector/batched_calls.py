@@ -9,7 +9,7 @@ from typing import Sequence
 
 from rlfleet.v1 import reference_pb2, reward_pb2, tensor_pb2, trajectory_pb2
 from rlfleet.wire import WireError
-from rlfleet.wire.rows import concat_raggeds, concat_tensordicts, slice_ragged, slice_tensor
+from rlfleet.wire.rows import concat_raggeds, concat_tensordicts, split_ragged, split_tensor
 
 _PER_SAMPLE_TENSORS = ("scores", "clipped_scores", "advantages", "kl_mean", "kl_sum")
 _PER_SAMPLE_RAGGEDS = ("kl", "rewards")
@@ -29,7 +29,7 @@ def split_reference_response(reply: reference_pb2.ScoreLogProbsResponse,
                              sizes: Sequence[int]) -> list[tensor_pb2.RaggedTensor]:
     """The reference log-probs of ``merge_reference_requests``' answer, per request of ``sizes`` sequences."""
     _check_rows(reply.ref_log_probs, "ref_log_probs", sum(sizes), "reference")
-    return _split_ragged(reply.ref_log_probs, sizes)
+    return split_ragged(reply.ref_log_probs, sizes)
 
 
 def merge_reward_requests(requests: Sequence[reward_pb2.ComputeRewardsRequest]) -> reward_pb2.ComputeRewardsRequest:
@@ -61,15 +61,11 @@ def split_reward_response(reply: reward_pb2.ComputeRewardsResponse,
             raise WireError(field, f"the reward service answered {list(getattr(reply, field).shape)} for {total} samples")
     for field in _PER_SAMPLE_RAGGEDS:
         _check_rows(getattr(reply, field), field, total, "reward")
-    answers, start = [], 0
-    for size in sizes:
-        answer = reward_pb2.ComputeRewardsResponse(kl_coef=reply.kl_coef)
-        for field in _PER_SAMPLE_TENSORS:
-            slice_tensor(getattr(reply, field), start, start + size, out=getattr(answer, field))
-        for field in _PER_SAMPLE_RAGGEDS:
-            slice_ragged(getattr(reply, field), start, start + size, out=getattr(answer, field))
-        answers.append(answer)
-        start += size
+    answers = [reward_pb2.ComputeRewardsResponse(kl_coef=reply.kl_coef) for _ in sizes]
+    for field in _PER_SAMPLE_TENSORS:
+        split_tensor(getattr(reply, field), sizes, outs=[getattr(answer, field) for answer in answers])
+    for field in _PER_SAMPLE_RAGGEDS:
+        split_ragged(getattr(reply, field), sizes, outs=[getattr(answer, field) for answer in answers])
     return answers
 
 
@@ -87,10 +83,3 @@ def _check_rows(ragged: tensor_pb2.RaggedTensor, field: str, total: int, service
     if len(ragged.lengths) != total:
         raise WireError(field, f"the {service} service answered {len(ragged.lengths)} rows for {total} sequences")
 
-
-def _split_ragged(ragged: tensor_pb2.RaggedTensor, sizes: Sequence[int]) -> list[tensor_pb2.RaggedTensor]:
-    parts, start = [], 0
-    for size in sizes:
-        parts.append(slice_ragged(ragged, start, start + size))
-        start += size
-    return parts

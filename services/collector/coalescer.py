@@ -1,9 +1,9 @@
 """Many groups, one call: what queued while a call was in flight goes out together in the next.
 
-The reward and trajectory services take any number of groups per call, and each call costs both
-sides a fixed share of CPU (the RPC, the request's decoding, the service's Python around its
-vectorized work), so a collector that waits for them sends the groups that queued in the
-meantime as one call. Nothing waits on purpose: when the service keeps up, each call carries
+The reference, reward and trajectory services (and the prompt ledger) take any number of groups
+per call, and each call costs both sides a fixed share of CPU (the RPC, the request's decoding,
+the service's Python around its vectorized work, a transaction), so a collector that waits for
+them sends the groups that queued in the meantime as one call. Nothing waits on purpose: when the service keeps up, each call carries
 one group, as before. Each caller still gets its own group's answer, or its own error: a
 call refused for something one group carries (``split_on``) is made again group by group, so
 that only that group fails (a dead letter names its own prompt, not its neighbours').

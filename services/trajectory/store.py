@@ -248,7 +248,7 @@ class TrajectoryStore:
 
     def _remember_keys(self, keys: Sequence[str], units: Sequence[Sequence[int]]) -> None:
         """Record the keys of the stored groups (``keys[i]`` covers ``units[i]``); call inside
-        ``_transaction``."""
+        ``transaction(self._db)``."""
         if not keys:
             return
         rows_per_key: dict[str, int] = {}
@@ -496,7 +496,7 @@ class TrajectoryStore:
         del self._ready_units[index]
 
     def _delete_rows(self, seqs: Sequence[int]) -> None:
-        """Delete rows; call inside ``_transaction``."""
+        """Delete rows; call inside ``transaction(self._db)``."""
         for chunk in sqlite_file.chunks(seqs):
             self._db.execute(f"DELETE FROM trajectories WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
 

@@ -14,7 +14,7 @@ from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.v1 import reward_pb2, tensor_pb2
 from rlfleet.wire import (Ragged, WireError, decode_ragged, decode_tensor, decode_tensordict, encode_ragged,
                           encode_tensor, encode_tensordict)
-from rlfleet.wire.rows import concat_raggeds, concat_tensordicts, slice_ragged, slice_tensor, split_tensordict
+from rlfleet.wire.rows import concat_raggeds, concat_tensordicts, split_ragged, split_tensor, split_tensordict
 
 
 # --- the coalescer ---------------------------------------------------------------------------------------
@@ -124,16 +124,17 @@ def test_a_call_that_answers_the_wrong_number_of_results_fails_every_caller():
 
 
 # --- row surgery -----------------------------------------------------------------------------------------
-def test_ragged_and_tensor_rows_slice_and_concatenate_byte_for_byte():
+def test_ragged_and_tensor_rows_split_and_concatenate_byte_for_byte():
     rows = [torch.randn(n, 2) for n in (3, 0, 5, 1)]
     ragged = encode_ragged(Ragged.from_list(rows, torch.float32))
-    parts = [slice_ragged(ragged, 0, 1), slice_ragged(ragged, 1, 3), slice_ragged(ragged, 3, 4)]
+    parts = split_ragged(ragged, [1, 2, 1])
     assert [list(p.lengths) for p in parts] == [[3], [0, 5], [1]]
     assert concat_raggeds(parts) == ragged
     for got, want in zip(decode_ragged(parts[1]).to_list(), rows[1:3]):
         assert torch.equal(got, want)
     dense = encode_tensor(torch.arange(12, dtype=torch.int64).reshape(4, 3))
-    assert decode_tensor(slice_tensor(dense, 1, 3)).tolist() == [[3, 4, 5], [6, 7, 8]]
+    assert [decode_tensor(part).tolist() for part in split_tensor(dense, [1, 2, 1])] == [
+        [[0, 1, 2]], [[3, 4, 5], [6, 7, 8]], [[9, 10, 11]]]
 
 
 def test_tensordicts_concatenate_and_split_back_row_for_row():

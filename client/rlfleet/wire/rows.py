@@ -16,32 +16,42 @@ from rlfleet.v1 import tensor_pb2
 from rlfleet.wire.dtypes import BY_WIRE
 
 
-def slice_tensor(msg: tensor_pb2.Tensor, start: int, stop: int,
-                 out: tensor_pb2.Tensor | None = None) -> tensor_pb2.Tensor:
-    """Rows ``start:stop`` of a dense tensor (first dimension)."""
-    out = tensor_pb2.Tensor() if out is None else out
-    rows = msg.shape[0]
-    data = msg.data
+def split_tensor(msg: tensor_pb2.Tensor, sizes: Sequence[int],
+                 outs: Sequence[tensor_pb2.Tensor] | None = None) -> list[tensor_pb2.Tensor]:
+    """A dense tensor's rows (first dimension) in consecutive parts of ``sizes`` rows, written into
+    ``outs`` if given. The bytes are read once (each access of ``data`` copies them)."""
+    outs = [tensor_pb2.Tensor() for _ in sizes] if outs is None else outs
+    data, rows = msg.data, msg.shape[0]
     stride = len(data) // rows if rows else 0
-    out.dtype = msg.dtype
-    out.shape[:] = [stop - start, *msg.shape[1:]]
-    out.data = data[start * stride:stop * stride]
-    return out
+    trailing = list(msg.shape[1:])
+    start = 0
+    for size, out in zip(sizes, outs):
+        out.dtype = msg.dtype
+        out.shape[:] = [size, *trailing]
+        out.data = data[start * stride:(start + size) * stride]
+        start += size
+    return list(outs)
 
 
-def slice_ragged(msg: tensor_pb2.RaggedTensor, start: int, stop: int,
-                 out: tensor_pb2.RaggedTensor | None = None) -> tensor_pb2.RaggedTensor:
-    """Rows ``start:stop`` of a ragged."""
-    out = tensor_pb2.RaggedTensor() if out is None else out
-    lengths = msg.lengths
-    first, count = sum(lengths[:start]), sum(lengths[start:stop])
-    trailing = list(msg.values.shape[1:])
-    row_bytes = math.prod(trailing) * BY_WIRE[msg.values.dtype].itemsize
-    out.values.dtype = msg.values.dtype
-    out.values.shape[:] = [count, *trailing]
-    out.values.data = msg.values.data[first * row_bytes:(first + count) * row_bytes]
-    out.lengths[:] = lengths[start:stop]
-    return out
+def split_ragged(msg: tensor_pb2.RaggedTensor, sizes: Sequence[int],
+                 outs: Sequence[tensor_pb2.RaggedTensor] | None = None) -> list[tensor_pb2.RaggedTensor]:
+    """A ragged's rows in consecutive parts of ``sizes`` rows, written into ``outs`` if given. The
+    bytes and lengths are read once."""
+    outs = [tensor_pb2.RaggedTensor() for _ in sizes] if outs is None else outs
+    values, lengths = msg.values, list(msg.lengths)
+    data = values.data
+    trailing = list(values.shape[1:])
+    row_bytes = math.prod(trailing) * BY_WIRE[values.dtype].itemsize
+    row = offset = 0
+    for size, out in zip(sizes, outs):
+        part = lengths[row:row + size]
+        count = sum(part)
+        out.values.dtype = values.dtype
+        out.values.shape[:] = [count, *trailing]
+        out.values.data = data[offset * row_bytes:(offset + count) * row_bytes]
+        out.lengths[:] = part
+        row, offset = row + size, offset + count
+    return list(outs)
 
 
 def concat_tensors(parts: Sequence[tensor_pb2.Tensor], out: tensor_pb2.Tensor | None = None) -> tensor_pb2.Tensor:
@@ -69,25 +79,9 @@ def split_tensordict(msg: tensor_pb2.TensorDict) -> list[tensor_pb2.TensorDict]:
     for key, value in msg.entries.items():
         kind = value.WhichOneof("kind")
         if kind == "tensor":
-            tensor, data = value.tensor, value.tensor.data  # read `data` once: each access copies
-            stride = len(data) // count if count else 0
-            for i, row in enumerate(rows):
-                out = row.entries[key].tensor
-                out.dtype = tensor.dtype
-                out.shape[:] = [1, *tensor.shape[1:]]
-                out.data = data[i * stride:(i + 1) * stride]
+            split_tensor(value.tensor, [1] * count, outs=[row.entries[key].tensor for row in rows])
         elif kind == "ragged":
-            values, data = value.ragged.values, value.ragged.values.data
-            trailing = list(values.shape[1:])
-            row_bytes = math.prod(trailing) * BY_WIRE[values.dtype].itemsize
-            offset = 0
-            for row, length in zip(rows, value.ragged.lengths):
-                out = row.entries[key].ragged
-                out.values.dtype = values.dtype
-                out.values.shape[:] = [length, *trailing]
-                out.values.data = data[offset * row_bytes:(offset + length) * row_bytes]
-                out.lengths.append(length)
-                offset += length
+            split_ragged(value.ragged, [1] * count, outs=[row.entries[key].ragged for row in rows])
         elif kind == "strings":
             for row, text in zip(rows, value.strings.values):
                 row.entries[key].strings.values.append(text)
