@@ -38,6 +38,12 @@ class SuiteOptions:
     collector_args: list[str] = field(default_factory=list)
     reward_args: list[str] = field(default_factory=list)
     generation_args: list[str] = field(default_factory=list)
+    environments: dict[str, str] | None = None
+    """Start the environment service with these environments registered (name -> import path; the
+    built-in ``tool_calling`` is always there) and point the collector at it; None: no environment service."""
+    environment_args: list[str] = field(default_factory=list)
+    environment_env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables of the environment service (e.g. PYTHONPATH for the import paths)."""
     log_format: str = "text"
     reference_threads: int = 1
     """The reference model's torch threads: vLLM's engine owns the CPU of a small host."""
@@ -50,10 +56,11 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
     common = ["--log-format", options.log_format]
     procs: dict[str, ServiceProcess] = {}
 
-    def launch(key: str, name: str, args: list[str], wait: bool = True) -> ServiceProcess:
+    def launch(key: str, name: str, args: list[str], wait: bool = True, env: dict[str, str] | None = None
+               ) -> ServiceProcess:
         started = time.monotonic()
         print(f"[suite] starting {key} ...", file=sys.stderr, flush=True)
-        proc = ServiceProcess(name, [*args, *common])
+        proc = ServiceProcess(name, [*args, *common], env=env or {})
         proc.start(workdir / key)
         procs[key] = proc
         if wait:
@@ -68,6 +75,12 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
                ["--db-path", options.trajectory_db or str(workdir / "trajectory" / "trajectories.db")])
         launch("reference", "reference", ["--model-path", model, "--torch-threads", str(options.reference_threads)])
         launch("reward", "reward", ["--tokenizer-path", model, *options.reward_args])
+        upstream = []
+        if options.environments is not None:
+            launch("environment", "environment", ["--tokenizer-path", model, *options.environment_args],
+                   env={"RLFLEET_ENVIRONMENT_ENVIRONMENTS": json.dumps(options.environments),
+                        **options.environment_env})
+            upstream = ["--environment-address", procs["environment"].address]
         replicas = [launch(f"generation-{i}", "generation",
                            ["--model", model, "--kv-cache-memory-bytes", str(options.kv_cache_bytes),
                             "--max-model-len", str(options.max_model_len), *options.generation_args], wait=False)
@@ -81,7 +94,7 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
             "--generation-addresses", json.dumps([p.address for p in replicas]),
             "--reference-address", procs["reference"].address, "--reward-address", procs["reward"].address,
             "--trajectory-address", procs["trajectory"].address, "--state-dir", str(workdir / "collector"),
-            *options.collector_args])
+            *upstream, *options.collector_args])
     except BaseException:
         stop_suite(procs)
         raise
@@ -104,6 +117,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--generation-replicas", type=int, default=1)
     parser.add_argument("--collector-arg", action="append", default=[],
                         help="extra collector flag, e.g. --collector-arg=--mode=sync (repeatable)")
+    parser.add_argument("--with-environment", action="store_true",
+                        help="also start the environment service (multi-turn episodes) and point the collector at it")
+    parser.add_argument("--environment", action="append", default=[], metavar="NAME=MODULE:CLASS",
+                        help="register an environment with the environment service (repeatable; implies "
+                             "--with-environment; the built-in tool_calling is always there)")
     parser.add_argument("--check", action="store_true", help="start, report health, stop")
     parser.add_argument("--then", default=None,
                         help="command to run once the suite is up ({collector} and {model_dir} are filled in); "
@@ -113,8 +131,11 @@ def main(argv: list[str] | None = None) -> None:
     from rlfleet.services.models.tiny import build_tiny_model
 
     print(f"[suite] model: {build_tiny_model(ns.model_dir)}", file=sys.stderr, flush=True)
+    environments = dict(spec.split("=", 1) for spec in ns.environment) if ns.environment else None
+    if ns.with_environment and environments is None:
+        environments = {}
     options = SuiteOptions(model_dir=ns.model_dir, generation_replicas=ns.generation_replicas,
-                           collector_args=ns.collector_arg)
+                           collector_args=ns.collector_arg, environments=environments)
     procs = start_suite(options, ns.workdir)
     exit_code = 0
     try:

@@ -43,3 +43,13 @@ class HangingEnv(Environment):
     async def step(self, turn: AssistantTurn) -> StepResult:
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
+
+
+class SlowCounterEnv(CounterEnv):
+    """CounterEnv taking a while over each step, so weights can change between an episode's turns."""
+
+    STEP_SECONDS = 1.0
+
+    async def step(self, turn: AssistantTurn) -> StepResult:
+        await asyncio.sleep(self.STEP_SECONDS)
+        return await super().step(turn)

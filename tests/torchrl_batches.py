@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
+from rlfleet.services.collector.episodes import group_of_episodes
 from rlfleet.services.collector.trajectories import GroupSamples, group_message
 from rlfleet.services.trajectory.rows import concat_rows, split_rows
 from rlfleet.v1 import generation_pb2, reward_pb2, sampling_pb2, tensor_pb2
@@ -47,4 +48,46 @@ def ragged_batch(*, groups: int = 2, group_size: int = 3, vocab: int = 100, seed
                                    query=f"question {group}"))
     # As the trajectory service does: rows stored one by one, a batch concatenated from them.
     rows = [row for message in parts for row in split_rows(message)]
+    return decode_tensordict(tensor_pb2.TensorDict.FromString(concat_rows(rows).SerializeToString()))
+
+
+def episode_batch(*, group_size: int = 3, turns: int = 3, vocab: int = 100, seed: int = 0,
+                  behaviour=None) -> TensorDict:
+    """One group of ``group_size`` multi-turn episodes (the collector's ``group_of_episodes``):
+    ``turns`` sampled turns with observation tokens between them. ``behaviour(history, sampled)``
+    gives a turn's behaviour log-probs (default: random negatives)."""
+    from rlfleet.services.collector.episodes import Episode, Turn
+
+    generator = torch.Generator().manual_seed(seed)
+    episodes = []
+    for _ in range(group_size):
+        prompt = torch.randint(1, vocab, (int(torch.randint(3, 7, (1,), generator=generator)),), generator=generator)
+        episode = Episode(prompt, reward=float(torch.rand(1, generator=generator)), done=True)
+        for turn in range(turns):
+            sampled = torch.randint(1, vocab, (int(torch.randint(2, 6, (1,), generator=generator)),),
+                                    generator=generator)
+            history = episode.history()
+            lp = behaviour(history, sampled) if behaviour else -torch.rand(len(sampled), generator=generator) - 0.1
+            episode.turns.append(Turn(sampled, lp.float(), turn, turn, 0.1,
+                                      sampling_pb2.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=8)))
+            if turn < turns - 1:
+                episode.turns[-1].observation = torch.randint(1, vocab, (3,), generator=generator)
+        episodes.append(episode)
+    group = group_of_episodes(episodes)
+    responses = group.responses.to_list()
+    score = torch.tensor(group.environment_rewards)
+    advantage = (score - score.mean()) / (score.std() + 1e-6)
+    mask = group.response_mask.to_list()
+    kls = [torch.where(m, 0.05, 0.0) for m in mask]
+    rewards = [torch.zeros(len(r)) for r in responses]
+    for reward, s in zip(rewards, score.tolist()):
+        reward[-1] = s
+    reply = reward_pb2.ComputeRewardsResponse(
+        kl=encode_ragged(Ragged.from_list(kls)), rewards=encode_ragged(Ragged.from_list(rewards)),
+        scores=encode_tensor(score), clipped_scores=encode_tensor(score), advantages=encode_tensor(advantage),
+        kl_mean=encode_tensor(torch.full((group_size,), 0.05)), kl_coef=0.1)
+    refs = [torch.where(m, b - 0.05, -1.0) for m, b in zip(mask, group.behavior_log_probs.to_list())]
+    message = group_message(group=group, ref_log_probs=encode_ragged(Ragged.from_list(refs)), rewards=reply,
+                            group_id=7, prompt_id="episode", query="")
+    rows = split_rows(message)
     return decode_tensordict(tensor_pb2.TensorDict.FromString(concat_rows(rows).SerializeToString()))

@@ -35,7 +35,12 @@ def split_reference_response(reply: reference_pb2.ScoreLogProbsResponse,
 def merge_reward_requests(requests: Sequence[reward_pb2.ComputeRewardsRequest]) -> reward_pb2.ComputeRewardsRequest:
     """One ComputeRewards request for the groups of ``requests``: each one group with its samples'
     ``group_ids`` and one task (or one per sample); all with the same fields set, the same
-    estimator, advantage mode and controller flag (as one collector's requests are)."""
+    estimator, advantage mode and controller flag (as one collector's requests are).
+
+    ``environment_rewards``: when any request has them, one per sample of the merged request (a request
+    without them, 0 for each of its samples); when none has them, none. A request with neither none
+    nor one per sample is a WireError: merged, its values would land on other groups' samples (the
+    caller sends the groups one by one and the reward service refuses that one, naming it)."""
     first = requests[0]
     merged = reward_pb2.ComputeRewardsRequest(kl_estimator=first.kl_estimator, advantage_mode=first.advantage_mode,
                                               update_kl_controller=first.update_kl_controller)
@@ -48,6 +53,12 @@ def merge_reward_requests(requests: Sequence[reward_pb2.ComputeRewardsRequest]) 
         merged.response_texts.extend(request.response_texts)
         merged.group_ids.extend(request.group_ids)
         merged.tasks.extend(request.tasks if len(request.tasks) == n else [request.tasks[0]] * n)
+    if any(request.environment_rewards for request in requests):
+        for request in requests:
+            n, values = len(request.group_ids), request.environment_rewards
+            if values and len(values) != n:
+                raise WireError("environment_rewards", f"{len(values)} entries for a group of {n} samples")
+            merged.environment_rewards.extend(values or [0.0] * n)
     return merged
 
 

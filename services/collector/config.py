@@ -24,6 +24,8 @@ class CollectorConfig(ServiceConfig):
     """Reward service."""
     trajectory_address: str = "127.0.0.1:50054"
     """Trajectory service."""
+    environment_address: str | None = None
+    """Environment service, for prompts run as multi-turn episodes; None = single-turn prompts only."""
     upstream_auth_token: str | None = None
     """Bearer token sent to the other services (if they enforce one)."""
 
@@ -60,6 +62,16 @@ class CollectorConfig(ServiceConfig):
     """Default SamplingParams fields (temperature, top_p, top_k, max_tokens, stop, seed...); prompts may override."""
     reward_fn: str = "numeric_match"
     """Default reward function name (see the reward service)."""
+    environment: str = ""
+    """Default environment of a prompt (a name the environment service registers): its samples are
+    multi-turn episodes. Empty: one response per sample, unless a prompt (a dataset row's
+    ``environment`` field, ``PromptSpec.environment``) names one."""
+    max_turns: int = Field(8, ge=1)
+    """Most assistant turns of an episode; one still going after them ends truncated."""
+    max_episode_tokens: int = Field(1024, ge=2)
+    """Token budget of an episode: prompt, sampled and observation tokens together. Each turn may
+    sample at most what is left (and ``sampling.max_tokens``); one that reaches it ends truncated.
+    Keep it within the replicas' ``max_model_len``."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """Per-token KL estimator for the penalty."""
     advantage_mode: Literal["grpo", "grpo_no_std", "rloo"] = "grpo"
@@ -101,6 +113,12 @@ class CollectorConfig(ServiceConfig):
     def _sync_means_no_staleness(self) -> "CollectorConfig":
         if self.mode == "sync":
             self.max_staleness = 0
+        return self
+
+    @model_validator(mode="after")
+    def _episodes_need_an_environment_service(self) -> "CollectorConfig":
+        if self.environment and not self.environment_address:
+            raise ValueError(f"environment: {self.environment!r} needs an environment_address")
         return self
 
     @model_validator(mode="after")

@@ -34,6 +34,9 @@ class PromptItem:
     reward_args: dict[str, str] = field(default_factory=dict)
     sampling: dict[str, Any] | None = None
     """Overrides of the configured sampling parameters (plain values: JSON-serializable)."""
+    environment: str = ""
+    """The environment running it as a multi-turn episode; "" = the collector's default (which may be
+    none: a single-turn prompt)."""
     ledger_seq: int | None = None
     """Its row in the prompt ledger (set when it is written there)."""
     attempts: int = 0
@@ -53,6 +56,15 @@ class PromptItem:
             return self.text
         users = [message["content"] for message in self.chat or () if message.get("role") == "user"]
         return users[-1] if users else ""
+
+    def episode_prompt(self, where: str) -> list[dict[str, str]]:
+        """The chat messages an episode opens with: the chat, or the text as one user message (token
+        ids are refused: an environment reads messages; InvalidArgument naming ``where``)."""
+        if self.chat is not None:
+            return self.chat
+        if self.text is not None:
+            return [{"role": "user", "content": self.text}]
+        raise InvalidArgument(f"{where}: a multi-turn episode needs a text or chat prompt, not token ids")
 
     def prompt_text(self) -> str:
         """Human-readable prompt for reward functions."""
@@ -108,7 +120,7 @@ def from_spec(spec: collector_pb2.PromptSpec, where: str, *, max_prompt_bytes: i
         raise InvalidArgument(f"{where}: {size} bytes of prompt, ground truth and reward args exceed the "
                               f"collector's max_prompt_bytes ({max_prompt_bytes})")
     item = PromptItem(prompt_id=spec.prompt_id, ground_truth=spec.ground_truth, reward_fn=spec.reward_fn,
-                      reward_args=dict(spec.reward_args))
+                      reward_args=dict(spec.reward_args), environment=spec.environment)
     kind = spec.prompt.WhichOneof("kind")
     if kind == "text":
         item.text = spec.prompt.text
@@ -140,7 +152,8 @@ def from_row(record: Any, where: str, prompt_field: str, ground_truth_field: str
     prompt = record[prompt_field]
     item = PromptItem(prompt_id=str(record.get("id", default_id)),
                       ground_truth=str(record.get(ground_truth_field, "") or ""),
-                      reward_fn=str(record.get("reward_fn", "") or ""))
+                      reward_fn=str(record.get("reward_fn", "") or ""),
+                      environment=str(record.get("environment", "") or ""))
     if isinstance(prompt, str) and prompt:
         item.text = prompt
     elif isinstance(prompt, list):

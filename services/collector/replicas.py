@@ -75,11 +75,16 @@ class ReplicaPool:
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]
 
-    async def acquire(self, exclude: set[str] = frozenset(), timeout: float | None = None) -> Replica:
-        """The healthy replica with the fewest requests in flight (waits for one)."""
+    async def acquire(self, exclude: set[str] = frozenset(), timeout: float | None = None,
+                      prefer: Replica | None = None) -> Replica:
+        """``prefer`` while it is healthy and not excluded (an episode's group stays where its prefix is
+        cached), else the healthy replica with the fewest requests in flight (waits for one)."""
         async def pick():
             async with self._changed:
                 while True:
+                    if prefer is not None and prefer.healthy and prefer.address not in exclude:
+                        prefer.in_flight += 1
+                        return prefer
                     candidates = [r for r in self.replicas if r.healthy and r.address not in exclude]
                     if not candidates and exclude:
                         candidates = self.healthy()  # all others are down: allow a retry anywhere
@@ -89,6 +94,10 @@ class ReplicaPool:
                         return replica
                     await self._changed.wait()
         return await asyncio.wait_for(pick(), timeout)
+
+    def least_loaded(self) -> Replica | None:
+        """The healthy replica with the fewest requests in flight now (None: none is healthy)."""
+        return min(self.healthy(), key=lambda r: r.in_flight, default=None)
 
     def release(self, replica: Replica) -> None:
         replica.in_flight -= 1

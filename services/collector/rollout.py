@@ -1,5 +1,9 @@
 """The rollout pipeline: prompt -> generation (n samples) -> reference -> reward -> trajectory.
 
+A prompt whose environment is set (its own, or the collector's default) is generated as n
+multi-turn episodes instead of n samples (``episodes.py``); the stages after generation are the
+same for both.
+
 Each admitted prompt runs as its own task through bounded stages, so many
 groups are in different stages at once and generation never waits on
 reference or reward scoring. A group is appended whole, once (idempotency
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import random
 import time
@@ -34,11 +39,14 @@ from rlfleet.client.errors import InvalidArgumentError, NotFoundError, ResourceE
 from rlfleet.services.collector import batched_calls, failures
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.coalescer import Coalescer
+from rlfleet.services.collector.episodes import EpisodeRunner, GenerateTurn, group_of_episodes
 from rlfleet.services.collector.failures import Discard, GenerationFailed
 from rlfleet.services.collector.prompt_item import PromptItem, sampling_fields
-from rlfleet.services.collector.replicas import ReplicaPool
+from rlfleet.services.collector.replicas import Replica, ReplicaPool
 from rlfleet.services.collector.source import PromptSource
 from rlfleet.services.collector.trajectories import GroupSamples, group_message
+from rlfleet.services.common.errors import InvalidArgument
+from rlfleet.services.generation.sampling import SamplingSpec
 from rlfleet.v1 import (generation_pb2, reference_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_grpc,
                         sampling_pb2, tensor_pb2, trajectory_pb2_grpc)
 from rlfleet.wire import WireError, encode_tensor
@@ -101,6 +109,8 @@ class PipelineOptions:
     max_generations_in_flight: int
     max_scoring_in_flight: int
     max_groups_per_call: int = 64
+    default_environment: str = ""
+    """Environment of the prompts that name none ("": single-turn)."""
     generation_attempts: int = 5
     prompt_attempts: int = 5
     retry_backoff_seconds: float = 1.0
@@ -116,8 +126,10 @@ class Pipeline:
     def __init__(self, options: PipelineOptions, gate: VersionGate, pool: ReplicaPool, source: PromptSource,
                  reference: reference_pb2_grpc.ReferenceServiceStub, reward: reward_pb2_grpc.RewardServiceStub,
                  trajectory: trajectory_pb2_grpc.TrajectoryServiceStub, settings: ChannelSettings,
-                 on_fatal: Callable[[str, BaseException], None]):
+                 on_fatal: Callable[[str, BaseException], None], episodes: EpisodeRunner | None = None):
         self.options = options
+        self.episodes = episodes
+        """Runs multi-turn prompts; None: the collector has no environment service."""
         self.on_fatal = on_fatal
         """Told of a group task that raised what nobody expected (a bug): the service fails."""
         self.gate = gate
@@ -163,8 +175,9 @@ class Pipeline:
         try:
             while True:
                 await self._groups.acquire()
-                await self.upstream_up.wait()
                 item = await self.source.next()
+                # After the draw: an outage found while waiting for a prompt holds this one too.
+                await self.upstream_up.wait()
                 group_index, start_version = await self.gate.admit()
                 task = asyncio.create_task(self._run_group(item, group_index), name=f"group of {item.prompt_id}")
                 self._tasks.add(task)
@@ -183,7 +196,11 @@ class Pipeline:
         group_id = self._rng.getrandbits(62)
         stage = "generation"
         try:
-            group = GroupSamples.decode(await self._generate(item, group_id))
+            environment = item.environment or self.options.default_environment
+            if environment:
+                group = await self._run_episodes(item, environment, group_id)
+            else:
+                group = GroupSamples.decode(await self._generate(item, group_id))
             stage = "reference"
             ref_log_probs = await self._score_reference(group)
             stage = "reward"
@@ -238,30 +255,76 @@ class Pipeline:
 
     async def _generate(self, item: PromptItem, group_id: int) -> list[generation_pb2.GenerateResponse]:
         request = self._request(item, group_id)
-        tried: set[str] = set()
         async with self.stages["generation"].track(self._generation):
-            for attempt in range(self.options.generation_attempts):
-                replica = await self.pool.acquire(exclude=tried)
-                try:
-                    call = replica.stub.Generate(request, metadata=self.settings.metadata())
-                    samples = [s async for s in call]
-                except grpc.RpcError as exc:
-                    error = from_rpc_error(exc, "Generate")
-                    if isinstance(error, (InvalidArgumentError, NotFoundError)):
-                        raise error from None
-                    if not isinstance(error, ResourceExhaustedError):
-                        tried.add(replica.address)
-                        await self.pool.mark_failed(replica, str(error))
-                    await asyncio.sleep(backoff(attempt, self.settings.backoff_seconds))
-                    continue
-                finally:
-                    self.pool.release(replica)
-                if any(s.finish_reason == sampling_pb2.FINISH_REASON_ABORT for s in samples):
-                    self.discarded_samples += len(samples)
-                    raise Discard("generation aborted by a weight update")
-                return sorted(samples, key=lambda s: s.sample_index)
+            samples = await self._on_a_replica(request)
+        if any(s.finish_reason == sampling_pb2.FINISH_REASON_ABORT for s in samples):
+            self.discarded_samples += len(samples)
+            raise Discard("generation aborted by a weight update")
+        return sorted(samples, key=lambda s: s.sample_index)
+
+    async def _on_a_replica(self, request: generation_pb2.GenerateRequest,
+                            home: list[Replica | None] | None = None) -> list[generation_pb2.GenerateResponse]:
+        """``request``'s samples from a healthy replica (``home[0]`` while it is healthy, which becomes
+        the one that answered), failing over to others: GenerationFailed after the attempts."""
+        tried: set[str] = set()
+        for attempt in range(self.options.generation_attempts):
+            replica = await self.pool.acquire(exclude=tried, prefer=home[0] if home else None)
+            try:
+                call = replica.stub.Generate(request, metadata=self.settings.metadata())
+                samples = [s async for s in call]
+            except grpc.RpcError as exc:
+                error = from_rpc_error(exc, "Generate")
+                if isinstance(error, (InvalidArgumentError, NotFoundError)):
+                    raise error from None
+                if not isinstance(error, ResourceExhaustedError):
+                    tried.add(replica.address)
+                    await self.pool.mark_failed(replica, str(error))
+                await asyncio.sleep(backoff(attempt, self.settings.backoff_seconds))
+                continue
+            finally:
+                self.pool.release(replica)
+            if home is not None:
+                home[0] = replica
+            return samples
         raise GenerationFailed(f"generation failed on {self.options.generation_attempts} attempts "
                                f"(replicas tried: {', '.join(sorted(tried)) or 'none'})")
+
+    async def _run_episodes(self, item: PromptItem, environment: str, group_id: int) -> GroupSamples:
+        """The group as ``group_size`` episodes of ``environment`` (``episodes.py``), every turn generated
+        on the group's replica while it is healthy."""
+        if self.episodes is None:
+            raise InvalidArgument(f"prompt {item.prompt_id!r}: environment {environment!r} needs a collector "
+                                  "with an environment_address")
+        home: list[Replica | None] = [self.pool.least_loaded()]  # every episode's first turn goes there too
+        async with self.stages["generation"].track():
+            episodes = await self.episodes.run_group(
+                item, environment, group_id, self.options.group_size,
+                lambda index: self._turn_generator(item, group_id, index, home))
+        return group_of_episodes(episodes)
+
+    def _turn_generator(self, item: PromptItem, group_id: int, index: int, home: list[Replica | None]
+                        ) -> GenerateTurn:
+        """Generates the turns of episode ``index``: one sample from its token history, at most the
+        tokens its budget leaves. A turn aborted by a weight update is generated again (on the new
+        weights: each turn records its versions)."""
+        fields = sampling_fields(self.options.sampling, item.sampling, 1)
+        if fields.get("seed"):
+            fields["seed"] += index  # one seed per episode, or the group's episodes would be one
+        max_tokens = fields.get("max_tokens") or SamplingSpec.max_tokens
+        requests = itertools.count()
+
+        async def generate(history: torch.Tensor, room: int) -> generation_pb2.GenerateResponse:
+            sampling = sampling_pb2.SamplingParams(**{**fields, "max_tokens": min(max_tokens, room)})
+            for _ in range(self.options.generation_attempts):
+                request = generation_pb2.GenerateRequest(request_id=f"{group_id:x}-{index}-{next(requests)}",
+                                                         sampling=sampling)
+                encode_tensor(history, out=request.prompt.token_ids)
+                async with self._generation:
+                    sample, = await self._on_a_replica(request, home)
+                if sample.finish_reason != sampling_pb2.FINISH_REASON_ABORT:
+                    return sample
+            raise Discard(f"a turn was aborted by weight updates {self.options.generation_attempts} times")
+        return generate
 
     async def _score_reference(self, group: GroupSamples) -> tensor_pb2.RaggedTensor:
         """The reference log-probs of each response, as the reference service sent them."""
@@ -289,6 +352,8 @@ class Pipeline:
             response_token_ids=group.responses_message,
             behavior_log_probs=group.behavior_message,
             ref_log_probs=ref_log_probs,
+            response_mask=group.response_mask_message,
+            environment_rewards=group.environment_rewards,
             prompt_texts=[item.prompt_text()] * n,
             tasks=[reward_pb2.Task(reward_fn=item.reward_fn or self.options.default_reward_fn,
                                    ground_truth=item.ground_truth, args=item.reward_args)],

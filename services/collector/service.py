@@ -18,6 +18,7 @@ from rlfleet.client.errors import RlfleetClientError
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.config import CollectorConfig
 from rlfleet.services.collector.dataset import load_records
+from rlfleet.services.collector.episodes import EpisodeLimits, EpisodeRunner
 from rlfleet.services.collector.fanout import WeightFanout
 from rlfleet.services.collector.ledger import PromptLedger
 from rlfleet.services.collector.prompt_item import PromptItem
@@ -29,8 +30,8 @@ from rlfleet.services.common.errors import InvalidArgument, StartupError, Unavai
 from rlfleet.services.common.files import write_atomically
 from rlfleet.services.common.server import Service
 from rlfleet.wire import shm
-from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, reference_pb2_grpc, reward_pb2, reward_pb2_grpc,
-                        trajectory_pb2, trajectory_pb2_grpc)
+from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, environment_pb2_grpc, reference_pb2_grpc, reward_pb2,
+                        reward_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc)
 
 log = logging.getLogger("rlfleet.collector")
 _KL = {"k1": reward_pb2.KL_ESTIMATOR_K1, "k2": reward_pb2.KL_ESTIMATOR_K2, "k3": reward_pb2.KL_ESTIMATOR_K3}
@@ -67,6 +68,8 @@ class CollectorService(Service[CollectorConfig]):
             raise StartupError(f"dataset_path: {config.dataset_path}: {exc}") from None
         self._addresses = {"reference": config.reference_address, "reward": config.reward_address,
                            "trajectory": config.trajectory_address}
+        if config.environment_address:
+            self._addresses["environment"] = config.environment_address
         """The upstream services (not the replicas) by name."""
         self._channels = {name: aio_channel(address, self.settings) for name, address in self._addresses.items()}
         self.trajectory = trajectory_pb2_grpc.TrajectoryServiceStub(self._channels["trajectory"])
@@ -80,12 +83,15 @@ class CollectorService(Service[CollectorConfig]):
                 max_groups_in_flight=config.max_groups_in_flight,
                 max_generations_in_flight=config.max_generations_in_flight,
                 max_scoring_in_flight=config.max_scoring_in_flight, max_groups_per_call=config.max_groups_per_call,
-                prompt_attempts=config.prompt_attempts,
+                default_environment=config.environment, prompt_attempts=config.prompt_attempts,
                 retry_backoff_seconds=config.retry_backoff_seconds),
             self.gate, self.pool, self.source,
             reference_pb2_grpc.ReferenceServiceStub(self._channels["reference"]),
             reward_pb2_grpc.RewardServiceStub(self._channels["reward"]),
-            self.trajectory, self.settings, on_fatal=self.fail)
+            self.trajectory, self.settings, on_fatal=self.fail,
+            episodes=EpisodeRunner(environment_pb2_grpc.EnvironmentServiceStub(self._channels["environment"]),
+                                   self.settings, EpisodeLimits(config.max_turns, config.max_episode_tokens))
+            if "environment" in self._channels else None)
         self.not_serving_reason = "starting"
         """Why the collector does not serve yet ("" once it does)."""
         self.outages: dict[str, str] = {}
@@ -302,8 +308,20 @@ class CollectorService(Service[CollectorConfig]):
 
     async def submit(self, items: list[PromptItem]) -> list[str]:
         """Queue validated prompts durably, once the reward service said it takes their tasks."""
+        self._check_episodes(items)
         await self._check_tasks(items)
         return await self.source.submit(items)
+
+    def _check_episodes(self, items: list[PromptItem]) -> None:
+        """A prompt run as an episode needs an environment service and a text or chat prompt."""
+        for index, item in enumerate(items):
+            environment = item.environment or self.config.environment
+            if not environment:
+                continue
+            if "environment" not in self._channels:
+                raise InvalidArgument(f"prompts[{index}].environment: {environment[:64]!r} needs a collector "
+                                      "with an environment_address (this one has none)")
+            item.episode_prompt(f"prompts[{index}].prompt")
 
     async def _check_tasks(self, items: list[PromptItem]) -> None:
         """Ask the reward service whether it has each prompt's reward function and takes its arguments:

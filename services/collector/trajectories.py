@@ -24,23 +24,46 @@ FLOAT32 = tensor_pb2.DTYPE_FLOAT32
 
 @dataclass
 class GroupSamples:
-    """A group's samples (sorted by ``sample_index``), their per-token data decoded once."""
+    """A group's samples (by ``sample_index``), their per-token data decoded once. A sample is one
+    response (``decode``) or one multi-turn episode (``services/collector/episodes.py``), whose
+    ``responses`` hold everything after the opening prompt: sampled and observation tokens."""
 
-    samples: Sequence[generation_pb2.GenerateResponse]
     prompts: Ragged
     responses: Ragged
     behavior_log_probs: Ragged
+    """Per response token; 0 over observation tokens (not sampled: ``response_mask`` is false there)."""
+    response_mask: Ragged | None
+    """True over sampled tokens; None: every response token was sampled (single turn)."""
+    version_start: list[int]
+    version_end: list[int]
+    sample_index: list[int]
+    seconds: list[float]
+    terminated: list[bool]
+    truncated: list[bool]
+    sampling: sampling_pb2.SamplingParams
+    """As the replica echoed it (the first turn's for episodes)."""
+    turn_versions: Ragged
+    """Per sample, one (start, end) policy-version pair per assistant turn: int64 ``[turns, 2]``."""
+    environment_rewards: list[float] | None = None
+    """Each episode's reward from its environment (per-turn rewards plus the final one); None: no environment."""
 
     @classmethod
     def decode(cls, samples: Sequence[generation_pb2.GenerateResponse]) -> "GroupSamples":
         prompts = [decode_tensor(s.prompt_token_ids, "prompt_token_ids").to(torch.int64) for s in samples]
         responses = [decode_tensor(s.response_token_ids, "response_token_ids").to(torch.int64) for s in samples]
         behavior = [decode_tensor(s.behavior_log_probs, "behavior_log_probs").to(torch.float32) for s in samples]
-        return cls(samples, Ragged.from_list(prompts, torch.int64), Ragged.from_list(responses, torch.int64),
-                   Ragged.from_list(behavior, torch.float32))
+        starts, ends = [s.policy_version_start for s in samples], [s.policy_version_end for s in samples]
+        reasons = [s.finish_reason for s in samples]
+        return cls(Ragged.from_list(prompts, torch.int64), Ragged.from_list(responses, torch.int64),
+                   Ragged.from_list(behavior, torch.float32), None, starts, ends,
+                   [s.sample_index for s in samples], [s.timing.total_seconds for s in samples],
+                   [r == sampling_pb2.FINISH_REASON_STOP for r in reasons],
+                   [r == sampling_pb2.FINISH_REASON_LENGTH for r in reasons], samples[0].sampling,
+                   Ragged(torch.tensor([starts, ends], dtype=torch.int64).T.contiguous(),
+                          torch.ones(len(samples), dtype=torch.int64)))
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.sample_index)
 
     @cached_property
     def full(self) -> Ragged:
@@ -61,32 +84,39 @@ class GroupSamples:
     def behavior_message(self) -> tensor_pb2.RaggedTensor:
         return encode_ragged(self.behavior_log_probs)
 
+    @cached_property
+    def response_mask_message(self) -> tensor_pb2.RaggedTensor | None:
+        return None if self.response_mask is None else encode_ragged(self.response_mask)
+
     @property
     def start_version(self) -> int:
-        return min(s.policy_version_start for s in self.samples)
+        return min(self.version_start)
 
     @property
     def end_version(self) -> int:
-        return max(s.policy_version_end for s in self.samples)
+        return max(self.version_end)
 
 
 def group_message(*, group: GroupSamples, ref_log_probs: tensor_pb2.RaggedTensor,
                   rewards: reward_pb2.ComputeRewardsResponse, group_id: int, prompt_id: str,
                   query: str = "") -> tensor_pb2.TensorDict:
     """The group's rows as one TensorDict message (batch size = group size)."""
-    n, samples = len(group), group.samples
+    n = len(group)
     msg = tensor_pb2.TensorDict(batch_size=[n])
     entries = msg.entries
     for key, tensor in (("score", rewards.scores), ("clipped_score", rewards.clipped_scores),
                         ("advantage", rewards.advantages), ("kl_mean", rewards.kl_mean)):
         entries[key].tensor.CopyFrom(tensor)
     _column(entries["kl_coef"], [rewards.kl_coef] * n, numpy.float32)
-    _column(entries["policy_version_start"], [s.policy_version_start for s in samples], numpy.int64)
-    _column(entries["policy_version_end"], [s.policy_version_end for s in samples], numpy.int64)
+    _column(entries["policy_version_start"], group.version_start, numpy.int64)
+    _column(entries["policy_version_end"], group.version_end, numpy.int64)
     _column(entries["group_id"], [group_id] * n, numpy.int64)
     _column(entries["group_size"], [n] * n, numpy.int64)
-    _column(entries["sample_index"], [s.sample_index for s in samples], numpy.int64)
-    _column(entries["generation_seconds"], [s.timing.total_seconds for s in samples], numpy.float32)
+    _column(entries["sample_index"], group.sample_index, numpy.int64)
+    _column(entries["generation_seconds"], group.seconds, numpy.float32)
+    turns = _nested(entries["turns"], n)
+    _ragged_column(turns.entries["policy_versions"], group.turn_versions.values.numpy(), group.turn_versions.lengths)
+    _column(entries["environment_reward"], group.environment_rewards or [0.0] * n, numpy.float32)
     tokens = _nested(entries["tokens"], n)
     encode_ragged(group.prompts, out=tokens.entries["prompt"].ragged)
     tokens.entries["response"].ragged.CopyFrom(group.responses_message)
@@ -96,27 +126,28 @@ def group_message(*, group: GroupSamples, ref_log_probs: tensor_pb2.RaggedTensor
     total = sum(prompt_lengths) + sum(response_lengths)
     _ragged_column(masks.entries["all_attention_mask"], numpy.ones(total, dtype=numpy.bool_), group.full.lengths)
     assistant = numpy.zeros(total, dtype=numpy.bool_)
-    start = 0
+    sampled = None if group.response_mask is None else group.response_mask.values.numpy()
+    start, at = 0, 0
     for prompt_length, response_length in zip(prompt_lengths, response_lengths):
-        assistant[start + prompt_length:start + prompt_length + response_length] = True
-        start += prompt_length + response_length
+        begin = start + prompt_length
+        assistant[begin:begin + response_length] = True if sampled is None else sampled[at:at + response_length]
+        start, at = begin + response_length, at + response_length
     _ragged_column(masks.entries["all_assistant_mask"], assistant, group.full.lengths)
     _nested(entries["log_probs"], n).entries["response"].ragged.CopyFrom(group.behavior_message)
     _nested(entries["ref_log_probs"], n).entries["response"].ragged.CopyFrom(_float32(ref_log_probs))
     entries["kl"].ragged.CopyFrom(rewards.kl)
     after = _nested(entries["next"], n)
     after.entries["reward"].ragged.CopyFrom(rewards.rewards)
-    finish = [s.finish_reason for s in samples]
     _column(after.entries["done"], [[True]] * n, numpy.bool_)
-    _column(after.entries["terminated"], [[f == sampling_pb2.FINISH_REASON_STOP] for f in finish], numpy.bool_)
-    _column(after.entries["truncated"], [[f == sampling_pb2.FINISH_REASON_LENGTH] for f in finish], numpy.bool_)
-    params = samples[0].sampling
+    _column(after.entries["terminated"], [[t] for t in group.terminated], numpy.bool_)
+    _column(after.entries["truncated"], [[t] for t in group.truncated], numpy.bool_)
+    params = group.sampling
     sampling = _nested(entries["sampling"], n)
     _column(sampling.entries["temperature"], [params.temperature] * n, numpy.float32)
     _column(sampling.entries["top_p"], [params.top_p] * n, numpy.float32)
     _column(sampling.entries["top_k"], [params.top_k] * n, numpy.int64)
     _column(sampling.entries["max_tokens"], [params.max_tokens] * n, numpy.int64)
-    entries["trajectory_id"].strings.values[:] = [f"{group_id:x}-{s.sample_index}" for s in samples]
+    entries["trajectory_id"].strings.values[:] = [f"{group_id:x}-{i}" for i in group.sample_index]
     entries["prompt_id"].strings.values[:] = [prompt_id] * n
     entries["query"].strings.values[:] = [query] * n
     return msg

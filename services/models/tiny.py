@@ -16,9 +16,41 @@ import json
 import random
 from pathlib import Path
 
+# ChatML, with Qwen2.5's way of offering tools. Hugging Face compiles templates with trim_blocks, so a
+# newline must never follow a block tag ("%}") directly: it would vanish from the output.
 CHAT_TEMPLATE = (
+    # Tools: a system block listing them, one JSON object a line, that takes in the conversation's
+    # leading system message.
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"  # already in the tools block
+    # Only with tools: without them every conversation renders as plain ChatML did before tools.
+    "{% elif tools and message['role'] == 'assistant' and message['tool_calls'] and not message['content'] %}"
+    "<|im_start|>assistant\n"
+    "{% for call in message['tool_calls'] %}"
+    "{% set function = call['function'] if call['function'] is defined else call %}"
+    "{% if not loop.first %}{{ '\\n' }}{% endif %}"
+    '<tool_call>\n{"name": {{ function[\'name\'] | tojson }}, "arguments": '
+    # OpenAI's form carries the arguments as a JSON string; a mapping is encoded here.
+    "{% if function['arguments'] is string %}{{ function['arguments'] }}"
+    "{% else %}{{ function['arguments'] | default({}, true) | tojson }}{% endif %}"
+    "}\n</tool_call>"
+    "{% endfor %}"
+    "<|im_end|>\n"
+    "{% else %}"
+    # Content exactly as given, the assistant's included: re-rendering a past turn must give back
+    # what the model sampled (services/environment/rendering.py relies on it).
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -29,7 +61,7 @@ _WORDS = (
     "compute result value cat dog red blue green fast slow up down left right"
 ).split()
 # Bump when the builder's output changes, so cached model directories rebuild.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 
 
 def _corpus(seed: int, lines: int = 4000) -> list[str]:

@@ -1,7 +1,8 @@
 """One ComputeRewards batch, top to bottom, as plain functions on tensors.
 
     validate -> per-token KL (k1/k2/k3, 0 outside the mask) -> kl_mean / kl_sum
-    -> task scores (an injected callable, run only once the inputs are valid)
+    -> task scores: the reward function's (an injected callable, run only once the
+       inputs are valid) plus the sample's environment reward
     -> clip -> shaped per-token rewards (clipped score at the last counted token
        minus kl_coef * KL at every counted token)
     -> group advantages of the clipped scores (GRPO / GRPO without std / RLOO)
@@ -47,6 +48,10 @@ class RewardInputs:
     """Bool per token: which tokens count. ``None``: all of them."""
     group_ids: Sequence[int] | None = None
     """Group of each sample (samples of one prompt share it). ``None`` or empty: one group per sample."""
+    environment_rewards: Tensor | None = None
+    """``[B]`` float64: each sample's reward from its environment (a multi-turn episode's per-turn rewards
+    plus its final one), added to the reward function's score. ``None``: 0 for each. The service checks it
+    (one per sample, finite: :func:`validation.check_environment_rewards`) before anything is decoded."""
 
     @property
     def batch_size(self) -> int:
@@ -62,7 +67,7 @@ class RewardOutputs:
     rewards: list[Tensor]
     """Shaped per-token reward."""
     scores: Tensor
-    """``[B]`` raw task scores."""
+    """``[B]`` raw task scores: reward function score + environment reward."""
     clipped_scores: Tensor
     """``[B]`` scores clipped to ``+-score_clip``."""
     advantages: Tensor
@@ -143,8 +148,9 @@ def compute_rewards(
     score_clip: float | None = None,
     grpo_eps: float = 1e-6,
 ) -> RewardOutputs:
-    """Run the whole chain. ``score_batch()`` returns the raw ``[B]`` task scores; it is
-    called only after every input check passed (reward models are expensive)."""
+    """Run the whole chain. ``score_batch()`` returns the reward function's ``[B]`` scores; it is
+    called only after every input check passed (reward models are expensive). The task score is
+    that plus ``inputs.environment_rewards``, before clipping: everything after follows from the sum."""
     checked = validate_inputs(inputs, advantage_mode)
     batch_size = inputs.batch_size
     # The whole batch as one row of N tokens: the estimators are per token.
@@ -156,6 +162,11 @@ def compute_rewards(
     if scores.shape != (batch_size,):
         raise InvalidArgument(f"scores have shape {tuple(scores.shape)}, expected [{batch_size}]")
     validation.check_finite("score", scores)
+    if inputs.environment_rewards is not None:
+        # Summed in float64 and rounded once, to float32 (or the scores' wider float dtype).
+        dtype = torch.promote_types(scores.dtype, torch.float32)
+        scores = (scores.double() + inputs.environment_rewards.double()).to(dtype)
+        validation.check_finite("score (reward function score + environment reward)", scores)
     clipped = clip_scores(scores, score_clip)
     shaped = shaping.shape_rewards_flat(scores, per_token, checked.mask, checked.sample_ids,
                                         kl_coef=kl_coef, score_clip=score_clip)

@@ -4,7 +4,8 @@ A request's ``Task.reward_fn`` may name:
 
 * nothing: the service's ``default_reward_fn``;
 * a built-in (``numeric_match``, ``exact_match``, ``regex_match``, ``format_check``,
-  ``length_penalty``, or the names the proto documents for them, see ``ALIASES``),
+  ``length_penalty``, ``char_fraction``, ``none``: 0 for every sample, or the names the
+  proto documents for them, see ``ALIASES``),
   with ``Task.args`` as its parameters (strings, converted to the parameter's type
   and checked against its bounds by :func:`scores.build_scorer`);
 * a key of the config's ``reward_functions``.

@@ -4,7 +4,9 @@ A *scorer* maps a batch of :class:`ScoreInput` to one float per sample. Scorers
 are built by name with :func:`build_scorer`:
 
 * built-ins for verifiable tasks: ``numeric_match``, ``exact_match``,
-  ``regex_match``, ``format_check``, ``length_penalty``;
+  ``regex_match``, ``format_check``, ``length_penalty``, ``char_fraction``;
+* ``none``: 0 for every sample, for tasks rewarded by their environment alone
+  (the reward service adds each sample's environment reward to its score);
 * ``reward_model``: an HF ``AutoModelForSequenceClassification``, batched and
   loaded on first use (see :mod:`rlfleet.services.reward.reward_model`);
 * a user function given as ``"package.module:function"``, called once per
@@ -321,6 +323,12 @@ def _length_penalty(max_length: NonNegativeInt, coef: NonNegativeFloat = 0.01) -
         return -coef * max(0, sample.response_length - max_length)
 
     return _each_sample("length_penalty", score_one)
+
+
+@register("none")
+def _none() -> Scorer:
+    """0 for every sample: the task score is then the sample's environment reward alone."""
+    return lambda samples: [0.0] * len(samples)
 
 
 @register("reward_model")

@@ -43,7 +43,8 @@ _RAGGED_FIELDS = ("behavior_log_probs", "ref_log_probs", "response_token_ids", "
 
 
 def check_size(request: reward_pb2.ComputeRewardsRequest, config: RewardServiceConfig) -> None:
-    """The service's size bounds, on counts and lengths only: nothing is decoded or allocated yet."""
+    """The service's size bounds, on counts and lengths only (and the plain environment rewards):
+    nothing is decoded or allocated yet."""
     for field in _RAGGED_FIELDS:
         if request.HasField(field):
             ragged = getattr(request, field)
@@ -55,6 +56,8 @@ def check_size(request: reward_pb2.ComputeRewardsRequest, config: RewardServiceC
     validation.check_count("tasks", len(request.tasks), config)
     for index, task in enumerate(request.tasks):
         validation.check_task(index, task.ground_truth, task.args, config)
+    if request.HasField("behavior_log_probs"):  # absent: refused, naming it, when decoded
+        validation.check_environment_rewards(request.environment_rewards, len(request.behavior_log_probs.lengths))
 
 
 def _ragged(request, field: str, required: bool) -> list[torch.Tensor] | None:
@@ -71,6 +74,8 @@ def request_from_proto(request: reward_pb2.ComputeRewardsRequest, config: Reward
         response_token_ids=_ragged(request, "response_token_ids", required=False),
         response_masks=_ragged(request, "response_mask", required=False),
         group_ids=list(request.group_ids),
+        environment_rewards=torch.tensor(request.environment_rewards, dtype=torch.float64)
+        if request.environment_rewards else None,
     )
     # proto3 cannot tell an empty ground truth from none: empty means none.
     tasks = [TaskSpec(task.reward_fn, task.ground_truth or None, dict(task.args)) for task in request.tasks]

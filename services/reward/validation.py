@@ -10,12 +10,15 @@ Size bounds come first (:func:`check_ragged_size`, :func:`check_texts`,
 too large for this service is refused before anything is decoded or allocated.
 Over a bound is ``ResourceExhausted`` (the request is well-formed, just larger than
 the configured limit) naming the field, the sample and the config field.
+:func:`check_environment_rewards` runs with them (plain numbers of the message): a count or
+value no batch could take is ``InvalidArgument``.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -26,6 +29,8 @@ from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
 
 if TYPE_CHECKING:
     from rlfleet.services.reward.config import RewardServiceConfig
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 MAX_ECHO_CHARS = 200
 """Caller-supplied text quoted in an error message is cut to this: a status message travels in
@@ -108,6 +113,21 @@ def check_task(index: int, ground_truth: str, args: Mapping[str, str], config: R
         if longest > config.max_arg_chars:
             raise ResourceExhausted(f"tasks[{index}].args[{shorten(key, 40)}] has {longest} characters, over "
                                     f"max_arg_chars={config.max_arg_chars}")
+
+
+def check_environment_rewards(values: Sequence[float], batch_size: int) -> None:
+    """``environment_rewards``: one per sample or none (0 for each); each finite and within float32's
+    range, since the score it is added to is float32 (a larger value would become inf there).
+
+    Reads the plain numbers of the message: checked with the size bounds, before anything is decoded.
+    """
+    if values and len(values) != batch_size:
+        raise InvalidArgument(f"environment_rewards has {len(values)} entries for {batch_size} samples: "
+                              "send one per sample or none")
+    for index, value in enumerate(values):
+        if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+            raise InvalidArgument(f"sample {index}: environment_rewards is {value}, expected a finite number "
+                                  f"within float32's range (|x| <= {FLOAT32_MAX:.4g})")
 
 
 # ------------------------------------------------------------- tensors

@@ -213,6 +213,30 @@ def test_one_task_for_all_configured_user_function_and_mask(stub, batch):
         close(got, want)
 
 
+def test_environment_rewards_add_to_the_function_score_and_everything_follows_from_the_sum(stub, batch):
+    environment = [0.5, 2.0, -0.25, 12.0]
+    reply = stub.ComputeRewards(make_request(batch, environment_rewards=environment,
+                                             advantage_mode=reward_pb2.ADVANTAGE_MODE_GRPO_NO_STD), timeout=60)
+    # numeric_match scores [1, 0, 1, 1]; the service clips at 10.
+    assert decode_tensor(reply.scores).tolist() == [1.5, 2.0, 0.75, 13.0]
+    clipped = decode_tensor(reply.clipped_scores)
+    assert clipped.tolist() == [1.5, 2.0, 0.75, 10.0]
+    # Group 11 = {1.5, 2}: mean 1.75. Group 42 = {0.75, 10}: mean 5.375.
+    close(decode_tensor(reply.advantages), [-0.25, 0.25, -4.625, 4.625])
+    for sample, (got, offsets) in enumerate(zip(decode_ragged(reply.rewards).to_list(), batch.offsets)):
+        want = -INIT_KL_COEF * offsets
+        want[-1] += float(clipped[sample])
+        close(got, want)
+    # GRPO: group 11's order flips against the function's scores alone ({1, 0}).
+    grpo = stub.ComputeRewards(make_request(batch, environment_rewards=environment), timeout=60)
+    close(decode_tensor(grpo.advantages), [-1 / math.sqrt(2), 1 / math.sqrt(2), -1 / math.sqrt(2), 1 / math.sqrt(2)],
+          atol=1e-5)
+    # "none": the environment alone.
+    alone = stub.ComputeRewards(make_request(batch, environment_rewards=environment,
+                                             tasks=[reward_pb2.Task(reward_fn="none")]), timeout=60)
+    assert decode_tensor(alone.scores).tolist() == environment
+
+
 def bad_requests(batch: Batch) -> dict:
     short_ref = Batch(batch.token_ids, [*batch.ref_log_probs[:1], batch.ref_log_probs[1][:-1],
                                         *batch.ref_log_probs[2:]], batch.offsets)
@@ -268,6 +292,13 @@ def bad_requests(batch: Batch) -> dict:
         "lookbehind ground truth": (make_request(batch, tasks=[reward_pb2.Task(reward_fn="regex_match",
                                                                                ground_truth="(?<=is )5")] * 4),
                                     "INVALID_ARGUMENT", "sample 0: reward function 'regex_match': ground_truth="),
+        "environment rewards not one per sample": (make_request(batch, environment_rewards=[1.0] * 3),
+                                                   "INVALID_ARGUMENT",
+                                                   "environment_rewards has 3 entries for 4 samples"),
+        "NaN environment reward": (make_request(batch, environment_rewards=[0.0, 0.0, float("nan"), 0.0]),
+                                   "INVALID_ARGUMENT", "sample 2: environment_rewards is nan"),
+        "infinite environment reward": (make_request(batch, environment_rewards=[float("inf"), 0.0, 0.0, 0.0]),
+                                        "INVALID_ARGUMENT", "sample 0: environment_rewards is inf"),
         "oversize ground truth": (make_request(batch, tasks=[reward_pb2.Task(reward_fn="numeric_match",
                                                                              ground_truth="5" * 70_000)]),
                                   "RESOURCE_EXHAUSTED", "tasks[0].ground_truth has 70000 characters, over "
@@ -281,6 +312,7 @@ def bad_requests(batch: Batch) -> dict:
     "reward model from a request", "missing ground truth", "three tasks for four samples",
     "token id outside the tokenizer", "missing ref_log_probs", "unknown estimator", "float mask",
     "negative tolerance", "configured function raises", "backreference pattern", "lookbehind ground truth",
+    "environment rewards not one per sample", "NaN environment reward", "infinite environment reward",
     "oversize ground truth",
 ])
 def test_bad_input_gets_a_proper_code_naming_the_sample(stub, batch, case):

@@ -398,7 +398,8 @@ def test_submit_prompts_in_every_form(client, state):
         [1, 2, 3],
         torch.tensor([4, 5], dtype=torch.int32),
         {"prompt": "What is 6*7?", "prompt_id": "q42", "ground_truth": "42", "reward_fn": "math",
-         "reward_args": {"tolerance": 0.5}, "sampling": {"n": 4, "temperature": 0.7, "max_tokens": 32}},
+         "reward_args": {"tolerance": 0.5}, "sampling": {"n": 4, "temperature": 0.7, "max_tokens": 32},
+         "environment": "tool_calling"},
     ])
     # Ids are the SDK's (so a retried call is harmless), or the caller's.
     assert ids == [p.prompt_id for p in state.prompts] and ids[4] == "q42"
@@ -409,6 +410,7 @@ def test_submit_prompts_in_every_form(client, state):
     assert ids_list.prompt.token_ids.dtype == tensor_pb2.DTYPE_INT64 and list(ids_list.prompt.token_ids.shape) == [3]
     assert ids_tensor.prompt.token_ids.dtype == tensor_pb2.DTYPE_INT32
     assert spec.ground_truth == "42" and spec.reward_fn == "math" and dict(spec.reward_args) == {"tolerance": "0.5"}
+    assert spec.environment == "tool_calling" and text.environment == ""
     assert spec.sampling.n == 4 and spec.sampling.max_tokens == 32 and spec.sampling.temperature == pytest.approx(0.7)
     assert client.submit_prompts("one prompt") == [state.prompts[-1].prompt_id]
 

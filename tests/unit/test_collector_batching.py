@@ -157,7 +157,8 @@ def test_tensordicts_concatenate_and_split_back_row_for_row():
 
 
 # --- reward requests merged and answers split, against the reward service's engine ------------------------
-def _reward_request(group_id: int, lengths: list[int], answer: str) -> reward_pb2.ComputeRewardsRequest:
+def _reward_request(group_id: int, lengths: list[int], answer: str,
+                    environment_rewards: list[float] = ()) -> reward_pb2.ComputeRewardsRequest:
     generator = torch.Generator().manual_seed(group_id)
     behaviour = [-torch.rand(n, generator=generator) for n in lengths]
     reference = [-torch.rand(n, generator=generator) for n in lengths]
@@ -167,11 +168,18 @@ def _reward_request(group_id: int, lengths: list[int], answer: str) -> reward_pb
         ref_log_probs=encode_ragged(Ragged.from_list(reference, torch.float32)),
         prompt_texts=["what?"] * len(lengths), response_texts=[answer if i % 2 else "no" for i in range(len(lengths))],
         tasks=[reward_pb2.Task(reward_fn="exact_match", ground_truth=answer)], group_ids=[group_id] * len(lengths),
-        kl_estimator=reward_pb2.KL_ESTIMATOR_K3, advantage_mode=reward_pb2.ADVANTAGE_MODE_GRPO)
+        kl_estimator=reward_pb2.KL_ESTIMATOR_K3, advantage_mode=reward_pb2.ADVANTAGE_MODE_GRPO,
+        environment_rewards=environment_rewards)
     return request
 
 
-def test_groups_scored_in_one_merged_call_get_what_each_would_get_alone():
+@pytest.mark.parametrize("environment_rewards", [
+    ([], []),
+    ([0.5, -1.0, 2.25, 0.0], []),  # the second group has none: 0 for each of its samples
+    ([], [3.0, -0.5, 1.5]),
+    ([0.5, -1.0, 2.25, 0.0], [3.0, -0.5, 1.5]),
+], ids=["none", "first only", "second only", "both"])
+def test_groups_scored_in_one_merged_call_get_what_each_would_get_alone(environment_rewards):
     from rlfleet.services.reward.config import RewardServiceConfig
     from rlfleet.services.reward.engine import RewardEngine
     from rlfleet.services.reward.servicer import request_from_proto, response_to_proto
@@ -183,8 +191,15 @@ def test_groups_scored_in_one_merged_call_get_what_each_would_get_alone():
     def score(request):
         return response_to_proto(engine.compute(request_from_proto(request, config)))
 
-    requests = [_reward_request(7, [3, 5, 2, 4], "42"), _reward_request(9, [6, 1, 2], "7")]
-    answers = split_reward_response(score(merge_reward_requests(requests)), [4, 3])
+    requests = [_reward_request(7, [3, 5, 2, 4], "42", environment_rewards[0]),
+                _reward_request(9, [6, 1, 2], "7", environment_rewards[1])]
+    merged = merge_reward_requests(requests)
+    if any(environment_rewards):
+        assert list(merged.environment_rewards) == (environment_rewards[0] or [0.0] * 4) + (
+            environment_rewards[1] or [0.0] * 3)
+    else:
+        assert not merged.environment_rewards
+    answers = split_reward_response(score(merged), [4, 3])
     for answer, request in zip(answers, requests):
         alone = score(request)
         assert answer.kl_coef == alone.kl_coef
@@ -194,7 +209,16 @@ def test_groups_scored_in_one_merged_call_get_what_each_would_get_alone():
             assert list(getattr(answer, field).lengths) == list(getattr(alone, field).lengths)
             torch.testing.assert_close(decode_ragged(getattr(answer, field)).values,
                                        decode_ragged(getattr(alone, field)).values)
-    assert decode_tensor(answers[0].scores).tolist() == [0.0, 1.0, 0.0, 1.0]
+    # exact_match's scores plus each sample's environment reward.
+    assert decode_tensor(answers[0].scores).tolist() == [
+        score + reward for score, reward in zip([0.0, 1.0, 0.0, 1.0], environment_rewards[0] or [0.0] * 4)]
+
+
+def test_a_group_with_environment_rewards_not_one_per_sample_is_not_merged():
+    # Merged, its values would land on the other group's samples; alone, the reward service refuses it.
+    requests = [_reward_request(7, [3, 5, 2, 4], "42", [1.0] * 5), _reward_request(9, [6, 1, 2], "7", [1.0] * 2)]
+    with pytest.raises(WireError, match="environment_rewards: 5 entries for a group of 4 samples"):
+        merge_reward_requests(requests)
 
 
 def test_an_answer_without_one_row_per_sample_is_a_wire_error():

@@ -47,6 +47,8 @@ def test_dead_letter_codes_and_which_failures_pause_admission():
     down = UnavailableError("reward down")
     assert failures.pauses_admission(down, "reward") and failures.pauses_admission(down, "trajectory")
     assert not failures.pauses_admission(down, "generation")  # replicas have their own pool
+    # An episode's environment service is an upstream service, called in the generation stage.
+    assert failures.pauses_admission(UnavailableError("gone", method="Step"), "generation")
     assert not failures.pauses_admission(InvalidArgumentError("x"), "reward")
 
 
@@ -344,3 +346,51 @@ def test_a_stage_counts_groups_waiting_for_its_limit_as_queued_and_forgets_old_c
     counts, after, rate = asyncio.run(scenario())
     assert counts == (2, 1) and after == (0, 0, 3)
     assert rate == pytest.approx(3 / StageStats.HORIZON_SECONDS)
+
+
+def test_a_prompt_drawn_while_an_outage_is_found_waits_for_the_upstream_services():
+    from rlfleet.client.channel import ChannelSettings
+    from rlfleet.services.collector.prompt_item import PromptItem
+    from rlfleet.services.collector.rollout import Pipeline, PipelineOptions
+
+    async def settle():
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+    async def scenario():
+        release = asyncio.Event()
+
+        class Source:
+            async def next(self):
+                await release.wait()
+                return PromptItem(prompt_id="p")
+
+        class Gate:
+            async def admit(self):
+                return 0, 0
+
+        options = PipelineOptions(group_size=1, sampling={}, default_reward_fn="", kl_estimator=1, advantage_mode=1,
+                                  update_kl_controller=False, max_groups_in_flight=4, max_generations_in_flight=1,
+                                  max_scoring_in_flight=1)
+        pipeline = Pipeline(options, Gate(), None, Source(), None, None, None, ChannelSettings(),
+                            on_fatal=lambda what, exc: None)
+        started = []
+
+        async def run_group(item, group_index):
+            started.append(item.prompt_id)
+            await asyncio.Event().wait()
+
+        pipeline._run_group = run_group
+        task = asyncio.create_task(pipeline.run())
+        await settle()  # the loop waits for a prompt
+        pipeline.upstream_up.clear()  # an upstream service found down meanwhile (a failed group's retry comes)
+        release.set()
+        await settle()
+        assert started == []  # drawn, held until the outage ends: it costs no attempt
+        pipeline.upstream_up.set()
+        await settle()
+        assert started[:1] == ["p"]
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(scenario())

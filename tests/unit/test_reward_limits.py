@@ -367,6 +367,36 @@ def test_oversize_requests_are_refused_before_anything_is_decoded(monkeypatch):
             servicer.request_from_proto(request, SMALL)
 
 
+@pytest.mark.parametrize("values, message", [
+    ([1.0, 2.0], "environment_rewards has 2 entries for 3 samples: send one per sample or none"),
+    ([1.0] * 4, "environment_rewards has 4 entries for 3 samples"),
+    ([0.0, float("nan"), 1.0], "sample 1: environment_rewards is nan, expected a finite number"),
+    ([0.0, 1.0, float("-inf")], "sample 2: environment_rewards is -inf"),
+    ([1e39, 0.0, 0.0], "sample 0: environment_rewards is 1e+39, expected a finite number within float32's range"),
+])
+def test_environment_rewards_are_one_finite_number_per_sample_checked_before_decoding(monkeypatch, values, message):
+    def no_decoding(*args):
+        raise AssertionError("decoded before environment_rewards was checked")
+
+    with pytest.raises(InvalidArgument) as err:
+        validation.check_environment_rewards(values, 3)
+    assert message in str(err.value)
+    monkeypatch.setattr(servicer, "decode_ragged", no_decoding)
+    with pytest.raises(InvalidArgument) as err:
+        servicer.request_from_proto(proto_request([1, 2, 1], environment_rewards=values), SMALL)
+    assert message in str(err.value)
+
+
+def test_environment_rewards_empty_or_one_per_sample_reach_the_domain():
+    validation.check_environment_rewards([], 3)
+    validation.check_environment_rewards([-3.4e38, 0.0, 3.4e38], 3)
+    none = servicer.request_from_proto(proto_request([1, 2]), SMALL)
+    assert none.inputs.environment_rewards is None
+    some = servicer.request_from_proto(proto_request([1, 2], environment_rewards=[0.5, 0.1]), SMALL)
+    assert some.inputs.environment_rewards.dtype == torch.float64
+    assert some.inputs.environment_rewards.tolist() == [0.5, 0.1]  # not rounded to float32 before the sum
+
+
 def test_decoded_response_texts_are_bounded_too(tmp_path):
     engine = RewardEngine(RewardServiceConfig(max_text_chars=3))
     engine.load()

@@ -63,6 +63,36 @@ def test_k1_equals_the_offsets_and_everything_follows_by_hand():
     assert out.kl_coef == 0.1
 
 
+def test_environment_rewards_add_to_the_function_score_before_clipping():
+    environment = torch.tensor([0.5, -1.0, 0.25], dtype=torch.float64)
+    out = compute_rewards(hand_inputs(environment_rewards=environment), fixed(1.0, 0.0, 3.0), kl_coef=0.1,
+                          score_clip=2.0)
+    close(out.scores, [1.5, -1.0, 3.25])
+    close(out.clipped_scores, [1.5, -1.0, 2.0])
+    close(out.rewards[0], [-0.01, -0.02, 1.5 - 0.03])  # the clipped sum at the last token
+    close(out.rewards[1], [0.0, -1.0 + 0.05])
+    close(out.rewards[2], [-0.025, 0.0, 0.0, 2.0 - 0.025])
+    # Group 7 = {1.5, -1}: mean 0.25, unbiased std sqrt(3.125). Group 9 has one sample: 0.
+    close(out.advantages, [1.25 / math.sqrt(3.125), -1.25 / math.sqrt(3.125), 0.0], atol=1e-5)
+    # The same as a reward function that scored the sums itself, field for field.
+    summed = compute_rewards(hand_inputs(), fixed(1.5, -1.0, 3.25), kl_coef=0.1, score_clip=2.0)
+    for name in ("scores", "clipped_scores", "advantages", "kl_sum"):
+        torch.testing.assert_close(getattr(out, name), getattr(summed, name))
+    for got, want in zip(out.rewards, summed.rewards):
+        torch.testing.assert_close(got, want)
+
+
+def test_environment_rewards_are_summed_in_float64_and_a_sum_past_float32_is_refused():
+    out = compute_rewards(hand_inputs(environment_rewards=torch.tensor([0.1, 2.0**-30, 0.0], dtype=torch.float64)),
+                          fixed(0.2, 1.0, 0.0), kl_coef=0.0)
+    assert out.scores.dtype == torch.float32
+    assert out.scores.tolist() == torch.tensor([float(torch.tensor(0.2)) + 0.1, 1.0 + 2.0**-30, 0.0]).tolist()
+    big = torch.tensor([0.0, 3e38, 0.0], dtype=torch.float64)
+    with pytest.raises(InvalidArgument, match=r"sample 1: score \(reward function score \+ environment reward\) "
+                                              r"is inf"):
+        compute_rewards(hand_inputs(environment_rewards=big), fixed(0.0, 3e38, 0.0), kl_coef=0.1)
+
+
 def test_k2_k3_and_no_std_and_rloo():
     log2 = math.log(2.0)
     inputs = RewardInputs(

@@ -225,3 +225,10 @@ def test_char_fraction_counts_matching_characters():
     scorer = build_scorer("char_fraction", {"pattern": "[0-9]"})
     samples = [ScoreInput(prompt="", response=r) for r in ("12ab", "7 7", "", "abc")]
     assert scorer(samples) == [0.5, 1.0, 0.0, 0.0]
+
+
+def test_none_scores_every_sample_zero_and_takes_no_arguments():
+    assert build_scorer("none")(inputs("42", "", "anything")) == [0.0, 0.0, 0.0]
+    assert "none" in scores.available()
+    with pytest.raises(InvalidArgument, match="reward function 'none': bad parameters"):
+        build_scorer("none", {"pattern": "x"})

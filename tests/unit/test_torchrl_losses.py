@@ -94,3 +94,24 @@ def test_at_temperature_t_the_wrapper_must_score_logits_over_t(model, wrapper, t
         handle.remove()
     assert abs(float(scaled.kl_approx)) < 1e-5 and abs(float(scaled.ESS) - 1) < 1e-5
     assert abs(float(unscaled.kl_approx)) > 1e-3
+
+
+def test_grpo_loss_trains_on_multi_turn_episodes_over_the_assistant_tokens_only(model, wrapper):
+    from tests.torchrl_batches import episode_batch
+
+    def behaviour(history, sampled):
+        return model_log_probs(model)(history, sampled)
+
+    ragged = episode_batch(group_size=3, turns=3, vocab=500, behaviour=behaviour)
+    data = to_torchrl(ragged)
+    # The masking ChatEnv's history mode gives: assistant tokens only (rlhf), over the full sequence.
+    loss_fn = GRPOLoss(wrapper, masking_strategy="rlhf", kl_to_ref_coeff=0.1)
+    out = loss_fn(data)
+    # Behaviour = the model's own log-probs at every sampled token: ratio 1 only if GRPOLoss read each
+    # assistant token at its position and skipped the observation tokens.
+    assert abs(float(out.kl_approx)) < 1e-5 and abs(float(out.ESS) - 1) < 1e-5
+    sampled = torch.tensor([int(m.sum()) for m in ragged["masks", "all_assistant_mask"].unbind(0)])
+    expected = -(ragged["advantage"] * sampled).sum() / sampled.sum()
+    assert torch.allclose(out.loss_objective, expected, atol=1e-5)
+    total = sum(value for key, value in out.items() if key.startswith("loss_"))
+    assert torch.isfinite(total)

@@ -2,8 +2,8 @@
 
 A prompt is raw text (``str``), a chat conversation (a list of
 ``{"role", "content"}`` dicts), or token ids (a list of ints or a 1-D integer
-tensor). A dict with a ``"prompt"`` key adds task metadata and sampling
-overrides. A prompt without an id gets a random one here, so a retried
+tensor). A dict with a ``"prompt"`` key adds task metadata, sampling
+overrides and the ``"environment"`` that runs it as a multi-turn episode. A prompt without an id gets a random one here, so a retried
 SubmitPrompts is harmless (the collector does not queue an id twice).
 Mistakes raise ``TypeError`` / ``ValueError`` naming the prompt, before
 anything is sent.
@@ -24,7 +24,7 @@ ChatMessage = Mapping[str, str]
 PromptLike = Union[str, Sequence[ChatMessage], Sequence[int], torch.Tensor]
 PromptInput = Union[PromptLike, Mapping[str, Any], collector_pb2.PromptSpec]
 
-SPEC_KEYS = ("prompt", "prompt_id", "ground_truth", "reward_fn", "reward_args", "sampling")
+SPEC_KEYS = ("prompt", "prompt_id", "ground_truth", "reward_fn", "reward_args", "sampling", "environment")
 
 
 def to_prompt_specs(prompts: PromptInput | Iterable[PromptInput]) -> list[collector_pb2.PromptSpec]:
@@ -63,6 +63,7 @@ def _spec(item: Any, where: str) -> collector_pb2.PromptSpec:
         prompt_id=str(item.get("prompt_id") or uuid.uuid4().hex),
         ground_truth=str(item.get("ground_truth") or ""),
         reward_fn=str(item.get("reward_fn") or ""),
+        environment=str(item.get("environment") or ""),
     )
     for key, value in dict(item.get("reward_args") or {}).items():
         spec.reward_args[str(key)] = value if isinstance(value, str) else str(value)

@@ -89,7 +89,7 @@ class GetPolicyVersionResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class PromptSpec(_message.Message):
-    __slots__ = ("prompt_id", "prompt", "reward_fn", "ground_truth", "reward_args", "sampling")
+    __slots__ = ("prompt_id", "prompt", "reward_fn", "ground_truth", "reward_args", "sampling", "environment")
     class RewardArgsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -103,13 +103,15 @@ class PromptSpec(_message.Message):
     GROUND_TRUTH_FIELD_NUMBER: _ClassVar[int]
     REWARD_ARGS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     prompt: _sampling_pb2.Prompt
     reward_fn: str
     ground_truth: str
     reward_args: _containers.ScalarMap[str, str]
     sampling: _sampling_pb2.SamplingParams
-    def __init__(self, prompt_id: _Optional[str] = ..., prompt: _Optional[_Union[_sampling_pb2.Prompt, _Mapping]] = ..., reward_fn: _Optional[str] = ..., ground_truth: _Optional[str] = ..., reward_args: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    environment: str
+    def __init__(self, prompt_id: _Optional[str] = ..., prompt: _Optional[_Union[_sampling_pb2.Prompt, _Mapping]] = ..., reward_fn: _Optional[str] = ..., ground_truth: _Optional[str] = ..., reward_args: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., environment: _Optional[str] = ...) -> None: ...
 
 class SubmitPromptsRequest(_message.Message):
     __slots__ = ("prompts",)

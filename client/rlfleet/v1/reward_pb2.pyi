@@ -58,7 +58,7 @@ class Task(_message.Message):
     def __init__(self, reward_fn: _Optional[str] = ..., ground_truth: _Optional[str] = ..., args: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ComputeRewardsRequest(_message.Message):
-    __slots__ = ("response_token_ids", "behavior_log_probs", "ref_log_probs", "response_mask", "prompt_texts", "response_texts", "tasks", "group_ids", "kl_estimator", "advantage_mode", "update_kl_controller")
+    __slots__ = ("response_token_ids", "behavior_log_probs", "ref_log_probs", "response_mask", "prompt_texts", "response_texts", "tasks", "group_ids", "kl_estimator", "advantage_mode", "update_kl_controller", "environment_rewards")
     RESPONSE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BEHAVIOR_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
     REF_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class ComputeRewardsRequest(_message.Message):
     KL_ESTIMATOR_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_MODE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_KL_CONTROLLER_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_REWARDS_FIELD_NUMBER: _ClassVar[int]
     response_token_ids: _tensor_pb2.RaggedTensor
     behavior_log_probs: _tensor_pb2.RaggedTensor
     ref_log_probs: _tensor_pb2.RaggedTensor
@@ -81,7 +82,8 @@ class ComputeRewardsRequest(_message.Message):
     kl_estimator: KLEstimator
     advantage_mode: AdvantageMode
     update_kl_controller: bool
-    def __init__(self, response_token_ids: _Optional[_Union[_tensor_pb2.RaggedTensor, _Mapping]] = ..., behavior_log_probs: _Optional[_Union[_tensor_pb2.RaggedTensor, _Mapping]] = ..., ref_log_probs: _Optional[_Union[_tensor_pb2.RaggedTensor, _Mapping]] = ..., response_mask: _Optional[_Union[_tensor_pb2.RaggedTensor, _Mapping]] = ..., prompt_texts: _Optional[_Iterable[str]] = ..., response_texts: _Optional[_Iterable[str]] = ..., tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., group_ids: _Optional[_Iterable[int]] = ..., kl_estimator: _Optional[_Union[KLEstimator, str]] = ..., advantage_mode: _Optional[_Union[AdvantageMode, str]] = ..., update_kl_controller: _Optional[bool] = ...) -> None: ...
+    environment_rewards: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, response_token_ids: _Optional[_Union[_tensor_pb2.RaggedTensor, _Mapping]] = ..., behavior_log_probs: _Optional[_Union[_tensor_pb2.RaggedTensor, _Mapping]] = ..., ref_log_probs: _Optional[_Union[_tensor_pb2.RaggedTensor, _Mapping]] = ..., response_mask: _Optional[_Union[_tensor_pb2.RaggedTensor, _Mapping]] = ..., prompt_texts: _Optional[_Iterable[str]] = ..., response_texts: _Optional[_Iterable[str]] = ..., tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., group_ids: _Optional[_Iterable[int]] = ..., kl_estimator: _Optional[_Union[KLEstimator, str]] = ..., advantage_mode: _Optional[_Union[AdvantageMode, str]] = ..., update_kl_controller: _Optional[bool] = ..., environment_rewards: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ComputeRewardsResponse(_message.Message):
     __slots__ = ("kl", "rewards", "scores", "clipped_scores", "advantages", "kl_mean", "kl_sum", "kl_coef")

@@ -58,10 +58,11 @@ class RewardServiceServicer:
 
     def ComputeRewards(self, request, context):
         """Scores a batch of samples. Errors: INVALID_ARGUMENT naming the sample
-        (log-prob and token lengths differ, NaN/inf log-probs, group ids that do
-        not partition the batch, a Task.args value its function refuses, e.g. a
-        negative "tolerance", a pattern that is not RE2 syntax, a reward function
-        that raised on the sample); NOT_FOUND (unknown reward function);
+        (log-prob and token lengths differ, NaN/inf log-probs or environment
+        rewards, environment_rewards neither empty nor one per sample, group ids
+        that do not partition the batch, a Task.args value its function refuses,
+        e.g. a negative "tolerance", a pattern that is not RE2 syntax, a reward
+        function that raised on the sample); NOT_FOUND (unknown reward function);
         RESOURCE_EXHAUSTED naming the field and the service's limit (more
         samples, tokens or characters than its config allows; checked before
         anything is decoded) or naming the reward function still running when

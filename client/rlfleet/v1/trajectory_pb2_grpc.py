@@ -51,6 +51,8 @@ class TrajectoryServiceStub:
     group_size                tensor int64 [B]
     sample_index              tensor int64 [B]
     generation_seconds        tensor float32 [B]
+    turns/policy_versions     ragged int64 over turns
+    environment_reward        tensor float32 [B]
     sampling/temperature      tensor float32 [B]
     sampling/top_p            tensor float32 [B]
     sampling/top_k            tensor int64 [B]
@@ -116,6 +118,8 @@ class TrajectoryServiceServicer:
     group_size                tensor int64 [B]
     sample_index              tensor int64 [B]
     generation_seconds        tensor float32 [B]
+    turns/policy_versions     ragged int64 over turns
+    environment_reward        tensor float32 [B]
     sampling/temperature      tensor float32 [B]
     sampling/top_p            tensor float32 [B]
     sampling/top_k            tensor int64 [B]
@@ -235,6 +239,8 @@ class TrajectoryService:
     group_size                tensor int64 [B]
     sample_index              tensor int64 [B]
     generation_seconds        tensor float32 [B]
+    turns/policy_versions     ragged int64 over turns
+    environment_reward        tensor float32 [B]
     sampling/temperature      tensor float32 [B]
     sampling/top_p            tensor float32 [B]
     sampling/top_k            tensor int64 [B]

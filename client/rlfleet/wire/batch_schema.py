@@ -39,15 +39,15 @@ class BatchField:
     meaning: str
     unit: str = ""
     over: str = ""
-    """For ragged keys: which tokens the rows are (prompt, response or full = prompt + response)."""
+    """For ragged keys: what the rows are (prompt, response or full = prompt + response tokens; turns)."""
 
 
 def _tensor(key: str, dtype: str, meaning: str, unit: str = "", trailing: tuple[int, ...] = ()) -> BatchField:
     return BatchField(key, "tensor", dtype, trailing, meaning, unit)
 
 
-def _ragged(key: str, dtype: str, over: str, meaning: str, unit: str = "") -> BatchField:
-    return BatchField(key, "ragged", dtype, (), meaning, unit, over)
+def _ragged(key: str, dtype: str, over: str, meaning: str, unit: str = "", trailing: tuple[int, ...] = ()) -> BatchField:
+    return BatchField(key, "ragged", dtype, trailing, meaning, unit, over)
 
 
 def _strings(key: str, meaning: str) -> BatchField:
@@ -56,32 +56,45 @@ def _strings(key: str, meaning: str) -> BatchField:
 
 BATCH_FIELDS: tuple[BatchField, ...] = (
     _ragged("tokens/prompt", "INT64", "prompt", "Prompt token ids (after the chat template)."),
-    _ragged("tokens/response", "INT64", "response", "Sampled response token ids."),
+    _ragged("tokens/response", "INT64", "response",
+            "Everything after the prompt: the sampled token ids; in a multi-turn episode, each turn's sampled "
+            "tokens followed by the environment's observation tokens (as the chat template rendered them), up "
+            "to the last turn's sampled tokens. Never re-tokenized text."),
     _ragged("tokens/full", "INT64", "full", "prompt followed by response."),
     _ragged("masks/all_attention_mask", "BOOL", "full", "All true (no padding inside a sample)."),
-    _ragged("masks/all_assistant_mask", "BOOL", "full", "False over the prompt, true over the response."),
+    _ragged("masks/all_assistant_mask", "BOOL", "full",
+            "True over the sampled tokens (the response of a single turn; the assistant turns of an episode), "
+            "false over the prompt and observation tokens: the tokens trained on."),
     _ragged("log_probs/response", "FLOAT32", "response",
             "Behaviour log-probability of each response token under the generating engine, of "
-            "logits / temperature (the distribution sampled from).", "nats"),
+            "logits / temperature (the distribution sampled from); 0 over observation tokens (not sampled).",
+            "nats"),
     _ragged("ref_log_probs/response", "FLOAT32", "response",
-            "Log-probability of each response token under the frozen reference model (temperature 1).", "nats"),
+            "Log-probability of each response token (observation tokens included) under the frozen reference "
+            "model (temperature 1).", "nats"),
     _ragged("kl", "FLOAT32", "response",
-            "Per-token KL estimate, behaviour vs reference (the reward service's estimator: k1, k2 or k3).",
+            "Per-token KL estimate, behaviour vs reference (the reward service's estimator: k1, k2 or k3); 0 "
+            "over observation tokens.",
             "nats"),
     _ragged("next/reward", "FLOAT32", "response",
             "Shaped per-token reward: -kl_coef * kl on every token, plus clipped_score on the last.", "reward"),
-    _tensor("next/done", "BOOL", "True: every sample is a finished single-turn episode.", trailing=(1,)),
-    _tensor("next/terminated", "BOOL", "The sample ended on a stop condition (EOS or a stop string).",
+    _tensor("next/done", "BOOL", "True: every sample is a finished episode (single- or multi-turn).",
             trailing=(1,)),
-    _tensor("next/truncated", "BOOL", "The sample ended at max_tokens.", trailing=(1,)),
-    _tensor("score", "FLOAT32", "The reward function's task score.", "reward"),
+    _tensor("next/terminated", "BOOL",
+            "The sample ended on its own: a stop condition (EOS or a stop string) for a single turn; the "
+            "environment said done for an episode.", trailing=(1,)),
+    _tensor("next/truncated", "BOOL",
+            "The sample was cut: at max_tokens for a single turn; by the environment, max_turns or "
+            "max_episode_tokens for an episode.", trailing=(1,)),
+    _tensor("score", "FLOAT32",
+            "The task score: the reward function's score plus environment_reward.", "reward"),
     _tensor("clipped_score", "FLOAT32",
             "score clipped to [-score_clip, score_clip] (equal to score when no clip is set); the "
             "advantage and next/reward are computed from it.", "reward"),
     _tensor("advantage", "FLOAT32",
             "Group-relative advantage of clipped_score within the sample's group: GRPO (s - mean) / "
             "(std + eps) with the unbiased std, grpo_no_std (s - mean), or RLOO (leave-one-out mean).", "reward"),
-    _tensor("kl_mean", "FLOAT32", "Mean of kl over the sample's response tokens.", "nats per token"),
+    _tensor("kl_mean", "FLOAT32", "Mean of kl over the sample's sampled response tokens.", "nats per token"),
     _tensor("kl_coef", "FLOAT32", "The KL coefficient used in next/reward (the KL controller's value then)."),
     _tensor("policy_version_start", "INT64", "Committed policy version when the sample's generation started."),
     _tensor("policy_version_end", "INT64",
@@ -93,11 +106,18 @@ BATCH_FIELDS: tuple[BatchField, ...] = (
     _tensor("group_size", "INT64", "Samples in the sample's group."),
     _tensor("sample_index", "INT64", "Index of the sample within its group, 0 .. group_size - 1."),
     _tensor("generation_seconds", "FLOAT32",
-            "From the generation request's arrival at the engine to the sample's last token.", "seconds"),
+            "From the generation request's arrival at the engine to the sample's last token (summed over an "
+            "episode's turns).", "seconds"),
+    _ragged("turns/policy_versions", "INT64", "turns",
+            "Per assistant turn (one for a single turn), the policy versions that sampled its first and last "
+            "token: (start, end).", trailing=(2,)),
+    _tensor("environment_reward", "FLOAT32",
+            "The episode's reward from its environment (per-turn rewards plus the final one); 0 without an "
+            "environment.", "reward"),
     _tensor("sampling/temperature", "FLOAT32", "Sampling temperature used."),
     _tensor("sampling/top_p", "FLOAT32", "Nucleus sampling threshold used (1 = off)."),
     _tensor("sampling/top_k", "INT64", "Top-k used (0 or -1 = off)."),
-    _tensor("sampling/max_tokens", "INT64", "Response length cap used.", "tokens"),
+    _tensor("sampling/max_tokens", "INT64", "Response length cap used (an episode's first turn's).", "tokens"),
     _strings("trajectory_id", "Unique id of the sample: '<group_id in hex>-<sample_index>'."),
     _strings("prompt_id", "Id of the prompt (as submitted, or assigned by SubmitPrompts)."),
     _strings("query", "The prompt as text: the raw text, or a chat's last user message; '' for token-id prompts."),
@@ -129,7 +149,7 @@ def _shape(field: BatchField) -> str:
     if field.kind == "strings":
         return "`[B]` strings"
     if field.kind == "ragged":
-        return f"ragged `[B, n_i{_dims(field)}]`, n_i = {field.over} tokens"
+        return f"ragged `[B, n_i{_dims(field)}]`, n_i = {field.over}" + ("" if field.over == "turns" else " tokens")
     return f"`[B{_dims(field)}]`"
 
 

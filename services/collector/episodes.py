@@ -1,0 +1,205 @@
+"""Multi-turn episodes: generate -> environment step -> append the observation's tokens -> generate,
+token in, token out.
+
+A sample of a multi-turn prompt is one episode of its environment (served by the environment
+service). The episode's sequence is exactly what the model saw and produced: the opening prompt's
+tokens as the environment service rendered them, then each turn's sampled tokens as the replica
+returned them and the observation tokens the environment service rendered after them; every turn
+is generated from that token history, never from re-tokenized text. So a turn can be generated on
+any replica: one that dies mid-episode costs the turn, not the episode (the next attempt continues
+from the history elsewhere).
+
+An episode ends when its environment says done or truncated, after ``max_turns`` assistant turns,
+or when ``max_episode_tokens`` leaves no room for another turn; it always ends on sampled tokens
+(an observation with nothing sampled after it is not kept). Its reward is the sum of the per-turn
+rewards and the final reward the environment gave.
+
+What fails here fails the group, as in ``failures.py``: an unknown environment (NOT_FOUND) or a
+prompt it refuses (INVALID_ARGUMENT) dead-letters the prompt; an environment that raised or hung
+(FAILED_PRECONDITION / DEADLINE_EXCEEDED), or that lost the episode (restarted: NOT_FOUND on a
+step), is a transient failure: the group is generated again, with new episodes, after a backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import torch
+
+from rlfleet.client.channel import ChannelSettings, call_with_retry
+from rlfleet.client.errors import NotFoundError
+from rlfleet.services.collector.failures import EpisodeLost
+from rlfleet.services.collector.prompt_item import PromptItem
+from rlfleet.services.collector.trajectories import GroupSamples
+from rlfleet.services.common.errors import InvalidArgument
+from rlfleet.v1 import environment_pb2, environment_pb2_grpc, generation_pb2, sampling_pb2
+from rlfleet.wire import Ragged, decode_tensor, encode_tensor
+
+GenerateTurn = Callable[[torch.Tensor, int], Awaitable[generation_pb2.GenerateResponse]]
+"""Generates one turn of one episode: (token history, most tokens to sample) -> the sample."""
+
+
+@dataclass
+class EpisodeLimits:
+    max_turns: int
+    max_episode_tokens: int
+
+
+@dataclass
+class Turn:
+    """One assistant turn: what was sampled, and the observation appended after it."""
+
+    token_ids: torch.Tensor
+    log_probs: torch.Tensor
+    policy_version_start: int
+    policy_version_end: int
+    seconds: float
+    sampling: sampling_pb2.SamplingParams
+    observation: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+
+
+@dataclass
+class Episode:
+    prompt: torch.Tensor
+    turns: list[Turn] = field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+    """Ended on its own (the environment said done); otherwise cut by a limit."""
+
+    def history(self) -> torch.Tensor:
+        """The tokens the next turn is sampled from."""
+        pieces = [self.prompt]
+        for turn in self.turns:
+            pieces += [turn.token_ids, turn.observation]
+        return torch.cat(pieces)
+
+
+class EpisodeRunner:
+    """Runs the episodes of a group against the environment service."""
+
+    def __init__(self, environment: environment_pb2_grpc.EnvironmentServiceStub, settings: ChannelSettings,
+                 limits: EpisodeLimits):
+        self.environment = environment
+        self.settings = settings
+        self.limits = limits
+
+    async def _call(self, method: str, request, idempotent: bool = True):
+        return await call_with_retry(getattr(self.environment, method), request, method=method,
+                                     settings=self.settings, idempotent=idempotent)
+
+    async def run_group(self, item: PromptItem, environment: str, group_id: int, group_size: int,
+                        generate: Callable[[int], GenerateTurn]) -> list[Episode]:
+        """``group_size`` episodes of ``item`` on ``environment``, run at once; ``generate(i)`` samples
+        episode ``i``'s turns. One that fails fails the group (the others are cancelled and closed)."""
+        prompt = item.episode_prompt(f"prompt {item.prompt_id!r}")
+        tasks = [asyncio.create_task(self._run(item, environment, prompt, f"{group_id:x}-{i}", generate(i)))
+                 for i in range(group_size)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _run(self, item: PromptItem, environment: str, prompt: list[dict[str, str]], episode_id: str,
+                   generate: GenerateTurn) -> Episode:
+        opened = await self._call("OpenEpisode", environment_pb2.OpenEpisodeRequest(
+            environment=environment, prompt=[sampling_pb2.ChatMessage(**m) for m in prompt],
+            ground_truth=item.ground_truth, metadata={"prompt_id": item.prompt_id}, episode_id=episode_id))
+        episode = Episode(decode_tensor(opened.prompt_token_ids, "prompt_token_ids").to(torch.int64))
+        try:
+            await self._turns(episode, episode_id, generate)
+            closed = await self._close(episode_id)
+        except BaseException:
+            await asyncio.shield(self._close_quietly(episode_id))
+            raise
+        if closed.has_final_reward:
+            episode.reward += closed.final_reward
+        return episode
+
+    async def _turns(self, episode: Episode, episode_id: str, generate: GenerateTurn) -> None:
+        limits = self.limits
+        length = len(episode.prompt)
+        if length >= limits.max_episode_tokens:
+            raise InvalidArgument(f"episode {episode_id}: its prompt has {length} tokens, the collector's "
+                                  f"max_episode_tokens ({limits.max_episode_tokens}) leaves none to sample")
+        while length < limits.max_episode_tokens:
+            sample = await generate(episode.history(), limits.max_episode_tokens - length)
+            turn = Turn(decode_tensor(sample.response_token_ids, "response_token_ids").to(torch.int64),
+                        decode_tensor(sample.behavior_log_probs, "behavior_log_probs").to(torch.float32),
+                        sample.policy_version_start, sample.policy_version_end, sample.timing.total_seconds,
+                        sample.sampling)
+            episode.turns.append(turn)
+            length += len(turn.token_ids)
+            request = environment_pb2.StepRequest(
+                episode_id=episode_id,
+                finish_reason="length" if sample.finish_reason == sampling_pb2.FINISH_REASON_LENGTH else "stop")
+            encode_tensor(turn.token_ids, out=request.token_ids)
+            step = await self._step(request)
+            if step.has_reward:
+                episode.reward += step.reward
+            if step.done or step.truncated:
+                episode.done = step.done
+                return
+            observation = decode_tensor(step.observation_token_ids, "observation_token_ids").to(torch.int64)
+            if len(episode.turns) >= limits.max_turns or length + len(observation) >= limits.max_episode_tokens:
+                return  # cut: the observation is not kept, nothing would be sampled after it
+            turn.observation = observation
+            length += len(observation)
+
+    async def _step(self, request: environment_pb2.StepRequest) -> environment_pb2.StepResponse:
+        try:
+            # Not repeated after a deadline: the environment may have taken the turn (it is then over).
+            return await self._call("Step", request, idempotent=False)
+        except NotFoundError as exc:  # opened by us: the environment service restarted and lost it
+            raise EpisodeLost(f"episode {request.episode_id}: {exc.details}") from None
+
+    async def _close(self, episode_id: str) -> environment_pb2.CloseEpisodeResponse:
+        try:
+            return await self._call("CloseEpisode", environment_pb2.CloseEpisodeRequest(episode_id=episode_id))
+        except NotFoundError as exc:
+            raise EpisodeLost(f"episode {episode_id}: {exc.details}") from None
+
+    async def _close_quietly(self, episode_id: str) -> None:
+        """An episode given up is closed if the service still answers (it would expire idle anyway)."""
+        try:
+            await self.environment.CloseEpisode(environment_pb2.CloseEpisodeRequest(episode_id=episode_id),
+                                                timeout=5, metadata=self.settings.metadata())
+        except Exception:  # noqa: BLE001 - best effort: the episode is being given up already
+            pass
+
+
+def group_of_episodes(episodes: list[Episode]) -> GroupSamples:
+    """The episodes as a group of samples: ``responses`` = every turn's sampled and observation tokens,
+    behaviour log-probs 0 and ``response_mask`` false over the observation tokens."""
+    responses, behavior, masks, versions = [], [], [], []
+    for episode in episodes:
+        tokens, log_probs, mask = [], [], []
+        for turn in episode.turns:
+            tokens += [turn.token_ids, turn.observation]
+            log_probs += [turn.log_probs, torch.zeros(len(turn.observation), dtype=torch.float32)]
+            mask += [torch.ones(len(turn.token_ids), dtype=torch.bool),
+                     torch.zeros(len(turn.observation), dtype=torch.bool)]
+        responses.append(torch.cat(tokens))
+        behavior.append(torch.cat(log_probs))
+        masks.append(torch.cat(mask))
+        versions.append(torch.tensor([[t.policy_version_start, t.policy_version_end] for t in episode.turns],
+                                     dtype=torch.int64))
+    return GroupSamples(
+        prompts=Ragged.from_list([e.prompt for e in episodes], torch.int64),
+        responses=Ragged.from_list(responses, torch.int64),
+        behavior_log_probs=Ragged.from_list(behavior, torch.float32),
+        response_mask=Ragged.from_list(masks, torch.bool),
+        version_start=[min(t.policy_version_start for t in e.turns) for e in episodes],
+        version_end=[max(t.policy_version_end for t in e.turns) for e in episodes],
+        sample_index=list(range(len(episodes))),
+        seconds=[sum(t.seconds for t in e.turns) for e in episodes],
+        terminated=[e.done for e in episodes],
+        truncated=[not e.done for e in episodes],
+        sampling=episodes[0].turns[0].sampling,
+        turn_versions=Ragged(torch.cat(versions), torch.tensor([len(e.turns) for e in episodes])),
+        environment_rewards=[e.reward for e in episodes],
+    )

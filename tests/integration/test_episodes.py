@@ -1,0 +1,216 @@
+"""Multi-turn episodes through the whole suite as real processes: collector, environment service,
+a vLLM replica, reference, reward and trajectory. The trainer's tokens are exactly the prompt, the
+sampled and the observation tokens; behaviour and reference log-probs match a plain Hugging Face
+forward over the full sequence; each turn records the versions that sampled it; an environment
+that fails ends its prompt as a dead letter while the run goes on; a SIGKILLed environment service
+loses no episode.
+
+Needs root (the environment service's sandbox drops to uid 65534; it refuses to start without one).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+import torch
+
+from rlfleet.services.launch import ServiceProcess
+from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
+from rlfleet.v1 import collector_pb2, collector_pb2_grpc, sampling_pb2
+from rlfleet.wire import encode_tensor
+from tests.hf_reference import load_hf, response_log_probs
+from tests.integration.readers import Reader
+from tests.integration.test_collector import push
+from tests.waiting import wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm,
+              pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops to uid 65534, which needs root")]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GROUP = 2
+ENVIRONMENTS = {"counter": "tests.environments:CounterEnv", "slow_counter": "tests.environments:SlowCounterEnv",
+                "raising": "tests.environments:RaisingEnv"}
+COUNTER_REWARD = 1 + 2 + 3 + 30
+"""CounterEnv: turn i rewarded i, 10 per turn at the end."""
+TIMEOUT = 300.0
+"""Until episodes of a few turns of at most 16 tokens are generated, scored and appended on a loaded machine."""
+
+
+@pytest.fixture(scope="module")
+def suite(tiny_model_dir, tmp_path_factory):
+    options = SuiteOptions(
+        model_dir=tiny_model_dir, environments=ENVIRONMENTS,
+        environment_env={"PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))},
+        collector_args=["--group-size", str(GROUP), "--groups-per-step", "64", "--environment", "counter",
+                        "--reward-fn", "none", "--sampling", '{"temperature": 1.0, "max_tokens": 16}',
+                        "--max-episode-tokens", "512", "--prompt-attempts", "2", "--retry-backoff-seconds", "0.2",
+                        "--replica-check-seconds", "0.5"])
+    procs = start_suite(options, tmp_path_factory.mktemp("episodes"))
+    yield procs
+    stop_suite(procs)
+
+
+@pytest.fixture(scope="module")
+def channel(suite):
+    with grpc.insecure_channel(suite["collector"].address) as channel:
+        yield channel
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+def submit(channel, specs: list[collector_pb2.PromptSpec]) -> list[str]:
+    stub = collector_pb2_grpc.CollectorServiceStub(channel)
+    return list(stub.SubmitPrompts(collector_pb2.SubmitPromptsRequest(prompts=specs), timeout=30).prompt_ids)
+
+
+def chat(prompt_id: str, content: str, environment: str = "") -> collector_pb2.PromptSpec:
+    return collector_pb2.PromptSpec(prompt_id=prompt_id, environment=environment, prompt=sampling_pb2.Prompt(
+        chat=sampling_pb2.ChatMessages(messages=[sampling_pb2.ChatMessage(role="user", content=content)])))
+
+
+def samples_of(reader: Reader, prompt_ids: set[str], deadline: float) -> list[dict]:
+    """Per-sample views of the batches read until every prompt in ``prompt_ids`` came (others skipped)."""
+    found, pending = [], set(prompt_ids)
+    while pending:
+        assert time.monotonic() < deadline, f"no batch for {sorted(pending)}"
+        batch = reader.next()
+        for i, prompt_id in enumerate(batch["prompt_id"]):
+            if prompt_id in prompt_ids:
+                pending.discard(prompt_id)
+                sample = {key: batch[key][i] for key in batch.keys(include_nested=True, leaves_only=True)}
+                found.append({**sample, "prompt_id": prompt_id})
+    return found
+
+
+def runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each run of True in ``mask``."""
+    out, start = [], None
+    for i, value in enumerate(mask.tolist() + [False]):
+        if value and start is None:
+            start = i
+        elif not value and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def test_a_three_turn_episode_is_token_exact_with_engine_and_reference_log_probs(channel, tokenizer, tiny_model_dir):
+    submit(channel, [chat("count-0", "what is 2 plus 3")])
+    reader = Reader(channel, batch_size=GROUP)
+    try:
+        samples = samples_of(reader, {"count-0"}, time.monotonic() + TIMEOUT)
+    finally:
+        reader.close()
+    assert len(samples) == GROUP
+    model = load_hf(tiny_model_dir)
+    opening = [{"role": "system", "content": "count with me"}, {"role": "user", "content": "what is 2 plus 3"}]
+    prompt_ids = tokenizer(tokenizer.apply_chat_template(opening, tokenize=False, add_generation_prompt=True),
+                           add_special_tokens=False)["input_ids"]
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for sample in samples:
+        prompt, response, full = sample["tokens", "prompt"], sample["tokens", "response"], sample["tokens", "full"]
+        mask = sample["masks", "all_assistant_mask"]
+        assert prompt.tolist() == prompt_ids
+        assert full.tolist() == prompt.tolist() + response.tolist()
+        assert len(mask) == len(full) and not mask[:len(prompt)].any()
+        turns = runs(mask)
+        assert len(turns) == 3, turns
+        assert turns[-1][1] == len(full), "an episode ends on sampled tokens"
+        # Between two sampled turns: exactly the chat template's rendering of CounterEnv's answer.
+        for i, ((_, end), (next_start, _)) in enumerate(zip(turns, turns[1:]), start=1):
+            closed = full[end - 1].item() == end_of_turn
+            text = ("\n" if closed else "<|im_end|>\n") + f"<|im_start|>user\nturn {i}<|im_end|>\n<|im_start|>assistant\n"
+            assert full[end:next_start].tolist() == tokenizer(text, add_special_tokens=False)["input_ids"]
+        # Behaviour log-probs at the sampled positions: a plain HF forward over the full sequence.
+        sampled = mask[len(prompt):]
+        behaviour = sample["log_probs", "response"]
+        assert len(behaviour) == len(response) == len(sample["ref_log_probs", "response"]) == len(sample["kl"])
+        expected = response_log_probs(model, prompt.tolist(), response.tolist())
+        assert (behaviour[sampled] - expected[sampled]).abs().max().item() <= 1e-4
+        assert (behaviour[~sampled] == 0).all() and (sample["kl"][~sampled] == 0).all()
+        assert (sample["ref_log_probs", "response"] - expected).abs().max().item() <= 1e-4
+        versions = sample["turns", "policy_versions"]
+        assert versions.shape == (3, 2)
+        assert sample["environment_reward"].item() == COUNTER_REWARD == sample["score"].item()
+        assert sample["next", "terminated"].item() and not sample["next", "truncated"].item()
+
+
+def test_a_weight_push_between_turns_is_recorded_per_turn(channel, tiny_model_dir):
+    state = load_hf(tiny_model_dir).state_dict()
+    stub = collector_pb2_grpc.CollectorServiceStub(channel)
+    before = stub.GetPolicyVersion(collector_pb2.GetPolicyVersionRequest(), timeout=30).version
+    submit(channel, [chat("slow-0", "count slowly", environment="slow_counter")])
+    generation = lambda: next(s for s in stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=30).stages
+                              if s.name == "generation")
+    wait_for(lambda: generation().in_flight > 0, TIMEOUT, "the slow episodes to start")
+    assert push(channel, state).version == before + 1
+    reader = Reader(channel, batch_size=GROUP)
+    try:
+        samples = samples_of(reader, {"slow-0"}, time.monotonic() + TIMEOUT)
+    finally:
+        reader.close()
+    for sample in samples:
+        versions = sample["turns", "policy_versions"]
+        assert len(versions) == 3
+        assert (versions[:, 0] <= versions[:, 1]).all() and (versions[1:, 0] >= versions[:-1, 1]).all()
+        assert sample["policy_version_start"].item() == versions.min().item()
+        assert sample["policy_version_end"].item() == versions.max().item()
+    # Each episode took three steps of a second: the push landed between or within its turns.
+    assert any(len(set(s["turns", "policy_versions"].flatten().tolist())) > 1 for s in samples), \
+        [s["turns", "policy_versions"].tolist() for s in samples]
+
+
+def test_bad_episodes_end_as_dead_letters_and_the_run_goes_on(channel):
+    stub = collector_pb2_grpc.CollectorServiceStub(channel)
+    spec = collector_pb2.PromptSpec(prompt_id="ids", environment="counter")
+    encode_tensor(torch.tensor([1, 2, 3]), out=spec.prompt.token_ids)
+    with pytest.raises(grpc.RpcError) as refused:
+        submit(channel, [spec])
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompts[0].prompt" in refused.value.details() and "token ids" in refused.value.details()
+    submit(channel, [chat("raises-0", "hello", environment="raising"), chat("unknown-0", "hi", environment="nope"),
+                     chat("count-after", "and now")])
+    failures = lambda: {f.prompt_id: f for f in stub.ListFailures(collector_pb2.ListFailuresRequest(), timeout=30).failures}
+    wait_for(lambda: {"raises-0", "unknown-0"} <= set(failures()), TIMEOUT, "the bad episodes' dead letters")
+    raised, unknown = failures()["raises-0"], failures()["unknown-0"]
+    assert raised.code == "FAILED_PRECONDITION" and "the scripted environment broke" in raised.error
+    assert raised.attempts == 2
+    assert unknown.code == "NOT_FOUND" and "nope" in unknown.error and unknown.attempts == 0  # refused: not retried
+    reader = Reader(channel, batch_size=GROUP)
+    try:
+        (sample, *_) = samples_of(reader, {"count-after"}, time.monotonic() + TIMEOUT)
+    finally:
+        reader.close()
+    assert sample["environment_reward"].item() == COUNTER_REWARD
+
+
+def test_a_sigkilled_environment_service_loses_no_episode(suite, channel):
+    stub = collector_pb2_grpc.CollectorServiceStub(channel)
+    ids = submit(channel, [chat(f"survive-{i}", f"count {i}", environment="slow_counter") for i in range(3)])
+    generation = lambda: next(s for s in stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=30).stages
+                              if s.name == "generation")
+    wait_for(lambda: generation().in_flight > 0, TIMEOUT, "episodes in flight")
+    old = suite["environment"]
+    os.kill(old.process.pid, signal.SIGKILL)
+    old.process.wait(30)
+    restarted = ServiceProcess(old.name, [*old.args, "--port", str(old.port)], env=old.env)
+    restarted.start(old.log_path.parent / "restarted").wait_ready(120)
+    suite["environment"] = restarted
+    reader = Reader(channel, batch_size=GROUP)
+    try:
+        samples = samples_of(reader, set(ids), time.monotonic() + TIMEOUT)
+    finally:
+        reader.close()
+    assert sorted({s["prompt_id"] for s in samples}) == sorted(ids)
+    assert all(s["environment_reward"].item() == COUNTER_REWARD for s in samples)
+    dead = {f.prompt_id for f in stub.ListFailures(collector_pb2.ListFailuresRequest(), timeout=30).failures}
+    assert not dead & set(ids)
