@@ -85,9 +85,9 @@ class EpisodeRunner:
         self.settings = settings
         self.limits = limits
 
-    async def _call(self, method: str, request, idempotent: bool = True):
+    async def _call(self, method: str, request):
         return await call_with_retry(getattr(self.environment, method), request, method=method,
-                                     settings=self.settings, idempotent=idempotent)
+                                     settings=self.settings)
 
     async def run_group(self, item: PromptItem, environment: str, group_id: int, group_size: int,
                         generate: Callable[[int], GenerateTurn]) -> list[Episode]:
@@ -135,7 +135,7 @@ class EpisodeRunner:
             episode.turns.append(turn)
             length += len(turn.token_ids)
             request = environment_pb2.StepRequest(
-                episode_id=episode_id,
+                episode_id=episode_id, turn=len(episode.turns),
                 finish_reason="length" if sample.finish_reason == sampling_pb2.FINISH_REASON_LENGTH else "stop")
             encode_tensor(turn.token_ids, out=request.token_ids)
             step = await self._step(request)
@@ -152,8 +152,7 @@ class EpisodeRunner:
 
     async def _step(self, request: environment_pb2.StepRequest) -> environment_pb2.StepResponse:
         try:
-            # Not repeated after a deadline: the environment may have taken the turn (it is then over).
-            return await self._call("Step", request, idempotent=False)
+            return await self._call("Step", request)  # numbered: a retry gets the first answer
         except NotFoundError as exc:  # opened by us: the environment service restarted and lost it
             raise EpisodeLost(f"episode {request.episode_id}: {exc.details}") from None
 

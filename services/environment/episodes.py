@@ -66,6 +66,8 @@ class Turn:
     text: str | None
     """What the environment reads; ``None``: the tokens decoded, special tokens kept."""
     finish_reason: str
+    number: int = 0
+    """1 for the episode's first turn; 0: not checked (see ``Episodes.step``)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,8 @@ class _Episode:
     turns: int = 0
     over: bool = False
     stepping: bool = False
+    last_step: tuple[Turn, asyncio.Future[StepAnswer]] | None = None
+    """The last turn stepped and its answer (awaited by a retry of the same turn)."""
     last_used: float = 0.0
 
     @property
@@ -156,23 +160,39 @@ class Episodes:
         return self.factories[episode.environment]()
 
     async def step(self, episode_id: str, turn: Turn) -> StepAnswer:
-        """Answer one assistant turn of an open episode."""
+        """Answer one assistant turn of an open episode. A numbered turn sent again (a caller's retry after
+        a lost answer) gets the answer of its first Step, awaited while it is in flight: the environment
+        steps each turn once."""
         episode = self._get(episode_id)
         if episode.opening is None or not episode.opening.done():
             raise FailedPrecondition(f"{episode.name} is still opening; wait for OpenEpisode's answer")
+        if turn.number and episode.last_step is not None and turn.number == episode.last_step[0].number:
+            first, answer = episode.last_step
+            if (first.token_ids, first.text, first.finish_reason) != (turn.token_ids, turn.text, turn.finish_reason):
+                raise FailedPrecondition(f"{episode.name}: turn {turn.number} was stepped with other tokens; "
+                                         "a repeated turn must be the same turn")
+            return await asyncio.shield(answer)
+        if turn.number and turn.number != episode.turns + 1:
+            raise FailedPrecondition(f"{episode.name}: turn {turn.number} is out of order; {episode.turns} "
+                                     f"turns were answered, the next is turn {episode.turns + 1}")
         if episode.over:
             raise FailedPrecondition(f"{episode.name} is over (done or truncated); close it")
         if episode.stepping:
             raise FailedPrecondition(f"a step of {episode.name} is in flight; steps of one episode go in order")
         episode.stepping = True
+        answered: asyncio.Future[StepAnswer] = asyncio.get_running_loop().create_future()
+        answered.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure nobody retried is fine
+        episode.last_step = (turn, answered)
         try:
             answer = await self._step(episode, turn)
         except BaseException as exc:  # the episode's state is unknown: end it (cancellation included)
             await self._end(episode, f"its step failed: {type(exc).__name__}: {exc}")
+            answered.set_exception(self._not_found(episode_id))  # a retry learns the episode ended, and why
             raise
         finally:
             episode.stepping = False
             episode.last_used = self.clock()
+        answered.set_result(answer)
         return answer
 
     async def _step(self, episode: _Episode, turn: Turn) -> StepAnswer:

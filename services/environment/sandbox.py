@@ -95,6 +95,10 @@ class SandboxLimits(BaseModel):
     """Open file descriptors per process (RLIMIT_NOFILE)."""
     max_output_bytes: int = Field(16 * 2**10, ge=1)
     """Bytes kept of stdout and of stderr, each; the rest is cut, and a marker says how much."""
+    proc: bool = True
+    """Give the snippet a /proc of its own pid namespace. false: no /proc at all, for a container
+    whose /proc has masked paths (Docker's default), where the kernel refuses a fresh proc mount
+    unless the container runs with ``systempaths=unconfined``; few snippets need /proc."""
 
 
 @dataclass(frozen=True)
@@ -261,7 +265,7 @@ class PythonSandbox:
     ) -> asyncio.subprocess.Process:
         command = self._interpreter_command()
         if isolation == "bwrap":
-            options = bwrap_arguments(scratch, self.limits.max_file_bytes, bwrap_info.fileno())
+            options = bwrap_arguments(scratch, self.limits.max_file_bytes, bwrap_info.fileno(), proc=self.limits.proc)
             command = [self.bwrap, *options, "--", *command]
         workdir = SANDBOX_WORKDIR if isolation == "bwrap" else scratch
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -313,9 +317,9 @@ class PythonSandbox:
         return timed_out
 
 
-def bwrap_arguments(scratch: str, tmp_bytes: int, info_fd: int) -> list[str]:
+def bwrap_arguments(scratch: str, tmp_bytes: int, info_fd: int, proc: bool = True) -> list[str]:
     """bwrap's options: every namespace new, the system read-only, ``scratch`` as the working
-    directory; bwrap writes which process is the namespace's init to ``info_fd``."""
+    directory, /proc only with ``proc``; bwrap writes which process is the namespace's init to ``info_fd``."""
     arguments = ["--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session"]
     arguments += ["--hostname", "sandbox", "--info-fd", str(info_fd)]
     for path in _SYSTEM_DIRS:
@@ -324,7 +328,8 @@ def bwrap_arguments(scratch: str, tmp_bytes: int, info_fd: int) -> list[str]:
         elif os.path.isdir(path):
             arguments += ["--ro-bind", path, path]
     arguments += ["--bind", scratch, SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR]
-    arguments += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+    arguments += ["--proc", "/proc"] if proc else []
+    arguments += ["--dev", "/dev", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
     return [*arguments, "--remount-ro", "/"]
 
 

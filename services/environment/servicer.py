@@ -44,6 +44,7 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
             token_ids=_token_ids(request, self.config, len(episodes.renderer.tokenizer)),
             text=_text("text", request.text, self.config) or None,
             finish_reason=_finish_reason(request.finish_reason),
+            number=_turn_number(request.turn),
         )
         return _step_response(await episodes.step(episode_id, turn))
 
@@ -104,6 +105,12 @@ def _token_ids(request, config: EnvironmentServiceConfig, vocabulary_size: int) 
     if int(tensor.min()) < 0 or int(tensor.max()) >= vocabulary_size:
         raise InvalidArgument(f"token_ids: ids must be in [0, {vocabulary_size}), the tokenizer's vocabulary")
     return tensor.tolist()
+
+
+def _turn_number(value: int) -> int:
+    if value < 0:
+        raise InvalidArgument(f"turn: must be >= 1 (or 0: not checked), got {value}")
+    return value
 
 
 def _finish_reason(value: str) -> str:

@@ -342,3 +342,14 @@ async def test_concurrent_calls_keep_to_themselves(sandbox):
     expected = [f"{index} ['mine', 'snippet.py'] line {index}\n" for index in range(4)]
     assert [result.stdout for result in results] == expected
     assert all(result.ok for result in results)
+
+
+async def test_without_proc_snippets_run_and_see_no_proc_and_a_daemon_still_dies(no_strays, scratch_root):
+    """``proc: false`` (containers whose /proc has masked paths): no /proc inside, and the call's pid
+    namespace is still ended when it returns."""
+    sandbox = PythonSandbox(LIMITS.model_copy(update={"proc": False}), scratch_root=scratch_root)
+    result = await sandbox.run("import os\nprint(os.path.exists('/proc/self'), 6 * 7)\n"
+                               "if os.fork() == 0:\n    os.setsid()\n    import time; time.sleep(1000)\n")
+    assert sandbox.isolation == "bwrap"
+    assert result.ok and result.stdout == "False 42\n", result
+    assert_nothing_left_running()

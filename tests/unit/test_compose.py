@@ -1,4 +1,5 @@
-"""The compose files: health, exposure, and every RLFLEET_* env var checked against the configs.
+"""The compose files: health, exposure, the environment service's sandbox settings, and every
+RLFLEET_* env var checked against the configs.
 
 compose.yaml is the suite; compose.override.yaml (read by default) adds the GPU
 reservation; compose.cpu.yaml is the CPU override (tiny model, one-shot init).
@@ -16,6 +17,7 @@ import yaml
 
 from rlfleet.services.collector.config import CollectorConfig
 from rlfleet.services.common.config import ServiceConfig
+from rlfleet.services.environment.config import EnvironmentServiceConfig
 from rlfleet.services.generation.config import GenerationConfig
 from rlfleet.services.reference.config import ReferenceServiceConfig
 from rlfleet.services.reward.config import RewardServiceConfig
@@ -24,7 +26,8 @@ from rlfleet.services.trajectory.config import TrajectoryConfig
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS: dict[str, type[ServiceConfig]] = {
     cls.service_name: cls
-    for cls in (GenerationConfig, ReferenceServiceConfig, RewardServiceConfig, TrajectoryConfig, CollectorConfig)
+    for cls in (GenerationConfig, ReferenceServiceConfig, RewardServiceConfig, TrajectoryConfig, CollectorConfig,
+                EnvironmentServiceConfig)
 }
 ONE_SHOT = {"model-init"}
 INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
@@ -131,7 +134,7 @@ def test_ports_in_env_match_container_ports_and_addresses(variant):
             assert int(interpolate(mapping).rsplit(":", 1)[1]) == config.port, f"{name}: publishes {mapping}"
     collector = CollectorConfig.load([], environ=rlfleet_env(services["collector"]))
     upstreams = [*collector.generation_addresses, collector.reference_address,
-                 collector.reward_address, collector.trajectory_address]
+                 collector.reward_address, collector.trajectory_address, collector.environment_address]
     for upstream in upstreams:
         host, port = upstream.rsplit(":", 1)
         assert host in ports and ports[host] == int(port), f"collector upstream {upstream} matches no service"
@@ -143,7 +146,7 @@ def test_collector_waits_for_healthy_upstreams(variant):
     depends = services["collector"]["depends_on"]
     assert {name: dep["condition"] for name, dep in depends.items()} == {
         "generation": "service_healthy", "reference": "service_healthy",
-        "reward": "service_healthy", "trajectory": "service_healthy"}
+        "reward": "service_healthy", "trajectory": "service_healthy", "environment": "service_healthy"}
     for name, body in services.items():
         for dep in (body.get("depends_on") or {}).values():
             assert dep["condition"] in ("service_healthy", "service_completed_successfully"), name
@@ -163,6 +166,8 @@ def test_gpu_reservation_only_by_default_and_cpu_variant_uses_the_tiny_model():
     assert rlfleet_env(cpu["generation"])["RLFLEET_GENERATION_MODEL"] == model_dir
     assert rlfleet_env(cpu["reference"])["RLFLEET_REFERENCE_MODEL_PATH"] == model_dir
     assert rlfleet_env(cpu["reward"])["RLFLEET_REWARD_TOKENIZER_PATH"] == model_dir
+    assert rlfleet_env(cpu["environment"])["RLFLEET_ENVIRONMENT_TOKENIZER_PATH"] == model_dir
+    assert cpu["environment"]["depends_on"]["model-init"]["condition"] == "service_completed_successfully"
 
 
 def test_trajectory_log_is_on_a_named_volume():
@@ -172,3 +177,41 @@ def test_trajectory_log_is_on_a_named_volume():
     mounts = dict(volume.split(":", 1) for volume in body["volumes"])
     volume = next(source for source, target in mounts.items() if db_path.is_relative_to(target))
     assert volume in compose["volumes"]
+
+
+BWRAP_EXCEPTIONS = {"seccomp=unconfined", "apparmor=unconfined"}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_environment_sandbox_gets_bwrap_and_nothing_more(variant):
+    """bwrap needs two exceptions to Docker's defaults (see compose.yaml); they stay on this one
+    service, which keeps only the capabilities the uid drop needs and refuses to run unsandboxed.
+    /proc stays masked: the sandbox mounts no /proc of its own (the kernel would refuse it)."""
+    services = VARIANTS[variant]
+    body = services["environment"]
+    assert set(body["security_opt"]) == BWRAP_EXCEPTIONS | {"no-new-privileges=true"}
+    assert body["cap_drop"] == ["ALL"]
+    assert set(body["cap_add"]) == {"CHOWN", "DAC_OVERRIDE", "SETUID", "SETGID", "KILL"}
+    assert body["user"] == "0:0"  # the sandbox drops each snippet to uid 65534 from root
+    assert "privileged" not in body and not body.get("ports")
+    config = EnvironmentServiceConfig.load([], environ=rlfleet_env(body))
+    assert config.allow_rlimits_only is False and config.sandbox.proc is False
+    # Root must not write the cache the uid-10001 services share: the models volume is read-only.
+    assert "models:/models:ro" in body["volumes"] and body["environment"]["HF_HUB_OFFLINE"] == "1"
+    for name, other in services.items():
+        if name == "environment":
+            continue
+        assert not other.get("security_opt") and not other.get("cap_add") and not other.get("privileged"), name
+        assert other.get("user") in (None, "rlfleet"), name
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_environment_tokenizer_is_the_policys_cached_by_reward(variant):
+    """Observation tokens must be the sampling model's own; offline and read-only, the environment
+    service reads the tokenizer the reward service (started first) put in the shared cache."""
+    services = VARIANTS[variant]
+    environment = EnvironmentServiceConfig.load([], environ=rlfleet_env(services["environment"]))
+    reward = RewardServiceConfig.load([], environ=rlfleet_env(services["reward"]))
+    policy = rlfleet_env(services["generation"])["RLFLEET_GENERATION_MODEL"]
+    assert environment.tokenizer_path == reward.tokenizer_path == policy
+    assert services["environment"]["depends_on"]["reward"]["condition"] == "service_healthy"

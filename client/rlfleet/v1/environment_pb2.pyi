@@ -40,16 +40,18 @@ class OpenEpisodeResponse(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[_sampling_pb2.ChatMessage, _Mapping]]] = ..., prompt_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tools_json: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("episode_id", "token_ids", "text", "finish_reason")
+    __slots__ = ("episode_id", "token_ids", "text", "finish_reason", "turn")
     EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
     episode_id: str
     token_ids: _tensor_pb2.Tensor
     text: str
     finish_reason: str
-    def __init__(self, episode_id: _Optional[str] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    turn: int
+    def __init__(self, episode_id: _Optional[str] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., turn: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("observation", "observation_token_ids", "reward", "has_reward", "done", "truncated", "info")

@@ -75,9 +75,11 @@ class EnvironmentServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
-        """Answers one assistant turn. Errors: NOT_FOUND (unknown or closed
-        episode); INVALID_ARGUMENT naming the field; FAILED_PRECONDITION (the
-        episode is over, a step of it is in flight, the environment raised, or
+        """Answers one assistant turn (idempotent per `turn`). Errors: NOT_FOUND
+        (unknown or closed episode); INVALID_ARGUMENT naming the field;
+        FAILED_PRECONDITION (the episode is over, another step of it is in
+        flight, `turn` out of order, a repeated `turn` with other tokens, the
+        environment raised, or
         the chat template is not prefix-stable: the episode is ended);
         DEADLINE_EXCEEDED naming the episode when the environment's step took
         longer than the service's step timeout (the episode is ended).
