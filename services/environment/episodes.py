@@ -8,7 +8,9 @@ in time per environment call (``step_timeout_seconds``), in turns (``max_turns``
 
 An environment is user code: whatever it raises, or a call that outlives the timeout, ends *its*
 episode (the instance is closed, the id forgotten) and the caller is told which episode and why;
-the other episodes and the service go on. Environments must not block the event loop.
+the other episodes and the service go on. Environments must not block the event loop; the chat
+template's rendering and the tokenizer run in worker threads, so health and other episodes answer
+while a long conversation is rendered.
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ class Episodes:
             self._check(episode, "reset", lambda: check_messages(messages, "reset"))
             episode.tools = self._check(episode, "tools", lambda: _json_tools(episode.env.tools))
             episode.messages = list(messages)
-            _, prompt_token_ids = self.renderer.prompt(episode.messages, episode.tools)
+            _, prompt_token_ids = await asyncio.to_thread(self.renderer.prompt, episode.messages, episode.tools)
         except BaseException as exc:
             await self._end(episode, f"its opening failed: {type(exc).__name__}: {exc}")
             raise
@@ -196,7 +198,7 @@ class Episodes:
         return answer
 
     async def _step(self, episode: _Episode, turn: Turn) -> StepAnswer:
-        text = turn.text if turn.text is not None else self.renderer.decode(turn.token_ids)
+        text = turn.text if turn.text is not None else await asyncio.to_thread(self.renderer.decode, turn.token_ids)
         assistant_turn = AssistantTurn(text=text, token_ids=list(turn.token_ids), finish_reason=turn.finish_reason)
         result = await self._call(episode, "step", episode.env.step(assistant_turn))
         self._check(episode, "step", lambda: check_step_result(result, "step"))
@@ -212,7 +214,8 @@ class Episodes:
             _, assistant = self.renderer.assistant_message(turn.token_ids)
             episode.messages += [assistant, *result.messages]
         else:
-            rendered = self.renderer.observation(episode.messages, turn.token_ids, result.messages, episode.tools)
+            rendered = await asyncio.to_thread(self.renderer.observation, episode.messages, turn.token_ids,
+                                               result.messages, episode.tools)
             episode.messages += [rendered.assistant_message, *result.messages]
             observation_token_ids = rendered.token_ids
         return StepAnswer(list(result.messages), observation_token_ids, result.reward, result.done, truncated, info)
