@@ -142,6 +142,9 @@ class Pipeline:
         self.stages = {name: StageStats(name) for name in ("generation", "reference", "reward", "trajectory")}
         self.staleness = Counter()
         self.appended = 0
+        self.episodes_appended = 0
+        """Multi-turn episodes appended (each also counted in ``appended``), and their turns."""
+        self.episode_turns = 0
         self.discarded_samples = 0
         self.failed_prompts = 0
         """Dead letters since the state directory was created (seeded from the ledger at start)."""
@@ -399,6 +402,9 @@ class Pipeline:
             log.info("group already appended", extra={"prompt_id": item.prompt_id, "key": item.append_key})
             return start_version
         self.appended += len(group)
+        if group.environment_rewards is not None:
+            self.episodes_appended += len(group)
+            self.episode_turns += int(group.turn_versions.lengths.sum())
         self.staleness[now - start_version] += len(group)  # staleness when it became visible
         return start_version
 

@@ -278,7 +278,8 @@ class CollectorService(Service[CollectorConfig]):
             groups_per_step=self.config.groups_per_step, pending_prompts=self.source.pending,
             failed_prompts=pipeline.failed_prompts + self.source.bad_rows, serving=not self.serving_problem,
             not_serving_reason=self.serving_problem, failed=bool(self.failure),
-            spool_error=self.fanout.spool_error,
+            spool_error=self.fanout.spool_error, episodes=pipeline.episodes_appended,
+            episode_turns=pipeline.episode_turns,
         )
 
     @property

@@ -142,6 +142,8 @@ def test_a_three_turn_episode_is_token_exact_with_engine_and_reference_log_probs
         assert versions.shape == (3, 2)
         assert sample["environment_reward"].item() == COUNTER_REWARD == sample["score"].item()
         assert sample["next", "terminated"].item() and not sample["next", "truncated"].item()
+    status = collector_pb2_grpc.CollectorServiceStub(channel).GetStatus(collector_pb2.GetStatusRequest(), timeout=30)
+    assert status.episodes >= GROUP and status.episode_turns == 3 * status.episodes
 
 
 def test_a_weight_push_between_turns_is_recorded_per_turn(channel, tiny_model_dir):

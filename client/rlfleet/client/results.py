@@ -120,6 +120,10 @@ class Status:
     spool_error: str = ""
     """Why the weight spool does not hold the committed version (disk full, I/O error): replicas
     that restart cannot be re-synced until a later push spools; "" when it is current."""
+    episodes: int = 0
+    """Multi-turn episodes appended since the collector started (also counted in ``trajectories``)."""
+    episode_turns: int = 0
+    """Their assistant turns (``episode_turns / episodes``: mean turns per episode)."""
 
     @classmethod
     def from_proto(cls, reply: collector_pb2.GetStatusResponse) -> "Status":
@@ -133,7 +137,7 @@ class Status:
             groups_per_step=reply.groups_per_step, pending_prompts=reply.pending_prompts,
             failed_prompts=reply.failed_prompts, serving=reply.serving,
             not_serving_reason=reply.not_serving_reason, failed=reply.failed,
-            spool_error=reply.spool_error,
+            spool_error=reply.spool_error, episodes=reply.episodes, episode_turns=reply.episode_turns,
         )
 
 
