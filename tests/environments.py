@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import tempfile
 
 from rlfleet.env import AssistantTurn, Environment, StepResult, Task
 
@@ -52,4 +54,19 @@ class SlowCounterEnv(CounterEnv):
 
     async def step(self, turn: AssistantTurn) -> StepResult:
         await asyncio.sleep(self.STEP_SECONDS)
+        return await super().step(turn)
+
+
+class GatedCounterEnv(CounterEnv):
+    """CounterEnv whose second step waits for a gate: it writes ``<gate dir>/waiting-<n>`` and waits for
+    ``<gate dir>/open`` (the directory named by ``RLFLEET_TEST_GATE_DIR``), so a test can change the
+    weights between an episode's second and third turns at a known instant."""
+
+    async def step(self, turn: AssistantTurn) -> StepResult:
+        if self.turns == 1:
+            gate = os.environ["RLFLEET_TEST_GATE_DIR"]
+            with tempfile.NamedTemporaryFile(dir=gate, prefix="waiting-", delete=False):
+                pass
+            while not os.path.exists(os.path.join(gate, "open")):
+                await asyncio.sleep(0.05)
         return await super().step(turn)

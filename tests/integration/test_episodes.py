@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm,
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GROUP = 2
 ENVIRONMENTS = {"counter": "tests.environments:CounterEnv", "slow_counter": "tests.environments:SlowCounterEnv",
-                "raising": "tests.environments:RaisingEnv"}
+                "gated": "tests.environments:GatedCounterEnv", "raising": "tests.environments:RaisingEnv"}
 COUNTER_REWARD = 1 + 2 + 3 + 30
 """CounterEnv: turn i rewarded i, 10 per turn at the end."""
 TIMEOUT = 300.0
@@ -41,10 +41,17 @@ TIMEOUT = 300.0
 
 
 @pytest.fixture(scope="module")
-def suite(tiny_model_dir, tmp_path_factory):
+def gate(tmp_path_factory):
+    """GatedCounterEnv's gate directory (see tests/environments.py)."""
+    return tmp_path_factory.mktemp("gate")
+
+
+@pytest.fixture(scope="module")
+def suite(tiny_model_dir, tmp_path_factory, gate):
     options = SuiteOptions(
         model_dir=tiny_model_dir, environments=ENVIRONMENTS,
-        environment_env={"PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))},
+        environment_env={"PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+                         "RLFLEET_TEST_GATE_DIR": str(gate)},
         collector_args=["--group-size", str(GROUP), "--groups-per-step", "64", "--environment", "counter",
                         "--reward-fn", "none", "--sampling", '{"temperature": 1.0, "max_tokens": 16}',
                         "--max-episode-tokens", "512", "--prompt-attempts", "2", "--retry-backoff-seconds", "0.2",
@@ -146,29 +153,26 @@ def test_a_three_turn_episode_is_token_exact_with_engine_and_reference_log_probs
     assert status.episodes >= GROUP and status.episode_turns == 3 * status.episodes
 
 
-def test_a_weight_push_between_turns_is_recorded_per_turn(channel, tiny_model_dir):
+def test_a_weight_push_between_turns_is_recorded_per_turn(channel, tiny_model_dir, gate):
     state = load_hf(tiny_model_dir).state_dict()
     stub = collector_pb2_grpc.CollectorServiceStub(channel)
     before = stub.GetPolicyVersion(collector_pb2.GetPolicyVersionRequest(), timeout=30).version
-    submit(channel, [chat("slow-0", "count slowly", environment="slow_counter")])
-    generation = lambda: next(s for s in stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=30).stages
-                              if s.name == "generation")
-    wait_for(lambda: generation().in_flight > 0, TIMEOUT, "the slow episodes to start")
+    submit(channel, [chat("gated-0", "count to three", environment="gated")])
+    # Both episodes sampled two turns at `before` and wait in their second step: push, then open the gate.
+    wait_for(lambda: len(list(gate.glob("waiting-*"))) == GROUP, TIMEOUT, "both episodes at their second step")
     assert push(channel, state).version == before + 1
+    (gate / "open").touch()
     reader = Reader(channel, batch_size=GROUP)
     try:
-        samples = samples_of(reader, {"slow-0"}, time.monotonic() + TIMEOUT)
+        samples = samples_of(reader, {"gated-0"}, time.monotonic() + TIMEOUT)
     finally:
         reader.close()
+    assert len(samples) == GROUP
     for sample in samples:
-        versions = sample["turns", "policy_versions"]
-        assert len(versions) == 3
-        assert (versions[:, 0] <= versions[:, 1]).all() and (versions[1:, 0] >= versions[:-1, 1]).all()
-        assert sample["policy_version_start"].item() == versions.min().item()
-        assert sample["policy_version_end"].item() == versions.max().item()
-    # Each episode took three steps of a second: the push landed between or within its turns.
-    assert any(len(set(s["turns", "policy_versions"].flatten().tolist())) > 1 for s in samples), \
-        [s["turns", "policy_versions"].tolist() for s in samples]
+        assert sample["turns", "policy_versions"].tolist() == [[before, before], [before, before],
+                                                               [before + 1, before + 1]]
+        assert sample["policy_version_start"].item() == before
+        assert sample["policy_version_end"].item() == before + 1
 
 
 def test_bad_episodes_end_as_dead_letters_and_the_run_goes_on(channel):
