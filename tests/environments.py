@@ -58,15 +58,19 @@ class SlowCounterEnv(CounterEnv):
 
 
 class GatedCounterEnv(CounterEnv):
-    """CounterEnv whose second step waits for a gate: it writes ``<gate dir>/waiting-<n>`` and waits for
-    ``<gate dir>/open`` (the directory named by ``RLFLEET_TEST_GATE_DIR``), so a test can change the
-    weights between an episode's second and third turns at a known instant."""
+    """CounterEnv whose second step waits for a gate, per prompt: it writes ``<gate dir>/waiting-<prompt
+    id>-*`` and waits for ``<gate dir>/open-<prompt id>`` (the directory named by ``RLFLEET_TEST_GATE_DIR``),
+    so a test acts while episodes are at a known turn."""
+
+    async def reset(self, task: Task) -> list[dict]:
+        self.prompt_id = task.metadata.get("prompt_id", "")
+        return await super().reset(task)
 
     async def step(self, turn: AssistantTurn) -> StepResult:
         if self.turns == 1:
             gate = os.environ["RLFLEET_TEST_GATE_DIR"]
-            with tempfile.NamedTemporaryFile(dir=gate, prefix="waiting-", delete=False):
+            with tempfile.NamedTemporaryFile(dir=gate, prefix=f"waiting-{self.prompt_id}-", delete=False):
                 pass
-            while not os.path.exists(os.path.join(gate, "open")):
+            while not os.path.exists(os.path.join(gate, f"open-{self.prompt_id}")):
                 await asyncio.sleep(0.05)
         return await super().step(turn)

@@ -66,7 +66,8 @@ class Turn:
 
     token_ids: list[int]
     text: str | None
-    """What the environment reads; ``None``: the tokens decoded, special tokens kept."""
+    """What the environment reads; ``None``: the tokens decoded (special tokens kept) less a trailing
+    end-of-turn token: the assistant message's content."""
     finish_reason: str
     number: int = 0
     """1 for the episode's first turn; 0: not checked (see ``Episodes.step``)."""
@@ -198,7 +199,11 @@ class Episodes:
         return answer
 
     async def _step(self, episode: _Episode, turn: Turn) -> StepAnswer:
-        text = turn.text if turn.text is not None else await asyncio.to_thread(self.renderer.decode, turn.token_ids)
+        if turn.text is None:  # what a chat API would return: the content, less the end-of-turn token
+            _, message = await asyncio.to_thread(self.renderer.assistant_message, turn.token_ids)
+            text = message["content"]
+        else:
+            text = turn.text
         assistant_turn = AssistantTurn(text=text, token_ids=list(turn.token_ids), finish_reason=turn.finish_reason)
         result = await self._call(episode, "step", episode.env.step(assistant_turn))
         self._check(episode, "step", lambda: check_step_result(result, "step"))

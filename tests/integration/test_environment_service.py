@@ -100,7 +100,7 @@ def test_a_scripted_episode_is_token_exact_with_per_turn_rewards(stub, tokenizer
         turn_ids = sampled(tokenizer, f"one {turn}")
         answer = step(stub, "counter-1", turn_ids)
         assert (answer.reward, answer.has_reward, answer.done, answer.truncated) == (turn, True, turn == 3, False)
-        assert answer.info["text"] == f"one {turn}<|im_end|>"  # decoded, special tokens kept
+        assert answer.info["text"] == f"one {turn}"  # decoded, the end-of-turn token left out
         sequence += turn_ids + ids(answer.observation_token_ids)
         messages.append({"role": "assistant", "content": f"one {turn}"})
         if turn < 3:

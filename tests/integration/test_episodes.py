@@ -159,9 +159,9 @@ def test_a_weight_push_between_turns_is_recorded_per_turn(channel, tiny_model_di
     before = stub.GetPolicyVersion(collector_pb2.GetPolicyVersionRequest(), timeout=30).version
     submit(channel, [chat("gated-0", "count to three", environment="gated")])
     # Both episodes sampled two turns at `before` and wait in their second step: push, then open the gate.
-    wait_for(lambda: len(list(gate.glob("waiting-*"))) == GROUP, TIMEOUT, "both episodes at their second step")
+    wait_for(lambda: len(list(gate.glob("waiting-gated-0-*"))) == GROUP, TIMEOUT, "both episodes at their second step")
     assert push(channel, state).version == before + 1
-    (gate / "open").touch()
+    (gate / "open-gated-0").touch()
     reader = Reader(channel, batch_size=GROUP)
     try:
         samples = samples_of(reader, {"gated-0"}, time.monotonic() + TIMEOUT)
@@ -199,24 +199,26 @@ def test_bad_episodes_end_as_dead_letters_and_the_run_goes_on(channel):
     assert sample["environment_reward"].item() == COUNTER_REWARD
 
 
-def test_a_sigkilled_environment_service_loses_no_episode(suite, channel):
+def test_a_sigkilled_environment_service_loses_no_episode(suite, channel, gate):
     stub = collector_pb2_grpc.CollectorServiceStub(channel)
-    ids = submit(channel, [chat(f"survive-{i}", f"count {i}", environment="slow_counter") for i in range(3)])
-    generation = lambda: next(s for s in stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=30).stages
-                              if s.name == "generation")
-    wait_for(lambda: generation().in_flight > 0, TIMEOUT, "episodes in flight")
+    ids = submit(channel, [chat(f"survive-{i}", f"count {i}", environment="gated") for i in range(3)])
+    # Every episode is mid-flight (one turn answered, its second step waiting) when the service dies.
+    wait_for(lambda: len(list(gate.glob("waiting-survive-*"))) == 3 * GROUP, TIMEOUT, "the episodes at turn 2")
     old = suite["environment"]
     os.kill(old.process.pid, signal.SIGKILL)
     old.process.wait(30)
     restarted = ServiceProcess(old.name, [*old.args, "--port", str(old.port)], env=old.env)
     restarted.start(old.log_path.parent / "restarted").wait_ready(120)
     suite["environment"] = restarted
+    for prompt_id in ids:
+        (gate / f"open-{prompt_id}").touch()
     reader = Reader(channel, batch_size=GROUP)
     try:
         samples = samples_of(reader, set(ids), time.monotonic() + TIMEOUT)
     finally:
         reader.close()
-    assert sorted({s["prompt_id"] for s in samples}) == sorted(ids)
+    assert sorted({s["prompt_id"] for s in samples}) == sorted(ids) and len(samples) == 3 * GROUP
     assert all(s["environment_reward"].item() == COUNTER_REWARD for s in samples)
+    assert all(len(s["turns", "policy_versions"]) == 3 for s in samples)
     dead = {f.prompt_id for f in stub.ListFailures(collector_pb2.ListFailuresRequest(), timeout=30).failures}
     assert not dead & set(ids)

@@ -42,7 +42,8 @@ class AssistantTurn:
     """What the model produced in one turn."""
 
     text: str
-    """The sampled tokens decoded; tool calls are parsed from it."""
+    """The sampled tokens decoded, special tokens kept, less a trailing end-of-turn token (as a chat API
+    returns the content); tool calls are parsed from it."""
     token_ids: list[int] = field(default_factory=list)
     """The sampled token ids, exactly as sampled (never re-tokenized from ``text``)."""
     finish_reason: str = "stop"
