@@ -47,16 +47,6 @@ class HangingEnv(Environment):
         raise AssertionError("unreachable")
 
 
-class SlowCounterEnv(CounterEnv):
-    """CounterEnv taking a while over each step, so weights can change between an episode's turns."""
-
-    STEP_SECONDS = 1.0
-
-    async def step(self, turn: AssistantTurn) -> StepResult:
-        await asyncio.sleep(self.STEP_SECONDS)
-        return await super().step(turn)
-
-
 class GatedCounterEnv(CounterEnv):
     """CounterEnv whose second step waits for a gate, per prompt: it writes ``<gate dir>/waiting-<prompt
     id>-*`` and waits for ``<gate dir>/open-<prompt id>`` (the directory named by ``RLFLEET_TEST_GATE_DIR``),

@@ -32,8 +32,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm,
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GROUP = 2
-ENVIRONMENTS = {"counter": "tests.environments:CounterEnv", "slow_counter": "tests.environments:SlowCounterEnv",
-                "gated": "tests.environments:GatedCounterEnv", "raising": "tests.environments:RaisingEnv"}
+ENVIRONMENTS = {"counter": "tests.environments:CounterEnv", "gated": "tests.environments:GatedCounterEnv",
+                "raising": "tests.environments:RaisingEnv"}
 COUNTER_REWARD = 1 + 2 + 3 + 30
 """CounterEnv: turn i rewarded i, 10 per turn at the end."""
 TIMEOUT = 300.0
