@@ -84,17 +84,21 @@ def chat(prompt_id: str, content: str, environment: str = "") -> collector_pb2.P
         chat=sampling_pb2.ChatMessages(messages=[sampling_pb2.ChatMessage(role="user", content=content)])))
 
 
-def samples_of(reader: Reader, prompt_ids: set[str], deadline: float) -> list[dict]:
+def samples_of(channel, prompt_ids: set[str]) -> list[dict]:
     """Per-sample views of the batches read until every prompt in ``prompt_ids`` came (others skipped)."""
-    found, pending = [], set(prompt_ids)
-    while pending:
-        assert time.monotonic() < deadline, f"no batch for {sorted(pending)}"
-        batch = reader.next()
-        for i, prompt_id in enumerate(batch["prompt_id"]):
-            if prompt_id in prompt_ids:
-                pending.discard(prompt_id)
-                sample = {key: batch[key][i] for key in batch.keys(include_nested=True, leaves_only=True)}
-                found.append({**sample, "prompt_id": prompt_id})
+    found, pending, deadline = [], set(prompt_ids), time.monotonic() + TIMEOUT
+    reader = Reader(channel, batch_size=GROUP)
+    try:
+        while pending:
+            assert time.monotonic() < deadline, f"no batch for {sorted(pending)}"
+            batch = reader.next()
+            for i, prompt_id in enumerate(batch["prompt_id"]):
+                if prompt_id in prompt_ids:
+                    pending.discard(prompt_id)
+                    sample = {key: batch[key][i] for key in batch.keys(include_nested=True, leaves_only=True)}
+                    found.append({**sample, "prompt_id": prompt_id})
+    finally:
+        reader.close()
     return found
 
 
@@ -112,11 +116,7 @@ def runs(mask: torch.Tensor) -> list[tuple[int, int]]:
 
 def test_a_three_turn_episode_is_token_exact_with_engine_and_reference_log_probs(channel, tokenizer, tiny_model_dir):
     submit(channel, [chat("count-0", "what is 2 plus 3")])
-    reader = Reader(channel, batch_size=GROUP)
-    try:
-        samples = samples_of(reader, {"count-0"}, time.monotonic() + TIMEOUT)
-    finally:
-        reader.close()
+    samples = samples_of(channel, {"count-0"})
     assert len(samples) == GROUP
     model = load_hf(tiny_model_dir)
     opening = [{"role": "system", "content": "count with me"}, {"role": "user", "content": "what is 2 plus 3"}]
@@ -162,11 +162,7 @@ def test_a_weight_push_between_turns_is_recorded_per_turn(channel, tiny_model_di
     wait_for(lambda: len(list(gate.glob("waiting-gated-0-*"))) == GROUP, TIMEOUT, "both episodes at their second step")
     assert push(channel, state).version == before + 1
     (gate / "open-gated-0").touch()
-    reader = Reader(channel, batch_size=GROUP)
-    try:
-        samples = samples_of(reader, {"gated-0"}, time.monotonic() + TIMEOUT)
-    finally:
-        reader.close()
+    samples = samples_of(channel, {"gated-0"})
     assert len(samples) == GROUP
     for sample in samples:
         assert sample["turns", "policy_versions"].tolist() == [[before, before], [before, before],
@@ -191,11 +187,7 @@ def test_bad_episodes_end_as_dead_letters_and_the_run_goes_on(channel):
     assert raised.code == "FAILED_PRECONDITION" and "the scripted environment broke" in raised.error
     assert raised.attempts == 2
     assert unknown.code == "NOT_FOUND" and "nope" in unknown.error and unknown.attempts == 0  # refused: not retried
-    reader = Reader(channel, batch_size=GROUP)
-    try:
-        (sample, *_) = samples_of(reader, {"count-after"}, time.monotonic() + TIMEOUT)
-    finally:
-        reader.close()
+    (sample, *_) = samples_of(channel, {"count-after"})
     assert sample["environment_reward"].item() == COUNTER_REWARD
 
 
@@ -212,11 +204,7 @@ def test_a_sigkilled_environment_service_loses_no_episode(suite, channel, gate):
     suite["environment"] = restarted
     for prompt_id in ids:
         (gate / f"open-{prompt_id}").touch()
-    reader = Reader(channel, batch_size=GROUP)
-    try:
-        samples = samples_of(reader, set(ids), time.monotonic() + TIMEOUT)
-    finally:
-        reader.close()
+    samples = samples_of(channel, set(ids))
     assert sorted({s["prompt_id"] for s in samples}) == sorted(ids) and len(samples) == 3 * GROUP
     assert all(s["environment_reward"].item() == COUNTER_REWARD for s in samples)
     assert all(len(s["turns", "policy_versions"]) == 3 for s in samples)
