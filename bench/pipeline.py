@@ -1,7 +1,8 @@
-"""End-to-end pipeline throughput, as ratios against generation alone, against sync mode and against in-process vLLM.
+"""End-to-end pipeline throughput, as ratios against generation alone, against sync mode, against in-process vLLM
+and of multi-turn episodes against single turns of the same tokens.
 
     .venv/bin/python bench/pipeline.py [--groups 32] [--rounds 3] [--steps 6] [--step-seconds 0.5] [--sync-rounds 2]
-        [--parts abc] [--inprocess-rounds 3] [--long-tokens 1024] [--long-groups 4]
+        [--parts abcd] [--inprocess-rounds 3] [--long-tokens 1024] [--long-groups 4] [--multiturn-rounds 3]
 
 The suite (trajectory, reference, reward, one generation replica) starts once
 as real processes; only the collector is restarted between configurations,
@@ -42,7 +43,24 @@ alternate (rlfleet, in-process, rlfleet, ...) ``--inprocess-rounds`` times after
 phase ``--settle-seconds`` after the previous one (an idle engine spins a core for ~1 s), for a
 ``--max-tokens`` row (``--groups`` groups) and a ``--long-tokens`` row (``--long-groups`` groups);
 ratio = end-to-end / in-process per round, median. Both engines live at once (the tiny model's
-KV cache is 256 MiB each). The last line is ``RESULT {json}`` with the ratios of every part run.
+KV cache is 256 MiB each).
+
+(d) multi-turn episodes vs single turns of the same sampled tokens, end to end. The suite also runs
+the environment service with ``bench_tools`` (``bench/_environments.py``), where every assistant turn is
+answered by a real python tool call in the sandbox (bwrap: needs root), 3 turns per episode. One
+async collector (as in (a)) with the environment service's address runs every side on ``--groups``
+chat prompts: multi-turn prompts name ``bench_tools`` and sample ``--max-tokens`` per turn; the
+single-turn prompts name no environment and sample 3 x ``--max-tokens`` at once (``ignore_eos``
+both: every trajectory carries exactly 3 x ``--max-tokens`` sampled tokens, checked on every batch).
+So the ratio is the cost of the turns themselves: a Generate call per turn and episode (``n = 1``
+instead of one call per group), the environment's steps, the tool runs, and the prefill of the
+history at every turn. A third side runs the same episodes on ``bench_canned_tools``, which answers
+with the tool's output without running it: the turns' own cost, without the tool calls'. The sides
+alternate ``--multiturn-rounds`` times after a warm-up; ratio = multi-turn traj/s / single-turn
+traj/s per round, median (goal >= 0.7). The environment logs each tool call's seconds to a file the
+bench reads: the mean tool-call time, and the calls per trajectory.
+
+The last line is ``RESULT {json}`` with the ratios of every part run.
 """
 
 from __future__ import annotations
@@ -58,12 +76,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import grpc
 import psutil
 
 from _common import CpuMeter, summarize
-from rlfleet.client import connect
+from rlfleet.client import Batch, connect
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, generation_pb2, generation_pb2_grpc, sampling_pb2
@@ -133,26 +152,28 @@ def leftover(client) -> int:
 
 # ---------------------------------------------------------------- (a) end to end vs generation alone
 
-def end_to_end(address: str, prompts: list[str], tag: str, ns, *, groups_per_batch: int | None = None,
-               sampling: dict | None = None, seen_prompts: set | None = None) -> tuple[float, dict[str, float]]:
+def end_to_end(address: str, prompts: list, tag: str, ns, *, groups_per_batch: int | None = None,
+               spec: dict | None = None, on_batch: Callable[[Batch], None] | None = None
+               ) -> tuple[float, dict[str, float]]:
     """Seconds from submit to the last batch of all groups, and the mean groups per stage.
 
-    ``sampling`` overrides the collector's sampling per prompt; ``seen_prompts`` (if given) collects
-    the prompt token ids the trainer received, as tuples."""
+    ``prompts``: the SDK's ``"prompt"`` of each (a text or chat messages); ``spec``: more keys of every
+    prompt (``"sampling"`` overrides, an ``"environment"``); ``on_batch`` sees every batch received
+    (inside the clock: keep it cheap)."""
     groups_per_batch = groups_per_batch or ns.groups_per_step
     per_batch = ns.group_size * groups_per_batch
     if len(prompts) % groups_per_batch:
         raise ValueError("--groups must be a multiple of --groups-per-step")
-    extra = {"sampling": sampling} if sampling else {}
     with connect(address) as client, StatusPoller(address) as poller:
         started = time.perf_counter()
-        client.submit_prompts([{"prompt": text, "prompt_id": f"{tag}-{i}", **extra} for i, text in enumerate(prompts)])
+        client.submit_prompts([{"prompt": prompt, "prompt_id": f"{tag}-{i}", **(spec or {})}
+                               for i, prompt in enumerate(prompts)])
         rows = 0
         with client.batches(per_batch, max_batches=len(prompts) // groups_per_batch) as batches:
             for batch in batches:
                 rows += len(batch)
-                if seen_prompts is not None:
-                    seen_prompts.update(tuple(ids.tolist()) for ids in batch.ragged("tokens/prompt").to_list())
+                if on_batch is not None:
+                    on_batch(batch)
         seconds = time.perf_counter() - started
         if rows != len(prompts) * ns.group_size:
             raise RuntimeError(f"read {rows} trajectories, expected {len(prompts) * ns.group_size}")
@@ -307,7 +328,8 @@ async def inprocess_round(address: str, engine, rows: dict, round_index: int, ns
         await asyncio.sleep(ns.settle_seconds)  # an idle vLLM worker spins ~1 s: let the other engine settle
         seconds_e2e, _ = await asyncio.to_thread(
             end_to_end, address, texts, f"c{tokens}r{round_index}", ns, groups_per_batch=groups_per_batch,
-            sampling={"max_tokens": tokens}, seen_prompts=seen)
+            spec={"sampling": {"max_tokens": tokens}},
+            on_batch=lambda batch: seen.update(tuple(ids.tolist()) for ids in batch.ragged("tokens/prompt").to_list()))
         await asyncio.sleep(ns.settle_seconds)
         seconds_local, samples = await engine.generate_groups(token_ids, ns.group_size, tokens)
         if samples != len(token_ids) * ns.group_size:
@@ -375,6 +397,111 @@ def report_inprocess(rows: dict, options: SuiteOptions, ns) -> None:
               + " ".join(f"{r:.2f}" for r in row["ratios_per_round"]))
 
 
+# ---------------------------------------------------------------- (d) multi-turn vs single turn, same tokens
+
+ENVIRONMENTS = {"bench_tools": "_environments:ToolTurns", "bench_canned_tools": "_environments:CannedToolTurns"}
+MULTITURN_GOAL = 0.7
+
+
+def environment_options(workdir: Path) -> dict:
+    """``SuiteOptions`` fields that start the environment service with the bench's environments registered."""
+    from _environments import TOOL_SECONDS_FILE
+
+    bench_dir = os.path.dirname(os.path.abspath(__file__))
+    python_path = os.pathsep.join(filter(None, [bench_dir, os.environ.get("PYTHONPATH")]))
+    return dict(environments=ENVIRONMENTS,
+                environment_env={"PYTHONPATH": python_path, TOOL_SECONDS_FILE: str(workdir / "tool-seconds.txt")})
+
+
+def new_tool_seconds(path: Path, seen: list[float]) -> list[float]:
+    """The tool-call seconds the environment appended to ``path`` since ``seen`` (extended with them)."""
+    lines = path.read_text().split() if path.exists() else []
+    fresh = [float(line) for line in lines[len(seen):]]
+    seen.extend(fresh)
+    return fresh
+
+
+def sampled_check(tokens: int, turns: int, full_lengths: list[int]) -> Callable[[Batch], None]:
+    """An ``on_batch`` that checks every trajectory sampled ``tokens`` tokens in ``turns`` turns (all sides
+    of (d) do the same sampling work) and collects the full sequences' lengths."""
+    def check(batch: Batch) -> None:
+        sampled = {int(mask.sum()) for mask in batch.ragged("masks/all_assistant_mask").to_list()}
+        turn_counts = set(batch.ragged("turns/policy_versions").lengths.tolist())
+        if sampled != {tokens} or turn_counts != {turns}:
+            raise RuntimeError(f"expected {tokens} sampled tokens in {turns} turns per trajectory, got "
+                               f"{sorted(sampled)} tokens in {sorted(turn_counts)} turns")
+        full_lengths.extend(batch.ragged("tokens/full").lengths.tolist())
+    return check
+
+
+def measure_multiturn(backends, workdir: Path, ns) -> dict:
+    """(d) rounds: multi-turn episodes with tool calls, single turns of the same sampled tokens, then the same
+    episodes with canned tool output, on one async collector (as in (a)) that knows the environment service."""
+    from _environments import TOOL_SECONDS_FILE, TURNS
+
+    collector = start_collector(backends, workdir, "multiturn", ns, "--mode", "async", "--max-staleness", "1000000",
+                                "--groups-per-step", str(ns.groups_per_step),
+                                "--environment-address", backends["environment"].address)
+    tokens = TURNS * ns.max_tokens
+    per_turn = {"sampling": {"max_tokens": ns.max_tokens}}
+    sides = {"multiturn": ({"environment": "bench_tools", **per_turn}, TURNS),
+             "singleturn": ({"sampling": {"max_tokens": tokens}}, 1),
+             "canned": ({"environment": "bench_canned_tools", **per_turn}, TURNS)}
+    rates = {side: [] for side in sides}
+    full_lengths = {side: [] for side in sides}
+    tool_file = Path(backends["environment"].env[TOOL_SECONDS_FILE])
+    all_tool_seconds: list[float] = []
+    tool_seconds: list[float] = []
+    try:
+        for round_index in range(-1, ns.multiturn_rounds):  # round -1: warm-up of every side
+            count = ns.groups_per_step if round_index < 0 else ns.groups
+            prompts = [[{"role": "user", "content": text}] for text in prompt_texts(count)]
+            for side, (spec, turns) in sides.items():
+                lengths = full_lengths[side] if round_index >= 0 else []
+                seconds, _ = end_to_end(collector.address, prompts, f"d-{side}-r{round_index}", ns, spec=spec,
+                                        on_batch=sampled_check(tokens, turns, lengths))
+                if round_index >= 0:
+                    rates[side].append(count * ns.group_size / seconds)
+            calls = new_tool_seconds(tool_file, all_tool_seconds)
+            if round_index < 0:
+                continue
+            tool_seconds += calls
+            log(f"  (d) round {round_index}: single-turn {rates['singleturn'][-1]:.1f} traj/s, multi-turn "
+                f"{rates['multiturn'][-1]:.1f} (canned tools {rates['canned'][-1]:.1f}), ratio "
+                f"{rates['multiturn'][-1] / rates['singleturn'][-1]:.2f}, {len(calls)} tool calls, "
+                f"mean {1000 * statistics.fmean(calls):.1f} ms")
+    finally:
+        collector.stop()
+    trajectories = ns.multiturn_rounds * ns.groups * ns.group_size
+    canned = summarize(rates["singleturn"], rates["canned"])
+    return {**summarize(rates["singleturn"], rates["multiturn"]), "turns": TURNS,
+            "per_round": rates, "ratios_per_round": [m / s for m, s in zip(rates["multiturn"], rates["singleturn"])],
+            "canned": {key: canned[key] for key in ("measured", "ratio", "low", "high")},
+            "tool_seconds_mean": statistics.fmean(tool_seconds),
+            "tool_calls_per_trajectory": len(tool_seconds) / trajectories,
+            "full_tokens": {side: statistics.fmean(lengths) for side, lengths in full_lengths.items()}}
+
+
+def report_multiturn(row: dict, ns) -> None:
+    turns, canned = row["turns"], row["canned"]
+    print(f"\n(d) multi-turn episodes vs single turns of the same sampled tokens, end to end | {ns.groups} groups x "
+          f"{ns.group_size} | {turns} turns x {ns.max_tokens} tokens, each answered by a python tool call in the "
+          f"sandbox, vs 1 turn x {turns * ns.max_tokens} tokens | {ns.multiturn_rounds} alternating rounds")
+    print(f"{'measure':<36} | {'traj/s':>6} | {'ratio':>5} | {'ratio IQR':>11} | goal")
+    print(f"{'-' * 36}-+-{'-' * 6}-+-{'-' * 5}-+-{'-' * 11}-+-----")
+    print(f"{'single turn, same sampled tokens':<36} | {row['base']:>6.1f} | {1:>5.2f} | {'':>11} |")
+    met = "met" if row["ratio"] >= MULTITURN_GOAL else "MISSED"
+    print(f"{f'{turns} turns with tool calls':<36} | {row['measured']:>6.1f} | {row['ratio']:>5.2f} | "
+          f"{row['low']:>5.2f}-{row['high']:<5.2f} | >= {MULTITURN_GOAL} {met}")
+    print(f"{f'{turns} turns, tool output canned':<36} | {canned['measured']:>6.1f} | {canned['ratio']:>5.2f} | "
+          f"{canned['low']:>5.2f}-{canned['high']:<5.2f} | (where the loss is)")
+    print(f"  per-round ratios (with tool calls): {' '.join(f'{r:.2f}' for r in row['ratios_per_round'])}")
+    print(f"  tool calls: {row['tool_calls_per_trajectory']:.2f} per trajectory, {1000 * row['tool_seconds_mean']:.1f} "
+          f"ms each (mean, the sandbox's run as the environment awaits it); tokens per trajectory (prompt + sampled "
+          f"+ observations): multi-turn {row['full_tokens']['multiturn']:.0f}, single-turn "
+          f"{row['full_tokens']['singleturn']:.0f}")
+
+
 # ---------------------------------------------------------------- main
 
 def main() -> None:
@@ -398,12 +525,17 @@ def main() -> None:
                              "which would steal a core from the other engine's phase")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="both engines' max_model_len (default 1024, or room for --long-tokens when (c) runs)")
-    parser.add_argument("--parts", default="abc", help="which parts to run: any of a, b, c")
+    parser.add_argument("--multiturn-rounds", type=int, default=3,
+                        help="(d) alternating multi-turn/single-turn rounds")
+    parser.add_argument("--parts", default="abcd", help="which parts to run: any of a, b, c, d")
     parser.add_argument("--reference-threads", type=int, default=SuiteOptions.reference_threads,
                         help="the reference service's --torch-threads (0: torch's default, one per core)")
     ns = parser.parse_args()
     if "c" in ns.parts and ns.long_tokens == ns.max_tokens:
         parser.error("--long-tokens must differ from --max-tokens (they name the two rows of (c))")
+    if "d" in ns.parts and os.geteuid() != 0:
+        parser.error("(d) runs python tool calls in the sandbox, which drops to uid 65534 and so needs root; "
+                     "leave d out of --parts")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
     from rlfleet.services.models.tiny import build_tiny_model
@@ -412,7 +544,8 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="rlfleet-bench-pipeline-"))
     max_model_len = ns.max_model_len or (max(1024, ns.long_tokens + 128) if "c" in ns.parts else 1024)
     options = SuiteOptions(model_dir=model_dir, generation_replicas=1, kv_cache_bytes=256 << 20,
-                           max_model_len=max_model_len, reference_threads=ns.reference_threads)
+                           max_model_len=max_model_len, reference_threads=ns.reference_threads,
+                           **(environment_options(workdir) if "d" in ns.parts else {}))
     backends = start_suite(options, workdir, without_collector=True)
     try:
         meter = CpuMeter()
@@ -421,6 +554,7 @@ def main() -> None:
         e2e = measure_end_to_end(backends, workdir, meter, ns) if "a" in ns.parts else None
         sync = measure_sync_async(backends, workdir, model_dir, ns) if "b" in ns.parts else None
         inprocess = measure_inprocess(backends, workdir, options, ns) if "c" in ns.parts else None
+        multiturn = measure_multiturn(backends, workdir, ns) if "d" in ns.parts else None
     finally:
         stop_suite(backends)
     print(f"\nmachine load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())} "
@@ -431,11 +565,13 @@ def main() -> None:
         report_sync_async(sync, e2e, ns)
     if inprocess is not None:
         report_inprocess(inprocess, options, ns)
+    if multiturn is not None:
+        report_multiturn(multiturn, ns)
     print(HOW_TO_READ)
-    print("RESULT " + json.dumps(result_json(e2e, sync, inprocess, ns)))
+    print("RESULT " + json.dumps(result_json(e2e, sync, inprocess, multiturn, ns)))
 
 
-def result_json(e2e: dict | None, sync: dict | None, inprocess: dict | None, ns) -> dict:
+def result_json(e2e: dict | None, sync: dict | None, inprocess: dict | None, multiturn: dict | None, ns) -> dict:
     """The ratios of every part run (medians, and per round where the part keeps them)."""
     out: dict = {"parts": ns.parts}
     if e2e is not None:
@@ -448,6 +584,13 @@ def result_json(e2e: dict | None, sync: dict | None, inprocess: dict | None, ns)
         out[f"e2e_over_inprocess_{tokens}_per_round"] = row["ratios_per_round"]
         out[f"e2e_traj_per_s_{tokens}_per_round"] = row["e2e_per_round"]
         out[f"inprocess_traj_per_s_{tokens}_per_round"] = row["inprocess_per_round"]
+    if multiturn is not None:
+        out.update(multiturn_ratio=multiturn["ratio"], multiturn_ratio_per_round=multiturn["ratios_per_round"],
+                   multiturn_goal_met=multiturn["ratio"] >= MULTITURN_GOAL,
+                   multiturn_traj_per_s=multiturn["measured"], singleturn_same_tokens_traj_per_s=multiturn["base"],
+                   multiturn_canned_tools_ratio=multiturn["canned"]["ratio"],
+                   multiturn_canned_tools_traj_per_s=multiturn["canned"]["measured"],
+                   multiturn_tool_call_ms=1000 * multiturn["tool_seconds_mean"])
     return out
 
 
@@ -503,7 +646,12 @@ How to read: ratios are medians of per-round ratios from runs adjacent in time (
 (c) ratio = end-to-end traj/s / plain in-process vLLM traj/s (AsyncLLM in the bench's process, the service's
     engine settings, the same prompt token ids, all prompts submitted at once): 1.0 = the whole data plane
     (gRPC, the generation service, reference, reward, trajectory buffer, batch delivery) costs nothing over
-    calling vLLM yourself. The long row shows whether a fixed per-group cost hides behind longer generation."""
+    calling vLLM yourself. The long row shows whether a fixed per-group cost hides behind longer generation.
+(d) ratio = multi-turn traj/s / single-turn traj/s, both end to end with the same prompts and the same sampled
+    tokens per trajectory: 1.0 = turns cost nothing over sampling the same tokens at once; what a turn adds is
+    its own Generate call per episode, an environment step with a sandboxed tool call, and the prefill of the
+    growing history (goal >= 0.7). The canned row runs the same episodes with the tool's output given instead
+    of run: its gap to the single turn is the turns' own cost, its gap to the tool row the tool calls'."""
 
 
 if __name__ == "__main__":

@@ -1,0 +1,76 @@
+"""The environment of ``bench/pipeline.py`` part (d): every assistant turn costs one real python tool call.
+
+Registered with the environment service by import path (``_environments:ToolTurns``, with ``bench/``
+on its PYTHONPATH). The tiny random model never writes a tool call, so the environment makes one
+for it: each step runs ``SNIPPET`` in the real sandbox (``PythonSandbox``: bwrap, a fresh process per
+call, as the built-in ``tool_calling`` environment's python tool) and answers with a ``tool`` message
+holding its output, whatever the model wrote. The ``TURNS``-th step ends the episode; it runs its
+tool call too (the collector keeps no observation after the last turn, so that output is dropped):
+every turn pays one call, an upper bound on what a model that answers without a tool would cost.
+
+``CannedToolTurns`` answers the same turns with the same message without running anything: the
+difference between the two is the tool calls' cost, the rest is the turns' own.
+
+With ``RLFLEET_BENCH_TOOL_SECONDS_FILE`` set, each call appends its seconds (the whole
+``sandbox.run``, as the step waits for it) to that file, one line per call, for the bench to average.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from rlfleet.env import AssistantTurn, Environment, StepResult, render_tool_result
+from rlfleet.services.environment.sandbox import PythonSandbox
+
+TURNS = 3
+"""Assistant turns per episode, each followed by one tool call."""
+SNIPPET = "print(sum(i * i for i in range(10_000)))"
+"""A small, fixed tool call: the output (and so the observation's tokens) is the same every time."""
+TOOL_SECONDS_FILE = "RLFLEET_BENCH_TOOL_SECONDS_FILE"
+
+_sandbox: PythonSandbox | None = None
+
+
+def shared_sandbox() -> PythonSandbox:
+    """One sandbox for every episode of this process (made on first use: nothing runs at import),
+    as the environment service shares its own between ``tool_calling`` episodes."""
+    global _sandbox
+    if _sandbox is None:
+        _sandbox = PythonSandbox()
+    return _sandbox
+
+
+SNIPPET_OUTPUT = f"{sum(i * i for i in range(10_000))}\n"
+"""What ``SNIPPET`` prints (checked on every run)."""
+
+
+class ToolTurns(Environment):
+    """``TURNS`` assistant turns, each answered with the output of ``SNIPPET`` run in the sandbox."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    async def step(self, turn: AssistantTurn) -> StepResult:
+        self.turns += 1
+        return StepResult(messages=[render_tool_result("python", await self.tool_output())],
+                          done=self.turns >= TURNS)
+
+    async def tool_output(self) -> str:
+        started = time.perf_counter()
+        result = await shared_sandbox().run(SNIPPET)
+        seconds = time.perf_counter() - started
+        if not result.ok or result.stdout != SNIPPET_OUTPUT:  # ours: a failure is the host's, not a cheap turn
+            raise RuntimeError(f"the bench's tool call failed: {result.error}: {result.stderr[-500:]}")
+        path = os.environ.get(TOOL_SECONDS_FILE)
+        if path:
+            with open(path, "a", encoding="utf-8") as out:
+                out.write(f"{seconds:.6f}\n")
+        return result.stdout
+
+
+class CannedToolTurns(ToolTurns):
+    """``ToolTurns`` with the tool call's output given, not run: the same tokens, no sandbox."""
+
+    async def tool_output(self) -> str:
+        return SNIPPET_OUTPUT
