@@ -37,8 +37,9 @@ from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.v1 import environment_pb2, environment_pb2_grpc, generation_pb2, sampling_pb2
 from rlfleet.wire import Ragged, decode_tensor, encode_tensor
 
-GenerateTurn = Callable[[torch.Tensor, int], Awaitable[generation_pb2.GenerateResponse]]
-"""Generates one turn of one episode: (token history, most tokens to sample) -> the sample."""
+GenerateTurns = Callable[[torch.Tensor, int, int], Awaitable[list[generation_pb2.GenerateResponse]]]
+"""Samples the next turn of an episode: (token history, most tokens to sample, n) -> n samples (by
+sample_index); n > 1 only for a group's shared first turn."""
 
 
 @dataclass
@@ -90,28 +91,30 @@ class EpisodeRunner:
                                      settings=self.settings)
 
     async def run_group(self, item: PromptItem, environment: str, group_id: int, group_size: int,
-                        generate: Callable[[int], GenerateTurn]) -> list[Episode]:
+                        generate: Callable[[int], GenerateTurns]) -> list[Episode]:
         """``group_size`` episodes of ``item`` on ``environment``, run at once; ``generate(i)`` samples
         episode ``i``'s turns. One that fails fails the group (the others are cancelled and closed)."""
         prompt = item.episode_prompt(f"prompt {item.prompt_id!r}")
-        tasks = [asyncio.create_task(self._run(item, environment, prompt, f"{group_id:x}-{i}", generate(i)))
+        first_turns = _FirstTurns(group_size, generate(0))
+        tasks = [asyncio.create_task(self._run(item, environment, prompt, f"{group_id:x}-{i}", i, generate(i),
+                                               first_turns))
                  for i in range(group_size)]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
-            for task in tasks:
+            for task in [*tasks, *([first_turns.joint] if first_turns.joint else [])]:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
     async def _run(self, item: PromptItem, environment: str, prompt: list[dict[str, str]], episode_id: str,
-                   generate: GenerateTurn) -> Episode:
+                   index: int, generate: GenerateTurns, first_turns: "_FirstTurns") -> Episode:
         opened = await self._call("OpenEpisode", environment_pb2.OpenEpisodeRequest(
             environment=environment, prompt=[sampling_pb2.ChatMessage(**m) for m in prompt],
             ground_truth=item.ground_truth, metadata={"prompt_id": item.prompt_id}, episode_id=episode_id))
         episode = Episode(decode_tensor(opened.prompt_token_ids, "prompt_token_ids").to(torch.int64))
         try:
-            await self._turns(episode, episode_id, generate)
+            await self._turns(episode, episode_id, index, generate, first_turns)
             closed = await self._close(episode_id)
         except BaseException:
             await asyncio.shield(self._close_quietly(episode_id))
@@ -120,14 +123,19 @@ class EpisodeRunner:
             episode.reward += closed.final_reward
         return episode
 
-    async def _turns(self, episode: Episode, episode_id: str, generate: GenerateTurn) -> None:
+    async def _turns(self, episode: Episode, episode_id: str, index: int, generate: GenerateTurns,
+                     first_turns: "_FirstTurns") -> None:
         limits = self.limits
         length = len(episode.prompt)
         if length >= limits.max_episode_tokens:
             raise InvalidArgument(f"episode {episode_id}: its prompt has {length} tokens, the collector's "
                                   f"max_episode_tokens ({limits.max_episode_tokens}) leaves none to sample")
         while length < limits.max_episode_tokens:
-            sample = await generate(episode.history(), limits.max_episode_tokens - length)
+            room = limits.max_episode_tokens - length
+            if episode.turns:
+                sample, = await generate(episode.history(), room, 1)
+            else:
+                sample = await first_turns.sample(index, episode.prompt, room, generate)
             turn = Turn(decode_tensor(sample.response_token_ids, "response_token_ids").to(torch.int64),
                         decode_tensor(sample.behavior_log_probs, "behavior_log_probs").to(torch.float32),
                         sample.policy_version_start, sample.policy_version_end, sample.timing.total_seconds,
@@ -169,6 +177,33 @@ class EpisodeRunner:
                                                 timeout=5, metadata=self.settings.metadata())
         except Exception:  # noqa: BLE001 - best effort: the episode is being given up already
             pass
+
+
+class _FirstTurns:
+    """A group's first turns as one Generate call (n = the group size) when every episode opened with
+    the same tokens, as single-turn groups are generated; each episode samples alone otherwise (an
+    environment that varies its opening)."""
+
+    def __init__(self, size: int, generate: GenerateTurns):
+        self.size = size
+        self.generate = generate
+        self.prompts: dict[int, torch.Tensor] = {}
+        self.all_opened = asyncio.Event()
+        self.joint: asyncio.Future[list[generation_pb2.GenerateResponse]] | None = None
+
+    async def sample(self, index: int, prompt: torch.Tensor, room: int, own: GenerateTurns
+                     ) -> generation_pb2.GenerateResponse:
+        self.prompts[index] = prompt
+        if len(self.prompts) == self.size:
+            self.all_opened.set()
+        await self.all_opened.wait()
+        first = self.prompts[0]
+        if self.size == 1 or any(not torch.equal(other, first) for other in self.prompts.values()):
+            sample, = await own(prompt, room, 1)
+            return sample
+        if self.joint is None:
+            self.joint = asyncio.ensure_future(self.generate(first, room, self.size))
+        return (await asyncio.shield(self.joint))[index]
 
 
 def group_of_episodes(episodes: list[Episode]) -> GroupSamples:

@@ -39,7 +39,7 @@ from rlfleet.client.errors import InvalidArgumentError, NotFoundError, ResourceE
 from rlfleet.services.collector import batched_calls, failures
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.coalescer import Coalescer
-from rlfleet.services.collector.episodes import EpisodeRunner, GenerateTurn, group_of_episodes
+from rlfleet.services.collector.episodes import EpisodeRunner, GenerateTurns, group_of_episodes
 from rlfleet.services.collector.failures import Discard, GenerationFailed
 from rlfleet.services.collector.prompt_item import PromptItem, sampling_fields
 from rlfleet.services.collector.replicas import Replica, ReplicaPool
@@ -306,26 +306,26 @@ class Pipeline:
         return group_of_episodes(episodes)
 
     def _turn_generator(self, item: PromptItem, group_id: int, index: int, home: list[Replica | None]
-                        ) -> GenerateTurn:
-        """Generates the turns of episode ``index``: one sample from its token history, at most the
-        tokens its budget leaves. A turn aborted by a weight update is generated again (on the new
-        weights: each turn records its versions)."""
+                        ) -> GenerateTurns:
+        """Generates the turns of episode ``index`` (``n`` samples from its token history, at most the
+        tokens its budget leaves; n > 1 for the group's shared first turn). A turn aborted by a weight
+        update is generated again (on the new weights: each turn records its versions)."""
         fields = sampling_fields(self.options.sampling, item.sampling, 1)
         if fields.get("seed"):
             fields["seed"] += index  # one seed per episode, or the group's episodes would be one
         max_tokens = fields.get("max_tokens") or SamplingSpec.max_tokens
         requests = itertools.count()
 
-        async def generate(history: torch.Tensor, room: int) -> generation_pb2.GenerateResponse:
-            sampling = sampling_pb2.SamplingParams(**{**fields, "max_tokens": min(max_tokens, room)})
+        async def generate(history: torch.Tensor, room: int, n: int) -> list[generation_pb2.GenerateResponse]:
+            sampling = sampling_pb2.SamplingParams(**{**fields, "max_tokens": min(max_tokens, room), "n": n})
             for _ in range(self.options.generation_attempts):
                 request = generation_pb2.GenerateRequest(request_id=f"{group_id:x}-{index}-{next(requests)}",
                                                          sampling=sampling)
                 encode_tensor(history, out=request.prompt.token_ids)
                 async with self._generation:
-                    sample, = await self._on_a_replica(request, home)
-                if sample.finish_reason != sampling_pb2.FINISH_REASON_ABORT:
-                    return sample
+                    samples = await self._on_a_replica(request, home)
+                if all(s.finish_reason != sampling_pb2.FINISH_REASON_ABORT for s in samples):
+                    return sorted(samples, key=lambda s: s.sample_index)
             raise Discard(f"a turn was aborted by weight updates {self.options.generation_attempts} times")
         return generate
 

@@ -39,8 +39,9 @@ class ScriptedEnvironment:
     """An EnvironmentService stub: each step answers observation [7, 8] (or what ``steps`` says), reward 1."""
 
     def __init__(self, done_after: int = 3, truncate: bool = False, fail_step: Exception | None = None,
-                 final_reward: float | None = 5.0):
+                 final_reward: float | None = 5.0, varied_openings: bool = False):
         self.done_after, self.truncate, self.fail_step, self.final_reward = done_after, truncate, fail_step, final_reward
+        self.varied_openings = varied_openings
         self.steps: dict[str, list[list[int]]] = {}
         self.opened: list[str] = []
         self.closed: list[str] = []
@@ -49,7 +50,8 @@ class ScriptedEnvironment:
         self.opened.append(request.episode_id)
         self.steps[request.episode_id] = []
         reply = environment_pb2.OpenEpisodeResponse()
-        encode_tensor(torch.tensor(PROMPT), out=reply.prompt_token_ids)
+        opening = PROMPT + ([len(self.opened)] if self.varied_openings else [])
+        encode_tensor(torch.tensor(opening), out=reply.prompt_token_ids)
         return reply
 
     async def Step(self, request, timeout=None, metadata=None):
@@ -71,26 +73,34 @@ class ScriptedEnvironment:
         return environment_pb2.CloseEpisodeResponse(final_reward=self.final_reward, has_final_reward=True)
 
 
-def generator(histories: list[list[int]], tokens: int = 4, version=lambda turn: (turn, turn)):
-    """Samples ``tokens`` tokens (or what the room allows) per turn, recording each history it is given."""
+def generator(histories: list[list[int]], tokens: int = 4, version=lambda turn: (turn, turn), calls=None):
+    """Samples ``tokens`` tokens (or what the room allows) per turn, recording each history it is given
+    (and each call's n in ``calls``); sample s of episode i's call holds 10 * (i + s + 1) + 0, 1, ..."""
     def generate(index: int):
-        async def turn(history: torch.Tensor, room: int) -> generation_pb2.GenerateResponse:
+        async def turn(history: torch.Tensor, room: int, n: int) -> list[generation_pb2.GenerateResponse]:
             histories.append(history.tolist())
+            if calls is not None:
+                calls.append(n)
             count = min(tokens, room)
             start, end = version(len(histories) - 1)
-            sample = generation_pb2.GenerateResponse(
-                policy_version_start=start, policy_version_end=end,
-                finish_reason=sampling_pb2.FINISH_REASON_LENGTH if count == room else sampling_pb2.FINISH_REASON_STOP,
-                sampling=sampling_pb2.SamplingParams(temperature=1.0, max_tokens=room))
-            encode_tensor(torch.arange(count) + 10 * (index + 1), out=sample.response_token_ids)
-            encode_tensor(torch.full((count,), -0.5), out=sample.behavior_log_probs)
-            return sample
+            samples = []
+            for s in range(n):
+                sample = generation_pb2.GenerateResponse(
+                    sample_index=s, policy_version_start=start, policy_version_end=end,
+                    finish_reason=(sampling_pb2.FINISH_REASON_LENGTH if count == room
+                                   else sampling_pb2.FINISH_REASON_STOP),
+                    sampling=sampling_pb2.SamplingParams(temperature=1.0, max_tokens=room))
+                encode_tensor(torch.arange(count) + 10 * (index + s + 1), out=sample.response_token_ids)
+                encode_tensor(torch.full((count,), -0.5), out=sample.behavior_log_probs)
+                samples.append(sample)
+            return samples
         return turn
     return generate
 
 
 def run(environment, limits=EpisodeLimits(8, 1024), group_size=2, **generator_args):
     histories: list[list[int]] = []
+    generator_args.setdefault("calls", [])
     runner = EpisodeRunner(environment, SETTINGS, limits)
     item = PromptItem(prompt_id="p", chat=[{"role": "user", "content": "hi"}], ledger_seq=1)
     episodes = asyncio.run(runner.run_group(item, "counter", 0xab, group_size, generator(histories, **generator_args)))
@@ -194,3 +204,14 @@ def test_a_groups_turns_stay_on_its_replica_while_it_is_healthy():
         await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_a_groups_first_turns_are_one_call_when_the_openings_are_the_same():
+    calls = []
+    episodes, _ = run(ScriptedEnvironment(done_after=2), group_size=3, calls=calls)
+    assert calls == [3, 1, 1, 1]  # the first turns together (n = 3), then each episode's own
+    assert [e.turns[0].token_ids.tolist() for e in episodes] == [[10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]]
+    calls = []
+    episodes, _ = run(ScriptedEnvironment(done_after=2, varied_openings=True), group_size=3, calls=calls)
+    assert calls == [1] * 6  # an environment that varies its openings: each episode alone
+    assert sorted(len(e.prompt) for e in episodes) == [4, 4, 4]
