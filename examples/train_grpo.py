@@ -21,6 +21,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -48,11 +49,21 @@ def response_log_probs(model, batch, temperature: torch.Tensor) -> torch.Tensor:
     return token_log_probs[assistant[:, 1:]]
 
 
+def sampled_response_mask(batch) -> torch.Tensor:
+    """Flat over the response tokens in the batch's ragged order: True where the model sampled the token
+    (every token of a single turn; False over an episode's observation tokens, which are not trained on)."""
+    assistant = batch.ragged("masks/all_assistant_mask").to_list()
+    prompt_lengths = batch.ragged("tokens/prompt").lengths.tolist()
+    return torch.cat([mask[length:] for mask, length in zip(assistant, prompt_lengths)])
+
+
 def grpo_step(model, optimizer, batch, *, clip_eps: float, kl_coef: float) -> dict[str, float]:
-    behavior = batch.ragged("log_probs/response").values
-    reference = batch.ragged("ref_log_probs/response").values
+    sampled = sampled_response_mask(batch)
+    behavior = batch.ragged("log_probs/response").values[sampled]
+    reference = batch.ragged("ref_log_probs/response").values[sampled]
     lengths = batch.ragged("tokens/response").lengths
-    advantages = torch.repeat_interleave(batch["advantage"].float(), lengths)
+    sample_of_token = torch.repeat_interleave(torch.arange(len(lengths)), lengths)[sampled]
+    advantages = batch["advantage"].float()[sample_of_token]
     temperature = batch["sampling", "temperature"].float()
 
     new = response_log_probs(model, batch, temperature)
@@ -67,7 +78,7 @@ def grpo_step(model, optimizer, batch, *, clip_eps: float, kl_coef: float) -> di
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     return {"loss": loss.item(), "kl": kl.mean().item(), "logprob_mismatch_max": mismatch.max().item(),
-            "logprob_mismatch_mean": mismatch.mean().item(), "response_tokens": int(lengths.sum())}
+            "logprob_mismatch_mean": mismatch.mean().item(), "response_tokens": int(sampled.sum())}
 
 
 def plot(metrics: list[dict], path: Path) -> None:
@@ -91,72 +102,104 @@ def plot(metrics: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def training_parser(description: str, *, steps: int, groups_per_step: int, group_size: int, lr: float,
+                    kl_coef: float, out: Path) -> argparse.ArgumentParser:
+    """The flags every GRPO demo takes (the defaults are the demo's own)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--collector", required=True, help="collector address host:port")
     parser.add_argument("--model-dir", required=True, help="the same weights the generation replicas serve")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--groups-per-step", type=int, default=8, help="must match the collector's groups_per_step")
-    parser.add_argument("--group-size", type=int, default=4, help="must match the collector's group_size")
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--groups-per-step", type=int, default=groups_per_step,
+                        help="must match the collector's groups_per_step")
+    parser.add_argument("--group-size", type=int, default=group_size, help="must match the collector's group_size")
+    parser.add_argument("--lr", type=float, default=lr)
     parser.add_argument("--clip-eps", type=float, default=0.2)
-    parser.add_argument("--kl-coef", type=float, default=0.05)
+    parser.add_argument("--kl-coef", type=float, default=kl_coef)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="the trainer's torch threads (default: torch's)")
     parser.add_argument("--auth-token", default=None)
     parser.add_argument("--transport", default="auto", choices=["auto", "shm", "grpc"],
                         help="weight push transport; auto = shm when the collector shares this host, else grpc")
-    parser.add_argument("--out", type=Path, default=Path("runs") / "demo")
+    parser.add_argument("--out", type=Path, default=out)
+    return parser
+
+
+def train(client, model, ns, next_prompts: Callable[[int], list[dict]],
+          describe: Callable[[object], dict] = lambda batch: {}) -> list[dict]:
+    """The GRPO loop: keep the prompt queue a step ahead, read one step's batch of whole groups, take a
+    policy-gradient step, push the weights. One metrics record per step; ``describe(batch)`` adds the
+    task's own metrics to it."""
+    from tqdm import tqdm
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=ns.lr, weight_decay=0.0)
+    batch_size = ns.groups_per_step * ns.group_size
+    metrics: list[dict] = []
+    client.submit_prompts(next_prompts(2 * ns.groups_per_step))
+    with client.batches(batch_size=batch_size, whole_groups=True) as batches:
+        progress = tqdm(range(ns.steps), desc="GRPO", unit="step", file=sys.stderr)
+        iterator = iter(batches)
+        for step in progress:
+            started = time.monotonic()
+            client.submit_prompts(next_prompts(ns.groups_per_step))  # keep the queue a step ahead
+            batch = next(iterator)
+            version_before = client.policy_version
+            stats = grpo_step(model, optimizer, batch, clip_eps=ns.clip_eps, kl_coef=ns.kl_coef)
+            pushed = client.push_weights(model, progress=False, transport=ns.transport)
+            elapsed = time.monotonic() - started
+            starts = batch["policy_version_start"]
+            task = describe(batch)
+            record = {
+                "step": step, "policy_version": pushed.version, "version_before": version_before,
+                "reward_mean": batch["score"].float().mean().item(),
+                "batch_policy_version_min": int(starts.min()), "batch_policy_version_max": int(starts.max()),
+                "staleness_mean": float((version_before - starts).float().mean()),
+                "tokens_per_second": stats["response_tokens"] / elapsed, "step_seconds": elapsed,
+                "push_mb_per_s": pushed.megabytes_per_second, "push_seconds": pushed.seconds,
+                "push_transport": pushed.transport, **stats, **task,
+            }
+            metrics.append(record)
+            progress.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record['kl']:.3f}", v=pushed.version)
+            progress.write(
+                f"step {step:3d}  v{pushed.version:<4d} reward {record['reward_mean']:.3f}  kl {record['kl']:.3f}  "
+                f"tok/s {record['tokens_per_second']:6.0f}  staleness {record['staleness_mean']:.1f}  "
+                f"logprob mismatch {record['logprob_mismatch_max']:.1e}  "
+                f"push {pushed.seconds * 1e3:.0f} ms over {pushed.transport}"
+                + "".join(f"  {key} {value:.2f}" for key, value in task.items() if isinstance(value, float)))
+    return metrics
+
+
+def first_and_last(metrics: list[dict], key: str, count: int = 5) -> tuple[float, float]:
+    """Mean of ``key`` over the first and over the last ``count`` steps (steps where it is None skipped)."""
+    def mean(records):
+        values = [m[key] for m in records if m[key] is not None]
+        return sum(values) / len(values) if values else float("nan")
+    return mean(metrics[:count]), mean(metrics[-count:])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = training_parser(__doc__.splitlines()[0], steps=30, groups_per_step=8, group_size=4, lr=3e-4,
+                             kl_coef=0.05, out=Path("runs") / "demo")
     ns = parser.parse_args(argv)
 
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
     from rlfleet.client import connect
 
     torch.manual_seed(ns.seed)
+    if ns.torch_threads:
+        torch.set_num_threads(ns.torch_threads)
     rng = random.Random(ns.seed)
     ns.out.mkdir(parents=True, exist_ok=True)
     model = AutoModelForCausalLM.from_pretrained(ns.model_dir, torch_dtype=torch.float32)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=ns.lr, weight_decay=0.0)
-    batch_size = ns.groups_per_step * ns.group_size
-    metrics: list[dict] = []
 
     with connect(ns.collector, auth_token=ns.auth_token) as client:
         client.wait_ready(timeout=300)
-        client.submit_prompts(task_prompts(2 * ns.groups_per_step, rng))
-        with client.batches(batch_size=batch_size, whole_groups=True) as batches:
-            progress = tqdm(range(ns.steps), desc="GRPO", unit="step", file=sys.stderr)
-            iterator = iter(batches)
-            for step in progress:
-                started = time.monotonic()
-                client.submit_prompts(task_prompts(ns.groups_per_step, rng))  # keep the queue a step ahead
-                batch = next(iterator)
-                version_before = client.policy_version
-                stats = grpo_step(model, optimizer, batch, clip_eps=ns.clip_eps, kl_coef=ns.kl_coef)
-                pushed = client.push_weights(model, progress=False, transport=ns.transport)
-                elapsed = time.monotonic() - started
-                starts = batch["policy_version_start"]
-                record = {
-                    "step": step, "policy_version": pushed.version, "version_before": version_before,
-                    "reward_mean": batch["score"].float().mean().item(),
-                    "batch_policy_version_min": int(starts.min()), "batch_policy_version_max": int(starts.max()),
-                    "staleness_mean": float((version_before - starts).float().mean()),
-                    "tokens_per_second": stats["response_tokens"] / elapsed, "step_seconds": elapsed,
-                    "push_mb_per_s": pushed.megabytes_per_second, "push_seconds": pushed.seconds,
-                    "push_transport": pushed.transport, **stats,
-                }
-                metrics.append(record)
-                progress.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record['kl']:.3f}", v=pushed.version)
-                progress.write(
-                    f"step {step:3d}  v{pushed.version:<4d} reward {record['reward_mean']:.3f}  kl {record['kl']:.3f}  "
-                    f"tok/s {record['tokens_per_second']:6.0f}  staleness {record['staleness_mean']:.1f}  "
-                    f"logprob mismatch {record['logprob_mismatch_max']:.1e}  "
-                    f"push {pushed.seconds * 1e3:.0f} ms over {pushed.transport}")
+        metrics = train(client, model, ns, lambda count: task_prompts(count, rng))
     (ns.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     plot(metrics, ns.out / "metrics.png")
-    first = sum(m["reward_mean"] for m in metrics[:5]) / max(1, len(metrics[:5]))
-    last = sum(m["reward_mean"] for m in metrics[-5:]) / max(1, len(metrics[-5:]))
+    first, last = first_and_last(metrics, "reward_mean")
     print(f"[demo] reward {first:.3f} (first 5 steps) -> {last:.3f} (last 5); "
           f"metrics in {ns.out / 'metrics.json'}, plot in {ns.out / 'metrics.png'}", file=sys.stderr)
     return {"metrics": metrics}

@@ -15,6 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 DEMO_COLLECTOR_ARGS = ["--mode=sync", "--group-size=4", "--groups-per-step=8",
                        '--sampling={"temperature": 1.0, "max_tokens": 24}', "--reward-fn=char_fraction"]
 """The collector settings of scripts/demo (8 groups of 4 per step, on-policy, the digits task)."""
+AGENTIC_COLLECTOR_ARGS = ["--mode=sync", "--group-size=8", "--groups-per-step=4",
+                          '--sampling={"temperature": 1.0, "max_tokens": 96}', "--max-turns=3",
+                          "--reward-fn=numeric_match"]
+"""The collector settings of scripts/demo --agentic (4 groups of 8 episodes per step, on-policy, a tool
+call fits a turn, 3 turns at most); its suite also runs the environment service."""
 
 
 def suite_fixture(collector_args: list[str], name: str):

@@ -1,16 +1,23 @@
-"""The main job, shortened: a GRPO run through the real suite, plus the SDK against real errors."""
+"""The main job, shortened: a GRPO run through the real suite, plus the SDK against real errors; and the
+agentic demo (scripts/demo --agentic), shortened."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from rlfleet.client import FailedPreconditionError, InvalidArgumentError, connect
+from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
 from tests.hf_reference import load_hf
-from tests.integration.suites import DEMO_COLLECTOR_ARGS, run_example, suite_fixture
+from tests.integration.suites import AGENTIC_COLLECTOR_ARGS, DEMO_COLLECTOR_ARGS, run_example, suite_fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 STEPS = 14
+AGENTIC_STEPS = 12
+needs_root = pytest.mark.skipif(os.geteuid() != 0,
+                                reason="the python tool's sandbox drops to uid 65534, which needs root")
 suite = suite_fixture(DEMO_COLLECTOR_ARGS, "demo-suite")
 
 
@@ -95,3 +102,43 @@ def test_torchrl_collector_adapter_counts_increments_without_pushing_again(suite
         assert collector.update_policy_weights_() == before + 1
         # TorchRL calls increment_version() after its pushes: counted, not pushed again.
         assert collector.increment_version() == before + 1 == collector.policy_version
+
+
+@pytest.fixture(scope="module")
+def agentic_metrics(tiny_model_dir, tmp_path_factory):
+    """scripts/demo --agentic for AGENTIC_STEPS steps; its suite (with the environment service) lives
+    only while the example runs."""
+    options = SuiteOptions(model_dir=tiny_model_dir, collector_args=AGENTIC_COLLECTOR_ARGS, environments={})
+    procs = start_suite(options, tmp_path_factory.mktemp("agentic-suite"))
+    try:
+        return run_example("train_agentic.py", procs, tiny_model_dir, AGENTIC_STEPS,
+                           tmp_path_factory.mktemp("agentic-out"))
+    finally:
+        stop_suite(procs)
+
+
+@needs_root
+def test_agentic_demo_records_the_grpo_keys_plus_turns_and_tool_calls_per_step(agentic_metrics, demo_metrics):
+    assert len(agentic_metrics) == AGENTIC_STEPS
+    versions = [m["policy_version"] for m in agentic_metrics]
+    assert versions == list(range(2, 2 + AGENTIC_STEPS))  # version 1: the warm start, pushed before any episode
+    for m in agentic_metrics:
+        assert set(demo_metrics[0]) <= set(m), set(demo_metrics[0]) - set(m)
+        assert m["batch_policy_version_min"] == m["batch_policy_version_max"] == m["version_before"]
+        # Over several turns: behaviour log-probs of the sampled tokens only, observation tokens masked out.
+        assert m["logprob_mismatch_max"] <= 1e-3, m
+        assert 1 <= m["turns_per_episode"] <= 3 and m["tool_calls_per_episode"] >= 0, m  # --max-turns=3
+        assert 0 <= m["tool_call_rate"] <= 1 and 0 <= m["reward_mean"] <= 1, m
+
+
+@needs_root
+def test_agentic_demo_raises_tool_calls_and_reward(agentic_metrics):
+    """The warm start leaves the model calling the tool in about 30% of the episodes (0.25-0.34 at
+    step 0 in 5 runs: seeds 0, 1 twice, 2, 3), and those calls are mostly right; GRPO raises the rate, and the reward
+    with it. Per step, a rate or a mean reward over 32 episodes has a std of at most 0.09 (0.5 / sqrt(32)),
+    so a mean of 3 steps has one of at most 0.05 and a difference of two such means at most 0.07 without
+    learning: we require a rise of 0.2 (~3 sigmas). Measured over those 5 runs: a rise of 0.38-0.65 in the
+    tool-call rate and 0.35-0.60 in the reward."""
+    for key in ("tool_call_rate", "reward_mean"):
+        values = [m[key] for m in agentic_metrics]
+        assert sum(values[-3:]) / 3 - sum(values[:3]) / 3 >= 0.2, (key, values)
