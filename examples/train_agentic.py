@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from train_grpo import first_and_last, train, training_parser  # examples/ is sys.path[0] when run as a script
+from train_grpo import first_and_last, prepare_run, train, training_parser  # examples/ is sys.path[0] when run as a script
 
 OPERANDS = (32, 99)
 """Both factors in this range: every product has four digits."""
@@ -219,11 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from rlfleet.client import connect
 
-    torch.manual_seed(ns.seed)
-    if ns.torch_threads:
-        torch.set_num_threads(ns.torch_threads)
-    rng = random.Random(ns.seed)
-    ns.out.mkdir(parents=True, exist_ok=True)
+    rng = prepare_run(ns)
     tokenizer = AutoTokenizer.from_pretrained(ns.model_dir)
     model = AutoModelForCausalLM.from_pretrained(ns.model_dir, dtype=torch.float32)
     model.train()

@@ -125,6 +125,15 @@ def training_parser(description: str, *, steps: int, groups_per_step: int, group
     return parser
 
 
+def prepare_run(ns) -> random.Random:
+    """Seed torch, set its threads, make the output directory; the run's prompt RNG."""
+    torch.manual_seed(ns.seed)
+    if ns.torch_threads:
+        torch.set_num_threads(ns.torch_threads)
+    ns.out.mkdir(parents=True, exist_ok=True)
+    return random.Random(ns.seed)
+
+
 def train(client, model, ns, next_prompts: Callable[[int], list[dict]],
           describe: Callable[[object], dict] = lambda batch: {}) -> list[dict]:
     """The GRPO loop: keep the prompt queue a step ahead, read one step's batch of whole groups, take a
@@ -186,11 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from rlfleet.client import connect
 
-    torch.manual_seed(ns.seed)
-    if ns.torch_threads:
-        torch.set_num_threads(ns.torch_threads)
-    rng = random.Random(ns.seed)
-    ns.out.mkdir(parents=True, exist_ok=True)
+    rng = prepare_run(ns)
     model = AutoModelForCausalLM.from_pretrained(ns.model_dir, torch_dtype=torch.float32)
     model.train()
 
