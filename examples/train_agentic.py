@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from train_grpo import first_and_last, prepare_run, train, training_parser  # examples/ is sys.path[0] when run as a script
+from train_grpo import connection, first_and_last, prepare_run, train, training_parser  # examples/ is sys.path[0] when run as a script
 
 OPERANDS = (32, 99)
 """Both factors in this range: every product has four digits."""
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
     warm_start(model, tokenizer, rng, steps=ns.warm_start_steps, lr=ns.warm_start_lr, batch_size=ns.warm_start_batch)
     print(f"[agentic] warm start: {ns.warm_start_steps} steps in {time.monotonic() - started:.0f} s", file=sys.stderr)
 
-    with connect(ns.collector, auth_token=ns.auth_token) as client:
+    with connect(ns.collector, **connection(ns)) as client:
         client.wait_ready(timeout=300)
         client.push_weights(model, progress=False, transport=ns.transport)  # episodes start from the warm start
         metrics = train(client, model, ns, lambda count: task_prompts(count, rng),

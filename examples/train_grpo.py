@@ -118,11 +118,24 @@ def training_parser(description: str, *, steps: int, groups_per_step: int, group
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="the trainer's torch threads (default: torch's)")
-    parser.add_argument("--auth-token", default=None)
+    parser.add_argument("--auth-token", default=None, help="bearer token (prefer --credentials: a command line shows in ps)")
+    parser.add_argument("--credentials", type=Path, default=None,
+                        help="a deployment's credentials directory (rlfleet.services.credentials; compose's `credentials` "
+                             "volume copied out): TLS with ca.pem, the client certificate trainer.pem/trainer.key, "
+                             "the token in token-trainer")
     parser.add_argument("--transport", default="auto", choices=["auto", "shm", "grpc"],
                         help="weight push transport; auto = shm when the collector shares this host, else grpc")
     parser.add_argument("--out", type=Path, default=out)
     return parser
+
+
+def connection(ns: argparse.Namespace) -> dict:
+    """``connect`` keywords from ``--auth-token`` / ``--credentials`` (TLS, client certificate, trainer token)."""
+    if ns.credentials is None:
+        return {"auth_token": ns.auth_token}
+    read = lambda name: (ns.credentials / name).read_bytes()  # noqa: E731
+    return {"auth_token": read("token-trainer").decode().strip(), "root_certificates": read("ca.pem"),
+            "certificate_chain": read("trainer.pem"), "private_key": read("trainer.key")}
 
 
 def prepare_run(ns) -> random.Random:
@@ -199,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = AutoModelForCausalLM.from_pretrained(ns.model_dir, torch_dtype=torch.float32)
     model.train()
 
-    with connect(ns.collector, auth_token=ns.auth_token) as client:
+    with connect(ns.collector, **connection(ns)) as client:
         client.wait_ready(timeout=300)
         metrics = train(client, model, ns, lambda count: task_prompts(count, rng))
     (ns.out / "metrics.json").write_text(json.dumps(metrics, indent=1))

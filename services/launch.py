@@ -35,6 +35,8 @@ class ServiceProcess:
     process: subprocess.Popen | None = None
     preexec_fn: Callable[[], None] | None = None
     """Run in the child before it starts (e.g. resource limits a fault test sets)."""
+    health_credentials: grpc.ChannelCredentials | None = None
+    """TLS credentials of the health checks, for a service that serves TLS (None: plaintext)."""
 
     def start(self, workdir: Path | None = None) -> "ServiceProcess":
         workdir = Path(workdir or tempfile.mkdtemp(prefix=f"rlfleet-{self.name}-"))
@@ -73,7 +75,7 @@ class ServiceProcess:
 
     def health(self, timeout: float = 2.0) -> int:
         """The health status enum of the whole server ("" service)."""
-        return healthcheck.status(self.address, timeout=timeout)
+        return healthcheck.status(self.address, timeout=timeout, credentials=self.health_credentials)
 
     def wait_ready(self, timeout: float = 300.0) -> "ServiceProcess":
         """Block until health reports SERVING (the model is loaded)."""

@@ -2,6 +2,7 @@
 
     rlfleet-suite --model-dir ~/.cache/rlfleet/tiny-model            # run until Ctrl-C
     rlfleet-suite --check                                            # start, report health, stop
+    rlfleet-suite --secure --then "python train.py --credentials {credentials} ..."   # TLS, mTLS, roles
 
 Builds the tiny local model when ``--model-dir`` holds none. Services are
 started in dependency order and each must report SERVING before the next.
@@ -47,6 +48,17 @@ class SuiteOptions:
     log_format: str = "text"
     reference_threads: int = 1
     """The reference model's torch threads: vLLM's engine owns the CPU of a small host."""
+    secure: bool = False
+    """Every service serves TLS and requires client certificates (mTLS) and role tokens; the CA, the
+    certificates and the tokens are made in ``WORKDIR/credentials`` (``rlfleet.services.credentials``:
+    a trainer uses ``ca.pem``, ``trainer.pem``/``.key`` and ``token-trainer``). Off: plaintext on loopback."""
+
+
+def secure_args(credentials: Path, name: str) -> list[str]:
+    """The flags that make service ``name`` serve TLS with its certificate, require client
+    certificates from the CA, and check role tokens."""
+    return ["--tls-cert-file", str(credentials / f"{name}.pem"), "--tls-key-file", str(credentials / f"{name}.key"),
+            "--tls-client-ca-file", str(credentials / "ca.pem"), "--auth-tokens-file", str(credentials / "tokens")]
 
 
 def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
@@ -55,12 +67,20 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
     workdir = Path(workdir)
     common = ["--log-format", options.log_format]
     procs: dict[str, ServiceProcess] = {}
+    credentials = None
+    if options.secure:
+        from rlfleet.services.credentials import make_credentials
+
+        credentials = make_credentials(workdir / "credentials")
 
     def launch(key: str, name: str, args: list[str], wait: bool = True, env: dict[str, str] | None = None
                ) -> ServiceProcess:
         started = time.monotonic()
         print(f"[suite] starting {key} ...", file=sys.stderr, flush=True)
         proc = ServiceProcess(name, [*args, *common], env=env or {})
+        if credentials is not None:
+            proc.args += secure_args(credentials, name)
+            proc.health_credentials = _own_credentials(credentials, name)
         proc.start(workdir / key)
         procs[key] = proc
         if wait:
@@ -94,11 +114,27 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
             "--generation-addresses", json.dumps([p.address for p in replicas]),
             "--reference-address", procs["reference"].address, "--reward-address", procs["reward"].address,
             "--trajectory-address", procs["trajectory"].address, "--state-dir", str(workdir / "collector"),
-            *upstream, *options.collector_args])
+            *upstream, *(_upstream_args(credentials) if credentials else ()), *options.collector_args])
     except BaseException:
         stop_suite(procs)
         raise
     return procs
+
+
+def _upstream_args(credentials: Path) -> list[str]:
+    return ["--upstream-tls-ca-file", str(credentials / "ca.pem"),
+            "--upstream-tls-cert-file", str(credentials / "collector.pem"),
+            "--upstream-tls-key-file", str(credentials / "collector.key"),
+            "--upstream-auth-token-file", str(credentials / "token-service")]
+
+
+def _own_credentials(credentials: Path, name: str):
+    """The suite's health checks of service ``name`` present that service's own certificate (mTLS)."""
+    import grpc
+
+    return grpc.ssl_channel_credentials((credentials / "ca.pem").read_bytes(),
+                                        (credentials / f"{name}.key").read_bytes(),
+                                        (credentials / f"{name}.pem").read_bytes())
 
 
 def stop_suite(procs: dict[str, ServiceProcess]) -> None:
@@ -122,9 +158,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--environment", action="append", default=[], metavar="NAME=MODULE:CLASS",
                         help="register an environment with the environment service (repeatable; implies "
                              "--with-environment; the built-in tool_calling is always there)")
+    parser.add_argument("--secure", action="store_true",
+                        help="TLS, client certificates and role tokens everywhere; credentials made in "
+                             "WORKDIR/credentials ({credentials} in --then)")
     parser.add_argument("--check", action="store_true", help="start, report health, stop")
     parser.add_argument("--then", default=None,
-                        help="command to run once the suite is up ({collector} and {model_dir} are filled in); "
+                        help="command to run once the suite is up ({collector}, {model_dir} and {credentials} are filled in); "
                              "the suite stops when it exits and its exit code is returned")
     ns = parser.parse_args(argv)
 
@@ -135,14 +174,15 @@ def main(argv: list[str] | None = None) -> None:
     if ns.with_environment and environments is None:
         environments = {}
     options = SuiteOptions(model_dir=ns.model_dir, generation_replicas=ns.generation_replicas,
-                           collector_args=ns.collector_arg, environments=environments)
+                           collector_args=ns.collector_arg, environments=environments, secure=ns.secure)
     procs = start_suite(options, ns.workdir)
     exit_code = 0
     try:
         for key, proc in procs.items():
             print(f"{key}\t{proc.address}\tSERVING")
         if ns.then:
-            command = shlex.split(ns.then.format(collector=procs["collector"].address, model_dir=ns.model_dir))
+            command = shlex.split(ns.then.format(collector=procs["collector"].address, model_dir=ns.model_dir,
+                                                 credentials=ns.workdir / "credentials"))
             print(f"[suite] running: {' '.join(command)}", file=sys.stderr, flush=True)
             exit_code = subprocess.call(command)
         elif not ns.check:

@@ -17,7 +17,18 @@ class CollectorConfig(ServiceConfig):
     port: int = Field(50050, ge=0, le=65535)
     """gRPC port the trainer connects to (also serves TrajectoryService.StreamBatches, forwarded)."""
     generation_addresses: list[str] = Field(default_factory=lambda: ["127.0.0.1:50051"])
-    """Generation replicas as host:port; a host resolving to several IPs (headless Service) counts once per IP."""
+    """Generation replicas as host:port; with ``resolve_generation_addresses`` a host resolving to several
+    IPs (a Kubernetes headless Service) counts once per IP, re-resolved every ``discovery_refresh_seconds``."""
+    generation_addresses_file: str | None = None
+    """A JSON list of ``host:port`` re-read every ``discovery_refresh_seconds`` (written by an autoscaler, a
+    registry sidecar, an operator); set, it replaces ``generation_addresses``. A replica that appears is
+    re-synced to the committed weights before it gets work; one that goes leaves the rotation, its calls in
+    flight finishing or failing over. A missing or malformed file keeps the last list (WARNING)."""
+    resolve_generation_addresses: bool = True
+    """Resolve each host: one replica per IP, its certificate checked against the host name (a headless
+    Service scales with its pods). False: dial the names as given (gRPC resolves them itself)."""
+    discovery_refresh_seconds: float = Field(10.0, gt=0)
+    """How often the replica list is asked again (the file re-read, the names re-resolved)."""
     reference_address: str = "127.0.0.1:50052"
     """Reference service."""
     reward_address: str = "127.0.0.1:50053"
@@ -27,7 +38,20 @@ class CollectorConfig(ServiceConfig):
     environment_address: str | None = None
     """Environment service, for prompts run as multi-turn episodes; None = single-turn prompts only."""
     upstream_auth_token: str | None = None
-    """Bearer token sent to the other services (if they enforce one)."""
+    """Bearer token sent to the other services (if they enforce one: a ``service`` role token). Prefer
+    ``upstream_auth_token_file``: a command line shows in ``ps``."""
+    upstream_auth_token_file: str | None = None
+    """File holding the bearer token sent to the other services (a mounted secret); overrides
+    ``upstream_auth_token``."""
+    upstream_tls_ca_file: str | None = None
+    """PEM CA certificate(s) the other services' certificates are verified against; set (or a client
+    certificate set), the collector calls them over TLS."""
+    upstream_tls_cert_file: str | None = None
+    """PEM client certificate the collector presents to services that require one (mTLS)."""
+    upstream_tls_key_file: str | None = None
+    """PEM private key of ``upstream_tls_cert_file``."""
+    upstream_tls_server_name: str | None = None
+    """The name the other services' certificates hold, when it differs from their addresses' hosts."""
 
     dataset_path: str | None = None
     """JSONL/JSON/Parquet file or saved `datasets` directory of prompts; None = only trainer-submitted prompts."""

@@ -1,21 +1,27 @@
-"""Generation replicas: least-loaded selection, failure handling, re-sync.
+"""Generation replicas: membership, least-loaded selection, failure handling, re-sync.
 
-A replica that fails a call is taken out of rotation. A monitor checks it
-again; once it answers and serves the committed version (re-synced from the
-spooled weights if it does not), it returns to rotation.
+The members come from a ``Discovery`` source (``discovery.py``) through ``update``: a replica that
+appears starts out of rotation, and the collector's replica monitor brings it in once it answers and
+serves the committed version (re-synced from the spooled weights if it does not) — exactly the path
+of a replica that failed a call and came back. One that disappears leaves the rotation at once; its
+calls in flight finish (or fail over like any failed call) and its channel closes when the last ends.
+Work goes to the healthy replica with the fewest samples outstanding (not calls: a group of 16 weighs
+16 single samples), except that a group's later turns stay where its prefix is cached.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import socket
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlfleet.client.channel import ChannelSettings, aio_channel
+from rlfleet.services.collector.discovery import Endpoint
+from rlfleet.services.common import metrics
 from rlfleet.services.common.errors import Unavailable
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc
 
@@ -32,6 +38,9 @@ class Replica:
     healthy: bool = False
     policy_version: int = 0
     in_flight: int = 0
+    """Samples outstanding here (a Generate call of ``n`` samples counts ``n``)."""
+    gone: bool = False
+    """Discovery no longer lists it: out of rotation for good; its channel closes once idle."""
     failures: int = 0
     last_error: str = ""
     shm_refused: bool = False
@@ -42,65 +51,84 @@ class Replica:
     """The largest push it accepts, from its last probe (0: not reported yet)."""
 
 
-def expand_addresses(addresses: list[str]) -> list[str]:
-    """``host:port`` entries; a host resolving to several IPs becomes several replicas
-    (a Kubernetes headless Service). IP literals and unresolvable names pass through."""
-    out: list[str] = []
-    for address in addresses:
-        host, _, port = address.rpartition(":")
-        try:
-            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-        except (OSError, ValueError):
-            out.append(address)
-            continue
-        ips = sorted({info[4][0] for info in infos})
-        if len(ips) <= 1 or host in ("localhost",):
-            out.append(address)
-        else:
-            out.extend(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips)
-    return list(dict.fromkeys(out))
-
-
 class ReplicaPool:
     """The set of generation replicas this collector drives."""
 
-    def __init__(self, addresses: list[str], settings: ChannelSettings):
+    def __init__(self, settings: ChannelSettings):
         self.settings = settings
         self.replicas: list[Replica] = []
-        for address in expand_addresses(addresses):
-            channel = aio_channel(address, settings)
-            self.replicas.append(Replica(address, channel, generation_pb2_grpc.GenerationServiceStub(channel)))
         self._changed = asyncio.Condition()
+        self._closing: set[asyncio.Task] = set()
+
+    async def update(self, endpoints: list[Endpoint]) -> tuple[list[Replica], list[Replica]]:
+        """Make the members ``endpoints``: (the replicas added, out of rotation until the monitor
+        brings them in; the replicas removed)."""
+        wanted = {endpoint.address: endpoint for endpoint in endpoints}
+        current = {replica.address for replica in self.replicas}
+        added = [self._replica(endpoint) for address, endpoint in wanted.items() if address not in current]
+        removed = [replica for replica in self.replicas if replica.address not in wanted]
+        for replica in removed:
+            replica.healthy, replica.gone = False, True
+            metrics.REPLICA_OUTSTANDING.remove(replica.address)
+            if replica.in_flight == 0:
+                self._close(replica)
+        self.replicas = [replica for replica in self.replicas if replica.address in wanted] + added
+        if added or removed:
+            async with self._changed:
+                self._changed.notify_all()
+        return added, removed
+
+    def _replica(self, endpoint: Endpoint) -> Replica:
+        settings = self.settings
+        if endpoint.tls_name and settings.tls and not settings.server_name:
+            settings = dataclasses.replace(settings, server_name=endpoint.tls_name)
+        channel = aio_channel(endpoint.address, settings)
+        metrics.REPLICA_OUTSTANDING.labels(endpoint.address).set(0)
+        return Replica(endpoint.address, channel, generation_pb2_grpc.GenerationServiceStub(channel))
+
+    def _close(self, replica: Replica) -> None:
+        task = asyncio.get_running_loop().create_task(replica.channel.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]
 
     async def acquire(self, exclude: set[str] = frozenset(), timeout: float | None = None,
-                      prefer: Replica | None = None) -> Replica:
+                      prefer: Replica | None = None, samples: int = 1) -> Replica:
         """``prefer`` while it is healthy and not excluded (an episode's group stays where its prefix is
-        cached), else the healthy replica with the fewest requests in flight (waits for one)."""
+        cached), else the healthy replica with the fewest samples outstanding (waits for one); counts
+        ``samples`` on it until ``release``."""
         async def pick():
             async with self._changed:
                 while True:
                     if prefer is not None and prefer.healthy and prefer.address not in exclude:
-                        prefer.in_flight += 1
-                        return prefer
+                        return self._take(prefer, samples)
                     candidates = [r for r in self.replicas if r.healthy and r.address not in exclude]
                     if not candidates and exclude:
                         candidates = self.healthy()  # all others are down: allow a retry anywhere
                     if candidates:
-                        replica = min(candidates, key=lambda r: r.in_flight)
-                        replica.in_flight += 1
-                        return replica
+                        return self._take(min(candidates, key=lambda r: r.in_flight), samples)
                     await self._changed.wait()
         return await asyncio.wait_for(pick(), timeout)
 
+    @staticmethod
+    def _take(replica: Replica, samples: int) -> Replica:
+        replica.in_flight += samples
+        metrics.REPLICA_OUTSTANDING.labels(replica.address).set(replica.in_flight)
+        return replica
+
     def least_loaded(self) -> Replica | None:
-        """The healthy replica with the fewest requests in flight now (None: none is healthy)."""
+        """The healthy replica with the fewest samples outstanding now (None: none is healthy)."""
         return min(self.healthy(), key=lambda r: r.in_flight, default=None)
 
-    def release(self, replica: Replica) -> None:
-        replica.in_flight -= 1
+    def release(self, replica: Replica, samples: int = 1) -> None:
+        replica.in_flight -= samples
+        if replica.gone:
+            if replica.in_flight == 0:
+                self._close(replica)
+            return
+        metrics.REPLICA_OUTSTANDING.labels(replica.address).set(replica.in_flight)
 
     async def mark_failed(self, replica: Replica, error: str) -> None:
         if replica.healthy:
@@ -139,4 +167,4 @@ class ReplicaPool:
         return healthy
 
     async def close(self) -> None:
-        await asyncio.gather(*(r.channel.close() for r in self.replicas), return_exceptions=True)
+        await asyncio.gather(*(r.channel.close() for r in self.replicas), *self._closing, return_exceptions=True)

@@ -270,8 +270,9 @@ class Pipeline:
         """``request``'s samples from a healthy replica (``home[0]`` while it is healthy, which becomes
         the one that answered), failing over to others: GenerationFailed after the attempts."""
         tried: set[str] = set()
+        samples_asked = max(1, request.sampling.n)
         for attempt in range(self.options.generation_attempts):
-            replica = await self.pool.acquire(exclude=tried, prefer=home[0] if home else None)
+            replica = await self.pool.acquire(exclude=tried, prefer=home[0] if home else None, samples=samples_asked)
             try:
                 call = replica.stub.Generate(request, metadata=self.settings.metadata())
                 samples = [s async for s in call]
@@ -285,7 +286,7 @@ class Pipeline:
                 await asyncio.sleep(backoff(attempt, self.settings.backoff_seconds))
                 continue
             finally:
-                self.pool.release(replica)
+                self.pool.release(replica, samples_asked)
             if home is not None:
                 home[0] = replica
             return samples

@@ -18,6 +18,7 @@ from rlfleet.client.errors import RlfleetClientError
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.config import CollectorConfig
 from rlfleet.services.collector.dataset import load_records
+from rlfleet.services.collector.discovery import make_discovery
 from rlfleet.services.collector.episodes import EpisodeLimits, EpisodeRunner
 from rlfleet.services.collector.fanout import WeightFanout
 from rlfleet.services.collector.ledger import PromptLedger
@@ -26,6 +27,7 @@ from rlfleet.services.collector.replicas import ReplicaPool
 from rlfleet.services.collector.rollout import Pipeline, PipelineOptions
 from rlfleet.services.collector.servicer import CollectorServicer, TrajectoryProxyServicer
 from rlfleet.services.collector.source import PromptSource
+from rlfleet.services.common import metrics, security
 from rlfleet.services.common.errors import InvalidArgument, StartupError, Unavailable, UpstreamError
 from rlfleet.services.common.files import write_atomically
 from rlfleet.services.common.server import Service
@@ -48,14 +50,14 @@ class CollectorService(Service[CollectorConfig]):
 
     def __init__(self, config: CollectorConfig):
         super().__init__(config)
-        self.settings = ChannelSettings(auth_token=config.upstream_auth_token,
-                                        timeout=config.upstream_timeout_seconds,
-                                        max_message_bytes=config.max_message_bytes)
+        self.settings = upstream_settings(config)
         self.state_dir = Path(config.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.gate = VersionGate(groups_per_step=config.groups_per_step, max_staleness=config.max_staleness,
                                 sync=config.mode == "sync")
-        self.pool = ReplicaPool(config.generation_addresses, self.settings)
+        self.pool = ReplicaPool(self.settings)
+        self.discovery = make_discovery(config.generation_addresses, config.generation_addresses_file,
+                                        config.resolve_generation_addresses)
         records = load_records(config.dataset_path) if config.dataset_path else []
         self.ledger = PromptLedger(self.state_dir / "prompts.sqlite3", max_dead_letters=config.max_dead_letters)
         try:
@@ -158,6 +160,7 @@ class CollectorService(Service[CollectorConfig]):
         if pending:
             log.info("generating the prompts pending when the collector stopped", extra={"prompts": pending})
         await self._wait_for_dependencies()
+        await self._update_members()
         state = self.load_state()
         self.not_serving_reason = "probing the generation replicas"
         versions = await self._probe_replicas()
@@ -172,7 +175,25 @@ class CollectorService(Service[CollectorConfig]):
         self.not_serving_reason = ""
         self.supervise(self.pipeline.run(), "the rollout loop")
         self.supervise(self._watch_replicas(), "the replica monitor")
+        self.supervise(self._watch_members(), "the replica discovery")
         self.supervise(self._watch_upstream(), "the upstream health watch")
+
+    async def _update_members(self) -> None:
+        added, removed = await self.pool.update(await self.discovery.endpoints())
+        for replica in added:
+            log.info("replica %s joined (from %s): in rotation once it serves the committed version",
+                     replica.address, self.discovery.describe())
+        for replica in removed:
+            log.info("replica %s left (no longer in %s): out of rotation; %d samples still in flight there",
+                     replica.address, self.discovery.describe(), replica.in_flight)
+        metrics.REPLICA_MEMBERS.set(len(self.pool.replicas))
+
+    async def _watch_members(self) -> None:
+        """The replica list asked again every ``discovery_refresh_seconds`` (``discovery.py``): new replicas
+        wait out of rotation for the replica monitor to re-sync them; gone ones leave at once."""
+        while True:
+            await asyncio.sleep(self.config.discovery_refresh_seconds)
+            await self._update_members()
 
     async def _probe_replicas(self) -> dict[str, int]:
         """Every replica's version, waiting (bounded) for all of them so the first groups spread over all."""
@@ -233,7 +254,10 @@ class CollectorService(Service[CollectorConfig]):
         while True:
             await asyncio.sleep(self.config.replica_check_seconds)
             await asyncio.to_thread(shm.sweep_stale)
-            for replica in self.pool.replicas:
+            metrics.REPLICA_HEALTHY.set(len(self.pool.healthy()))
+            for replica in list(self.pool.replicas):
+                if replica.gone:
+                    continue
                 if replica.healthy:
                     await self._check_in_rotation(replica)
                     continue
@@ -242,8 +266,10 @@ class CollectorService(Service[CollectorConfig]):
                     continue
                 if version != self.gate.version and not await self.fanout.resync(replica):
                     continue
+                if replica.gone:
+                    continue  # it left while it was being re-synced
                 await self.pool.mark_healthy(replica, self.gate.version)
-                log.info("replica %s back in rotation", replica.address)
+                log.info("replica %s in rotation", replica.address)
 
     async def _check_in_rotation(self, replica) -> None:
         pushes = self.fanout.pushes
@@ -350,3 +376,17 @@ class CollectorService(Service[CollectorConfig]):
             where = f"prompts[{list(first.values())[int(match.group(1))]}]" if match else "prompts"
             details = error.details[match.end():] if match else error.details
             raise UpstreamError(error.code, f"{where}: {details}") from None
+
+
+def upstream_settings(config: CollectorConfig) -> ChannelSettings:
+    """How the collector calls the other services: token, TLS files (read and checked now: a bad one
+    refuses the start, naming the setting), deadlines and message sizes."""
+    token = config.upstream_auth_token
+    if config.upstream_auth_token_file:
+        token = security.read_token(config.upstream_auth_token_file, "upstream_auth_token_file")
+    roots, chain, key = security.channel_files(config.upstream_tls_ca_file, config.upstream_tls_cert_file,
+                                               config.upstream_tls_key_file, "upstream_tls")
+    return ChannelSettings(auth_token=token, timeout=config.upstream_timeout_seconds,
+                           max_message_bytes=config.max_message_bytes, tls=bool(roots or chain),
+                           root_certificates=roots, certificate_chain=chain, private_key=key,
+                           server_name=config.upstream_tls_server_name)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
 from rlfleet.client.errors import from_rpc_error
 from rlfleet.services.collector import prompt_item
+from rlfleet.services.common import metrics
 from rlfleet.services.common.errors import Aborted, InvalidArgument, UpstreamError
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc
 from rlfleet.wire import decode_tensor
@@ -103,6 +105,8 @@ class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
         async def pump():
             index = 0
             async for message in request_iterator:
+                if message.WhichOneof("kind") in ("ack", "nack"):
+                    waiting.settle()
                 if message.WhichOneof("kind") == "open" and collector.gate.sync:
                     message.open.min_policy_version = max(message.open.min_policy_version, collector.gate.version)
                 if not await write(message, index):
@@ -111,6 +115,7 @@ class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
             async with write_lock:
                 await upstream.done_writing()
 
+        waiting = TrainerWait()
         pumping = asyncio.create_task(pump())
         failing = asyncio.ensure_future(collector.failed.wait())
         own_acks: set[str] = set()  # lease ids this proxy acked (stale batches)
@@ -158,8 +163,11 @@ class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
                     await write(trajectory_pb2.StreamBatchesRequest(ack=trajectory_pb2.AckBatch(
                         lease_id=response.lease_id)))
                     continue
+                if response.HasField("batch"):
+                    waiting.deliver()
                 yield response
         finally:
+            waiting.end()
             pumping.cancel()
             failing.cancel()
             upstream.cancel()
@@ -183,3 +191,27 @@ class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
 
     async def Append(self, request, context):
         raise InvalidArgument("Append is not forwarded by the collector; collectors append to the trajectory service")
+
+
+class TrainerWait:
+    """Counts the seconds a trainer's batch stream holds no unsettled batch (everything it was given is
+    acked or nacked: it is not training) until the next batch comes: time the trainer idles for want of
+    rollouts (``rlfleet_trainer_wait_seconds_total``; an autoscaler adds replicas while it grows)."""
+
+    def __init__(self) -> None:
+        self.delivered = self.settled = 0
+        self.since: float | None = time.monotonic()  # the first batch is awaited from the open
+
+    def settle(self) -> None:
+        self.settled += 1
+        if self.settled >= self.delivered and self.since is None:
+            self.since = time.monotonic()
+
+    def deliver(self) -> None:
+        self.end()
+        self.delivered += 1
+
+    def end(self) -> None:
+        if self.since is not None:
+            metrics.TRAINER_WAIT_SECONDS.inc(time.monotonic() - self.since)
+            self.since = None

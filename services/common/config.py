@@ -49,14 +49,21 @@ class ServiceConfig(BaseSettings):
     )
     service_name: ClassVar[str] = "service"
 
-    host: str = "0.0.0.0"
-    """Interface the gRPC server binds to."""
+    host: str = "127.0.0.1"
+    """Interface the gRPC server binds to: loopback by default; ``0.0.0.0`` (all interfaces) in a
+    container or a cluster, with TLS and tokens (a warning is logged otherwise)."""
     port: int = Field(50050, ge=0, le=65535)
     """gRPC port; 0 picks a free port (written to ``port_file``)."""
+    health_port: int = Field(0, ge=0, le=65535)
+    """A second port serving only ``grpc.health.v1`` (Check, Watch, List), plaintext and without
+    tokens, on ``host``: for probes that cannot do TLS (Kubernetes' gRPC probes) when ``port``
+    requires it. It tells whether the service serves, nothing else. 0: none."""
     port_file: str | None = None
     """If set, the bound port is written here once the server listens (for launchers and tests)."""
     metrics_port: int = Field(0, ge=0, le=65535)
     """Prometheus metrics HTTP port; 0 disables the endpoint."""
+    metrics_host: str = "127.0.0.1"
+    """Interface the metrics endpoint binds to (plain HTTP, no auth: loopback unless a scraper needs it)."""
     max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
     """grpc.max_send/receive_message_length. Weights stream in ~1 MiB chunks, so this bounds other payloads."""
     keepalive_seconds: float = Field(30.0, gt=0)
@@ -67,8 +74,20 @@ class ServiceConfig(BaseSettings):
     """Logging level."""
     log_format: Literal["json", "text"] = "json"
     """Structured JSON lines (for log shippers) or human-readable text."""
+    auth_tokens_file: str | None = None
+    """Tokens and their roles (``services/common/security.py``): one ``ROLE[,ROLE...] TOKEN`` per line,
+    roles ``trainer``, ``reader``, ``operator``, ``service``. Set, every RPC must carry
+    ``authorization: Bearer <token>`` (UNAUTHENTICATED otherwise) of a role it accepts
+    (PERMISSION_DENIED otherwise); health and reflection stay open."""
     auth_token: str | None = None
-    """If set, every RPC must carry ``authorization: Bearer <token>`` metadata (UNAUTHENTICATED otherwise); health stays open."""
+    """One token with every role (as ``auth_tokens_file``). Prefer the file, or the env var: a command
+    line shows in ``ps``."""
+    tls_cert_file: str | None = None
+    """PEM certificate (chain) the server presents; with ``tls_key_file`` the service serves TLS only."""
+    tls_key_file: str | None = None
+    """PEM private key (unencrypted) of ``tls_cert_file``."""
+    tls_client_ca_file: str | None = None
+    """PEM CA certificate(s): set, every client must present a certificate signed by one (mTLS)."""
 
     @classmethod
     def settings_customise_sources(

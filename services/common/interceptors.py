@@ -13,7 +13,6 @@ UNKNOWN or INTERNAL, and before authentication).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import inspect
 import logging
 import time
@@ -23,14 +22,10 @@ import grpc
 
 from rlfleet.services.common import metrics
 from rlfleet.services.common.errors import InvalidArgument, RlfleetError
+from rlfleet.services.common.security import AccessPolicy
 from rlfleet.wire import WireError
 
 log = logging.getLogger("rlfleet.rpc")
-
-# Health and reflection stay reachable without credentials (probes, grpcurl).
-_OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
-                  "/grpc.reflection.v1.ServerReflection/")
-
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     """The status a domain exception maps to, or None for an unexpected one."""
@@ -71,26 +66,21 @@ async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, meth
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps exceptions to statuses, checks the bearer token, records RPC metrics."""
+    """Maps exceptions to statuses, checks the bearer token and its role (``security.AccessPolicy``),
+    records RPC metrics."""
 
-    def __init__(self, auth_token: str | None = None):
-        self._auth_token = auth_token
+    def __init__(self, policy: AccessPolicy | None = None):
+        self._policy = policy or AccessPolicy()
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
         if handler is None:
             return None
         method = details.method
-        needs_auth = self._auth_token is not None and not method.startswith(_OPEN_SERVICES)
-        if needs_auth and not self._authorized(details.invocation_metadata):
-            return _unauthenticated_handler(handler)
+        verdict = self._policy.check(method, details.invocation_metadata)
+        if verdict.code is not None:
+            return _denied_handler(handler, method, getattr(grpc.StatusCode, verdict.code), verdict.message)
         return _wrap_handler(handler, method)
-
-    def _authorized(self, metadata) -> bool:
-        for key, value in metadata or ():
-            if key == "authorization" and value.startswith("Bearer "):
-                return hmac.compare_digest(value[7:].encode(), self._auth_token.encode())
-        return False
 
 
 def _parser(handler: grpc.RpcMethodHandler, method: str) -> Callable[[bytes], Any]:
@@ -159,16 +149,17 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethod
     return factory(unary_response, request_deserializer=None, response_serializer=handler.response_serializer)
 
 
-def _unauthenticated_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _denied_handler(handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode,
+                    message: str) -> grpc.RpcMethodHandler:
     async def deny(request_or_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                            "missing or invalid 'authorization: Bearer <token>' metadata")
+        metrics.RPC_ERRORS.labels(method=method, code=code.name).inc()
+        await context.abort(code, message)
 
     async def deny_stream(request_or_iterator, context):
         await deny(request_or_iterator, context)
         yield  # pragma: no cover - unreachable, makes this an async generator
 
-    # The request is never parsed: a caller without credentials learns nothing about its bytes.
+    # The request is never parsed: a caller without the right credentials learns nothing about its bytes.
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(deny, None, handler.response_serializer)
     if handler.stream_unary:

@@ -7,9 +7,17 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 RPC_SECONDS = Histogram("rlfleet_rpc_seconds", "RPC handling time", ["method"])
 RPC_ERRORS = Counter("rlfleet_rpc_errors_total", "RPCs that ended with an error status", ["method", "code"])
 READY = Gauge("rlfleet_ready", "1 when the service reports SERVING")
+REPLICA_OUTSTANDING = Gauge("rlfleet_replica_outstanding_samples",
+                            "Samples a generation replica has outstanding (collector; one series per member)",
+                            ["replica"])
+REPLICA_HEALTHY = Gauge("rlfleet_replicas_in_rotation", "Generation replicas in rotation (collector)")
+REPLICA_MEMBERS = Gauge("rlfleet_replicas", "Generation replicas discovery lists (collector)")
+TRAINER_WAIT_SECONDS = Counter("rlfleet_trainer_wait_seconds_total",
+                               "Seconds trainers' batch requests waited for a batch (collector): trainers idle "
+                               "for want of rollouts; its rate over time is the fraction of time they wait")
 
 
-def serve_metrics(port: int) -> None:
-    """Start the /metrics HTTP endpoint in a daemon thread (no-op for port 0)."""
+def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
+    """Start the /metrics HTTP endpoint on ``host`` in a daemon thread (no-op for port 0)."""
     if port:
-        start_http_server(port)
+        start_http_server(port, addr=host)

@@ -146,15 +146,19 @@ async def serve(service: Service, stop_event: asyncio.Event | None = None) -> No
 
     # Imported here, not at the top: they load the codec (torch, tensordict: seconds), and a bad
     # config is refused before that (``run``).
+    from rlfleet.services.common import security
     from rlfleet.services.common.diagnostics import DiagnosticsServicer
     from rlfleet.services.common.interceptors import ErrorInterceptor
+
+    policy = security.access_policy(config)  # files read now: a bad one refuses the start
+    credentials = security.server_credentials(config)
 
     if service.torch_threads():
         import torch
 
         torch.set_num_threads(service.torch_threads())
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor(config.auth_token)], options=grpc_options(config),
+        interceptors=[ErrorInterceptor(policy)], options=grpc_options(config),
         maximum_concurrent_rpcs=None,
     )
     service.health = HealthServicer()
@@ -166,16 +170,29 @@ async def serve(service: Service, stop_event: asyncio.Event | None = None) -> No
     reflection.enable_server_reflection(names, server)
     await service.set_serving(False)
 
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = f"{config.host}:{config.port}"
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
-        raise RuntimeError(f"could not bind {config.host}:{config.port}")
+        raise StartupError(f"host/port: could not bind {address}")
+    security.warn_if_exposed(config.host, credentials is not None, policy)
+    health_server = None
+    if config.health_port:
+        # Health only, plaintext: for probes that cannot do TLS (Kubernetes' gRPC probes). It says
+        # whether the service serves, nothing else; the same servicer answers on both ports.
+        health_server = grpc.aio.server(options=grpc_options(config))
+        health_pb2_grpc.add_HealthServicer_to_server(service.health, health_server)
+        if health_server.add_insecure_port(f"{config.host}:{config.health_port}") == 0:
+            raise StartupError(f"health_port: could not bind {config.host}:{config.health_port}")
+        await health_server.start()
     await server.start()
     if config.port_file:
         tmp = Path(config.port_file + ".tmp")
         tmp.write_text(str(port))
         tmp.rename(config.port_file)  # atomic: readers never see a partial file
-    metrics.serve_metrics(config.metrics_port)
-    log.info("listening", extra={"port": port, "service_names": list(service.service_names)})
+    metrics.serve_metrics(config.metrics_port, config.metrics_host)
+    log.info("listening", extra={"port": port, "tls": credentials is not None, "mtls": bool(config.tls_client_ca_file),
+                                 "auth": policy.enabled, "health_port": config.health_port or None,
+                                 "service_names": list(service.service_names)})
 
     try:
         starting = asyncio.create_task(service.start())
@@ -192,6 +209,8 @@ async def serve(service: Service, stop_event: asyncio.Event | None = None) -> No
         await service.set_serving(False)
     finally:
         await server.stop(config.grace_seconds)
+        if health_server is not None:
+            await health_server.stop(0)
         await service.stop()
         log.info("stopped")
 

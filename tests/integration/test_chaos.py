@@ -130,7 +130,8 @@ def strings(batch, key: str) -> list[str]:
 
 
 def generating(status) -> int:
-    return sum(r.in_flight for r in status.replicas)
+    """Groups generating: replicas count the samples outstanding, GROUP per group."""
+    return sum(r.in_flight for r in status.replicas) // GROUP
 
 
 class Trainer:

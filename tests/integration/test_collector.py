@@ -12,8 +12,8 @@ import pytest
 
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
-from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, sampling_pb2, trajectory_pb2, trajectory_pb2_grpc,
-                        weights_pb2)
+from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, generation_pb2, generation_pb2_grpc, sampling_pb2,
+                        trajectory_pb2, trajectory_pb2_grpc, weights_pb2)
 from rlfleet.wire.weights import iter_push_messages
 from tests.hf_reference import load_hf
 from tests.integration.readers import Reader
@@ -214,7 +214,8 @@ def test_a_collector_killed_with_prompts_queued_and_generating_loses_and_duplica
     proc, channel = start_collector(backends, tmp_path, *args)
     try:
         prompt_ids = submit(channel, 10, "chaos")
-        generating = lambda current: sum(r.in_flight for r in current.replicas)  # noqa: E731
+        # Groups generating: replicas count the samples outstanding, GROUP per group.
+        generating = lambda current: sum(r.in_flight for r in current.replicas) // GROUP  # noqa: E731
         before = wait_for(lambda: (lambda current: current if generating(current) else None)(status(channel)),
                           PIPELINE_TIMEOUT, "generations in flight")
         assert before.pending_prompts > generating(before)  # some generating, the rest queued behind them
@@ -264,6 +265,67 @@ def test_a_malformed_message_through_the_proxy_fails_at_once_and_releases_the_ba
         upstream.close()
         channel.close()
         proc.stop()
+
+
+def engine_version(replica: ServiceProcess) -> int:
+    with grpc.insecure_channel(replica.address) as channel:
+        return generation_pb2_grpc.GenerationServiceStub(channel).GetEngineStatus(
+            generation_pb2.GetEngineStatusRequest(), timeout=30).policy_version
+
+
+def test_replicas_join_and_leave_a_run_with_nothing_lost(backends, tmp_path, tiny_model_dir):
+    """Membership from a file the collector re-reads: a replica that joins is re-synced to the committed
+    version before it gets work; one that leaves with groups in flight finishes them; a replica started
+    mid-run joins, then is SIGKILLed with groups in flight and leaves: every prompt's group arrives once."""
+    first, second = backends["generation-0"], backends["generation-1"]
+    members = tmp_path / "replicas.json"
+    members.write_text(json.dumps([first.address]))
+    proc, channel = start_collector(backends, tmp_path, "--generation-addresses-file", str(members),
+                                    "--discovery-refresh-seconds", "0.3", "--mode", "async", "--max-staleness", "1000",
+                                    "--sampling", json.dumps({"temperature": 1.0, "max_tokens": 64, "ignore_eos": True}))
+    reader = Reader(channel, batch_size=GROUP)
+    third = None
+    in_rotation = lambda: {r.address: r.policy_version for r in status(channel).replicas if r.healthy}  # noqa: E731
+    try:
+        assert [r.address for r in status(channel).replicas] == [first.address]
+        version = push(channel, load_hf(tiny_model_dir).state_dict()).version  # the second replica misses it
+        assert engine_version(second) < version
+        members.write_text(json.dumps([first.address, second.address]))
+        wait_for(lambda: in_rotation() == {first.address: version, second.address: version}, PIPELINE_TIMEOUT,
+                 "the joining replica re-synced to the committed version and in rotation")
+        assert engine_version(second) == version
+
+        # The first leaves while its groups are generating: they finish there; new work goes elsewhere.
+        prompt_ids = submit(channel, 8, "elastic")
+        wait_for(lambda: any(r.address == first.address and r.in_flight > 0 for r in status(channel).replicas),
+                 PIPELINE_TIMEOUT, "the first replica to be generating for us")
+        members.write_text(json.dumps([second.address]))
+        wait_for(lambda: [r.address for r in status(channel).replicas] == [second.address], PIPELINE_TIMEOUT,
+                 "the first replica to leave")
+
+        # A replica started now joins, then dies with groups in flight and leaves the list.
+        third = ServiceProcess("generation", ["--model", str(tiny_model_dir), "--kv-cache-memory-bytes",
+                                              str(128 << 20), "--max-model-len", "1024", "--max-num-seqs", "32",
+                                              "--log-format", "text"])
+        third.start(tmp_path / "third").wait_ready(600)
+        members.write_text(json.dumps([second.address, third.address]))
+        wait_for(lambda: third.address in in_rotation(), PIPELINE_TIMEOUT, "the new replica in rotation")
+        prompt_ids += submit(channel, 12, "elastic-kill")
+        wait_for(lambda: any(r.address == third.address and r.in_flight > 0 for r in status(channel).replicas),
+                 PIPELINE_TIMEOUT, "the new replica to be generating for us")
+        third.kill()
+        members.write_text(json.dumps([second.address]))
+
+        seen = read_groups(reader, prompt_ids)
+        assert all(list(rows.values()) == [GROUP] for rows in seen.values()), seen  # one whole group each
+        final = status(channel)
+        assert final.failed_prompts == 0 and [r.address for r in final.replicas] == [second.address]
+    finally:
+        reader.close()
+        channel.close()
+        proc.stop()
+        if third is not None:
+            third.stop()
 
 
 def test_replica_killed_mid_run_loses_and_duplicates_nothing(backends, tmp_path):

@@ -112,3 +112,43 @@ def test_echo_refuses_overflowing_shapes_and_stays_cheap_on_many_small_entries(s
     assert len(reply.payload.entries["s"].strings.values) == strings
     assert growth < 60 * size, f"echo of {size} bytes grew the server's peak memory by {growth} bytes"
     channel.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_tls_service_keeps_health_on_a_plaintext_health_port_and_refuses_bad_files(start_service, tmp_path):
+    """mTLS and tokens on the main port; the health port answers plaintext probes and nothing else;
+    a key that is not the certificate's is a refusal at start naming the setting (exit 2)."""
+    from rlfleet.services.credentials import make_credentials
+
+    credentials = make_credentials(tmp_path / "credentials", names=("echo", "other"))
+    tls = ["--tls-cert-file", str(credentials / "echo.pem"), "--tls-key-file", str(credentials / "echo.key"),
+           "--tls-client-ca-file", str(credentials / "ca.pem"), "--auth-tokens-file", str(credentials / "tokens")]
+    health_port = free_port()
+    proc = start_service("echo", *tls, "--health-port", str(health_port))
+    proc.health_credentials = grpc.ssl_channel_credentials(*(
+        (credentials / name).read_bytes() for name in ("ca.pem", "echo.key", "echo.pem")))
+    proc.wait_ready(60)
+    from rlfleet.services import healthcheck
+
+    address = f"127.0.0.1:{health_port}"
+    assert healthcheck.check(address) == "SERVING"  # plaintext, no token, no certificate
+    with grpc.insecure_channel(address) as channel:
+        with pytest.raises(grpc.RpcError) as err:  # the health port serves nothing but health
+            diagnostics_pb2_grpc.DiagnosticsServiceStub(channel).Echo(diagnostics_pb2.EchoRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    with pytest.raises(grpc.RpcError) as err:  # the main port takes no plaintext, health included
+        healthcheck.status(proc.address, timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert healthcheck.main([proc.address, "--tls-ca", str(credentials / "ca.pem"), "--tls-cert",
+                             str(credentials / "other.pem"), "--tls-key", str(credentials / "other.key")]) == 0
+
+    bad = start_service("echo", *tls[:2], "--tls-key-file", str(credentials / "other.key"))
+    assert bad.process.wait(60) == 2
+    assert "tls_key_file" in bad.log_tail() and "does not belong to the certificate" in bad.log_tail()

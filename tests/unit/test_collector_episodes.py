@@ -188,10 +188,12 @@ def test_token_id_prompts_cannot_open_an_episode():
 
 
 def test_a_groups_turns_stay_on_its_replica_while_it_is_healthy():
+    from rlfleet.services.collector.discovery import Endpoint
     from rlfleet.services.collector.replicas import ReplicaPool
 
     async def scenario():
-        pool = ReplicaPool(["127.0.0.1:1", "127.0.0.1:2"], SETTINGS)
+        pool = ReplicaPool(SETTINGS)
+        await pool.update([Endpoint("127.0.0.1:1"), Endpoint("127.0.0.1:2")])
         first, second = pool.replicas
         for replica in pool.replicas:
             await pool.mark_healthy(replica, 0)

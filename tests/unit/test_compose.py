@@ -29,7 +29,7 @@ CONFIGS: dict[str, type[ServiceConfig]] = {
     for cls in (GenerationConfig, ReferenceServiceConfig, RewardServiceConfig, TrajectoryConfig, CollectorConfig,
                 EnvironmentServiceConfig)
 }
-ONE_SHOT = {"model-init"}
+ONE_SHOT = {"model-init", "credentials"}
 INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 
 
@@ -146,10 +146,46 @@ def test_collector_waits_for_healthy_upstreams(variant):
     depends = services["collector"]["depends_on"]
     assert {name: dep["condition"] for name, dep in depends.items()} == {
         "generation": "service_healthy", "reference": "service_healthy",
-        "reward": "service_healthy", "trajectory": "service_healthy", "environment": "service_healthy"}
+        "reward": "service_healthy", "trajectory": "service_healthy", "environment": "service_healthy",
+        "credentials": "service_completed_successfully"}
     for name, body in services.items():
         for dep in (body.get("depends_on") or {}).values():
             assert dep["condition"] in ("service_healthy", "service_completed_successfully"), name
+
+
+@pytest.mark.parametrize("variant,name,body", list(all_services()))
+def test_every_service_serves_mtls_with_role_tokens_from_the_credentials_volume(variant, name, body):
+    kind = service_kind(body)
+    if kind is None:
+        return
+    config = CONFIGS[kind].load([], environ=rlfleet_env(body))
+    assert (config.tls_cert_file, config.tls_key_file) == (f"/credentials/{name}.pem", f"/credentials/{name}.key")
+    assert config.tls_client_ca_file == "/credentials/ca.pem" and config.auth_tokens_file == "/credentials/tokens"
+    assert config.auth_token is None and config.host == "0.0.0.0"
+    assert "credentials:/credentials:ro" in body["volumes"]
+    assert body["depends_on"]["credentials"] == {"condition": "service_completed_successfully"}
+    test = body["healthcheck"]["test"]
+    assert test[5:] == ["--tls-ca", "/credentials/ca.pem", "--tls-cert", f"/credentials/{name}.pem",
+                        "--tls-key", f"/credentials/{name}.key"]
+    if kind == "collector":
+        assert (config.upstream_tls_ca_file, config.upstream_tls_cert_file, config.upstream_tls_key_file) == (
+            "/credentials/ca.pem", "/credentials/collector.pem", "/credentials/collector.key")
+        assert config.upstream_auth_token_file == "/credentials/token-service" and config.upstream_auth_token is None
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_credentials_init_makes_a_certificate_for_every_service_and_the_trainer(variant):
+    from rlfleet.services.credentials import DEFAULT_NAMES
+
+    body = VARIANTS[variant]["credentials"]
+    assert body["command"][:4] == ["python", "-m", "rlfleet.services.credentials", "/credentials"]
+    assert "--name" not in body["command"]  # the defaults: every service plus the trainer
+    served = {name for name, service in VARIANTS[variant].items() if service_kind(service)}
+    assert served | {"trainer"} == set(DEFAULT_NAMES)
+    assert body["volumes"] == ["credentials:/credentials", "credentials-ca:/ca"]
+    assert body["command"][body["command"].index("--ca-key-dir") + 1] == "/ca"
+    for name, other in VARIANTS[variant].items():  # the CA's key stays in the init's own volume
+        assert name == "credentials" or all("credentials-ca" not in volume for volume in other.get("volumes", ())), name
 
 
 def test_gpu_reservation_only_by_default_and_cpu_variant_uses_the_tiny_model():
@@ -202,7 +238,8 @@ def test_environment_sandbox_gets_bwrap_and_nothing_more(variant):
         if name == "environment":
             continue
         assert not other.get("security_opt") and not other.get("cap_add") and not other.get("privileged"), name
-        assert other.get("user") in (None, "rlfleet"), name
+        # The credentials init is root only to hand the keys to uid 10001 and keep the CA key to itself.
+        assert other.get("user") in ((None, "rlfleet", "0:0") if name == "credentials" else (None, "rlfleet")), name
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

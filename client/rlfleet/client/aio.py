@@ -27,29 +27,39 @@ DEFAULT_MAX_MESSAGE_BYTES = ChannelSettings.max_message_bytes
 
 
 def make_settings(*, auth_token: str | None, tls: bool, root_certificates: bytes | None, timeout: float,
-                  retries: int, max_message_bytes: int, backoff_seconds: float) -> ChannelSettings:
+                  retries: int, max_message_bytes: int, backoff_seconds: float, certificate_chain: bytes | None = None,
+                  private_key: bytes | None = None, server_name: str | None = None) -> ChannelSettings:
     if timeout <= 0:
         raise ValueError(f"timeout must be > 0 (every call has a deadline), got {timeout}")
     if retries < 0:
         raise ValueError(f"retries must be >= 0, got {retries}")
+    if bool(certificate_chain) != bool(private_key):
+        raise ValueError("certificate_chain and private_key go together (a client certificate and its key)")
     return ChannelSettings(max_message_bytes=max_message_bytes, timeout=timeout, retries=retries,
-                           backoff_seconds=backoff_seconds, auth_token=auth_token, tls=tls or bool(root_certificates),
-                           root_certificates=root_certificates)
+                           backoff_seconds=backoff_seconds, auth_token=auth_token,
+                           tls=tls or bool(root_certificates) or bool(certificate_chain),
+                           root_certificates=root_certificates, certificate_chain=certificate_chain,
+                           private_key=private_key, server_name=server_name)
 
 
 def connect_async(address: str, *, auth_token: str | None = None, tls: bool = False,
                   root_certificates: bytes | None = None, timeout: float = 60.0, retries: int = 4,
-                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, backoff_seconds: float = 0.2) -> "AsyncClient":
+                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, backoff_seconds: float = 0.2,
+                  certificate_chain: bytes | None = None, private_key: bytes | None = None,
+                  server_name: str | None = None) -> "AsyncClient":
     """An ``AsyncClient`` for the collector at ``address`` (``host:port`` or a gRPC target).
 
     Nothing is dialled until the first call (see ``wait_ready``). ``timeout`` is the
     deadline of each unary call; ``retries`` bounds the retries of UNAVAILABLE /
     DEADLINE_EXCEEDED; ``auth_token`` is sent as ``authorization: Bearer <token>`` on
-    every call, streams included; ``root_certificates`` (PEM) implies ``tls``.
+    every call, streams included; ``root_certificates`` (PEM) implies ``tls``, and so does a client
+    certificate (``certificate_chain`` + ``private_key``, PEM) for a collector that requires one (mTLS);
+    ``server_name`` is the name the server's certificate holds when the address does not (an IP).
     """
     return AsyncClient(address, make_settings(
         auth_token=auth_token, tls=tls, root_certificates=root_certificates, timeout=timeout, retries=retries,
-        max_message_bytes=max_message_bytes, backoff_seconds=backoff_seconds))
+        max_message_bytes=max_message_bytes, backoff_seconds=backoff_seconds, certificate_chain=certificate_chain,
+        private_key=private_key, server_name=server_name))
 
 
 class AsyncClient:

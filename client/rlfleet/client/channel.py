@@ -33,20 +33,37 @@ class ChannelSettings:
     auth_token: str | None = None
     """Sent as ``authorization: Bearer <token>``."""
     tls: bool = False
-    """Use TLS (system roots unless ``root_certificates`` is given)."""
+    """Use TLS (system roots unless ``root_certificates`` is given); the server's certificate is verified."""
     root_certificates: bytes | None = None
-    """PEM roots for TLS."""
+    """PEM roots for TLS (e.g. the deployment's CA)."""
+    certificate_chain: bytes | None = None
+    """PEM client certificate, for servers that require one (mTLS); with ``private_key``."""
+    private_key: bytes | None = None
+    """PEM private key of ``certificate_chain``."""
+    server_name: str | None = None
+    """The name the server's certificate must hold when it differs from the address's host (an IP
+    address, a tunnel): gRPC's ``ssl_target_name_override``."""
     keepalive_seconds: float = 30.0
     """Client keepalive ping interval."""
 
     def options(self) -> list[tuple[str, Any]]:
-        return [
+        options: list[tuple[str, Any]] = [
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.keepalive_time_ms", int(self.keepalive_seconds * 1000)),
             ("grpc.keepalive_timeout_ms", 20_000),
             ("grpc.enable_retries", 0),  # retries are ours: bounded and typed
         ]
+        if self.tls and self.server_name:
+            options.append(("grpc.ssl_target_name_override", self.server_name))
+        return options
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS channel credentials (None: plaintext)."""
+        if not self.tls:
+            return None
+        return grpc.ssl_channel_credentials(root_certificates=self.root_certificates, private_key=self.private_key,
+                                            certificate_chain=self.certificate_chain)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.auth_token}"),) if self.auth_token else ()
@@ -54,9 +71,9 @@ class ChannelSettings:
 
 def aio_channel(address: str, settings: ChannelSettings = ChannelSettings()) -> grpc.aio.Channel:
     """An asyncio channel to ``address`` (``host:port`` or a ``dns:///`` target)."""
-    if settings.tls:
-        creds = grpc.ssl_channel_credentials(root_certificates=settings.root_certificates)
-        return grpc.aio.secure_channel(address, creds, options=settings.options())
+    credentials = settings.credentials()
+    if credentials is not None:
+        return grpc.aio.secure_channel(address, credentials, options=settings.options())
     return grpc.aio.insecure_channel(address, options=settings.options())
 
 

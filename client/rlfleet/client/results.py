@@ -85,6 +85,7 @@ class ReplicaStatus:
     healthy: bool
     policy_version: int
     in_flight: int
+    """Samples outstanding on it (a group of n counts n)."""
 
 
 @dataclass(frozen=True)

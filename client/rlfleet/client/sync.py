@@ -66,11 +66,14 @@ class _LoopThread:
 
 def connect(address: str, *, auth_token: str | None = None, tls: bool = False,
             root_certificates: bytes | None = None, timeout: float = 60.0, retries: int = 4,
-            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, backoff_seconds: float = 0.2) -> "Client":
+            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, backoff_seconds: float = 0.2,
+            certificate_chain: bytes | None = None, private_key: bytes | None = None,
+            server_name: str | None = None) -> "Client":
     """A blocking ``Client`` for the collector at ``address``; arguments as in ``connect_async``."""
     return Client(address, make_settings(
         auth_token=auth_token, tls=tls, root_certificates=root_certificates, timeout=timeout, retries=retries,
-        max_message_bytes=max_message_bytes, backoff_seconds=backoff_seconds))
+        max_message_bytes=max_message_bytes, backoff_seconds=backoff_seconds, certificate_chain=certificate_chain,
+        private_key=private_key, server_name=server_name))
 
 
 class BatchIterator:

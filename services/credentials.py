@@ -1,0 +1,173 @@
+"""Make a deployment's credentials: a local CA, a certificate per service, and one token per role.
+
+    python -m rlfleet.services.credentials DIR [--name collector --name reference ...]
+        [--host extra.dns.name ...] [--days 365] [--owner UID:GID] [--ca-key-dir DIR] [--force]
+
+Writes, into ``DIR``:
+
+- ``ca.pem`` (the CA certificate every party verifies the others against) and ``ca.key`` (its key,
+  mode 0600, owned by whoever runs this: the services never need it; ``--ca-key-dir`` puts it
+  elsewhere, e.g. a volume only this init mounts);
+- ``<name>.pem`` / ``<name>.key`` per name: a certificate signed by the CA for ``DNS:<name>``,
+  ``DNS:localhost``, ``IP:127.0.0.1`` and every ``--host``, good for both ends of a connection
+  (server and client authentication), so a service presents it to its callers and the collector
+  (or a trainer named ``trainer``) presents its own as a client certificate under mTLS;
+- ``tokens``: the services' ``auth_tokens_file`` (one fresh token per role), and ``token-<role>``
+  per role for the callers (the collector reads ``token-service``, a trainer ``token-trainer``).
+
+Keys and tokens are mode 0640 and, with ``--owner``, owned by that uid:gid (the services' user in a
+container). Run again, it keeps what is there (a restarted init container changes nothing) unless
+``--force``. compose.yaml's one-shot ``credentials`` service runs it; the suite's ``secure`` option
+too. Uses the ``cryptography`` package (the services extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import os
+import secrets
+from pathlib import Path
+
+from rlfleet.services.common.security import ROLES
+
+DEFAULT_NAMES = ("generation", "reference", "reward", "trajectory", "environment", "collector", "trainer")
+CA_NAME = "rlfleet local CA"
+
+
+def make_credentials(directory: str | Path, names: tuple[str, ...] | list[str] = DEFAULT_NAMES,
+                     hosts: tuple[str, ...] | list[str] = (), days: int = 365,
+                     owner: tuple[int, int] | None = None, force: bool = False,
+                     ca_key_dir: str | Path | None = None) -> Path:
+    """Write the CA, a certificate per name and the tokens into ``directory`` (see the module
+    docstring); returns it. What already exists is kept unless ``force``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_key_path = Path(ca_key_dir or directory) / "ca.key"
+    ca_key_path.parent.mkdir(parents=True, exist_ok=True)
+    if force or not (directory / "ca.pem").exists() or not ca_key_path.exists():
+        ca_key = _new_key()
+        ca_cert = _certificate(CA_NAME, ca_key.public_key(), ca_key, None, days, ca=True)
+        _write(ca_key_path, _key_pem(ca_key), 0o600, None)
+        _write(directory / "ca.pem", _cert_pem(ca_cert), 0o644, owner)
+        force = True  # new CA: every certificate again
+    ca_key, ca_cert = _load(ca_key_path, directory / "ca.pem")
+    for name in names:
+        if force or not (directory / f"{name}.pem").exists():
+            key = _new_key()
+            cert = _certificate(name, key.public_key(), ca_key, ca_cert, days, sans=(name, "localhost", *hosts))
+            _write(directory / f"{name}.key", _key_pem(key), 0o640, owner)
+            _write(directory / f"{name}.pem", _cert_pem(cert), 0o644, owner)
+    if force or not (directory / "tokens").exists():
+        tokens = {role: secrets.token_urlsafe(32) for role in ROLES}
+        lines = ["# role token: the services' auth_tokens_file (made by rlfleet.services.credentials)"]
+        lines += [f"{role} {token}" for role, token in tokens.items()]
+        _write(directory / "tokens", ("\n".join(lines) + "\n").encode(), 0o640, owner)
+        for role, token in tokens.items():
+            _write(directory / f"token-{role}", f"{token}\n".encode(), 0o640, owner)
+    return directory
+
+
+def _new_key():
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _certificate(name: str, public_key, signing_key, issuer, days: int, ca: bool = False, sans: tuple[str, ...] = ()):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(subject)
+               .issuer_name(issuer.subject if issuer is not None else subject)
+               .public_key(public_key).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
+               .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False))
+    if ca:
+        builder = builder.add_extension(x509.KeyUsage(
+            digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+            key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
+            decipher_only=False), critical=True)
+    else:
+        builder = (builder
+                   .add_extension(x509.SubjectAlternativeName([_general_name(host) for host in dict.fromkeys(
+                       (*sans, "127.0.0.1"))]), critical=False)
+                   .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                         ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                   .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(signing_key.public_key()),
+                                  critical=False))
+    return builder.sign(signing_key, hashes.SHA256())
+
+
+def _general_name(host: str):
+    from cryptography import x509
+
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
+
+
+def _key_pem(key) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _cert_pem(cert) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def _load(key_path: Path, cert_path: Path):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+    return key, x509.load_pem_x509_certificate(cert_path.read_bytes())
+
+
+def _write(path: Path, data: bytes, mode: int, owner: tuple[int, int] | None) -> None:
+    """Write atomically, with ``mode`` from the start (a secret is never readable by others, even briefly)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "wb") as file:
+        file.write(data)
+    os.chmod(tmp, mode)  # the umask may have taken bits off
+    if owner is not None:
+        os.chown(tmp, *owner)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m rlfleet.services.credentials",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--name", action="append", default=None,
+                        help=f"a certificate for this name (repeatable; default: {', '.join(DEFAULT_NAMES)})")
+    parser.add_argument("--host", action="append", default=[], help="another DNS name or IP in every certificate")
+    parser.add_argument("--days", type=int, default=365)
+    parser.add_argument("--owner", default=None, help="UID:GID owning the keys and tokens (default: whoever runs this)")
+    parser.add_argument("--ca-key-dir", type=Path, default=None,
+                        help="where the CA's key is kept (default: DIRECTORY); the services never need it")
+    parser.add_argument("--force", action="store_true", help="make everything again (a new CA, new tokens)")
+    ns = parser.parse_args(argv)
+    owner = None
+    if ns.owner:
+        uid, _, gid = ns.owner.partition(":")
+        owner = (int(uid), int(gid or uid))
+    directory = make_credentials(ns.directory, tuple(ns.name or DEFAULT_NAMES), tuple(ns.host), ns.days, owner,
+                                 ns.force, ns.ca_key_dir)
+    print(f"credentials in {directory}: ca.pem, <name>.pem/.key, tokens, token-<role>")
+
+
+if __name__ == "__main__":
+    main()
