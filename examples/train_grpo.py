@@ -131,11 +131,9 @@ def training_parser(description: str, *, steps: int, groups_per_step: int, group
 
 def connection(ns: argparse.Namespace) -> dict:
     """``connect`` keywords from ``--auth-token`` / ``--credentials`` (TLS, client certificate, trainer token)."""
-    if ns.credentials is None:
-        return {"auth_token": ns.auth_token}
-    read = lambda name: (ns.credentials / name).read_bytes()  # noqa: E731
-    return {"auth_token": read("token-trainer").decode().strip(), "root_certificates": read("ca.pem"),
-            "certificate_chain": read("trainer.pem"), "private_key": read("trainer.key")}
+    from rlfleet.client import credentials_from
+
+    return {"auth_token": ns.auth_token} if ns.credentials is None else credentials_from(ns.credentials)
 
 
 def prepare_run(ns) -> random.Random:

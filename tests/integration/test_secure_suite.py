@@ -13,10 +13,13 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rlfleet.client import (PermissionDeniedError, UnauthenticatedError, UnavailableError, connect)
+from rlfleet.client import (PermissionDeniedError, UnauthenticatedError, UnavailableError, connect,
+                            credentials_from)
+from rlfleet.services.common.security import METHOD_ROLES, ROLES
 from rlfleet.services.credentials import make_credentials
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
-from rlfleet.v1 import reference_pb2, reference_pb2_grpc
+from rlfleet.v1 import (collector_pb2, diagnostics_pb2, environment_pb2, generation_pb2, reference_pb2,
+                        reference_pb2_grpc, reward_pb2, trajectory_pb2)
 from rlfleet.wire import Ragged, decode_ragged, encode_ragged
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -25,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def suite(tiny_model_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("secure-suite")
-    options = SuiteOptions(model_dir=tiny_model_dir, secure=True,
+    options = SuiteOptions(model_dir=tiny_model_dir, secure=True, environments={},
                            collector_args=["--group-size", "2", "--groups-per-step", "1",
                                            "--sampling", '{"temperature": 1.0, "max_tokens": 8}'])
     procs = start_suite(options, workdir)
@@ -50,7 +53,8 @@ def test_a_trainer_trains_over_mtls_through_every_service(suite, tiny_model_dir)
     token) and a weight push reaches the replica (UpdateWeights over mTLS)."""
     from transformers import AutoModelForCausalLM
 
-    with client(suite, "trainer") as trainer:
+    procs, credentials = suite
+    with connect(procs["collector"].address, **credentials_from(credentials), timeout=30, retries=0) as trainer:
         trainer.submit_prompts([{"prompt": "count to three", "ground_truth": "3"}, {"prompt": "say 2", "ground_truth": "2"}])
         with trainer.batches(2) as batches:
             batch = next(iter(batches))
@@ -121,3 +125,48 @@ def test_without_tls_a_client_certificate_or_the_right_ca_nothing_gets_through(s
     with connect(procs["collector"].address, timeout=30, retries=0) as plaintext:
         with pytest.raises(UnavailableError):
             plaintext.status()
+
+
+SERVED = {"collector": (collector_pb2, "CollectorService", trajectory_pb2, "TrajectoryService"),
+          "generation-0": (generation_pb2, "GenerationService"), "reference": (reference_pb2, "ReferenceService"),
+          "reward": (reward_pb2, "RewardService"), "trajectory": (trajectory_pb2, "TrajectoryService"),
+          "environment": (environment_pb2, "EnvironmentService")}
+
+
+def test_every_rpc_of_every_service_takes_exactly_the_roles_in_the_table(suite):
+    """Each role's token on every RPC of every process, over mTLS: PERMISSION_DENIED exactly where the
+    table says (an empty request otherwise gets whatever the RPC answers it, never an auth status)."""
+    procs, credentials = suite
+    channel_credentials = grpc.ssl_channel_credentials(*((credentials / name).read_bytes()
+                                                         for name in ("ca.pem", "trainer.key", "trainer.pem")))
+    wrong = []
+    calls = 0
+    for key, served in SERVED.items():
+        services = [getattr(module.DESCRIPTOR.services_by_name[name], "methods")
+                    for module, name in zip(served[::2], served[1::2])]
+        services.append(diagnostics_pb2.DESCRIPTOR.services_by_name["DiagnosticsService"].methods)
+        with grpc.secure_channel(procs[key].address, channel_credentials) as channel:
+            for methods in services:
+                for method in methods:
+                    path = f"/{method.containing_service.full_name}/{method.name}"
+                    for role in ROLES:
+                        calls += 1
+                        code = call_empty(channel, path, method, (credentials / f"token-{role}").read_text().strip())
+                        denied = code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+                        if denied != (role not in METHOD_ROLES[path]) or code == grpc.StatusCode.UNAUTHENTICATED:
+                            wrong.append(f"{key} {path} as {role}: {code.name}")
+    assert calls == 4 * (len(METHOD_ROLES) + 4 + 5)  # plus the proxy's 4 and Echo on 5 more processes
+    assert not wrong, wrong
+
+
+def call_empty(channel, path, method, token) -> grpc.StatusCode:
+    kind = ("stream" if method.client_streaming else "unary") + "_" + ("stream" if method.server_streaming else "unary")
+    stub = getattr(channel, kind)(path, request_serializer=None, response_deserializer=None)
+    try:
+        result = stub(iter([]) if method.client_streaming else b"", timeout=20,
+                      metadata=[("authorization", f"Bearer {token}")])
+        if method.server_streaming:
+            list(result)
+        return grpc.StatusCode.OK
+    except grpc.RpcError as error:
+        return error.code()

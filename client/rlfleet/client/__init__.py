@@ -2,7 +2,7 @@
 
     from rlfleet.client import connect
 
-    with connect("collector:50051", auth_token=token) as client:
+    with connect("collector:50050", **credentials_from("./credentials")) as client:  # TLS, mTLS, token
         with client.batches(batch_size=64) as batches:
             for batch in batches:
                 tokens, mask = batch.padded("tokens/full")
@@ -18,7 +18,7 @@ times. The building blocks (channels, retries, errors) are shared with the servi
 
 from rlfleet.client.aio import AsyncClient, connect_async
 from rlfleet.client.batches import Batch, BatchStream
-from rlfleet.client.channel import ChannelSettings, aio_channel, call_with_retry
+from rlfleet.client.channel import ChannelSettings, aio_channel, call_with_retry, credentials_from
 from rlfleet.client.errors import (
     AbortedError, CancelledError, DeadlineExceededError, FailedPreconditionError, InternalError,
     InvalidArgumentError, NotFoundError, PermissionDeniedError, ResourceExhaustedError, RlfleetClientError,
@@ -38,5 +38,5 @@ __all__ = [
     "InvalidArgumentError", "NotFoundError", "PermissionDeniedError", "PushResult", "Ragged",
     "ReplicaPushResult", "ReplicaStatus", "ResourceExhaustedError", "RlfleetClientError", "StageStatus",
     "Status", "UnauthenticatedError", "UnavailableError", "UnimplementedError", "aio_channel",
-    "call_with_retry", "connect", "connect_async", "from_rpc_error", "to_prompt_specs",
+    "call_with_retry", "connect", "connect_async", "credentials_from", "from_rpc_error", "to_prompt_specs",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Awaitable, Callable, TypeVar
 
 import grpc
@@ -67,6 +68,22 @@ class ChannelSettings:
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.auth_token}"),) if self.auth_token else ()
+
+
+def credentials_from(directory: str | Path, name: str = "trainer", role: str | None = None) -> dict[str, Any]:
+    """``connect`` keywords from a deployment's credentials directory (``rlfleet.services.credentials``;
+    compose's ``credentials`` volume copied out): TLS roots ``ca.pem``, the client certificate
+    ``<name>.pem`` / ``<name>.key``, and the token in ``token-<role>`` (``role`` defaults to ``name``:
+    ``trainer``; ``reader`` or ``operator`` for a reader or an operator with the trainer's certificate).
+
+        client = connect("localhost:50050", **credentials_from("./credentials"))
+    """
+    directory = Path(directory)
+    token_file = directory / f"token-{role or name}"
+    return {"root_certificates": (directory / "ca.pem").read_bytes(),
+            "certificate_chain": (directory / f"{name}.pem").read_bytes(),
+            "private_key": (directory / f"{name}.key").read_bytes(),
+            "auth_token": token_file.read_text().strip()}
 
 
 def aio_channel(address: str, settings: ChannelSettings = ChannelSettings()) -> grpc.aio.Channel:
@@ -180,5 +197,5 @@ def backoff(attempt: int, base: float) -> float:
 
 __all__ = [
     "ChannelSettings", "RlfleetClientError", "STREAM_WRITE_ERRORS", "StatusWatch", "aio_channel", "backoff",
-    "call_with_retry", "stream_error",
+    "call_with_retry", "credentials_from", "stream_error",
 ]
