@@ -12,7 +12,6 @@ from typing import Any
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.services.generation.sampling import sampling_from_fields
 from rlfleet.v1 import collector_pb2
-from rlfleet.wire import decode_tensor
 
 MAX_PROMPT_ID_BYTES = 256
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -128,6 +127,8 @@ def from_spec(spec: collector_pb2.PromptSpec, where: str, *, max_prompt_bytes: i
         item.chat = check_chat([{"role": m.role, "content": m.content} for m in spec.prompt.chat.messages],
                                f"{where}.prompt.chat.messages")
     elif kind == "token_ids":
+        from rlfleet.wire import decode_tensor  # torch: not for a config check (check_sampling)
+
         ids = decode_tensor(spec.prompt.token_ids, f"{where}.prompt.token_ids")
         if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.numel() == 0:
             raise InvalidArgument(f"{where}.prompt.token_ids must be a non-empty 1-D integer tensor")
