@@ -61,318 +61,38 @@ OpenAI responses), verifiers' own episode retries (the collector retries instead
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import shutil
-import time
-import uuid
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
-from rlfleet.env import ROLES, AssistantTurn, Environment, StepResult, Task, parse_tool_calls
+from rlfleet.env import AssistantTurn, Environment, StepResult, Task
 
 try:
     import verifiers.v1 as vf
-    from aiohttp import web
     from verifiers.v1.clients.client import SESSION_ID_HEADER
 except ImportError as exc:  # the extra is not installed
     raise ImportError(f"the verifiers adapter needs verifiers: pip install 'rlfleet[verifiers]' ({exc})") from exc
 
+from rlfleet.services.environment.chat_endpoint import (  # noqa: E402 - after the extra's check
+    SESSION_HEADER, Call, ChatEndpoint, ConversationDiverged, Exchange, acquire_endpoint, answer_turn,
+    chat_completion, completion_events, continuation, release_endpoint, requested_sampling, rlfleet_messages,
+    shorten)
+
 log = logging.getLogger("rlfleet.environment.verifiers")
+if SESSION_ID_HEADER != SESSION_HEADER:  # the endpoint routes calls by it
+    raise ImportError(f"verifiers names its session header {SESSION_ID_HEADER!r}, the endpoint reads {SESSION_HEADER!r}")
 API_KEY_VARIABLE = "RLFLEET_VERIFIERS_API_KEY"
 """The variable verifiers reads the endpoint's API key from; unset: "EMPTY" (the endpoint is on loopback
 and routes by unguessable trace ids)."""
-_NOT_SAMPLING = frozenset({"messages", "tools", "model", "stream", "stream_options", "tool_choice",
-                           "parallel_tool_calls"})
-_MAX_BODY_BYTES = 256 << 20
 
 
 class VerifiersRolloutFailed(RuntimeError):
     """The verifiers rollout failed (verifiers recorded an error on it) or raised."""
 
 
-class VerifiersConversationDiverged(RuntimeError):
-    """The rollout's next model call does not continue the conversation as the model wrote it."""
-
-
-# --- the chat-completions wire (pure functions) ---
-
-
-def answer_turn(turn: AssistantTurn, call_id_prefix: str) -> tuple[dict[str, Any], str]:
-    """The assistant message a chat-completions API returns for ``turn`` and its finish reason: the
-    ``<tool_call>`` blocks parsed into ``tool_calls`` (ids ``<prefix>_<i>``), the rest of the text as
-    the content (None when empty); a malformed call stays in the content, as vLLM's Hermes parser
-    leaves it."""
-    calls = parse_tool_calls(turn.text).calls
-    if not calls:
-        message: dict[str, Any] = {"role": "assistant", "content": turn.text}
-    else:
-        content = turn.text
-        for call in calls:
-            content = content.replace(call.raw, "", 1)
-        message = {"role": "assistant", "content": content.strip() or None, "tool_calls": [
-            {"id": f"{call_id_prefix}_{index}", "type": "function",
-             "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
-            for index, call in enumerate(calls)]}
-    if turn.finish_reason == "length":
-        return message, "length"
-    return message, "tool_calls" if calls else "stop"
-
-
-def chat_completion(message: dict[str, Any], finish_reason: str, model: str) -> dict[str, Any]:
-    """A ``chat.completion`` object with one choice."""
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": [{"index": 0, "message": message, "logprobs": None,
-                                         "finish_reason": finish_reason}]}
-
-
-def completion_events(completion: dict[str, Any]) -> list[bytes]:
-    """``completion`` as the SSE events of a streamed answer: the whole message in one delta, the
-    finish reason, ``[DONE]``."""
-    (choice,) = completion["choices"]
-    message = choice["message"]
-    delta: dict[str, Any] = {"role": "assistant"}
-    if message.get("content") is not None:
-        delta["content"] = message["content"]
-    if message.get("tool_calls"):
-        delta["tool_calls"] = [{"index": index, **call} for index, call in enumerate(message["tool_calls"])]
-    head = {key: completion[key] for key in ("id", "created", "model")}
-    chunks = [{**head, "object": "chat.completion.chunk",
-               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]},
-              {**head, "object": "chat.completion.chunk",
-               "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}]}]
-    return [f"data: {json.dumps(chunk)}\n\n".encode() for chunk in chunks] + [b"data: [DONE]\n\n"]
-
-
-def requested_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
-    """What a call asks of sampling (temperature, max_tokens, ...): every field but the conversation's."""
-    return {key: value for key, value in body.items() if key not in _NOT_SAMPLING and value is not None}
-
-
-def rlfleet_messages(messages: Any, where: str) -> list[dict[str, Any]]:
-    """A call's chat messages as rlfleet messages: a known role ("developer" read as "system"), string
-    content (text parts joined, None empty), and the keys a chat template reads (``name``,
-    ``tool_call_id``, ``tool_calls``). Raises ``VerifiersConversationDiverged`` for what cannot be one."""
-    if not isinstance(messages, list):
-        raise VerifiersConversationDiverged(f"{where}: messages must be a list, not {type(messages).__name__}")
-    converted = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise VerifiersConversationDiverged(f"{where}: message {index} is a {type(message).__name__}, not a dict")
-        role = "system" if message.get("role") == "developer" else message.get("role")
-        if role not in ROLES:
-            raise VerifiersConversationDiverged(f"{where}: message {index} has role {role!r}; "
-                                                f"the roles are {', '.join(ROLES)}")
-        out = {"role": role, "content": _text(message.get("content"), f"{where}: message {index}")}
-        out.update({key: message[key] for key in ("name", "tool_call_id", "tool_calls") if message.get(key)})
-        converted.append(out)
-    return converted
-
-
-def continuation(previous: list[dict[str, Any]], answered: dict[str, Any], messages: Any,
-                 where: str = "the next model call") -> list[dict[str, Any]]:
-    """The observation in ``messages`` (a call's messages, as rlfleet messages): what follows the
-    previous call's messages and the assistant message answered to it. Raises
-    ``VerifiersConversationDiverged`` naming the first difference when ``messages`` do not continue
-    that conversation, or add an assistant message the model did not write."""
-    messages = rlfleet_messages(messages, where)
-    for index, (before, now) in enumerate(zip(previous, messages)):
-        if _identity(before) != _identity(now):
-            raise VerifiersConversationDiverged(
-                f"{where} rewrote message {index} of the conversation ({_brief(_identity(before))} became "
-                f"{_brief(_identity(now))}); a token-exact episode only grows")
-    if len(messages) <= len(previous):
-        raise VerifiersConversationDiverged(f"{where} has {len(messages)} messages, the conversation "
-                                            f"{len(previous)} and the model's reply after them")
-    echoed = messages[len(previous)]
-    if _identity(echoed) != _identity(answered):
-        raise VerifiersConversationDiverged(f"{where} sent back {_brief(_identity(echoed))} as the model's reply, "
-                                            f"which was {_brief(_identity(answered))}")
-    observation = messages[len(previous) + 1:]
-    for index, message in enumerate(observation, start=len(previous) + 1):
-        if message["role"] == "assistant":
-            raise VerifiersConversationDiverged(f"{where}: message {index} is an assistant message the model "
-                                                "did not write")
-    return observation
-
-
-def _text(content: Any, where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text" for part in content):
-        return "".join(str(part.get("text", "")) for part in content)
-    raise VerifiersConversationDiverged(f"{where}: content other than text ({type(content).__name__}) "
-                                        "cannot be rendered into tokens here")
-
-
-def _cut(text: str, limit: int = 200) -> str:
-    """``text`` cut to ``limit`` characters: an error's text travels in a gRPC trailer (16 KiB at most)."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def _brief(value: Any) -> str:
-    return _cut(repr(value))
-
-
-def _identity(message: dict[str, Any]) -> tuple:
-    """What must not change about a message once sent: role, text, tool call ids, names and arguments."""
-    calls = []
-    for call in message.get("tool_calls") or []:
-        function = call.get("function") or {}
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            with contextlib.suppress(ValueError):
-                arguments = json.loads(arguments)
-        calls.append((call.get("id"), function.get("name"), json.dumps(arguments, sort_keys=True)))
-    text = message.get("content")
-    return (message.get("role"), text if isinstance(text, str) else _text(text, "a message"),
-            message.get("tool_call_id"), tuple(calls))
-
-
-# --- the endpoint: one HTTP server per event loop, routing calls to episodes by trace id ---
-
-
-@dataclass(eq=False)
-class _Call:
-    """One chat-completions call of a rollout, answered by the adapter's next ``step``."""
-
-    body: dict[str, Any]
-    answer: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-
-
-class _Refused(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-class _Exchange:
-    """The model calls of one episode: a queue the adapter reads, one conversation (one trace)."""
-
-    def __init__(self) -> None:
-        self.events: asyncio.Queue[_Call | Exception] = asyncio.Queue()
-        self.trace_ids: set[str] = set()
-        self.caller: str | None = None
-        """The trace whose calls are the episode (the first to call)."""
-        self.last: _Call | None = None
-        self.closed = False
-
-    def submit(self, trace_id: str, body: dict[str, Any]) -> _Call:
-        if self.closed:
-            raise _Refused(410, "the rlfleet episode is closed")
-        if self.caller is None:
-            self.caller = trace_id
-        elif trace_id != self.caller:
-            raise self._diverged(f"a second agent (trace {trace_id}) called the model; an rlfleet episode is "
-                                 f"one conversation (trace {self.caller})")
-        last = self.last
-        if last is not None and last.body == body:
-            return last  # a retry of the same call: the same answer
-        if last is not None and not last.answer.done():
-            raise self._diverged("the rollout made a model call while its previous one was unanswered; an "
-                                 "rlfleet episode is one conversation, one call at a time")
-        self.last = _Call(body)
-        self.events.put_nowait(self.last)
-        return self.last
-
-    def _diverged(self, why: str) -> _Refused:
-        self.events.put_nowait(VerifiersConversationDiverged(why))
-        return _Refused(409, why)
-
-    def close(self) -> None:
-        self.closed = True
-        if self.last is not None and not self.last.answer.done():
-            self.last.answer.set_exception(_Refused(410, "the rlfleet episode is closed"))
-            self.last.answer.exception()  # retrieved here: the call may be gone already
-
-
-class _ChatEndpoint:
-    """``POST /v1/chat/completions`` on 127.0.0.1, an ephemeral port; a call goes to the episode whose
-    rollout minted the trace named by its ``X-Session-ID`` header."""
-
-    def __init__(self) -> None:
-        self.routes: dict[str, _Exchange] = {}
-        self.users = 0
-        self.started: asyncio.Future | None = None
-        self._runner: web.AppRunner | None = None
-        self.base_url = ""
-
-    async def start(self) -> None:
-        app = web.Application(client_max_size=_MAX_BODY_BYTES)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_route("*", "/{tail:.*}", self._unsupported)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = self._runner.addresses[0][1]
-        self.base_url = f"http://127.0.0.1:{port}/v1"
-        log.info("verifiers chat endpoint up", extra={"url": self.base_url})
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        exchange = self.routes.get(request.headers.get(SESSION_ID_HEADER, ""))
-        if exchange is None:
-            return _error(404, f"no open rlfleet episode has the trace named by {SESSION_ID_HEADER}")
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            return _error(400, f"the body is not JSON: {exc}")
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            return _error(400, "a chat-completions body needs a messages list")
-        try:
-            call = exchange.submit(request.headers[SESSION_ID_HEADER], body)
-            completion = await asyncio.shield(call.answer)
-        except _Refused as refused:
-            return _error(refused.status, str(refused))
-        if not body.get("stream"):
-            return web.json_response(completion)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        for event in completion_events(completion):
-            await response.write(event)
-        await response.write_eof()
-        return response
-
-    async def _unsupported(self, request: web.Request) -> web.Response:
-        return _error(404, f"{request.method} {request.path}: the rlfleet endpoint serves POST "
-                           "/v1/chat/completions only (a harness speaking another dialect cannot run here)")
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=status)
-
-
-_endpoints: dict[asyncio.AbstractEventLoop, _ChatEndpoint] = {}
-
-
-async def _acquire_endpoint() -> _ChatEndpoint:
-    loop = asyncio.get_running_loop()
-    endpoint = _endpoints.get(loop)
-    if endpoint is None:
-        endpoint = _endpoints[loop] = _ChatEndpoint()
-        endpoint.started = asyncio.ensure_future(endpoint.start())
-    endpoint.users += 1
-    try:
-        await asyncio.shield(endpoint.started)
-    except BaseException:
-        await _release_endpoint(endpoint)
-        raise
-    return endpoint
-
-
-async def _release_endpoint(endpoint: _ChatEndpoint) -> None:
-    endpoint.users -= 1
-    if endpoint.users == 0:
-        loop = asyncio.get_running_loop()
-        if _endpoints.get(loop) is endpoint:
-            del _endpoints[loop]
-        await asyncio.gather(asyncio.shield(endpoint.started), return_exceptions=True)
-        await endpoint.stop()
+VerifiersConversationDiverged = ConversationDiverged
+"""The rollout's next model call does not continue the conversation as the model wrote it."""
 
 
 # --- one verifiers Env per subclass, serving while its episodes run ---
@@ -389,7 +109,7 @@ class _Host:
         self.broken = False
         """It stopped serving on its own: the next episode starts a new one."""
         self.env: Any = None
-        self.endpoint: _ChatEndpoint | None = None
+        self.endpoint: ChatEndpoint | None = None
         self._started: asyncio.Future | None = None
         self._serving: asyncio.Task | None = None
         self._stop = asyncio.Event()
@@ -405,7 +125,7 @@ class _Host:
         if shutil.which("uv") is None:
             log.warning("no uv on PATH: verifiers' chat harnesses run their program with uv (the verifiers extra "
                         "installs it into the virtualenv's bin)")
-        self.endpoint = await _acquire_endpoint()
+        self.endpoint = await acquire_endpoint()
         try:
             self.env = vf.load_environment(self.cls.env_config())
             ready = asyncio.get_running_loop().create_future()
@@ -413,7 +133,7 @@ class _Host:
             await ready
         except BaseException:
             endpoint, self.endpoint = self.endpoint, None
-            await _release_endpoint(endpoint)
+            await release_endpoint(endpoint)
             raise
 
     async def _serve(self, ready: asyncio.Future) -> None:
@@ -471,7 +191,7 @@ class _Host:
         finally:
             if self.endpoint is not None:
                 endpoint, self.endpoint = self.endpoint, None
-                await _release_endpoint(endpoint)
+                await release_endpoint(endpoint)
 
 
 _hosts: dict[tuple[type, asyncio.AbstractEventLoop], _Host] = {}
@@ -521,9 +241,9 @@ class VerifiersEnvironment(Environment):
 
     def __init__(self) -> None:
         self._host: _Host | None = None
-        self._exchange: _Exchange | None = None
+        self._exchange: Exchange | None = None
         self._rollout: asyncio.Task | None = None
-        self._call: _Call | None = None
+        self._call: Call | None = None
         self._conversation: list[dict[str, Any]] = []
         self._turns = 0
 
@@ -571,13 +291,13 @@ class VerifiersEnvironment(Environment):
 
     async def reset(self, task: Task) -> list[dict[str, Any]]:
         self._host = await _acquire_host(type(self))
-        self._exchange = _Exchange()
+        self._exchange = Exchange()
         verifiers_task = self.make_task(task, self._host.env.taskset)
         context = vf.ModelContext(model=self.model_name, client=vf.EvalClientConfig(
             base_url=self._host.endpoint.base_url, api_key_var=API_KEY_VARIABLE))
         self._rollout = asyncio.create_task(self._host.env.run_episode(verifiers_task, context, on_trace=self._route))
         event = await self._next()
-        if not isinstance(event, _Call):
+        if not isinstance(event, Call):
             raise VerifiersRolloutFailed(_failure(event) or "the rollout ended without calling the model")
         messages = rlfleet_messages(event.body["messages"], "the first model call")
         self.tools = list(event.body.get("tools") or [])
@@ -595,7 +315,7 @@ class VerifiersEnvironment(Environment):
         sampling = requested_sampling(call.body)
         info: dict[str, Any] = {"requested_sampling": json.dumps(sampling, sort_keys=True)} if sampling else {}
         event = await self._next()
-        if not isinstance(event, _Call):
+        if not isinstance(event, Call):
             return self._final(event, info)
         observation = continuation(self._conversation, message, event.body["messages"])
         if list(event.body.get("tools") or []) != list(self.tools):
@@ -635,7 +355,7 @@ class VerifiersEnvironment(Environment):
         self._exchange.trace_ids.add(trace.id)
         self._host.endpoint.routes[trace.id] = self._exchange
 
-    async def _next(self) -> _Call | Any:
+    async def _next(self) -> Call | Any:
         """The rollout's next model call, or its episode once it returned; raises what it raised, or
         the divergence the endpoint saw."""
         events = self._exchange.events
@@ -685,7 +405,7 @@ def _failure(episode: Any) -> str | None:
     errors = [*episode.errors, *(error for trace in episode.traces for error in trace.errors)]
     if not errors:
         return "the rollout failed without recording an error"
-    return "; ".join(f"{error.type}: {_cut(error.message, 1000)}" for error in reversed(errors[-4:]))
+    return "; ".join(f"{error.type}: {shorten(error.message, 1000)}" for error in reversed(errors[-4:]))
 
 
 __all__ = ["API_KEY_VARIABLE", "VerifiersConversationDiverged", "VerifiersEnvironment", "VerifiersRolloutFailed",

@@ -22,7 +22,7 @@ import verifiers.v1 as vf
 from verifiers.v1.clients.client import SESSION_ID_HEADER
 
 from rlfleet.env import AssistantTurn, Task
-from rlfleet.services.environment import verifiers_adapter
+from rlfleet.services.environment import chat_endpoint, verifiers_adapter
 from rlfleet.services.environment.episodes import EnvironmentFailed, EpisodeLimits, Episodes, Turn
 from rlfleet.services.environment.rendering import ChatRenderer
 from rlfleet.services.environment.verifiers_adapter import (
@@ -98,24 +98,24 @@ def test_the_next_call_must_continue_the_conversation_as_answered():
 
 
 async def test_an_exchange_is_one_conversation_answered_one_call_at_a_time():
-    exchange = verifiers_adapter._Exchange()
+    exchange = chat_endpoint.Exchange()
     call = exchange.submit("trace-a", {"messages": [1]})
     assert exchange.submit("trace-a", {"messages": [1]}) is call  # a retry waits for the same answer
-    with pytest.raises(verifiers_adapter._Refused, match="previous one was unanswered") as concurrent:
+    with pytest.raises(chat_endpoint.Refused, match="previous one was unanswered") as concurrent:
         exchange.submit("trace-a", {"messages": [2]})
     assert concurrent.value.status == 409
-    with pytest.raises(verifiers_adapter._Refused, match="a second agent"):
+    with pytest.raises(chat_endpoint.Refused, match="a second agent"):
         exchange.submit("trace-b", {"messages": [1]})
     events = [exchange.events.get_nowait() for _ in range(exchange.events.qsize())]
     assert events[0] is call and all(isinstance(event, VerifiersConversationDiverged) for event in events[1:])
     exchange.close()
-    with pytest.raises(verifiers_adapter._Refused, match="closed"):
+    with pytest.raises(chat_endpoint.Refused, match="closed"):
         call.answer.result()
 
 
 async def test_the_endpoint_answers_the_openai_sdk_over_http_streamed_or_not_and_refuses_what_it_cannot_route():
-    endpoint = await verifiers_adapter._acquire_endpoint()
-    exchange = verifiers_adapter._Exchange()
+    endpoint = await chat_endpoint.acquire_endpoint()
+    exchange = chat_endpoint.Exchange()
     endpoint.routes["trace-1"] = exchange
     message, finish_reason = answer_turn(AssistantTurn(text=f"adding {TOOL_CALL}"), "call_1")
     client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key="none", max_retries=0,
@@ -155,7 +155,7 @@ async def test_the_endpoint_answers_the_openai_sdk_over_http_streamed_or_not_and
         assert closed.value.status_code == 410
     finally:
         await client.close()
-        await verifiers_adapter._release_endpoint(endpoint)
+        await chat_endpoint.release_endpoint(endpoint)
 
 
 def test_a_subclass_without_a_taskset_says_what_to_set():
@@ -171,7 +171,7 @@ async def test_an_environment_that_cannot_start_fails_its_episode_and_the_next_o
             await env.reset(TASK)
         await env.close()
         assert [key for key in verifiers_adapter._hosts if key[0] is missing] == []
-    assert verifiers_adapter._endpoints == {}
+    assert chat_endpoint._endpoints == {}
 
 
 # --- real verifiers environments, driven by hand-written turns ---
