@@ -93,9 +93,14 @@ def extra_args(ns, service: str) -> list[str]:
 
 
 def collector_args(ns, backends: dict[str, ServiceProcess], workdir: Path) -> list[str]:
-    sampling = {"temperature": 1.0, "top_p": 1.0, "max_tokens": ns.max_tokens, "ignore_eos": True}
     return ["--generation-addresses", json.dumps([backends["loadgen"].address]),
-            "--reference-address", backends["reference"].address, "--reward-address", backends["reward"].address,
+            *pipeline_args(ns, backends, workdir)]
+
+
+def pipeline_args(ns, backends: dict[str, ServiceProcess], workdir: Path) -> list[str]:
+    """Every collector flag but its replicas: upstream addresses, dataset, async mode, raised limits."""
+    sampling = {"temperature": 1.0, "top_p": 1.0, "max_tokens": ns.max_tokens, "ignore_eos": True}
+    return ["--reference-address", backends["reference"].address, "--reward-address", backends["reward"].address,
             "--trajectory-address", backends["trajectory"].address, "--state-dir", str(workdir / "collector-state"),
             "--dataset-path", str(write_dataset(workdir / "prompts.jsonl", 4096)), "--epochs", "0",
             "--mode", "async", "--max-staleness", "1000000", "--group-size", str(ns.group_size),
@@ -107,16 +112,25 @@ def collector_args(ns, backends: dict[str, ServiceProcess], workdir: Path) -> li
             "--max-scoring-in-flight", str(ns.max_scoring_in_flight)]
 
 
-def start_services(model_dir: Path, workdir: Path, ns) -> dict[str, ServiceProcess]:
-    """trajectory, reference, reward, loadgen, then the collector; each SERVING before the next."""
-    procs: dict[str, ServiceProcess] = {}
-    common = ["--log-format", "text", "--log-level", ns.log_level]
+def common_args(ns) -> list[str]:
+    return ["--log-format", "text", "--log-level", ns.log_level]
+
+
+def start_upstream(model_dir: Path, workdir: Path, ns, procs: dict[str, ServiceProcess]) -> None:
+    """Start trajectory, reference and reward into ``procs`` (not waited for: they load in parallel)."""
     plan = [("trajectory", ["--db-path", str(workdir / "trajectory" / "trajectories.db")]),
             ("reference", ["--model-path", str(model_dir), "--torch-threads", str(ns.reference_threads)]),
             ("reward", ["--tokenizer-path", str(model_dir)])]
+    for name, args in plan:
+        procs[name] = ServiceProcess(name, [*args, *common_args(ns), *extra_args(ns, name)]).start(workdir / name)
+
+
+def start_services(model_dir: Path, workdir: Path, ns) -> dict[str, ServiceProcess]:
+    """trajectory, reference, reward, loadgen, then the collector; each SERVING before the next."""
+    procs: dict[str, ServiceProcess] = {}
+    common = common_args(ns)
     try:
-        for name, args in plan:
-            procs[name] = ServiceProcess(name, [*args, *common, *extra_args(ns, name)]).start(workdir / name)
+        start_upstream(model_dir, workdir, ns, procs)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         procs["loadgen"] = LoadgenProcess("loadgen", ["--vocab-size", str(vocab)]).start(workdir / "loadgen")
         for proc in procs.values():  # all start in parallel; the collector needs them SERVING
@@ -141,10 +155,11 @@ def stop_services(procs: dict[str, ServiceProcess]) -> None:
 # ---------------------------------------------------------------- the trainers (processes of their own)
 
 def trainer_main(address: str, batch_size: int, prefetch: int, push_every: float, model_file: str,
-                 received, longest_wait, stop) -> None:
+                 received, longest_wait, stop, tap=None) -> None:
     """One SDK trainer: read batches as fast as they come, ack each, count the trajectories in
     ``received`` and the longest wait for a batch in ``longest_wait`` (both shared); push the
-    model's weights every ``push_every`` s (0: never)."""
+    model's weights every ``push_every`` s (0: never). ``tap`` (picklable), if given, is called
+    with each batch after its ack (another bench's hook, e.g. to record prompt ids)."""
     from rlfleet.client import connect
 
     state = None
@@ -164,6 +179,8 @@ def trainer_main(address: str, batch_size: int, prefetch: int, push_every: float
                     break
                 waited, asked = time.perf_counter() - asked, time.perf_counter()
                 batch.ack()
+                if tap is not None:
+                    tap(batch)
                 with received.get_lock():
                     received.value += len(batch)
                 with longest_wait.get_lock():
@@ -176,7 +193,7 @@ def trainer_main(address: str, batch_size: int, prefetch: int, push_every: float
 class Trainers:
     """``count`` trainer processes (spawned: no inherited gRPC state) sharing one counter."""
 
-    def __init__(self, count: int, address: str, model_dir: Path, ns):
+    def __init__(self, count: int, address: str, model_dir: Path, ns, tap=None):
         context = multiprocessing.get_context("spawn")
         self.received = context.Value("q", 0)
         self.longest_wait = context.Value("d", 0.0)
@@ -184,7 +201,7 @@ class Trainers:
         self.processes = [context.Process(
             target=trainer_main, daemon=True,
             args=(address, ns.batch_size, ns.prefetch, ns.push_every if i == 0 else 0.0,
-                  str(model_dir / "model.safetensors"), self.received, self.longest_wait, self.stop))
+                  str(model_dir / "model.safetensors"), self.received, self.longest_wait, self.stop, tap))
             for i in range(count)]
 
     def start(self) -> "Trainers":
@@ -354,8 +371,8 @@ def report(rounds: list[dict], end: dict, ns) -> dict:
                 "max_scoring_in_flight", "push_every", "service_arg")}, "cpu_count": cores}
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The harness's flags (shared with ``bench/fleet.py``)."""
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=20.0, help="length of one measured window")
     parser.add_argument("--warmup", type=float, default=10.0, help="after the backlog drained")
@@ -378,6 +395,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--log-level", default="WARNING", help="the services' log level")
     parser.add_argument("--model-dir", type=Path, default=None, help="default: the tiny model, built in a cache dir")
     parser.add_argument("--workdir", type=Path, default=None, help="service logs and state (default: a temp dir)")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
     ns = parser.parse_args()
     if ns.batch_size % ns.group_size:
         parser.error("--batch-size must be a multiple of --group-size")

@@ -86,7 +86,12 @@ class Coalescer(Generic[Item, Result]):
                 _settle(waiting.future, result=result)
         except BaseException as exc:  # cancelled, or the bug above: no caller may wait forever
             for waiting in batch:
-                _settle(waiting.future, exception=exc if isinstance(exc, Exception) else asyncio.CancelledError())
+                if isinstance(exc, Exception):
+                    _settle(waiting.future, exception=exc)
+                elif not waiting.future.done():
+                    # Cancelled (the collector stopping): cancel theirs. A CancelledError set as an
+                    # exception on a future whose waiter is gone is logged "never retrieved" at exit.
+                    waiting.future.cancel()
             raise
 
 
