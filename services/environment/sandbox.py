@@ -3,7 +3,7 @@
 Every call gets a fresh scratch directory and a fresh process, started as uid/gid 65534 (nobody)
 in a new session, inside ``bwrap``: new user, pid, network, ipc and uts namespaces, read-only /usr,
 no /etc, no network, a small /tmp. Inside, rlimits bound CPU time, address space, processes, file
-size and open files before the snippet's interpreter starts. Output is read with a byte cap. Past
+size and open files before the snippet's first line runs. Output is read with a byte cap. Past
 the wall-clock limit the process group is killed. When the call ends, however it ends, its pid
 namespace is ended too, taking every descendant with it, daemons included, before ``run()`` returns
 and the scratch directory is removed.
@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,12 +53,19 @@ _PIPE_GRACE_SECONDS = 2.0  # after the exit, how long an output pipe may stay op
 _NAMESPACE_END_SECONDS = 5.0  # the kernel's kill of a pid namespace takes milliseconds
 _PROBE_OUTPUT = "sandbox ok"
 
-# The first program inside the sandbox: lowers its own rlimits, then becomes the snippet's
-# interpreter. Not a `preexec_fn`: no Python may run between fork and exec in a threaded service (a
-# lock held by another thread at fork time deadlocks the child). Set inside bwrap's user namespace,
-# RLIMIT_NPROC also counts this sandbox's processes only, not those of concurrent calls.
-_LIMITS_SHIM = """\
-import os, resource, sys
+# The one program inside the sandbox: lowers its own rlimits, then runs the snippet in the same
+# interpreter as `python -I -B -X utf8 snippet.py` would: a fresh `__main__` module with a script's
+# globals, `sys.argv == ["snippet.py"]`, CPython's own handling of exceptions, SystemExit and exit
+# codes, and tracebacks without this program's frame. That frame stays below the snippet's for
+# `inspect.stack()` and the recursion limit, and a NUL byte in the source is an error (3.11's file
+# reader ignored the rest of that line). One interpreter per call, where a shim used to exec a second
+# one: 25% less CPU per call (bench/sandbox.py). `site` runs before the rlimits, host code as in any
+# interpreter (snippets keep `exit()` and the system's site-packages); the snippet runs after them.
+# Not a `preexec_fn`: no Python may run between fork and exec in a threaded service (a lock held by
+# another thread at fork time deadlocks the child). Set inside bwrap's user namespace, RLIMIT_NPROC
+# also counts this sandbox's processes only, not those of concurrent calls.
+_SNIPPET_RUNNER = """\
+import resource, sys
 cpu, address_space, processes, file_bytes, open_files = map(int, sys.argv[1:6])
 for limit, soft, hard in (
     (resource.RLIMIT_CPU, cpu, cpu + 1),  # SIGXCPU at the soft limit, SIGKILL a second later
@@ -68,7 +76,25 @@ for limit, soft, hard in (
     (resource.RLIMIT_CORE, 0, 0),
 ):
     resource.setrlimit(limit, (soft, hard))
-os.execv(sys.argv[6], sys.argv[6:])
+import builtins, posix
+from _frozen_importlib_external import SourceFileLoader
+def excepthook(kind, error, traceback, shown=sys.excepthook, runner=sys._getframe().f_code):
+    while traceback is not None and traceback.tb_frame.f_code is runner:
+        traceback = traceback.tb_next
+    if isinstance(error, BaseException):  # printed from error.__traceback__, not from the argument
+        error.__traceback__ = traceback
+    shown(kind, error, traceback)
+name = sys.argv[6]
+path = posix.getcwd() + "/" + name
+main = type(sys)("__main__")
+main.__dict__.update(__loader__=SourceFileLoader("__main__", path), __spec__=None, __annotations__={},
+                     __builtins__=builtins, __file__=path, __cached__=None)
+sys.argv[:] = [name]
+sys.modules["__main__"] = main
+sys.excepthook = excepthook
+with open(name, "rb") as source:
+    code = compile(source.read(), path, "exec", dont_inherit=True)
+exec(code, main.__dict__)
 """
 
 
@@ -235,7 +261,7 @@ class PythonSandbox:
             stdin_file.seek(0)
             try:
                 started = time.monotonic()
-                process = await self._spawn(isolation, scratch, stdin_file, bwrap_info, pipes)
+                process = self._spawn(isolation, scratch, stdin_file, bwrap_info, pipes)
                 readers = [asyncio.create_task(pipe.collect()) for pipe in pipes]
                 timed_out = await self._wait_and_end(process, bwrap_info if isolation == "bwrap" else None)
                 wall_seconds = time.monotonic() - started
@@ -257,15 +283,15 @@ class PythonSandbox:
             wall_seconds=wall_seconds,
         )
 
-    async def _spawn(
+    def _spawn(
         self,
         isolation: Isolation,
         scratch: str,
         stdin_file: BinaryIO,
         bwrap_info: BinaryIO,
         pipes: tuple[_OutputPipe, ...],
-    ) -> asyncio.subprocess.Process:
-        command = self._interpreter_command()
+    ) -> subprocess.Popen:
+        command = snippet_command(self.python, self.limits)
         if isolation == "bwrap":
             options = bwrap_arguments(scratch, self.limits.max_file_bytes, bwrap_info.fileno(), proc=self.limits.proc)
             command = [self.bwrap, *options, "--", *command]
@@ -280,9 +306,11 @@ class PythonSandbox:
             drop = {}
         else:
             drop = {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
+        # A plain Popen, waited for by its pidfd (``_wait_and_end``): asyncio's subprocesses start a
+        # thread per child on Python < 3.12, and the event loop waits for each thread to start.
         try:
-            return await asyncio.create_subprocess_exec(
-                *command,
+            return subprocess.Popen(
+                command,
                 stdin=stdin_file,
                 stdout=pipes[0].write_end,
                 stderr=pipes[1].write_end,
@@ -298,20 +326,13 @@ class PythonSandbox:
             for pipe in pipes:
                 pipe.close_write_end()  # the child's copy is the only one left: its exit is EOF
 
-    def _interpreter_command(self) -> list[str]:
-        limits = self.limits
-        rlimits = (limits.cpu_seconds, limits.memory_bytes, limits.max_processes)
-        rlimits += (limits.max_file_bytes, limits.max_open_files)
-        shim = [self.python, "-I", "-S", "-B", "-c", _LIMITS_SHIM, *map(str, rlimits)]
-        # -I ignores PYTHON* variables, so -B stands in for PYTHONDONTWRITEBYTECODE
-        return [*shim, self.python, "-I", "-B", "-X", "utf8", SNIPPET_NAME]
-
-    async def _wait_and_end(self, process: asyncio.subprocess.Process, bwrap_info: BinaryIO | None) -> bool:
+    async def _wait_and_end(self, process: subprocess.Popen, bwrap_info: BinaryIO | None) -> bool:
         """Wait for the exit, at most the wall-clock limit, then end whatever the snippet left
         behind; True when the wall clock ran out."""
         timed_out = False
+        exited = os.pidfd_open(process.pid)  # not reaped until process.wait() below: the pid is ours
         try:
-            await asyncio.wait_for(process.wait(), self.limits.wall_seconds)
+            await asyncio.wait_for(_readable(exited), self.limits.wall_seconds)
         except asyncio.TimeoutError:
             timed_out = True
         finally:
@@ -320,10 +341,23 @@ class PythonSandbox:
                 os.killpg(process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass  # nothing left in the group
-            await process.wait()
+            try:
+                await _readable(exited)
+            finally:
+                os.close(exited)
+            process.wait()  # exited: reaps it at once
             if bwrap_info is not None:
                 await _end_namespace(bwrap_info)
         return timed_out
+
+
+def snippet_command(python: str, limits: SandboxLimits) -> list[str]:
+    """The command that runs ``snippet.py`` of its working directory with ``python`` as
+    ``python -I -B -X utf8 snippet.py`` would, in one interpreter that sets ``limits``' rlimits first."""
+    rlimits = (limits.cpu_seconds, limits.memory_bytes, limits.max_processes)
+    rlimits += (limits.max_file_bytes, limits.max_open_files)
+    # -I ignores PYTHON* variables, so -B stands in for PYTHONDONTWRITEBYTECODE
+    return [python, "-I", "-B", "-X", "utf8", "-c", _SNIPPET_RUNNER, *map(str, rlimits), SNIPPET_NAME]
 
 
 def bwrap_arguments(scratch: str, tmp_bytes: int, info_fd: int, proc: bool = True) -> list[str]:

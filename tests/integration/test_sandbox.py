@@ -86,8 +86,20 @@ async def test_an_exception_fails_with_its_traceback(sandbox):
     result = await sandbox.run("def f():\n    return 1 / 0\nf()\n")
 
     assert not result.ok and result.exit_code == 1
-    assert "Traceback (most recent call last)" in result.stderr and "return 1 / 0" in result.stderr
+    assert result.stderr.startswith('Traceback (most recent call last):\n  File "/sandbox/snippet.py", line 3')
+    assert "return 1 / 0" in result.stderr and "<string>" not in result.stderr  # no frame of the runner
     assert result.error == "exited with code 1: ZeroDivisionError: division by zero"
+
+
+async def test_a_snippet_runs_as_a_script(sandbox):
+    """What ``python snippet.py`` gives a script, site's ``exit()`` included; the sandbox's init is
+    its parent (tests/unit/test_sandbox_runner.py compares the runner with a plain script run)."""
+    code = "import os, sys\nprint(__name__, sys.argv, __file__, os.getpid(), os.getppid())\nexit(3)\n"
+
+    result = await sandbox.run(code)
+
+    assert result.stdout == "__main__ ['snippet.py'] /sandbox/snippet.py 2 1\n"
+    assert (result.exit_code, result.error, result.stderr) == (3, "exited with code 3", "")
 
 
 async def test_a_runaway_loop_hits_the_cpu_limit():
