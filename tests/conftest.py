@@ -11,3 +11,12 @@ from rlfleet.services.models.tiny import build_tiny_model
 def tiny_model_dir(tmp_path_factory):
     """The deterministic tiny Qwen2 model + tokenizer, built once per session."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir):
+    """The tiny model's tokenizer (Hugging Face), loaded once per session."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from rlfleet.services.launch import ServiceProcess
@@ -33,3 +34,10 @@ def fuzz_log(request, tmp_path_factory):
     capture = request.config.pluginmanager.get_plugin("capturemanager")
     with capture.global_and_fixture_disabled():  # shown by a plain `pytest -q` run, passing or not
         print("\n" + table)
+
+
+@pytest.fixture(scope="module")
+def channel(suite):
+    """A plaintext channel to the collector of the module's ``suite`` fixture."""
+    with grpc.insecure_channel(suite["collector"].address) as channel:
+        yield channel

@@ -61,17 +61,6 @@ def suite(tiny_model_dir, tmp_path_factory, gate):
     stop_suite(procs)
 
 
-@pytest.fixture(scope="module")
-def channel(suite):
-    with grpc.insecure_channel(suite["collector"].address) as channel:
-        yield channel
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
 
 def submit(channel, specs: list[collector_pb2.PromptSpec]) -> list[str]:

@@ -25,6 +25,7 @@ from rlfleet.services.launch import ServiceProcess
 from rlfleet.v1 import environment_pb2, environment_pb2_grpc, sampling_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
 from tests.waiting import wait_for
+from tests.example_modules import import_example
 
 pytestmark = pytest.mark.slow
 
@@ -79,12 +80,7 @@ def guess_server() -> OpenEnvServer:
 
 @pytest.fixture(scope="module")
 def guess_module():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import openenv_guess
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    return openenv_guess
+    return import_example("openenv_guess")
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
@@ -25,6 +24,7 @@ from rlfleet.v1 import collector_pb2, collector_pb2_grpc, sampling_pb2
 from tests.hf_reference import load_hf, response_log_probs
 from tests.integration.readers import Reader
 from tests.waiting import wait_for
+from tests.example_modules import import_example
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm,
               pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops to uid 65534, which needs root")]
@@ -39,12 +39,7 @@ appended on a loaded 2-core machine."""
 
 @pytest.fixture(scope="module")
 def example():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import verifiers_sums
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    return verifiers_sums
+    return import_example("verifiers_sums")
 
 
 @pytest.fixture(scope="module")
@@ -64,17 +59,6 @@ def suite(tiny_model_dir, tmp_path_factory):
     stop_suite(procs)
 
 
-@pytest.fixture(scope="module")
-def channel(suite):
-    with grpc.insecure_channel(suite["collector"].address) as channel:
-        yield channel
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
 
 def submit(channel, prompt_id: str, question: str, answer: str) -> None:

@@ -47,12 +47,6 @@ def call_text(name: str, **arguments: object) -> str:
     return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
-
 
 def render(tokenizer, messages, tools=None, *, chat_template=None, add_generation_prompt=True) -> str:
     return tokenizer.apply_chat_template(

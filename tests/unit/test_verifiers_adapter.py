@@ -28,6 +28,7 @@ from rlfleet.services.environment.rendering import ChatRenderer
 from rlfleet.services.environment.verifiers_adapter import (
     VerifiersConversationDiverged, VerifiersEnvironment, VerifiersRolloutFailed, answer_turn, chat_completion,
     completion_events, continuation, requested_sampling, rlfleet_messages)
+from tests.example_modules import import_example
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TASK = Task(prompt=[{"role": "user", "content": "what is 2 plus 3"}], ground_truth="5")
@@ -179,12 +180,7 @@ async def test_an_environment_that_cannot_start_fails_its_episode_and_the_next_o
 
 @pytest.fixture(scope="module")
 def example():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import verifiers_sums
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    return verifiers_sums
+    return import_example("verifiers_sums")
 
 
 @pytest.fixture(scope="module")
