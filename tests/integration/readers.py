@@ -43,3 +43,15 @@ class Reader:
     def close(self):
         self._queue.put(None)
         self._responses.cancel()
+
+
+def runs(mask) -> list[tuple[int, int]]:
+    """(start, end) of each run of True in ``mask`` (a 1-D bool tensor): an episode's sampled turns."""
+    out, start = [], None
+    for i, value in enumerate(mask.tolist() + [False]):
+        if value and start is None:
+            start = i
+        elif not value and start is not None:
+            out.append((start, i))
+            start = None
+    return out

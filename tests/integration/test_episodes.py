@@ -23,7 +23,7 @@ from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, sampling_pb2
 from rlfleet.wire import encode_tensor
 from tests.hf_reference import load_hf, response_log_probs
-from tests.integration.readers import Reader
+from tests.integration.readers import Reader, runs
 from tests.integration.test_collector import push
 from tests.waiting import wait_for
 
@@ -90,17 +90,6 @@ def samples_of(channel, prompt_ids: set[str]) -> list[dict]:
         reader.close()
     return found
 
-
-def runs(mask: torch.Tensor) -> list[tuple[int, int]]:
-    """(start, end) of each run of True in ``mask``."""
-    out, start = [], None
-    for i, value in enumerate(mask.tolist() + [False]):
-        if value and start is None:
-            start = i
-        elif not value and start is not None:
-            out.append((start, i))
-            start = None
-    return out
 
 
 def test_a_three_turn_episode_is_token_exact_with_engine_and_reference_log_probs(channel, tokenizer, tiny_model_dir):

@@ -22,7 +22,7 @@ import pytest
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, sampling_pb2
 from tests.hf_reference import load_hf, response_log_probs
-from tests.integration.readers import Reader
+from tests.integration.readers import Reader, runs
 from tests.waiting import wait_for
 from tests.example_modules import import_example
 
@@ -83,17 +83,6 @@ def samples_of(channel, prompt_id: str) -> list[dict]:
     finally:
         reader.close()
 
-
-def runs(mask) -> list[tuple[int, int]]:
-    """(start, end) of each run of True in ``mask``."""
-    out, start = [], None
-    for i, value in enumerate(mask.tolist() + [False]):
-        if value and start is None:
-            start = i
-        elif not value and start is not None:
-            out.append((start, i))
-            start = None
-    return out
 
 
 def test_episodes_are_token_exact_and_carry_the_verifiers_reward(channel, tokenizer, tiny_model_dir, example):
