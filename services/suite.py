@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlfleet.services import healthcheck
 from rlfleet.services.launch import ServiceProcess
 
 DEFAULT_MODEL_DIR = Path(os.environ.get("RLFLEET_HOME", Path.home() / ".cache" / "rlfleet")) / "tiny-model"
@@ -130,11 +131,8 @@ def _upstream_args(credentials: Path) -> list[str]:
 
 def _own_credentials(credentials: Path, name: str):
     """The suite's health checks of service ``name`` present that service's own certificate (mTLS)."""
-    import grpc
-
-    return grpc.ssl_channel_credentials((credentials / "ca.pem").read_bytes(),
-                                        (credentials / f"{name}.key").read_bytes(),
-                                        (credentials / f"{name}.pem").read_bytes())
+    return healthcheck.tls_credentials(str(credentials / "ca.pem"), str(credentials / f"{name}.pem"),
+                                       str(credentials / f"{name}.key"))
 
 
 def stop_suite(procs: dict[str, ServiceProcess]) -> None:

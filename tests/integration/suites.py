@@ -22,6 +22,15 @@ AGENTIC_COLLECTOR_ARGS = ["--mode=sync", "--group-size=8", "--groups-per-step=4"
 call fits a turn, 3 turns at most); its suite also runs the environment service."""
 
 
+def episode_collector_args(environment: str, group_size: int, max_episode_tokens: int) -> list[str]:
+    """The collector settings of the episode tests: every prompt an episode group of ``environment``,
+    environment rewards only, 16-token turns, a failing prompt dead-lettered after 2 quick attempts."""
+    return ["--group-size", str(group_size), "--groups-per-step", "64", "--environment", environment,
+            "--reward-fn", "none", "--sampling", '{"temperature": 1.0, "max_tokens": 16}',
+            "--max-episode-tokens", str(max_episode_tokens), "--prompt-attempts", "2",
+            "--retry-backoff-seconds", "0.2", "--replica-check-seconds", "0.5"]
+
+
 def suite_fixture(collector_args: list[str], name: str):
     """A module-scoped fixture: the whole suite as processes with ``collector_args``, stopped after the module."""
     @pytest.fixture(scope="module")

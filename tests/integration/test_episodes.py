@@ -24,6 +24,7 @@ from rlfleet.v1 import collector_pb2, collector_pb2_grpc, sampling_pb2
 from rlfleet.wire import encode_tensor
 from tests.hf_reference import load_hf, response_log_probs
 from tests.integration.readers import Reader, runs
+from tests.integration.suites import episode_collector_args
 from tests.integration.test_collector import push
 from tests.waiting import wait_for
 
@@ -52,10 +53,7 @@ def suite(tiny_model_dir, tmp_path_factory, gate):
         model_dir=tiny_model_dir, environments=ENVIRONMENTS,
         environment_env={"PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
                          "RLFLEET_TEST_GATE_DIR": str(gate)},
-        collector_args=["--group-size", str(GROUP), "--groups-per-step", "64", "--environment", "counter",
-                        "--reward-fn", "none", "--sampling", '{"temperature": 1.0, "max_tokens": 16}',
-                        "--max-episode-tokens", "512", "--prompt-attempts", "2", "--retry-backoff-seconds", "0.2",
-                        "--replica-check-seconds", "0.5"])
+        collector_args=episode_collector_args("counter", GROUP, max_episode_tokens=512))
     procs = start_suite(options, tmp_path_factory.mktemp("episodes"))
     yield procs
     stop_suite(procs)

@@ -23,6 +23,7 @@ from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, sampling_pb2
 from tests.hf_reference import load_hf, response_log_probs
 from tests.integration.readers import Reader, runs
+from tests.integration.suites import episode_collector_args
 from tests.waiting import wait_for
 from tests.example_modules import import_example
 
@@ -50,10 +51,7 @@ def suite(tiny_model_dir, tmp_path_factory):
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(EXAMPLES), os.environ.get("PYTHONPATH")])),
             "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])},
         environment_args=["--step-timeout-seconds", "240"],
-        collector_args=["--group-size", str(GROUP), "--groups-per-step", "64", "--environment", "sums",
-                        "--reward-fn", "none", "--sampling", '{"temperature": 1.0, "max_tokens": 16}',
-                        "--max-episode-tokens", "1024", "--prompt-attempts", "2", "--retry-backoff-seconds", "0.2",
-                        "--replica-check-seconds", "0.5"])
+        collector_args=episode_collector_args("sums", GROUP, max_episode_tokens=1024))
     procs = start_suite(options, tmp_path_factory.mktemp("verifiers"))
     yield procs
     stop_suite(procs)
