@@ -177,14 +177,24 @@ class Pipeline:
         still generated (the source waits for them)."""
         try:
             while True:
+                # Every free group slot at once: the dataset rows drawn together share one ledger
+                # transaction (slots free in bursts, as the groups appended together end together).
                 await self._groups.acquire()
-                item = await self.source.next()
-                # After the draw: an outage found while waiting for a prompt holds this one too.
-                await self.upstream_up.wait()
-                group_index, start_version = await self.gate.admit()
-                task = asyncio.create_task(self._run_group(item, group_index), name=f"group of {item.prompt_id}")
-                self._tasks.add(task)
-                task.add_done_callback(self._group_done)
+                slots = 1
+                while not self._groups.locked():
+                    await self._groups.acquire()  # free: returns at once
+                    slots += 1
+                items = await self.source.take(slots)
+                for _ in range(slots - len(items)):
+                    self._groups.release()
+                for item in items:
+                    # After the draw: an outage found while waiting for a prompt holds this one too.
+                    await self.upstream_up.wait()
+                    group_index, start_version = await self.gate.admit()
+                    task = asyncio.create_task(self._run_group(item, group_index),
+                                               name=f"group of {item.prompt_id}")
+                    self._tasks.add(task)
+                    task.add_done_callback(self._group_done)
         finally:
             for task in list(self._tasks):
                 task.cancel()

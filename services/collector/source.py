@@ -152,22 +152,33 @@ class PromptSource:
         return len(self._submitted) + len(self._requeued)
 
     # --- output ---------------------------------------------------------------
-    def _next_row(self) -> tuple[PromptItem | InvalidArgument, dict[str, int]] | None:
-        """The next dataset prompt (or why that row is not one) and the position after it (the
-        source has not moved yet)."""
+    def _rows_ahead(self, limit: int) -> tuple[list[PromptItem] | InvalidArgument, dict[str, int]] | None:
+        """The next dataset prompts — up to ``limit``, within this epoch, up to the first row that is
+        not a prompt — or, when the very next row is not one, why; and the position after them (the
+        source has not moved yet). None: no dataset row is left."""
         if not self._records or (self._epochs and self.epoch >= self._epochs):
             return None
-        row = self._order[self.index]
-        try:
-            item = from_row(self._records[row], f"dataset row {row}", self._prompt_field,
-                            self._ground_truth_field, default_id=f"row{row}")
+        items: list[PromptItem] = []
+        index = self.index
+        while len(items) < limit and index < len(self._order):
+            row = self._order[index]
+            try:
+                item = from_row(self._records[row], f"dataset row {row}", self._prompt_field,
+                                self._ground_truth_field, default_id=f"row{row}")
+            except InvalidArgument as refused:
+                if items:
+                    break  # the next draw dead-letters it
+                return refused, self._position_after(index)
             item.prompt_id = f"{item.prompt_id}@e{self.epoch}"
-        except InvalidArgument as refused:
-            item = refused
-        epoch, index = self.epoch, self.index + 1
+            items.append(item)
+            index += 1
+        return items, self._position_after(index - 1)
+
+    def _position_after(self, index: int) -> dict[str, int]:
+        epoch, index = self.epoch, index + 1
         if index >= len(self._order):
             epoch, index = epoch + 1, 0
-        return item, {"epoch": epoch, "index": index}
+        return {"epoch": epoch, "index": index}
 
     async def _dead_row(self, refused: InvalidArgument, position: dict[str, int]) -> None:
         row = self._order[self.index]
@@ -180,22 +191,28 @@ class PromptSource:
 
     async def next(self) -> PromptItem:
         """The next prompt, waiting for submissions when the dataset is exhausted or absent."""
+        return (await self.take(1))[0]
+
+    async def take(self, limit: int) -> list[PromptItem]:
+        """The next prompts, at least one and at most ``limit``, in the order ``next`` would hand them
+        out, waiting for submissions when the dataset is exhausted or absent. Dataset rows drawn
+        together are written to the ledger in one transaction."""
         while True:
-            if self._requeued:
-                return self._requeued.popleft()
-            if self._submitted:
-                return self._submitted.popleft()
-            drawn = self._next_row()
+            items = [self._requeued.popleft() for _ in range(min(limit, len(self._requeued)))]
+            items += [self._submitted.popleft() for _ in range(min(limit - len(items), len(self._submitted)))]
+            if items:
+                return items
+            drawn = self._rows_ahead(limit)
             if drawn is not None:
-                item, position = drawn
-                if isinstance(item, InvalidArgument):
-                    await self._dead_row(item, position)
+                rows, position = drawn
+                if isinstance(rows, InvalidArgument):
+                    await self._dead_row(rows, position)
                     continue
-                added = await self.ledger.add([item], position)  # durable before it is handed out
+                added = await self.ledger.add(rows, position)  # durable before they are handed out
                 self.load_state(position)
+                self.pending += len(added)
                 if added:
-                    self.pending += 1
-                    return item
-                continue  # still pending from before a restart: it is queued already
+                    return added
+                continue  # all still pending from before a restart: they are queued already
             self._available.clear()
             await self._available.wait()

@@ -17,6 +17,7 @@ from rlfleet.services.collector import failures
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.dataset import load_records
 from rlfleet.services.collector.ledger import PromptLedger
+from rlfleet.services.collector.prompt_item import PromptItem
 from rlfleet.services.collector.source import PromptSource
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, StartupError
 from rlfleet.wire import WireError
@@ -110,6 +111,34 @@ def test_a_dataset_that_cannot_be_read_is_a_startup_error_naming_file_and_line(t
         load_records(tmp_path / "missing.jsonl")
 
 
+# --- drawing several prompts at once -----------------------------------------------------------------------
+def test_take_draws_dataset_rows_together_in_the_order_next_would_and_stops_before_bad_rows(tmp_path):
+    """``take(n)`` hands out what n ``next()`` calls would, the dataset rows of one draw in one ledger
+    transaction; a bad row ends a draw (the next one dead-letters it) and so does the epoch's end."""
+    records = [{"prompt": f"q{i}"} for i in range(3)] + [{"prompt": 42}] + [{"prompt": f"q{i}"} for i in range(4, 6)]
+
+    async def scenario():
+        ledger = PromptLedger(tmp_path / "prompts.sqlite3")
+        transactions = []
+        add = ledger._add
+        ledger._add = lambda items, position: transactions.append(len(items)) or add(items, position)
+        source = PromptSource(ledger, records, shuffle=False, epochs=2)
+        await source.submit([PromptItem("s1", text="a")])
+        source.requeue(PromptItem("r1", text="again"))
+        drawn = [[item.prompt_id for item in await source.take(n)] for n in (5, 8, 8, 1, 8)]
+        position = await ledger.position()
+        pending, failures = await ledger.count(), (await ledger.failures(0, 10))[1]
+        ledger.close()
+        return drawn, transactions, position, pending, failures, source.pending
+
+    drawn, transactions, position, pending, failures, in_ledger = asyncio.run(scenario())
+    assert drawn == [["r1", "s1"], ["row0@e0", "row1@e0", "row2@e0"], ["row4@e0", "row5@e0"], ["row0@e1"],
+                     ["row1@e1", "row2@e1"]]
+    assert transactions == [1, 3, 2, 1, 2]  # the submission, then one per draw
+    assert position == {"epoch": 1, "index": 3} and failures == 1
+    assert pending == in_ledger == 9  # s1 and the eight rows (r1 was put back, not added)
+
+
 # --- bad rows in the prompt source ----------------------------------------------------------------------
 def test_bad_rows_are_dead_lettered_with_their_reason_and_the_good_rows_follow(tmp_path):
     records = [{"prompt": "good 0"}, {"prompt": 42}, {"prompt": [{"role": "user"}]}, ["a", "list"],
@@ -149,7 +178,6 @@ def test_a_dataset_without_a_single_prompt_is_refused_not_an_endless_loop_of_dea
 
 
 def test_groups_that_end_together_end_in_one_durable_transaction(tmp_path):
-    from rlfleet.services.collector.prompt_item import PromptItem
 
     path = tmp_path / "prompts.sqlite3"
 
@@ -350,7 +378,6 @@ def test_a_stage_counts_groups_waiting_for_its_limit_as_queued_and_forgets_old_c
 
 def test_a_prompt_drawn_while_an_outage_is_found_waits_for_the_upstream_services():
     from rlfleet.client.channel import ChannelSettings
-    from rlfleet.services.collector.prompt_item import PromptItem
     from rlfleet.services.collector.rollout import Pipeline, PipelineOptions
 
     async def settle():
@@ -361,9 +388,9 @@ def test_a_prompt_drawn_while_an_outage_is_found_waits_for_the_upstream_services
         release = asyncio.Event()
 
         class Source:
-            async def next(self):
+            async def take(self, limit):
                 await release.wait()
-                return PromptItem(prompt_id="p")
+                return [PromptItem(prompt_id="p")]
 
         class Gate:
             async def admit(self):
