@@ -298,17 +298,24 @@ def _format_check(pattern: str, reward: FiniteFloat = 1.0, penalty: FiniteFloat 
     return _each_sample("format_check", lambda sample: reward if regex.fullmatch(sample.response) else penalty)
 
 
+_CHAR_CACHE_SIZE = 1 << 16
+"""Characters whose match one ``char_fraction`` scorer remembers (then it matches the rest each time)."""
+
+
 @register("char_fraction")
 def _char_fraction(pattern: str = "[0-9]", ignore_space: bool = True) -> Scorer:
     """Fraction of the response's characters matching the one-character ``pattern``
     (whitespace skipped by default); 0 for an empty response. A dense format reward."""
     regex = compile_pattern(pattern, "reward function 'char_fraction': argument pattern")
+    # Whether each character matches, kept across responses: a vocabulary's texts share few characters.
+    matching: dict[str, bool] = {}
 
     def score_one(sample: ScoreInput) -> float:
         chars = [c for c in sample.response if not (ignore_space and c.isspace())]
-        # One match per distinct character: a text has few of them.
-        matching = {c: regex.fullmatch(c) is not None for c in set(chars)}
-        return sum(matching[c] for c in chars) / len(chars) if chars else 0.0
+        fresh = {c: regex.fullmatch(c) is not None for c in set(chars).difference(matching)}
+        if fresh and len(matching) < _CHAR_CACHE_SIZE:
+            matching.update(fresh)  # never shrinks: a scorer shared by threads reads it without a lock
+        return sum(fresh[c] if c in fresh else matching[c] for c in chars) / len(chars) if chars else 0.0
 
     return _each_sample("char_fraction", score_one)
 

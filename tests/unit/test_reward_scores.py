@@ -225,6 +225,16 @@ def test_char_fraction_counts_matching_characters():
     scorer = build_scorer("char_fraction", {"pattern": "[0-9]"})
     samples = [ScoreInput(prompt="", response=r) for r in ("12ab", "7 7", "", "abc")]
     assert scorer(samples) == [0.5, 1.0, 0.0, 0.0]
+    assert scorer(samples) == [0.5, 1.0, 0.0, 0.0]  # the characters' matches remembered
+
+
+def test_char_fraction_scores_the_same_once_its_memory_of_characters_is_full(monkeypatch):
+    from rlfleet.services.reward.scores import ScoreInput, build_scorer
+
+    monkeypatch.setattr(scores, "_CHAR_CACHE_SIZE", 2)
+    scorer = build_scorer("char_fraction", {"pattern": "[a-c]"})
+    responses = ("ab", "xyz", "abcx", "cz9", "ab")
+    assert scorer([ScoreInput(prompt="", response=r) for r in responses]) == [1.0, 0.0, 0.75, 1 / 3, 1.0]
 
 
 def test_none_scores_every_sample_zero_and_takes_no_arguments():
