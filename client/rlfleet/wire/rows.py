@@ -72,11 +72,17 @@ def concat_raggeds(parts: Sequence[tensor_pb2.RaggedTensor],
     return out
 
 
-def split_tensordict(msg: tensor_pb2.TensorDict) -> list[tensor_pb2.TensorDict]:
-    """One single-row TensorDict message per row of ``msg``, in row order."""
+def split_tensordict(msg: tensor_pb2.TensorDict,
+                     outs: Sequence[tensor_pb2.TensorDict] | None = None) -> list[tensor_pb2.TensorDict]:
+    """One single-row TensorDict message per row of ``msg``, in row order, written into ``outs`` (empty
+    messages) if given."""
     count = msg.batch_size[0]
-    rows = [tensor_pb2.TensorDict(batch_size=[1, *msg.batch_size[1:]]) for _ in range(count)]
-    for key, value in msg.entries.items():
+    rows = [tensor_pb2.TensorDict() for _ in range(count)] if outs is None else list(outs)
+    for row in rows:
+        row.batch_size[:] = [1, *msg.batch_size[1:]]
+    entries = msg.entries
+    for key in entries:  # keys, then one lookup each: a map's items() view costs twice as much
+        value = entries[key]
         kind = value.WhichOneof("kind")
         if kind == "tensor":
             split_tensor(value.tensor, [1] * count, outs=[row.entries[key].tensor for row in rows])
@@ -86,8 +92,7 @@ def split_tensordict(msg: tensor_pb2.TensorDict) -> list[tensor_pb2.TensorDict]:
             for row, text in zip(rows, value.strings.values):
                 row.entries[key].strings.values.append(text)
         elif kind == "nested":
-            for row, sub in zip(rows, split_tensordict(value.nested)):
-                row.entries[key].nested.CopyFrom(sub)
+            split_tensordict(value.nested, outs=[row.entries[key].nested for row in rows])
         else:  # pragma: no cover - check_tensordict rejects empty values
             raise ValueError(f"entries[{key}]: empty value")
     return rows
