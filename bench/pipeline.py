@@ -399,7 +399,8 @@ def report_inprocess(rows: dict, options: SuiteOptions, ns) -> None:
 
 # ---------------------------------------------------------------- (d) multi-turn vs single turn, same tokens
 
-ENVIRONMENTS = {"bench_tools": "_environments:ToolTurns", "bench_canned_tools": "_environments:CannedToolTurns"}
+ENVIRONMENTS = {"bench_tools": "_environments:ToolTurns", "bench_canned_tools": "_environments:CannedToolTurns",
+                "bench_episode_tools": "_environments:EpisodeToolTurns"}
 MULTITURN_GOAL = 0.7
 
 
@@ -436,8 +437,9 @@ def sampled_check(tokens: int, turns: int, full_lengths: list[int]) -> Callable[
 
 def measure_multiturn(backends, workdir: Path, ns) -> dict:
     """(d) rounds: multi-turn episodes with tool calls, single turns of the same sampled tokens, then the same
-    episodes with canned tool output, on one async collector (as in (a)) that knows the environment service."""
-    from _environments import TOOL_SECONDS_FILE, TURNS
+    episodes with canned tool output, then with a sandbox per episode, on one async collector (as in (a)) that
+    knows the environment service."""
+    from _environments import EPISODE_SECONDS_SUFFIX, TOOL_SECONDS_FILE, TURNS
 
     collector = start_collector(backends, workdir, "multiturn", ns, "--mode", "async", "--max-staleness", "1000000",
                                 "--groups-per-step", str(ns.groups_per_step),
@@ -446,12 +448,16 @@ def measure_multiturn(backends, workdir: Path, ns) -> dict:
     per_turn = {"sampling": {"max_tokens": ns.max_tokens}}
     sides = {"multiturn": ({"environment": "bench_tools", **per_turn}, TURNS),
              "singleturn": ({"sampling": {"max_tokens": tokens}}, 1),
-             "canned": ({"environment": "bench_canned_tools", **per_turn}, TURNS)}
+             "canned": ({"environment": "bench_canned_tools", **per_turn}, TURNS),
+             "episode": ({"environment": "bench_episode_tools", **per_turn}, TURNS)}
     rates = {side: [] for side in sides}
     full_lengths = {side: [] for side in sides}
     tool_file = Path(backends["environment"].env[TOOL_SECONDS_FILE])
+    episode_tool_file = Path(str(tool_file) + EPISODE_SECONDS_SUFFIX)
     all_tool_seconds: list[float] = []
     tool_seconds: list[float] = []
+    all_episode_seconds: list[float] = []
+    episode_seconds: list[float] = []
     try:
         for round_index in range(-1, ns.multiturn_rounds):  # round -1: warm-up of every side
             count = ns.groups_per_step if round_index < 0 else ns.groups
@@ -463,27 +469,34 @@ def measure_multiturn(backends, workdir: Path, ns) -> dict:
                 if round_index >= 0:
                     rates[side].append(count * ns.group_size / seconds)
             calls = new_tool_seconds(tool_file, all_tool_seconds)
+            episode_calls = new_tool_seconds(episode_tool_file, all_episode_seconds)
             if round_index < 0:
                 continue
             tool_seconds += calls
+            episode_seconds += episode_calls
             log(f"  (d) round {round_index}: single-turn {rates['singleturn'][-1]:.1f} traj/s, multi-turn "
-                f"{rates['multiturn'][-1]:.1f} (canned tools {rates['canned'][-1]:.1f}), ratio "
-                f"{rates['multiturn'][-1] / rates['singleturn'][-1]:.2f}, {len(calls)} tool calls, "
-                f"mean {1000 * statistics.fmean(calls):.1f} ms")
+                f"{rates['multiturn'][-1]:.1f} (canned tools {rates['canned'][-1]:.1f}, sandbox per episode "
+                f"{rates['episode'][-1]:.1f}), ratio {rates['multiturn'][-1] / rates['singleturn'][-1]:.2f} "
+                f"({rates['episode'][-1] / rates['singleturn'][-1]:.2f} per episode), {len(calls)} tool calls, "
+                f"mean {1000 * statistics.fmean(calls):.1f} ms ({1000 * statistics.fmean(episode_calls):.1f} ms)")
     finally:
         collector.stop()
     trajectories = ns.multiturn_rounds * ns.groups * ns.group_size
     canned = summarize(rates["singleturn"], rates["canned"])
+    episode = summarize(rates["singleturn"], rates["episode"])
     return {**summarize(rates["singleturn"], rates["multiturn"]), "turns": TURNS,
             "per_round": rates, "ratios_per_round": [m / s for m, s in zip(rates["multiturn"], rates["singleturn"])],
             "canned": {key: canned[key] for key in ("measured", "ratio", "low", "high")},
+            "episode": {key: episode[key] for key in ("measured", "ratio", "low", "high")},
+            "episode_ratios_per_round": [m / s for m, s in zip(rates["episode"], rates["singleturn"])],
+            "episode_tool_seconds_mean": statistics.fmean(episode_seconds),
             "tool_seconds_mean": statistics.fmean(tool_seconds),
             "tool_calls_per_trajectory": len(tool_seconds) / trajectories,
             "full_tokens": {side: statistics.fmean(lengths) for side, lengths in full_lengths.items()}}
 
 
 def report_multiturn(row: dict, ns) -> None:
-    turns, canned = row["turns"], row["canned"]
+    turns, canned, episode = row["turns"], row["canned"], row["episode"]
     print(f"\n(d) multi-turn episodes vs single turns of the same sampled tokens, end to end | {ns.groups} groups x "
           f"{ns.group_size} | {turns} turns x {ns.max_tokens} tokens, each answered by a python tool call in the "
           f"sandbox, vs 1 turn x {turns * ns.max_tokens} tokens | {ns.multiturn_rounds} alternating rounds")
@@ -495,9 +508,14 @@ def report_multiturn(row: dict, ns) -> None:
           f"{row['low']:>5.2f}-{row['high']:<5.2f} | >= {MULTITURN_GOAL} {met}")
     print(f"{f'{turns} turns, tool output canned':<36} | {canned['measured']:>6.1f} | {canned['ratio']:>5.2f} | "
           f"{canned['low']:>5.2f}-{canned['high']:<5.2f} | (where the loss is)")
-    print(f"  per-round ratios (with tool calls): {' '.join(f'{r:.2f}' for r in row['ratios_per_round'])}")
+    met = "met" if episode["ratio"] >= MULTITURN_GOAL else "MISSED"
+    print(f"{f'{turns} turns, a sandbox per episode':<36} | {episode['measured']:>6.1f} | {episode['ratio']:>5.2f} | "
+          f"{episode['low']:>5.2f}-{episode['high']:<5.2f} | >= {MULTITURN_GOAL} {met}")
+    print(f"  per-round ratios (with tool calls): {' '.join(f'{r:.2f}' for r in row['ratios_per_round'])}; "
+          f"a sandbox per episode: {' '.join(f'{r:.2f}' for r in row['episode_ratios_per_round'])}")
     print(f"  tool calls: {row['tool_calls_per_trajectory']:.2f} per trajectory, {1000 * row['tool_seconds_mean']:.1f} "
-          f"ms each (mean, the sandbox's run as the environment awaits it); tokens per trajectory (prompt + sampled "
+          f"ms each (mean, the sandbox's run as the environment awaits it; a sandbox per episode "
+          f"{1000 * row['episode_tool_seconds_mean']:.1f} ms); tokens per trajectory (prompt + sampled "
           f"+ observations): multi-turn {row['full_tokens']['multiturn']:.0f}, single-turn "
           f"{row['full_tokens']['singleturn']:.0f}")
 
@@ -590,7 +608,11 @@ def result_json(e2e: dict | None, sync: dict | None, inprocess: dict | None, mul
                    multiturn_traj_per_s=multiturn["measured"], singleturn_same_tokens_traj_per_s=multiturn["base"],
                    multiturn_canned_tools_ratio=multiturn["canned"]["ratio"],
                    multiturn_canned_tools_traj_per_s=multiturn["canned"]["measured"],
-                   multiturn_tool_call_ms=1000 * multiturn["tool_seconds_mean"])
+                   multiturn_tool_call_ms=1000 * multiturn["tool_seconds_mean"],
+                   multiturn_episode_sandbox_ratio=multiturn["episode"]["ratio"],
+                   multiturn_episode_sandbox_ratio_per_round=multiturn["episode_ratios_per_round"],
+                   multiturn_episode_sandbox_traj_per_s=multiturn["episode"]["measured"],
+                   multiturn_episode_sandbox_tool_call_ms=1000 * multiturn["episode_tool_seconds_mean"])
     return out
 
 

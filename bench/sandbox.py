@@ -1,7 +1,7 @@
 """The python tool's sandbox, call by call: calls/s, wall and CPU per call, idle and with the cores busy.
 
     .venv/bin/python bench/sandbox.py [--calls 30] [--rounds 5] [--busy 2] [--concurrency 1]
-                                      [--baseline OLD_SANDBOX_PY]
+                                      [--baseline OLD_SANDBOX_PY] [--calls-per-episode 3]
 
 Needs root (the sandbox drops to uid 65534). Each call is ``sandbox.run(SNIPPET)`` (the snippet of
 bench/pipeline.py part (d), its output checked every time) on one ``PythonSandbox`` per variant, as the
@@ -11,6 +11,9 @@ Variants, alternated within each round (the order flips every round):
   current   ``rlfleet.services.environment.sandbox.PythonSandbox``
   baseline  the same class from ``--baseline FILE``, another version of sandbox.py (to compare one
             against another side by side, e.g. ``git show REV:services/environment/sandbox.py > /tmp/old.py``)
+  episode   ``EpisodeSandbox`` (services/environment/episode_sandbox.py): one sandbox per episode of
+            ``--calls-per-episode`` calls (started at its first call, closed after its last, both counted),
+            a fresh process forked in it per call
   floor     no sandbox: ``python3 -I -B -X utf8 -c SNIPPET`` as a plain child process (one interpreter)
 
 Loads: idle (no load of ours: whatever else runs on the host still does), then ``--busy`` processes
@@ -38,6 +41,7 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from _environments import SNIPPET, SNIPPET_OUTPUT
+from rlfleet.services.environment.episode_sandbox import EpisodeSandboxes
 from rlfleet.services.environment.sandbox import PythonSandbox
 
 Call = Callable[[], Awaitable[None]]
@@ -102,6 +106,27 @@ def sandbox_call(sandbox_class: type) -> Call:
     return call
 
 
+def episode_call(calls_per_episode: int) -> Call:
+    """Calls on per-episode sandboxes: each ``calls_per_episode`` calls share one, then it is closed
+    (in the call that made the last one: its teardown is counted)."""
+    sandboxes = EpisodeSandboxes(PythonSandbox())
+    state = {"episode": None, "calls": 0}
+
+    async def call() -> None:
+        if state["episode"] is None:
+            state["episode"], state["calls"] = sandboxes.episode(), 0
+        episode = state["episode"]
+        result = await episode.run(SNIPPET)
+        state["calls"] += 1
+        if state["calls"] == calls_per_episode:
+            state["episode"] = None
+            await episode.close()
+        if not result.ok or result.stdout != SNIPPET_OUTPUT:
+            raise RuntimeError(f"the sandbox call failed: {result.error}: {result.stderr[-500:]}")
+
+    return call
+
+
 async def floor_call() -> None:
     process = await asyncio.create_subprocess_exec(
         "/usr/bin/python3", "-I", "-B", "-X", "utf8", "-c", SNIPPET, stdout=subprocess.PIPE)
@@ -150,21 +175,23 @@ def median_of(rounds: list[dict], key: str) -> float:
 def report(results: dict[str, dict[str, list[dict]]], ns: argparse.Namespace) -> dict:
     """Print the table; return the RESULT dict."""
     print(f"\n{ns.calls} calls per round, {ns.concurrency} in flight, medians of {ns.rounds} rounds\n")
-    print("| load | variant | calls/s | wall ms per call | CPU ms per call | current / baseline |")
+    print("| load | variant | calls/s | wall ms per call | CPU ms per call | ratio (median of per-round ratios) |")
     print("|---|---|---:|---:|---:|---|")
     result: dict = {"calls": ns.calls, "rounds": ns.rounds, "concurrency": ns.concurrency}
     for load, rounds in results.items():
         for name, measured in rounds.items():
             row = {key: median_of(measured, key) for key in ("calls_per_s", "wall_ms", "cpu_ms")}
             comparison = ""
-            if name == "current" and "baseline" in rounds:
-                pairs = list(zip(rounds["baseline"], measured))
+            against = {"current": "baseline", "episode": "current"}.get(name)
+            if against in rounds:
+                pairs = list(zip(rounds[against], measured))
                 speedup = statistics.median(m["calls_per_s"] / b["calls_per_s"] for b, m in pairs)
                 cpu_ratio = statistics.median(m["cpu_ms"] / b["cpu_ms"] for b, m in pairs)
-                comparison = f"calls/s x{speedup:.2f}, CPU x{cpu_ratio:.2f}"
-                result[f"{load}_speedup"] = round(speedup, 3)
-                result[f"{load}_cpu_ratio"] = round(cpu_ratio, 3)
-                result[f"{load}_speedup_per_round"] = [round(m["calls_per_s"] / b["calls_per_s"], 3) for b, m in pairs]
+                comparison = f"calls/s x{speedup:.2f}, CPU x{cpu_ratio:.2f} (vs {against})"
+                key = f"{load}_" if name == "current" else f"{load}_episode_"
+                result[f"{key}speedup"] = round(speedup, 3)
+                result[f"{key}cpu_ratio"] = round(cpu_ratio, 3)
+                result[f"{key}speedup_per_round"] = [round(m["calls_per_s"] / b["calls_per_s"], 3) for b, m in pairs]
             print(f"| {load} | {name} | {row['calls_per_s']:.1f} | {row['wall_ms']:.1f} | {row['cpu_ms']:.1f} "
                   f"| {comparison} |")
             for key, value in row.items():
@@ -176,6 +203,8 @@ async def main(ns: argparse.Namespace) -> dict:
     variants: dict[str, Call] = {"current": sandbox_call(PythonSandbox)}
     if ns.baseline:
         variants["baseline"] = sandbox_call(load_sandbox_class(ns.baseline))
+    if ns.calls_per_episode:
+        variants["episode"] = episode_call(ns.calls_per_episode)
     variants["floor"] = floor_call
     results: dict[str, dict[str, list[dict]]] = {}
     busy = spinners(ns.busy) if ns.busy else []  # started first: outside the measured cgroup
@@ -201,6 +230,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--busy", type=int, default=2, help="spinning processes of the busy load (0: idle only)")
     parser.add_argument("--concurrency", type=int, default=1, help="calls in flight")
+    parser.add_argument("--calls-per-episode", type=int, default=3,
+                        help="calls per per-episode sandbox of the episode variant (0: leave it out)")
     parser.add_argument("--baseline", help="another sandbox.py to measure side by side with the current one")
     return parser.parse_args()
 

@@ -64,7 +64,7 @@ _PROBE_OUTPUT = "sandbox ok"
 # Not a `preexec_fn`: no Python may run between fork and exec in a threaded service (a lock held by
 # another thread at fork time deadlocks the child). Set inside bwrap's user namespace, RLIMIT_NPROC
 # also counts this sandbox's processes only, not those of concurrent calls.
-_SNIPPET_RUNNER = """\
+_RLIMITS = """\
 import resource, sys
 cpu, address_space, processes, file_bytes, open_files = map(int, sys.argv[1:6])
 for limit, soft, hard in (
@@ -76,6 +76,8 @@ for limit, soft, hard in (
     (resource.RLIMIT_CORE, 0, 0),
 ):
     resource.setrlimit(limit, (soft, hard))
+"""
+_RUN_SNIPPET = """\
 import builtins, posix
 from _frozen_importlib_external import SourceFileLoader
 def excepthook(kind, error, traceback, shown=sys.excepthook, runner=sys._getframe().f_code):
@@ -96,6 +98,7 @@ with open(name, "rb") as source:
     code = compile(source.read(), path, "exec", dont_inherit=True)
 exec(code, main.__dict__)
 """
+_SNIPPET_RUNNER = _RLIMITS + _RUN_SNIPPET
 
 
 class SandboxUnavailable(Unavailable):

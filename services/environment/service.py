@@ -13,6 +13,7 @@ from rlfleet.env import Environment
 from rlfleet.services.common.errors import StartupError, Unavailable
 from rlfleet.services.common.server import Service
 from rlfleet.services.environment.config import TOOL_CALLING, EnvironmentServiceConfig
+from rlfleet.services.environment.episode_sandbox import EpisodeSandboxes
 from rlfleet.services.environment.episodes import EpisodeLimits, Episodes
 from rlfleet.services.environment.mcp_tools import MCPTools, ToolNameCollision
 from rlfleet.services.environment.rendering import ChatRenderer
@@ -33,6 +34,7 @@ class EnvironmentService(Service[EnvironmentServiceConfig]):
     def __init__(self, config: EnvironmentServiceConfig):
         super().__init__(config)
         self.sandbox = PythonSandbox(config.sandbox, allow_rlimits_only=config.allow_rlimits_only)
+        self.episode_sandboxes = EpisodeSandboxes(self.sandbox, config.max_episode_sandboxes)
         self.mcp_tools: MCPTools | None = None
         self._episodes: Episodes | None = None
 
@@ -82,7 +84,8 @@ class EnvironmentService(Service[EnvironmentServiceConfig]):
         config = self.config
 
         def build() -> Environment:
-            return ToolCallingEnv(self.sandbox, self.mcp_tools, max_turns=config.max_turns,
+            sandbox = self.episode_sandboxes.episode() if config.sandbox_per_episode else self.sandbox
+            return ToolCallingEnv(sandbox, self.mcp_tools, max_turns=config.max_turns,
                                   max_tool_calls_per_turn=config.max_tool_calls_per_turn)
 
         return build

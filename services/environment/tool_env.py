@@ -12,8 +12,9 @@ Limits: ``max_turns`` assistant turns (the last one's calls are not run, the epi
 ``truncated``), and ``max_tool_calls_per_turn`` (the calls past it are not run, the model is told,
 and the episode is ``truncated``: a model that floods calls is cut, not fed more turns).
 
-The sandbox and the MCP tools are shared by many episodes: the caller owns them, ``close`` leaves
-them open.
+The MCP tools are shared by many episodes: the caller owns them, ``close`` leaves them open. So is a
+``PythonSandbox`` (a fresh sandbox per call); an ``EpisodeSandbox`` (one sandbox kept up for the
+episode's calls) is the episode's own: ``close`` ends it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 from rlfleet.env import AssistantTurn, Environment, StepResult, Task, ToolCall, check_messages
 from rlfleet.env.tool_calls import MAX_TEXT_CHARS, parse_tool_calls, render_tool_result
 from rlfleet.services.common.errors import FailedPrecondition
+from rlfleet.services.environment.episode_sandbox import EpisodeSandbox
 from rlfleet.services.environment.mcp_tools import MCPTools, ToolNameCollision
 from rlfleet.services.environment.sandbox import PythonSandbox, ToolResult
 
@@ -52,7 +54,7 @@ class ToolCallingEnv(Environment):
 
     def __init__(
         self,
-        sandbox: PythonSandbox,
+        sandbox: PythonSandbox | EpisodeSandbox,
         mcp_tools: MCPTools | None = None,
         *,
         max_turns: int = 8,
@@ -86,6 +88,10 @@ class ToolCallingEnv(Environment):
 
     async def reset(self, task: Task) -> list[dict[str, Any]]:
         return check_messages(list(task.prompt), "the task's prompt")
+
+    async def close(self) -> None:
+        if isinstance(self.sandbox, EpisodeSandbox):
+            await self.sandbox.close()
 
     async def step(self, turn: AssistantTurn) -> StepResult:
         if self._over:

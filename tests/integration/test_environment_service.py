@@ -137,6 +137,32 @@ def test_tool_calling_runs_python_and_answers_with_token_exact_observations(stub
     assert not closed.has_final_reward
 
 
+def python_pids(stub, tokenizer, episode_id: str, calls: int) -> list[str]:
+    """What ``print(os.getpid(), os.getppid())`` answers, ``calls`` turns of one tool_calling episode."""
+    open_episode(stub, episode_id, environment="tool_calling", content="which process are you?")
+    code = "import os; print(os.getpid(), os.getppid())"
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "%s"}}\n</tool_call>' % code
+    answers = [step(stub, episode_id, sampled(tokenizer, call)).observation[0].content for _ in range(calls)]
+    stub.CloseEpisode(environment_pb2.CloseEpisodeRequest(episode_id=episode_id), timeout=30)
+    return answers
+
+
+def test_sandbox_per_episode_keeps_one_sandbox_for_the_episodes_calls(stub, tiny_model_dir, tmp_path, tokenizer):
+    """Each call a fresh process: in a fresh sandbox by default (pid 2 each time), in the episode's own
+    with sandbox_per_episode (its pids grow; the parent of each is the sandbox's zygote, pid 1)."""
+    proc = start(tiny_model_dir, tmp_path, "--sandbox-per-episode", "true")
+    try:
+        with grpc.insecure_channel(proc.wait_ready(120).address) as channel:
+            per_episode = python_pids(environment_pb2_grpc.EnvironmentServiceStub(channel), tokenizer, "kept", 3)
+    finally:
+        proc.stop()
+    per_call = python_pids(stub, tokenizer, "fresh", 3)
+
+    assert per_call == ["2 1", "2 1", "2 1"]
+    assert per_episode[0] == "2 1" and [int(answer.split()[0]) for answer in per_episode] == sorted(
+        {int(answer.split()[0]) for answer in per_episode}) and all(a.endswith(" 1") for a in per_episode)
+
+
 def test_opening_is_idempotent(stub):
     first = open_episode(stub, "twice")
     assert open_episode(stub, "twice") == first

@@ -16,6 +16,7 @@ import pytest
 
 from rlfleet.env import AssistantTurn, Task, check_messages, check_step_result
 from rlfleet.services.common.errors import FailedPrecondition
+from rlfleet.services.environment.episode_sandbox import EpisodeSandboxes
 from rlfleet.services.environment.mcp_tools import MCPServerSpec, MCPTools
 from rlfleet.services.environment.sandbox import PythonSandbox, SandboxLimits
 from rlfleet.services.environment.tool_env import PYTHON_TOOL, ToolCallingEnv
@@ -171,3 +172,20 @@ async def test_calls_past_the_per_turn_limit_are_not_run_and_truncate(sandbox, m
 def test_limits_must_allow_a_turn(sandbox):
     with pytest.raises(ValueError, match="must be >= 1"):
         ToolCallingEnv(sandbox, max_turns=0)
+
+
+async def test_with_a_sandbox_per_episode_calls_share_one_and_close_ends_it(mcp_tools):
+    sandbox = EpisodeSandboxes(PythonSandbox(LIMITS)).episode()
+    env = ToolCallingEnv(sandbox, mcp_tools, max_turns=4)
+    await env.reset(TASK)
+    code = "import os\nprint(os.getppid(), sorted(os.listdir('.')))\nopen('left', 'w').close()"
+
+    first = await step(env, call("python", code=code))
+    second = await step(env, call("python", code=code))
+    await env.close()
+
+    expected = [{"role": "tool", "name": "python", "content": "1 ['snippet.py']"}]  # no file of the last call
+    assert first.messages == second.messages == expected
+    assert sandbox.started == 1 and sandbox.pool.live == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        await sandbox.run("print(1)")
