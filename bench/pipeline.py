@@ -1,8 +1,8 @@
 """End-to-end pipeline throughput, as ratios against generation alone, against sync mode, against in-process vLLM
 and of multi-turn episodes against single turns of the same tokens.
 
-    .venv/bin/python bench/pipeline.py [--groups 32] [--rounds 3] [--steps 6] [--step-seconds 0.5] [--sync-rounds 2]
-        [--parts abcd] [--inprocess-rounds 3] [--long-tokens 1024] [--long-groups 4] [--multiturn-rounds 3]
+    .venv/bin/python bench/pipeline.py [--groups 32] [--rounds 3] [--steps 6] [--sync-rounds 3]
+        [--step-seconds S | --step-from rollout|generation] [--parts abcd] [--inprocess-rounds 3] [--long-tokens 1024] [--long-groups 4] [--multiturn-rounds 3]
 
 The suite (trajectory, reference, reward, one generation replica) starts once
 as real processes; only the collector is restarted between configurations,
@@ -27,12 +27,18 @@ service process (vLLM engine children included) are counted per phase: on a
 the CPU that generation leaves idle.
 
 (b) async (``--max-staleness 1``) vs sync with a simulated trainer: each of
-``--steps`` steps reads one batch of ``--groups-per-step`` groups, sleeps
+``--steps`` steps reads one batch of ``--groups-per-step-b`` groups, sleeps
 ``--step-seconds`` (the trainer's compute) and pushes the tiny model's weights
-through the collector. trajectories/s = all trajectories / wall time from the
-submit to the last push. sync and async alternate ``--sync-rounds`` times, a
-fresh collector each; ratio = async / sync per round, median. The staleness
-histograms (trajectories by versions stale at append) are shown as a check.
+through the collector. The step defaults to as long as producing one batch,
+measured first (medians of 3 after a warm-up): ``--step-from rollout`` (the
+default) the batch's prompts submitted to a collector until the batch is
+received (generation, reference, reward, trajectory buffer), ``generation`` the
+batch's groups generated directly on the replica (collector-like concurrency);
+both are reported. trajectories/s = all
+trajectories / wall time from the submit to the last push. sync and async
+alternate ``--sync-rounds`` times (sync first), a fresh collector each; ratio =
+async / sync per round, median. The staleness histograms (trajectories by
+versions stale at append) are shown as a check.
 
 (c) trajectories/s end to end vs plain vLLM in-process (``bench/_inprocess.py``): an ``AsyncLLM``
 built in this process from the generation service's own config and engine kwargs (same KV-cache
@@ -266,10 +272,39 @@ def trainer_run(address: str, state: dict, tag: str, ns) -> tuple[float, float, 
         return seconds, waiting, pushing, list(status.staleness_histogram), leftover(client)
 
 
+def batch_generation_seconds(address: str, ns) -> float:
+    """Seconds to generate one (b) batch directly on the replica: median of 3 after a warm-up."""
+    prompts = prompt_texts(ns.groups_per_step_b)
+    seconds = [asyncio.run(generation_alone(address, prompts, ns)) for _ in range(4)][1:]
+    log(f"  (b) one batch of {ns.groups_per_step_b} groups generated alone: "
+        f"{' '.join(f'{s:.2f}' for s in seconds)} s")
+    return statistics.median(seconds)
+
+
+def batch_rollout_seconds(backends, workdir: Path, ns) -> float:
+    """Seconds from submitting one (b) batch's prompts to receiving the batch through the whole pipeline,
+    nothing else in flight: median of 3 after a warm-up. (An async collector with unbounded staleness, as in
+    (a): a sync one would wait for a push between the batches.)"""
+    collector = start_collector(backends, workdir, "rollout", ns, "--mode", "async", "--max-staleness", "1000000",
+                                "--groups-per-step", str(ns.groups_per_step_b))
+    try:
+        seconds = [end_to_end(collector.address, prompt_texts(ns.groups_per_step_b), f"rollout{i}", ns,
+                              groups_per_batch=ns.groups_per_step_b)[0] for i in range(4)][1:]
+    finally:
+        collector.stop()
+    log(f"  (b) one batch of {ns.groups_per_step_b} groups through the pipeline: "
+        f"{' '.join(f'{s:.2f}' for s in seconds)} s")
+    return statistics.median(seconds)
+
+
 def measure_sync_async(backends, workdir: Path, model_dir: Path, ns) -> dict:
     from safetensors.torch import load_file
 
     state = load_file(str(model_dir / "model.safetensors"))
+    generation_seconds = batch_generation_seconds(backends["generation-0"].address, ns)
+    rollout_seconds = batch_rollout_seconds(backends, workdir, ns)
+    if ns.step_seconds is None:  # the trainer's step: as long as producing one batch, measured
+        ns.step_seconds = round(rollout_seconds if ns.step_from == "rollout" else generation_seconds, 2)
     trajectories = ns.steps * ns.groups_per_step_b * ns.group_size
     rates = {"sync": [], "async": []}
     histograms = {"sync": [], "async": []}
@@ -292,6 +327,9 @@ def measure_sync_async(backends, workdir: Path, model_dir: Path, ns) -> dict:
                 f"(batch wait {waiting / ns.steps:.2f} s, push {pushing / ns.steps:.2f} s), "
                 f"staleness histogram {histogram}")
     out = summarize(rates["sync"], rates["async"])
+    out["ratios_per_round"] = [a / b for b, a in zip(rates["sync"], rates["async"])]
+    out["generation_seconds"] = generation_seconds
+    out["rollout_seconds"] = rollout_seconds
     out["histograms"] = histograms
     out["per_step"] = {mode: [statistics.median(x) for x in zip(*values)] for mode, values in per_step.items()}
     return out
@@ -533,8 +571,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="(a) alternating end-to-end/generation rounds")
     parser.add_argument("--steps", type=int, default=6, help="(b) trainer steps per run")
     parser.add_argument("--groups-per-step-b", type=int, default=4, help="(b) groups per trainer step")
-    parser.add_argument("--step-seconds", type=float, default=0.5, help="(b) simulated trainer compute per step")
-    parser.add_argument("--sync-rounds", type=int, default=2, help="(b) alternating sync/async runs")
+    parser.add_argument("--step-seconds", type=float, default=None,
+                        help="(b) simulated trainer compute per step (default: one batch's generation, measured)")
+    parser.add_argument("--step-from", choices=("rollout", "generation"), default="rollout",
+                        help="(b) without --step-seconds, the step is as long as one batch's rollout through the "
+                             "pipeline (submit to batch received), or its generation alone on the replica")
+    parser.add_argument("--sync-rounds", type=int, default=3, help="(b) alternating sync/async runs")
     parser.add_argument("--inprocess-rounds", type=int, default=3, help="(c) alternating end-to-end/in-process rounds")
     parser.add_argument("--long-tokens", type=int, default=1024, help="(c) response length of the long row")
     parser.add_argument("--long-groups", type=int, default=4, help="(c) groups of the long row")
@@ -596,7 +638,10 @@ def result_json(e2e: dict | None, sync: dict | None, inprocess: dict | None, mul
         out.update(e2e_over_generation=e2e["ratio"], e2e_over_generation_sorted_ratios=e2e["ratios"],
                    e2e_traj_per_s=e2e["measured"], generation_alone_traj_per_s=e2e["base"])
     if sync is not None:
-        out.update(async_over_sync=sync["ratio"], async_over_sync_sorted_ratios=sync["ratios"])
+        out.update(async_over_sync=sync["ratio"], async_over_sync_sorted_ratios=sync["ratios"],
+                   async_over_sync_per_round=[round(r, 4) for r in sync["ratios_per_round"]],
+                   step_seconds=ns.step_seconds, batch_generation_seconds=round(sync["generation_seconds"], 4),
+                   batch_rollout_seconds=round(sync["rollout_seconds"], 4))
     for tokens, row in (inprocess or {}).items():
         out[f"e2e_over_inprocess_{tokens}"] = row["ratio"]
         out[f"e2e_over_inprocess_{tokens}_per_round"] = row["ratios_per_round"]
@@ -647,6 +692,9 @@ def report_sync_async(sync: dict, e2e: dict | None, ns) -> None:
     print(f"{sync['base']:>11.1f} | {sync['measured']:>12.1f} | {sync['ratio']:>5.2f} | "
           f"{sync['low']:>5.2f}-{sync['high']:<5.2f} | {sync['histograms']['sync'][-1]} / "
           f"{sync['histograms']['async'][-1]}")
+    print(f"  per-round ratios (async / sync): {' '.join(f'{r:.2f}' for r in sync['ratios_per_round'])}; "
+          f"one batch: generated alone {sync['generation_seconds']:.2f} s, through the pipeline "
+          f"{sync['rollout_seconds']:.2f} s (medians); trainer step {ns.step_seconds:g} s")
     for mode in ("sync", "async"):
         total, waiting, pushing = sync["per_step"][mode]
         print(f"  {mode:>5}: {total:.2f} s/step = batch wait {waiting:.2f} + trainer {ns.step_seconds:g} + "
