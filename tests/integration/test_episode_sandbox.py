@@ -328,3 +328,30 @@ async def test_prestart_starts_it_before_the_first_call(scratch_root):
     assert sandbox_processes() == []
     with pytest.raises(RuntimeError, match="closed"):
         await sandbox.run("print('too late')")
+
+
+async def test_an_output_flood_is_cut_and_a_big_file_hits_the_limit_and_goes(episode, scratch_root):
+    flood = await episode.run("print('x' * 10**7)")
+    big = await episode.run("with open('big', 'wb') as file:\n    file.write(b'x' * (2 * 2**20))\n")
+    scratch = [Path(scratch_root) / name for name in os.listdir(scratch_root)]
+
+    assert flood.ok and flood.stdout.startswith("x" * LIMITS.max_output_bytes + "\n[... stdout truncated")
+    assert not big.ok and big.error == "file size limit exceeded (1048576 bytes per file)"
+    assert [os.listdir(path) for path in scratch] == [[]]  # the episode's scratch, emptied after the call
+    await check_untouched(episode)
+
+
+async def test_without_proc_a_daemon_still_dies_with_its_call(scratch_root):
+    sandbox = EpisodeSandboxes(PythonSandbox(LIMITS.model_copy(update={"proc": False}),
+                                             scratch_root=scratch_root)).episode()
+    try:
+        result = await sandbox.run("import os\nprint(os.path.exists('/proc/self'), 6 * 7)\n"
+                                   "if os.fork() == 0:\n    os.setsid()\n    import time; time.sleep(1000)\n")
+        between = sandbox_processes()
+        after = await sandbox.run("print('next')")
+    finally:
+        await sandbox.close()
+
+    assert result.ok and result.stdout == "False 42\n", result
+    assert len(between) == 2 and after.stdout == "next\n" and sandbox.started == 1
+    assert sandbox_processes() == []
