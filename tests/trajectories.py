@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from rlfleet.services.trajectory.rows import split_rows
+from rlfleet.services.trajectory.rows import split_units
 from rlfleet.v1 import tensor_pb2
-from rlfleet.wire import Ragged, decode_tensordict, encode_tensordict, get_ragged
+from rlfleet.wire import Ragged, decode_tensor, decode_tensordict, encode_tensordict, get_ragged
 
 
 def make_trajectories(group_ids, first_id: int = 0, policy_version: int = 0,
@@ -44,8 +44,12 @@ def make_trajectories(group_ids, first_id: int = 0, policy_version: int = 0,
 
 
 def payload_bytes(msg: tensor_pb2.TensorDict) -> int:
-    """What the store counts against capacity_bytes for ``msg``: its rows, serialized."""
-    return sum(map(len, split_rows(msg)))
+    """What the store counts against capacity_bytes for ``msg``: each group's rows, serialized."""
+    group_ids = decode_tensor(msg.entries["group_id"].tensor).tolist()
+    units: dict[int, list[int]] = {}
+    for i, group_id in enumerate(group_ids):
+        units.setdefault(group_id, []).append(i)
+    return sum(map(len, split_units(msg, list(units.values()))))
 
 
 def groups(first_group: int, n_groups: int, group_size: int) -> list[int]:

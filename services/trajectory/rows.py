@@ -1,9 +1,10 @@
 """Rows as the buffer stores them, and the schema every append keeps to.
 
-The buffer stores each trajectory as its own serialized single-row TensorDict
-message and builds a delivered batch by concatenating rows (``rlfleet.wire.rows``:
-byte slices, no torch), so a delivered row is byte-for-byte what was appended.
-Inputs must already have passed ``check_tensordict``.
+The buffer stores each group (a unit: the rows one append carried under one group_id) as one
+serialized TensorDict message holding its rows, and builds a delivered batch by concatenating
+groups, or rows sliced out of them (``rlfleet.wire.rows``: byte slices, no torch), so a delivered
+row is byte-for-byte what was appended. Files written before stored each row as its own message;
+those rows are read as they are. Inputs must already have passed ``check_tensordict``.
 """
 
 from __future__ import annotations
@@ -24,23 +25,33 @@ def split_rows(msg: tensor_pb2.TensorDict) -> list[bytes]:
     return [row.SerializeToString(deterministic=True) for row in split_tensordict(msg)]
 
 
+def split_units(msg: tensor_pb2.TensorDict, units: Sequence[Sequence[int]]) -> list[bytes]:
+    """One serialized TensorDict per unit (``units``: row indices), holding its rows in order."""
+    sizes = [len(indices) for indices in units]
+    start, contiguous = 0, True
+    for indices in units:
+        contiguous = contiguous and list(indices) == list(range(start, start + len(indices)))
+        start += len(indices)
+    if contiguous and start == msg.batch_size[0]:
+        parts = [msg] if len(units) == 1 else split_tensordict(msg, sizes)
+    else:  # interleaved groups (no client of ours appends them so): row by row
+        rows = split_tensordict(msg)
+        parts = [concat_tensordicts([rows[i] for i in indices]) for indices in units]
+    return [part.SerializeToString(deterministic=True) for part in parts]
+
+
+def rows_of(part: tensor_pb2.TensorDict, indices: Sequence[int]) -> list[tensor_pb2.TensorDict]:
+    """The rows ``indices`` of a unit's message, as parts to concatenate: the whole message when
+    they are all its rows in order, else one message per row."""
+    if list(indices) == list(range(part.batch_size[0])):
+        return [part]
+    rows = split_tensordict(part)
+    return [rows[i] for i in indices]
+
+
 def concat_rows(rows: Sequence[bytes]) -> tensor_pb2.TensorDict:
     """One TensorDict message holding ``rows`` (serialized, same schema) in order."""
-    messages = []
-    for raw in rows:
-        msg = tensor_pb2.TensorDict()
-        msg.ParseFromString(raw)
-        messages.append(msg)
-    return concat_tensordicts(messages)
-
-
-def row_string(raw: bytes, key: str) -> str | None:
-    """The value of the top-level string column ``key`` of one serialized row, or None without one."""
-    row = tensor_pb2.TensorDict.FromString(raw)
-    value = row.entries.get(key)
-    if value is None or value.WhichOneof("kind") != "strings" or not value.strings.values:
-        return None
-    return value.strings.values[0]
+    return concat_tensordicts([tensor_pb2.TensorDict.FromString(raw) for raw in rows])
 
 
 def schema_of(msg: tensor_pb2.TensorDict) -> Schema:

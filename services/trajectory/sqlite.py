@@ -13,7 +13,12 @@ CREATE TABLE IF NOT EXISTS trajectories (
     group_size INTEGER NOT NULL,            -- rows of the group when appended
     policy_version_start INTEGER NOT NULL,
     deliveries INTEGER NOT NULL DEFAULT 0,  -- times leased, > 0 means a redelivery
-    data BLOB NOT NULL                      -- serialized single-row rlfleet.v1.TensorDict
+    data BLOB NOT NULL                      -- empty: the row is in its unit's payload (units),
+                                            -- else (files written before units) the row, serialized
+);
+CREATE TABLE IF NOT EXISTS units (
+    unit INTEGER PRIMARY KEY,               -- seq of its first row, its rows' seqs following in order
+    data BLOB NOT NULL                      -- the group's rows, one serialized rlfleet.v1.TensorDict
 );
 CREATE TABLE IF NOT EXISTS idempotency_keys (
     key TEXT PRIMARY KEY,

@@ -1,7 +1,8 @@
 """The durable trajectory buffer: SQLite rows plus an in-memory index of them.
 
-SQLite (WAL mode) holds every buffered trajectory as one serialized single-row
-TensorDict message; nothing is acknowledged before its transaction commits.
+SQLite (WAL mode) holds every buffered group as one serialized TensorDict
+message of its rows (``rows.py``), and a row per trajectory that indexes it;
+nothing is acknowledged before its transaction commits.
 Memory holds only the index — which rows are ready, which are leased to which
 reader, until when — never the payloads. Leases live in memory only, on
 purpose: after a restart every stored row is ready again, which is exactly
@@ -30,6 +31,7 @@ Nothing here knows about gRPC.
 from __future__ import annotations
 
 import bisect
+import collections
 import json
 import logging
 import time
@@ -43,6 +45,7 @@ from rlfleet.services.trajectory import rows as rowcodec
 from rlfleet.services.trajectory import sqlite as sqlite_file
 from rlfleet.services.trajectory.appends import dedup_keys, validate_append
 from rlfleet.v1 import tensor_pb2
+from rlfleet.wire.rows import concat_tensordicts
 
 log = logging.getLogger("rlfleet.trajectory.store")
 
@@ -108,7 +111,7 @@ class _Row:
     policy_version_start: int
     deliveries: int
     nbytes: int
-    """Size of its stored (serialized) payload: what ``capacity_bytes`` bounds."""
+    """Its share of its group's stored (serialized) payload: what ``capacity_bytes`` bounds."""
 
 
 @dataclass
@@ -166,10 +169,14 @@ class TrajectoryStore:
     def _load(self) -> None:
         row = self._db.execute("SELECT value FROM meta WHERE name = 'schema'").fetchone()
         self._schema = json.loads(row[0]) if row else None
-        cursor = self._db.execute(  # length() of a blob reads its size, not its content
+        # length() of a blob reads its size, not its content
+        unit_bytes = dict(self._db.execute("SELECT unit, length(data) FROM units"))
+        cursor = self._db.execute(
             "SELECT seq, unit, group_id, group_size, policy_version_start, deliveries, length(data) "
             "FROM trajectories ORDER BY seq")
         for seq, unit_id, group_id, group_size, version, deliveries, nbytes in cursor:
+            if not nbytes:  # the row is in its unit's payload
+                nbytes = _share(unit_bytes.get(unit_id, 0), group_size, seq - unit_id)
             unit = self._units.get(unit_id)
             if unit is None:
                 unit = self._units[unit_id] = _Unit(unit_id, group_id, group_size, version)
@@ -179,6 +186,9 @@ class TrajectoryStore:
             self._ready += 1
             self._bytes += nbytes
         self._ready_units.sort(key=self._order)
+        if set(unit_bytes) - set(self._units):  # not left behind by this code: a payload goes with its last row
+            with transaction(self._db):
+                self._db.execute("DELETE FROM units WHERE unit NOT IN (SELECT unit FROM trajectories)")
         if self._ready:
             log.info("reopened trajectory store", extra={"path": self.path, "ready": self._ready})
 
@@ -210,7 +220,8 @@ class TrajectoryStore:
                 f"trajectory buffer full: {self.buffered} of {self.capacity} buffered, {count} more "
                 "do not fit; retry after trainers ack batches")
         schema = self._admitted_schema(msg)
-        new_units, records, size = self._new_units(units, group_ids, versions, rowcodec.split_rows(msg))
+        payloads = rowcodec.split_units(msg, units)
+        new_units, records, size = self._new_units(units, group_ids, versions, payloads)
         if size > self.capacity_bytes:
             raise InvalidArgument(f"trajectories: {size} bytes of trajectories can never fit the buffer's "
                                   f"capacity_bytes of {self.capacity_bytes}")
@@ -221,7 +232,9 @@ class TrajectoryStore:
         with transaction(self._db):
             self._db.executemany(
                 "INSERT INTO trajectories (seq, unit, group_id, group_size, policy_version_start, data) "
-                "VALUES (?, ?, ?, ?, ?, ?)", records)
+                "VALUES (?, ?, ?, ?, ?, x'')", records)
+            self._db.executemany("INSERT INTO units (unit, data) VALUES (?, ?)",
+                                 [(unit.id, payload) for unit, payload in zip(new_units, payloads)])
             if schema != self._schema:
                 self._db.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('schema', ?)",
                                  (json.dumps(schema),))
@@ -273,22 +286,19 @@ class TrajectoryStore:
 
     def _new_units(self, units: Sequence[Sequence[int]], group_ids: Sequence[int], versions: Sequence[int],
                    payloads: Sequence[bytes]) -> tuple[list[_Unit], list[tuple], int]:
-        """The groups ``units`` (row indices) as index entries and table records, numbered from the next
-        seq, and their payloads' size."""
+        """The groups ``units`` (row indices; ``payloads``: one per group) as index entries and the
+        trajectories table's records, numbered from the next seq, and their payloads' size."""
         next_seq = self._next_seq()
         new_units: list[_Unit] = []
         records = []
-        size = 0
-        for indices in units:
+        for indices, payload in zip(units, payloads):
             unit = _Unit(next_seq, group_ids[indices[0]], len(indices), min(versions[i] for i in indices))
-            for i in indices:
-                nbytes = len(payloads[i])
-                unit.ready.append(_Row(next_seq, unit.id, versions[i], 0, nbytes))
-                records.append((next_seq, unit.id, unit.group_id, unit.size, versions[i], payloads[i]))
-                size += nbytes
+            for position, i in enumerate(indices):
+                unit.ready.append(_Row(next_seq, unit.id, versions[i], 0, _share(len(payload), unit.size, position)))
+                records.append((next_seq, unit.id, unit.group_id, unit.size, versions[i]))
                 next_seq += 1
             new_units.append(unit)
-        return new_units, records, size
+        return new_units, records, sum(map(len, payloads))
 
     def _next_seq(self) -> int:
         row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'trajectories'").fetchone()
@@ -319,14 +329,12 @@ class TrajectoryStore:
         if plan is None:
             return None
         rows = [row for unit, count in plan for row in unit.ready[:count]]
-        seqs = [row.seq for row in rows]
         with transaction(self._db):
-            payloads: dict[int, bytes] = {}
-            for chunk in sqlite_file.chunks(seqs):
-                marks = ",".join("?" * len(chunk))
-                self._db.execute(f"UPDATE trajectories SET deliveries = deliveries + 1 WHERE seq IN ({marks})", chunk)
-                payloads.update(self._db.execute(f"SELECT seq, data FROM trajectories WHERE seq IN ({marks})", chunk))
-        batch = rowcodec.concat_rows([payloads[seq] for seq in seqs])
+            for chunk in sqlite_file.chunks([row.seq for row in rows]):
+                self._db.execute("UPDATE trajectories SET deliveries = deliveries + 1 "
+                                 f"WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
+            parts = self._parts(rows)
+        batch = concat_tensordicts(parts)
 
         redelivered = any(row.deliveries for row in rows)
         for unit, count in plan:
@@ -387,10 +395,9 @@ class TrajectoryStore:
         rows = [row for unit in units for row in unit.ready]
         if not rows:
             return Dropped(0, (), ())
-        seqs = [row.seq for row in rows]
         with transaction(self._db):
-            prompt_ids = self._prompt_ids(seqs)
-            self._delete_rows(seqs)
+            prompt_ids = self._prompt_ids(rows)
+            self._delete_rows([row.seq for row in rows], [unit.id for unit in units if not unit.leased])
         # Committed: only now does the in-memory index change.
         del self._ready_units[:stop]
         for unit in units:
@@ -405,23 +412,49 @@ class TrajectoryStore:
             "dropped": len(rows), "groups": len(group_ids), "below_policy_version": below_policy_version})
         return Dropped(len(rows), group_ids, tuple(dict.fromkeys(prompt_ids)))
 
-    def _prompt_ids(self, seqs: Sequence[int]) -> list[str]:
-        """The rows' prompt ids in ``seqs`` order; none unless the buffered schema has the column."""
+    def _prompt_ids(self, rows: Sequence[_Row]) -> list[str]:
+        """The rows' prompt ids in order; none unless the buffered schema has the column."""
         if not self._schema or self._schema.get(PROMPT_ID_KEY) != ["strings"]:
             return []
-        payloads: dict[int, bytes] = {}
+        return list(concat_tensordicts(self._parts(rows)).entries[PROMPT_ID_KEY].strings.values)
+
+    def _parts(self, rows: Sequence[_Row]) -> list[tensor_pb2.TensorDict]:
+        """Messages whose concatenation is ``rows``, in order: each group's payload read once, and
+        whole when all its rows are taken; call inside ``transaction(self._db)``."""
+        seqs = [row.seq for row in rows]
+        own: dict[int, bytes] = {}  # rows stored one by one (files written before units)
         for chunk in sqlite_file.chunks(seqs):
-            payloads.update(self._db.execute(
-                f"SELECT seq, data FROM trajectories WHERE seq IN ({','.join('?' * len(chunk))})", chunk))
-        found = (rowcodec.row_string(payloads[seq], PROMPT_ID_KEY) for seq in seqs)
-        return [prompt_id for prompt_id in found if prompt_id is not None]
+            own.update(self._db.execute("SELECT seq, data FROM trajectories "
+                                        f"WHERE seq IN ({','.join('?' * len(chunk))}) AND length(data) > 0", chunk))
+        units: dict[int, tensor_pb2.TensorDict] = {}
+        for chunk in sqlite_file.chunks(sorted({row.unit for row in rows if row.seq not in own})):
+            for unit_id, data in self._db.execute(
+                    f"SELECT unit, data FROM units WHERE unit IN ({','.join('?' * len(chunk))})", chunk):
+                units[unit_id] = tensor_pb2.TensorDict.FromString(data)
+        parts: list[tensor_pb2.TensorDict] = []
+        start = 0
+        while start < len(rows):
+            row = rows[start]
+            if row.seq in own:
+                parts.append(tensor_pb2.TensorDict.FromString(own[row.seq]))
+                start += 1
+                continue
+            end = start + 1
+            while end < len(rows) and rows[end].unit == row.unit and rows[end].seq not in own:
+                end += 1
+            parts.extend(rowcodec.rows_of(units[row.unit], [r.seq - r.unit for r in rows[start:end]]))
+            start = end
+        return parts
 
     # --- ack / release -------------------------------------------------------------------
     def ack(self, owner: str, lease_id: str) -> int:
         """Delete a leased batch for good; returns its size."""
         lease = self._owned_lease(owner, lease_id)
+        acked = collections.Counter(row.unit for row in lease.rows)
+        emptied = [unit_id for unit_id, count in acked.items()
+                   if self._units[unit_id].leased == count and not self._units[unit_id].ready]
         with transaction(self._db):
-            self._delete_rows([row.seq for row in lease.rows])
+            self._delete_rows([row.seq for row in lease.rows], emptied)
         del self._leases[lease_id]
         for row in lease.rows:
             unit = self._units[row.unit]
@@ -495,9 +528,17 @@ class TrajectoryStore:
         index = bisect.bisect_left(self._ready_units, self._order(unit_id), key=self._order)
         del self._ready_units[index]
 
-    def _delete_rows(self, seqs: Sequence[int]) -> None:
-        """Delete rows; call inside ``transaction(self._db)``."""
+    def _delete_rows(self, seqs: Sequence[int], emptied_units: Sequence[int]) -> None:
+        """Delete rows, and the payloads of the groups they leave empty; call inside
+        ``transaction(self._db)``."""
         for chunk in sqlite_file.chunks(seqs):
             self._db.execute(f"DELETE FROM trajectories WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
+        for chunk in sqlite_file.chunks(emptied_units):
+            self._db.execute(f"DELETE FROM units WHERE unit IN ({','.join('?' * len(chunk))})", chunk)
 
 
+def _share(unit_bytes: int, unit_size: int, position: int) -> int:
+    """The bytes of its group's payload that row ``position`` of ``unit_size`` counts (the first row
+    takes the remainder, so a group's rows count exactly its payload)."""
+    share = unit_bytes // unit_size
+    return share + (unit_bytes - share * unit_size if position == 0 else 0)

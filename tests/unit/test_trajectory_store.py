@@ -11,6 +11,7 @@ import torch
 from rlfleet.services.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from rlfleet.services.trajectory.appends import MAX_KEY_BYTES
 from rlfleet.services.trajectory.buffer import OUTBOX_SIZE, ReaderOptions, Settlement, TrajectoryBuffer
+from rlfleet.services.trajectory.rows import split_rows
 from rlfleet.services.trajectory.store import Dropped, TrajectoryStore
 from rlfleet.wire import WireError, decode_tensordict, encode_tensordict
 from rlfleet.wire.batch_schema import row_schema
@@ -460,6 +461,50 @@ def test_reopen_keeps_acknowledged_appends_and_readies_leased_rows(tmp_path, clo
     store.close()
     mode = sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
+
+
+def test_a_group_is_stored_once_and_its_payload_goes_with_its_last_row(tmp_path, clock):
+    path = str(tmp_path / "trajectories.sqlite3")
+    store = TrajectoryStore(path, capacity=100, clock=clock)
+    store.append(make_trajectories([0, 0, 0, 1, 1, 2, 2, 2, 2]), group_keys=["g/0", "g/1", "g/2"])
+    assert store._db.execute("SELECT count(*) FROM units").fetchone()[0] == 3
+    first = store.lease("a", 4, lease_seconds=60)  # group 0 and one row of group 1
+    assert trajectory_ids(first.batch) == [f"traj-{i}" for i in range(4)]
+    check_rows(first.batch)
+    store.ack("a", first.lease_id)
+    assert [unit for (unit,) in store._db.execute("SELECT unit FROM units ORDER BY unit")] == [4, 6]
+    dropped = store.drop_stale(1)  # group 1's other row and group 2: nothing is leased
+    assert dropped.trajectories == 5
+    assert store._db.execute("SELECT count(*) FROM units").fetchone()[0] == 0
+    assert store.stats().buffered_bytes == 0
+    store.close()
+
+
+def test_a_file_written_before_groups_were_stored_whole_is_read_as_it_is(tmp_path, clock):
+    """Such a file holds each row as its own message and no group payloads: its rows are delivered,
+    counted and acked as before, beside groups appended since."""
+    path = str(tmp_path / "trajectories.sqlite3")
+    store = TrajectoryStore(path, capacity=100, clock=clock)
+    old = make_trajectories([0, 0, 1, 1], prompt_ids=True)
+    store.append(old, "old")
+    with store._db:  # what the previous code wrote: rows with their data, no units table rows
+        for seq, row in enumerate(split_rows(old), start=1):
+            store._db.execute("UPDATE trajectories SET data = ? WHERE seq = ?", (row, seq))
+        store._db.execute("DELETE FROM units")
+    store.close()
+
+    store = TrajectoryStore(path, capacity=100, clock=clock)
+    assert store.stats().buffered_bytes == sum(map(len, split_rows(old)))
+    new = make_trajectories([2, 2], first_id=4, prompt_ids=True)
+    store.append(new, "new")
+    assert store.stats().buffered_bytes == sum(map(len, split_rows(old))) + payload_bytes(new)
+    mixed = store.lease("a", 6, lease_seconds=60, whole_groups=True)
+    assert trajectory_ids(mixed.batch) == [f"traj-{i}" for i in range(6)]
+    check_rows(mixed.batch)
+    store.nack("a", mixed.lease_id)
+    assert store.drop_stale(1).prompt_ids == ("prompt-0", "prompt-1", "prompt-2")
+    assert store.stats().buffered_bytes == 0 and store._db.execute("SELECT count(*) FROM trajectories").fetchone()[0] == 0
+    store.close()
 
 
 def test_a_second_store_cannot_open_a_file_in_use(tmp_path):

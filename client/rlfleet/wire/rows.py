@@ -72,30 +72,33 @@ def concat_raggeds(parts: Sequence[tensor_pb2.RaggedTensor],
     return out
 
 
-def split_tensordict(msg: tensor_pb2.TensorDict,
+def split_tensordict(msg: tensor_pb2.TensorDict, sizes: Sequence[int] | None = None,
                      outs: Sequence[tensor_pb2.TensorDict] | None = None) -> list[tensor_pb2.TensorDict]:
-    """One single-row TensorDict message per row of ``msg``, in row order, written into ``outs`` (empty
-    messages) if given."""
-    count = msg.batch_size[0]
-    rows = [tensor_pb2.TensorDict() for _ in range(count)] if outs is None else list(outs)
-    for row in rows:
-        row.batch_size[:] = [1, *msg.batch_size[1:]]
+    """``msg``'s rows in consecutive parts of ``sizes`` rows (default: one message per row), in row
+    order, written into ``outs`` (empty messages) if given."""
+    sizes = [1] * msg.batch_size[0] if sizes is None else list(sizes)
+    parts = [tensor_pb2.TensorDict() for _ in sizes] if outs is None else list(outs)
+    trailing = list(msg.batch_size[1:])
+    for part, size in zip(parts, sizes):
+        part.batch_size[:] = [size, *trailing]
     entries = msg.entries
     for key in entries:  # keys, then one lookup each: a map's items() view costs twice as much
         value = entries[key]
         kind = value.WhichOneof("kind")
         if kind == "tensor":
-            split_tensor(value.tensor, [1] * count, outs=[row.entries[key].tensor for row in rows])
+            split_tensor(value.tensor, sizes, outs=[part.entries[key].tensor for part in parts])
         elif kind == "ragged":
-            split_ragged(value.ragged, [1] * count, outs=[row.entries[key].ragged for row in rows])
+            split_ragged(value.ragged, sizes, outs=[part.entries[key].ragged for part in parts])
         elif kind == "strings":
-            for row, text in zip(rows, value.strings.values):
-                row.entries[key].strings.values.append(text)
+            texts, start = list(value.strings.values), 0
+            for part, size in zip(parts, sizes):
+                part.entries[key].strings.values.extend(texts[start:start + size])
+                start += size
         elif kind == "nested":
-            split_tensordict(value.nested, outs=[row.entries[key].nested for row in rows])
+            split_tensordict(value.nested, sizes, outs=[part.entries[key].nested for part in parts])
         else:  # pragma: no cover - check_tensordict rejects empty values
             raise ValueError(f"entries[{key}]: empty value")
-    return rows
+    return parts
 
 
 def concat_tensordicts(parts: Sequence[tensor_pb2.TensorDict]) -> tensor_pb2.TensorDict:
