@@ -266,18 +266,26 @@ class GenerationEngine:
                 {"prompt_token_ids": list(prompt_token_ids)}, sampling.to_vllm(), request_id
             )
             try:
+                # Once per engine step and request: keep the per-delta work small.
                 async for output in stream:
                     now = time.monotonic()
+                    new_tokens = 0
+                    finished = []
                     for completion in output.outputs:
-                        sample = samples.setdefault(completion.index, SampleAccumulator(index=completion.index))
-                        sample.add(completion.token_ids, completion.logprobs, now)
+                        sample = samples.get(completion.index)
+                        if sample is None:
+                            sample = samples[completion.index] = SampleAccumulator(index=completion.index)
                         if completion.token_ids:
-                            self._token_rate.add(len(completion.token_ids), now)
-                            if not running:
-                                running = True
-                                self._requests_running += 1
-                        if completion.finish_reason is None:
-                            continue
+                            sample.add(completion.token_ids, completion.logprobs, now)
+                            new_tokens += len(completion.token_ids)
+                        if completion.finish_reason is not None:
+                            finished.append((sample, completion))
+                    if new_tokens:
+                        self._token_rate.add(new_tokens, now)
+                        if not running:
+                            running = True
+                            self._requests_running += 1
+                    for sample, completion in finished:
                         result = finished_sample(
                             request_id, len(prompt_token_ids), sample, completion,
                             (version_at_submit, self._policy_version), (called_at, submitted_at, now),

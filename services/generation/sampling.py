@@ -102,8 +102,8 @@ class SamplingSpec:
     def to_vllm(self) -> SamplingParams:
         """vLLM SamplingParams streaming deltas with the sampled token's log-prob,
         for ``computed_samples`` samples."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        # From the defining module: ``from vllm import`` goes through vLLM's lazy __getattr__ on every call.
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         return SamplingParams(
             n=self.computed_samples,
@@ -290,13 +290,13 @@ def sampled_log_probs(token_ids: Sequence[int], flat_log_probs) -> list[float]:
     if flat_log_probs is None or len(flat_log_probs) != len(token_ids):
         got = None if flat_log_probs is None else len(flat_log_probs)
         raise RuntimeError(f"vLLM returned {got} log-prob positions for {len(token_ids)} tokens")
-    out = []
-    for position, token_id in enumerate(token_ids):
-        entry = flat_log_probs.start_indices[position]
-        if flat_log_probs.token_ids[entry] != token_id:
-            raise RuntimeError(
-                f"vLLM log-prob entry {position} is for token "
-                f"{flat_log_probs.token_ids[entry]}, sampled {token_id}"
-            )
-        out.append(flat_log_probs.logprobs[entry])
-    return out
+    # Runs for every delta of every sample: whole-list operations, no per-position Python loop.
+    starts = flat_log_probs.start_indices
+    entry_token_ids = flat_log_probs.token_ids
+    sampled = [entry_token_ids[entry] for entry in starts]
+    if sampled != list(token_ids):
+        position = next(i for i, (got, want) in enumerate(zip(sampled, token_ids)) if got != want)
+        raise RuntimeError(f"vLLM log-prob entry {position} is for token {sampled[position]}, "
+                           f"sampled {token_ids[position]}")
+    log_probs = flat_log_probs.logprobs
+    return [log_probs[entry] for entry in starts]
