@@ -44,12 +44,12 @@ class EnvironmentServiceConfig(ServiceConfig):
     """``tool_calling``: run an episode's python calls in one sandbox that stays up until the episode
     closes (``episode_sandbox.py``: one bwrap per episode, a fresh process forked in it per call; no
     process, file or Python state of a call reaches the next), instead of a fresh sandbox per call:
-    less CPU per call (bench/sandbox.py). Needs bwrap; without it, or past ``max_episode_sandboxes``,
-    calls get a fresh sandbox each."""
+    0.7x the CPU per call in episodes of 3 calls (bench/sandbox.py). Needs bwrap; without it, or past
+    ``max_episode_sandboxes``, calls get a fresh sandbox each."""
 
     max_episode_sandboxes: int = Field(64, ge=1)
     """``sandbox_per_episode``: most per-episode sandboxes alive at once (each holds a bwrap and an
-    idle interpreter, ~10 MB); the episodes past it run each call in a fresh sandbox."""
+    idle interpreter, ~8 MB); the episodes past it run each call in a fresh sandbox."""
 
     allow_rlimits_only: bool = False
     """``tool_calling``: when the host has no bwrap sandbox, run snippets with rlimits and an
