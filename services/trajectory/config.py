@@ -24,7 +24,7 @@ class TrajectoryConfig(ServiceConfig):
     RESOURCE_EXHAUSTED and stores nothing: backpressure on the collector."""
     capacity_bytes: int = Field(8 << 30, gt=0)
     """Most bytes buffered at once (ready + leased), counted as the serialized size of each stored
-    trajectory (the database file is somewhat larger); default 8 GiB. Bounds the disk use that
+    group of trajectories (the database file is somewhat larger); default 8 GiB. Bounds the disk use that
     ``capacity`` alone cannot when trajectories are long. An Append that does not fit is
     RESOURCE_EXHAUSTED and stores nothing, like ``capacity``."""
     default_lease_seconds: float = Field(300.0, gt=0)
