@@ -61,8 +61,10 @@ both: every trajectory carries exactly 3 x ``--max-tokens`` sampled tokens, chec
 So the ratio is the cost of the turns themselves: a Generate call per turn and episode (``n = 1``
 instead of one call per group), the environment's steps, the tool runs, and the prefill of the
 history at every turn. A third side runs the same episodes on ``bench_canned_tools``, which answers
-with the tool's output without running it: the turns' own cost, without the tool calls'. The sides
-alternate ``--multiturn-rounds`` times after a warm-up; ratio = multi-turn traj/s / single-turn
+with the tool's output without running it: the turns' own cost, without the tool calls'. A fourth side
+runs them on ``bench_episode_tools``: the same tool calls in a sandbox of the episode's own
+(``EpisodeSandbox``), started when the episode opens. The sides alternate ``--multiturn-rounds`` times
+after a warm-up, their order reversed every other round; ratio = multi-turn traj/s / single-turn
 traj/s per round, median (goal >= 0.7). The environment logs each tool call's seconds to a file the
 bench reads: the mean tool-call time, and the calls per trajectory.
 
@@ -500,7 +502,9 @@ def measure_multiturn(backends, workdir: Path, ns) -> dict:
         for round_index in range(-1, ns.multiturn_rounds):  # round -1: warm-up of every side
             count = ns.groups_per_step if round_index < 0 else ns.groups
             prompts = [[{"role": "user", "content": text}] for text in prompt_texts(count)]
-            for side, (spec, turns) in sides.items():
+            order = list(sides) if round_index % 2 == 0 else list(reversed(sides))  # no side always goes first
+            for side in order:
+                spec, turns = sides[side]
                 lengths = full_lengths[side] if round_index >= 0 else []
                 seconds, _ = end_to_end(collector.address, prompts, f"d-{side}-r{round_index}", ns, spec=spec,
                                         on_batch=sampled_check(tokens, turns, lengths))
