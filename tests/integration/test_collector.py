@@ -13,8 +13,8 @@ import pytest
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
 from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, generation_pb2, generation_pb2_grpc, sampling_pb2,
-                        trajectory_pb2, trajectory_pb2_grpc, weights_pb2)
-from rlfleet.wire.weights import iter_push_messages
+                        trajectory_pb2, trajectory_pb2_grpc)
+from tests.integration.pushes import push
 from tests.hf_reference import load_hf
 from tests.integration.readers import Reader
 from tests.waiting import wait_for
@@ -57,13 +57,6 @@ def submit(channel, count: int, tag: str) -> list[str]:
     prompts = [collector_pb2.PromptSpec(prompt_id=f"{tag}-{i}", prompt=sampling_pb2.Prompt(text=f"what is {i} plus {i}"))
                for i in range(count)]
     return list(stub.SubmitPrompts(collector_pb2.SubmitPromptsRequest(prompts=prompts), timeout=30).prompt_ids)
-
-
-def push(channel, state, mode=weights_pb2.UPDATE_MODE_KEEP):
-    stub = collector_pb2_grpc.CollectorServiceStub(channel)
-    requests = (collector_pb2.PushWeightsRequest(**{kind: msg})
-                for kind, msg in iter_push_messages(list(state.items()), version=0, mode=mode))
-    return stub.PushWeights(requests, timeout=600)
 
 
 def current_version(channel) -> int:

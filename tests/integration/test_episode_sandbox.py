@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import socket
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,8 +18,9 @@ import pytest
 
 from rlfleet.services.environment.episode_sandbox import EpisodeSandboxes
 from rlfleet.services.environment.sandbox import PythonSandbox, SandboxLimits
-from tests.integration.test_sandbox import LIMITS, REPOSITORY, sandbox_processes
-from tests.unit.test_sandbox_runner import SNIPPETS, STDIN
+from tests.sandbox_cases import (FILES, FORK_BOMB, LIMITS, MEMORY_BOMBS, SNIPPETS, STDIN, cancel_a_running_call,
+                                 check_fork_bomb_stopped, connect_to, own_scratch_root, run_daemon,
+                                 sandbox_processes)
 from tests.waiting import wait_for_async
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops to uid 65534, which needs root")
@@ -35,12 +34,9 @@ AFTER_OUTPUT = f"['snippet.py'] [] 2 {LIMITS.memory_bytes} {LIMITS.max_processes
 
 @pytest.fixture
 def scratch_root():
-    """A scratch root of our own to watch; pytest's tmp_path is mode 0700, closed to uid 65534."""
     assert not sandbox_processes(), "a uid 65534 process was running before the test"
-    root = tempfile.mkdtemp(prefix="rlfleet-episode-sandbox-test-")
-    os.chmod(root, 0o755)
-    yield root
-    shutil.rmtree(root)
+    with own_scratch_root("rlfleet-episode-sandbox-test-") as root:
+        yield root
 
 
 @pytest.fixture
@@ -130,11 +126,7 @@ async def test_a_sleep_hits_the_wall_clock_limit_and_ends_the_sandbox(scratch_ro
     assert after.stdout == "next\n" and sandbox.started == 2
 
 
-@pytest.mark.parametrize(
-    "code",
-    ["x = bytearray(2**34)\n", "chunks = []\nwhile True:\n    chunks.append(bytearray(2**20))\n"],
-    ids=["one-huge-allocation", "growing-list"],
-)
+@pytest.mark.parametrize("code", MEMORY_BOMBS.values(), ids=MEMORY_BOMBS.keys())
 async def test_a_memory_bomb_hits_the_memory_limit(episode, code):
     result = await episode.run(code)
 
@@ -144,51 +136,15 @@ async def test_a_memory_bomb_hits_the_memory_limit(episode, code):
 
 
 async def test_a_fork_bomb_stops_at_the_process_limit_and_leaves_nothing(episode):
-    code = (
-        "import os, time\n"
-        "first = os.getpid()\n"
-        "while True:\n"
-        "    try:\n"
-        "        os.fork()\n"
-        "    except OSError as error:\n"
-        "        if os.getpid() == first:\n"
-        "            processes = sum(name.isdigit() for name in os.listdir('/proc'))\n"
-        "            print(type(error).__name__, processes)\n"
-        "            break\n"
-        "        time.sleep(1000)\n"
-    )
-    result = await episode.run(code)
+    result = await episode.run(FORK_BOMB)
 
-    assert result.ok, result
-    refusal, processes = result.stdout.split()
-    assert refusal == "BlockingIOError"
-    assert LIMITS.max_processes // 2 < int(processes) <= LIMITS.max_processes
+    check_fork_bomb_stopped(result)
     assert len(sandbox_processes()) == 2  # bwrap and the zygote
     await check_untouched(episode)
 
 
 async def test_a_daemonized_child_is_dead_when_run_returns(episode, scratch_root):
-    code = (
-        "import os, time\n"
-        "os.mkfifo('fifo')\n"
-        "ready_read, ready_write = os.pipe()\n"
-        "if os.fork() == 0:\n"
-        "    os.setsid()\n"
-        "    if os.fork() == 0:\n"
-        "        held = os.open('fifo', os.O_WRONLY)  # until the test opens the other end\n"
-        "        os.write(ready_write, b'ready')\n"
-        "        time.sleep(1000)\n"
-        "    os._exit(0)\n"
-        "print('daemon', os.read(ready_read, 5).decode())\n"
-    )
-    call = asyncio.create_task(episode.run(code))
-    fifo = await wait_for_async(lambda: list(Path(scratch_root).glob("*/fifo")), timeout=5, what="the FIFO")
-    reader = os.open(fifo[0], os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        result = await call
-        end_of_file = os.read(reader, 1) == b""  # BlockingIOError while the daemon lives
-    finally:
-        os.close(reader)
+    result, end_of_file = await run_daemon(episode.run, scratch_root)
 
     assert result.ok and result.stdout == "daemon ready\n"
     assert result.wall_seconds < LIMITS.wall_seconds
@@ -199,27 +155,7 @@ async def test_a_daemonized_child_is_dead_when_run_returns(episode, scratch_root
 
 async def test_the_host_file_system_and_network_are_out_of_reach(episode):
     with socket.create_server(("127.0.0.1", 0)) as listener:
-        port = listener.getsockname()[1]
-        code = (
-            "import os, socket\n"
-            f"for path in ['/etc/passwd', '/root', {str(REPOSITORY)!r}]:\n"
-            "    try:\n"
-            "        print(path, 'READ', open(path).read() if os.path.isfile(path) else os.listdir(path))\n"
-            "    except OSError as error:\n"
-            "        print(path, 'DENIED', type(error).__name__)\n"
-            "for path in ['/usr/planted', '/planted']:\n"
-            "    try:\n"
-            "        open(path, 'w')\n"
-            "        print(path, 'WRITTEN')\n"
-            "    except OSError as error:\n"
-            "        print(path, 'DENIED', type(error).__name__)\n"
-            "try:\n"
-            f"    socket.create_connection(('127.0.0.1', {port}), timeout=3)\n"
-            "    print('CONNECTED')\n"
-            "except OSError as error:\n"
-            "    print(type(error).__name__)\n"
-        )
-        result = await episode.run(code)
+        result = await episode.run(FILES + connect_to(listener.getsockname()[1]))
         listener.setblocking(False)
         with pytest.raises(BlockingIOError):
             listener.accept()
@@ -286,15 +222,7 @@ async def test_a_dead_zygote_is_a_tool_error_and_the_next_call_gets_a_new_sandbo
 
 
 async def test_a_cancelled_call_ends_the_sandbox(episode, scratch_root):
-    call = asyncio.create_task(episode.run("import time\nopen('started', 'w').close()\ntime.sleep(100)\n"))
-    await wait_for_async(lambda: list(Path(scratch_root).glob("*/started")), timeout=5, what="the snippet to start")
-
-    cancelled_at = time.monotonic()
-    call.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await call
-
-    assert time.monotonic() - cancelled_at < 3
+    assert await cancel_a_running_call(episode.run, scratch_root) < 3
     assert os.listdir(scratch_root) == [] and sandbox_processes() == []
     await check_untouched(episode, started=2)
 

@@ -25,7 +25,7 @@ from rlfleet.wire import encode_tensor
 from tests.hf_reference import load_hf, response_log_probs
 from tests.integration.readers import Reader, runs
 from tests.integration.suites import episode_collector_args
-from tests.integration.test_collector import push
+from tests.integration.pushes import push
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm,

@@ -8,10 +8,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import signal
 import socket
-import tempfile
 import time
 import tracemalloc
 from pathlib import Path
@@ -19,26 +17,11 @@ from pathlib import Path
 import pytest
 
 from rlfleet.services.environment.sandbox import SANDBOX_UID, PythonSandbox, SandboxLimits, SandboxUnavailable
+from tests.sandbox_cases import (FILES, FORK_BOMB, LIMITS, MEMORY_BOMBS, cancel_a_running_call, check_fork_bomb_stopped,
+                                 connect_to, own_scratch_root, run_daemon, sandbox_processes)
 from tests.waiting import wait_for_async
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops to uid 65534, which needs root")
-
-LIMITS = SandboxLimits(cpu_seconds=2, wall_seconds=5, max_processes=16, max_file_bytes=2**20, max_output_bytes=1024)
-REPOSITORY = Path(__file__).resolve().parents[2]
-
-
-def sandbox_processes() -> list[int]:
-    """Pids of the live (not zombie) processes whose real uid is the sandbox's."""
-    pids = []
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            fields = dict(line.split(":", 1) for line in status.read_text().splitlines())
-        except OSError:  # exited while we looked
-            continue
-        if int(fields["Uid"].split()[0]) == SANDBOX_UID and not fields["State"].strip().startswith("Z"):
-            pids.append(int(status.parent.name))
-    return pids
-
 
 async def nothing_left_running() -> None:
     await wait_for_async(lambda: not sandbox_processes(), timeout=5, what="every uid 65534 process to end")
@@ -61,11 +44,8 @@ def sandbox(no_strays) -> PythonSandbox:
 
 @pytest.fixture
 def scratch_root():
-    """A scratch root of our own to watch; pytest's tmp_path is mode 0700, closed to uid 65534."""
-    root = tempfile.mkdtemp(prefix="rlfleet-sandbox-test-")
-    os.chmod(root, 0o755)
-    yield root
-    shutil.rmtree(root)
+    with own_scratch_root("rlfleet-sandbox-test-") as root:
+        yield root
 
 
 async def test_print_runs_in_bwrap(sandbox):
@@ -123,11 +103,7 @@ async def test_a_sleep_hits_the_wall_clock_limit():
     assert 2 <= time.monotonic() - started < 2 + 3
 
 
-@pytest.mark.parametrize(
-    "code",
-    ["x = bytearray(2**34)\n", "chunks = []\nwhile True:\n    chunks.append(bytearray(2**20))\n"],
-    ids=["one-huge-allocation", "growing-list"],
-)
+@pytest.mark.parametrize("code", MEMORY_BOMBS.values(), ids=MEMORY_BOMBS.keys())
 async def test_a_memory_bomb_hits_the_memory_limit(sandbox, code):
     result = await sandbox.run(code)
 
@@ -137,26 +113,9 @@ async def test_a_memory_bomb_hits_the_memory_limit(sandbox, code):
 
 
 async def test_a_fork_bomb_stops_at_the_process_limit_and_leaves_nothing(sandbox):
-    # Every process forks until refused, then sleeps holding its slot; the first one reports.
-    code = (
-        "import os, time\n"
-        "first = os.getpid()\n"
-        "while True:\n"
-        "    try:\n"
-        "        os.fork()\n"
-        "    except OSError as error:\n"
-        "        if os.getpid() == first:\n"
-        "            processes = sum(name.isdigit() for name in os.listdir('/proc'))\n"
-        "            print(type(error).__name__, processes)\n"
-        "            break\n"
-        "        time.sleep(1000)\n"
-    )
-    result = await sandbox.run(code)
+    result = await sandbox.run(FORK_BOMB)
 
-    assert result.ok, result
-    refusal, processes = result.stdout.split()
-    assert refusal == "BlockingIOError"
-    assert LIMITS.max_processes // 2 < int(processes) <= LIMITS.max_processes
+    check_fork_bomb_stopped(result)
     assert_nothing_left_running()
 
 
@@ -164,27 +123,7 @@ async def test_a_daemonized_child_is_dead_when_run_returns(no_strays, scratch_ro
     """Not a moment later: the daemon (double fork, setsid) holds the write end of a FIFO in the
     scratch directory, and the FIFO reads end-of-file as soon as ``run()`` returns."""
     sandbox = PythonSandbox(LIMITS, scratch_root=scratch_root)
-    code = (
-        "import os, time\n"
-        "os.mkfifo('fifo')\n"
-        "ready_read, ready_write = os.pipe()\n"
-        "if os.fork() == 0:\n"
-        "    os.setsid()\n"
-        "    if os.fork() == 0:\n"
-        "        held = os.open('fifo', os.O_WRONLY)  # until the test opens the other end\n"
-        "        os.write(ready_write, b'ready')\n"
-        "        time.sleep(1000)\n"
-        "    os._exit(0)\n"
-        "print('daemon', os.read(ready_read, 5).decode())\n"
-    )
-    call = asyncio.create_task(sandbox.run(code))
-    fifo = await wait_for_async(lambda: list(Path(scratch_root).glob("*/fifo")), timeout=5, what="the FIFO")
-    reader = os.open(fifo[0], os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        result = await call
-        end_of_file = os.read(reader, 1) == b""  # BlockingIOError while the daemon lives
-    finally:
-        os.close(reader)
+    result, end_of_file = await run_daemon(sandbox.run, scratch_root)
 
     assert result.ok and result.stdout == "daemon ready\n"
     assert result.wall_seconds < LIMITS.wall_seconds  # its open stdout did not hold the call
@@ -207,21 +146,7 @@ async def test_without_bwrap_a_daemonized_child_escapes(no_strays):
 
 
 async def test_the_host_file_system_is_out_of_reach(sandbox):
-    code = (
-        "import os\n"
-        f"for path in ['/etc/passwd', '/root', {str(REPOSITORY)!r}]:\n"
-        "    try:\n"
-        "        print(path, 'READ', open(path).read() if os.path.isfile(path) else os.listdir(path))\n"
-        "    except OSError as error:\n"
-        "        print(path, 'DENIED', type(error).__name__)\n"
-        "for path in ['/usr/planted', '/planted']:\n"
-        "    try:\n"
-        "        open(path, 'w')\n"
-        "        print(path, 'WRITTEN')\n"
-        "    except OSError as error:\n"
-        "        print(path, 'DENIED', type(error).__name__)\n"
-    )
-    result = await sandbox.run(code)
+    result = await sandbox.run(FILES)
 
     assert result.ok, result
     assert result.stdout.count("DENIED") == 5 and "READ" not in result.stdout and "WRITTEN" not in result.stdout
@@ -231,16 +156,7 @@ async def test_the_host_file_system_is_out_of_reach(sandbox):
 
 async def test_the_network_is_out_of_reach(sandbox):
     with socket.create_server(("127.0.0.1", 0)) as listener:
-        port = listener.getsockname()[1]
-        code = (
-            "import socket\n"
-            "try:\n"
-            f"    socket.create_connection(('127.0.0.1', {port}), timeout=3)\n"
-            "    print('CONNECTED')\n"
-            "except OSError as error:\n"
-            "    print(type(error).__name__)\n"
-        )
-        result = await sandbox.run(code)
+        result = await sandbox.run(connect_to(listener.getsockname()[1]))
 
         listener.setblocking(False)
         with pytest.raises(BlockingIOError):
@@ -302,15 +218,7 @@ async def test_a_big_file_hits_the_file_size_limit_and_the_scratch_goes(scratch_
 
 async def test_a_cancelled_call_leaves_nothing(no_strays, scratch_root):
     sandbox = PythonSandbox(LIMITS, scratch_root=scratch_root)
-    call = asyncio.create_task(sandbox.run("import time\nopen('started', 'w').close()\ntime.sleep(100)\n"))
-    await wait_for_async(lambda: list(Path(scratch_root).glob("*/started")), timeout=5, what="the snippet to start")
-
-    cancelled_at = time.monotonic()
-    call.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await call
-
-    assert time.monotonic() - cancelled_at < 3  # killed, not waited for
+    assert await cancel_a_running_call(sandbox.run, scratch_root) < 3  # killed, not waited for
 
     assert os.listdir(scratch_root) == []
     assert_nothing_left_running()

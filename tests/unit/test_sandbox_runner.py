@@ -14,40 +14,10 @@ import sys
 import pytest
 
 from rlfleet.services.environment.sandbox import SNIPPET_NAME, SandboxLimits, snippet_command
+from tests.sandbox_cases import SNIPPETS, STDIN
 
 LIMITS = SandboxLimits(cpu_seconds=3, memory_bytes=1024 * 2**20, max_processes=4096, max_file_bytes=2**20,
                        max_open_files=50)
-STDIN = "line one\nline two\n"
-
-SNIPPETS = {
-    "print": 'print("hi")',
-    "unterminated output is flushed": 'import sys; sys.stdout.write("partial")',
-    "traceback": "def f():\n    return 1 / 0\nf()\n",
-    "syntax error": "def (\n",
-    "indentation error": "if True:\nprint(1)\n",
-    "sys.exit code": "import sys; print('a'); sys.exit(3)",
-    "sys.exit message": "import sys; sys.exit('bye now')",
-    "exit() from site": "print('x'); exit(4)",
-    "raise SystemExit": "raise SystemExit",
-    "KeyboardInterrupt": "raise KeyboardInterrupt",
-    "os._exit": "import os; print('flushed', flush=True); os._exit(5)",
-    "stdin": "import sys; print(sys.stdin.readline().upper(), input())",
-    "chained": "try:\n    {}['k']\nexcept KeyError as e:\n    raise ValueError('bad') from e\n",
-    "context": "try:\n    1/0\nexcept ZeroDivisionError:\n    undefined_name\n",
-    "exception group and note": "e = ValueError('v')\ne.add_note('a note')\n"
-                                "raise ExceptionGroup('eg', [e, TypeError(2)])\n",
-    "output then exception": "print('buffered', end='')\nraise RuntimeError('late')\n",
-    "thread exception": "import threading\nt = threading.Thread(target=lambda: 1/0)\n"
-                        "t.start(); t.join(); print('ok')\n",
-    "atexit": "import atexit\natexit.register(lambda: print('at exit'))\nprint('body')\n",
-    "script globals": "import sys\nprint(__name__, sorted(globals()), sys.argv, __file__.endswith('/snippet.py'))\n",
-    "__main__ is the snippet": "import __main__, pickle\nclass A:\n    x = 5\n"
-                               "print(__main__.A is A, pickle.loads(pickle.dumps(A())).x)\n",
-    "snippet's excepthook": "import sys\nsys.excepthook = lambda kind, *_: print('hooked', kind.__name__)\n"
-                            "raise RuntimeError\n",
-    "warnings": "import warnings\nwarnings.warn('careful')\nprint('done')\n",
-    "coding cookie": "# -*- coding: latin-1 -*-\nprint('\\xe9')\n",
-}
 
 
 def run(command: list[str], directory) -> tuple[int, str, str]:
