@@ -112,6 +112,8 @@ class _Row:
     deliveries: int
     nbytes: int
     """Its share of its group's stored (serialized) payload: what ``capacity_bytes`` bounds."""
+    own_payload: bool = False
+    """Stored with its own payload in the trajectories table (files written before units), not in its unit's."""
 
 
 @dataclass
@@ -175,13 +177,14 @@ class TrajectoryStore:
             "SELECT seq, unit, group_id, group_size, policy_version_start, deliveries, length(data) "
             "FROM trajectories ORDER BY seq")
         for seq, unit_id, group_id, group_size, version, deliveries, nbytes in cursor:
-            if not nbytes:  # the row is in its unit's payload
+            own_payload = nbytes > 0  # else the row is in its unit's payload
+            if not own_payload:
                 nbytes = _share(unit_bytes.get(unit_id, 0), group_size, seq - unit_id)
             unit = self._units.get(unit_id)
             if unit is None:
                 unit = self._units[unit_id] = _Unit(unit_id, group_id, group_size, version)
                 self._ready_units.append(unit_id)
-            unit.ready.append(_Row(seq, unit_id, version, deliveries, nbytes))
+            unit.ready.append(_Row(seq, unit_id, version, deliveries, nbytes, own_payload))
             unit.min_version = min(unit.min_version, version)
             self._ready += 1
             self._bytes += nbytes
@@ -421,13 +424,12 @@ class TrajectoryStore:
     def _parts(self, rows: Sequence[_Row]) -> list[tensor_pb2.TensorDict]:
         """Messages whose concatenation is ``rows``, in order: each group's payload read once, and
         whole when all its rows are taken; call inside ``transaction(self._db)``."""
-        seqs = [row.seq for row in rows]
         own: dict[int, bytes] = {}  # rows stored one by one (files written before units)
-        for chunk in sqlite_file.chunks(seqs):
-            own.update(self._db.execute("SELECT seq, data FROM trajectories "
-                                        f"WHERE seq IN ({','.join('?' * len(chunk))}) AND length(data) > 0", chunk))
+        for chunk in sqlite_file.chunks([row.seq for row in rows if row.own_payload]):
+            own.update(self._db.execute(
+                f"SELECT seq, data FROM trajectories WHERE seq IN ({','.join('?' * len(chunk))})", chunk))
         units: dict[int, tensor_pb2.TensorDict] = {}
-        for chunk in sqlite_file.chunks(sorted({row.unit for row in rows if row.seq not in own})):
+        for chunk in sqlite_file.chunks(sorted({row.unit for row in rows if not row.own_payload})):
             for unit_id, data in self._db.execute(
                     f"SELECT unit, data FROM units WHERE unit IN ({','.join('?' * len(chunk))})", chunk):
                 units[unit_id] = tensor_pb2.TensorDict.FromString(data)
@@ -435,12 +437,12 @@ class TrajectoryStore:
         start = 0
         while start < len(rows):
             row = rows[start]
-            if row.seq in own:
+            if row.own_payload:
                 parts.append(tensor_pb2.TensorDict.FromString(own[row.seq]))
                 start += 1
                 continue
             end = start + 1
-            while end < len(rows) and rows[end].unit == row.unit and rows[end].seq not in own:
+            while end < len(rows) and rows[end].unit == row.unit and not rows[end].own_payload:
                 end += 1
             parts.extend(rowcodec.rows_of(units[row.unit], [r.seq - r.unit for r in rows[start:end]]))
             start = end
