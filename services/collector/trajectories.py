@@ -18,6 +18,7 @@ import torch
 
 from rlfleet.v1 import generation_pb2, reward_pb2, sampling_pb2, tensor_pb2
 from rlfleet.wire import Ragged, decode_ragged, decode_tensor, encode_ragged
+from rlfleet.wire.tensor import encode_values
 
 FLOAT32 = tensor_pb2.DTYPE_FLOAT32
 
@@ -107,16 +108,17 @@ def group_message(*, group: GroupSamples, ref_log_probs: tensor_pb2.RaggedTensor
     for key, tensor in (("score", rewards.scores), ("clipped_score", rewards.clipped_scores),
                         ("advantage", rewards.advantages), ("kl_mean", rewards.kl_mean)):
         entries[key].tensor.CopyFrom(tensor)
-    _column(entries["kl_coef"], [rewards.kl_coef] * n, numpy.float32)
-    _column(entries["policy_version_start"], group.version_start, numpy.int64)
-    _column(entries["policy_version_end"], group.version_end, numpy.int64)
-    _column(entries["group_id"], [group_id] * n, numpy.int64)
-    _column(entries["group_size"], [n] * n, numpy.int64)
-    _column(entries["sample_index"], group.sample_index, numpy.int64)
-    _column(entries["generation_seconds"], group.seconds, numpy.float32)
+    _column(entries["kl_coef"], [rewards.kl_coef] * n, torch.float32)
+    _column(entries["policy_version_start"], group.version_start, torch.int64)
+    _column(entries["policy_version_end"], group.version_end, torch.int64)
+    _column(entries["group_id"], [group_id] * n, torch.int64)
+    _column(entries["group_size"], [n] * n, torch.int64)
+    _column(entries["sample_index"], group.sample_index, torch.int64)
+    _column(entries["generation_seconds"], group.seconds, torch.float32)
     turns = _nested(entries["turns"], n)
-    _ragged_column(turns.entries["policy_versions"], group.turn_versions.values.numpy(), group.turn_versions.lengths)
-    _column(entries["environment_reward"], group.environment_rewards or [0.0] * n, numpy.float32)
+    _ragged_column(turns.entries["policy_versions"], group.turn_versions.values.numpy(), torch.int64,
+                   group.turn_versions.lengths)
+    _column(entries["environment_reward"], group.environment_rewards or [0.0] * n, torch.float32)
     tokens = _nested(entries["tokens"], n)
     encode_ragged(group.prompts, out=tokens.entries["prompt"].ragged)
     tokens.entries["response"].ragged.CopyFrom(group.responses_message)
@@ -124,7 +126,8 @@ def group_message(*, group: GroupSamples, ref_log_probs: tensor_pb2.RaggedTensor
     masks = _nested(entries["masks"], n)
     prompt_lengths, response_lengths = group.prompts.lengths.tolist(), group.responses.lengths.tolist()
     total = sum(prompt_lengths) + sum(response_lengths)
-    _ragged_column(masks.entries["all_attention_mask"], numpy.ones(total, dtype=numpy.bool_), group.full.lengths)
+    _ragged_column(masks.entries["all_attention_mask"], numpy.ones(total, dtype=numpy.bool_), torch.bool,
+                   group.full.lengths)
     assistant = numpy.zeros(total, dtype=numpy.bool_)
     sampled = None if group.response_mask is None else group.response_mask.values.numpy()
     start, at = 0, 0
@@ -132,44 +135,35 @@ def group_message(*, group: GroupSamples, ref_log_probs: tensor_pb2.RaggedTensor
         begin = start + prompt_length
         assistant[begin:begin + response_length] = True if sampled is None else sampled[at:at + response_length]
         start, at = begin + response_length, at + response_length
-    _ragged_column(masks.entries["all_assistant_mask"], assistant, group.full.lengths)
+    _ragged_column(masks.entries["all_assistant_mask"], assistant, torch.bool, group.full.lengths)
     _nested(entries["log_probs"], n).entries["response"].ragged.CopyFrom(group.behavior_message)
     _nested(entries["ref_log_probs"], n).entries["response"].ragged.CopyFrom(_float32(ref_log_probs))
     entries["kl"].ragged.CopyFrom(rewards.kl)
     after = _nested(entries["next"], n)
     after.entries["reward"].ragged.CopyFrom(rewards.rewards)
-    _column(after.entries["done"], [[True]] * n, numpy.bool_)
-    _column(after.entries["terminated"], [[t] for t in group.terminated], numpy.bool_)
-    _column(after.entries["truncated"], [[t] for t in group.truncated], numpy.bool_)
+    _column(after.entries["done"], [[True]] * n, torch.bool)
+    _column(after.entries["terminated"], [[t] for t in group.terminated], torch.bool)
+    _column(after.entries["truncated"], [[t] for t in group.truncated], torch.bool)
     params = group.sampling
     sampling = _nested(entries["sampling"], n)
-    _column(sampling.entries["temperature"], [params.temperature] * n, numpy.float32)
-    _column(sampling.entries["top_p"], [params.top_p] * n, numpy.float32)
-    _column(sampling.entries["top_k"], [params.top_k] * n, numpy.int64)
-    _column(sampling.entries["max_tokens"], [params.max_tokens] * n, numpy.int64)
+    _column(sampling.entries["temperature"], [params.temperature] * n, torch.float32)
+    _column(sampling.entries["top_p"], [params.top_p] * n, torch.float32)
+    _column(sampling.entries["top_k"], [params.top_k] * n, torch.int64)
+    _column(sampling.entries["max_tokens"], [params.max_tokens] * n, torch.int64)
     entries["trajectory_id"].strings.values[:] = [f"{group_id:x}-{i}" for i in group.sample_index]
     entries["prompt_id"].strings.values[:] = [prompt_id] * n
     entries["query"].strings.values[:] = [query] * n
     return msg
 
 
-_WIRE = {numpy.dtype(numpy.int64): tensor_pb2.DTYPE_INT64, numpy.dtype(numpy.float32): tensor_pb2.DTYPE_FLOAT32,
-         numpy.dtype(numpy.bool_): tensor_pb2.DTYPE_BOOL}
-"""The few dtypes of a group's small columns: built with numpy, a fraction of a torch tensor's cost."""
+def _column(entry: tensor_pb2.TensorDictValue, values, dtype: torch.dtype) -> None:
+    """A small dense column, written straight into its message."""
+    encode_values(values, dtype, entry.tensor)
 
 
-def _column(entry: tensor_pb2.TensorDictValue, values, dtype) -> None:
-    """A small dense column, written straight into its message (little-endian, as the wire wants)."""
-    array = numpy.asarray(values, dtype=numpy.dtype(dtype).newbyteorder("<"))
-    entry.tensor.dtype = _WIRE[numpy.dtype(dtype)]
-    entry.tensor.shape[:] = array.shape
-    entry.tensor.data = array.tobytes()
-
-
-def _ragged_column(entry: tensor_pb2.TensorDictValue, values: numpy.ndarray, lengths: torch.Tensor) -> None:
-    entry.ragged.values.dtype = _WIRE[values.dtype]
-    entry.ragged.values.shape[:] = values.shape
-    entry.ragged.values.data = values.tobytes()
+def _ragged_column(entry: tensor_pb2.TensorDictValue, values: numpy.ndarray, dtype: torch.dtype,
+                   lengths: torch.Tensor) -> None:
+    encode_values(values, dtype, entry.ragged.values)
     entry.ragged.lengths[:] = lengths.tolist()
 
 

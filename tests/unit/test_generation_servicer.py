@@ -1,40 +1,16 @@
-"""The generation servicer's reply building: the bytes a client decodes are exactly those of encode_tensor."""
+"""The generation servicer's reply building: the message a client decodes is exactly the one built field by field."""
 
 from __future__ import annotations
 
 import random
-import struct
 
 import torch
 
 from rlfleet.services.generation.sampling import SampleResult, SampleTiming, SamplingSpec, sampling_to_proto
-from rlfleet.services.generation.servicer import _encode_values, _sample_to_proto
-from rlfleet.v1 import generation_pb2, sampling_pb2, tensor_pb2
+from rlfleet.services.generation.servicer import _sample_to_proto
+from rlfleet.v1 import generation_pb2, sampling_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
-
-
-def _float32_edges() -> list[float]:
-    """Doubles that round differently to float32 if a conversion truncated instead of rounding to nearest."""
-    out = [0.0, -0.0, -1e-45, -3.4028234663852886e38, -float("inf"), 1.0 + 2.0 ** -24, 1.0 + 3 * 2.0 ** -24]
-    generator = random.Random(0)
-    out += [-generator.expovariate(0.5) for _ in range(200)]
-    return out
-
-
-def test_encode_values_matches_encode_tensor_bytes():
-    ids = [0, 1, 511, 2 ** 31, 2 ** 63 - 1, -(2 ** 63)] + [random.Random(1).randrange(1 << 40) for _ in range(64)]
-    log_probs = _float32_edges()
-    for values, dtype, numpy_dtype in ((ids, torch.int64, "<i8"), (log_probs, torch.float32, "<f4")):
-        fast = tensor_pb2.Tensor()
-        _encode_values(values, numpy_dtype, encode_tensor(torch.tensor(values[:1], dtype=dtype)).dtype, fast)
-        assert fast.SerializeToString() == encode_tensor(torch.tensor(values, dtype=dtype)).SerializeToString()
-    empty = tensor_pb2.Tensor()
-    _encode_values([], "<i8", encode_tensor(torch.tensor([1])).dtype, empty)
-    assert decode_tensor(empty).shape == (0,) and decode_tensor(empty).dtype == torch.int64
-    # Little-endian on the wire whatever the host.
-    one = tensor_pb2.Tensor()
-    _encode_values([1], "<i8", encode_tensor(torch.tensor([1])).dtype, one)
-    assert one.data == struct.pack("<q", 1)
+from rlfleet.wire.tensor import encode_values
 
 
 def _sample(stop_reason) -> SampleResult:
@@ -51,7 +27,7 @@ def test_sample_reply_equals_the_message_built_field_by_field():
     spec = SamplingSpec(n=4, temperature=0.7, max_tokens=64, stop=("x",), seed=9)
     prompt_ids = [7, 8, 9, 10, 11]
     template = generation_pb2.GenerateResponse(request_id="req-1", sampling=sampling_to_proto(spec))
-    _encode_values(prompt_ids, "<i8", encode_tensor(torch.tensor([1])).dtype, template.prompt_token_ids)
+    encode_values(prompt_ids, torch.int64, template.prompt_token_ids)
     for stop_reason, wire_stop in ((None, ""), (42, "42"), ("x", "x")):
         sample = _sample(stop_reason)
         expected = generation_pb2.GenerateResponse(

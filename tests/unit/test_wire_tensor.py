@@ -1,5 +1,9 @@
 """Tensor and ragged codec: bit-exact round trips and typed errors."""
 
+import random
+import struct
+
+import numpy
 import pytest
 import torch
 from hypothesis import given, settings
@@ -7,6 +11,7 @@ from hypothesis import strategies as st
 
 from rlfleet.v1 import tensor_pb2
 from rlfleet.wire import SUPPORTED_DTYPES, Ragged, WireError, decode_ragged, decode_tensor, encode_ragged, encode_tensor
+from rlfleet.wire.tensor import encode_values
 
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4)
 
@@ -216,3 +221,29 @@ def test_check_ragged_validates_like_decode_ragged_and_counts_bytes():
         with pytest.raises(WireError) as err:
             check(msg, "tokens")
         assert err.value.field == "tokens.lengths[1]"
+
+
+def _float32_edges() -> list[float]:
+    """Doubles that round differently to float32 if a conversion truncated instead of rounding to nearest."""
+    out = [0.0, -0.0, -1e-45, -3.4028234663852886e38, -float("inf"), 1.0 + 2.0 ** -24, 1.0 + 3 * 2.0 ** -24]
+    generator = random.Random(0)
+    out += [-generator.expovariate(0.5) for _ in range(200)]
+    return out
+
+
+def test_encode_values_matches_encode_tensor_bytes():
+    ids = [0, 1, 511, 2 ** 31, 2 ** 63 - 1, -(2 ** 63)] + [random.Random(1).randrange(1 << 40) for _ in range(64)]
+    log_probs = _float32_edges()
+    columns = [(ids, torch.int64), (log_probs, torch.float32), ([[True], [False], [True]], torch.bool),
+               ([[1, 2], [3, 4]], torch.int32), ([0.5, -2.25], torch.float64)]
+    for values, dtype in columns:
+        fast = encode_values(values, dtype)
+        assert fast.SerializeToString() == encode_tensor(torch.tensor(values, dtype=dtype)).SerializeToString()
+    array = numpy.array([True, False])
+    assert encode_values(array, torch.bool) == encode_tensor(torch.tensor([True, False]))
+    empty = encode_values([], torch.int64)
+    assert decode_tensor(empty).shape == (0,) and decode_tensor(empty).dtype == torch.int64
+    # Little-endian on the wire whatever the host.
+    assert encode_values([1], torch.int64).data == struct.pack("<q", 1)
+    with pytest.raises(WireError, match="cannot encode torch.bfloat16 from numbers"):
+        encode_values([1.0], torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The one dtype table: name <-> torch dtype <-> ``rlfleet.v1.Dtype`` <-> itemsize <-> safetensors tag.
+"""The one dtype table: name <-> torch dtype <-> ``rlfleet.v1.Dtype`` <-> itemsize <-> safetensors tag <-> numpy.
 
 Every module that names, sizes or converts a dtype asks this table, so a dtype
 is added (or spelt) in one place.
@@ -27,6 +27,8 @@ class DtypeInfo:
     """The dtype tag in a safetensors header (``"BF16"``)."""
     itemsize: int
     """Bytes per element."""
+    numpy: str | None
+    """The little-endian numpy dtype of the same values (the wire's byte order); None where numpy has none."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -34,22 +36,22 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _row(dtype: torch.dtype, wire: int, safetensors: str) -> DtypeInfo:
-    return DtypeInfo(dtype_name(dtype), dtype, wire, safetensors, dtype.itemsize)
+def _row(dtype: torch.dtype, wire: int, safetensors: str, numpy: str | None = None) -> DtypeInfo:
+    return DtypeInfo(dtype_name(dtype), dtype, wire, safetensors, dtype.itemsize, numpy)
 
 
 DTYPES: tuple[DtypeInfo, ...] = (
     # Wire dtypes in the order of the rlfleet.v1.Dtype enum.
-    _row(torch.float32, tensor_pb2.DTYPE_FLOAT32, "F32"),
-    _row(torch.float16, tensor_pb2.DTYPE_FLOAT16, "F16"),
+    _row(torch.float32, tensor_pb2.DTYPE_FLOAT32, "F32", "<f4"),
+    _row(torch.float16, tensor_pb2.DTYPE_FLOAT16, "F16", "<f2"),
     _row(torch.bfloat16, tensor_pb2.DTYPE_BFLOAT16, "BF16"),
-    _row(torch.float64, tensor_pb2.DTYPE_FLOAT64, "F64"),
-    _row(torch.int64, tensor_pb2.DTYPE_INT64, "I64"),
-    _row(torch.int32, tensor_pb2.DTYPE_INT32, "I32"),
-    _row(torch.int16, tensor_pb2.DTYPE_INT16, "I16"),
-    _row(torch.int8, tensor_pb2.DTYPE_INT8, "I8"),
-    _row(torch.uint8, tensor_pb2.DTYPE_UINT8, "U8"),
-    _row(torch.bool, tensor_pb2.DTYPE_BOOL, "BOOL"),
+    _row(torch.float64, tensor_pb2.DTYPE_FLOAT64, "F64", "<f8"),
+    _row(torch.int64, tensor_pb2.DTYPE_INT64, "I64", "<i8"),
+    _row(torch.int32, tensor_pb2.DTYPE_INT32, "I32", "<i4"),
+    _row(torch.int16, tensor_pb2.DTYPE_INT16, "I16", "<i2"),
+    _row(torch.int8, tensor_pb2.DTYPE_INT8, "I8", "i1"),
+    _row(torch.uint8, tensor_pb2.DTYPE_UINT8, "U8", "u1"),
+    _row(torch.bool, tensor_pb2.DTYPE_BOOL, "BOOL", "?"),
     # Checkpoint-only: a served model may hold them; no Tensor message carries them.
     _row(torch.float8_e4m3fn, tensor_pb2.DTYPE_UNSPECIFIED, "F8_E4M3"),
     _row(torch.float8_e5m2, tensor_pb2.DTYPE_UNSPECIFIED, "F8_E5M2"),
