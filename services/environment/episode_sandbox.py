@@ -60,6 +60,7 @@ from rlfleet.services.environment.sandbox import (
     _remove_scratch,
     _stop,
     bwrap_arguments,
+    sandbox_env,
 )
 
 log = logging.getLogger(__name__)
@@ -239,14 +240,8 @@ class EpisodeSandbox:
         zygote = [owner.python, "-I", "-B", "-X", "utf8", "-c", _ZYGOTE, *map(str, rlimits), SNIPPET_NAME,
                   str(zygote_end.fileno())]
         options = bwrap_arguments(scratch, limits.max_file_bytes, self._info.fileno(), proc=limits.proc)
-        command = [owner.bwrap, "--as-pid-1", *options, "--", *zygote]
-        if owner.setpriv is None:
-            drop = {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
-        else:  # see PythonSandbox._spawn: exec'd first, so that the spawn is a vfork
-            command = [owner.setpriv, f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups", "--",
-                       *command]
-            drop = {}
-        env = {"PATH": "/usr/bin:/bin", "HOME": SANDBOX_WORKDIR, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+        command, drop = owner.as_sandbox_user([owner.bwrap, "--as-pid-1", *options, "--", *zygote])
+        env = sandbox_env(SANDBOX_WORKDIR)
         stdout_read, stdout_write = os.pipe()  # pipes, as a call's: sys.stdout is made over them
         try:
             with tempfile.TemporaryFile() as empty_stdin:

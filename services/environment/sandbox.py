@@ -101,6 +101,11 @@ exec(code, main.__dict__)
 _SNIPPET_RUNNER = _RLIMITS + _RUN_SNIPPET
 
 
+def sandbox_env(home: str) -> dict[str, str]:
+    """The whole environment a sandboxed interpreter starts with."""
+    return {"PATH": "/usr/bin:/bin", "HOME": home, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
 class SandboxUnavailable(Unavailable):
     """The host cannot start a sandbox (no bwrap, no user namespaces, not root); the message says why."""
 
@@ -298,17 +303,8 @@ class PythonSandbox:
         if isolation == "bwrap":
             options = bwrap_arguments(scratch, self.limits.max_file_bytes, bwrap_info.fileno(), proc=self.limits.proc)
             command = [self.bwrap, *options, "--", *command]
-        workdir = SANDBOX_WORKDIR if isolation == "bwrap" else scratch
-        env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-        # The drop to uid 65534: by setpriv, exec'd first, so that the spawn is a vfork. Asking
-        # subprocess to switch user makes it fork() the whole service (hundreds of MB of page
-        # tables, ~50 ms of the event loop per call); without setpriv that is the fallback.
-        if self.setpriv is not None:
-            command = [self.setpriv, f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups", "--",
-                       *command]
-            drop = {}
-        else:
-            drop = {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
+        env = sandbox_env(SANDBOX_WORKDIR if isolation == "bwrap" else scratch)
+        command, drop = self.as_sandbox_user(command)
         # A plain Popen, waited for by its pidfd (``_wait_and_end``): asyncio's subprocesses start a
         # thread per child on Python < 3.12, and the event loop waits for each thread to start.
         try:
@@ -328,6 +324,16 @@ class PythonSandbox:
         finally:
             for pipe in pipes:
                 pipe.close_write_end()  # the child's copy is the only one left: its exit is EOF
+
+    def as_sandbox_user(self, command: list[str]) -> tuple[list[str], dict]:
+        """``command`` and the Popen arguments that run it as uid 65534: by setpriv, exec'd first, so
+        that the spawn is a vfork. Asking subprocess to switch user makes it fork() the whole service
+        (hundreds of MB of page tables, ~50 ms of the event loop per call); without setpriv that is
+        the fallback."""
+        if self.setpriv is None:
+            return command, {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
+        return [self.setpriv, f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups", "--",
+                *command], {}
 
     async def _wait_and_end(self, process: subprocess.Popen, bwrap_info: BinaryIO | None) -> bool:
         """Wait for the exit, at most the wall-clock limit, then end whatever the snippet left
