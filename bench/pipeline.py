@@ -2,7 +2,8 @@
 and of multi-turn episodes against single turns of the same tokens.
 
     .venv/bin/python bench/pipeline.py [--groups 32] [--rounds 3] [--steps 6] [--sync-rounds 3]
-        [--step-seconds S | --step-from rollout|generation] [--parts abcd] [--inprocess-rounds 3] [--long-tokens 1024] [--long-groups 4] [--multiturn-rounds 3]
+        [--step-seconds S | --step-from rollout|generation] [--prefetch N]
+        [--parts abcd] [--inprocess-rounds 3] [--long-tokens 1024] [--long-groups 4] [--multiturn-rounds 3]
 
 The suite (trajectory, reference, reward, one generation replica) starts once
 as real processes; only the collector is restarted between configurations,
@@ -34,8 +35,11 @@ measured first (medians of 3 after a warm-up): ``--step-from rollout`` (the
 default) the batch's prompts submitted to a collector until the batch is
 received (generation, reference, reward, trajectory buffer), ``generation`` the
 batch's groups generated directly on the replica (collector-like concurrency);
-both are reported. trajectories/s = all
-trajectories / wall time from the submit to the last push. sync and async
+both are reported. The trainer reads its batches with ``--prefetch`` (default: the
+SDK's own default), the same in both modes. trajectories/s = all
+trajectories / wall time from the submit to the last push. Per step, the push is shown as the trainer
+sees it and as long as it took at the collector (``PushResult.server_seconds``): the rest is the SDK
+writing the weights into shared memory and the round trip. sync and async
 alternate ``--sync-rounds`` times (sync first), a fresh collector each; ratio =
 async / sync per round, median. The staleness histograms (trajectories by
 versions stale at append) are shown as a check.
@@ -247,16 +251,18 @@ def measure_end_to_end(backends, workdir: Path, meter: CpuMeter, ns) -> dict:
 
 # ---------------------------------------------------------------- (b) async vs sync with a trainer
 
-def trainer_run(address: str, state: dict, tag: str, ns) -> tuple[float, float, float, list[int], int]:
-    """Seconds for ``--steps`` steps of read batch / sleep / push, of which waiting for batches and pushing;
-    the staleness histogram; leftover rows."""
+def trainer_run(address: str, state: dict, tag: str, ns) -> tuple[float, float, float, float, list[int], int]:
+    """Seconds for ``--steps`` steps of read batch / sleep / push, of which waiting for batches, pushing (as the
+    trainer sees it) and pushing at the collector (its own clock: the rest of a push is the SDK writing the
+    weights and the round trip); the staleness histogram; leftover rows."""
     groups = ns.steps * ns.groups_per_step_b
+    read_ahead = {} if ns.prefetch is None else {"prefetch": ns.prefetch}  # None: the SDK's default
     with connect(address) as client:
         started = time.perf_counter()
         client.submit_prompts([{"prompt": text, "prompt_id": f"{tag}-{i}"}
                                for i, text in enumerate(prompt_texts(groups))])
-        rows, waiting, pushing = 0, 0.0, 0.0
-        with client.batches(ns.group_size * ns.groups_per_step_b, max_batches=ns.steps) as batches:
+        rows, waiting, pushing, at_collector = 0, 0.0, 0.0, 0.0
+        with client.batches(ns.group_size * ns.groups_per_step_b, max_batches=ns.steps, **read_ahead) as batches:
             for _ in range(ns.steps):
                 asked = time.perf_counter()
                 rows += len(next(batches))
@@ -265,13 +271,14 @@ def trainer_run(address: str, state: dict, tag: str, ns) -> tuple[float, float, 
                 asked = time.perf_counter()
                 result = client.push_weights(state, progress=False)
                 pushing += time.perf_counter() - asked
+                at_collector += result.server_seconds
                 if not result.all_applied:
                     raise RuntimeError(f"push not applied everywhere: {result}")
         seconds = time.perf_counter() - started
         if rows != groups * ns.group_size:
             raise RuntimeError(f"read {rows} trajectories, expected {groups * ns.group_size}")
         status = client.status()
-        return seconds, waiting, pushing, list(status.staleness_histogram), leftover(client)
+        return seconds, waiting, pushing, at_collector, list(status.staleness_histogram), leftover(client)
 
 
 def batch_generation_seconds(address: str, ns) -> float:
@@ -317,17 +324,18 @@ def measure_sync_async(backends, workdir: Path, model_dir: Path, ns) -> dict:
             collector = start_collector(backends, workdir, tag, ns, "--mode", mode, "--max-staleness", "1",
                                         "--groups-per-step", str(ns.groups_per_step_b))
             try:
-                seconds, waiting, pushing, histogram, rest = trainer_run(collector.address, state, tag, ns)
+                seconds, waiting, pushing, at_collector, histogram, rest = trainer_run(collector.address, state, tag,
+                                                                                       ns)
             finally:
                 collector.stop()
             if rest:
                 log(f"  WARNING: {rest} trajectories left in the trajectory buffer after the {mode} run")
             rates[mode].append(trajectories / seconds)
             histograms[mode].append(histogram)
-            per_step[mode].append((seconds / ns.steps, waiting / ns.steps, pushing / ns.steps))
+            per_step[mode].append((seconds / ns.steps, waiting / ns.steps, pushing / ns.steps, at_collector / ns.steps))
             log(f"  (b) round {round_index} {mode:>5}: {rates[mode][-1]:.1f} traj/s, {seconds / ns.steps:.2f} s/step "
-                f"(batch wait {waiting / ns.steps:.2f} s, push {pushing / ns.steps:.2f} s), "
-                f"staleness histogram {histogram}")
+                f"(batch wait {waiting / ns.steps:.2f} s, push {pushing / ns.steps:.2f} s, of it at the collector "
+                f"{at_collector / ns.steps:.2f} s), staleness histogram {histogram}")
     out = summarize(rates["sync"], rates["async"])
     out["ratios_per_round"] = [a / b for b, a in zip(rates["sync"], rates["async"])]
     out["generation_seconds"] = generation_seconds
@@ -581,6 +589,8 @@ def main() -> None:
                         help="(b) without --step-seconds, the step is as long as one batch's rollout through the "
                              "pipeline (submit to batch received), or its generation alone on the replica")
     parser.add_argument("--sync-rounds", type=int, default=3, help="(b) alternating sync/async runs")
+    parser.add_argument("--prefetch", type=int, default=None,
+                        help="(b) the trainer's batches(prefetch=N), both modes (default: the SDK's default)")
     parser.add_argument("--inprocess-rounds", type=int, default=3, help="(c) alternating end-to-end/in-process rounds")
     parser.add_argument("--long-tokens", type=int, default=1024, help="(c) response length of the long row")
     parser.add_argument("--long-groups", type=int, default=4, help="(c) groups of the long row")
@@ -644,7 +654,8 @@ def result_json(e2e: dict | None, sync: dict | None, inprocess: dict | None, mul
     if sync is not None:
         out.update(async_over_sync=sync["ratio"], async_over_sync_sorted_ratios=sync["ratios"],
                    async_over_sync_per_round=[round(r, 4) for r in sync["ratios_per_round"]],
-                   step_seconds=ns.step_seconds, batch_generation_seconds=round(sync["generation_seconds"], 4),
+                   step_seconds=ns.step_seconds, prefetch=ns.prefetch,
+                   batch_generation_seconds=round(sync["generation_seconds"], 4),
                    batch_rollout_seconds=round(sync["rollout_seconds"], 4))
     for tokens, row in (inprocess or {}).items():
         out[f"e2e_over_inprocess_{tokens}"] = row["ratio"]
@@ -690,7 +701,8 @@ def report_end_to_end(e2e: dict, model_dir: Path, ns) -> None:
 def report_sync_async(sync: dict, e2e: dict | None, ns) -> None:
     print(f"\n(b) async (max_staleness=1) vs sync | {ns.steps} trainer steps of {ns.groups_per_step_b} groups "
           f"(batch {ns.groups_per_step_b * ns.group_size}), {ns.step_seconds:g} s compute + a weight push per step "
-          f"| {ns.sync_rounds} alternating runs, fresh collector each")
+          f"| batches read with prefetch {ns.prefetch or 'of the SDK default'} | {ns.sync_rounds} alternating runs, "
+          f"fresh collector each")
     print(f"{'sync traj/s':>11} | {'async traj/s':>12} | {'ratio':>5} | {'ratio IQR':>11} | staleness sync / async")
     print(f"{'-' * 11}-+-{'-' * 12}-+-{'-' * 5}-+-{'-' * 11}-+-{'-' * 30}")
     print(f"{sync['base']:>11.1f} | {sync['measured']:>12.1f} | {sync['ratio']:>5.2f} | "
@@ -700,9 +712,10 @@ def report_sync_async(sync: dict, e2e: dict | None, ns) -> None:
           f"one batch: generated alone {sync['generation_seconds']:.2f} s, through the pipeline "
           f"{sync['rollout_seconds']:.2f} s (medians); trainer step {ns.step_seconds:g} s")
     for mode in ("sync", "async"):
-        total, waiting, pushing = sync["per_step"][mode]
+        total, waiting, pushing, at_collector = sync["per_step"][mode]
         print(f"  {mode:>5}: {total:.2f} s/step = batch wait {waiting:.2f} + trainer {ns.step_seconds:g} + "
-              f"push {pushing:.2f} (+ {total - waiting - pushing - ns.step_seconds:.2f} other), medians")
+              f"push {pushing:.2f} (at the collector {at_collector:.2f}; "
+              f"+ {total - waiting - pushing - ns.step_seconds:.2f} other), medians")
     if e2e is not None:
         gen_step = ns.groups_per_step_b * ns.group_size / e2e["base"]
         print(f"  per step: generation alone would take ~{gen_step:.2f} s, the trainer {ns.step_seconds:g} s + push;"
