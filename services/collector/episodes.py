@@ -23,6 +23,7 @@ step), is a transient failure: the group is generated again, with new episodes, 
 from __future__ import annotations
 
 import asyncio
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -177,6 +178,36 @@ class EpisodeRunner:
                                                 timeout=5, metadata=self.settings.metadata())
         except Exception:  # noqa: BLE001 - best effort: the episode is being given up already
             pass
+
+
+class GroupSlot:
+    """The one generation slot of a group of episodes, held while any of its episodes generates a turn.
+
+    A single-turn group is one Generate call of ``n`` samples: one of the collector's
+    ``max_generations_in_flight`` slots carries the whole group. The episodes of a group generate their
+    later turns as separate calls (``n = 1``, their histories differ); a slot per call put a quarter of
+    the single turns' sequences into the engine at once (bench/pipeline.py (d), tool output canned: 0.35
+    of the single turns' trajectories/s, 0.50 with four times the slots). So the group's calls share one
+    slot, taken by the first of its episodes that generates and given back when none does (all of them
+    in an environment step, or done)."""
+
+    def __init__(self, slots: asyncio.Semaphore):
+        self.slots = slots
+        self.generating = 0
+        self._taking = asyncio.Lock()
+
+    @asynccontextmanager
+    async def held(self):
+        async with self._taking:  # the others wait for the one taking the slot, then share it
+            if self.generating == 0:
+                await self.slots.acquire()
+            self.generating += 1
+        try:
+            yield
+        finally:
+            self.generating -= 1
+            if self.generating == 0:
+                self.slots.release()
 
 
 class _FirstTurns:

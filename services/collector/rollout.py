@@ -39,7 +39,7 @@ from rlfleet.client.errors import InvalidArgumentError, NotFoundError, ResourceE
 from rlfleet.services.collector import batched_calls, failures
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.coalescer import Coalescer
-from rlfleet.services.collector.episodes import EpisodeRunner, GenerateTurns, group_of_episodes
+from rlfleet.services.collector.episodes import EpisodeRunner, GenerateTurns, GroupSlot, group_of_episodes
 from rlfleet.services.collector.failures import Discard, GenerationFailed
 from rlfleet.services.collector.prompt_item import PromptItem, sampling_fields
 from rlfleet.services.collector.replicas import Replica, ReplicaPool
@@ -310,14 +310,15 @@ class Pipeline:
             raise InvalidArgument(f"prompt {item.prompt_id!r}: environment {environment!r} needs a collector "
                                   "with an environment_address")
         home: list[Replica | None] = [self.pool.least_loaded()]  # every episode's first turn goes there too
+        slot = GroupSlot(self._generation)  # the group's turns share one slot, as its samples would
         async with self.stages["generation"].track():
             episodes = await self.episodes.run_group(
                 item, environment, group_id, self.options.group_size,
-                lambda index: self._turn_generator(item, group_id, index, home))
+                lambda index: self._turn_generator(item, group_id, index, home, slot))
         return group_of_episodes(episodes)
 
-    def _turn_generator(self, item: PromptItem, group_id: int, index: int, home: list[Replica | None]
-                        ) -> GenerateTurns:
+    def _turn_generator(self, item: PromptItem, group_id: int, index: int, home: list[Replica | None],
+                        slot: GroupSlot) -> GenerateTurns:
         """Generates the turns of episode ``index`` (``n`` samples from its token history, at most the
         tokens its budget leaves; n > 1 for the group's shared first turn). A turn aborted by a weight
         update is generated again (on the new weights: each turn records its versions)."""
@@ -333,7 +334,7 @@ class Pipeline:
                 request = generation_pb2.GenerateRequest(request_id=f"{group_id:x}-{index}-{next(requests)}",
                                                          sampling=sampling)
                 encode_tensor(history, out=request.prompt.token_ids)
-                async with self._generation:
+                async with slot.held():
                     samples = await self._on_a_replica(request, home)
                 if all(s.finish_reason != sampling_pb2.FINISH_REASON_ABORT for s in samples):
                     return sorted(samples, key=lambda s: s.sample_index)

@@ -217,3 +217,34 @@ def test_a_groups_first_turns_are_one_call_when_the_openings_are_the_same():
     episodes, _ = run(ScriptedEnvironment(done_after=2, varied_openings=True), group_size=3, calls=calls)
     assert calls == [1] * 6  # an environment that varies its openings: each episode alone
     assert sorted(len(e.prompt) for e in episodes) == [4, 4, 4]
+
+
+def test_a_groups_episodes_share_one_generation_slot_while_any_of_them_generates():
+    from rlfleet.services.collector.episodes import GroupSlot
+
+    async def scenario():
+        slots = asyncio.Semaphore(1)
+        group, other = GroupSlot(slots), GroupSlot(slots)
+        entered = asyncio.Event()
+        release = asyncio.Event()
+        inside = []
+
+        async def turn(slot: GroupSlot, name: str):
+            async with slot.held():
+                inside.append(name)
+                if len(inside) == 3:
+                    entered.set()
+                await release.wait()
+
+        tasks = [asyncio.create_task(turn(group, f"episode {i}")) for i in range(3)]
+        await asyncio.wait_for(entered.wait(), 5)  # all three turns of one group in one slot
+        assert slots.locked() and group.generating == 3
+        waiting = asyncio.create_task(turn(other, "other group"))
+        await asyncio.sleep(0)
+        assert "other group" not in inside  # another group waits for the slot
+        release.set()
+        await asyncio.wait_for(asyncio.gather(*tasks, waiting), 5)
+        assert inside[-1] == "other group" and group.generating == other.generating == 0
+        assert not slots.locked()  # given back once no episode generates
+
+    asyncio.run(scenario())
