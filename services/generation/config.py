@@ -67,6 +67,14 @@ class GenerationEngineConfig(BaseModel):
     """Share KV blocks between requests with a common prefix (a GRPO group
     shares its prompt). The cache is reset after every weight swap."""
 
+    block_size: int | None = Field(32, gt=0)
+    """Tokens per KV-cache block. The prefix cache reuses whole blocks only, so a multi-turn
+    episode's next turn finds the KV of its history (computed by the turn before) only up to the
+    last full block: vLLM's CPU default of 128 cached none of a short turn's history (a 64-token
+    turn after a 19-token prompt). ``None``: vLLM's default for the platform (128 on CPU, 16 on
+    most GPUs). The attention backend must support it (CPU: a multiple of 32; vLLM refuses
+    others when the engine starts)."""
+
     kv_cache_memory_bytes: int | None = None
     """Explicit KV-cache size in bytes; ``None`` lets vLLM size it."""
 

@@ -111,6 +111,8 @@ class GenerationEngine:
             enable_prefix_caching=cfg.enable_prefix_caching,
             kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
         )
+        if cfg.block_size is not None:
+            kwargs["block_size"] = cfg.block_size
         kwargs.update(cfg.engine_kwargs)
         # Owned keys last: behaviour log-probs must be those of the sampling
         # distribution, and weight pushes go through rlfleet's transfer engine.
@@ -289,6 +291,7 @@ class GenerationEngine:
                         result = finished_sample(
                             request_id, len(prompt_token_ids), sample, completion,
                             (version_at_submit, self._policy_version), (called_at, submitted_at, now),
+                            output.num_cached_tokens,
                         )
                         for index in range(copies):
                             yield dataclasses.replace(result, index=index) if index else result

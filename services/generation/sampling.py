@@ -225,6 +225,8 @@ class SampleResult:
     """``(policy_version, start, end)``: response tokens ``[start, end)`` were
     sampled by that version. More than one span when weights changed in flight."""
     timing: SampleTiming
+    cached_prompt_tokens: int = 0
+    """Prompt tokens whose KV came from vLLM's prefix cache (a turn's history computed before)."""
 
 
 @dataclass
@@ -247,11 +249,13 @@ class SampleAccumulator:
 
 
 def finished_sample(request_id: str, prompt_length: int, sample: SampleAccumulator, completion: Any,
-                    versions: tuple[int, int], times: tuple[float, float, float]) -> SampleResult:
+                    versions: tuple[int, int], times: tuple[float, float, float],
+                    cached_prompt_tokens: int | None = None) -> SampleResult:
     """The result of a sample vLLM reports finished (``completion``: its last CompletionOutput).
 
     ``versions``: the policy version at submission and now; ``times``: monotonic
-    clock at the call, at submission to vLLM, and now."""
+    clock at the call, at submission to vLLM, and now; ``cached_prompt_tokens``:
+    the request's prefix-cache hit (vLLM's ``num_cached_tokens``)."""
     finish_reason = _FINISH_REASONS.get(completion.finish_reason)
     if finish_reason is None:
         # vLLM's "error": an internal, request-level failure.
@@ -277,6 +281,7 @@ def finished_sample(request_id: str, prompt_length: int, sample: SampleAccumulat
             first_token_seconds=None if sample.first_token_at is None else sample.first_token_at - called_at,
             total_seconds=now - called_at,
         ),
+        cached_prompt_tokens=cached_prompt_tokens or 0,
     )
 
 

@@ -142,6 +142,27 @@ async def test_behavior_log_probs_match_hf(engine, model_dir, temperature):
     assert len({tuple(s.response_token_ids) for s in samples}) > 1
 
 
+async def test_a_turn_from_a_cached_history_samples_exactly_what_a_cold_one_does(engine, model_dir):
+    """A multi-turn episode's next turn reuses the KV its history left in the prefix cache (blocks of
+    ``block_size`` tokens, 32 by default): same tokens and log-probs as from a cold cache, and as HF's."""
+    assert engine.config.block_size == 32
+    first, = await collect(engine, SamplingSpec(n=1, temperature=1.0, max_tokens=60, ignore_eos=True, seed=3),
+                           "turn-1")
+    history = PROMPT + first.response_token_ids + [201, 1, 305, 310, 201]  # + an observation's tokens
+    spec = SamplingSpec(n=1, temperature=1.0, max_tokens=24, ignore_eos=True, seed=5)
+    warm, = await collect(engine, spec, "turn-2-warm", prompt=history)
+    # Private on purpose: the service resets the cache only with a weight swap.
+    assert await engine._engine.reset_prefix_cache()
+    cold, = await collect(engine, spec, "turn-2-cold", prompt=history)
+
+    assert warm.cached_prompt_tokens == 64  # the prompt and turn 1's KV, up to its last full block
+    assert cold.cached_prompt_tokens == 0
+    assert warm.response_token_ids == cold.response_token_ids
+    assert warm.behavior_log_probs == cold.behavior_log_probs
+    expected = hf_log_probs(hf_model(model_dir), history, warm.response_token_ids, 1.0)
+    assert max_abs_diff(warm, expected) <= LOG_PROB_TOLERANCE
+
+
 async def test_weight_push_changes_log_probs(engine, model_dir, base_state_dict):
     new_weights = perturbed(base_state_dict, seed=1)
     await engine.update_weights(1, as_push(new_weights), mode="wait")

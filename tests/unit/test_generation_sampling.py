@@ -142,7 +142,7 @@ class FakeVLLM:
                 raise self.fail_with
             for step, finish in ((0, None), (1, "length")):
                 token = 10 + step
-                yield SimpleNamespace(outputs=[
+                yield SimpleNamespace(num_cached_tokens=0, outputs=[
                     FakeCompletion(i, [token + i], FakeFlatLogprobs([token + i], [-0.5 - i]), finish)
                     for i in range(params.n)])
         return stream()
