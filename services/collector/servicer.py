@@ -109,6 +109,9 @@ class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
                     waiting.settle()
                 if message.WhichOneof("kind") == "open" and collector.gate.sync:
                     message.open.min_policy_version = max(message.open.min_policy_version, collector.gate.version)
+                    # On-policy: a batch is leased (and checked below) only after the trainer is done
+                    # with the last, i.e. after its push; one read ahead could go stale at that push.
+                    message.open.prefetch = 1
                 if not await write(message, index):
                     return
                 index += 1

@@ -648,7 +648,7 @@ def test_batches_yield_tensordicts_and_auto_ack_the_previous_one(client, state):
 
 def test_the_servers_answers_are_recorded_on_the_batches(client, state, caplog):
     state.add_batches(3)
-    batches = client.batches(4)
+    batches = client.batches(4, prefetch=1)  # the ack is answered before the next batch is leased
     first = next(batches)
     state.expired.add(first.lease_id)  # its lease runs out before the ack arrives
     second = next(batches)  # auto-acks the first: answered (not applied) before this batch arrives

@@ -29,6 +29,16 @@ def test_write_then_open_elsewhere_sees_the_same_bytes(tmp_path):
     assert not os.path.exists(segment.path)  # the creator does
 
 
+def test_write_tensors_refuses_more_bytes_than_the_segment_holds(tmp_path):
+    with shm.create_segment(8, directory=str(tmp_path)) as segment:
+        with pytest.raises(ValueError, match="more than the segment's 8 bytes"):
+            shm.write_tensors(segment, [torch.ones(1), torch.ones(2)])
+        with pytest.raises(ValueError, match="tensors hold 4 bytes, the segment 8"):
+            shm.write_tensors(segment, [torch.ones(1)])
+        shm.write_tensors(segment, [torch.ones(1), torch.empty(0), torch.full((1,), 2.0)])
+        assert segment.as_uint8().view(torch.float32).tolist() == [1.0, 2.0]
+
+
 def test_paths_from_requests_are_confined_to_segments(tmp_path):
     for bad in ["/etc/passwd", f"{tmp_path}/../rlfleet-w-{'0' * 32}", f"{tmp_path}/rlfleet-w-xyz",
                 f"rlfleet-w-{'0' * 32}"]:
