@@ -113,7 +113,8 @@ class CollectorConfig(ServiceConfig):
     max_groups_in_flight: int = Field(32, ge=1)
     """Groups admitted but not yet appended (all stages together)."""
     max_generations_in_flight: int = Field(16, ge=1)
-    """Concurrent Generate calls across replicas."""
+    """Groups generating at once across replicas: a single-turn group is one Generate call (its ``n``
+    samples); a multi-turn group's episodes share one slot while any of them generates."""
     max_scoring_in_flight: int = Field(32, ge=1)
     """Groups being scored at once (reference and reward)."""
     max_groups_per_call: int = Field(64, ge=1)
