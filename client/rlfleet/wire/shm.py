@@ -27,7 +27,6 @@ import uuid
 import warnings
 from typing import Sequence
 
-import numpy
 import torch
 
 SHM_DIR = os.environ.get("RLFLEET_SHM_DIR", "/dev/shm")
@@ -257,7 +256,7 @@ def write_tensors(segment: Segment, tensors: Sequence[torch.Tensor]) -> None:
     with 2 threads on 2 loaded cores and ~1 ms with one, every push (the threads sleep between
     pushes). A copy is memory-bound; more threads do not make it faster. The trainer's own torch
     threads are left as they are."""
-    target = numpy.frombuffer(segment.buffer, dtype=numpy.uint8) if segment.size else None
+    flat = segment.as_uint8()
     offset = 0
     for tensor in tensors:
         size = tensor.numel() * tensor.element_size()
@@ -266,9 +265,9 @@ def write_tensors(segment: Segment, tensors: Sequence[torch.Tensor]) -> None:
                 raise ValueError(f"tensors hold more than the segment's {segment.size} bytes")
             source = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
             if source.device.type == "cpu":
-                target[offset:offset + size] = source.numpy()
+                flat[offset:offset + size].numpy()[:] = source.numpy()
             else:  # device -> host straight into the segment
-                torch.from_numpy(target[offset:offset + size]).copy_(source)
+                flat[offset:offset + size].copy_(source)
         offset += size
     if offset != segment.size:
         raise ValueError(f"tensors hold {offset} bytes, the segment {segment.size}")
