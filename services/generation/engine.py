@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -21,6 +22,7 @@ from rlfleet.services.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from rlfleet.services.generation import queue_poll
 from rlfleet.services.generation.config import GenerationEngineConfig
 from rlfleet.services.generation.prompt_tokens import PromptTokenizer
 from rlfleet.services.generation.sampling import SampleAccumulator, SampleResult, SamplingSpec, finished_sample
@@ -74,6 +76,7 @@ class GenerationEngine:
                 read_checkpoint_specs, self.config.model
             )
             await asyncio.to_thread(self.prompts.load)
+            self._install_queue_poll()
             engine_args = AsyncEngineArgs(**self._engine_kwargs())
             # Construction blocks until the engine process is up; a thread keeps
             # the event loop (and a health endpoint on it) responsive meanwhile.
@@ -97,6 +100,17 @@ class GenerationEngine:
         self._state = EngineState.SERVING
         logger.info("generation engine ready: %s (policy version %d)",
                     self.config.model, self._policy_version)
+
+    def _install_queue_poll(self) -> None:
+        """How the engine's processes wait on their queues (``queue_poll``), set before vLLM loads its
+        plugins or spawns anything: a spawned engine core or worker reads the variable when it loads
+        the plugin, a forked one inherits this process's module already patched."""
+        from vllm.platforms import current_platform
+
+        micros = queue_poll.resolve(self.config.queue_poll_us, current_platform.is_cpu())
+        os.environ[queue_poll.ENV] = str(micros)
+        queue_poll.install()
+        logger.info("vLLM queue readers: %s", f"sleep {micros} us between checks" if micros else "vLLM's spin")
 
     def _engine_kwargs(self) -> dict[str, Any]:
         cfg = self.config
