@@ -30,7 +30,9 @@ import logging
 import os
 import time
 
-logger = logging.getLogger(__name__)
+# Under vLLM's own logger: its handler is configured in every vLLM process (ours is not in the
+# engine core or the workers), so each process that installs the sleep says so, tagged with its role.
+logger = logging.getLogger("vllm.rlfleet_queue_poll")
 
 ENV = "RLFLEET_VLLM_QUEUE_POLL_US"
 """Microseconds a vLLM message-queue reader sleeps between checks; unset or 0: vLLM's spin."""

@@ -126,8 +126,8 @@ def test_engine_processes_sleep_on_their_queues(engine):
     """On CPU the engine's queue readers sleep queue_poll's default interval instead of spinning: this
     process's vLLM queues are patched before vLLM forks its engine core from it, and an engine process
     that was spawned instead (exec'd: then its environment is readable here) got the interval, which
-    the rlfleet-queue-poll plugin reads there. (vLLM forks here; the suite's generation service spawns:
-    /proc shows RLFLEET_VLLM_QUEUE_POLL_US=100 in its engine core and worker.)"""
+    the rlfleet-queue-poll plugin reads there. (vLLM forks its engine core here; the generation
+    service's are spawned: test_generation_service checks that each of them installs the sleep.)"""
     from vllm.distributed.device_communicators import shm_broadcast
 
     assert getattr(shm_broadcast.sched_yield, "rlfleet_poll_us", None) == queue_poll.CPU_DEFAULT_US

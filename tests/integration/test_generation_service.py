@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
+from rlfleet.services.generation import queue_poll
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, tensor_pb2, weights_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
@@ -283,6 +285,24 @@ def test_admission_control_and_health(stub, generation):
     assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
     wait_for(lambda: stub.GetEngineStatus(generation_pb2.GetEngineStatusRequest(), timeout=30).running_requests == 0,
              DRAIN_TIMEOUT, "the cancelled calls to be aborted", interval=0.2)
+
+
+def test_engine_processes_sleep_on_their_queues(stub, generation):
+    """The service's vLLM engine core and worker (spawned processes) each load the rlfleet-queue-poll
+    plugin and sleep queue_poll's CPU default between checks of their queues instead of spinning a
+    core each: each says so, with its pid, in the service's log."""
+    import psutil
+
+    generate(stub, max_tokens=4)  # the engine has run a step
+    children = psutil.Process(generation.process.pid).children(recursive=True)
+    engine = {child.pid: " ".join(child.cmdline()).strip() for child in children
+              if "VLLM::" in " ".join(child.cmdline())}
+    assert any("EngineCore" in name for name in engine.values()), engine
+    assert any("Worker" in name for name in engine.values()), engine
+    log = Path(generation.log_path).read_text(errors="replace")
+    for pid, name in engine.items():
+        said = f"sleep {queue_poll.CPU_DEFAULT_US} us between checks instead of spinning (pid {pid})"
+        assert said in log, f"{name} (pid {pid}) did not install the queue poll; log: {generation.log_tail()}"
 
 
 def test_dead_engine_core_turns_health_not_serving(stub, generation):
