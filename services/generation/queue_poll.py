@@ -9,9 +9,9 @@ spins for the worker's output and the worker for the next step, each a full core
 GPU host that core buys latency. On a CPU host the worker *is* the model: the
 spinning engine core lands on the worker's core and on the cores the rest of the
 pipeline needs (reference, reward, collector), and sched_yield gives way to them
-only by turns. Measured on this 2-core machine, ``bench/pipeline.py --parts c
---groups 64``: end to end / in-process vLLM 0.59 with the spin, 0.74 with a 100 µs
-sleep in both engines.
+only by turns. Measured on this 2-core machine (README, Benchmarks): end to end /
+plain in-process vLLM (``bench/pipeline.py --parts c --groups 64``) 0.59 -> 0.68 with
+the service's engine sleeping 100 µs, async / sync (``--parts b``) 1.41 -> 1.54.
 
 :func:`install`, a ``vllm.general_plugins`` entry point (so it runs in every vLLM
 process, the spawned engine core and workers included), replaces that yield with a
