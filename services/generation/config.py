@@ -80,7 +80,7 @@ class GenerationEngineConfig(BaseModel):
     shared-memory queues they hand each step through. vLLM itself spins there (``sched_yield``),
     a full core per process while generating: on a CPU host that core is taken from the model's
     own worker and from the services beside it (on 2 cores, end to end / in-process vLLM 0.59
-    spinning, 0.68 at 100 µs). ``None``: 100 when the engine runs on CPU, vLLM's spin on a GPU
+    spinning, 0.68 at 100 µs). ``None``: 20 when the engine runs on CPU, vLLM's spin on a GPU
     host; 0: vLLM's spin. See ``rlfleet.services.generation.queue_poll``."""
 
     kv_cache_memory_bytes: int | None = None

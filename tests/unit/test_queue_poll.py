@@ -21,7 +21,7 @@ def vllm_yield(monkeypatch):
 
 
 def test_resolve_defaults_to_a_sleep_on_cpu_only():
-    assert queue_poll.resolve(None, on_cpu=True) == queue_poll.CPU_DEFAULT_US == 100
+    assert queue_poll.resolve(None, on_cpu=True) == queue_poll.CPU_DEFAULT_US == 20
     assert queue_poll.resolve(None, on_cpu=False) == 0
     assert queue_poll.resolve(0, on_cpu=True) == 0
     assert queue_poll.resolve(250, on_cpu=False) == 250
