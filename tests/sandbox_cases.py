@@ -34,6 +34,12 @@ def sandbox_processes() -> list[int]:
     return pids
 
 
+def sandbox_files(name: str) -> list[Path]:
+    """``name`` in the working directory of a live sandbox, seen from the host: the directory is a
+    tmpfs in the sandbox's mount namespace, reached through a sandbox process's ``/proc/PID/root``."""
+    return [path for pid in sandbox_processes() if (path := Path(f"/proc/{pid}/root/sandbox/{name}")).exists()]
+
+
 @contextlib.contextmanager
 def own_scratch_root(prefix: str) -> Iterator[str]:
     """A scratch root of our own to watch; pytest's tmp_path is mode 0700, closed to uid 65534."""
@@ -71,7 +77,7 @@ def check_fork_bomb_stopped(result: ToolResult) -> None:
     assert LIMITS.max_processes // 2 < int(processes) <= LIMITS.max_processes
 
 
-# The daemon (double fork, setsid) holds the write end of a FIFO in the scratch directory.
+# The daemon (double fork, setsid) holds the write end of a FIFO in the working directory.
 DAEMON = (
     "import os, time\n"
     "os.mkfifo('fifo')\n"
@@ -87,11 +93,11 @@ DAEMON = (
 )
 
 
-async def run_daemon(run: Callable[[str], Awaitable[ToolResult]], scratch_root: str) -> tuple[ToolResult, bool]:
+async def run_daemon(run: Callable[[str], Awaitable[ToolResult]]) -> tuple[ToolResult, bool]:
     """``DAEMON`` run by ``run``: its result, and whether the FIFO read end-of-file as soon as ``run``
     returned (the daemon was dead by then)."""
     call = asyncio.create_task(run(DAEMON))
-    fifo = await wait_for_async(lambda: list(Path(scratch_root).glob("*/fifo")), timeout=5, what="the FIFO")
+    fifo = await wait_for_async(lambda: sandbox_files("fifo"), timeout=5, what="the FIFO")
     reader = os.open(fifo[0], os.O_RDONLY | os.O_NONBLOCK)
     try:
         result = await call
@@ -101,10 +107,10 @@ async def run_daemon(run: Callable[[str], Awaitable[ToolResult]], scratch_root: 
     return result, end_of_file
 
 
-async def cancel_a_running_call(run: Callable[[str], Awaitable[ToolResult]], scratch_root: str) -> float:
+async def cancel_a_running_call(run: Callable[[str], Awaitable[ToolResult]]) -> float:
     """Start a call that sleeps, cancel it once it runs; returns the seconds the cancelled call took to end."""
     call = asyncio.create_task(run("import time\nopen('started', 'w').close()\ntime.sleep(100)\n"))
-    await wait_for_async(lambda: list(Path(scratch_root).glob("*/started")), timeout=5, what="the snippet to start")
+    await wait_for_async(lambda: sandbox_files("started"), timeout=5, what="the snippet to start")
     cancelled_at = time.monotonic()
     call.cancel()
     try:
@@ -114,7 +120,37 @@ async def cancel_a_running_call(run: Callable[[str], Awaitable[ToolResult]], scr
     raise AssertionError("the cancelled call ended without CancelledError")
 
 
-# Reads outside the scratch directory and writes to the read-only system: five DENIED lines.
+# Writes 1 MiB files until the disk is full; prints how many it wrote before the error it stopped at.
+FILL_THE_DISK = (
+    "import os\n"
+    "written = 0\n"
+    "try:\n"
+    "    for index in range(64):\n"
+    "        with open(f'part-{index}', 'wb') as part:\n"
+    "            part.write(b'x' * 2**20)\n"
+    "        written += 1\n"
+    "finally:\n"
+    "    print(written, sorted(os.listdir('.'))[:2])\n"
+)
+
+# The seccomp filter's refusals, and what it must leave working (glibc falls back from clone3 to clone).
+NESTED_USER_NAMESPACE = (
+    "import ctypes, os, subprocess, threading\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "def errno_of(result):\n"
+    "    return os.strerror(ctypes.get_errno()) if result == -1 else 'ALLOWED'\n"
+    "print('unshare', errno_of(libc.unshare(0x10000000)))\n"  # CLONE_NEWUSER
+    "print('clone3', errno_of(libc.syscall(435, 0, 0)))\n"
+    "print('setns', errno_of(libc.setns(0, 0)))\n"
+    "thread = threading.Thread(target=print, args=('thread runs',))\n"
+    "thread.start(); thread.join()\n"
+    "print(subprocess.run(['/usr/bin/python3', '-c', 'print(\"child runs\")'], capture_output=True, text=True).stdout, end='')\n"
+)
+NESTED_USER_NAMESPACE_REFUSED = ("unshare Operation not permitted\nclone3 Function not implemented\n"
+                                 "setns Operation not permitted\nthread runs\nchild runs\n")
+
+
+# Reads outside the working directory and writes to the read-only system: five DENIED lines.
 FILES = (
     "import os\n"
     f"for path in ['/etc/passwd', '/root', {str(REPOSITORY)!r}]:\n"

@@ -6,8 +6,8 @@ first call: the interpreter inside (the zygote) is the init of the sandbox's pid
 ``--as-pid-1``), and for each call it forks a child that sets the rlimits, writes ``snippet.py`` and
 runs it exactly as ``PythonSandbox``'s runner does. When that child exits, the zygote kills every
 other process of the namespace (``kill(-1, SIGKILL)``: all but itself), reaps them, empties the
-scratch directory and ``/tmp``, and only then answers the host: no process and no file of a call
-outlives it, as with ``PythonSandbox``. The per-call guarantees hold call by call: the same bwrap
+working directory (a tmpfs of ``max_disk_bytes``) and ``/tmp``, and only then answers the host: no
+process and no file of a call outlives it, as with ``PythonSandbox``. The per-call guarantees hold call by call: the same bwrap
 options (read-only system, no /etc, no network, own pid/ipc/uts namespaces), uid 65534, the same
 rlimits set in the call's process before the snippet's first line (RLIMIT_NPROC counts the zygote
 where ``PythonSandbox`` counts bwrap's init: the same number of processes left to the snippet), the
@@ -47,7 +47,6 @@ from rlfleet.services.environment.sandbox import (
     _PIPE_GRACE_SECONDS,
     _RLIMITS,
     _RUN_SNIPPET,
-    SANDBOX_UID,
     SANDBOX_WORKDIR,
     SNIPPET_NAME,
     PythonSandbox,
@@ -57,9 +56,9 @@ from rlfleet.services.environment.sandbox import (
     _end_namespace,
     _OutputPipe,
     _readable,
-    _remove_scratch,
     _stop,
     bwrap_arguments,
+    seccomp_filter_fd,
     sandbox_env,
 )
 
@@ -140,7 +139,7 @@ serve()
 
 
 class EpisodeSandboxes:
-    """Makes the per-episode sandboxes of one ``PythonSandbox`` (its limits, bwrap and scratch root),
+    """Makes the per-episode sandboxes of one ``PythonSandbox`` (its limits and bwrap),
     at most ``max_live`` alive at once."""
 
     def __init__(self, sandbox: PythonSandbox, max_live: int = 64):
@@ -167,7 +166,6 @@ class EpisodeSandbox:
         self._control: socket.socket | None = None
         self._info: BinaryIO | None = None
         self._zygote_stderr: int | None = None
-        self._scratch: str | None = None
         self._prestart: asyncio.Future | None = None
         self._closed = False
         self.started = 0
@@ -222,12 +220,6 @@ class EpisodeSandbox:
 
     async def _start(self) -> None:
         owner = self.pool.sandbox
-        try:
-            scratch = tempfile.mkdtemp(prefix="rlfleet-sandbox-", dir=owner.scratch_root)
-            os.chown(scratch, SANDBOX_UID, SANDBOX_UID)
-        except OSError as error:
-            raise SandboxUnavailable(f"cannot create a scratch directory: {error}") from error
-        self._scratch = scratch
         host_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._control = host_end
         host_end.setblocking(False)
@@ -239,22 +231,26 @@ class EpisodeSandbox:
                    limits.max_open_files)
         zygote = [owner.python, "-I", "-B", "-X", "utf8", "-c", _ZYGOTE, *map(str, rlimits), SNIPPET_NAME,
                   str(zygote_end.fileno())]
-        options = bwrap_arguments(scratch, limits.max_file_bytes, self._info.fileno(), proc=limits.proc)
-        command, drop = owner.as_sandbox_user([owner.bwrap, "--as-pid-1", *options, "--", *zygote])
-        env = sandbox_env(SANDBOX_WORKDIR)
         stdout_read, stdout_write = os.pipe()  # pipes, as a call's: sys.stdout is made over them
+        seccomp_fd = None
         try:
+            seccomp_fd = seccomp_filter_fd()
+            options = bwrap_arguments(limits, self._info.fileno(), seccomp_fd)
+            command, drop = owner.as_sandbox_user([owner.bwrap, "--as-pid-1", *options, "--", *zygote])
             with tempfile.TemporaryFile() as empty_stdin:
                 self._process = subprocess.Popen(
                     command, stdin=empty_stdin, stdout=stdout_write, stderr=stderr_write,
-                    pass_fds=(self._info.fileno(), zygote_end.fileno()), cwd=scratch, env=env,
-                    start_new_session=True, **drop)
-        except OSError as error:
+                    pass_fds=(self._info.fileno(), zygote_end.fileno(), seccomp_fd), cwd="/",
+                    env=sandbox_env(SANDBOX_WORKDIR), start_new_session=True, **drop)
+        except (OSError, SandboxUnavailable) as error:
             await self._end()
-            raise SandboxUnavailable(f"cannot start {command[0]}: {error}") from error
+            if isinstance(error, SandboxUnavailable):
+                raise
+            raise SandboxUnavailable(f"cannot start {owner.bwrap}: {error}") from error
         finally:
-            for fd in (stdout_read, stdout_write, stderr_write):
-                os.close(fd)
+            for fd in (stdout_read, stdout_write, stderr_write, seccomp_fd):
+                if fd is not None:
+                    os.close(fd)
             zygote_end.close()
         self.started += 1
 
@@ -335,7 +331,8 @@ class EpisodeSandbox:
         log.error("the episode's sandbox stopped answering%s", f": {said[-1000:]}" if said else "")
 
     async def _end(self) -> None:
-        """End the sandbox: its pid namespace (every process in it), bwrap, the scratch directory."""
+        """End the sandbox: its pid namespace (every process in it, and with it the tmpfs of its working
+        directory and /tmp), bwrap."""
         process, self._process = self._process, None
         if process is not None:
             exited = os.pidfd_open(process.pid)
@@ -356,6 +353,3 @@ class EpisodeSandbox:
         if self._zygote_stderr is not None:
             os.close(self._zygote_stderr)
             self._zygote_stderr = None
-        scratch, self._scratch = self._scratch, None
-        if scratch is not None:
-            await asyncio.to_thread(_remove_scratch, scratch)

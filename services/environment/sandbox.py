@@ -1,17 +1,21 @@
 """Run a model-written Python snippet as a tool call, in a throwaway sandbox.
 
-Every call gets a fresh scratch directory and a fresh process, started as uid/gid 65534 (nobody)
-in a new session, inside ``bwrap``: new user, pid, network, ipc and uts namespaces, read-only /usr,
-no /etc, no network, a small /tmp. Inside, rlimits bound CPU time, address space, processes, file
-size and open files before the snippet's first line runs. Output is read with a byte cap. Past
-the wall-clock limit the process group is killed. When the call ends, however it ends, its pid
-namespace is ended too, taking every descendant with it, daemons included, before ``run()`` returns
-and the scratch directory is removed.
+Every call gets a fresh process, started as uid/gid 65534 (nobody) in a new session, inside
+``bwrap``: new user, pid, network, ipc and uts namespaces, read-only /usr, no /etc, no network, a
+seccomp filter that refuses a nested user namespace (``seccomp.py``), and a working directory that
+is a tmpfs of ``max_disk_bytes`` (nothing of it ever reaches the host's disk, and all its files
+together stay within the bound) beside a /tmp of ``max_file_bytes``. Inside, rlimits bound CPU time,
+address space, processes, file size and open files before the snippet's first line runs. Output is
+read with a byte cap. Past the wall-clock limit the process group is killed. When the call ends,
+however it ends, its pid namespace is ended too, taking every descendant and its tmpfs with it,
+daemons included, before ``run()`` returns.
 
 ``allow_rlimits_only=True`` accepts a host without user namespaces: the uid drop, the rlimits and
-the process-group kill remain, but the snippet sees the host's file system and network, a child that
-leaves the process group (``setsid``) outlives the call, and RLIMIT_NPROC counts every process of
-uid 65534 on the host.
+the process-group kill remain, but the snippet sees the host's file system and network, writes into
+a scratch directory on the host's disk (bounded per file, not in total), a child that leaves the
+process group (``setsid``) outlives the call, and RLIMIT_NPROC counts every process of uid 65534 on
+the host. When bwrap cannot start, ``sandbox_diagnosis.py`` names the kernel or container setting
+that stopped it and the setting to change.
 
 A process that runs sandboxes from inside gRPC handlers must start with
 ``GRPC_ENABLE_FORK_SUPPORT=0`` (set before grpc is imported, as ``services/environment/__main__.py``
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import json
 import logging
 import os
@@ -38,13 +43,14 @@ from typing import BinaryIO, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlfleet.services.common.errors import Unavailable
+from rlfleet.services.environment.seccomp import UnsupportedArchitecture, filter_fd, no_nested_user_namespaces
 
 log = logging.getLogger(__name__)
 
 Isolation = Literal["bwrap", "rlimits-only"]
 
 SANDBOX_UID = 65534  # nobody: owns nothing on the host
-SANDBOX_WORKDIR = "/sandbox"  # where the scratch directory appears inside bwrap
+SANDBOX_WORKDIR = "/sandbox"  # the call's working directory inside bwrap: a tmpfs of max_disk_bytes
 SNIPPET_NAME = "snippet.py"
 _SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/bin")
 _READ_CHUNK = 64 * 1024
@@ -125,6 +131,12 @@ class SandboxLimits(BaseModel):
     """Processes and threads of the sandbox (RLIMIT_NPROC), its init and the interpreter included."""
     max_file_bytes: int = Field(16 * 2**20, ge=1)
     """Largest file the snippet may write (RLIMIT_FSIZE); also the size of its /tmp."""
+    max_disk_bytes: int = Field(32 * 2**20, ge=2**20)
+    """All the files of the call's working directory together: it is a tmpfs of this size, and a
+    write past it fails (ENOSPC, reported as the disk limit). With /tmp a call holds at most
+    ``max_disk_bytes + max_file_bytes`` of files, in memory (tmpfs), charged to the service's memory
+    (cgroup) beside the snippets' address space: size the service's memory limit for that times the
+    calls that run at once. rlimits-only isolation has no such bound: only ``max_file_bytes`` per file."""
     max_open_files: int = Field(64, ge=16)
     """Open file descriptors per process (RLIMIT_NOFILE)."""
     max_output_bytes: int = Field(16 * 2**10, ge=1)
@@ -245,6 +257,8 @@ class PythonSandbox:
         return f"a trivial snippet failed ({result.error})" + (f": {stderr}" if stderr else "")
 
     async def _execute(self, isolation: Isolation, code: str, stdin: str) -> ToolResult:
+        if isolation == "bwrap":  # the working directory is a tmpfs inside the sandbox: nothing on the host
+            return await self._run_process(isolation, None, code, stdin)
         try:
             scratch = tempfile.mkdtemp(prefix="rlfleet-sandbox-", dir=self.scratch_root)
         except OSError as error:
@@ -252,24 +266,27 @@ class PythonSandbox:
         try:
             try:
                 os.chown(scratch, SANDBOX_UID, SANDBOX_UID)
-                with open(os.path.join(scratch, SNIPPET_NAME), "w", encoding="utf-8") as snippet:
-                    snippet.write(code)
             except OSError as error:
                 raise SandboxUnavailable(f"cannot prepare the scratch directory {scratch}: {error}") from error
-            return await self._run_process(isolation, scratch, stdin)
+            return await self._run_process(isolation, scratch, code, stdin)
         finally:
             await asyncio.to_thread(_remove_scratch, scratch)
 
-    async def _run_process(self, isolation: Isolation, scratch: str, stdin: str) -> ToolResult:
+    async def _run_process(self, isolation: Isolation, scratch: str | None, code: str, stdin: str) -> ToolResult:
         pipes = (_OutputPipe(self.limits.max_output_bytes), _OutputPipe(self.limits.max_output_bytes))
         readers: list[asyncio.Task] = []
-        # stdin is a file, not a pipe: nothing to feed, nothing that blocks on a snippet that never reads
-        with tempfile.TemporaryFile() as stdin_file, tempfile.TemporaryFile() as bwrap_info:
-            stdin_file.write(stdin.encode())
-            stdin_file.seek(0)
+        # stdin is a file, not a pipe: nothing to feed, nothing that blocks on a snippet that never reads;
+        # the source too: bwrap copies it into the tmpfs (--file), rlimits-only reads it from the scratch
+        with tempfile.TemporaryFile() as stdin_file, tempfile.TemporaryFile() as bwrap_info, \
+                tempfile.TemporaryFile() as source:
+            for file, text in ((stdin_file, stdin), (source, code)):
+                file.write(text.encode("utf-8", errors="surrogateescape"))
+                file.seek(0)
+            if scratch is not None:
+                _copy_snippet(source, scratch)
             try:
                 started = time.monotonic()
-                process = self._spawn(isolation, scratch, stdin_file, bwrap_info, pipes)
+                process = self._spawn(isolation, scratch, (stdin_file, bwrap_info, source), pipes)
                 readers = [asyncio.create_task(pipe.collect()) for pipe in pipes]
                 timed_out = await self._wait_and_end(process, bwrap_info if isolation == "bwrap" else None)
                 wall_seconds = time.monotonic() - started
@@ -294,16 +311,21 @@ class PythonSandbox:
     def _spawn(
         self,
         isolation: Isolation,
-        scratch: str,
-        stdin_file: BinaryIO,
-        bwrap_info: BinaryIO,
+        scratch: str | None,
+        files: tuple[BinaryIO, BinaryIO, BinaryIO],
         pipes: tuple[_OutputPipe, ...],
     ) -> subprocess.Popen:
+        """Start the call: ``files`` are its stdin, bwrap's info file and the snippet's source."""
+        stdin_file, bwrap_info, source = files
         command = snippet_command(self.python, self.limits)
+        passed: tuple[int, ...] = ()
+        seccomp_fd = None
         if isolation == "bwrap":
-            options = bwrap_arguments(scratch, self.limits.max_file_bytes, bwrap_info.fileno(), proc=self.limits.proc)
+            seccomp_fd = seccomp_filter_fd()
+            options = bwrap_arguments(self.limits, bwrap_info.fileno(), seccomp_fd, snippet_fd=source.fileno())
             command = [self.bwrap, *options, "--", *command]
-        env = sandbox_env(SANDBOX_WORKDIR if isolation == "bwrap" else scratch)
+            passed = (bwrap_info.fileno(), seccomp_fd, source.fileno())
+        env = sandbox_env(SANDBOX_WORKDIR if scratch is None else scratch)
         command, drop = self.as_sandbox_user(command)
         # A plain Popen, waited for by its pidfd (``_wait_and_end``): asyncio's subprocesses start a
         # thread per child on Python < 3.12, and the event loop waits for each thread to start.
@@ -313,8 +335,8 @@ class PythonSandbox:
                 stdin=stdin_file,
                 stdout=pipes[0].write_end,
                 stderr=pipes[1].write_end,
-                pass_fds=(bwrap_info.fileno(),) if isolation == "bwrap" else (),
-                cwd=scratch,
+                pass_fds=passed,
+                cwd=scratch or "/",
                 env=env,
                 start_new_session=True,
                 **drop,
@@ -322,6 +344,8 @@ class PythonSandbox:
         except OSError as error:
             raise SandboxUnavailable(f"cannot start {command[0]}: {error}") from error
         finally:
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)
             for pipe in pipes:
                 pipe.close_write_end()  # the child's copy is the only one left: its exit is EOF
 
@@ -369,20 +393,47 @@ def snippet_command(python: str, limits: SandboxLimits) -> list[str]:
     return [python, "-I", "-B", "-X", "utf8", "-c", _SNIPPET_RUNNER, *map(str, rlimits), SNIPPET_NAME]
 
 
-def bwrap_arguments(scratch: str, tmp_bytes: int, info_fd: int, proc: bool = True) -> list[str]:
-    """bwrap's options: every namespace new, the system read-only, ``scratch`` as the working
-    directory, /proc only with ``proc``; bwrap writes which process is the namespace's init to ``info_fd``."""
-    arguments = ["--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session"]
-    arguments += ["--hostname", "sandbox", "--info-fd", str(info_fd)]
+def bwrap_arguments(limits: SandboxLimits, info_fd: int, seccomp_fd: int, snippet_fd: int | None = None) -> list[str]:
+    """bwrap's options: every namespace new, the system read-only, no nested user namespace (the
+    seccomp filter read from ``seccomp_fd``), a tmpfs of ``limits.max_disk_bytes`` as the working
+    directory (holding a copy of ``snippet_fd``'s file as ``snippet.py`` when given), /proc only with
+    ``limits.proc``; bwrap writes which process is the namespace's init to ``info_fd``."""
+    arguments = ["--unshare-all", "--unshare-user", "--die-with-parent", "--new-session"]
+    arguments += ["--hostname", "sandbox", "--info-fd", str(info_fd), "--seccomp", str(seccomp_fd)]
     for path in _SYSTEM_DIRS:
         if os.path.islink(path):  # merged-/usr hosts: /lib -> usr/lib
             arguments += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             arguments += ["--ro-bind", path, path]
-    arguments += ["--bind", scratch, SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR]
-    arguments += ["--proc", "/proc"] if proc else []
-    arguments += ["--dev", "/dev", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+    arguments += ["--size", str(limits.max_disk_bytes), "--tmpfs", SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR]
+    if snippet_fd is not None:
+        arguments += ["--file", str(snippet_fd), f"{SANDBOX_WORKDIR}/{SNIPPET_NAME}"]
+    arguments += ["--proc", "/proc"] if limits.proc else []
+    arguments += ["--dev", "/dev", "--size", str(limits.max_file_bytes), "--tmpfs", "/tmp"]
     return [*arguments, "--remount-ro", "/"]
+
+
+def seccomp_filter_fd() -> int:
+    """A file descriptor holding the filter for bwrap's ``--seccomp`` (close it once bwrap started)."""
+    try:
+        return filter_fd(_seccomp_program())
+    except UnsupportedArchitecture as error:
+        raise SandboxUnavailable(str(error)) from error
+
+
+@functools.cache
+def _seccomp_program() -> bytes:
+    return no_nested_user_namespaces()
+
+
+def _copy_snippet(source: BinaryIO, scratch: str) -> None:
+    try:
+        with open(os.path.join(scratch, SNIPPET_NAME), "wb") as snippet:
+            shutil.copyfileobj(source, snippet)
+    except OSError as error:
+        raise SandboxUnavailable(f"cannot prepare the scratch directory {scratch}: {error}") from error
+    finally:
+        source.seek(0)
 
 
 class _OutputPipe:
@@ -516,6 +567,9 @@ def _describe_failure(exit_code: int, timed_out: bool, stderr_tail: bytes, limit
         return f"memory limit exceeded ({limits.memory_bytes / 2**20:g} MiB of address space)"
     if f"[Errno {errno.EFBIG}]" in last_line:  # Python ignores SIGXFSZ: the write fails instead
         return f"file size limit exceeded ({limits.max_file_bytes} bytes per file)"
+    if f"[Errno {errno.ENOSPC}]" in last_line:  # a tmpfs full: the working directory or /tmp
+        return (f"disk limit exceeded ({limits.max_disk_bytes} bytes in the working directory, "
+                f"{limits.max_file_bytes} in /tmp)")
     return f"exited with code {exit_code}" + (f": {last_line}" if last_line else "")
 
 

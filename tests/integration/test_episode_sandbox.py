@@ -18,7 +18,8 @@ import pytest
 
 from rlfleet.services.environment.episode_sandbox import EpisodeSandboxes
 from rlfleet.services.environment.sandbox import PythonSandbox, SandboxLimits
-from tests.sandbox_cases import (FILES, FORK_BOMB, LIMITS, MEMORY_BOMBS, SNIPPETS, STDIN, cancel_a_running_call,
+from tests.sandbox_cases import (FILES, FILL_THE_DISK, FORK_BOMB, LIMITS, MEMORY_BOMBS, NESTED_USER_NAMESPACE,
+                                 NESTED_USER_NAMESPACE_REFUSED, SNIPPETS, STDIN, cancel_a_running_call,
                                  check_fork_bomb_stopped, connect_to, own_scratch_root, run_daemon,
                                  sandbox_processes)
 from tests.waiting import wait_for_async
@@ -144,7 +145,7 @@ async def test_a_fork_bomb_stops_at_the_process_limit_and_leaves_nothing(episode
 
 
 async def test_a_daemonized_child_is_dead_when_run_returns(episode, scratch_root):
-    result, end_of_file = await run_daemon(episode.run, scratch_root)
+    result, end_of_file = await run_daemon(episode.run)
 
     assert result.ok and result.stdout == "daemon ready\n"
     assert result.wall_seconds < LIMITS.wall_seconds
@@ -222,7 +223,7 @@ async def test_a_dead_zygote_is_a_tool_error_and_the_next_call_gets_a_new_sandbo
 
 
 async def test_a_cancelled_call_ends_the_sandbox(episode, scratch_root):
-    assert await cancel_a_running_call(episode.run, scratch_root) < 3
+    assert await cancel_a_running_call(episode.run) < 3
     assert os.listdir(scratch_root) == [] and sandbox_processes() == []
     await check_untouched(episode, started=2)
 
@@ -261,11 +262,11 @@ async def test_prestart_starts_it_before_the_first_call(scratch_root):
 async def test_an_output_flood_is_cut_and_a_big_file_hits_the_limit_and_goes(episode, scratch_root):
     flood = await episode.run("print('x' * 10**7)")
     big = await episode.run("with open('big', 'wb') as file:\n    file.write(b'x' * (2 * 2**20))\n")
-    scratch = [Path(scratch_root) / name for name in os.listdir(scratch_root)]
+    workdir = Path(f"/proc/{namespace_init()}/root/sandbox")  # the episode's tmpfs, seen from the host
 
     assert flood.ok and flood.stdout.startswith("x" * LIMITS.max_output_bytes + "\n[... stdout truncated")
     assert not big.ok and big.error == "file size limit exceeded (1048576 bytes per file)"
-    assert [os.listdir(path) for path in scratch] == [[]]  # the episode's scratch, emptied after the call
+    assert os.listdir(workdir) == []  # emptied after the call
     await check_untouched(episode)
 
 
@@ -283,3 +284,25 @@ async def test_without_proc_a_daemon_still_dies_with_its_call(scratch_root):
     assert result.ok and result.stdout == "False 42\n", result
     assert len(between) == 2 and after.stdout == "next\n" and sandbox.started == 1
     assert sandbox_processes() == []
+
+
+async def test_the_disk_bound_holds_per_call_and_the_next_call_gets_it_back(scratch_root):
+    limits = LIMITS.model_copy(update={"max_disk_bytes": 4 * 2**20})
+    sandbox = EpisodeSandboxes(PythonSandbox(limits, scratch_root=scratch_root)).episode()
+    try:
+        first = await sandbox.run(FILL_THE_DISK)
+        second = await sandbox.run(FILL_THE_DISK)
+    finally:
+        await sandbox.close()
+
+    for result in first, second:
+        assert result.error == "disk limit exceeded (4194304 bytes in the working directory, 1048576 in /tmp)"
+    assert first.stdout == second.stdout and 2 <= int(first.stdout.split()[0]) < 4, first.stdout
+    assert sandbox.started == 1 and os.listdir(scratch_root) == []
+
+
+async def test_a_nested_user_namespace_is_refused(episode):
+    result = await episode.run(NESTED_USER_NAMESPACE)
+
+    assert result.ok and result.stdout == NESTED_USER_NAMESPACE_REFUSED, result
+    await check_untouched(episode)

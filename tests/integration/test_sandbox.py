@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import socket
+import tempfile
 import time
 import tracemalloc
 from pathlib import Path
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from rlfleet.services.environment.sandbox import SANDBOX_UID, PythonSandbox, SandboxLimits, SandboxUnavailable
-from tests.sandbox_cases import (FILES, FORK_BOMB, LIMITS, MEMORY_BOMBS, cancel_a_running_call, check_fork_bomb_stopped,
+from tests.sandbox_cases import (FILES, FILL_THE_DISK, FORK_BOMB, LIMITS, MEMORY_BOMBS, NESTED_USER_NAMESPACE,
+                                 NESTED_USER_NAMESPACE_REFUSED, cancel_a_running_call, check_fork_bomb_stopped,
                                  connect_to, own_scratch_root, run_daemon, sandbox_processes)
 from tests.waiting import wait_for_async
 
@@ -123,7 +125,7 @@ async def test_a_daemonized_child_is_dead_when_run_returns(no_strays, scratch_ro
     """Not a moment later: the daemon (double fork, setsid) holds the write end of a FIFO in the
     scratch directory, and the FIFO reads end-of-file as soon as ``run()`` returns."""
     sandbox = PythonSandbox(LIMITS, scratch_root=scratch_root)
-    result, end_of_file = await run_daemon(sandbox.run, scratch_root)
+    result, end_of_file = await run_daemon(sandbox.run)
 
     assert result.ok and result.stdout == "daemon ready\n"
     assert result.wall_seconds < LIMITS.wall_seconds  # its open stdout did not hold the call
@@ -218,7 +220,7 @@ async def test_a_big_file_hits_the_file_size_limit_and_the_scratch_goes(scratch_
 
 async def test_a_cancelled_call_leaves_nothing(no_strays, scratch_root):
     sandbox = PythonSandbox(LIMITS, scratch_root=scratch_root)
-    assert await cancel_a_running_call(sandbox.run, scratch_root) < 3  # killed, not waited for
+    assert await cancel_a_running_call(sandbox.run) < 3  # killed, not waited for
 
     assert os.listdir(scratch_root) == []
     assert_nothing_left_running()
@@ -273,3 +275,30 @@ async def test_without_proc_snippets_run_and_see_no_proc_and_a_daemon_still_dies
     assert sandbox.isolation == "bwrap"
     assert result.ok and result.stdout == "False 42\n", result
     assert_nothing_left_running()
+
+
+async def test_the_working_directory_is_bounded_in_total_and_nothing_of_it_reaches_the_host(scratch_root):
+    """16 files of 1 MiB each pass the per-file limit; the tmpfs stops them at 4 MiB in all."""
+    limits = LIMITS.model_copy(update={"max_disk_bytes": 4 * 2**20})
+    sandbox = PythonSandbox(limits, scratch_root=scratch_root)
+    before = os.statvfs(tempfile.gettempdir())
+
+    result = await sandbox.run(FILL_THE_DISK)
+    after = await sandbox.run("import os\nprint(sorted(os.listdir('.')))")
+
+    assert not result.ok and result.error == "disk limit exceeded (4194304 bytes in the working directory, 1048576 in /tmp)"
+    assert "No space left on device" in result.stderr
+    written = int(result.stdout.split()[0])
+    assert 2 <= written < 4, result.stdout  # the snippet itself takes a page of the 4 MiB
+    assert after.ok and after.stdout == "['snippet.py']\n"  # a fresh tmpfs per call
+    assert os.listdir(scratch_root) == []
+    free_after = os.statvfs(tempfile.gettempdir())
+    assert free_after.f_bfree * free_after.f_frsize > before.f_bfree * before.f_frsize - 2**20  # never on disk
+    assert_nothing_left_running()
+
+
+async def test_a_nested_user_namespace_is_refused_and_threads_and_children_still_run(sandbox):
+    result = await sandbox.run(NESTED_USER_NAMESPACE)
+
+    assert result.ok, result
+    assert result.stdout == NESTED_USER_NAMESPACE_REFUSED
