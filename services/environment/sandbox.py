@@ -43,6 +43,7 @@ from typing import BinaryIO, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlfleet.services.common.errors import Unavailable
+from rlfleet.services.environment.sandbox_diagnosis import explain
 from rlfleet.services.environment.seccomp import UnsupportedArchitecture, filter_fd, no_nested_user_namespaces
 
 log = logging.getLogger(__name__)
@@ -224,6 +225,8 @@ class PythonSandbox:
         bwrap_failure = await self._try("bwrap")
         if bwrap_failure is None:
             return "bwrap"
+        if explanation := explain(bwrap_failure):
+            bwrap_failure += f"; {explanation}"
         if not self.allow_rlimits_only:
             raise SandboxUnavailable(f"no bwrap sandbox on this host: {bwrap_failure}")
         rlimits_failure = await self._try("rlimits-only")
