@@ -16,6 +16,12 @@ TRAINER_WAIT_SECONDS = Counter("rlfleet_trainer_wait_seconds_total",
                                "Seconds trainers' batch requests waited for a batch (collector): trainers idle "
                                "for want of rollouts; its rate over time is the fraction of time they wait")
 
+SANDBOX_ISOLATION = Gauge("rlfleet_sandbox_isolation",
+                          "1 for the isolation the python tool's sandbox found at start (environment): "
+                          "bwrap, or rlimits-only", ["isolation"])
+TOOL_CALLS = Counter("rlfleet_tool_calls_total",
+                     "Tool calls run for episodes (environment), by tool and outcome (ok, error)", ["tool", "outcome"])
+
 
 def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
     """Start the /metrics HTTP endpoint on ``host`` in a daemon thread (no-op for port 0)."""

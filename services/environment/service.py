@@ -11,6 +11,7 @@ import grpc
 
 from rlfleet.env import Environment
 from rlfleet.services.common.errors import StartupError, Unavailable
+from rlfleet.services.common.metrics import SANDBOX_ISOLATION
 from rlfleet.services.common.server import Service
 from rlfleet.services.environment.config import TOOL_CALLING, EnvironmentServiceConfig
 from rlfleet.services.environment.episode_sandbox import EpisodeSandboxes
@@ -61,6 +62,7 @@ class EnvironmentService(Service[EnvironmentServiceConfig]):
             raise StartupError(f"sandbox: the tool_calling environment's python tool cannot run: {exc}"
                                + ("" if config.allow_rlimits_only else
                                   " (allow_rlimits_only=true accepts rlimits without bwrap, a weaker isolation)"))
+        SANDBOX_ISOLATION.labels(isolation=isolation).set(1)
         if config.mcp_servers:
             try:
                 self.mcp_tools = await MCPTools.connect(config.mcp_servers)

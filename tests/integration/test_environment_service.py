@@ -10,14 +10,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import urllib.request
 
 import grpc
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.v1 import environment_pb2, environment_pb2_grpc, sampling_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
+from tests.ports import free_port
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow,
@@ -41,7 +44,7 @@ def start(tiny_model_dir, workdir, *args: str) -> ServiceProcess:
 @pytest.fixture(scope="module")
 def service(tiny_model_dir, tmp_path_factory):
     proc = start(tiny_model_dir, tmp_path_factory.mktemp("environment"),
-                 "--step-timeout-seconds", str(STEP_TIMEOUT_SECONDS), "--max-turns", "4")
+                 "--step-timeout-seconds", str(STEP_TIMEOUT_SECONDS), "--max-turns", "4", "--metrics-port", str(free_port()))
     try:
         yield proc.wait_ready(120)
     finally:
@@ -135,6 +138,31 @@ def test_tool_calling_runs_python_and_answers_with_token_exact_observations(stub
     assert (last.done, list(last.observation), ids(last.observation_token_ids)) == (True, [], [])
     closed = stub.CloseEpisode(environment_pb2.CloseEpisodeRequest(episode_id="tools-1"), timeout=30)
     assert not closed.has_final_reward
+
+
+def metric(service, name: str, **labels: str) -> float:
+    """One sample of the service's Prometheus endpoint (0 when it has none yet)."""
+    port = next(arg for flag, arg in zip(service.args, service.args[1:]) if flag == "--metrics-port")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    return 0.0
+
+
+def test_tool_calls_are_counted_by_outcome_and_the_isolation_is_shown(service, stub, tokenizer):
+    calls = {"ok": "print(6 * 7)", "error": "1 / 0"}
+    before = {outcome: metric(service, "rlfleet_tool_calls_total", tool="python", outcome=outcome) for outcome in calls}
+    open_episode(stub, "metrics-1", environment="tool_calling", content="what is 6 times 7?")
+    for code in calls.values():
+        call = '<tool_call>\n{"name": "python", "arguments": {"code": "%s"}}\n</tool_call>' % code
+        step(stub, "metrics-1", sampled(tokenizer, call))
+    stub.CloseEpisode(environment_pb2.CloseEpisodeRequest(episode_id="metrics-1"), timeout=30)
+
+    for outcome in calls:
+        assert metric(service, "rlfleet_tool_calls_total", tool="python", outcome=outcome) == before[outcome] + 1
+    assert metric(service, "rlfleet_sandbox_isolation", isolation="bwrap") == 1
 
 
 def python_pids(stub, tokenizer, episode_id: str, calls: int) -> list[str]:

@@ -25,6 +25,7 @@ from rlfleet.services.environment.mcp_tools import (
     ToolOutput,
     _result_text,
 )
+from tests.ports import free_port
 from tests.waiting import wait_for
 
 EXAMPLE_SERVER = Path(__file__).resolve().parents[2] / "examples" / "mcp_server.py"
@@ -34,12 +35,6 @@ ARITHMETIC_TOOLS = ["add", "multiply", "fail", "sleep", "shout"]
 
 def stdio_spec(name: str = "calc", *server_args: str, **fields) -> MCPServerSpec:
     return MCPServerSpec(name=name, command=[sys.executable, str(EXAMPLE_SERVER), *server_args], **fields)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def accepts_connections(port: int) -> bool:

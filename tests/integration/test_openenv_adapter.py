@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -24,8 +23,9 @@ from rlfleet.services.environment.openenv_adapter import OpenEnvConnectionError,
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.v1 import environment_pb2, environment_pb2_grpc, sampling_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
-from tests.waiting import wait_for
 from tests.example_modules import import_example
+from tests.ports import free_port
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +37,6 @@ GUESSES = ["50<|im_end|>", "maybe 30?", "42<|im_end|>"]
 GUESS_STEPS = [([{"role": "user", "content": "lower"}], -0.1, False),
                ([{"role": "user", "content": "higher"}], -0.1, False),
                ([{"role": "user", "content": "correct"}], 1.0, True)]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class OpenEnvServer:

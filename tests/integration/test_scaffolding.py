@@ -9,6 +9,7 @@ from grpc_health.v1 import health_pb2
 
 from rlfleet.v1 import diagnostics_pb2, diagnostics_pb2_grpc, tensor_pb2
 from rlfleet.wire import Ragged, decode_tensordict, encode_tensordict, get_ragged
+from tests.ports import free_port
 
 
 def echo_stub(address: str, metadata=None):
@@ -112,14 +113,6 @@ def test_echo_refuses_overflowing_shapes_and_stays_cheap_on_many_small_entries(s
     assert len(reply.payload.entries["s"].strings.values) == strings
     assert growth < 60 * size, f"echo of {size} bytes grew the server's peak memory by {growth} bytes"
     channel.close()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_tls_service_keeps_health_on_a_plaintext_health_port_and_refuses_bad_files(start_service, tmp_path):
