@@ -51,6 +51,9 @@ OPERANDS = (32, 99)
 WARM_START_PHASES = ((0.35, 0.9, False), (0.5, 0.9, True), (0.15, 0.3, True))
 """(share of the warm-start steps, fraction of transcripts that call the tool, tools block in the prompt)."""
 ENVIRONMENT = "tool_calling"
+TURN_SAMPLING = {"max_tokens": 96}
+"""Each prompt's own sampling: a turn that calls the tool is ~86 tokens, more than a collector's default
+(64) leaves, so the run works against any collector (compose's too); the collector's other fields stay."""
 
 
 def question(a: int, b: int) -> list[dict]:
@@ -62,7 +65,7 @@ def task_prompts(count: int, rng: random.Random) -> list[dict]:
     prompts = []
     for _ in range(count):
         a, b = rng.randint(*OPERANDS), rng.randint(*OPERANDS)
-        prompts.append({"prompt": question(a, b), "environment": ENVIRONMENT,
+        prompts.append({"prompt": question(a, b), "environment": ENVIRONMENT, "sampling": TURN_SAMPLING,
                         "reward_fn": "numeric_match", "ground_truth": str(a * b)})
     return prompts
 

@@ -4,7 +4,7 @@
 inside ``unshare --mount --propagation private`` (a mount namespace of its own, as root). Here it
 makes what a Docker container's runtime makes — /proc/sys and its siblings read-only, Docker's
 masked paths covered (files by /dev/null, directories by an empty read-only tmpfs) — then execs
-itself through ``setpriv`` with the service's capability set (compose.yaml's ``cap_add``: CHOWN,
+itself through ``setpriv`` with the service's capability set (compose.yaml's ``cap_add``:
 DAC_OVERRIDE, SETUID, SETGID, KILL; every other capability out of the bounding set) and
 ``no_new_privs`` (``no-new-privileges=true``). Seccomp and AppArmor stay off, as the service's
 ``security_opt`` sets them. The second stage runs the sandbox the service would and prints one JSON
@@ -26,7 +26,7 @@ DOCKER_MASKED_PATHS = ("/proc/asound", "/proc/acpi", "/proc/interrupts", "/proc/
                        "/proc/latency_stats", "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug",
                        "/proc/scsi", "/sys/firmware", "/sys/devices/virtual/powercap")
 DOCKER_READ_ONLY_PATHS = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
-SERVICE_CAPABILITIES = ("chown", "dac_override", "setuid", "setgid", "kill")  # compose.yaml's cap_add
+SERVICE_CAPABILITIES = ("dac_override", "setuid", "setgid", "kill")  # compose.yaml's cap_add
 
 
 def restrict() -> None:

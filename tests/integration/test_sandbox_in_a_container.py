@@ -1,6 +1,6 @@
 """The sandbox under the restrictions Docker puts on compose.yaml's environment service, reproduced
 without Docker (tests/container_restrictions.py): read-only /proc/sys, Docker's masked paths, the
-service's five capabilities, no_new_privs. Compose's first run failed on exactly these; this keeps
+service's four capabilities, no_new_privs. Compose's first run failed on exactly these; this keeps
 it from regressing unseen between compose runs (scripts/compose-smoke runs the real thing).
 """
 
@@ -17,8 +17,8 @@ from tests.sandbox_cases import NESTED_USER_NAMESPACE_REFUSED, REPOSITORY, sandb
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops to uid 65534, which needs root")
 
-# CHOWN 0, DAC_OVERRIDE 1, KILL 5, SETGID 6, SETUID 7
-SERVICE_CAPABILITIES = f"{(1 << 0) | (1 << 1) | (1 << 5) | (1 << 6) | (1 << 7):016x}"
+# DAC_OVERRIDE 1, KILL 5, SETGID 6, SETUID 7: compose.yaml's cap_add
+SERVICE_CAPABILITIES = f"{(1 << 1) | (1 << 5) | (1 << 6) | (1 << 7):016x}"
 DISK_FULL = "disk limit exceeded (4194304 bytes in the working directory, 1048576 in /tmp)"
 
 

@@ -227,7 +227,7 @@ def test_environment_sandbox_gets_bwrap_and_nothing_more(variant):
     body = services["environment"]
     assert set(body["security_opt"]) == BWRAP_EXCEPTIONS | {"no-new-privileges=true"}
     assert body["cap_drop"] == ["ALL"]
-    assert set(body["cap_add"]) == {"CHOWN", "DAC_OVERRIDE", "SETUID", "SETGID", "KILL"}
+    assert set(body["cap_add"]) == {"DAC_OVERRIDE", "SETUID", "SETGID", "KILL"}
     assert body["user"] == "0:0"  # the sandbox drops each snippet to uid 65534 from root
     assert "privileged" not in body and not body.get("ports")
     config = EnvironmentServiceConfig.load([], environ=rlfleet_env(body))

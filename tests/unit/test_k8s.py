@@ -39,7 +39,7 @@ CONFIGS: dict[str, type[ServiceConfig]] = {
 }
 INNER = ("generation", "reference", "reward", "trajectory", "environment")
 SERVICE_UID = 10001  # docker/Dockerfile's `rlfleet` user
-SANDBOX_CAPABILITIES = {"CHOWN", "DAC_OVERRIDE", "SETUID", "SETGID", "KILL"}
+SANDBOX_CAPABILITIES = {"DAC_OVERRIDE", "SETUID", "SETGID", "KILL"}
 # Env vars besides RLFLEET_*: the hub token's file (gpu), no hub at all (cpu), the init's $HOME.
 OTHER_ENV = {"HF_TOKEN_PATH", "HF_HUB_OFFLINE", "HOME"}
 # Every checkov finding left in the manifests, each skipped there with its reason
@@ -48,7 +48,7 @@ ACCEPTED_FINDINGS = {
     "CKV_K8S_43": set(CONFIGS),  # image digests: the operator's registry pins them (README)
     "CKV_K8S_23": {"environment"},  # root, for the sandbox's uid drop
     "CKV_K8S_40": {"environment"},  # uid 0, same reason
-    "CKV_K8S_25": {"environment"},  # the five capabilities the drop needs
+    "CKV_K8S_25": {"environment"},  # the four capabilities the sandbox needs
     "CKV_K8S_31": {"environment"},  # seccomp Unconfined, for bwrap's namespaces
 }
 
