@@ -57,7 +57,13 @@ def sampled_response_mask(batch) -> torch.Tensor:
     return torch.cat([mask[length:] for mask, length in zip(assistant, prompt_lengths)])
 
 
-def grpo_step(model, optimizer, batch, *, clip_eps: float, kl_coef: float) -> dict[str, float]:
+def grpo_step(model, optimizer, batch, *, clip_eps: float, kl_coef: float, is_correction: str | None = None,
+              trainer_version: int = 0) -> dict[str, float]:
+    """One clipped policy-gradient step on ``batch``. Without ``is_correction`` the behaviour log-probs are
+    the old policy (PPO's ratio is trainer over behaviour, clipped: stale tokens mostly fall outside the
+    clip). With a preset of ``rlfleet.client.offpolicy`` it is decoupled PPO: the ratio is taken to the
+    trainer's own weights before the step (one step per batch, so it starts at 1), and the mismatch
+    between trainer and behaviour is corrected by the preset's importance weights instead."""
     sampled = sampled_response_mask(batch)
     behavior = batch.ragged("log_probs/response").values[sampled]
     reference = batch.ragged("ref_log_probs/response").values[sampled]
@@ -68,8 +74,14 @@ def grpo_step(model, optimizer, batch, *, clip_eps: float, kl_coef: float) -> di
 
     new = response_log_probs(model, batch, temperature)
     mismatch = (new.detach() - behavior).abs()
-    ratio = torch.exp(new - behavior)
-    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+    weights, offpolicy = torch.ones_like(new), {}
+    if is_correction is None:
+        ratio = torch.exp(new - behavior)
+    else:
+        ratio = torch.exp(new - new.detach())
+        weights, offpolicy = correction_weights(new, behavior, sample_of_token, len(lengths), is_correction,
+                                                token_versions(batch)[sampled], trainer_version)
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages) * weights
     log_ratio_ref = reference - new
     kl = torch.expm1(log_ratio_ref) - log_ratio_ref  # k3 estimator of KL(policy || reference)
     loss = -(surrogate.mean()) + kl_coef * kl.mean()
@@ -78,7 +90,33 @@ def grpo_step(model, optimizer, batch, *, clip_eps: float, kl_coef: float) -> di
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     return {"loss": loss.item(), "kl": kl.mean().item(), "logprob_mismatch_max": mismatch.max().item(),
-            "logprob_mismatch_mean": mismatch.mean().item(), "response_tokens": int(sampled.sum())}
+            "logprob_mismatch_mean": mismatch.mean().item(), "response_tokens": int(sampled.sum()), **offpolicy}
+
+
+def token_versions(batch) -> torch.Tensor:
+    """The policy version that sampled each response token, flat in the batch's ragged order: the batch's
+    ``versions/response`` where it has one, else each sample's start version (exact unless a keep-mode
+    push landed mid-sample)."""
+    if ("versions", "response") in batch.td.keys(include_nested=True):
+        return batch.ragged("versions/response").values
+    lengths = batch.ragged("tokens/response").lengths
+    return torch.repeat_interleave(batch["policy_version_start"].long(), lengths)
+
+
+def correction_weights(new, behavior, sample_of_token, samples: int, preset: str, versions, trainer_version: int):
+    """``rlfleet.client.offpolicy``'s weights for flat tokens (padded per sample for it, flattened back)
+    and its metrics, flat (``offpolicy/kl_k3``, ``offpolicy/lag1/ess_token``, ...)."""
+    from rlfleet.client.offpolicy import importance_weights
+
+    counts = torch.bincount(sample_of_token, minlength=samples).tolist()
+
+    def padded(values):
+        return torch.nn.utils.rnn.pad_sequence(list(values.split(counts)), batch_first=True)
+
+    mask = padded(torch.ones_like(behavior, dtype=torch.bool))
+    corrected = importance_weights(padded(new.detach()), padded(behavior), mask, preset,
+                                   versions=padded(versions), trainer_version=trainer_version)
+    return corrected.weights[mask], corrected.flat_metrics()
 
 
 def plot(metrics: list[dict], path: Path) -> None:
@@ -125,6 +163,11 @@ def training_parser(description: str, *, steps: int, groups_per_step: int, group
                              "the token in token-trainer")
     parser.add_argument("--transport", default="auto", choices=["auto", "shm", "grpc"],
                         help="weight push transport; auto = shm when the collector shares this host, else grpc")
+    parser.add_argument("--is-correction", default=None, metavar="PRESET",
+                        help="decoupled PPO with this importance-sampling correction of the train/inference "
+                             "mismatch (rlfleet.client.offpolicy: none, token_tis, seq_tis, seq_mis, geo_mis, "
+                             "icepop); its metrics go into metrics.json per step. Default: the behaviour "
+                             "log-probs as PPO's old policy, no correction")
     parser.add_argument("--out", type=Path, default=out)
     return parser
 
@@ -164,7 +207,8 @@ def train(client, model, ns, next_prompts: Callable[[int], list[dict]],
             client.submit_prompts(next_prompts(ns.groups_per_step))  # keep the queue a step ahead
             batch = next(iterator)
             version_before = client.policy_version
-            stats = grpo_step(model, optimizer, batch, clip_eps=ns.clip_eps, kl_coef=ns.kl_coef)
+            stats = grpo_step(model, optimizer, batch, clip_eps=ns.clip_eps, kl_coef=ns.kl_coef,
+                              is_correction=ns.is_correction, trainer_version=version_before)
             pushed = client.push_weights(model, progress=False, transport=ns.transport)
             elapsed = time.monotonic() - started
             starts = batch["policy_version_start"]

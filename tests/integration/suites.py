@@ -42,10 +42,11 @@ def suite_fixture(collector_args: list[str], name: str):
     return suite
 
 
-def run_example(script: str, suite, model_dir: Path, steps: int, out: Path) -> list[dict]:
-    """Run ``examples/<script>`` against ``suite`` for ``steps``; its metrics.json (the plot checked written)."""
+def run_example(script: str, suite, model_dir: Path, steps: int, out: Path, *args: str) -> list[dict]:
+    """Run ``examples/<script>`` (with ``args``) against ``suite`` for ``steps``; its metrics.json (the plot
+    checked written)."""
     subprocess.run([sys.executable, str(ROOT / "examples" / script), "--collector", suite["collector"].address,
-                    "--model-dir", str(model_dir), "--steps", str(steps), "--out", str(out)],
+                    "--model-dir", str(model_dir), "--steps", str(steps), "--out", str(out), *args],
                    check=True, timeout=1200)
     assert (out / "metrics.png").stat().st_size > 10_000
     return json.loads((out / "metrics.json").read_text())
