@@ -22,3 +22,12 @@ def response_log_probs(model, prompt_ids, response_ids, temperature: float = 1.0
     if temperature > 0:
         logits = logits / temperature
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response_ids)[:, None])[:, 0]
+
+
+def perturbed(state_dict: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """``state_dict`` plus seeded noise (std 0.05): weights whose log-probs visibly differ."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: tensor + 0.05 * torch.randn(tensor.shape, generator=generator)
+        for name, tensor in state_dict.items()
+    }

@@ -23,6 +23,7 @@ from rlfleet.services.generation.config import GenerationEngineConfig
 from rlfleet.services.generation.engine import GenerationEngine
 from rlfleet.services.generation.sampling import SampleResult, SamplingSpec
 from rlfleet.services.models.tiny import build_tiny_model
+from tests.hf_reference import perturbed
 from tests.waiting import wait_for_async
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -71,14 +72,6 @@ async def engine(model_dir):
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def perturbed(state_dict: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        name: tensor + 0.05 * torch.randn(tensor.shape, generator=generator)
-        for name, tensor in state_dict.items()
-    }
 
 
 def as_push(state_dict: dict[str, torch.Tensor]):
