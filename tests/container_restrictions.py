@@ -3,7 +3,8 @@
 ``python -m tests.container_restrictions`` is started by tests/integration/test_sandbox_in_a_container.py
 inside ``unshare --mount --propagation private`` (a mount namespace of its own, as root). Here it
 makes what a Docker container's runtime makes — /proc/sys and its siblings read-only, Docker's
-masked paths covered (files by /dev/null, directories by an empty read-only tmpfs) — then execs
+masked paths covered (files by /dev/null, directories by an empty read-only tmpfs), and the root
+file system read-only with a tmpfs on /tmp as the Kubernetes manifest has it — then execs
 itself through ``setpriv`` with the service's capability set (compose.yaml's ``cap_add``:
 DAC_OVERRIDE, SETUID, SETGID, KILL; every other capability out of the bounding set) and
 ``no_new_privs`` (``no-new-privileges=true``). Seccomp and AppArmor stay off, as the service's
@@ -30,7 +31,11 @@ SERVICE_CAPABILITIES = ("dac_override", "setuid", "setgid", "kill")  # compose.y
 
 
 def restrict() -> None:
-    """Make this mount namespace look as a Docker container's does (call as root, in a namespace of its own)."""
+    """Make this mount namespace look as a Docker container's does (call as root, in a namespace of its own),
+    with the root file system read-only and a tmpfs on /tmp, as the Kubernetes manifest has it
+    (``readOnlyRootFilesystem`` and an ``emptyDir`` for /tmp)."""
+    _mount("-t", "tmpfs", "-o", "size=64m", "tmpfs", "/tmp")
+    _mount("-o", "remount,bind,ro", "/")
     for path in DOCKER_MASKED_PATHS:
         if os.path.isdir(path):
             _mount("-t", "tmpfs", "-o", "ro,size=0", "tmpfs", path)
@@ -63,6 +68,11 @@ async def observe() -> dict:
         seen["proc_sys"] = "writable"
     except OSError as error:
         seen["proc_sys"] = error.strerror
+    try:
+        open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "read-only-probe"), "w").close()
+        seen["root"] = "writable"
+    except OSError as error:
+        seen["root"] = error.strerror
     # bwrap's own way to forbid nested user namespaces, which compose's first run died of
     old_way = subprocess.run([find_bwrap(), "--unshare-user", "--disable-userns", "--ro-bind", "/", "/", "true"],
                              capture_output=True, text=True, user=65534, group=65534, extra_groups=[])

@@ -37,6 +37,7 @@ def test_the_restrictions_are_dockers(seen):
     assert seen["no_new_privs"] == "1"
     assert seen["capabilities"] == SERVICE_CAPABILITIES
     assert seen["proc_sys"] == "Read-only file system"
+    assert seen["root"] == "Read-only file system"  # and Kubernetes' readOnlyRootFilesystem
 
 
 def test_bwraps_own_userns_switch_fails_there_as_it_did_under_compose(seen):
