@@ -95,8 +95,8 @@ def grpo_step(model, optimizer, batch, *, clip_eps: float, kl_coef: float, is_co
 
 def token_versions(batch) -> torch.Tensor:
     """The policy version that sampled each response token, flat in the batch's ragged order: the batch's
-    ``versions/response`` where it has one, else each sample's start version (exact unless a keep-mode
-    push landed mid-sample)."""
+    ``versions/response``; from a collector older than that key, each sample's start version (exact unless
+    a keep-mode push landed mid-sample)."""
     if ("versions", "response") in batch.td.keys(include_nested=True):
         return batch.ragged("versions/response").values
     lengths = batch.ragged("tokens/response").lengths

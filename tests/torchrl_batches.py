@@ -68,7 +68,7 @@ def episode_batch(*, group_size: int = 3, turns: int = 3, vocab: int = 100, seed
                                     generator=generator)
             history = episode.history()
             lp = behaviour(history, sampled) if behaviour else -torch.rand(len(sampled), generator=generator) - 0.1
-            episode.turns.append(Turn(sampled, lp.float(), turn, turn, 0.1,
+            episode.turns.append(Turn(sampled, lp.float(), torch.full((len(sampled),), turn), turn, turn, 0.1,
                                       sampling_pb2.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=8)))
             if turn < turns - 1:
                 episode.turns[-1].observation = torch.randint(1, vocab, (3,), generator=generator)

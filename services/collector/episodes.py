@@ -33,7 +33,7 @@ from rlfleet.client.channel import ChannelSettings, call_with_retry
 from rlfleet.client.errors import NotFoundError
 from rlfleet.services.collector.failures import EpisodeLost
 from rlfleet.services.collector.prompt_item import PromptItem
-from rlfleet.services.collector.trajectories import GroupSamples
+from rlfleet.services.collector.trajectories import NOT_SAMPLED, GroupSamples, response_versions
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.v1 import environment_pb2, environment_pb2_grpc, generation_pb2, sampling_pb2
 from rlfleet.wire import Ragged, decode_tensor, encode_tensor
@@ -55,6 +55,8 @@ class Turn:
 
     token_ids: torch.Tensor
     log_probs: torch.Tensor
+    versions: torch.Tensor
+    """The policy version that sampled each of ``token_ids``."""
     policy_version_start: int
     policy_version_end: int
     seconds: float
@@ -137,9 +139,9 @@ class EpisodeRunner:
                 sample, = await generate(episode.history(), room, 1)
             else:
                 sample = await first_turns.sample(index, episode.prompt, room, generate)
-            turn = Turn(decode_tensor(sample.response_token_ids, "response_token_ids").to(torch.int64),
-                        decode_tensor(sample.behavior_log_probs, "behavior_log_probs").to(torch.float32),
-                        sample.policy_version_start, sample.policy_version_end, sample.timing.total_seconds,
+            token_ids = decode_tensor(sample.response_token_ids, "response_token_ids").to(torch.int64)
+            turn = Turn(token_ids, decode_tensor(sample.behavior_log_probs, "behavior_log_probs").to(torch.float32),
+                        response_versions(sample, len(token_ids)), sample.policy_version_start, sample.policy_version_end, sample.timing.total_seconds,
                         sample.sampling)
             episode.turns.append(turn)
             length += len(turn.token_ids)
@@ -240,17 +242,19 @@ class _FirstTurns:
 def group_of_episodes(episodes: list[Episode]) -> GroupSamples:
     """The episodes as a group of samples: ``responses`` = every turn's sampled and observation tokens,
     behaviour log-probs 0 and ``response_mask`` false over the observation tokens."""
-    responses, behavior, masks, versions = [], [], [], []
+    responses, behavior, masks, versions, token_versions = [], [], [], [], []
     for episode in episodes:
-        tokens, log_probs, mask = [], [], []
+        tokens, log_probs, mask, sampled_by = [], [], [], []
         for turn in episode.turns:
             tokens += [turn.token_ids, turn.observation]
             log_probs += [turn.log_probs, torch.zeros(len(turn.observation), dtype=torch.float32)]
             mask += [torch.ones(len(turn.token_ids), dtype=torch.bool),
                      torch.zeros(len(turn.observation), dtype=torch.bool)]
+            sampled_by += [turn.versions, torch.full((len(turn.observation),), NOT_SAMPLED, dtype=torch.int64)]
         responses.append(torch.cat(tokens))
         behavior.append(torch.cat(log_probs))
         masks.append(torch.cat(mask))
+        token_versions.append(torch.cat(sampled_by))
         versions.append(torch.tensor([[t.policy_version_start, t.policy_version_end] for t in episode.turns],
                                      dtype=torch.int64))
     return GroupSamples(
@@ -266,5 +270,6 @@ def group_of_episodes(episodes: list[Episode]) -> GroupSamples:
         truncated=[not e.done for e in episodes],
         sampling=episodes[0].turns[0].sampling,
         turn_versions=Ragged(torch.cat(versions), torch.tensor([len(e.turns) for e in episodes])),
+        versions=Ragged.from_list(token_versions, torch.int64),
         environment_rewards=[e.reward for e in episodes],
     )

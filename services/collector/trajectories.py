@@ -17,10 +17,12 @@ import numpy
 import torch
 
 from rlfleet.v1 import generation_pb2, reward_pb2, sampling_pb2, tensor_pb2
-from rlfleet.wire import Ragged, decode_ragged, decode_tensor, encode_ragged
+from rlfleet.wire import Ragged, WireError, decode_ragged, decode_tensor, encode_ragged
 from rlfleet.wire.tensor import encode_values
 
 FLOAT32 = tensor_pb2.DTYPE_FLOAT32
+NOT_SAMPLED = -1
+"""``versions/response`` over an episode's observation tokens: no policy sampled them."""
 
 
 @dataclass
@@ -45,6 +47,8 @@ class GroupSamples:
     """As the replica echoed it (the first turn's for episodes)."""
     turn_versions: Ragged
     """Per sample, one (start, end) policy-version pair per assistant turn: int64 ``[turns, 2]``."""
+    versions: Ragged
+    """Per response token, the policy version whose weights sampled it; ``NOT_SAMPLED`` over observation tokens."""
     environment_rewards: list[float] | None = None
     """Each episode's reward from its environment (per-turn rewards plus the final one); None: no environment."""
 
@@ -54,6 +58,7 @@ class GroupSamples:
         responses = [decode_tensor(s.response_token_ids, "response_token_ids").to(torch.int64) for s in samples]
         behavior = [decode_tensor(s.behavior_log_probs, "behavior_log_probs").to(torch.float32) for s in samples]
         starts, ends = [s.policy_version_start for s in samples], [s.policy_version_end for s in samples]
+        versions = [response_versions(s, len(r)) for s, r in zip(samples, responses)]
         reasons = [s.finish_reason for s in samples]
         return cls(Ragged.from_list(prompts, torch.int64), Ragged.from_list(responses, torch.int64),
                    Ragged.from_list(behavior, torch.float32), None, starts, ends,
@@ -61,7 +66,8 @@ class GroupSamples:
                    [r == sampling_pb2.FINISH_REASON_STOP for r in reasons],
                    [r == sampling_pb2.FINISH_REASON_LENGTH for r in reasons], samples[0].sampling,
                    Ragged(torch.tensor([starts, ends], dtype=torch.int64).T.contiguous(),
-                          torch.ones(len(samples), dtype=torch.int64)))
+                          torch.ones(len(samples), dtype=torch.int64)),
+                   Ragged.from_list(versions, torch.int64))
 
     def __len__(self) -> int:
         return len(self.sample_index)
@@ -98,6 +104,26 @@ class GroupSamples:
         return max(self.version_end)
 
 
+def response_versions(sample: generation_pb2.GenerateResponse, length: int) -> torch.Tensor:
+    """The policy version that sampled each of the sample's ``length`` response tokens, from the
+    replica's spans (which must cover the tokens in order); a sample without spans (no token labelled
+    by the engine) has its start version throughout. ``WireError`` names a span that does not fit."""
+    spans = sample.policy_version_spans
+    if not spans:
+        return torch.full((length,), sample.policy_version_start, dtype=torch.int64)
+    versions = torch.empty(length, dtype=torch.int64)
+    position = 0
+    for index, span in enumerate(spans):
+        if span.start != position or span.end < span.start:
+            raise WireError(f"policy_version_spans[{index}]", f"starts at token {span.start}, not {position}"
+                            if span.start != position else f"ends at {span.end}, before its start {span.start}")
+        versions[span.start:min(span.end, length)] = span.version
+        position = span.end
+    if position != length:
+        raise WireError("policy_version_spans", f"cover tokens [0, {position}) of {length}")
+    return versions
+
+
 def group_message(*, group: GroupSamples, ref_log_probs: tensor_pb2.RaggedTensor,
                   rewards: reward_pb2.ComputeRewardsResponse, group_id: int, prompt_id: str,
                   query: str = "") -> tensor_pb2.TensorDict:
@@ -115,6 +141,8 @@ def group_message(*, group: GroupSamples, ref_log_probs: tensor_pb2.RaggedTensor
     _column(entries["group_size"], [n] * n, torch.int64)
     _column(entries["sample_index"], group.sample_index, torch.int64)
     _column(entries["generation_seconds"], group.seconds, torch.float32)
+    versions = _nested(entries["versions"], n)
+    _ragged_column(versions.entries["response"], group.versions.values.numpy(), torch.int64, group.versions.lengths)
     turns = _nested(entries["turns"], n)
     _ragged_column(turns.entries["policy_versions"], group.turn_versions.values.numpy(), torch.int64,
                    group.turn_versions.lengths)

@@ -132,6 +132,8 @@ def _sample_to_proto(sample: SampleResult, template: generation_pb2.GenerateResp
         response.stop_reason = str(sample.stop_reason)
     response.policy_version_start = sample.policy_version_start
     response.policy_version_end = sample.policy_version_end
+    for version, start, end in sample.policy_version_spans:
+        response.policy_version_spans.add(version=version, start=start, end=end)
     timing = response.timing
     timing.queued_seconds = sample.timing.queue_seconds
     timing.first_token_seconds = sample.timing.first_token_seconds or 0.0

@@ -12,10 +12,11 @@ import pytest
 
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
+from rlfleet.wire import get_ragged
 from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, generation_pb2, generation_pb2_grpc, sampling_pb2,
                         trajectory_pb2, trajectory_pb2_grpc)
+from tests.hf_reference import load_hf, perturbed, response_log_probs
 from tests.integration.pushes import push
-from tests.hf_reference import load_hf
 from tests.integration.readers import Reader
 from tests.waiting import wait_for
 
@@ -118,6 +119,76 @@ def test_async_mode_staleness_is_bounded(backends, tmp_path, tiny_model_dir):
         reader.close()
         channel.close()
         proc.stop()
+
+
+LONG_TURN = 400
+"""Tokens a sample of the keep-swap test runs to: long enough for a push to land while it generates."""
+
+
+def test_a_keep_swap_mid_generation_splits_versions_response_where_the_engine_applied_it(backends, tmp_path,
+                                                                                         tiny_model_dir):
+    """Each response token's version (``versions/response``) is the version whose weights sampled it: the
+    tokens before a keep-mode swap have the old weights' log-probs (Hugging Face's, within 1e-4), the ones
+    after it the new weights'. A push lands mid-generation in most tries; up to 5 tries, alternating weights."""
+    proc, channel = start_collector(backends, tmp_path, "--mode", "async", "--max-staleness", "1000",
+                                    "--groups-per-step", "1")
+    collector = collector_pb2_grpc.CollectorServiceStub(channel)
+    replicas = [generation_pb2_grpc.GenerationServiceStub(grpc.insecure_channel(p.address))
+                for name, p in backends.items() if name.startswith("generation")]
+    base = load_hf(tiny_model_dir).state_dict()
+    weights = [base, perturbed(base, seed=7)]  # served now (the module's pushes are all of base), then pushed
+    reader = Reader(channel, batch_size=GROUP)
+    split = []
+    try:
+        for attempt in range(5):
+            prompt_id = f"keep-split-{attempt}"
+            collector.SubmitPrompts(collector_pb2.SubmitPromptsRequest(prompts=[collector_pb2.PromptSpec(
+                prompt_id=prompt_id, prompt=sampling_pb2.Prompt(text="count on and on"),
+                sampling=sampling_pb2.SamplingParams(max_tokens=LONG_TURN, ignore_eos=True))]), timeout=30)
+            wait_for(lambda: any(r.GetEngineStatus(generation_pb2.GetEngineStatusRequest(), timeout=10).running_requests
+                                 for r in replicas), PIPELINE_TIMEOUT, "the group to be generating", interval=0.02)
+            old, new = weights[attempt % 2], weights[(attempt + 1) % 2]
+            push(channel, new)
+            rows = read_rows(reader, prompt_id)
+            assert len(rows) == GROUP
+            for row in rows:
+                versions = row["versions"].tolist()
+                assert len(versions) == len(row["response"]) == LONG_TURN
+                assert versions[0] == row["start"] and versions[-1] == row["end"] and versions == sorted(versions)
+                if row["start"] != row["end"]:
+                    split.append((row, old, new))
+            if split:
+                break
+        assert split, "no push landed while a sample generated, in 5 tries"
+        for row, old, new in split[:2]:
+            switch = row["versions"].tolist().index(row["end"])
+            assert 0 < switch < LONG_TURN and set(row["versions"].tolist()) == {row["start"], row["end"]}
+            for model, part in ((load_hf(tiny_model_dir, old), slice(0, switch)),
+                                (load_hf(tiny_model_dir, new), slice(switch, None))):
+                expected = response_log_probs(model, row["prompt"].tolist(), row["response"].tolist())
+                assert (row["log_probs"][part] - expected[part]).abs().max() <= 1e-4, (switch, part)
+    finally:
+        push(channel, base)  # the module's other tests expect the base weights served
+        reader.close()
+        channel.close()
+        proc.stop()
+
+
+def read_rows(reader: "Reader", prompt_id: str) -> list[dict]:
+    """The rows of ``prompt_id``'s group, read whole: tokens, behaviour log-probs and versions per sample."""
+    while True:
+        batch = reader.next()
+        rows = []
+        for i, pid in enumerate(list(batch["prompt_id"])):
+            if pid == prompt_id:  # else left in the shared buffer by an earlier test's collector
+                rows.append({
+                    "prompt": get_ragged(batch, ("tokens", "prompt")).to_list()[i],
+                    "response": get_ragged(batch, ("tokens", "response")).to_list()[i],
+                    "log_probs": get_ragged(batch, ("log_probs", "response")).to_list()[i],
+                    "versions": get_ragged(batch, ("versions", "response")).to_list()[i],
+                    "start": int(batch["policy_version_start"][i]), "end": int(batch["policy_version_end"][i])})
+        if rows:
+            return rows
 
 
 def status(channel) -> collector_pb2.GetStatusResponse:

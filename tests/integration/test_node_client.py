@@ -45,6 +45,8 @@ def test_node_client_speaks_the_contract_from_protos_alone(node_client, suite):
     assert got["full_lengths"] == [p + r for p, r in zip(got["prompt_lengths"], got["response_lengths"])]
     assert got["log_prob_lengths"] == got["response_lengths"] and min(got["response_lengths"]) > 0
     assert all(total < 0 for total in got["log_prob_sums"])  # log-probs of sampled tokens
+    # The version that sampled each token: one per sample here (no push while it generated).
+    assert got["token_versions"] == [[start] for start in got["version_start"]]
     assert got["done_shape"] == [BATCH, 1] and all(got["done"])
     # 64-bit ids decoded exactly (BigInt): trajectory ids are "<group id in hex>-<sample index>".
     assert got["trajectory_id"] == [f"{h}-{i}" for h, i in zip(got["group_id_hex"], got["sample_index"])]

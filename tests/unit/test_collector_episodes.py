@@ -90,6 +90,9 @@ def generator(histories: list[list[int]], tokens: int = 4, version=lambda turn: 
                     finish_reason=(sampling_pb2.FINISH_REASON_LENGTH if count == room
                                    else sampling_pb2.FINISH_REASON_STOP),
                     sampling=sampling_pb2.SamplingParams(temperature=1.0, max_tokens=room))
+                if start != end:  # a keep-mode swap halfway through the turn
+                    sample.policy_version_spans.add(version=start, start=0, end=count // 2)
+                    sample.policy_version_spans.add(version=end, start=count // 2, end=count)
                 encode_tensor(torch.arange(count) + 10 * (index + s + 1), out=sample.response_token_ids)
                 encode_tensor(torch.full((count,), -0.5), out=sample.behavior_log_probs)
                 samples.append(sample)
@@ -155,6 +158,8 @@ def test_per_turn_versions_are_recorded():
     group = group_of_episodes(episodes)
     assert group.turn_versions.values.tolist() == [[0, 1], [1, 2], [2, 3]]
     assert (group.version_start, group.version_end) == ([0], [3])
+    # Per response token: each turn's 4 sampled tokens split at the swap, -1 over the 2 observation tokens.
+    assert group.versions.to_list()[0].tolist() == [0, 0, 1, 1, -1, -1, 1, 1, 2, 2, -1, -1, 2, 2, 3, 3]
 
 
 def test_a_prompt_longer_than_the_budget_is_refused_and_the_episodes_closed():

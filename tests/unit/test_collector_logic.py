@@ -9,7 +9,10 @@ from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.ledger import PromptLedger
 from rlfleet.services.collector.prompt_item import PromptItem
 from rlfleet.services.collector.source import PromptSource
+from rlfleet.services.collector.trajectories import response_versions
 from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
+from rlfleet.v1 import generation_pb2
+from rlfleet.wire import WireError
 
 
 def run(coro):
@@ -405,3 +408,16 @@ def test_the_batch_proxy_ends_at_once_on_a_bad_message_that_came_while_it_yielde
 
     with pytest.raises(InvalidArgument, match="not a valid protobuf message"):
         asyncio.run(stream())
+
+
+def test_response_versions_expand_the_replicas_spans_and_refuse_a_gap():
+    sample = generation_pb2.GenerateResponse(policy_version_start=4, policy_version_end=5)
+    assert response_versions(sample, 3).tolist() == [4, 4, 4]  # no spans (no token labelled): the start version
+    sample.policy_version_spans.add(version=4, start=0, end=2)
+    sample.policy_version_spans.add(version=5, start=2, end=5)
+    assert response_versions(sample, 5).tolist() == [4, 4, 5, 5, 5]
+    with pytest.raises(WireError, match=r"policy_version_spans: cover tokens \[0, 5\) of 6"):
+        response_versions(sample, 6)
+    sample.policy_version_spans[1].start = 3
+    with pytest.raises(WireError, match=r"policy_version_spans\[1\]: starts at token 3, not 2"):
+        response_versions(sample, 5)

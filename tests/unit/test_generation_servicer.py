@@ -33,7 +33,9 @@ def test_sample_reply_equals_the_message_built_field_by_field():
         expected = generation_pb2.GenerateResponse(
             request_id="req-1", sample_index=3, finish_reason=sampling_pb2.FINISH_REASON_STOP, stop_reason=wire_stop,
             policy_version_start=4, policy_version_end=5, sampling=sampling_to_proto(spec),
-            timing=generation_pb2.SampleTiming(queued_seconds=0.25, first_token_seconds=0.0, total_seconds=1.5))
+            timing=generation_pb2.SampleTiming(queued_seconds=0.25, first_token_seconds=0.0, total_seconds=1.5),
+            policy_version_spans=[generation_pb2.VersionSpan(version=4, start=0, end=10),
+                                  generation_pb2.VersionSpan(version=5, start=10, end=64)])
         expected.prompt_token_ids.CopyFrom(encode_tensor(torch.tensor(prompt_ids, dtype=torch.int64)))
         expected.response_token_ids.CopyFrom(encode_tensor(torch.tensor(sample.response_token_ids)))
         expected.behavior_log_probs.CopyFrom(encode_tensor(torch.tensor(sample.behavior_log_probs,

@@ -30,7 +30,7 @@ class SampleTiming(_message.Message):
     def __init__(self, queued_seconds: _Optional[float] = ..., first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "sample_index", "prompt_token_ids", "response_token_ids", "behavior_log_probs", "finish_reason", "stop_reason", "policy_version_start", "policy_version_end", "sampling", "timing")
+    __slots__ = ("request_id", "sample_index", "prompt_token_ids", "response_token_ids", "behavior_log_probs", "finish_reason", "stop_reason", "policy_version_start", "policy_version_end", "sampling", "timing", "policy_version_spans")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class GenerateResponse(_message.Message):
     POLICY_VERSION_END_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sample_index: int
     prompt_token_ids: _tensor_pb2.Tensor
@@ -53,7 +54,18 @@ class GenerateResponse(_message.Message):
     policy_version_end: int
     sampling: _sampling_pb2.SamplingParams
     timing: SampleTiming
-    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., response_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., behavior_log_probs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., finish_reason: _Optional[_Union[_sampling_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., policy_version_start: _Optional[int] = ..., policy_version_end: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., timing: _Optional[_Union[SampleTiming, _Mapping]] = ...) -> None: ...
+    policy_version_spans: _containers.RepeatedCompositeFieldContainer[VersionSpan]
+    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., response_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., behavior_log_probs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., finish_reason: _Optional[_Union[_sampling_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., policy_version_start: _Optional[int] = ..., policy_version_end: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., timing: _Optional[_Union[SampleTiming, _Mapping]] = ..., policy_version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ...) -> None: ...
+
+class VersionSpan(_message.Message):
+    __slots__ = ("version", "start", "end")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    start: int
+    end: int
+    def __init__(self, version: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
     __slots__ = ("manifest", "chunk", "commit")

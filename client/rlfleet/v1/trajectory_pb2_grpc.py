@@ -34,6 +34,7 @@ class TrajectoryServiceStub:
     masks/all_attention_mask  ragged bool over full
     masks/all_assistant_mask  ragged bool over full
     log_probs/response        ragged float32 over response
+    versions/response         ragged int64 over response
     ref_log_probs/response    ragged float32 over response
     kl                        ragged float32 over response
     next/reward               ragged float32 over response
@@ -101,6 +102,7 @@ class TrajectoryServiceServicer:
     masks/all_attention_mask  ragged bool over full
     masks/all_assistant_mask  ragged bool over full
     log_probs/response        ragged float32 over response
+    versions/response         ragged int64 over response
     ref_log_probs/response    ragged float32 over response
     kl                        ragged float32 over response
     next/reward               ragged float32 over response
@@ -222,6 +224,7 @@ class TrajectoryService:
     masks/all_attention_mask  ragged bool over full
     masks/all_assistant_mask  ragged bool over full
     log_probs/response        ragged float32 over response
+    versions/response         ragged int64 over response
     ref_log_probs/response    ragged float32 over response
     kl                        ragged float32 over response
     next/reward               ragged float32 over response

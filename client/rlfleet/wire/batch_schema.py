@@ -69,6 +69,10 @@ BATCH_FIELDS: tuple[BatchField, ...] = (
             "Behaviour log-probability of each response token under the generating engine, of "
             "logits / temperature (the distribution sampled from); 0 over observation tokens (not sampled).",
             "nats"),
+    _ragged("versions/response", "INT64", "response",
+            "The policy version whose weights sampled each response token (a keep-mode push during "
+            "generation changes it mid-sample, at the token where the engine applied it); -1 over "
+            "observation tokens (not sampled)."),
     _ragged("ref_log_probs/response", "FLOAT32", "response",
             "Log-probability of each response token (observation tokens included) under the frozen reference "
             "model (temperature 1).", "nats"),

@@ -120,6 +120,8 @@ summary.prompt_lengths = batch["tokens/prompt"].samples.map((s) => s.length);
 summary.full_lengths = batch["tokens/full"].samples.map((s) => s.length);
 summary.log_prob_lengths = batch["log_probs/response"].samples.map((s) => s.length);
 summary.log_prob_sums = batch["log_probs/response"].samples.map((s) => s.reduce((a, b) => a + b, 0));
+summary.token_versions = batch["versions/response"].samples.map((s) => [...new Set(s.map(String))]);
+summary.version_start = str(batch.policy_version_start.values);
 summary.done_shape = batch["next/done"].shape;
 summary.done = batch["next/done"].values;
 summary.advantage = batch.advantage.values;

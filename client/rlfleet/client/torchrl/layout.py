@@ -22,6 +22,8 @@ key (per sample ``i``)                    shape            value
 ``next/{done,terminated,truncated}``      ``(1,)``         bool (done: True; single-turn)
 ``{done,terminated,truncated}``           ``(1,)``         bool, False (the state before the step)
 ``policy_version``, ``next/policy_version``  ``()``        int64: version at generation start / end
+``versions/response``                     ``(R,)``         int64: the version that sampled each response token
+                                                           (-1 over an episode's observation tokens)
 ``query``                                 str              the prompt's text (the last user message of a chat),
                                                            or its prompt id for token-id prompts: MCAdvantage's
                                                            group key
