@@ -22,7 +22,7 @@ start only when the committed version is at least ``s - max_staleness``:
   version ``>= s - k``.
 
 Pushes close the gate while weights are swapped (nothing starts on weights
-that are about to be replaced).
+that are about to be replaced), and so does an open mismatch breaker (``hold``).
 
 Steps are counted from ``base`` versions: a push committed while the next step
 to admit was already admissible at the old version (the trainer pushed without
@@ -58,6 +58,7 @@ class VersionGate:
         self.base = 0
         self._changed = asyncio.Condition()
         self._pushing = False
+        self._held = False
 
     def too_stale_to_append(self, start_version: int, now_version: int) -> bool:
         """A group that started at ``start_version`` would reach the trainer at ``now_version``
@@ -79,7 +80,13 @@ class VersionGate:
     def may_start(self) -> bool:
         """Whether the next group may start now."""
         step = self.step_of(self.groups_started)
-        return not self._pushing and self.version >= self.base + step - self.max_staleness
+        return not self._pushing and not self._held and self.version >= self.base + step - self.max_staleness
+
+    async def hold(self, held: bool) -> None:
+        """Stop admitting groups (the mismatch breaker is open), or admit again."""
+        async with self._changed:
+            self._held = held
+            self._changed.notify_all()
 
     async def admit(self) -> tuple[int, int]:
         """Wait until the next group may start; return (group index, version it starts at)."""

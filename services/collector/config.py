@@ -109,6 +109,12 @@ class CollectorConfig(ServiceConfig):
     """async: generation runs at most this many trainer steps ahead of the pushed weights (forced to 0 in sync)."""
     groups_per_step: int = Field(8, ge=1)
     """Groups the trainer consumes per step (its batch size / group_size): the unit of staleness."""
+    mismatch_kl_threshold: float | None = Field(None, gt=0)
+    """The mismatch breaker: a trainer's report (ReportMismatch) whose lag-0 k3 KL between its own and the
+    behaviour log-probs is above this counts; ``mismatch_trip_batches`` in a row stop admission and refuse
+    trainer calls until an operator closes it (``mismatch.py``). None: reports are shown, never acted on."""
+    mismatch_trip_batches: int = Field(3, ge=1)
+    """Reports over ``mismatch_kl_threshold`` in a row that open the mismatch breaker."""
 
     max_groups_in_flight: int = Field(32, ge=1)
     """Groups admitted but not yet appended (all stages together)."""

@@ -22,6 +22,7 @@ from rlfleet.services.collector.discovery import make_discovery
 from rlfleet.services.collector.episodes import EpisodeLimits, EpisodeRunner
 from rlfleet.services.collector.fanout import WeightFanout
 from rlfleet.services.collector.ledger import PromptLedger
+from rlfleet.services.collector.mismatch import LagMismatch, MismatchBreaker
 from rlfleet.services.collector.prompt_item import PromptItem
 from rlfleet.services.collector.replicas import ReplicaPool
 from rlfleet.services.collector.rollout import Pipeline, PipelineOptions
@@ -55,6 +56,7 @@ class CollectorService(Service[CollectorConfig]):
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.gate = VersionGate(groups_per_step=config.groups_per_step, max_staleness=config.max_staleness,
                                 sync=config.mode == "sync")
+        self.mismatch = MismatchBreaker(config.mismatch_kl_threshold, config.mismatch_trip_batches)
         self.pool = ReplicaPool(self.settings)
         self.discovery = make_discovery(config.generation_addresses, config.generation_addresses_file,
                                         config.resolve_generation_addresses)
@@ -305,8 +307,32 @@ class CollectorService(Service[CollectorConfig]):
             failed_prompts=pipeline.failed_prompts + self.source.bad_rows, serving=not self.serving_problem,
             not_serving_reason=self.serving_problem, failed=bool(self.failure),
             spool_error=self.fanout.spool_error, episodes=pipeline.episodes_appended,
-            episode_turns=pipeline.episode_turns,
+            episode_turns=pipeline.episode_turns, mismatch=self.mismatch_status(),
         )
+
+    def mismatch_status(self) -> collector_pb2.MismatchStatus:
+        breaker = self.mismatch
+        return collector_pb2.MismatchStatus(
+            breaker_open=breaker.open, reason=breaker.reason, threshold=breaker.threshold or 0.0,
+            trip_batches=breaker.trip_batches, consecutive_over=breaker.consecutive_over, reports=breaker.reports,
+            latest=[collector_pb2.LagMismatch(lag=m.lag, kl_k3=m.kl_k3, kl_k1=m.kl_k1, ess_token=m.ess_token,
+                                              tokens=m.tokens) for m in breaker.latest.values()])
+
+    async def report_mismatch(self, policy_version: int, lags: list[LagMismatch]) -> None:
+        """A trainer's measurement; opening the breaker holds admission."""
+        if self.mismatch.report(policy_version, lags):
+            await self.gate.hold(True)
+
+    async def close_mismatch_breaker(self) -> bool:
+        was_open = self.mismatch.close()
+        await self.gate.hold(False)
+        return was_open
+
+    def check_trainer_call(self) -> None:
+        """What a trainer's push, submission or batch stream must pass: the collector works and the
+        mismatch breaker is closed (FAILED_PRECONDITION naming the measurement otherwise)."""
+        self.check_working()
+        self.mismatch.check()
 
     @property
     def serving_problem(self) -> str:
@@ -328,8 +354,8 @@ class CollectorService(Service[CollectorConfig]):
 
     def check_submitting(self) -> None:
         """Submissions are taken from the moment the prompt ledger is read (before the replicas
-        answer: the prompts wait durably), until the collector fails."""
-        self.check_working()
+        answer: the prompts wait durably), until the collector fails; not while the mismatch breaker is open."""
+        self.check_trainer_call()
         if not self.source.restored:
             raise Unavailable("the collector is starting: its prompt ledger is not read yet")
 

@@ -10,6 +10,7 @@ import grpc
 
 from rlfleet.client.errors import from_rpc_error
 from rlfleet.services.collector import prompt_item
+from rlfleet.services.collector.mismatch import LagMismatch
 from rlfleet.services.common import metrics
 from rlfleet.services.common.errors import Aborted, InvalidArgument, UpstreamError
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc
@@ -29,6 +30,7 @@ class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
 
     async def PushWeights(self, request_iterator, context):
         self.collector.check_serving()
+        self.collector.mismatch.check()
 
         async def messages():
             async for request in request_iterator:
@@ -61,6 +63,16 @@ class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
     async def GetStatus(self, request, context):
         return self.collector.status()
 
+    async def ReportMismatch(self, request, context):
+        self.collector.check_working()
+        lags = [LagMismatch(lag=m.lag, kl_k3=m.kl_k3, kl_k1=m.kl_k1, ess_token=m.ess_token, tokens=m.tokens)
+                for m in request.lags]
+        await self.collector.report_mismatch(request.policy_version, lags)
+        return collector_pb2.ReportMismatchResponse(status=self.collector.mismatch_status())
+
+    async def CloseMismatchBreaker(self, request, context):
+        return collector_pb2.CloseMismatchBreakerResponse(was_open=await self.collector.close_mismatch_breaker())
+
     async def ListFailures(self, request, context):
         if request.after_seq < 0 or request.limit < 0:
             raise InvalidArgument(f"after_seq and limit: must be >= 0, got {request.after_seq} and {request.limit}")
@@ -83,7 +95,7 @@ class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
 
     async def StreamBatches(self, request_iterator, context):
         collector = self.collector
-        collector.check_working()
+        collector.check_trainer_call()
         upstream = collector.trajectory.StreamBatches(metadata=collector.settings.metadata())
         write_lock = asyncio.Lock()
         # A write racing the upstream's end (it refused an earlier message) fails, and grpc's aio client

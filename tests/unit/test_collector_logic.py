@@ -341,7 +341,7 @@ def test_the_batch_proxy_answers_aborted_not_internal_when_the_upstream_ends_the
     upstream = _UpstreamEndedFirst()
     collector = SimpleNamespace(trajectory=SimpleNamespace(StreamBatches=lambda metadata: upstream),
                                 settings=SimpleNamespace(metadata=lambda: ()), gate=VersionGate(),
-                                check_working=lambda: None, failed=asyncio.Event())
+                                check_trainer_call=lambda: None, failed=asyncio.Event())
 
     async def trainer():
         yield trajectory_pb2.StreamBatchesRequest(nack=trajectory_pb2.NackBatch(lease_id="no-such-lease"))
@@ -390,7 +390,7 @@ def test_the_batch_proxy_ends_at_once_on_a_bad_message_that_came_while_it_yielde
     upstream = _UpstreamOneBatch()
     collector = SimpleNamespace(trajectory=SimpleNamespace(StreamBatches=lambda metadata: upstream),
                                 settings=SimpleNamespace(metadata=lambda: ()), gate=VersionGate(),
-                                check_working=lambda: None, failed=asyncio.Event())
+                                check_trainer_call=lambda: None, failed=asyncio.Event())
     batch_read, bad_message_read = asyncio.Event(), asyncio.Event()
 
     async def trainer():

@@ -11,14 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from rlfleet.client.batches import DEFAULT_IDLE_TIMEOUT, DEFAULT_RECONNECT_SECONDS, BatchStream
 from rlfleet.client.channel import ChannelSettings, aio_channel, call_with_retry
 from rlfleet.client.errors import FailedPreconditionError, RlfleetClientError, UnavailableError, UnimplementedError
 from rlfleet.client.prompts import PromptInput, to_prompt_specs
 from rlfleet.client.push import DEFAULT_CHUNK_BYTES, TransportMemo, named_tensors, push_weights
-from rlfleet.client.results import BufferStats, DroppedStale, PromptFailure, PushResult, Status
+from rlfleet.client.results import BufferStats, DroppedStale, MismatchStatus, PromptFailure, PushResult, Status
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc
 
 log = logging.getLogger("rlfleet.client")
@@ -176,6 +176,29 @@ class AsyncClient:
         collector, _ = self._stubs()
         return Status.from_proto(await self._unary(collector.GetStatus, collector_pb2.GetStatusRequest(),
                                                    "GetStatus", timeout))
+
+    async def report_mismatch(self, by_lag: Mapping[int, Mapping[str, float]], policy_version: int, *,
+                              timeout: float | None = None) -> MismatchStatus:
+        """Report the train/inference mismatch measured on a batch: ``by_lag`` as
+        ``rlfleet.client.offpolicy.importance_weights(..., versions=, trainer_version=).by_lag`` gives it
+        (lag -> ``kl_k3``, ``kl_k1``, ``ess_token``, ``tokens``), ``policy_version`` the version the
+        trainer's weights are. The collector shows it in ``status()``; with a threshold set, reports
+        over it in a row open its mismatch breaker. Returns the breaker's state after this report."""
+        collector, _ = self._stubs()
+        request = collector_pb2.ReportMismatchRequest(policy_version=policy_version, lags=[
+            collector_pb2.LagMismatch(lag=int(lag), kl_k3=values["kl_k3"], kl_k1=values["kl_k1"],
+                                      ess_token=values["ess_token"], tokens=int(values["tokens"]))
+            for lag, values in sorted(by_lag.items())])
+        reply = await self._unary(collector.ReportMismatch, request, "ReportMismatch", timeout)
+        return MismatchStatus.from_proto(reply.status)
+
+    async def close_mismatch_breaker(self, *, timeout: float | None = None) -> bool:
+        """Operator role: close the collector's mismatch breaker (admission and trainer calls resume);
+        whether it was open."""
+        collector, _ = self._stubs()
+        reply = await self._unary(collector.CloseMismatchBreaker, collector_pb2.CloseMismatchBreakerRequest(),
+                                  "CloseMismatchBreaker", timeout)
+        return reply.was_open
 
     async def failures(self, *, after_seq: int = 0, limit: int = 100,
                        timeout: float | None = None) -> tuple[list[PromptFailure], int]:

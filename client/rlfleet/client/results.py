@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rlfleet.v1 import collector_pb2, trajectory_pb2
 
@@ -89,6 +89,31 @@ class ReplicaStatus:
 
 
 @dataclass(frozen=True)
+class MismatchStatus:
+    """What trainers reported of the train/inference mismatch, and the collector's breaker on it."""
+
+    breaker_open: bool = False
+    """No new group is admitted and trainer calls answer ``FailedPreconditionError`` until an operator
+    closes it (``close_mismatch_breaker``)."""
+    reason: str = ""
+    """Why it opened: the measured lag-0 k3 KL, the threshold, the version where it started."""
+    threshold: float = 0.0
+    """The lag-0 k3 KL threshold (0: no breaker)."""
+    trip_batches: int = 0
+    consecutive_over: int = 0
+    reports: int = 0
+    latest: dict[int, dict[str, float]] = field(default_factory=dict)
+    """The latest report: lag -> kl_k3, kl_k1, ess_token, tokens."""
+
+    @classmethod
+    def from_proto(cls, status: collector_pb2.MismatchStatus) -> "MismatchStatus":
+        return cls(status.breaker_open, status.reason, status.threshold, status.trip_batches,
+                   status.consecutive_over, status.reports,
+                   {m.lag: {"kl_k3": m.kl_k3, "kl_k1": m.kl_k1, "ess_token": m.ess_token, "tokens": m.tokens}
+                    for m in status.latest})
+
+
+@dataclass(frozen=True)
 class Status:
     """The collector's pipeline state (``GetStatus``)."""
 
@@ -125,6 +150,8 @@ class Status:
     """Multi-turn episodes appended since the collector started (also counted in ``trajectories``)."""
     episode_turns: int = 0
     """Their assistant turns (``episode_turns / episodes``: mean turns per episode)."""
+    mismatch: MismatchStatus = field(default_factory=MismatchStatus)
+    """The train/inference mismatch trainers reported, and the breaker on it."""
 
     @classmethod
     def from_proto(cls, reply: collector_pb2.GetStatusResponse) -> "Status":
@@ -139,6 +166,7 @@ class Status:
             failed_prompts=reply.failed_prompts, serving=reply.serving,
             not_serving_reason=reply.not_serving_reason, failed=reply.failed,
             spool_error=reply.spool_error, episodes=reply.episodes, episode_turns=reply.episode_turns,
+            mismatch=MismatchStatus.from_proto(reply.mismatch),
         )
 
 

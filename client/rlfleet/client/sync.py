@@ -17,7 +17,7 @@ from rlfleet.client.batches import DEFAULT_IDLE_TIMEOUT, DEFAULT_RECONNECT_SECON
 from rlfleet.client.channel import ChannelSettings
 from rlfleet.client.prompts import PromptInput
 from rlfleet.client.push import DEFAULT_CHUNK_BYTES, named_tensors
-from rlfleet.client.results import BufferStats, DroppedStale, PromptFailure, PushResult, Status
+from rlfleet.client.results import BufferStats, DroppedStale, MismatchStatus, PromptFailure, PushResult, Status
 
 T = TypeVar("T")
 
@@ -177,6 +177,14 @@ class Client:
     def status(self, *, timeout: float | None = None) -> Status:
         """See ``AsyncClient.status``."""
         return self._runner.run(self._async.status(timeout=timeout))
+
+    def report_mismatch(self, by_lag, policy_version: int, *, timeout: float | None = None) -> MismatchStatus:
+        """See ``AsyncClient.report_mismatch``."""
+        return self._runner.run(self._async.report_mismatch(by_lag, policy_version, timeout=timeout))
+
+    def close_mismatch_breaker(self, *, timeout: float | None = None) -> bool:
+        """See ``AsyncClient.close_mismatch_breaker``."""
+        return self._runner.run(self._async.close_mismatch_breaker(timeout=timeout))
 
     def buffer_stats(self, *, timeout: float | None = None) -> BufferStats:
         """See ``AsyncClient.buffer_stats``."""

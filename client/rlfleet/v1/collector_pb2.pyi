@@ -8,6 +8,62 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LagMismatch(_message.Message):
+    __slots__ = ("lag", "kl_k3", "kl_k1", "ess_token", "tokens")
+    LAG_FIELD_NUMBER: _ClassVar[int]
+    KL_K3_FIELD_NUMBER: _ClassVar[int]
+    KL_K1_FIELD_NUMBER: _ClassVar[int]
+    ESS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    lag: int
+    kl_k3: float
+    kl_k1: float
+    ess_token: float
+    tokens: int
+    def __init__(self, lag: _Optional[int] = ..., kl_k3: _Optional[float] = ..., kl_k1: _Optional[float] = ..., ess_token: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class ReportMismatchRequest(_message.Message):
+    __slots__ = ("policy_version", "lags")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAGS_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    lags: _containers.RepeatedCompositeFieldContainer[LagMismatch]
+    def __init__(self, policy_version: _Optional[int] = ..., lags: _Optional[_Iterable[_Union[LagMismatch, _Mapping]]] = ...) -> None: ...
+
+class ReportMismatchResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: MismatchStatus
+    def __init__(self, status: _Optional[_Union[MismatchStatus, _Mapping]] = ...) -> None: ...
+
+class CloseMismatchBreakerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CloseMismatchBreakerResponse(_message.Message):
+    __slots__ = ("was_open",)
+    WAS_OPEN_FIELD_NUMBER: _ClassVar[int]
+    was_open: bool
+    def __init__(self, was_open: _Optional[bool] = ...) -> None: ...
+
+class MismatchStatus(_message.Message):
+    __slots__ = ("breaker_open", "reason", "threshold", "trip_batches", "consecutive_over", "reports", "latest")
+    BREAKER_OPEN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    TRIP_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    CONSECUTIVE_OVER_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    breaker_open: bool
+    reason: str
+    threshold: float
+    trip_batches: int
+    consecutive_over: int
+    reports: int
+    latest: _containers.RepeatedCompositeFieldContainer[LagMismatch]
+    def __init__(self, breaker_open: _Optional[bool] = ..., reason: _Optional[str] = ..., threshold: _Optional[float] = ..., trip_batches: _Optional[int] = ..., consecutive_over: _Optional[int] = ..., reports: _Optional[int] = ..., latest: _Optional[_Iterable[_Union[LagMismatch, _Mapping]]] = ...) -> None: ...
+
 class ListFailuresRequest(_message.Message):
     __slots__ = ("after_seq", "limit")
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -156,7 +212,7 @@ class ReplicaStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., policy_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., weight_transfer_world_size: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("policy_version", "mode", "max_staleness", "stages", "replicas", "staleness_histogram", "trajectories", "discarded_samples", "group_size", "groups_per_step", "pending_prompts", "failed_prompts", "serving", "not_serving_reason", "failed", "spool_error", "episodes", "episode_turns")
+    __slots__ = ("policy_version", "mode", "max_staleness", "stages", "replicas", "staleness_histogram", "trajectories", "discarded_samples", "group_size", "groups_per_step", "pending_prompts", "failed_prompts", "serving", "not_serving_reason", "failed", "spool_error", "episodes", "episode_turns", "mismatch")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +231,7 @@ class GetStatusResponse(_message.Message):
     SPOOL_ERROR_FIELD_NUMBER: _ClassVar[int]
     EPISODES_FIELD_NUMBER: _ClassVar[int]
     EPISODE_TURNS_FIELD_NUMBER: _ClassVar[int]
+    MISMATCH_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     mode: str
     max_staleness: int
@@ -193,4 +250,5 @@ class GetStatusResponse(_message.Message):
     spool_error: str
     episodes: int
     episode_turns: int
-    def __init__(self, policy_version: _Optional[int] = ..., mode: _Optional[str] = ..., max_staleness: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., trajectories: _Optional[int] = ..., discarded_samples: _Optional[int] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., failed_prompts: _Optional[int] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ..., failed: _Optional[bool] = ..., spool_error: _Optional[str] = ..., episodes: _Optional[int] = ..., episode_turns: _Optional[int] = ...) -> None: ...
+    mismatch: MismatchStatus
+    def __init__(self, policy_version: _Optional[int] = ..., mode: _Optional[str] = ..., max_staleness: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., trajectories: _Optional[int] = ..., discarded_samples: _Optional[int] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., failed_prompts: _Optional[int] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ..., failed: _Optional[bool] = ..., spool_error: _Optional[str] = ..., episodes: _Optional[int] = ..., episode_turns: _Optional[int] = ..., mismatch: _Optional[_Union[MismatchStatus, _Mapping]] = ...) -> None: ...

@@ -60,6 +60,16 @@ class CollectorServiceStub:
                 request_serializer=rlfleet_dot_v1_dot_collector__pb2.ListFailuresRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_collector__pb2.ListFailuresResponse.FromString,
                 _registered_method=True)
+        self.ReportMismatch = channel.unary_unary(
+                '/rlfleet.v1.CollectorService/ReportMismatch',
+                request_serializer=rlfleet_dot_v1_dot_collector__pb2.ReportMismatchRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_collector__pb2.ReportMismatchResponse.FromString,
+                _registered_method=True)
+        self.CloseMismatchBreaker = channel.unary_unary(
+                '/rlfleet.v1.CollectorService/CloseMismatchBreaker',
+                request_serializer=rlfleet_dot_v1_dot_collector__pb2.CloseMismatchBreakerRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_collector__pb2.CloseMismatchBreakerResponse.FromString,
+                _registered_method=True)
 
 
 class CollectorServiceServicer:
@@ -124,6 +134,31 @@ class CollectorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportMismatch(self, request, context):
+        """A trainer reports the train/inference mismatch it measured on a batch
+        (rlfleet.client.offpolicy's metrics per version lag). With
+        `mismatch_kl_threshold` set, a report whose lag-0 k3 KL is above it
+        counts toward the mismatch breaker; `mismatch_trip_batches` such reports
+        in a row open it: the collector admits no new group (it keeps what it
+        has) and PushWeights, SubmitPrompts and StreamBatches answer
+        FAILED_PRECONDITION naming the measured value, the threshold and the
+        version where it started, until an operator closes it
+        (CloseMismatchBreaker). Reports are taken while it is open. Errors:
+        INVALID_ARGUMENT naming the field (a lag twice, a value not finite, no
+        tokens, more than 1024 lags).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseMismatchBreaker(self, request, context):
+        """Operator: closes an open mismatch breaker; admission and trainer calls
+        resume, and the count of reports over the threshold starts again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CollectorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -151,6 +186,16 @@ def add_CollectorServiceServicer_to_server(servicer, server):
                     servicer.ListFailures,
                     request_deserializer=rlfleet_dot_v1_dot_collector__pb2.ListFailuresRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_collector__pb2.ListFailuresResponse.SerializeToString,
+            ),
+            'ReportMismatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportMismatch,
+                    request_deserializer=rlfleet_dot_v1_dot_collector__pb2.ReportMismatchRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_collector__pb2.ReportMismatchResponse.SerializeToString,
+            ),
+            'CloseMismatchBreaker': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseMismatchBreaker,
+                    request_deserializer=rlfleet_dot_v1_dot_collector__pb2.CloseMismatchBreakerRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_collector__pb2.CloseMismatchBreakerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -289,6 +334,60 @@ class CollectorService:
             '/rlfleet.v1.CollectorService/ListFailures',
             rlfleet_dot_v1_dot_collector__pb2.ListFailuresRequest.SerializeToString,
             rlfleet_dot_v1_dot_collector__pb2.ListFailuresResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportMismatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.CollectorService/ReportMismatch',
+            rlfleet_dot_v1_dot_collector__pb2.ReportMismatchRequest.SerializeToString,
+            rlfleet_dot_v1_dot_collector__pb2.ReportMismatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseMismatchBreaker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.CollectorService/CloseMismatchBreaker',
+            rlfleet_dot_v1_dot_collector__pb2.CloseMismatchBreakerRequest.SerializeToString,
+            rlfleet_dot_v1_dot_collector__pb2.CloseMismatchBreakerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,103 @@
+"""What trainers measured of the train/inference mismatch, and the circuit breaker on it.
+
+A trainer reports, per batch, the mismatch ``rlfleet.client.offpolicy`` measured per version lag
+(``ReportMismatch``). Lag 0 is the tokens sampled by the very weights the trainer holds: there the
+mismatch is the engine's numerics against the trainer's, which staleness cannot explain. A broken
+push (weights the replicas did not get, a dtype mix-up, a quantization bug) shows there first. With a
+threshold set, ``trip_batches`` reports in a row whose lag-0 k3 KL is above it open the breaker: the
+collector admits no new group (what it has stays, nothing is discarded) and refuses trainer calls with
+FAILED_PRECONDITION naming the measured value, the threshold and the version where it started, until
+an operator closes it. A report without lag-0 tokens neither counts nor resets the count.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument
+
+log = logging.getLogger(__name__)
+
+MAX_LAGS = 1024
+
+
+@dataclass(frozen=True)
+class LagMismatch:
+    lag: int
+    kl_k3: float
+    kl_k1: float
+    ess_token: float
+    tokens: int
+
+
+@dataclass
+class MismatchBreaker:
+    """The latest reports and the breaker's state (see the module docstring)."""
+
+    threshold: float | None
+    """Lag-0 k3 KL above which a report counts; None: reports are kept, the breaker never opens."""
+    trip_batches: int = 3
+    consecutive_over: int = 0
+    reports: int = 0
+    latest: dict[int, LagMismatch] = field(default_factory=dict)
+    reason: str = ""
+    """Why the breaker is open; empty while closed."""
+    _first_over_version: int | None = None
+
+    @property
+    def open(self) -> bool:
+        return bool(self.reason)
+
+    def report(self, policy_version: int, lags: list[LagMismatch]) -> bool:
+        """Take one batch's report (checked: ``InvalidArgument`` names the field); True when this
+        report opened the breaker."""
+        _check(lags)
+        self.reports += 1
+        self.latest = {entry.lag: entry for entry in sorted(lags, key=lambda entry: entry.lag)}
+        fresh = self.latest.get(0)
+        if self.threshold is None or fresh is None or self.open:
+            return False
+        if fresh.kl_k3 <= self.threshold:
+            self.consecutive_over, self._first_over_version = 0, None
+            return False
+        self.consecutive_over += 1
+        if self._first_over_version is None:
+            self._first_over_version = policy_version
+        if self.consecutive_over < self.trip_batches:
+            return False
+        self.reason = (f"the mismatch breaker is open: trainers measured a lag-0 k3 KL of {fresh.kl_k3:.4g} "
+                       f"(threshold {self.threshold:g}) in {self.consecutive_over} batches in a row, since policy "
+                       f"version {self._first_over_version}; an operator closes it with CloseMismatchBreaker")
+        log.error("%s", self.reason)
+        return True
+
+    def check(self) -> None:
+        """FAILED_PRECONDITION naming the measurement while the breaker is open."""
+        if self.reason:
+            raise FailedPrecondition(self.reason)
+
+    def close(self) -> bool:
+        """Close it (and start counting again); whether it was open."""
+        was_open = self.open
+        if was_open:
+            log.warning("the mismatch breaker was closed by an operator (%s)", self.reason)
+        self.reason, self.consecutive_over, self._first_over_version = "", 0, None
+        return was_open
+
+
+def _check(lags: list[LagMismatch]) -> None:
+    if len(lags) > MAX_LAGS:
+        raise InvalidArgument(f"lags: {len(lags)} entries, at most {MAX_LAGS}")
+    seen = set()
+    for index, entry in enumerate(lags):
+        where = f"lags[{index}]"
+        if entry.lag in seen:
+            raise InvalidArgument(f"{where}.lag: lag {entry.lag} is reported twice")
+        seen.add(entry.lag)
+        for name in ("kl_k3", "kl_k1", "ess_token"):
+            if not math.isfinite(getattr(entry, name)):
+                raise InvalidArgument(f"{where}.{name}: not a finite number ({getattr(entry, name)})")
+        if entry.tokens <= 0:
+            raise InvalidArgument(f"{where}.tokens: a lag with no token measured nothing")

@@ -1,0 +1,70 @@
+"""The mismatch breaker's rule: lag-0 k3 KL over the threshold in N reports in a row opens it."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from rlfleet.services.collector.admission import VersionGate
+from rlfleet.services.collector.mismatch import LagMismatch, MismatchBreaker
+from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument
+
+
+def lag(lag: int, kl_k3: float, tokens: int = 10) -> LagMismatch:
+    return LagMismatch(lag=lag, kl_k3=kl_k3, kl_k1=kl_k3, ess_token=0.9, tokens=tokens)
+
+
+def test_n_reports_over_in_a_row_open_it_naming_value_threshold_and_version():
+    breaker = MismatchBreaker(threshold=0.01, trip_batches=3)
+    assert not breaker.report(4, [lag(0, 0.5)])
+    assert not breaker.report(5, [lag(0, 0.001)])  # under: the count starts again
+    assert not breaker.report(6, [lag(0, 0.2), lag(1, 0.3)])
+    assert not breaker.report(7, [lag(1, 9.0)])  # no lag-0 tokens: neither counts nor resets
+    assert not breaker.report(7, [lag(0, 0.3)])
+    breaker.check()
+    assert breaker.report(8, [lag(0, 0.25)])
+
+    assert breaker.open and breaker.consecutive_over == 3 and breaker.reports == 6
+    with pytest.raises(FailedPrecondition, match=r"lag-0 k3 KL of 0\.25 \(threshold 0\.01\) in 3 batches in a "
+                                                 r"row, since policy version 6"):
+        breaker.check()
+    assert not breaker.report(9, [lag(0, 0.9)])  # reports still taken while open
+    assert breaker.latest[0].kl_k3 == 0.9
+    assert breaker.close() and not breaker.open and breaker.consecutive_over == 0
+    breaker.check()
+    assert not breaker.close()
+
+
+def test_without_a_threshold_reports_are_kept_and_never_acted_on():
+    breaker = MismatchBreaker(threshold=None, trip_batches=1)
+    assert not breaker.report(1, [lag(0, 100.0)])
+    assert not breaker.open and breaker.latest[0].kl_k3 == 100.0
+
+
+@pytest.mark.parametrize(("lags", "message"), [
+    ([lag(0, 0.1), lag(0, 0.2)], r"lags\[1\]\.lag: lag 0 is reported twice"),
+    ([lag(0, math.nan)], r"lags\[0\]\.kl_k3: not a finite number"),
+    ([lag(2, 0.1, tokens=0)], r"lags\[0\]\.tokens: a lag with no token"),
+    ([lag(i, 0.1) for i in range(1025)], "lags: 1025 entries, at most 1024"),
+])
+def test_a_bad_report_is_refused_naming_the_field_and_changes_nothing(lags, message):
+    breaker = MismatchBreaker(threshold=0.01, trip_batches=1)
+    with pytest.raises(InvalidArgument, match=message):
+        breaker.report(1, lags)
+    assert breaker.reports == 0 and not breaker.open and not breaker.latest
+
+
+def test_a_held_gate_admits_nothing_until_released():
+    async def scenario():
+        gate = VersionGate(groups_per_step=1, max_staleness=10)
+        await gate.hold(True)
+        waiting = asyncio.ensure_future(gate.admit())
+        await asyncio.sleep(0.05)
+        held = waiting.done()
+        await gate.hold(False)
+        return held, await asyncio.wait_for(waiting, 5)
+
+    held, admitted = asyncio.run(scenario())
+    assert not held and admitted == (0, 0)
