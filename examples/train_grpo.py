@@ -74,13 +74,13 @@ def grpo_step(model, optimizer, batch, *, clip_eps: float, kl_coef: float, is_co
 
     new = response_log_probs(model, batch, temperature)
     mismatch = (new.detach() - behavior).abs()
-    weights, offpolicy = torch.ones_like(new), {}
+    weights, offpolicy, by_lag = torch.ones_like(new), {}, None
     if is_correction is None:
         ratio = torch.exp(new - behavior)
     else:
         ratio = torch.exp(new - new.detach())
-        weights, offpolicy = correction_weights(new, behavior, sample_of_token, len(lengths), is_correction,
-                                                token_versions(batch)[sampled], trainer_version)
+        weights, offpolicy, by_lag = correction_weights(new, behavior, sample_of_token, len(lengths), is_correction,
+                                                        token_versions(batch)[sampled], trainer_version)
     surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages) * weights
     log_ratio_ref = reference - new
     kl = torch.expm1(log_ratio_ref) - log_ratio_ref  # k3 estimator of KL(policy || reference)
@@ -90,7 +90,8 @@ def grpo_step(model, optimizer, batch, *, clip_eps: float, kl_coef: float, is_co
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     return {"loss": loss.item(), "kl": kl.mean().item(), "logprob_mismatch_max": mismatch.max().item(),
-            "logprob_mismatch_mean": mismatch.mean().item(), "response_tokens": int(sampled.sum()), **offpolicy}
+            "logprob_mismatch_mean": mismatch.mean().item(), "response_tokens": int(sampled.sum()),
+            "by_lag": by_lag, **offpolicy}
 
 
 def token_versions(batch) -> torch.Tensor:
@@ -104,8 +105,9 @@ def token_versions(batch) -> torch.Tensor:
 
 
 def correction_weights(new, behavior, sample_of_token, samples: int, preset: str, versions, trainer_version: int):
-    """``rlfleet.client.offpolicy``'s weights for flat tokens (padded per sample for it, flattened back)
-    and its metrics, flat (``offpolicy/kl_k3``, ``offpolicy/lag1/ess_token``, ...)."""
+    """``rlfleet.client.offpolicy``'s weights for flat tokens (padded per sample for it, flattened back),
+    its metrics, flat (``offpolicy/kl_k3``, ``offpolicy/lag1/ess_token``, ...), and per lag (what the
+    collector is told: ``report_mismatch``)."""
     from rlfleet.client.offpolicy import importance_weights
 
     counts = torch.bincount(sample_of_token, minlength=samples).tolist()
@@ -116,7 +118,7 @@ def correction_weights(new, behavior, sample_of_token, samples: int, preset: str
     mask = padded(torch.ones_like(behavior, dtype=torch.bool))
     corrected = importance_weights(padded(new.detach()), padded(behavior), mask, preset,
                                    versions=padded(versions), trainer_version=trainer_version)
-    return corrected.weights[mask], corrected.flat_metrics()
+    return corrected.weights[mask], corrected.flat_metrics(), corrected.by_lag
 
 
 def plot(metrics: list[dict], path: Path) -> None:
@@ -166,7 +168,8 @@ def training_parser(description: str, *, steps: int, groups_per_step: int, group
     parser.add_argument("--is-correction", default=None, metavar="PRESET",
                         help="decoupled PPO with this importance-sampling correction of the train/inference "
                              "mismatch (rlfleet.client.offpolicy: none, token_tis, seq_tis, seq_mis, geo_mis, "
-                             "icepop); its metrics go into metrics.json per step. Default: the behaviour "
+                             "icepop); its metrics go into metrics.json per step and to the collector "
+                             "(report_mismatch). Default: the behaviour "
                              "log-probs as PPO's old policy, no correction")
     parser.add_argument("--out", type=Path, default=out)
     return parser
@@ -209,6 +212,9 @@ def train(client, model, ns, next_prompts: Callable[[int], list[dict]],
             version_before = client.policy_version
             stats = grpo_step(model, optimizer, batch, clip_eps=ns.clip_eps, kl_coef=ns.kl_coef,
                               is_correction=ns.is_correction, trainer_version=version_before)
+            by_lag = stats.pop("by_lag")
+            if by_lag:  # the collector shows it, and its mismatch breaker acts on it
+                client.report_mismatch(by_lag, version_before)
             pushed = client.push_weights(model, progress=False, transport=ns.transport)
             elapsed = time.monotonic() - started
             starts = batch["policy_version_start"]

@@ -9,12 +9,13 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
-from rlfleet.wire import get_ragged
 from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, generation_pb2, generation_pb2_grpc, sampling_pb2,
                         trajectory_pb2, trajectory_pb2_grpc)
+from rlfleet.wire import get_ragged
 from tests.hf_reference import load_hf, perturbed, response_log_probs
 from tests.integration.pushes import push
 from tests.integration.readers import Reader
@@ -169,6 +170,73 @@ def test_a_keep_swap_mid_generation_splits_versions_response_where_the_engine_ap
                 assert (row["log_probs"][part] - expected[part]).abs().max() <= 1e-4, (switch, part)
     finally:
         push(channel, base)  # the module's other tests expect the base weights served
+        reader.close()
+        channel.close()
+        proc.stop()
+
+
+def test_a_trainer_computing_with_other_weights_than_it_pushed_trips_the_mismatch_breaker(backends, tmp_path,
+                                                                                            tiny_model_dir):
+    """The trainer computes its log-probs with the base weights but pushed perturbed ones (a broken push, as
+    the replicas see it): its lag-0 k3 KL reports cross the threshold, and the second in a row opens the
+    breaker; trainer calls are refused naming the measurement until an operator closes it, then the run
+    resumes. Before the bad push the same reports measure nothing."""
+    from rlfleet.client import FailedPreconditionError, connect
+    from rlfleet.client.offpolicy import importance_weights
+
+    proc, channel = start_collector(backends, tmp_path, "--mode", "async", "--max-staleness", "1000",
+                                    "--groups-per-step", "1", "--mismatch-kl-threshold", "0.01",
+                                    "--mismatch-trip-batches", "2")
+    collector = collector_pb2_grpc.CollectorServiceStub(channel)
+    base = load_hf(tiny_model_dir).state_dict()
+    trainer = load_hf(tiny_model_dir)  # what the trainer computes with: always the base weights
+    reader = Reader(channel, batch_size=GROUP)
+    client = connect(proc.address, timeout=60)
+
+    def measure_and_report(tag: str):
+        prompt_id, = submit(channel, 1, tag)
+        rows = read_rows(reader, prompt_id)
+        version = current_version(channel)
+        padded = torch.nn.utils.rnn.pad_sequence
+        mine = padded([response_log_probs(trainer, r["prompt"].tolist(), r["response"].tolist()) for r in rows],
+                      batch_first=True)
+        behaviour = padded([r["log_probs"] for r in rows], batch_first=True)
+        mask = padded([torch.ones(len(r["response"]), dtype=torch.bool) for r in rows], batch_first=True)
+        versions = padded([r["versions"] for r in rows], batch_first=True)
+        corrected = importance_weights(mine, behaviour, mask, "none", versions=versions, trainer_version=version)
+        return corrected.by_lag, client.report_mismatch(corrected.by_lag, version)
+
+    try:
+        push(channel, base)
+        by_lag, breaker = measure_and_report("mismatch-matching")
+        assert by_lag[0]["kl_k3"] < 1e-5 and not breaker.breaker_open and breaker.consecutive_over == 0
+        bad_version = push(channel, perturbed(base, seed=11)).version
+        first, breaker = measure_and_report("mismatch-broken-1")
+        assert first[0]["kl_k3"] > 0.01 and not breaker.breaker_open and breaker.consecutive_over == 1
+        second, breaker = measure_and_report("mismatch-broken-2")
+        assert breaker.breaker_open and breaker.consecutive_over == 2
+
+        reason = f"lag-0 k3 KL of {second[0]['kl_k3']:.4g} (threshold 0.01) in 2 batches in a row, since policy " \
+                 f"version {bad_version}"
+        assert reason in breaker.reason and client.status().mismatch.reason == breaker.reason
+        for call in (lambda: submit(channel, 1, "mismatch-refused"), lambda: push(channel, base),
+                     lambda: Reader(channel, batch_size=GROUP).next()):
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION and reason in refused.value.details()
+        with pytest.raises(FailedPreconditionError, match="mismatch breaker is open"):
+            client.submit_prompts([{"prompt": "refused too"}])
+        assert current_version(channel) == bad_version  # nothing half-applied
+
+        assert client.close_mismatch_breaker() and not client.status().mismatch.breaker_open
+        push(channel, base)  # the trainer's weights, pushed right this time
+        fixed, breaker = measure_and_report("mismatch-fixed")
+        assert fixed[0]["kl_k3"] < 1e-5 and not breaker.breaker_open and breaker.consecutive_over == 0
+    finally:
+        if client.status().mismatch.breaker_open:
+            client.close_mismatch_breaker()
+        push(channel, base)  # the module's other tests expect the base weights served
+        client.close()
         reader.close()
         channel.close()
         proc.stop()

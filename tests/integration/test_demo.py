@@ -152,7 +152,7 @@ def corrected_metrics(suite, demo_metrics, tiny_model_dir, tmp_path_factory):
                        "--is-correction", "token_tis")
 
 
-def test_is_correction_metrics_show_the_mismatch_and_its_lag(corrected_metrics):
+def test_is_correction_metrics_show_the_mismatch_and_its_lag(corrected_metrics, suite):
     first, *rest = corrected_metrics
     # Step 0: the batch was sampled by weights the trainer does not hold (the first run's), at lag 0.
     assert first["offpolicy/kl_k3"] > 0.01 and first["offpolicy/ess_token"] < 0.99, first
@@ -163,3 +163,7 @@ def test_is_correction_metrics_show_the_mismatch_and_its_lag(corrected_metrics):
     for m in corrected_metrics:
         assert m["offpolicy/lag0/tokens"] == m["response_tokens"] == m["offpolicy/tokens"]
         assert not any(key.startswith("offpolicy/lag") and not key.startswith("offpolicy/lag0/") for key in m)
+    with connect(suite["collector"].address) as client:  # each step reported its measurement
+        mismatch = client.status().mismatch
+    assert mismatch.reports == len(corrected_metrics) and not mismatch.breaker_open
+    assert mismatch.latest[0]["kl_k3"] == pytest.approx(corrected_metrics[-1]["offpolicy/lag0/kl_k3"])
