@@ -4,7 +4,7 @@
 inside ``unshare --mount --propagation private`` (a mount namespace of its own, as root). Here it
 makes what a Docker container's runtime makes — /proc/sys and its siblings read-only, Docker's
 masked paths covered (files by /dev/null, directories by an empty read-only tmpfs), and the root
-file system read-only with a tmpfs on /tmp as the Kubernetes manifest has it — then execs
+file system read-only with a tmpfs for temporary files as the Kubernetes manifest has it — then execs
 itself through ``setpriv`` with the service's capability set (compose.yaml's ``cap_add``:
 DAC_OVERRIDE, SETUID, SETGID, KILL; every other capability out of the bounding set) and
 ``no_new_privs`` (``no-new-privileges=true``). Seccomp and AppArmor stay off, as the service's
@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 # moby's defaults (oci/defaults.go): masked paths, and paths mounted read-only
 DOCKER_MASKED_PATHS = ("/proc/asound", "/proc/acpi", "/proc/interrupts", "/proc/kcore", "/proc/keys",
@@ -33,8 +34,11 @@ SERVICE_CAPABILITIES = ("dac_override", "setuid", "setgid", "kill")  # compose.y
 def restrict() -> None:
     """Make this mount namespace look as a Docker container's does (call as root, in a namespace of its own),
     with the root file system read-only and a tmpfs on /tmp, as the Kubernetes manifest has it
-    (``readOnlyRootFilesystem`` and an ``emptyDir`` for /tmp)."""
-    _mount("-t", "tmpfs", "-o", "size=64m", "tmpfs", "/tmp")
+    (``readOnlyRootFilesystem`` and an ``emptyDir`` for /tmp): the temporary directory is a tmpfs of its own
+    (``TMPDIR``, mounted on a fresh directory, not over /tmp: the repository may live there)."""
+    scratch = tempfile.mkdtemp(prefix="rlfleet-container-tmp-")
+    _mount("-t", "tmpfs", "-o", "size=64m,mode=1777", "tmpfs", scratch)
+    os.environ["TMPDIR"] = scratch
     _mount("-o", "remount,bind,ro", "/")
     for path in DOCKER_MASKED_PATHS:
         if os.path.isdir(path):
@@ -61,7 +65,8 @@ async def observe() -> dict:
     from tests.sandbox_cases import FILL_THE_DISK, LIMITS, NESTED_USER_NAMESPACE
 
     status = dict(line.split(":\t", 1) for line in open("/proc/self/status").read().splitlines() if ":\t" in line)
-    seen: dict = {"no_new_privs": status["NoNewPrivs"].strip(), "capabilities": status["CapEff"].strip()}
+    seen: dict = {"no_new_privs": status["NoNewPrivs"].strip(), "capabilities": status["CapEff"].strip(),
+                  "tmpdir": os.environ["TMPDIR"]}
     try:
         with open("/proc/sys/user/max_user_namespaces", "w") as setting:
             setting.write("1")

@@ -59,6 +59,10 @@ class VersionGate:
         self._changed = asyncio.Condition()
         self._pushing = False
         self._held = False
+        self.admission_staleness = self.max_staleness
+        """The bound ``admit`` applies: ``max_staleness``, or less while trainers measure more divergence
+        at larger lags than ``mismatch_kl_target`` allows (``mismatch.py``). Appends keep ``max_staleness``:
+        finished work is never discarded for a lowered bound."""
 
     def too_stale_to_append(self, start_version: int, now_version: int) -> bool:
         """A group that started at ``start_version`` would reach the trainer at ``now_version``
@@ -80,7 +84,13 @@ class VersionGate:
     def may_start(self) -> bool:
         """Whether the next group may start now."""
         step = self.step_of(self.groups_started)
-        return not self._pushing and not self._held and self.version >= self.base + step - self.max_staleness
+        return not self._pushing and not self._held and self.version >= self.base + step - self.admission_staleness
+
+    async def bound_admission(self, staleness: int) -> None:
+        """Admit at most ``staleness`` steps ahead (capped at ``max_staleness``)."""
+        async with self._changed:
+            self.admission_staleness = min(max(staleness, 0), self.max_staleness)
+            self._changed.notify_all()
 
     async def hold(self, held: bool) -> None:
         """Stop admitting groups (the mismatch breaker is open), or admit again."""

@@ -115,6 +115,12 @@ class CollectorConfig(ServiceConfig):
     trainer calls until an operator closes it (``mismatch.py``). None: reports are shown, never acted on."""
     mismatch_trip_batches: int = Field(3, ge=1)
     """Reports over ``mismatch_kl_threshold`` in a row that open the mismatch breaker."""
+    mismatch_kl_target: float | None = Field(None, gt=0)
+    """async: admission by measured divergence. Groups start at most as many steps ahead as keeps the k3
+    KL trainers report (ReportMismatch) at every lag >= 1 under this; ``max_staleness`` is then the
+    ceiling, and finished groups are never discarded for it (``mismatch.py``). None: max_staleness alone."""
+    mismatch_horizon: int = Field(8, ge=1)
+    """Reports a lag's measured KL is kept after it was last measured (``mismatch_kl_target``)."""
 
     max_groups_in_flight: int = Field(32, ge=1)
     """Groups admitted but not yet appended (all stages together)."""

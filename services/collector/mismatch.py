@@ -8,6 +8,13 @@ threshold set, ``trip_batches`` reports in a row whose lag-0 k3 KL is above it o
 collector admits no new group (what it has stays, nothing is discarded) and refuses trainer calls with
 FAILED_PRECONDITION naming the measured value, the threshold and the version where it started, until
 an operator closes it. A report without lag-0 tokens neither counts nor resets the count.
+
+With a KL target, the same reports bound admission (``admission_staleness``): the staleness bound is
+the largest lag, at most ``max_staleness`` (the ceiling), below the smallest lag >= 1 whose measured k3
+KL is above the target. Lag 0 never lowers it (staleness cannot help there; the breaker acts on it). A
+lag's measurement is kept for ``horizon`` reports after it was last measured, then forgotten: with the
+bound lowered no more samples of that lag are made, so the bound goes back up after the horizon and
+the lag is measured again. Admission only: groups already generated are never discarded for it.
 """
 
 from __future__ import annotations
@@ -39,12 +46,27 @@ class MismatchBreaker:
     threshold: float | None
     """Lag-0 k3 KL above which a report counts; None: reports are kept, the breaker never opens."""
     trip_batches: int = 3
+    kl_target: float | None = None
+    """The k3 KL admission keeps each lag >= 1 under; None: ``max_staleness`` alone bounds it."""
+    horizon: int = 8
+    """Reports a lag's measurement is kept after it was last measured."""
     consecutive_over: int = 0
     reports: int = 0
     latest: dict[int, LagMismatch] = field(default_factory=dict)
     reason: str = ""
     """Why the breaker is open; empty while closed."""
+    measured: dict[int, tuple[LagMismatch, int]] = field(default_factory=dict)
+    """Per lag, its last measurement and the report number it came in (for the horizon)."""
     _first_over_version: int | None = None
+
+    def admission_staleness(self, ceiling: int) -> int:
+        """The staleness bound admission may use under ``ceiling`` (the module docstring)."""
+        if self.kl_target is None:
+            return ceiling
+        for lag in sorted(self.measured):
+            if 1 <= lag <= ceiling and self.measured[lag][0].kl_k3 > self.kl_target:
+                return lag - 1
+        return ceiling
 
     @property
     def open(self) -> bool:
@@ -56,6 +78,8 @@ class MismatchBreaker:
         _check(lags)
         self.reports += 1
         self.latest = {entry.lag: entry for entry in sorted(lags, key=lambda entry: entry.lag)}
+        self.measured.update((entry.lag, (entry, self.reports)) for entry in lags)
+        self.measured = {lag: kept for lag, kept in self.measured.items() if self.reports - kept[1] < self.horizon}
         fresh = self.latest.get(0)
         if self.threshold is None or fresh is None or self.open:
             return False

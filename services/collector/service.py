@@ -56,7 +56,8 @@ class CollectorService(Service[CollectorConfig]):
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.gate = VersionGate(groups_per_step=config.groups_per_step, max_staleness=config.max_staleness,
                                 sync=config.mode == "sync")
-        self.mismatch = MismatchBreaker(config.mismatch_kl_threshold, config.mismatch_trip_batches)
+        self.mismatch = MismatchBreaker(config.mismatch_kl_threshold, config.mismatch_trip_batches,
+                                        config.mismatch_kl_target, config.mismatch_horizon)
         self.pool = ReplicaPool(self.settings)
         self.discovery = make_discovery(config.generation_addresses, config.generation_addresses_file,
                                         config.resolve_generation_addresses)
@@ -315,13 +316,18 @@ class CollectorService(Service[CollectorConfig]):
         return collector_pb2.MismatchStatus(
             breaker_open=breaker.open, reason=breaker.reason, threshold=breaker.threshold or 0.0,
             trip_batches=breaker.trip_batches, consecutive_over=breaker.consecutive_over, reports=breaker.reports,
+            kl_target=breaker.kl_target or 0.0, admission_staleness=self.gate.admission_staleness,
+            measured=[collector_pb2.LagMismatch(lag=m.lag, kl_k3=m.kl_k3, kl_k1=m.kl_k1, ess_token=m.ess_token,
+                                                tokens=m.tokens) for m, _ in sorted(breaker.measured.values(),
+                                                                                    key=lambda kept: kept[0].lag)],
             latest=[collector_pb2.LagMismatch(lag=m.lag, kl_k3=m.kl_k3, kl_k1=m.kl_k1, ess_token=m.ess_token,
                                               tokens=m.tokens) for m in breaker.latest.values()])
 
     async def report_mismatch(self, policy_version: int, lags: list[LagMismatch]) -> None:
-        """A trainer's measurement; opening the breaker holds admission."""
+        """A trainer's measurement: opening the breaker holds admission; the KL target bounds it."""
         if self.mismatch.report(policy_version, lags):
             await self.gate.hold(True)
+        await self.gate.bound_admission(self.mismatch.admission_staleness(self.gate.max_staleness))
 
     async def close_mismatch_breaker(self) -> bool:
         was_open = self.mismatch.close()

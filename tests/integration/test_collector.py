@@ -186,7 +186,7 @@ def test_a_trainer_computing_with_other_weights_than_it_pushed_trips_the_mismatc
 
     proc, channel = start_collector(backends, tmp_path, "--mode", "async", "--max-staleness", "1000",
                                     "--groups-per-step", "1", "--mismatch-kl-threshold", "0.01",
-                                    "--mismatch-trip-batches", "2")
+                                    "--mismatch-trip-batches", "2", "--mismatch-kl-target", "0.05")
     collector = collector_pb2_grpc.CollectorServiceStub(channel)
     base = load_hf(tiny_model_dir).state_dict()
     trainer = load_hf(tiny_model_dir)  # what the trainer computes with: always the base weights
@@ -232,6 +232,12 @@ def test_a_trainer_computing_with_other_weights_than_it_pushed_trips_the_mismatc
         push(channel, base)  # the trainer's weights, pushed right this time
         fixed, breaker = measure_and_report("mismatch-fixed")
         assert fixed[0]["kl_k3"] < 1e-5 and not breaker.breaker_open and breaker.consecutive_over == 0
+        assert breaker.admission_staleness == 1000  # the ceiling: no lag >= 1 measured over the target
+        # A trainer that measured lag 1 over the target: admission keeps to lag 0 (the ceiling stays 1000).
+        stale = {1: {"kl_k3": 0.4, "kl_k1": 0.3, "ess_token": 0.5, "tokens": 96}}
+        breaker = client.report_mismatch(stale, current_version(channel))
+        assert breaker.admission_staleness == 0 and breaker.measured[1]["kl_k3"] == pytest.approx(0.4)
+        assert client.status().max_staleness == 1000 and not breaker.breaker_open
     finally:
         if client.status().mismatch.breaker_open:
             client.close_mismatch_breaker()

@@ -106,6 +106,13 @@ def _own_seeds(method) -> list:
         "GetPolicyVersion": [cp.GetPolicyVersionRequest()],
         "ListFailures": [cp.ListFailuresRequest(), cp.ListFailuresRequest(after_seq=1, limit=10),
                          cp.ListFailuresRequest(limit=1000)],
+        "ReportMismatch": [
+            cp.ReportMismatchRequest(policy_version=1, lags=[cp.LagMismatch(lag=0, kl_k3=1e-4, kl_k1=1e-4,
+                                                                            ess_token=0.99, tokens=64)]),
+            cp.ReportMismatchRequest(policy_version=3, lags=[
+                cp.LagMismatch(lag=0, kl_k3=0.02, kl_k1=0.01, ess_token=0.9, tokens=32),
+                cp.LagMismatch(lag=2, kl_k3=0.3, kl_k1=0.2, ess_token=0.5, tokens=8)])],
+        "CloseMismatchBreaker": [cp.CloseMismatchBreakerRequest()],
         "Generate": [gp.GenerateRequest(prompt=_prompt("text"), sampling=short),
                      gp.GenerateRequest(request_id="fuzz", prompt=_prompt("chat"),
                                         sampling=sp.SamplingParams(n=4, max_tokens=16, seed=7, top_k=5)),

@@ -30,7 +30,9 @@ def seen() -> dict:
                           "tests.container_restrictions"], cwd=REPOSITORY, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert not sandbox_processes()
-    return json.loads(run.stdout.splitlines()[-1])
+    seen = json.loads(run.stdout.splitlines()[-1])
+    os.rmdir(seen["tmpdir"])  # its tmpfs lived in the namespace; the empty mount point stays here
+    return seen
 
 
 def test_the_restrictions_are_dockers(seen):

@@ -68,3 +68,33 @@ def test_a_held_gate_admits_nothing_until_released():
 
     held, admitted = asyncio.run(scenario())
     assert not held and admitted == (0, 0)
+
+
+def test_admission_stays_under_the_kl_target_and_re_measures_after_the_horizon():
+    breaker = MismatchBreaker(threshold=None, kl_target=0.05, horizon=3)
+    assert breaker.admission_staleness(4) == 4  # nothing measured: the ceiling
+    breaker.report(10, [lag(0, 9.0), lag(1, 0.01), lag(2, 0.2)])
+    assert breaker.admission_staleness(4) == 1  # lag 2 is over the target; lag 0 never lowers it
+    assert breaker.admission_staleness(0) == 0
+    breaker.report(11, [lag(1, 0.3)])
+    assert breaker.admission_staleness(4) == 0
+    breaker.report(12, [lag(0, 0.0)])
+    assert breaker.admission_staleness(4) == 0  # lag 1 measured 2 reports ago: still within the horizon
+    breaker.report(13, [lag(0, 0.0)])
+    breaker.report(14, [lag(0, 0.0)])
+    assert breaker.admission_staleness(4) == 4 and sorted(breaker.measured) == [0]  # forgotten: measured again
+
+
+def test_a_lowered_admission_bound_paces_new_groups_and_never_exceeds_the_ceiling():
+    async def scenario():
+        gate = VersionGate(groups_per_step=1, max_staleness=2)
+        await gate.bound_admission(0)
+        first = await asyncio.wait_for(gate.admit(), 5)  # step 0 at version 0
+        second = asyncio.ensure_future(gate.admit())  # step 1 needs version >= 1 under a bound of 0
+        await asyncio.sleep(0.05)
+        paced = not second.done()
+        await gate.bound_admission(7)
+        return first, paced, await asyncio.wait_for(second, 5), gate.admission_staleness
+
+    first, paced, second, bound = asyncio.run(scenario())
+    assert first == (0, 0) and paced and second == (1, 0) and bound == 2

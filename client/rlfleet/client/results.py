@@ -104,13 +104,21 @@ class MismatchStatus:
     reports: int = 0
     latest: dict[int, dict[str, float]] = field(default_factory=dict)
     """The latest report: lag -> kl_k3, kl_k1, ess_token, tokens."""
+    kl_target: float = 0.0
+    """The k3 KL admission keeps every lag >= 1 under (0: none)."""
+    admission_staleness: int = 0
+    """The staleness bound admission applies now (``max_staleness``, or less while a lag is over the target)."""
+    measured: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Per lag, its last measurement within the horizon (what admission acts on)."""
 
     @classmethod
     def from_proto(cls, status: collector_pb2.MismatchStatus) -> "MismatchStatus":
+        def by_lag(entries):
+            return {m.lag: {"kl_k3": m.kl_k3, "kl_k1": m.kl_k1, "ess_token": m.ess_token, "tokens": m.tokens}
+                    for m in entries}
         return cls(status.breaker_open, status.reason, status.threshold, status.trip_batches,
-                   status.consecutive_over, status.reports,
-                   {m.lag: {"kl_k3": m.kl_k3, "kl_k1": m.kl_k1, "ess_token": m.ess_token, "tokens": m.tokens}
-                    for m in status.latest})
+                   status.consecutive_over, status.reports, by_lag(status.latest), status.kl_target,
+                   status.admission_staleness, by_lag(status.measured))
 
 
 @dataclass(frozen=True)

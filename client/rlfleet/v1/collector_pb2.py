@@ -26,7 +26,7 @@ from rlfleet.v1 import sampling_pb2 as rlfleet_dot_v1_dot_sampling__pb2
 from rlfleet.v1 import weights_pb2 as rlfleet_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arlfleet/v1/collector.proto\x12\nrlfleet.v1\x1a\x19rlfleet/v1/sampling.proto\x1a\x18rlfleet/v1/weights.proto\"[\n\x0bLagMismatch\x12\x0b\n\x03lag\x18\x01 \x01(\r\x12\r\n\x05kl_k3\x18\x02 \x01(\x01\x12\r\n\x05kl_k1\x18\x03 \x01(\x01\x12\x11\n\tess_token\x18\x04 \x01(\x01\x12\x0e\n\x06tokens\x18\x05 \x01(\x04\"V\n\x15ReportMismatchRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12%\n\x04lags\x18\x02 \x03(\x0b\x32\x17.rlfleet.v1.LagMismatch\"D\n\x16ReportMismatchResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.rlfleet.v1.MismatchStatus\"\x1d\n\x1b\x43loseMismatchBreakerRequest\"0\n\x1c\x43loseMismatchBreakerResponse\x12\x10\n\x08was_open\x18\x01 \x01(\x08\"\xb3\x01\n\x0eMismatchStatus\x12\x14\n\x0c\x62reaker_open\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tthreshold\x18\x03 \x01(\x01\x12\x14\n\x0ctrip_batches\x18\x04 \x01(\r\x12\x18\n\x10\x63onsecutive_over\x18\x05 \x01(\r\x12\x0f\n\x07reports\x18\x06 \x01(\x04\x12\'\n\x06latest\x18\x07 \x03(\x0b\x32\x17.rlfleet.v1.LagMismatch\"7\n\x13ListFailuresRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x03\x12\r\n\x05limit\x18\x02 \x01(\x05\"\x80\x01\n\rPromptFailure\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x0c\n\x04\x63ode\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x10\n\x08\x61ttempts\x18\x06 \x01(\x05\x12\x11\n\tfailed_at\x18\x07 \x01(\x01\"R\n\x14ListFailuresResponse\x12+\n\x08\x66\x61ilures\x18\x01 \x03(\x0b\x32\x19.rlfleet.v1.PromptFailure\x12\r\n\x05total\x18\x02 \x01(\x03\"y\n\x12PushWeightsRequest\x12.\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.rlfleet.v1.WeightManifestH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.rlfleet.v1.WeightChunkH\x00\x42\t\n\x07payload\"\x85\x01\n\x11ReplicaPushResult\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x15\n\rstage_seconds\x18\x05 \x01(\x01\x12\x15\n\rapply_seconds\x18\x06 \x01(\x01\"\x80\x01\n\x13PushWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12/\n\x08replicas\x18\x02 \x03(\x0b\x32\x1d.rlfleet.v1.ReplicaPushResult\x12\x16\n\x0ereceived_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\x19\n\x17GetPolicyVersionRequest\"+\n\x18GetPolicyVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\"\x9f\x02\n\nPromptSpec\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\"\n\x06prompt\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Prompt\x12\x11\n\treward_fn\x18\x03 \x01(\t\x12\x14\n\x0cground_truth\x18\x04 \x01(\t\x12;\n\x0breward_args\x18\x05 \x03(\x0b\x32&.rlfleet.v1.PromptSpec.RewardArgsEntry\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.rlfleet.v1.SamplingParams\x12\x13\n\x0b\x65nvironment\x18\x07 \x01(\t\x1a\x31\n\x0fRewardArgsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"?\n\x14SubmitPromptsRequest\x12\'\n\x07prompts\x18\x01 \x03(\x0b\x32\x16.rlfleet.v1.PromptSpec\"+\n\x15SubmitPromptsResponse\x12\x12\n\nprompt_ids\x18\x01 \x03(\t\"\x12\n\x10GetStatusRequest\"X\n\x0bStageStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06queued\x18\x02 \x01(\x05\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12\x18\n\x10items_per_second\x18\x04 \x01(\x01\"\x80\x01\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x11\n\tin_flight\x18\x04 \x01(\x05\x12\"\n\x1aweight_transfer_world_size\x18\x05 \x01(\r\"\x88\x04\n\x11GetStatusResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x15\n\rmax_staleness\x18\x03 \x01(\x05\x12\'\n\x06stages\x18\x04 \x03(\x0b\x32\x17.rlfleet.v1.StageStatus\x12+\n\x08replicas\x18\x05 \x03(\x0b\x32\x19.rlfleet.v1.ReplicaStatus\x12\x1b\n\x13staleness_histogram\x18\x06 \x03(\x03\x12\x14\n\x0ctrajectories\x18\x07 \x01(\x03\x12\x19\n\x11\x64iscarded_samples\x18\x08 \x01(\x03\x12\x12\n\ngroup_size\x18\n \x01(\x05\x12\x17\n\x0fgroups_per_step\x18\x0b \x01(\x05\x12\x17\n\x0fpending_prompts\x18\x0c \x01(\x03\x12\x16\n\x0e\x66\x61iled_prompts\x18\r \x01(\x03\x12\x0f\n\x07serving\x18\x0e \x01(\x08\x12\x1a\n\x12not_serving_reason\x18\x0f \x01(\t\x12\x0e\n\x06\x66\x61iled\x18\x10 \x01(\x08\x12\x13\n\x0bspool_error\x18\x11 \x01(\t\x12\x10\n\x08\x65pisodes\x18\x12 \x01(\x03\x12\x15\n\repisode_turns\x18\x13 \x01(\x03\x12,\n\x08mismatch\x18\x14 \x01(\x0b\x32\x1a.rlfleet.v1.MismatchStatusJ\x04\x08\t\x10\nR\x05\x65xtra2\xfa\x04\n\x10\x43ollectorService\x12P\n\x0bPushWeights\x12\x1e.rlfleet.v1.PushWeightsRequest\x1a\x1f.rlfleet.v1.PushWeightsResponse(\x01\x12]\n\x10GetPolicyVersion\x12#.rlfleet.v1.GetPolicyVersionRequest\x1a$.rlfleet.v1.GetPolicyVersionResponse\x12T\n\rSubmitPrompts\x12 .rlfleet.v1.SubmitPromptsRequest\x1a!.rlfleet.v1.SubmitPromptsResponse\x12H\n\tGetStatus\x12\x1c.rlfleet.v1.GetStatusRequest\x1a\x1d.rlfleet.v1.GetStatusResponse\x12Q\n\x0cListFailures\x12\x1f.rlfleet.v1.ListFailuresRequest\x1a .rlfleet.v1.ListFailuresResponse\x12W\n\x0eReportMismatch\x12!.rlfleet.v1.ReportMismatchRequest\x1a\".rlfleet.v1.ReportMismatchResponse\x12i\n\x14\x43loseMismatchBreaker\x12\'.rlfleet.v1.CloseMismatchBreakerRequest\x1a(.rlfleet.v1.CloseMismatchBreakerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arlfleet/v1/collector.proto\x12\nrlfleet.v1\x1a\x19rlfleet/v1/sampling.proto\x1a\x18rlfleet/v1/weights.proto\"[\n\x0bLagMismatch\x12\x0b\n\x03lag\x18\x01 \x01(\r\x12\r\n\x05kl_k3\x18\x02 \x01(\x01\x12\r\n\x05kl_k1\x18\x03 \x01(\x01\x12\x11\n\tess_token\x18\x04 \x01(\x01\x12\x0e\n\x06tokens\x18\x05 \x01(\x04\"V\n\x15ReportMismatchRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12%\n\x04lags\x18\x02 \x03(\x0b\x32\x17.rlfleet.v1.LagMismatch\"D\n\x16ReportMismatchResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.rlfleet.v1.MismatchStatus\"\x1d\n\x1b\x43loseMismatchBreakerRequest\"0\n\x1c\x43loseMismatchBreakerResponse\x12\x10\n\x08was_open\x18\x01 \x01(\x08\"\x8e\x02\n\x0eMismatchStatus\x12\x14\n\x0c\x62reaker_open\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tthreshold\x18\x03 \x01(\x01\x12\x14\n\x0ctrip_batches\x18\x04 \x01(\r\x12\x18\n\x10\x63onsecutive_over\x18\x05 \x01(\r\x12\x0f\n\x07reports\x18\x06 \x01(\x04\x12\'\n\x06latest\x18\x07 \x03(\x0b\x32\x17.rlfleet.v1.LagMismatch\x12\x11\n\tkl_target\x18\x08 \x01(\x01\x12\x1b\n\x13\x61\x64mission_staleness\x18\t \x01(\r\x12)\n\x08measured\x18\n \x03(\x0b\x32\x17.rlfleet.v1.LagMismatch\"7\n\x13ListFailuresRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x03\x12\r\n\x05limit\x18\x02 \x01(\x05\"\x80\x01\n\rPromptFailure\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x0c\n\x04\x63ode\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x10\n\x08\x61ttempts\x18\x06 \x01(\x05\x12\x11\n\tfailed_at\x18\x07 \x01(\x01\"R\n\x14ListFailuresResponse\x12+\n\x08\x66\x61ilures\x18\x01 \x03(\x0b\x32\x19.rlfleet.v1.PromptFailure\x12\r\n\x05total\x18\x02 \x01(\x03\"y\n\x12PushWeightsRequest\x12.\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.rlfleet.v1.WeightManifestH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.rlfleet.v1.WeightChunkH\x00\x42\t\n\x07payload\"\x85\x01\n\x11ReplicaPushResult\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x15\n\rstage_seconds\x18\x05 \x01(\x01\x12\x15\n\rapply_seconds\x18\x06 \x01(\x01\"\x80\x01\n\x13PushWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12/\n\x08replicas\x18\x02 \x03(\x0b\x32\x1d.rlfleet.v1.ReplicaPushResult\x12\x16\n\x0ereceived_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\x19\n\x17GetPolicyVersionRequest\"+\n\x18GetPolicyVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\"\x9f\x02\n\nPromptSpec\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\"\n\x06prompt\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Prompt\x12\x11\n\treward_fn\x18\x03 \x01(\t\x12\x14\n\x0cground_truth\x18\x04 \x01(\t\x12;\n\x0breward_args\x18\x05 \x03(\x0b\x32&.rlfleet.v1.PromptSpec.RewardArgsEntry\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.rlfleet.v1.SamplingParams\x12\x13\n\x0b\x65nvironment\x18\x07 \x01(\t\x1a\x31\n\x0fRewardArgsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"?\n\x14SubmitPromptsRequest\x12\'\n\x07prompts\x18\x01 \x03(\x0b\x32\x16.rlfleet.v1.PromptSpec\"+\n\x15SubmitPromptsResponse\x12\x12\n\nprompt_ids\x18\x01 \x03(\t\"\x12\n\x10GetStatusRequest\"X\n\x0bStageStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06queued\x18\x02 \x01(\x05\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12\x18\n\x10items_per_second\x18\x04 \x01(\x01\"\x80\x01\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x11\n\tin_flight\x18\x04 \x01(\x05\x12\"\n\x1aweight_transfer_world_size\x18\x05 \x01(\r\"\x88\x04\n\x11GetStatusResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x15\n\rmax_staleness\x18\x03 \x01(\x05\x12\'\n\x06stages\x18\x04 \x03(\x0b\x32\x17.rlfleet.v1.StageStatus\x12+\n\x08replicas\x18\x05 \x03(\x0b\x32\x19.rlfleet.v1.ReplicaStatus\x12\x1b\n\x13staleness_histogram\x18\x06 \x03(\x03\x12\x14\n\x0ctrajectories\x18\x07 \x01(\x03\x12\x19\n\x11\x64iscarded_samples\x18\x08 \x01(\x03\x12\x12\n\ngroup_size\x18\n \x01(\x05\x12\x17\n\x0fgroups_per_step\x18\x0b \x01(\x05\x12\x17\n\x0fpending_prompts\x18\x0c \x01(\x03\x12\x16\n\x0e\x66\x61iled_prompts\x18\r \x01(\x03\x12\x0f\n\x07serving\x18\x0e \x01(\x08\x12\x1a\n\x12not_serving_reason\x18\x0f \x01(\t\x12\x0e\n\x06\x66\x61iled\x18\x10 \x01(\x08\x12\x13\n\x0bspool_error\x18\x11 \x01(\t\x12\x10\n\x08\x65pisodes\x18\x12 \x01(\x03\x12\x15\n\repisode_turns\x18\x13 \x01(\x03\x12,\n\x08mismatch\x18\x14 \x01(\x0b\x32\x1a.rlfleet.v1.MismatchStatusJ\x04\x08\t\x10\nR\x05\x65xtra2\xfa\x04\n\x10\x43ollectorService\x12P\n\x0bPushWeights\x12\x1e.rlfleet.v1.PushWeightsRequest\x1a\x1f.rlfleet.v1.PushWeightsResponse(\x01\x12]\n\x10GetPolicyVersion\x12#.rlfleet.v1.GetPolicyVersionRequest\x1a$.rlfleet.v1.GetPolicyVersionResponse\x12T\n\rSubmitPrompts\x12 .rlfleet.v1.SubmitPromptsRequest\x1a!.rlfleet.v1.SubmitPromptsResponse\x12H\n\tGetStatus\x12\x1c.rlfleet.v1.GetStatusRequest\x1a\x1d.rlfleet.v1.GetStatusResponse\x12Q\n\x0cListFailures\x12\x1f.rlfleet.v1.ListFailuresRequest\x1a .rlfleet.v1.ListFailuresResponse\x12W\n\x0eReportMismatch\x12!.rlfleet.v1.ReportMismatchRequest\x1a\".rlfleet.v1.ReportMismatchResponse\x12i\n\x14\x43loseMismatchBreaker\x12\'.rlfleet.v1.CloseMismatchBreakerRequest\x1a(.rlfleet.v1.CloseMismatchBreakerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,39 +46,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLOSEMISMATCHBREAKERRESPONSE']._serialized_start=377
   _globals['_CLOSEMISMATCHBREAKERRESPONSE']._serialized_end=425
   _globals['_MISMATCHSTATUS']._serialized_start=428
-  _globals['_MISMATCHSTATUS']._serialized_end=607
-  _globals['_LISTFAILURESREQUEST']._serialized_start=609
-  _globals['_LISTFAILURESREQUEST']._serialized_end=664
-  _globals['_PROMPTFAILURE']._serialized_start=667
-  _globals['_PROMPTFAILURE']._serialized_end=795
-  _globals['_LISTFAILURESRESPONSE']._serialized_start=797
-  _globals['_LISTFAILURESRESPONSE']._serialized_end=879
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=881
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=1002
-  _globals['_REPLICAPUSHRESULT']._serialized_start=1005
-  _globals['_REPLICAPUSHRESULT']._serialized_end=1138
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=1141
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=1269
-  _globals['_GETPOLICYVERSIONREQUEST']._serialized_start=1271
-  _globals['_GETPOLICYVERSIONREQUEST']._serialized_end=1296
-  _globals['_GETPOLICYVERSIONRESPONSE']._serialized_start=1298
-  _globals['_GETPOLICYVERSIONRESPONSE']._serialized_end=1341
-  _globals['_PROMPTSPEC']._serialized_start=1344
-  _globals['_PROMPTSPEC']._serialized_end=1631
-  _globals['_PROMPTSPEC_REWARDARGSENTRY']._serialized_start=1582
-  _globals['_PROMPTSPEC_REWARDARGSENTRY']._serialized_end=1631
-  _globals['_SUBMITPROMPTSREQUEST']._serialized_start=1633
-  _globals['_SUBMITPROMPTSREQUEST']._serialized_end=1696
-  _globals['_SUBMITPROMPTSRESPONSE']._serialized_start=1698
-  _globals['_SUBMITPROMPTSRESPONSE']._serialized_end=1741
-  _globals['_GETSTATUSREQUEST']._serialized_start=1743
-  _globals['_GETSTATUSREQUEST']._serialized_end=1761
-  _globals['_STAGESTATUS']._serialized_start=1763
-  _globals['_STAGESTATUS']._serialized_end=1851
-  _globals['_REPLICASTATUS']._serialized_start=1854
-  _globals['_REPLICASTATUS']._serialized_end=1982
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1985
-  _globals['_GETSTATUSRESPONSE']._serialized_end=2505
-  _globals['_COLLECTORSERVICE']._serialized_start=2508
-  _globals['_COLLECTORSERVICE']._serialized_end=3142
+  _globals['_MISMATCHSTATUS']._serialized_end=698
+  _globals['_LISTFAILURESREQUEST']._serialized_start=700
+  _globals['_LISTFAILURESREQUEST']._serialized_end=755
+  _globals['_PROMPTFAILURE']._serialized_start=758
+  _globals['_PROMPTFAILURE']._serialized_end=886
+  _globals['_LISTFAILURESRESPONSE']._serialized_start=888
+  _globals['_LISTFAILURESRESPONSE']._serialized_end=970
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=972
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=1093
+  _globals['_REPLICAPUSHRESULT']._serialized_start=1096
+  _globals['_REPLICAPUSHRESULT']._serialized_end=1229
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=1232
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=1360
+  _globals['_GETPOLICYVERSIONREQUEST']._serialized_start=1362
+  _globals['_GETPOLICYVERSIONREQUEST']._serialized_end=1387
+  _globals['_GETPOLICYVERSIONRESPONSE']._serialized_start=1389
+  _globals['_GETPOLICYVERSIONRESPONSE']._serialized_end=1432
+  _globals['_PROMPTSPEC']._serialized_start=1435
+  _globals['_PROMPTSPEC']._serialized_end=1722
+  _globals['_PROMPTSPEC_REWARDARGSENTRY']._serialized_start=1673
+  _globals['_PROMPTSPEC_REWARDARGSENTRY']._serialized_end=1722
+  _globals['_SUBMITPROMPTSREQUEST']._serialized_start=1724
+  _globals['_SUBMITPROMPTSREQUEST']._serialized_end=1787
+  _globals['_SUBMITPROMPTSRESPONSE']._serialized_start=1789
+  _globals['_SUBMITPROMPTSRESPONSE']._serialized_end=1832
+  _globals['_GETSTATUSREQUEST']._serialized_start=1834
+  _globals['_GETSTATUSREQUEST']._serialized_end=1852
+  _globals['_STAGESTATUS']._serialized_start=1854
+  _globals['_STAGESTATUS']._serialized_end=1942
+  _globals['_REPLICASTATUS']._serialized_start=1945
+  _globals['_REPLICASTATUS']._serialized_end=2073
+  _globals['_GETSTATUSRESPONSE']._serialized_start=2076
+  _globals['_GETSTATUSRESPONSE']._serialized_end=2596
+  _globals['_COLLECTORSERVICE']._serialized_start=2599
+  _globals['_COLLECTORSERVICE']._serialized_end=3233
 # @@protoc_insertion_point(module_scope)

@@ -47,7 +47,7 @@ class CloseMismatchBreakerResponse(_message.Message):
     def __init__(self, was_open: _Optional[bool] = ...) -> None: ...
 
 class MismatchStatus(_message.Message):
-    __slots__ = ("breaker_open", "reason", "threshold", "trip_batches", "consecutive_over", "reports", "latest")
+    __slots__ = ("breaker_open", "reason", "threshold", "trip_batches", "consecutive_over", "reports", "latest", "kl_target", "admission_staleness", "measured")
     BREAKER_OPEN_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     THRESHOLD_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,9 @@ class MismatchStatus(_message.Message):
     CONSECUTIVE_OVER_FIELD_NUMBER: _ClassVar[int]
     REPORTS_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
+    KL_TARGET_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_FIELD_NUMBER: _ClassVar[int]
     breaker_open: bool
     reason: str
     threshold: float
@@ -62,7 +65,10 @@ class MismatchStatus(_message.Message):
     consecutive_over: int
     reports: int
     latest: _containers.RepeatedCompositeFieldContainer[LagMismatch]
-    def __init__(self, breaker_open: _Optional[bool] = ..., reason: _Optional[str] = ..., threshold: _Optional[float] = ..., trip_batches: _Optional[int] = ..., consecutive_over: _Optional[int] = ..., reports: _Optional[int] = ..., latest: _Optional[_Iterable[_Union[LagMismatch, _Mapping]]] = ...) -> None: ...
+    kl_target: float
+    admission_staleness: int
+    measured: _containers.RepeatedCompositeFieldContainer[LagMismatch]
+    def __init__(self, breaker_open: _Optional[bool] = ..., reason: _Optional[str] = ..., threshold: _Optional[float] = ..., trip_batches: _Optional[int] = ..., consecutive_over: _Optional[int] = ..., reports: _Optional[int] = ..., latest: _Optional[_Iterable[_Union[LagMismatch, _Mapping]]] = ..., kl_target: _Optional[float] = ..., admission_staleness: _Optional[int] = ..., measured: _Optional[_Iterable[_Union[LagMismatch, _Mapping]]] = ...) -> None: ...
 
 class ListFailuresRequest(_message.Message):
     __slots__ = ("after_seq", "limit")
