@@ -30,7 +30,7 @@ from rlfleet.services.collector.servicer import CollectorServicer, TrajectoryPro
 from rlfleet.services.collector.source import PromptSource
 from rlfleet.services.common import metrics, security
 from rlfleet.services.common.errors import InvalidArgument, StartupError, Unavailable, UpstreamError
-from rlfleet.services.common.files import write_atomically
+from rlfleet.services.common.files import fsync_directory, write_atomically
 from rlfleet.services.common.server import Service
 from rlfleet.wire import shm
 from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, environment_pb2_grpc, reference_pb2_grpc, reward_pb2,
@@ -158,6 +158,7 @@ class CollectorService(Service[CollectorConfig]):
     # --- lifecycle --------------------------------------------------------------
     async def start(self) -> None:
         """Wait for the dependencies, agree on the version, start the pipeline."""
+        await self._restore_breaker()  # before SubmitPrompts is taken
         pending = await self.source.restore()  # first: SubmitPrompts waits for it
         _, self.pipeline.failed_prompts = await self.ledger.failures(0, 0)
         if pending:
@@ -324,15 +325,31 @@ class CollectorService(Service[CollectorConfig]):
                                               tokens=m.tokens) for m in breaker.latest.values()])
 
     async def report_mismatch(self, policy_version: int, lags: list[LagMismatch]) -> None:
-        """A trainer's measurement: opening the breaker holds admission; the KL target bounds it."""
+        """A trainer's measurement: opening the breaker holds admission (durably: a restarted collector
+        keeps it open); the KL target bounds it."""
         if self.mismatch.report(policy_version, lags):
+            write_atomically(self.breaker_path, json.dumps({"reason": self.mismatch.reason}).encode())
             await self.gate.hold(True)
         await self.gate.bound_admission(self.mismatch.admission_staleness(self.gate.max_staleness))
 
     async def close_mismatch_breaker(self) -> bool:
         was_open = self.mismatch.close()
+        if self.breaker_path.exists():
+            self.breaker_path.unlink()
+            fsync_directory(self.state_dir)
         await self.gate.hold(False)
         return was_open
+
+    @property
+    def breaker_path(self) -> Path:
+        """Present while the mismatch breaker is open: what it opened on."""
+        return self.state_dir / "mismatch-breaker.json"
+
+    async def _restore_breaker(self) -> None:
+        if self.breaker_path.exists():
+            self.mismatch.reason = json.loads(self.breaker_path.read_text())["reason"]
+            log.error("the mismatch breaker is open since before this start: %s", self.mismatch.reason)
+            await self.gate.hold(True)
 
     def check_trainer_call(self) -> None:
         """What a trainer's push, submission or batch stream must pass: the collector works and the

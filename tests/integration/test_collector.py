@@ -248,6 +248,42 @@ def test_a_trainer_computing_with_other_weights_than_it_pushed_trips_the_mismatc
         proc.stop()
 
 
+def test_an_open_mismatch_breaker_stays_open_across_a_collector_sigkill_until_an_operator_closes_it(backends, tmp_path):
+    """Killed just after the report that opened it returned: the restarted collector keeps it open, with the
+    same reason, and refuses trainer calls; closed, it stays closed across the next restart."""
+    from rlfleet.client import connect
+
+    args = ("--mode", "async", "--max-staleness", "1000", "--groups-per-step", "1",
+            "--mismatch-kl-threshold", "0.01", "--mismatch-trip-batches", "2")
+    over = {0: {"kl_k3": 0.5, "kl_k1": 0.4, "ess_token": 0.3, "tokens": 96}}
+    proc, channel = start_collector(backends, tmp_path, *args)
+    try:
+        with connect(proc.address, timeout=60) as client:
+            client.report_mismatch(over, 1)
+            reason = client.report_mismatch(over, 2).reason
+        assert "lag-0 k3 KL of 0.5 (threshold 0.01) in 2 batches in a row, since policy version 1" in reason
+        proc.kill()  # SIGKILL, right after the report that opened it returned
+        channel.close()
+        for closing in (True, False):
+            proc, channel = start_collector(backends, tmp_path, *args)  # the same state directory
+            with connect(proc.address, timeout=60) as client:
+                mismatch = client.status().mismatch
+                assert mismatch.breaker_open == closing and mismatch.reason == (reason if closing else "")
+                if closing:
+                    with pytest.raises(grpc.RpcError) as refused:
+                        submit(channel, 1, "breaker-after-restart")
+                    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                    assert reason in refused.value.details()
+                    assert client.close_mismatch_breaker()
+                else:
+                    assert submit(channel, 1, "breaker-closed-after-restart")
+            proc.stop()
+            channel.close()
+    finally:
+        proc.stop()
+        channel.close()
+
+
 def read_rows(reader: "Reader", prompt_id: str) -> list[dict]:
     """The rows of ``prompt_id``'s group, read whole: tokens, behaviour log-probs and versions per sample."""
     while True:

@@ -153,7 +153,8 @@ class CollectorServiceServicer:
 
     def CloseMismatchBreaker(self, request, context):
         """Operator: closes an open mismatch breaker; admission and trainer calls
-        resume, and the count of reports over the threshold starts again.
+        resume, and the count of reports over the threshold starts again. An open
+        breaker stays open across collector restarts until closed here.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
