@@ -21,6 +21,11 @@ start only when the committed version is at least ``s - max_staleness``:
   trainer, so a trajectory the trainer uses at step ``s`` started at a
   version ``>= s - k``.
 
+Dynamic sampling (``filtering.py``): a group the collector filters gives its slot back, so a step
+counts only groups that reach the trainer; and while groups are in flight, the fraction expected to
+be filtered (``expected_loss``, the measured filter rate) does not count against the step either, so
+replacements are generated alongside rather than after them.
+
 Pushes close the gate while weights are swapped (nothing starts on weights
 that are about to be replaced), and so does an open mismatch breaker (``hold``).
 
@@ -55,6 +60,10 @@ class VersionGate:
         """On-policy: nothing from an older version reaches the trainer (the bound is 0 and applies at
         read too)."""
         self.groups_started = groups_started
+        self.unsettled = 0
+        """Groups started and not yet appended, filtered or given back."""
+        self.expected_loss = 0.0
+        """Fraction of the unsettled groups expected to be filtered (dynamic sampling's measured rate)."""
         self.base = 0
         self._changed = asyncio.Condition()
         self._pushing = False
@@ -77,13 +86,14 @@ class VersionGate:
         """A restarted collector: ``version`` committed, step count re-aligned to it."""
         self.version = version
         self.groups_started = version * self.groups_per_step
+        self.unsettled = 0
 
     def step_of(self, group_index: int) -> int:
         return group_index // self.groups_per_step
 
     def may_start(self) -> bool:
         """Whether the next group may start now."""
-        step = self.step_of(self.groups_started)
+        step = self.step_of(self.groups_started - int(self.expected_loss * self.unsettled))
         return not self._pushing and not self._held and self.version >= self.base + step - self.admission_staleness
 
     async def bound_admission(self, staleness: int) -> None:
@@ -104,6 +114,7 @@ class VersionGate:
             await self._changed.wait_for(self.may_start)
             index = self.groups_started
             self.groups_started += 1
+            self.unsettled += 1
             return index, self.version
 
     async def begin_push(self) -> None:
@@ -123,7 +134,16 @@ class VersionGate:
             self._changed.notify_all()
 
     async def give_back(self) -> None:
-        """A started group was abandoned (e.g. aborted): its slot is generated again."""
+        """A started group was abandoned (aborted, failed, filtered): its slot is generated again."""
+        await self.settle(delivered=False)
+
+    async def settle(self, delivered: bool, expected_loss: float | None = None) -> None:
+        """A started group ended: appended for the trainer (``delivered``), or not (its slot goes to
+        another group); ``expected_loss`` updates the fraction of groups expected to be filtered."""
         async with self._changed:
-            self.groups_started -= 1
+            self.unsettled = max(self.unsettled - 1, 0)
+            if not delivered:
+                self.groups_started -= 1
+            if expected_loss is not None:
+                self.expected_loss = expected_loss
             self._changed.notify_all()

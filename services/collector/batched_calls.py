@@ -80,13 +80,15 @@ def split_reward_response(reply: reward_pb2.ComputeRewardsResponse,
     return answers
 
 
-def append_request(groups: Sequence[tuple[str, tensor_pb2.TensorDict]]) -> trajectory_pb2.AppendRequest:
-    """One Append for ``(key, rows)`` groups, each deduplicated on its own key."""
-    request = trajectory_pb2.AppendRequest(group_keys=[key for key, _ in groups])
+def append_request(groups: Sequence[tuple[str, tensor_pb2.TensorDict, bool]]) -> trajectory_pb2.AppendRequest:
+    """One Append for ``(key, rows, filtered)`` groups, each deduplicated on its own key."""
+    request = trajectory_pb2.AppendRequest(group_keys=[key for key, _, _ in groups])
+    if any(filtered for _, _, filtered in groups):
+        request.filtered_groups.extend(filtered for _, _, filtered in groups)
     if len(groups) == 1:
         request.trajectories.CopyFrom(groups[0][1])
     else:
-        request.trajectories.CopyFrom(concat_tensordicts([rows for _, rows in groups]))
+        request.trajectories.CopyFrom(concat_tensordicts([rows for _, rows, _ in groups]))
     return request
 
 

@@ -122,6 +122,27 @@ class CollectorConfig(ServiceConfig):
     mismatch_horizon: int = Field(8, ge=1)
     """Reports a lag's measured KL is kept after it was last measured (``mismatch_kl_target``)."""
 
+    dynamic_sampling: bool = False
+    """Filter groups whose scores do not vary (their range at most ``dynamic_sampling_min_score_range``)
+    before they reach the trainer: stored as filtered in the trajectory service (never delivered),
+    counted (GetStatus), their prompts ended; other groups take their place, started ahead by the
+    measured filter rate so batches stay full (``filtering.py``)."""
+    dynamic_sampling_min_score_range: float = Field(0.0, ge=0)
+    """A group whose highest and lowest score differ by at most this is filtered (0: constant scores)."""
+    max_oversampling: float = Field(4.0, ge=1)
+    """Dynamic sampling starts at most this many groups per group it expects to deliver (a cap on the
+    measured filter rate's effect: at 4, a filter rate above 75 % leaves batches slower to fill)."""
+    pass_score: float = 0.5
+    """A sample passes when its score (the reward function's plus the environment's) is at least this:
+    what the per-prompt pass rates (GetPassRates) and the curriculum count. Default 0.5: a 0/1 reward's
+    pass is its 1."""
+    curriculum: bool = False
+    """Skip a dataset row whose latest group passed all its samples or none (nothing left to learn
+    there, or nothing yet), except ``curriculum_revisit_fraction`` of them so their rate is measured
+    again; submitted prompts are never skipped."""
+    curriculum_revisit_fraction: float = Field(0.1, gt=0, le=1)
+    """Of the rows the curriculum would skip, the fraction drawn anyway (per row and epoch, seeded)."""
+
     max_groups_in_flight: int = Field(32, ge=1)
     """Groups admitted but not yet appended (all stages together)."""
     max_generations_in_flight: int = Field(16, ge=1)

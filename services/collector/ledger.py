@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from rlfleet.services.collector.coalescer import Coalescer
+from rlfleet.services.collector.filtering import GroupOutcome
 from rlfleet.services.collector.prompt_item import PromptItem
 from rlfleet.services.common.sqlite import transaction
 
@@ -55,7 +56,31 @@ CREATE TABLE IF NOT EXISTS dead_letters (
     failed_at REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS pass_rates (
+    prompt_key TEXT PRIMARY KEY,
+    groups INTEGER NOT NULL,
+    samples INTEGER NOT NULL,
+    passed INTEGER NOT NULL,
+    filtered_groups INTEGER NOT NULL,
+    recent_samples INTEGER NOT NULL,  -- the latest group's
+    recent_passed INTEGER NOT NULL,
+    updated_at REAL NOT NULL
+);
 """
+
+
+@dataclass(frozen=True)
+class PassRate:
+    """How a prompt's groups scored (``GetPassRates``): every group counted once, filtered or not."""
+
+    prompt_key: str
+    groups: int
+    samples: int
+    passed: int
+    filtered_groups: int
+    recent_samples: int
+    recent_passed: int
+    updated_at: float
 
 
 @dataclass(frozen=True)
@@ -92,6 +117,10 @@ class PromptLedger:
         self._db: sqlite3.Connection = self._executor.submit(self._open).result()
         self._ends = Coalescer(self._end, split_on=lambda exc: False)
         """Group commit of ``done``: what queued while a transaction ran is the next one."""
+        self.filtered_groups, self.filtered_samples = self._executor.submit(self._filtered_counts).result()
+        """Groups (and their samples) dynamic sampling filtered, ever: committed with their prompts' ends."""
+        self.recent: dict[str, tuple[int, int]] = self._executor.submit(self._recent_rates).result()
+        """Each prompt key's latest group: (samples, passed), what the curriculum reads."""
 
     def _open(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, isolation_level=None)
@@ -145,21 +174,67 @@ class PromptLedger:
         return await self._call(lambda: self._db.execute(
             "SELECT COUNT(*) FROM prompts WHERE appended_version IS NULL").fetchone()[0])
 
-    async def done(self, item: PromptItem, retain_at_version: int | None = None) -> None:
-        """Its group was appended: the prompt has ended (its row kept, marked, if ``retain_at_version``).
-        Durable when this returns; the ends that queued meanwhile share one transaction."""
-        await self._ends.submit((item.ledger_seq, retain_at_version))
+    async def done(self, item: PromptItem, retain_at_version: int | None = None,
+                   outcome: GroupOutcome | None = None) -> None:
+        """Its group was appended (or stored as filtered): the prompt has ended (its row kept, marked, if
+        ``retain_at_version``), and ``outcome`` counts toward its pass rate and the filtered counts, in
+        the same transaction: once per row. Durable when this returns; the ends that queued meanwhile
+        share one transaction."""
+        await self._ends.submit((item.ledger_seq, retain_at_version, outcome))
 
-    async def _end(self, ends: list[tuple[int, int | None]]) -> list[None]:
+    async def _end(self, ends: list[tuple[int, int | None, GroupOutcome | None]]) -> list[None]:
         await self._call(self._done, ends)
+        outcomes = [outcome for _, _, outcome in ends if outcome is not None]
+        for outcome in outcomes:  # committed: now the counts in memory move
+            self.recent[outcome.key] = (outcome.samples, outcome.passed)
+            if outcome.filtered:
+                self.filtered_groups += 1
+                self.filtered_samples += outcome.samples
         return [None] * len(ends)
 
-    def _done(self, ends: list[tuple[int, int | None]]) -> None:
+    def _done(self, ends: list[tuple[int, int | None, GroupOutcome | None]]) -> None:
+        outcomes = [outcome for _, _, outcome in ends if outcome is not None]
+        filtered = [outcome for outcome in outcomes if outcome.filtered]
         with transaction(self._db):
             self._db.executemany("DELETE FROM prompts WHERE seq = ?",
-                                 [(seq,) for seq, version in ends if version is None])
+                                 [(seq,) for seq, version, _ in ends if version is None])
             self._db.executemany("UPDATE prompts SET appended_version = ? WHERE seq = ?",
-                                 [(version, seq) for seq, version in ends if version is not None])
+                                 [(version, seq) for seq, version, _ in ends if version is not None])
+            now = time.time()
+            self._db.executemany(
+                "INSERT INTO pass_rates VALUES (?, 1, ?, ?, ?, ?, ?, ?) ON CONFLICT (prompt_key) DO UPDATE SET "
+                "groups = groups + 1, samples = samples + excluded.samples, passed = passed + excluded.passed, "
+                "filtered_groups = filtered_groups + excluded.filtered_groups, recent_samples = excluded.samples, "
+                "recent_passed = excluded.passed, updated_at = excluded.updated_at",
+                [(o.key, o.samples, o.passed, int(o.filtered), o.samples, o.passed, now) for o in outcomes])
+            if filtered:
+                groups, samples = self._filtered_counts()
+                self._db.execute("INSERT OR REPLACE INTO meta VALUES ('filtered', ?)", (json.dumps(
+                    [groups + len(filtered), samples + sum(o.samples for o in filtered)]),))
+
+    def _filtered_counts(self) -> tuple[int, int]:
+        row = self._db.execute("SELECT value FROM meta WHERE name = 'filtered'").fetchone()
+        return tuple(json.loads(row[0])) if row else (0, 0)
+
+    def _recent_rates(self) -> dict[str, tuple[int, int]]:
+        return {key: (samples, passed) for key, samples, passed in
+                self._db.execute("SELECT prompt_key, recent_samples, recent_passed FROM pass_rates")}
+
+    async def pass_rates(self, keys: list[str], after: str, limit: int) -> tuple[list[PassRate], int]:
+        """The pass rates of ``keys`` (those known), or without keys the first ``limit`` after ``after`` in
+        key order; and how many prompt keys have one in all."""
+        return await self._call(self._pass_rates, keys, after, limit)
+
+    def _pass_rates(self, keys: list[str], after: str, limit: int) -> tuple[list[PassRate], int]:
+        if keys:
+            rows = [row for chunk in (keys[i:i + 500] for i in range(0, len(keys), 500)) for row in self._db.execute(
+                f"SELECT * FROM pass_rates WHERE prompt_key IN ({','.join('?' * len(chunk))}) ORDER BY prompt_key",
+                chunk)]
+        else:
+            rows = self._db.execute("SELECT * FROM pass_rates WHERE prompt_key > ? ORDER BY prompt_key LIMIT ?",
+                                    (after, limit)).fetchall()
+        total = self._db.execute("SELECT COUNT(*) FROM pass_rates").fetchone()[0]
+        return [PassRate(*row) for row in rows], total
 
     async def regenerate(self, prompt_ids: list[str]) -> tuple[list[PromptItem], list[str]]:
         """Make the kept rows of appended groups pending again, each as a new row (so its next

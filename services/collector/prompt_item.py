@@ -36,6 +36,8 @@ class PromptItem:
     environment: str = ""
     """The environment running it as a multi-turn episode; "" = the collector's default (which may be
     none: a single-turn prompt)."""
+    dataset_key: str = ""
+    """A dataset prompt's id without its epoch (its pass rate spans epochs); "" for a submitted one."""
     ledger_seq: int | None = None
     """Its row in the prompt ledger (set when it is written there)."""
     attempts: int = 0
@@ -46,6 +48,11 @@ class PromptItem:
         """The idempotency key of its group's Append: one group per ledger row, even when a
         collector restarted after the Append and generates the prompt again."""
         return f"{self.prompt_id}#{self.ledger_seq}"
+
+    @property
+    def pass_key(self) -> str:
+        """Whose pass rate its groups count toward: the dataset row's id, or the submitted prompt id."""
+        return self.dataset_key or self.prompt_id
 
     @property
     def query(self) -> str:

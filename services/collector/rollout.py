@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import random
@@ -41,6 +42,7 @@ from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.coalescer import Coalescer
 from rlfleet.services.collector.episodes import EpisodeRunner, GenerateTurns, GroupSlot, group_of_episodes
 from rlfleet.services.collector.failures import Discard, GenerationFailed
+from rlfleet.services.collector.filtering import FilterRate, FilterRule
 from rlfleet.services.collector.prompt_item import PromptItem, sampling_fields
 from rlfleet.services.collector.replicas import Replica, ReplicaPool
 from rlfleet.services.collector.source import PromptSource
@@ -49,7 +51,7 @@ from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.services.generation.sampling import SamplingSpec
 from rlfleet.v1 import (generation_pb2, reference_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_grpc,
                         sampling_pb2, tensor_pb2, trajectory_pb2_grpc)
-from rlfleet.wire import WireError, encode_tensor
+from rlfleet.wire import WireError, decode_tensor, encode_tensor
 
 log = logging.getLogger("rlfleet.collector.rollout")
 
@@ -111,6 +113,12 @@ class PipelineOptions:
     max_groups_per_call: int = 64
     default_environment: str = ""
     """Environment of the prompts that name none ("": single-turn)."""
+    filter_rule: FilterRule = FilterRule()
+    """Dynamic sampling and pass rates (``filtering.py``)."""
+    max_oversampling: float = 4.0
+    """Dynamic sampling starts at most this many groups per group it expects to deliver."""
+    filter_window: int = 32
+    """Recent groups the filter rate is measured over."""
     generation_attempts: int = 5
     prompt_attempts: int = 5
     retry_backoff_seconds: float = 1.0
@@ -146,6 +154,7 @@ class Pipeline:
         """Multi-turn episodes appended (each also counted in ``appended``), and their turns."""
         self.episode_turns = 0
         self.discarded_samples = 0
+        self.filter_rate = FilterRate(window=options.filter_window, max_oversampling=options.max_oversampling)
         self.failed_prompts = 0
         """Dead letters since the state directory was created (seeded from the ledger at start)."""
         self._groups = asyncio.Semaphore(options.max_groups_in_flight)
@@ -219,9 +228,15 @@ class Pipeline:
             stage = "reward"
             rewards = await self._compute_rewards(item, group, ref_log_probs, group_id)
             stage = "trajectory"
-            version = await self._append(item, group, ref_log_probs, rewards, group_id)
+            outcome = self.options.filter_rule.outcome(item.pass_key, decode_tensor(rewards.scores, "scores"))
+            version, filtered = await self._append(item, group, ref_log_probs, rewards, group_id, outcome.filtered)
+            outcome = dataclasses.replace(outcome, filtered=filtered)  # as stored, should it be from before a restart
             # Sync mode keeps the prompt's row a while: a group that goes stale unread is generated again.
-            await self.source.done(item, retain_at_version=version if self.gate.sync else None)
+            await self.source.done(item, retain_at_version=version if self.gate.sync and not filtered else None,
+                                   outcome=outcome)
+            if self.options.filter_rule.enabled:
+                self.filter_rate.record(filtered)
+            await self.gate.settle(delivered=not filtered, expected_loss=self.filter_rate.expected_loss)
         except Discard as reason:
             log.info("group discarded, prompt requeued", extra={"prompt_id": item.prompt_id, "reason": str(reason)})
             self.source.requeue(item)
@@ -389,11 +404,12 @@ class Pipeline:
         return batched_calls.split_reward_response(reply, [len(r.group_ids) for r in requests])
 
     async def _append(self, item: PromptItem, group: GroupSamples, ref_log_probs: tensor_pb2.RaggedTensor,
-                      rewards: reward_pb2.ComputeRewardsResponse, group_id: int) -> int:
-        """Append the group (or find it appended before a restart); returns its start version."""
+                      rewards: reward_pb2.ComputeRewardsResponse, group_id: int, filtered: bool) -> tuple[int, bool]:
+        """Append the group, or store it as ``filtered`` (or find it stored before a restart); returns its
+        start version and whether it is stored as filtered (as it was then, for one stored before)."""
         start_version = group.start_version
         now = max(self.gate.version, group.end_version)
-        if self.gate.too_stale_to_append(start_version, now):
+        if not filtered and self.gate.too_stale_to_append(start_version, now):
             # Its prompt is generated again on the current weights; counted.
             self.discarded_samples += len(group)
             raise Discard(f"too stale: started at v{start_version}, now v{now}, "
@@ -404,7 +420,8 @@ class Pipeline:
             attempt = 0
             while True:
                 try:
-                    appended = await self._appends.submit((item.append_key, rows), rows.ByteSize())
+                    appended, filtered = await self._appends.submit((item.append_key, rows, filtered),
+                                                                    rows.ByteSize())
                     break
                 except ResourceExhaustedError:
                     # Backpressure: the buffer is full until the trainer catches up.
@@ -412,23 +429,26 @@ class Pipeline:
                     attempt += 1
         if not appended:  # appended before a restart: the earlier group stands
             log.info("group already appended", extra={"prompt_id": item.prompt_id, "key": item.append_key})
-            return start_version
+            return start_version, filtered
+        if filtered:
+            return start_version, True
         self.appended += len(group)
         if group.environment_rewards is not None:
             self.episodes_appended += len(group)
             self.episode_turns += int(group.turn_versions.lengths.sum())
         self.staleness[now - start_version] += len(group)  # staleness when it became visible
-        return start_version
+        return start_version, False
 
-    async def _append_call(self, groups: list[tuple[str, tensor_pb2.TensorDict]]) -> list[bool]:
-        """One Append for the groups that queued (``_appends``); whether each was stored (False: it
-        was appended before, under its key)."""
+    async def _append_call(self, groups: list[tuple[str, tensor_pb2.TensorDict, bool]]) -> list[tuple[bool, bool]]:
+        """One Append for the groups that queued (``_appends``); for each, whether it was stored (False:
+        it was appended before, under its key) and whether it is stored as filtered."""
         reply = await call_with_retry(self.trajectory.Append, batched_calls.append_request(groups),
                                       method="Append", settings=self.settings)
-        if len(reply.duplicate_groups) != len(groups):
-            raise WireError("duplicate_groups", f"the trajectory service answered {len(reply.duplicate_groups)} "
-                                                f"for {len(groups)} groups")
-        return [not duplicate for duplicate in reply.duplicate_groups]
+        for field in ("duplicate_groups", "filtered_groups"):
+            if len(getattr(reply, field)) != len(groups):
+                raise WireError(field, f"the trajectory service answered {len(getattr(reply, field))} "
+                                       f"for {len(groups)} groups")
+        return [(not duplicate, filtered) for duplicate, filtered in zip(reply.duplicate_groups, reply.filtered_groups)]
 
     def staleness_histogram(self) -> list[int]:
         if not self.staleness:

@@ -21,6 +21,7 @@ from rlfleet.services.collector.dataset import load_records
 from rlfleet.services.collector.discovery import make_discovery
 from rlfleet.services.collector.episodes import EpisodeLimits, EpisodeRunner
 from rlfleet.services.collector.fanout import WeightFanout
+from rlfleet.services.collector.filtering import FilterRule
 from rlfleet.services.collector.ledger import PromptLedger
 from rlfleet.services.collector.mismatch import LagMismatch, MismatchBreaker
 from rlfleet.services.collector.prompt_item import PromptItem
@@ -67,7 +68,9 @@ class CollectorService(Service[CollectorConfig]):
             self.source = PromptSource(self.ledger, records, prompt_field=config.prompt_field,
                                        ground_truth_field=config.ground_truth_field, shuffle=config.shuffle,
                                        seed=config.seed, epochs=config.epochs,
-                                       max_submitted=config.max_submitted_prompts)
+                                       max_submitted=config.max_submitted_prompts,
+                                       curriculum_revisit=config.curriculum_revisit_fraction if config.curriculum
+                                       else None)
         except InvalidArgument as exc:
             self.ledger.close()
             raise StartupError(f"dataset_path: {config.dataset_path}: {exc}") from None
@@ -89,7 +92,10 @@ class CollectorService(Service[CollectorConfig]):
                 max_generations_in_flight=config.max_generations_in_flight,
                 max_scoring_in_flight=config.max_scoring_in_flight, max_groups_per_call=config.max_groups_per_call,
                 default_environment=config.environment, prompt_attempts=config.prompt_attempts,
-                retry_backoff_seconds=config.retry_backoff_seconds),
+                retry_backoff_seconds=config.retry_backoff_seconds,
+                filter_rule=FilterRule(config.dynamic_sampling, config.dynamic_sampling_min_score_range,
+                                       config.pass_score),
+                max_oversampling=config.max_oversampling, filter_window=max(32, 4 * config.groups_per_step)),
             self.gate, self.pool, self.source,
             reference_pb2_grpc.ReferenceServiceStub(self._channels["reference"]),
             reward_pb2_grpc.RewardServiceStub(self._channels["reward"]),
@@ -310,6 +316,11 @@ class CollectorService(Service[CollectorConfig]):
             not_serving_reason=self.serving_problem, failed=bool(self.failure),
             spool_error=self.fanout.spool_error, episodes=pipeline.episodes_appended,
             episode_turns=pipeline.episode_turns, mismatch=self.mismatch_status(),
+            dynamic_sampling=collector_pb2.DynamicSamplingStatus(
+                enabled=self.config.dynamic_sampling, min_score_range=self.config.dynamic_sampling_min_score_range,
+                filtered_groups=self.ledger.filtered_groups, filtered_samples=self.ledger.filtered_samples,
+                filter_rate=pipeline.filter_rate.rate, oversampling=1.0 / (1.0 - pipeline.filter_rate.expected_loss),
+                curriculum_skipped=self.source.curriculum_skipped, curriculum=self.config.curriculum),
         )
 
     def mismatch_status(self) -> collector_pb2.MismatchStatus:

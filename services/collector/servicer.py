@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -18,6 +19,7 @@ from rlfleet.wire import decode_tensor
 
 
 log = logging.getLogger("rlfleet.collector")
+MAX_PASS_RATE_KEYS = 1000
 _CORE_WRITE_FAILURE = "Internal error from Core"
 """What grpc.aio reports for a call whose write raced its end, instead of the status it ended with."""
 
@@ -72,6 +74,15 @@ class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
 
     async def CloseMismatchBreaker(self, request, context):
         return collector_pb2.CloseMismatchBreakerResponse(was_open=await self.collector.close_mismatch_breaker())
+
+    async def GetPassRates(self, request, context):
+        if len(request.prompt_keys) > MAX_PASS_RATE_KEYS or request.limit < 0:
+            raise InvalidArgument(f"prompt_keys and limit: at most {MAX_PASS_RATE_KEYS} keys and a limit >= 0, got "
+                                  f"{len(request.prompt_keys)} keys and limit {request.limit}")
+        rates, total = await self.collector.ledger.pass_rates(list(request.prompt_keys), request.after_key,
+                                                              min(request.limit or 100, MAX_PASS_RATE_KEYS))
+        return collector_pb2.GetPassRatesResponse(
+            total=total, pass_rates=[collector_pb2.PassRate(**dataclasses.asdict(rate)) for rate in rates])
 
     async def ListFailures(self, request, context):
         if request.after_seq < 0 or request.limit < 0:

@@ -7,7 +7,8 @@ kept here; every prompt handed out is first written to the prompt ledger
 (``ledger.py``), so a restarted collector generates it again. A row that is
 not a prompt (``prompt_item.from_row`` says why) is dead-lettered with its
 reason, the position moving past it in the same transaction, and the next
-row follows. Nothing in this module knows gRPC.
+row follows. With the curriculum on, a row whose latest group passed all its samples or none is
+skipped, the position moving past it (``filtering.py``). Nothing in this module knows gRPC.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import random
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from rlfleet.services.collector.filtering import GroupOutcome, revisit
 from rlfleet.services.collector.prompt_item import PromptItem, from_row
 from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
 
@@ -35,7 +37,8 @@ class PromptSource:
 
     def __init__(self, ledger: "PromptLedger", records: list[Any] | None = None, *,
                  prompt_field: str = "prompt", ground_truth_field: str = "answer", shuffle: bool = True,
-                 seed: int = 0, epochs: int = 0, max_submitted: int = 10_000):
+                 seed: int = 0, epochs: int = 0, max_submitted: int = 10_000,
+                 curriculum_revisit: float | None = None):
         self.ledger = ledger
         self._records = records or []
         self._prompt_field = prompt_field
@@ -44,6 +47,10 @@ class PromptSource:
         self._seed = seed
         self._epochs = epochs  # 0 = cycle forever
         self._max_submitted = max_submitted
+        self._curriculum_revisit = curriculum_revisit
+        """None: no curriculum; else the fraction of skippable rows drawn anyway."""
+        self.curriculum_skipped = 0
+        """Dataset rows the curriculum skipped since start."""
         self._submitted: collections.deque[PromptItem] = collections.deque()
         self._requeued: collections.deque[PromptItem] = collections.deque()
         self._available = asyncio.Event()
@@ -127,9 +134,10 @@ class PromptSource:
         self._requeued.append(item)
         self._available.set()
 
-    async def done(self, item: PromptItem, retain_at_version: int | None = None) -> None:
-        """Its group was appended (see ``PromptLedger.done``)."""
-        await self.ledger.done(item, retain_at_version)
+    async def done(self, item: PromptItem, retain_at_version: int | None = None,
+                   outcome: GroupOutcome | None = None) -> None:
+        """Its group was appended or filtered (see ``PromptLedger.done``)."""
+        await self.ledger.done(item, retain_at_version, outcome)
         self.pending -= 1
 
     async def regenerate(self, prompt_ids: list[str]) -> list[str]:
@@ -169,10 +177,21 @@ class PromptSource:
                 if items:
                     break  # the next draw dead-letters it
                 return refused, self._position_after(index)
+            index += 1
+            if self._skipped_by_curriculum(item.prompt_id, row):
+                continue
+            item.dataset_key = item.prompt_id
             item.prompt_id = f"{item.prompt_id}@e{self.epoch}"
             items.append(item)
-            index += 1
         return items, self._position_after(index - 1)
+
+    def _skipped_by_curriculum(self, key: str, row: int) -> bool:
+        recent = self.ledger.recent.get(key)
+        if (self._curriculum_revisit is None or recent is None or recent[1] not in (0, recent[0])
+                or revisit(self._seed, self.epoch, row, self._curriculum_revisit)):
+            return False
+        self.curriculum_skipped += 1
+        return True
 
     def _position_after(self, index: int) -> dict[str, int]:
         epoch, index = self.epoch, index + 1

@@ -56,6 +56,7 @@ METHOD_ROLES: Mapping[str, frozenset[str]] = {
     "/rlfleet.v1.CollectorService/GetPolicyVersion": _READS,
     "/rlfleet.v1.CollectorService/GetStatus": _READS,
     "/rlfleet.v1.CollectorService/ListFailures": frozenset({TRAINER, OPERATOR}),
+    "/rlfleet.v1.CollectorService/GetPassRates": frozenset({TRAINER, OPERATOR}),
     "/rlfleet.v1.CollectorService/ReportMismatch": frozenset({TRAINER}),
     "/rlfleet.v1.CollectorService/CloseMismatchBreaker": frozenset({OPERATOR}),
     # The trajectory service (and the collector's forward of it): batches are read and acked on the stream.

@@ -83,6 +83,18 @@ def dedup_keys(idempotency_key: str, group_keys: Sequence[str], group_count: int
     return list(group_keys)
 
 
+def filtered_flags(filtered_groups: Sequence[bool], group_keys: Sequence[str], group_count: int) -> list[bool]:
+    """Whether each of the ``group_count`` groups is to be stored as filtered (dynamic sampling)."""
+    if not filtered_groups:
+        return [False] * group_count
+    if not group_keys:
+        raise InvalidArgument("filtered_groups: needs group_keys (one flag per keyed group)")
+    if len(filtered_groups) != group_count:
+        raise InvalidArgument(f"filtered_groups: {len(filtered_groups)} flags for the {group_count} groups in "
+                              "trajectories; give one per group, in the order of group_keys")
+    return list(filtered_groups)
+
+
 def _check_key_length(key: str, where: str) -> None:
     size = len(key.encode())
     if size > MAX_KEY_BYTES:

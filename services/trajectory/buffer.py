@@ -162,9 +162,9 @@ class TrajectoryBuffer:
 
     # --- unary operations -----------------------------------------------------------------
     async def append(self, trajectories: tensor_pb2.TensorDict, idempotency_key: str = "",
-                     group_keys: Sequence[str] = ()) -> AppendResult:
+                     group_keys: Sequence[str] = (), filtered_groups: Sequence[bool] = ()) -> AppendResult:
         result = await self._call(TrajectoryStore.append, trajectories, idempotency_key, group_keys,
-                                  priority=APPENDS)
+                                  filtered_groups, priority=APPENDS)
         if result.appended:
             self._notify()
         return result

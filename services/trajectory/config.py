@@ -40,6 +40,9 @@ class TrajectoryConfig(ServiceConfig):
     layout (the first append fixes it while rows are buffered)."""
     idempotency_window: int = Field(100_000, gt=0)
     """How many of the most recent Append idempotency keys are remembered (and deduplicated)."""
+    max_filtered_groups: int = Field(10_000, gt=0)
+    """Groups kept in the filtered log (Append's filtered_groups: never delivered), the newest; the
+    count of all ever filtered is kept regardless."""
     lock_timeout_seconds: float = Field(10.0, ge=0)
     """At start, how long to wait for the database lock held by a previous instance that is still
     exiting; the file is locked for the life of the process so two services never share it."""

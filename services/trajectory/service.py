@@ -34,6 +34,7 @@ class TrajectoryService(Service[TrajectoryConfig]):
         return TrajectoryStore(config.db_path, config.capacity, capacity_bytes=config.capacity_bytes,
                                synchronous=config.synchronous,
                                idempotency_window=config.idempotency_window,
+                               max_filtered_groups=config.max_filtered_groups,
                                lock_timeout_seconds=config.lock_timeout_seconds,
                                documented=row_schema() if config.batch_schema else None)
 

@@ -19,9 +19,11 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
     async def Append(self, request: trajectory_pb2.AppendRequest, context) -> trajectory_pb2.AppendResponse:
         if not request.HasField("trajectories"):
             raise InvalidArgument("trajectories: missing")
-        result = await self._buffer.append(request.trajectories, request.idempotency_key, list(request.group_keys))
+        result = await self._buffer.append(request.trajectories, request.idempotency_key, list(request.group_keys),
+                                           list(request.filtered_groups))
         return trajectory_pb2.AppendResponse(appended=result.appended, buffered=result.buffered,
-                                             duplicate_groups=result.duplicate_groups)
+                                             duplicate_groups=result.duplicate_groups,
+                                             filtered_groups=result.filtered_groups)
 
     async def StreamBatches(self, request_iterator, context) -> AsyncIterator[trajectory_pb2.StreamBatchesResponse]:
         requests = aiter(request_iterator)
@@ -51,7 +53,8 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
             ready=stats.ready, leased=stats.leased, acked=stats.acked, capacity=stats.capacity,
             appended=stats.appended, redelivered_batches=stats.redelivered_batches,
             dropped_stale=stats.dropped_stale, buffered_bytes=stats.buffered_bytes,
-            capacity_bytes=stats.capacity_bytes,
+            capacity_bytes=stats.capacity_bytes, filtered_groups=stats.filtered_groups,
+            filtered_trajectories=stats.filtered_trajectories,
         )
 
     async def DropStale(self, request: trajectory_pb2.DropStaleRequest,

@@ -23,6 +23,16 @@ CREATE TABLE IF NOT EXISTS units (
 CREATE TABLE IF NOT EXISTS idempotency_keys (
     key TEXT PRIMARY KEY,
     appended INTEGER NOT NULL
+    -- filtered INTEGER NOT NULL DEFAULT 0: added by _migrate (files written before it lack it)
+);
+CREATE TABLE IF NOT EXISTS filtered (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- the filtered log: groups never delivered (dynamic sampling)
+    key TEXT NOT NULL,                      -- its deduplication key
+    group_id INTEGER NOT NULL,
+    group_size INTEGER NOT NULL,
+    policy_version_start INTEGER NOT NULL,
+    filtered_at REAL NOT NULL,
+    data BLOB NOT NULL                      -- the group's rows, one serialized rlfleet.v1.TensorDict
 );
 CREATE TABLE IF NOT EXISTS meta (
     name TEXT PRIMARY KEY,
@@ -54,6 +64,7 @@ def connect(path: str, synchronous: str, lock_timeout_seconds: float) -> sqlite3
         for statement in SCHEMA_SQL.split(";"):
             if statement.strip():
                 db.execute(statement)
+        _migrate(db)
         db.execute("COMMIT")
     except sqlite3.OperationalError as exc:
         db.close()
@@ -62,6 +73,13 @@ def connect(path: str, synchronous: str, lock_timeout_seconds: float) -> sqlite3
                                f"(waited {lock_timeout_seconds}s for its lock)") from exc
         raise
     return db
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    """Bring a file written by an older version to the schema above (inside the opening transaction)."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(idempotency_keys)")}
+    if "filtered" not in columns:
+        db.execute("ALTER TABLE idempotency_keys ADD COLUMN filtered INTEGER NOT NULL DEFAULT 0")
 
 
 def chunks(items: Sequence[T]) -> Iterable[Sequence[T]]:

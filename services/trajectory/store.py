@@ -19,6 +19,12 @@ Deduplication: an ``idempotency_key`` makes a resent call a no-op; ``group_keys`
 (one per group) skip just the groups appended before, so one call can carry
 several groups. Both kinds share one table of the most recent keys.
 
+Filtered groups (dynamic sampling: the collector found their scores constant) are appended in the
+same call and transaction as the others but go to the filtered log instead of the buffer: never
+delivered, no capacity taken, the newest ``max_filtered_groups`` kept, counted for ever (``meta``), and
+their dedup keys remember that they were filtered, so a caller retrying after a crash learns how its
+group was stored.
+
 Rows leave only by an ack or by ``drop_stale`` (an operator's call). A
 reader's ``min_policy_version`` filters what that reader is given and deletes
 nothing: readers cannot delete data they were not given.
@@ -43,7 +49,7 @@ from rlfleet.services.common.errors import InvalidArgument, NotFound, ResourceEx
 from rlfleet.services.common.sqlite import transaction
 from rlfleet.services.trajectory import rows as rowcodec
 from rlfleet.services.trajectory import sqlite as sqlite_file
-from rlfleet.services.trajectory.appends import dedup_keys, validate_append
+from rlfleet.services.trajectory.appends import dedup_keys, filtered_flags, validate_append
 from rlfleet.v1 import tensor_pb2
 from rlfleet.wire.rows import concat_tensordicts
 
@@ -64,6 +70,8 @@ class AppendResult:
     """Trajectories buffered (ready + leased) after the call."""
     duplicate_groups: tuple[bool, ...] = ()
     """With group keys: for each group, in order, whether it was skipped as appended before; else empty."""
+    filtered_groups: tuple[bool, ...] = ()
+    """With group keys: for each group, in order, whether it is (or, skipped, was) stored as filtered."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,9 @@ class Stats:
     """Trajectories deleted by ``drop_stale`` only: a reader's ``min_policy_version`` deletes nothing."""
     buffered_bytes: int
     capacity_bytes: int
+    filtered_groups: int = 0
+    """Groups stored as filtered, ever (durable)."""
+    filtered_trajectories: int = 0
 
 
 @dataclass
@@ -141,7 +152,8 @@ class TrajectoryStore:
 
     def __init__(self, path: str, capacity: int, *, capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
                  synchronous: Literal["FULL", "NORMAL"] = "FULL",
-                 idempotency_window: int = 100_000, lock_timeout_seconds: float = 10.0,
+                 idempotency_window: int = 100_000, max_filtered_groups: int = 10_000,
+                 lock_timeout_seconds: float = 10.0,
                  documented: rowcodec.Schema | None = None, clock: Callable[[], float] = time.time):
         """``capacity`` bounds the buffered rows, ``capacity_bytes`` their serialized payloads;
         ``documented``: the schema every append must keep to (its keys may be a subset); None
@@ -154,6 +166,7 @@ class TrajectoryStore:
         self.capacity = capacity
         self.capacity_bytes = capacity_bytes
         self._idempotency_window = idempotency_window
+        self._max_filtered_groups = max_filtered_groups
         self._clock = clock
         self._db = sqlite_file.connect(path, synchronous, lock_timeout_seconds)
         self._units: dict[int, _Unit] = {}
@@ -171,6 +184,8 @@ class TrajectoryStore:
     def _load(self) -> None:
         row = self._db.execute("SELECT value FROM meta WHERE name = 'schema'").fetchone()
         self._schema = json.loads(row[0]) if row else None
+        row = self._db.execute("SELECT value FROM meta WHERE name = 'filtered'").fetchone()
+        self._filtered = tuple(json.loads(row[0])) if row else (0, 0)
         # length() of a blob reads its size, not its content
         unit_bytes = dict(self._db.execute("SELECT unit, length(data) FROM units"))
         cursor = self._db.execute(
@@ -201,20 +216,24 @@ class TrajectoryStore:
 
     # --- append ---------------------------------------------------------------------
     def append(self, msg: tensor_pb2.TensorDict, idempotency_key: str = "",
-               group_keys: Sequence[str] = ()) -> AppendResult:
+               group_keys: Sequence[str] = (), filtered_groups: Sequence[bool] = ()) -> AppendResult:
         """Store the rows of ``msg``, all or none (durable once this returns), less the groups appended
         before: ``idempotency_key`` deduplicates the whole call, ``group_keys`` each group (see
-        ``dedup_keys``). A call with nothing new to store is a no-op, checked no further than its validity."""
+        ``dedup_keys``); ``filtered_groups`` sends groups to the filtered log (see the module doc). A
+        call with nothing new to store is a no-op, checked no further than its validity."""
         group_ids, versions, units = validate_append(msg)
         keys = dedup_keys(idempotency_key, group_keys, len(units))
-        duplicates = self._stored_before(keys)
-        if any(duplicates):
-            units = [indices for indices, duplicate in zip(units, duplicates) if not duplicate]
-            keys = [key for key, duplicate in zip(keys, duplicates) if not duplicate]
-        reported = tuple(duplicates) if group_keys else ()
-        count = sum(map(len, units))
-        if count == 0:
-            return AppendResult(0, self.buffered, reported)
+        filtered = filtered_flags(filtered_groups, group_keys, len(units))
+        stored_before = self._stored_before(keys)
+        reported = tuple(key is not None for key in stored_before) if group_keys else ()
+        fates = tuple(was if was is not None else flag for was, flag in zip(stored_before, filtered)) \
+            if group_keys else ()
+        new = [i for i, was in enumerate(stored_before or [None] * len(units)) if was is None]
+        kept = [i for i in new if not filtered[i]]
+        dropped = [i for i in new if filtered[i]]
+        count = sum(len(units[i]) for i in kept)
+        if not new:
+            return AppendResult(0, self.buffered, reported, fates)
         if count > self.capacity:
             raise InvalidArgument(f"trajectories.batch_size: {count} trajectories to store can never fit "
                                   f"the buffer's capacity of {self.capacity}")
@@ -222,9 +241,11 @@ class TrajectoryStore:
             raise ResourceExhausted(
                 f"trajectory buffer full: {self.buffered} of {self.capacity} buffered, {count} more "
                 "do not fit; retry after trainers ack batches")
-        schema = self._admitted_schema(msg)
-        payloads = rowcodec.split_units(msg, units)
-        new_units, records, size = self._new_units(units, group_ids, versions, payloads)
+        schema = self._admitted_schema(msg) if kept else self._schema
+        payloads = rowcodec.split_units(msg, [units[i] for i in new])
+        payload_of = dict(zip(new, payloads))
+        new_units, records, size = self._new_units([units[i] for i in kept], group_ids, versions,
+                                                   [payload_of[i] for i in kept])
         if size > self.capacity_bytes:
             raise InvalidArgument(f"trajectories: {size} bytes of trajectories can never fit the buffer's "
                                   f"capacity_bytes of {self.capacity_bytes}")
@@ -232,45 +253,64 @@ class TrajectoryStore:
             raise ResourceExhausted(
                 f"trajectory buffer full: {self._bytes} of {self.capacity_bytes} bytes buffered, {size} more "
                 "do not fit; retry after trainers ack batches")
+        filtered_total = (self._filtered[0] + len(dropped), self._filtered[1] + sum(len(units[i]) for i in dropped))
         with transaction(self._db):
             self._db.executemany(
                 "INSERT INTO trajectories (seq, unit, group_id, group_size, policy_version_start, data) "
                 "VALUES (?, ?, ?, ?, ?, x'')", records)
             self._db.executemany("INSERT INTO units (unit, data) VALUES (?, ?)",
-                                 [(unit.id, payload) for unit, payload in zip(new_units, payloads)])
+                                 [(unit.id, payload) for unit, payload in zip(new_units, [payload_of[i] for i in kept])])
+            if dropped:
+                self._log_filtered([(keys[i] if keys else "", group_ids[units[i][0]], len(units[i]),
+                                     min(versions[j] for j in units[i]), payload_of[i]) for i in dropped])
+                self._db.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('filtered', ?)",
+                                 (json.dumps(filtered_total),))
             if schema != self._schema:
                 self._db.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('schema', ?)",
                                  (json.dumps(schema),))
-            self._remember_keys(keys, units)
+            if keys:
+                self._remember_keys([keys[i] for i in new], [units[i] for i in new], [filtered[i] for i in new])
         # Committed: only now does the in-memory index change.
         self._schema = schema
+        self._filtered = filtered_total
         for unit in new_units:
             self._units[unit.id] = unit
             bisect.insort(self._ready_units, unit.id, key=self._order)
         self._ready += count
         self._bytes += size
         self._appended += count
-        return AppendResult(count, self.buffered, reported)
+        return AppendResult(count, self.buffered, reported, fates)
 
-    def _stored_before(self, keys: Sequence[str]) -> list[bool]:
-        """For each key, whether it is among the remembered deduplication keys."""
+    def _log_filtered(self, groups: list[tuple[str, int, int, int, bytes]]) -> None:
+        """Keep ``groups`` (key, group id, size, version, payload) in the filtered log, the newest
+        ``max_filtered_groups`` of it; call inside ``transaction(self._db)``."""
+        now = self._clock()
+        self._db.executemany("INSERT INTO filtered (key, group_id, group_size, policy_version_start, filtered_at, "
+                             "data) VALUES (?, ?, ?, ?, ?, ?)", [(*group[:4], now, group[4]) for group in groups])
+        self._db.execute("DELETE FROM filtered WHERE seq <= (SELECT max(seq) FROM filtered) - ?",
+                         (self._max_filtered_groups,))
+
+    def _stored_before(self, keys: Sequence[str]) -> list[bool | None]:
+        """For each key: None if it is not among the remembered deduplication keys, else whether its
+        group was stored as filtered."""
         if not keys:
             return []
-        stored: set[str] = set()
+        stored: dict[str, bool] = {}
         for chunk in sqlite_file.chunks(list(dict.fromkeys(keys))):
-            stored.update(key for (key,) in self._db.execute(
-                f"SELECT key FROM idempotency_keys WHERE key IN ({','.join('?' * len(chunk))})", chunk))
-        return [key in stored for key in keys]
+            stored.update((key, bool(filtered)) for key, filtered in self._db.execute(
+                f"SELECT key, filtered FROM idempotency_keys WHERE key IN ({','.join('?' * len(chunk))})", chunk))
+        return [stored.get(key) for key in keys]
 
-    def _remember_keys(self, keys: Sequence[str], units: Sequence[Sequence[int]]) -> None:
-        """Record the keys of the stored groups (``keys[i]`` covers ``units[i]``); call inside
-        ``transaction(self._db)``."""
-        if not keys:
-            return
-        rows_per_key: dict[str, int] = {}
-        for key, indices in zip(keys, units):
-            rows_per_key[key] = rows_per_key.get(key, 0) + len(indices)
-        self._db.executemany("INSERT INTO idempotency_keys (key, appended) VALUES (?, ?)", rows_per_key.items())
+    def _remember_keys(self, keys: Sequence[str], units: Sequence[Sequence[int]],
+                       filtered: Sequence[bool]) -> None:
+        """Record the keys of the stored groups (``keys[i]`` covers ``units[i]``, filtered or not); call
+        inside ``transaction(self._db)``."""
+        rows_per_key: dict[str, list[int]] = {}
+        for key, indices, was_filtered in zip(keys, units, filtered):
+            row = rows_per_key.setdefault(key, [0, int(was_filtered)])
+            row[0] += len(indices)
+        self._db.executemany("INSERT INTO idempotency_keys (key, appended, filtered) VALUES (?, ?, ?)",
+                             [(key, appended, was_filtered) for key, (appended, was_filtered) in rows_per_key.items()])
         # Bounded dedup window: forget the oldest keys (rowid order = insertion order).
         self._db.execute("DELETE FROM idempotency_keys WHERE rowid <= "
                          "(SELECT max(rowid) FROM idempotency_keys) - ?", (self._idempotency_window,))
@@ -514,7 +554,8 @@ class TrajectoryStore:
         return Stats(ready=self._ready, leased=self._leased, acked=self._acked, capacity=self.capacity,
                      appended=self._appended, redelivered_batches=self._redelivered_batches,
                      dropped_stale=self._dropped_stale, buffered_bytes=self._bytes,
-                     capacity_bytes=self.capacity_bytes)
+                     capacity_bytes=self.capacity_bytes, filtered_groups=self._filtered[0],
+                     filtered_trajectories=self._filtered[1])
 
     # --- sqlite helpers ----------------------------------------------------------------
     def _order(self, unit_id: int) -> tuple[int, int]:

@@ -412,6 +412,68 @@ def test_a_collector_killed_with_prompts_queued_and_generating_loses_and_duplica
         proc.stop()
 
 
+def test_dynamic_sampling_delivers_only_groups_whose_scores_vary_and_counts_the_rest_once_across_a_sigkill(
+        backends, tmp_path):
+    """Half the prompts score 0 whatever is sampled (reward "none"): their groups are stored as filtered, never
+    delivered. The collector is SIGKILLed as soon as the trajectory service committed a filtered group (the
+    instant before the collector's own ledger records it); after the restart every prompt is counted exactly
+    once: in its pass rate, in the collector's filtered count, in the trajectory service's."""
+    from rlfleet.client import connect
+
+    trajectory = trajectory_pb2_grpc.TrajectoryServiceStub(grpc.insecure_channel(backends["trajectory"].address))
+    filtered_in_log = lambda: trajectory.GetStats(trajectory_pb2.GetStatsRequest(), timeout=30).filtered_groups  # noqa: E731
+    before = filtered_in_log()
+    args = ("--mode", "async", "--max-staleness", "1000", "--groups-per-step", "2", "--max-groups-in-flight", "4",
+            "--dynamic-sampling", "true")
+    specs = [collector_pb2.PromptSpec(prompt_id=f"ds-{kind}-{i}", prompt=sampling_pb2.Prompt(text=f"say {i} words"),
+                                      reward_fn="none" if kind == "flat" else "char_fraction",
+                                      reward_args={} if kind == "flat" else {"pattern": "[a-z]"})
+             for i in range(6) for kind in ("flat", "varied")]
+    keys = [spec.prompt_id for spec in specs]
+    proc, channel = start_collector(backends, tmp_path, *args)
+    try:
+        collector_pb2_grpc.CollectorServiceStub(channel).SubmitPrompts(
+            collector_pb2.SubmitPromptsRequest(prompts=specs), timeout=30)
+        wait_for(lambda: filtered_in_log() > before, PIPELINE_TIMEOUT, "a group stored as filtered", interval=0.01)
+        proc.kill()  # SIGKILL, as soon as the trajectory service committed it: the collector's ledger may not have
+    finally:
+        proc.stop()
+        channel.close()
+
+    proc, channel = start_collector(backends, tmp_path, *args)  # the same state directory
+    reader = Reader(channel, batch_size=GROUP)
+    try:
+        wait_for(lambda: status(channel).pending_prompts == 0, PIPELINE_TIMEOUT, "every prompt to end")
+        with connect(proc.address, timeout=60) as client:
+            rates, _ = client.pass_rates(keys)
+            sampling = client.status().dynamic_sampling
+        rates = {rate.prompt_key: rate for rate in rates}
+        assert sorted(rates) == sorted(keys)
+        assert {key: (rate.groups, rate.samples) for key, rate in rates.items()} == {key: (1, GROUP) for key in keys}
+        filtered = {key for key, rate in rates.items() if rate.filtered_groups}
+        assert {key for key in keys if key.startswith("ds-flat")} <= filtered  # a constant score is always filtered
+        assert all(rates[key].passed == 0 for key in keys if key.startswith("ds-flat"))
+        # Counted once each, across the kill: by the collector's ledger and by the trajectory service's log.
+        assert (sampling.enabled, sampling.filtered_groups, sampling.filtered_samples) == (
+            True, len(filtered), GROUP * len(filtered))
+        assert filtered_in_log() - before == len(filtered)
+        delivered = [key for key in keys if key not in filtered]
+        scores: dict[str, list[float]] = collections.defaultdict(list)
+        while any(len(scores[key]) < GROUP for key in delivered):
+            batch = reader.next()
+            assert len(batch["prompt_id"]) == GROUP  # full batches
+            for pid, score in zip(list(batch["prompt_id"]), batch["score"].tolist()):
+                if pid.startswith("ds-"):  # else left in the shared buffer by an earlier test's collector
+                    assert pid in delivered, f"{pid} was filtered, yet delivered"
+                    scores[pid].append(score)
+        assert all(len(set(values)) > 1 for values in scores.values()), scores  # only groups whose scores vary
+        assert status(channel).failed_prompts == 0
+    finally:
+        reader.close()
+        channel.close()
+        proc.stop()
+
+
 def test_a_malformed_message_through_the_proxy_fails_at_once_and_releases_the_batch(backends, tmp_path):
     """The collector forwards StreamBatches; a message it cannot parse ends the stream with
     INVALID_ARGUMENT (it used to hang until the deadline, the batch leased upstream)."""

@@ -326,6 +326,59 @@ def test_group_keys_are_remembered_in_the_idempotency_window(clock):
     store.close()
 
 
+def test_filtered_groups_are_logged_counted_and_never_delivered_and_a_retry_learns_their_fate(tmp_path, clock):
+    path = str(tmp_path / "filtered.db")
+    store = TrajectoryStore(path, capacity=4, max_filtered_groups=2, clock=clock)
+    # Three groups of two: the middle one filtered; capacity 4 holds the other two (filtered take none).
+    first = store.append(make_trajectories(groups(0, 3, 2)), group_keys=["f/0", "f/1", "f/2"],
+                         filtered_groups=[False, True, False])
+    assert (first.appended, first.buffered, first.filtered_groups) == (4, 4, (False, True, False))
+    stats = store.stats()
+    assert (stats.filtered_groups, stats.filtered_trajectories, stats.appended) == (1, 2, 4)
+    delivery = store.lease("a", 4, lease_seconds=60)
+    assert trajectory_ids(delivery.batch) == ["traj-0", "traj-1", "traj-4", "traj-5"]
+    store.ack("a", delivery.lease_id)
+    assert store.lease("a", 2, lease_seconds=60) is None  # the filtered group is never delivered
+    # Filtered-only groups need no room: the log is bounded by max_filtered_groups instead.
+    for i in range(3, 6):
+        assert store.append(make_trajectories([i, i], first_id=2 * i), group_keys=[f"f/{i}"],
+                            filtered_groups=[True]).filtered_groups == (True,)
+    store.close()
+
+    store = TrajectoryStore(path, capacity=4, max_filtered_groups=2, clock=clock)
+    assert (store.stats().filtered_groups, store.stats().filtered_trajectories) == (4, 8)  # counted for ever
+    logged = store._db.execute("SELECT key, group_size FROM filtered ORDER BY seq").fetchall()  # the file is locked
+    assert logged == [("f/4", 2), ("f/5", 2)]  # the newest two kept
+    # A retry (a collector restarted after its Append) is told how each group was stored, whatever it asks now.
+    again = store.append(make_trajectories(groups(0, 3, 2)), group_keys=["f/0", "f/1", "f/2"],
+                         filtered_groups=[True, False, True])
+    assert (again.appended, again.duplicate_groups, again.filtered_groups) == (0, (True,) * 3, (False, True, False))
+    assert store.stats().filtered_groups == 4
+    store.close()
+
+
+def test_a_file_written_before_filtered_groups_opens_and_its_keys_read_as_not_filtered(tmp_path, clock):
+    path = str(tmp_path / "old.db")
+    old = sqlite3.connect(path)
+    old.executescript("CREATE TABLE idempotency_keys (key TEXT PRIMARY KEY, appended INTEGER NOT NULL);"
+                      "INSERT INTO idempotency_keys VALUES ('old/0', 2);")
+    old.close()
+    store = TrajectoryStore(path, capacity=10, clock=clock)
+    result = store.append(make_trajectories([0, 0]), group_keys=["old/0"], filtered_groups=[True])
+    assert (result.duplicate_groups, result.filtered_groups, store.stats().filtered_groups) == ((True,), (False,), 0)
+    store.close()
+
+
+@pytest.mark.parametrize("group_keys, filtered, message", [
+    ([], [True, False], r"^filtered_groups: needs group_keys"),
+    (["x/1", "x/2"], [True], r"^filtered_groups: 1 flags for the 2 groups in trajectories"),
+])
+def test_invalid_filtered_flags_name_the_problem_and_store_nothing(store, group_keys, filtered, message):
+    with pytest.raises(InvalidArgument, match=message):
+        store.append(make_trajectories([1, 1, 2, 2]), group_keys=group_keys, filtered_groups=filtered)
+    assert (store.buffered, store.stats().filtered_groups) == (0, 0)
+
+
 @pytest.mark.parametrize("idempotency_key, group_keys, message", [
     ("x", ["x/1", "x/2"], r"^group_keys: set either idempotency_key or group_keys, not both$"),
     ("", ["x/1"], r"^group_keys: 1 keys for the 2 groups in trajectories"),

@@ -26,16 +26,16 @@ from rlfleet.client.errors import (
 )
 from rlfleet.client.prompts import to_prompt_specs
 from rlfleet.client.results import (
-    BufferStats, DroppedStale, MismatchStatus, PromptFailure, PushResult, ReplicaPushResult, ReplicaStatus,
-    StageStatus, Status,
+    BufferStats, DroppedStale, DynamicSamplingStatus, MismatchStatus, PassRate, PromptFailure, PushResult,
+    ReplicaPushResult, ReplicaStatus, StageStatus, Status,
 )
 from rlfleet.client.sync import BatchIterator, Client, connect
 from rlfleet.wire import Ragged
 
 __all__ = [
     "AbortedError", "AsyncClient", "Batch", "BatchIterator", "BatchStream", "BufferStats", "CancelledError",
-    "ChannelSettings", "Client", "DeadlineExceededError", "DroppedStale", "FailedPreconditionError",
-    "InternalError", "MismatchStatus", "PromptFailure",
+    "ChannelSettings", "Client", "DeadlineExceededError", "DroppedStale", "DynamicSamplingStatus", "FailedPreconditionError",
+    "InternalError", "MismatchStatus", "PassRate", "PromptFailure",
     "InvalidArgumentError", "NotFoundError", "PermissionDeniedError", "PushResult", "Ragged",
     "ReplicaPushResult", "ReplicaStatus", "ResourceExhaustedError", "RlfleetClientError", "StageStatus",
     "Status", "UnauthenticatedError", "UnavailableError", "UnimplementedError", "aio_channel",

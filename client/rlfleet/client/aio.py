@@ -11,14 +11,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from rlfleet.client.batches import DEFAULT_IDLE_TIMEOUT, DEFAULT_RECONNECT_SECONDS, BatchStream
 from rlfleet.client.channel import ChannelSettings, aio_channel, call_with_retry
 from rlfleet.client.errors import FailedPreconditionError, RlfleetClientError, UnavailableError, UnimplementedError
 from rlfleet.client.prompts import PromptInput, to_prompt_specs
 from rlfleet.client.push import DEFAULT_CHUNK_BYTES, TransportMemo, named_tensors, push_weights
-from rlfleet.client.results import BufferStats, DroppedStale, MismatchStatus, PromptFailure, PushResult, Status
+from rlfleet.client.results import (BufferStats, DroppedStale, MismatchStatus, PassRate, PromptFailure, PushResult,
+                                   Status)
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc
 
 log = logging.getLogger("rlfleet.client")
@@ -137,8 +138,10 @@ class AsyncClient:
         tensors, any device. ``version`` None lets the collector assign current + 1; an explicit
         version not greater than the current one is ``FailedPreconditionError``. ``mode``:
         "keep" (in-flight samples continue on the new weights), "wait" (they finish on the
-        old ones first) or "abort". A progress bar (tqdm, stderr) shows for pushes of 8 MiB or
-        more when ``progress`` and tqdm is installed. ``timeout`` defaults to the client's
+        old ones first), "abort", or "resume" (they are aborted and continued as new requests,
+        prompt + the tokens sampled so far, on the new weights; see docs/off-policy.md). A
+        progress bar (tqdm, stderr) shows for pushes of 8 MiB or more when ``progress`` and tqdm
+        is installed. ``timeout`` defaults to the client's
         timeout plus one second per 10 MiB. Retried only on an UNAVAILABLE that arrives before
         the last chunk is sent (see ``rlfleet.client.push``). ``transport``: "shm" (shared memory,
         the collector on this host), "grpc" (chunks; ``chunk_bytes`` and ``checksum`` apply),
@@ -209,6 +212,16 @@ class AsyncClient:
                                   collector_pb2.ListFailuresRequest(after_seq=after_seq, limit=limit),
                                   "ListFailures", timeout)
         return [PromptFailure.from_proto(f) for f in reply.failures], reply.total
+
+    async def pass_rates(self, prompt_keys: Sequence[str] = (), *, after_key: str = "", limit: int = 100,
+                         timeout: float | None = None) -> tuple[list[PassRate], int]:
+        """Per-prompt pass rates: of ``prompt_keys`` (a dataset row's id, a submitted prompt id; at most
+        1000, unknown ones left out), or without them a page of every prompt after ``after_key`` in key
+        order; and how many prompts have one in all."""
+        collector, _ = self._stubs()
+        reply = await self._unary(collector.GetPassRates, collector_pb2.GetPassRatesRequest(
+            prompt_keys=list(prompt_keys), after_key=after_key, limit=limit), "GetPassRates", timeout)
+        return [PassRate.from_proto(rate) for rate in reply.pass_rates], reply.total
 
     async def buffer_stats(self, *, timeout: float | None = None) -> BufferStats:
         """Trajectory buffer occupancy and counters (forwarded by the collector)."""

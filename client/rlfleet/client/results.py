@@ -122,6 +122,53 @@ class MismatchStatus:
 
 
 @dataclass(frozen=True)
+class DynamicSamplingStatus:
+    """Groups the collector filtered for constant scores, and its curriculum (``GetStatus``)."""
+
+    enabled: bool = False
+    min_score_range: float = 0.0
+    filtered_groups: int = 0
+    """Since the state directory was created, each once across restarts."""
+    filtered_samples: int = 0
+    filter_rate: float = 0.0
+    """Fraction of the recent groups filtered."""
+    oversampling: float = 1.0
+    """Groups started per group expected to reach the trainer."""
+    curriculum_skipped: int = 0
+    curriculum: bool = False
+
+    @classmethod
+    def from_proto(cls, status: collector_pb2.DynamicSamplingStatus) -> "DynamicSamplingStatus":
+        return cls(status.enabled, status.min_score_range, status.filtered_groups, status.filtered_samples,
+                   status.filter_rate, status.oversampling or 1.0, status.curriculum_skipped, status.curriculum)
+
+
+@dataclass(frozen=True)
+class PassRate:
+    """How one prompt's groups scored (``GetPassRates``): samples, and how many scored at least the
+    collector's ``pass_score``."""
+
+    prompt_key: str
+    groups: int
+    samples: int
+    passed: int
+    filtered_groups: int
+    recent_samples: int
+    """The latest group's samples and passes (what the curriculum reads)."""
+    recent_passed: int
+    updated_at: float
+
+    @property
+    def rate(self) -> float:
+        return self.passed / self.samples if self.samples else 0.0
+
+    @classmethod
+    def from_proto(cls, rate: collector_pb2.PassRate) -> "PassRate":
+        return cls(rate.prompt_key, rate.groups, rate.samples, rate.passed, rate.filtered_groups,
+                   rate.recent_samples, rate.recent_passed, rate.updated_at)
+
+
+@dataclass(frozen=True)
 class Status:
     """The collector's pipeline state (``GetStatus``)."""
 
@@ -160,6 +207,8 @@ class Status:
     """Their assistant turns (``episode_turns / episodes``: mean turns per episode)."""
     mismatch: MismatchStatus = field(default_factory=MismatchStatus)
     """The train/inference mismatch trainers reported, and the breaker on it."""
+    dynamic_sampling: DynamicSamplingStatus = field(default_factory=DynamicSamplingStatus)
+    """Groups filtered for constant scores, and the curriculum."""
 
     @classmethod
     def from_proto(cls, reply: collector_pb2.GetStatusResponse) -> "Status":
@@ -175,6 +224,7 @@ class Status:
             not_serving_reason=reply.not_serving_reason, failed=reply.failed,
             spool_error=reply.spool_error, episodes=reply.episodes, episode_turns=reply.episode_turns,
             mismatch=MismatchStatus.from_proto(reply.mismatch),
+            dynamic_sampling=DynamicSamplingStatus.from_proto(reply.dynamic_sampling),
         )
 
 
@@ -192,13 +242,17 @@ class BufferStats:
     """Trajectories deleted by DropStale (never by a reader)."""
     buffered_bytes: int = 0
     capacity_bytes: int = 0
+    filtered_groups: int = 0
+    """Groups stored as filtered (dynamic sampling), ever: never delivered."""
+    filtered_trajectories: int = 0
 
     @classmethod
     def from_proto(cls, reply: trajectory_pb2.GetStatsResponse) -> "BufferStats":
         return cls(ready=reply.ready, leased=reply.leased, acked=reply.acked, capacity=reply.capacity,
                    appended=reply.appended, redelivered_batches=reply.redelivered_batches,
                    dropped_stale=reply.dropped_stale, buffered_bytes=reply.buffered_bytes,
-                   capacity_bytes=reply.capacity_bytes)
+                   capacity_bytes=reply.capacity_bytes, filtered_groups=reply.filtered_groups,
+                   filtered_trajectories=reply.filtered_trajectories)
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,15 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from typing import Any, Coroutine, Iterable, TypeVar
+from typing import Any, Coroutine, Iterable, Sequence, TypeVar
 
 from rlfleet.client.aio import DEFAULT_MAX_MESSAGE_BYTES, AsyncClient, make_settings
 from rlfleet.client.batches import DEFAULT_IDLE_TIMEOUT, DEFAULT_RECONNECT_SECONDS, Batch, BatchStream
 from rlfleet.client.channel import ChannelSettings
 from rlfleet.client.prompts import PromptInput
 from rlfleet.client.push import DEFAULT_CHUNK_BYTES, named_tensors
-from rlfleet.client.results import BufferStats, DroppedStale, MismatchStatus, PromptFailure, PushResult, Status
+from rlfleet.client.results import (BufferStats, DroppedStale, MismatchStatus, PassRate, PromptFailure, PushResult,
+                                   Status)
 
 T = TypeVar("T")
 
@@ -185,6 +186,12 @@ class Client:
     def close_mismatch_breaker(self, *, timeout: float | None = None) -> bool:
         """See ``AsyncClient.close_mismatch_breaker``."""
         return self._runner.run(self._async.close_mismatch_breaker(timeout=timeout))
+
+    def pass_rates(self, prompt_keys: Sequence[str] = (), *, after_key: str = "", limit: int = 100,
+                   timeout: float | None = None) -> tuple[list[PassRate], int]:
+        """See ``AsyncClient.pass_rates``."""
+        return self._runner.run(self._async.pass_rates(prompt_keys, after_key=after_key, limit=limit,
+                                                       timeout=timeout))
 
     def buffer_stats(self, *, timeout: float | None = None) -> BufferStats:
         """See ``AsyncClient.buffer_stats``."""

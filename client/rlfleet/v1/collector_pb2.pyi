@@ -8,6 +8,44 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GetPassRatesRequest(_message.Message):
+    __slots__ = ("prompt_keys", "after_key", "limit")
+    PROMPT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_KEY_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    prompt_keys: _containers.RepeatedScalarFieldContainer[str]
+    after_key: str
+    limit: int
+    def __init__(self, prompt_keys: _Optional[_Iterable[str]] = ..., after_key: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class GetPassRatesResponse(_message.Message):
+    __slots__ = ("pass_rates", "total")
+    PASS_RATES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    pass_rates: _containers.RepeatedCompositeFieldContainer[PassRate]
+    total: int
+    def __init__(self, pass_rates: _Optional[_Iterable[_Union[PassRate, _Mapping]]] = ..., total: _Optional[int] = ...) -> None: ...
+
+class PassRate(_message.Message):
+    __slots__ = ("prompt_key", "groups", "samples", "passed", "filtered_groups", "recent_samples", "recent_passed", "updated_at")
+    PROMPT_KEY_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PASSED_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    RECENT_PASSED_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    prompt_key: str
+    groups: int
+    samples: int
+    passed: int
+    filtered_groups: int
+    recent_samples: int
+    recent_passed: int
+    updated_at: float
+    def __init__(self, prompt_key: _Optional[str] = ..., groups: _Optional[int] = ..., samples: _Optional[int] = ..., passed: _Optional[int] = ..., filtered_groups: _Optional[int] = ..., recent_samples: _Optional[int] = ..., recent_passed: _Optional[int] = ..., updated_at: _Optional[float] = ...) -> None: ...
+
 class LagMismatch(_message.Message):
     __slots__ = ("lag", "kl_k3", "kl_k1", "ess_token", "tokens")
     LAG_FIELD_NUMBER: _ClassVar[int]
@@ -218,7 +256,7 @@ class ReplicaStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., policy_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., weight_transfer_world_size: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("policy_version", "mode", "max_staleness", "stages", "replicas", "staleness_histogram", "trajectories", "discarded_samples", "group_size", "groups_per_step", "pending_prompts", "failed_prompts", "serving", "not_serving_reason", "failed", "spool_error", "episodes", "episode_turns", "mismatch")
+    __slots__ = ("policy_version", "mode", "max_staleness", "stages", "replicas", "staleness_histogram", "trajectories", "discarded_samples", "group_size", "groups_per_step", "pending_prompts", "failed_prompts", "serving", "not_serving_reason", "failed", "spool_error", "episodes", "episode_turns", "mismatch", "dynamic_sampling")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +276,7 @@ class GetStatusResponse(_message.Message):
     EPISODES_FIELD_NUMBER: _ClassVar[int]
     EPISODE_TURNS_FIELD_NUMBER: _ClassVar[int]
     MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_SAMPLING_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     mode: str
     max_staleness: int
@@ -257,4 +296,25 @@ class GetStatusResponse(_message.Message):
     episodes: int
     episode_turns: int
     mismatch: MismatchStatus
-    def __init__(self, policy_version: _Optional[int] = ..., mode: _Optional[str] = ..., max_staleness: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., trajectories: _Optional[int] = ..., discarded_samples: _Optional[int] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., failed_prompts: _Optional[int] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ..., failed: _Optional[bool] = ..., spool_error: _Optional[str] = ..., episodes: _Optional[int] = ..., episode_turns: _Optional[int] = ..., mismatch: _Optional[_Union[MismatchStatus, _Mapping]] = ...) -> None: ...
+    dynamic_sampling: DynamicSamplingStatus
+    def __init__(self, policy_version: _Optional[int] = ..., mode: _Optional[str] = ..., max_staleness: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., trajectories: _Optional[int] = ..., discarded_samples: _Optional[int] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., failed_prompts: _Optional[int] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ..., failed: _Optional[bool] = ..., spool_error: _Optional[str] = ..., episodes: _Optional[int] = ..., episode_turns: _Optional[int] = ..., mismatch: _Optional[_Union[MismatchStatus, _Mapping]] = ..., dynamic_sampling: _Optional[_Union[DynamicSamplingStatus, _Mapping]] = ...) -> None: ...
+
+class DynamicSamplingStatus(_message.Message):
+    __slots__ = ("enabled", "min_score_range", "filtered_groups", "filtered_samples", "filter_rate", "oversampling", "curriculum_skipped", "curriculum")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    MIN_SCORE_RANGE_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    FILTER_RATE_FIELD_NUMBER: _ClassVar[int]
+    OVERSAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CURRICULUM_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    CURRICULUM_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    min_score_range: float
+    filtered_groups: int
+    filtered_samples: int
+    filter_rate: float
+    oversampling: float
+    curriculum_skipped: int
+    curriculum: bool
+    def __init__(self, enabled: _Optional[bool] = ..., min_score_range: _Optional[float] = ..., filtered_groups: _Optional[int] = ..., filtered_samples: _Optional[int] = ..., filter_rate: _Optional[float] = ..., oversampling: _Optional[float] = ..., curriculum_skipped: _Optional[int] = ..., curriculum: _Optional[bool] = ...) -> None: ...

@@ -70,6 +70,11 @@ class CollectorServiceStub:
                 request_serializer=rlfleet_dot_v1_dot_collector__pb2.CloseMismatchBreakerRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_collector__pb2.CloseMismatchBreakerResponse.FromString,
                 _registered_method=True)
+        self.GetPassRates = channel.unary_unary(
+                '/rlfleet.v1.CollectorService/GetPassRates',
+                request_serializer=rlfleet_dot_v1_dot_collector__pb2.GetPassRatesRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_collector__pb2.GetPassRatesResponse.FromString,
+                _registered_method=True)
 
 
 class CollectorServiceServicer:
@@ -160,6 +165,17 @@ class CollectorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetPassRates(self, request, context):
+        """Per-prompt pass rates: for each prompt (a dataset row's id, across
+        epochs, or a submitted prompt id), its groups' samples and how many
+        scored at least the collector's `pass_score`, every group counted once
+        across restarts, filtered or not. Errors: INVALID_ARGUMENT (more than
+        1000 prompt keys, a negative limit).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CollectorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -197,6 +213,11 @@ def add_CollectorServiceServicer_to_server(servicer, server):
                     servicer.CloseMismatchBreaker,
                     request_deserializer=rlfleet_dot_v1_dot_collector__pb2.CloseMismatchBreakerRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_collector__pb2.CloseMismatchBreakerResponse.SerializeToString,
+            ),
+            'GetPassRates': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPassRates,
+                    request_deserializer=rlfleet_dot_v1_dot_collector__pb2.GetPassRatesRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_collector__pb2.GetPassRatesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -389,6 +410,33 @@ class CollectorService:
             '/rlfleet.v1.CollectorService/CloseMismatchBreaker',
             rlfleet_dot_v1_dot_collector__pb2.CloseMismatchBreakerRequest.SerializeToString,
             rlfleet_dot_v1_dot_collector__pb2.CloseMismatchBreakerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPassRates(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.CollectorService/GetPassRates',
+            rlfleet_dot_v1_dot_collector__pb2.GetPassRatesRequest.SerializeToString,
+            rlfleet_dot_v1_dot_collector__pb2.GetPassRatesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,37 +25,37 @@ _sym_db = _symbol_database.Default()
 from rlfleet.v1 import tensor_pb2 as rlfleet_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brlfleet/v1/trajectory.proto\x12\nrlfleet.v1\x1a\x17rlfleet/v1/tensor.proto\"j\n\rAppendRequest\x12,\n\x0ctrajectories\x18\x01 \x01(\x0b\x32\x16.rlfleet.v1.TensorDict\x12\x17\n\x0fidempotency_key\x18\x02 \x01(\t\x12\x12\n\ngroup_keys\x18\x03 \x03(\t\"N\n\x0e\x41ppendResponse\x12\x10\n\x08\x61ppended\x18\x01 \x01(\x05\x12\x10\n\x08\x62uffered\x18\x02 \x01(\x03\x12\x18\n\x10\x64uplicate_groups\x18\x03 \x03(\x08\"\x92\x01\n\x0fOpenBatchStream\x12\x12\n\nbatch_size\x18\x01 \x01(\x05\x12\x14\n\x0cwhole_groups\x18\x02 \x01(\x08\x12\x1a\n\x12min_policy_version\x18\x03 \x01(\x04\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\x12\x10\n\x08prefetch\x18\x05 \x01(\x05\x12\x10\n\x08\x63onsumer\x18\x06 \x01(\t\"\x1c\n\x08\x41\x63kBatch\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x1d\n\tNackBatch\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x97\x01\n\x14StreamBatchesRequest\x12+\n\x04open\x18\x01 \x01(\x0b\x32\x1b.rlfleet.v1.OpenBatchStreamH\x00\x12#\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x14.rlfleet.v1.AckBatchH\x00\x12%\n\x04nack\x18\x03 \x01(\x0b\x32\x15.rlfleet.v1.NackBatchH\x00\x42\x06\n\x04kind\"\xa5\x01\n\x15StreamBatchesResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12%\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x16.rlfleet.v1.TensorDict\x12\x18\n\x10lease_expires_at\x18\x03 \x01(\x01\x12\x13\n\x0bredelivered\x18\x04 \x01(\x08\x12$\n\x07settled\x18\x05 \x01(\x0b\x32\x13.rlfleet.v1.Settled\"`\n\x07Settled\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0c\n\x04nack\x18\x02 \x01(\x08\x12\x0f\n\x07\x61pplied\x18\x03 \x01(\x08\x12\x14\n\x0ctrajectories\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\x11\n\x0fGetStatsRequest\"\xc8\x01\n\x10GetStatsResponse\x12\r\n\x05ready\x18\x01 \x01(\x03\x12\x0e\n\x06leased\x18\x02 \x01(\x03\x12\r\n\x05\x61\x63ked\x18\x03 \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x03\x12\x10\n\x08\x61ppended\x18\x05 \x01(\x03\x12\x1b\n\x13redelivered_batches\x18\x06 \x01(\x03\x12\x15\n\rdropped_stale\x18\x07 \x01(\x03\x12\x16\n\x0e\x62uffered_bytes\x18\x08 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\t \x01(\x03\"0\n\x10\x44ropStaleRequest\x12\x1c\n\x14\x62\x65low_policy_version\x18\x01 \x01(\x04\"K\n\x11\x44ropStaleResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x03\x12\x11\n\tgroup_ids\x18\x02 \x03(\x03\x12\x12\n\nprompt_ids\x18\x03 \x03(\t2\xbf\x02\n\x11TrajectoryService\x12?\n\x06\x41ppend\x12\x19.rlfleet.v1.AppendRequest\x1a\x1a.rlfleet.v1.AppendResponse\x12X\n\rStreamBatches\x12 .rlfleet.v1.StreamBatchesRequest\x1a!.rlfleet.v1.StreamBatchesResponse(\x01\x30\x01\x12\x45\n\x08GetStats\x12\x1b.rlfleet.v1.GetStatsRequest\x1a\x1c.rlfleet.v1.GetStatsResponse\x12H\n\tDropStale\x12\x1c.rlfleet.v1.DropStaleRequest\x1a\x1d.rlfleet.v1.DropStaleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brlfleet/v1/trajectory.proto\x12\nrlfleet.v1\x1a\x17rlfleet/v1/tensor.proto\"\x83\x01\n\rAppendRequest\x12,\n\x0ctrajectories\x18\x01 \x01(\x0b\x32\x16.rlfleet.v1.TensorDict\x12\x17\n\x0fidempotency_key\x18\x02 \x01(\t\x12\x12\n\ngroup_keys\x18\x03 \x03(\t\x12\x17\n\x0f\x66iltered_groups\x18\x04 \x03(\x08\"g\n\x0e\x41ppendResponse\x12\x10\n\x08\x61ppended\x18\x01 \x01(\x05\x12\x10\n\x08\x62uffered\x18\x02 \x01(\x03\x12\x18\n\x10\x64uplicate_groups\x18\x03 \x03(\x08\x12\x17\n\x0f\x66iltered_groups\x18\x04 \x03(\x08\"\x92\x01\n\x0fOpenBatchStream\x12\x12\n\nbatch_size\x18\x01 \x01(\x05\x12\x14\n\x0cwhole_groups\x18\x02 \x01(\x08\x12\x1a\n\x12min_policy_version\x18\x03 \x01(\x04\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\x12\x10\n\x08prefetch\x18\x05 \x01(\x05\x12\x10\n\x08\x63onsumer\x18\x06 \x01(\t\"\x1c\n\x08\x41\x63kBatch\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x1d\n\tNackBatch\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x97\x01\n\x14StreamBatchesRequest\x12+\n\x04open\x18\x01 \x01(\x0b\x32\x1b.rlfleet.v1.OpenBatchStreamH\x00\x12#\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x14.rlfleet.v1.AckBatchH\x00\x12%\n\x04nack\x18\x03 \x01(\x0b\x32\x15.rlfleet.v1.NackBatchH\x00\x42\x06\n\x04kind\"\xa5\x01\n\x15StreamBatchesResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12%\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x16.rlfleet.v1.TensorDict\x12\x18\n\x10lease_expires_at\x18\x03 \x01(\x01\x12\x13\n\x0bredelivered\x18\x04 \x01(\x08\x12$\n\x07settled\x18\x05 \x01(\x0b\x32\x13.rlfleet.v1.Settled\"`\n\x07Settled\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0c\n\x04nack\x18\x02 \x01(\x08\x12\x0f\n\x07\x61pplied\x18\x03 \x01(\x08\x12\x14\n\x0ctrajectories\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\x11\n\x0fGetStatsRequest\"\x80\x02\n\x10GetStatsResponse\x12\r\n\x05ready\x18\x01 \x01(\x03\x12\x0e\n\x06leased\x18\x02 \x01(\x03\x12\r\n\x05\x61\x63ked\x18\x03 \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x03\x12\x10\n\x08\x61ppended\x18\x05 \x01(\x03\x12\x1b\n\x13redelivered_batches\x18\x06 \x01(\x03\x12\x15\n\rdropped_stale\x18\x07 \x01(\x03\x12\x16\n\x0e\x62uffered_bytes\x18\x08 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\t \x01(\x03\x12\x17\n\x0f\x66iltered_groups\x18\n \x01(\x03\x12\x1d\n\x15\x66iltered_trajectories\x18\x0b \x01(\x03\"0\n\x10\x44ropStaleRequest\x12\x1c\n\x14\x62\x65low_policy_version\x18\x01 \x01(\x04\"K\n\x11\x44ropStaleResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x03\x12\x11\n\tgroup_ids\x18\x02 \x03(\x03\x12\x12\n\nprompt_ids\x18\x03 \x03(\t2\xbf\x02\n\x11TrajectoryService\x12?\n\x06\x41ppend\x12\x19.rlfleet.v1.AppendRequest\x1a\x1a.rlfleet.v1.AppendResponse\x12X\n\rStreamBatches\x12 .rlfleet.v1.StreamBatchesRequest\x1a!.rlfleet.v1.StreamBatchesResponse(\x01\x30\x01\x12\x45\n\x08GetStats\x12\x1b.rlfleet.v1.GetStatsRequest\x1a\x1c.rlfleet.v1.GetStatsResponse\x12H\n\tDropStale\x12\x1c.rlfleet.v1.DropStaleRequest\x1a\x1d.rlfleet.v1.DropStaleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfleet.v1.trajectory_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_APPENDREQUEST']._serialized_start=68
-  _globals['_APPENDREQUEST']._serialized_end=174
-  _globals['_APPENDRESPONSE']._serialized_start=176
-  _globals['_APPENDRESPONSE']._serialized_end=254
-  _globals['_OPENBATCHSTREAM']._serialized_start=257
-  _globals['_OPENBATCHSTREAM']._serialized_end=403
-  _globals['_ACKBATCH']._serialized_start=405
-  _globals['_ACKBATCH']._serialized_end=433
-  _globals['_NACKBATCH']._serialized_start=435
-  _globals['_NACKBATCH']._serialized_end=464
-  _globals['_STREAMBATCHESREQUEST']._serialized_start=467
-  _globals['_STREAMBATCHESREQUEST']._serialized_end=618
-  _globals['_STREAMBATCHESRESPONSE']._serialized_start=621
-  _globals['_STREAMBATCHESRESPONSE']._serialized_end=786
-  _globals['_SETTLED']._serialized_start=788
-  _globals['_SETTLED']._serialized_end=884
-  _globals['_GETSTATSREQUEST']._serialized_start=886
-  _globals['_GETSTATSREQUEST']._serialized_end=903
-  _globals['_GETSTATSRESPONSE']._serialized_start=906
-  _globals['_GETSTATSRESPONSE']._serialized_end=1106
-  _globals['_DROPSTALEREQUEST']._serialized_start=1108
-  _globals['_DROPSTALEREQUEST']._serialized_end=1156
-  _globals['_DROPSTALERESPONSE']._serialized_start=1158
-  _globals['_DROPSTALERESPONSE']._serialized_end=1233
-  _globals['_TRAJECTORYSERVICE']._serialized_start=1236
-  _globals['_TRAJECTORYSERVICE']._serialized_end=1555
+  _globals['_APPENDREQUEST']._serialized_start=69
+  _globals['_APPENDREQUEST']._serialized_end=200
+  _globals['_APPENDRESPONSE']._serialized_start=202
+  _globals['_APPENDRESPONSE']._serialized_end=305
+  _globals['_OPENBATCHSTREAM']._serialized_start=308
+  _globals['_OPENBATCHSTREAM']._serialized_end=454
+  _globals['_ACKBATCH']._serialized_start=456
+  _globals['_ACKBATCH']._serialized_end=484
+  _globals['_NACKBATCH']._serialized_start=486
+  _globals['_NACKBATCH']._serialized_end=515
+  _globals['_STREAMBATCHESREQUEST']._serialized_start=518
+  _globals['_STREAMBATCHESREQUEST']._serialized_end=669
+  _globals['_STREAMBATCHESRESPONSE']._serialized_start=672
+  _globals['_STREAMBATCHESRESPONSE']._serialized_end=837
+  _globals['_SETTLED']._serialized_start=839
+  _globals['_SETTLED']._serialized_end=935
+  _globals['_GETSTATSREQUEST']._serialized_start=937
+  _globals['_GETSTATSREQUEST']._serialized_end=954
+  _globals['_GETSTATSRESPONSE']._serialized_start=957
+  _globals['_GETSTATSRESPONSE']._serialized_end=1213
+  _globals['_DROPSTALEREQUEST']._serialized_start=1215
+  _globals['_DROPSTALEREQUEST']._serialized_end=1263
+  _globals['_DROPSTALERESPONSE']._serialized_start=1265
+  _globals['_DROPSTALERESPONSE']._serialized_end=1340
+  _globals['_TRAJECTORYSERVICE']._serialized_start=1343
+  _globals['_TRAJECTORYSERVICE']._serialized_end=1662
 # @@protoc_insertion_point(module_scope)

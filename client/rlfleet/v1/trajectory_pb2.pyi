@@ -8,24 +8,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AppendRequest(_message.Message):
-    __slots__ = ("trajectories", "idempotency_key", "group_keys")
+    __slots__ = ("trajectories", "idempotency_key", "group_keys", "filtered_groups")
     TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     GROUP_KEYS_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     trajectories: _tensor_pb2.TensorDict
     idempotency_key: str
     group_keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, trajectories: _Optional[_Union[_tensor_pb2.TensorDict, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., group_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    filtered_groups: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, trajectories: _Optional[_Union[_tensor_pb2.TensorDict, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., group_keys: _Optional[_Iterable[str]] = ..., filtered_groups: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class AppendResponse(_message.Message):
-    __slots__ = ("appended", "buffered", "duplicate_groups")
+    __slots__ = ("appended", "buffered", "duplicate_groups", "filtered_groups")
     APPENDED_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     appended: int
     buffered: int
     duplicate_groups: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, appended: _Optional[int] = ..., buffered: _Optional[int] = ..., duplicate_groups: _Optional[_Iterable[bool]] = ...) -> None: ...
+    filtered_groups: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, appended: _Optional[int] = ..., buffered: _Optional[int] = ..., duplicate_groups: _Optional[_Iterable[bool]] = ..., filtered_groups: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class OpenBatchStream(_message.Message):
     __slots__ = ("batch_size", "whole_groups", "min_policy_version", "lease_seconds", "prefetch", "consumer")
@@ -98,7 +102,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("ready", "leased", "acked", "capacity", "appended", "redelivered_batches", "dropped_stale", "buffered_bytes", "capacity_bytes")
+    __slots__ = ("ready", "leased", "acked", "capacity", "appended", "redelivered_batches", "dropped_stale", "buffered_bytes", "capacity_bytes", "filtered_groups", "filtered_trajectories")
     READY_FIELD_NUMBER: _ClassVar[int]
     LEASED_FIELD_NUMBER: _ClassVar[int]
     ACKED_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +112,8 @@ class GetStatsResponse(_message.Message):
     DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     ready: int
     leased: int
     acked: int
@@ -117,7 +123,9 @@ class GetStatsResponse(_message.Message):
     dropped_stale: int
     buffered_bytes: int
     capacity_bytes: int
-    def __init__(self, ready: _Optional[int] = ..., leased: _Optional[int] = ..., acked: _Optional[int] = ..., capacity: _Optional[int] = ..., appended: _Optional[int] = ..., redelivered_batches: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., buffered_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
+    filtered_groups: int
+    filtered_trajectories: int
+    def __init__(self, ready: _Optional[int] = ..., leased: _Optional[int] = ..., acked: _Optional[int] = ..., capacity: _Optional[int] = ..., appended: _Optional[int] = ..., redelivered_batches: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., buffered_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., filtered_groups: _Optional[int] = ..., filtered_trajectories: _Optional[int] = ...) -> None: ...
 
 class DropStaleRequest(_message.Message):
     __slots__ = ("below_policy_version",)
