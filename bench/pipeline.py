@@ -3,7 +3,8 @@ and of multi-turn episodes against single turns of the same tokens.
 
     .venv/bin/python bench/pipeline.py [--groups 32] [--rounds 3] [--steps 6] [--sync-rounds 3]
         [--step-seconds S | --step-from rollout|generation] [--prefetch N]
-        [--parts abcd] [--inprocess-rounds 3] [--long-tokens 1024] [--long-groups 4] [--multiturn-rounds 3]
+        [--parts abcde] [--inprocess-rounds 3] [--long-tokens 1024] [--long-groups 4] [--multiturn-rounds 3]
+        [--swap-rounds 2] [--swap-seconds 30] [--push-seconds 2] [--swap-max-tokens 256]
 
 The suite (trajectory, reference, reward, one generation replica) starts once
 as real processes; only the collector is restarted between configurations,
@@ -76,6 +77,11 @@ after a warm-up, their order reversed every other round; ratio = multi-turn traj
 traj/s per round, median (goal >= 0.7). The environment logs each tool call's seconds to a file the
 bench reads: the mean tool-call time, and the calls per trajectory.
 
+(e) the weight-swap modes under a push every few seconds, with dynamic sampling: see ``bench/_swap_modes.py``.
+Trajectories/s per mode, sampled tokens thrown away per push, tokens carried over, staleness histograms, the
+fraction of full batches of varied groups; ``resume_over_keep`` is the median per-round ratio (target >= 0.95),
+``resume_wasted_tokens`` the tokens resume threw away (target 0), ``full_batch_fraction`` (target 1).
+
 The last line is ``RESULT {json}`` with the ratios of every part run.
 """
 
@@ -99,6 +105,7 @@ import grpc
 import psutil
 
 from _common import CpuMeter, summarize
+from _swap_modes import measure_swap_modes, report_swap_modes, swap_result
 from rlfleet.client import Batch, connect
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
@@ -631,7 +638,13 @@ def main() -> None:
                         help="both engines' max_model_len (default 1024, or room for --long-tokens when (c) runs)")
     parser.add_argument("--multiturn-rounds", type=int, default=3,
                         help="(d) alternating multi-turn/single-turn rounds")
-    parser.add_argument("--parts", default="abcd", help="which parts to run: any of a, b, c, d")
+    parser.add_argument("--parts", default="abcde", help="which parts to run: any of a, b, c, d, e")
+    parser.add_argument("--swap-rounds", type=int, default=2, help="(e) rotating rounds of the four swap modes")
+    parser.add_argument("--swap-seconds", type=float, default=30.0, help="(e) seconds each mode's trainer reads")
+    parser.add_argument("--push-seconds", type=float, default=2.0, help="(e) seconds between pushes")
+    parser.add_argument("--swap-max-tokens", type=int, default=256, help="(e) sampled tokens per sample")
+    parser.add_argument("--swap-groups-per-step", type=int, default=4, help="(e) groups per batch")
+    parser.add_argument("--swap-prompts", type=int, default=2000, help="(e) prompts submitted per run")
     parser.add_argument("--reference-threads", type=int, default=SuiteOptions.reference_threads,
                         help="the reference service's --torch-threads (0: torch's default, one per core)")
     ns = parser.parse_args()
@@ -659,6 +672,8 @@ def main() -> None:
         sync = measure_sync_async(backends, workdir, model_dir, ns) if "b" in ns.parts else None
         inprocess = measure_inprocess(backends, workdir, options, ns) if "c" in ns.parts else None
         multiturn = measure_multiturn(backends, workdir, ns) if "d" in ns.parts else None
+        swaps = (measure_swap_modes(backends, workdir, model_dir, start_collector, log, ns) if "e" in ns.parts
+                 else None)
     finally:
         stop_suite(backends)
     print(f"\nmachine load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())} "
@@ -671,8 +686,11 @@ def main() -> None:
         report_inprocess(inprocess, options, ns)
     if multiturn is not None:
         report_multiturn(multiturn, ns)
+    swaps_result = swap_result(swaps) if swaps is not None else None
+    if swaps is not None:
+        report_swap_modes(swaps, swaps_result, ns)
     print(HOW_TO_READ)
-    print("RESULT " + json.dumps(result_json(e2e, sync, inprocess, multiturn, ns)))
+    print("RESULT " + json.dumps({**result_json(e2e, sync, inprocess, multiturn, ns), **(swaps_result or {})}))
 
 
 def result_json(e2e: dict | None, sync: dict | None, inprocess: dict | None, multiturn: dict | None, ns) -> dict:
@@ -774,7 +792,10 @@ How to read: ratios are medians of per-round ratios from runs adjacent in time (
     tokens per trajectory: 1.0 = turns cost nothing over sampling the same tokens at once; what a turn adds is
     its own Generate call per episode, an environment step with a sandboxed tool call, and the prefill of the
     growing history (goal >= 0.7). The canned row runs the same episodes with the tool's output given instead
-    of run: its gap to the single turn is the turns' own cost, its gap to the tool row the tool calls'."""
+    of run: its gap to the single turn is the turns' own cost, its gap to the tool row the tool calls'.
+(e) per swap mode under frequent pushes: traj/s (resume / keep >= 0.95), sampled tokens thrown away per push
+    (abort throws away what was in flight; wait, keep and resume nothing), tokens carried over into resumed
+    continuations, and whether every batch was full and held only groups whose scores vary."""
 
 
 if __name__ == "__main__":

@@ -122,6 +122,11 @@ class CollectorConfig(ServiceConfig):
     mismatch_horizon: int = Field(8, ge=1)
     """Reports a lag's measured KL is kept after it was last measured (``mismatch_kl_target``)."""
 
+    swap_mode: Literal["", "wait", "abort", "keep", "resume"] = ""
+    """What every push does to the requests in flight on the replicas, for the whole run: ``wait`` (they
+    finish on the old weights first), ``abort`` (thrown away, their prompts generated again), ``keep``
+    (continued on the new weights, re-prefilled), ``resume`` (continued as new requests on the new
+    weights); docs/off-policy.md compares them. "": each push's own mode (the SDK's default is keep)."""
     dynamic_sampling: bool = False
     """Filter groups whose scores do not vary (their range at most ``dynamic_sampling_min_score_range``)
     before they reach the trainer: stored as filtered in the trajectory service (never delivered),

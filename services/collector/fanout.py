@@ -41,7 +41,7 @@ from rlfleet.services.collector.replicas import Replica, ReplicaPool
 from rlfleet.services.collector.spool import Spool
 from rlfleet.services.collector.transports import ReplicaOutcome, ReplicaPush
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted, Unavailable
-from rlfleet.services.common.weight_stream import MAX_POLICY_VERSION, WeightPush, open_offered_segment
+from rlfleet.services.common.weight_stream import MAX_POLICY_VERSION, UPDATE_MODES, WeightPush, open_offered_segment
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm
 
@@ -58,12 +58,18 @@ class PushOutcome:
     seconds: float
 
 
+SWAP_MODES = {name: mode for mode, name in UPDATE_MODES.items() if mode != weights_pb2.UPDATE_MODE_UNSPECIFIED}
+"""What a push does to the requests in flight, by name (docs/off-policy.md, Weight-swap modes)."""
+
+
 class WeightFanout:
     """Receives pushes from the trainer, stages and commits them on every replica, keeps the spool."""
 
     def __init__(self, pool: ReplicaPool, gate: VersionGate, spool_dir: Path, max_push_bytes: int | None,
-                 on_commit=None, on_fatal=None):
+                 on_commit=None, on_fatal=None, swap_mode: str = ""):
         self.pool = pool
+        self.swap_mode = swap_mode
+        """The run's swap mode (``CollectorConfig.swap_mode``): overrides each push's; "" leaves it."""
         self.gate = gate
         self.spool = Spool(Path(spool_dir))
         self.max_push_bytes = max_push_bytes
@@ -117,6 +123,8 @@ class WeightFanout:
         manifest = weights_pb2.WeightManifest.FromString(manifest.SerializeToString())
         if manifest.resync or manifest.two_phase:
             raise InvalidArgument("manifest.resync and manifest.two_phase are set by the collector, not the trainer")
+        if self.swap_mode:
+            manifest.mode = SWAP_MODES[self.swap_mode]
         if manifest.version == 0:
             if self.gate.version >= MAX_POLICY_VERSION:
                 raise OutOfRange(f"manifest.version: no version is left after {self.gate.version} "

@@ -124,6 +124,11 @@ class PipelineOptions:
     retry_backoff_seconds: float = 1.0
 
 
+def sampled_tokens(samples: list[generation_pb2.GenerateResponse]) -> int:
+    """Response tokens of ``samples`` (each sample's 1-D token tensor)."""
+    return sum(sample.response_token_ids.shape[0] if sample.response_token_ids.shape else 0 for sample in samples)
+
+
 def _one_group_may_be_why(exc: BaseException) -> bool:
     """A call for several groups failed for something one of them may carry (a refused input, a
     reply that does not decode, too many rows for the buffer): made again group by group."""
@@ -154,6 +159,8 @@ class Pipeline:
         """Multi-turn episodes appended (each also counted in ``appended``), and their turns."""
         self.episode_turns = 0
         self.discarded_samples = 0
+        self.discarded_tokens = 0
+        """Sampled tokens thrown away: of discarded samples, and of turns aborted by a weight update."""
         self.filter_rate = FilterRate(window=options.filter_window, max_oversampling=options.max_oversampling)
         self.failed_prompts = 0
         """Dead letters since the state directory was created (seeded from the ledger at start)."""
@@ -287,6 +294,7 @@ class Pipeline:
             samples = await self._on_a_replica(request)
         if any(s.finish_reason == sampling_pb2.FINISH_REASON_ABORT for s in samples):
             self.discarded_samples += len(samples)
+            self.discarded_tokens += sampled_tokens(samples)
             raise Discard("generation aborted by a weight update")
         return sorted(samples, key=lambda s: s.sample_index)
 
@@ -353,6 +361,7 @@ class Pipeline:
                     samples = await self._on_a_replica(request, home)
                 if all(s.finish_reason != sampling_pb2.FINISH_REASON_ABORT for s in samples):
                     return sorted(samples, key=lambda s: s.sample_index)
+                self.discarded_tokens += sampled_tokens(samples)
             raise Discard(f"a turn was aborted by weight updates {self.options.generation_attempts} times")
         return generate
 
@@ -412,6 +421,7 @@ class Pipeline:
         if not filtered and self.gate.too_stale_to_append(start_version, now):
             # Its prompt is generated again on the current weights; counted.
             self.discarded_samples += len(group)
+            self.discarded_tokens += int(group.responses.lengths.sum())
             raise Discard(f"too stale: started at v{start_version}, now v{now}, "
                           f"max_staleness {self.gate.max_staleness}")
         rows = group_message(group=group, ref_log_probs=ref_log_probs, rewards=rewards, group_id=group_id,

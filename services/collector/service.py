@@ -82,7 +82,7 @@ class CollectorService(Service[CollectorConfig]):
         self._channels = {name: aio_channel(address, self.settings) for name, address in self._addresses.items()}
         self.trajectory = trajectory_pb2_grpc.TrajectoryServiceStub(self._channels["trajectory"])
         self.fanout = WeightFanout(self.pool, self.gate, self.state_dir / "spool", config.max_push_bytes,
-                                   on_commit=self._committed, on_fatal=self.fail)
+                                   on_commit=self._committed, on_fatal=self.fail, swap_mode=config.swap_mode)
         self.pipeline = Pipeline(
             PipelineOptions(
                 group_size=config.group_size, sampling=dict(config.sampling),
@@ -321,6 +321,7 @@ class CollectorService(Service[CollectorConfig]):
                 filtered_groups=self.ledger.filtered_groups, filtered_samples=self.ledger.filtered_samples,
                 filter_rate=pipeline.filter_rate.rate, oversampling=1.0 / (1.0 - pipeline.filter_rate.expected_loss),
                 curriculum_skipped=self.source.curriculum_skipped, curriculum=self.config.curriculum),
+            discarded_tokens=pipeline.discarded_tokens,
         )
 
     def mismatch_status(self) -> collector_pb2.MismatchStatus:

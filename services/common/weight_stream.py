@@ -31,6 +31,7 @@ UPDATE_MODES = {
     weights_pb2.UPDATE_MODE_KEEP: "keep",
     weights_pb2.UPDATE_MODE_WAIT: "wait",
     weights_pb2.UPDATE_MODE_ABORT: "abort",
+    weights_pb2.UPDATE_MODE_RESUME: "resume",
 }
 
 

@@ -8,12 +8,11 @@ from ``rlfleet.services.common.errors``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from rlfleet.services.common.errors import (
     Aborted,
@@ -25,7 +24,8 @@ from rlfleet.services.common.errors import (
 from rlfleet.services.generation import queue_poll
 from rlfleet.services.generation.config import GenerationEngineConfig
 from rlfleet.services.generation.prompt_tokens import PromptTokenizer
-from rlfleet.services.generation.sampling import SampleAccumulator, SampleResult, SamplingSpec, finished_sample
+from rlfleet.services.generation.rollout import Rollout
+from rlfleet.services.generation.sampling import SampleResult, SamplingSpec
 from rlfleet.services.generation.status import EngineState, EngineStatus, TokenRate
 from rlfleet.services.generation.staging import StagedPush
 from rlfleet.services.generation.transfer import WEIGHT_TRANSFER_CONFIG
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SwapMode = Literal["wait", "abort", "keep"]
+SwapMode = Literal["wait", "abort", "keep", "resume"]
 
 
 class GenerationEngine:
@@ -60,6 +60,11 @@ class GenerationEngine:
         self._requests_running = 0
         self._request_ids_in_flight: set[str] = set()
         self._token_rate = TokenRate(config.tokens_per_second_window_s)
+        # Swaps started, and the mode of the latest: tells a resume swap's aborts from others.
+        self._swap_serial = 0
+        self._swap_mode: SwapMode | None = None
+        self._resumed_samples = 0
+        self._resumed_tokens = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -255,7 +260,10 @@ class GenerationEngine:
 
         Admission is checked at the first iteration: beyond
         ``max_queued_requests`` calls in flight it raises ResourceExhausted.
-        Cancelling the consumer or closing the iterator aborts the vLLM request.
+        A ``resume`` swap in flight is invisible here: the samples it aborted
+        are continued on the new weights (``rollout.py``, ``resume.py``).
+        Cancelling the consumer or closing the iterator aborts the vLLM
+        requests of the call.
         """
         self._require_engine()
         self._validate_request(prompt_token_ids, sampling, request_id)
@@ -264,64 +272,55 @@ class GenerationEngine:
                 f"generation queue full ({self._requests_in_flight} requests in flight, "
                 f"max_queued_requests={self.config.max_queued_requests})"
             )
-        called_at = time.monotonic()
+        rollout = Rollout(self, prompt_token_ids, sampling, request_id, time.monotonic())
+        samples = rollout.samples()
         self._requests_in_flight += 1
         self._request_ids_in_flight.add(request_id)
-        running = False
         try:
-            # Held here, not inside vLLM, while a swap runs: the request then
-            # starts on the new weights and does not delay the drain.
-            await self._admission_open.wait()
-            engine = self._require_engine()
-            submitted_at = time.monotonic()
-            version_at_submit = self._policy_version
-            samples: dict[int, SampleAccumulator] = {}
-            # Greedy: vLLM computes one sample, and it is every one of the n.
-            copies = sampling.n // sampling.computed_samples
-            stream = engine.generate(
-                {"prompt_token_ids": list(prompt_token_ids)}, sampling.to_vllm(), request_id
-            )
-            try:
-                # Once per engine step and request: keep the per-delta work small.
-                async for output in stream:
-                    now = time.monotonic()
-                    new_tokens = 0
-                    finished = []
-                    for completion in output.outputs:
-                        sample = samples.get(completion.index)
-                        if sample is None:
-                            sample = samples[completion.index] = SampleAccumulator(index=completion.index)
-                        if completion.token_ids:
-                            sample.add(completion.token_ids, completion.logprobs, now)
-                            new_tokens += len(completion.token_ids)
-                        if completion.finish_reason is not None:
-                            finished.append((sample, completion))
-                    if new_tokens:
-                        self._token_rate.add(new_tokens, now)
-                        if not running:
-                            running = True
-                            self._requests_running += 1
-                    for sample, completion in finished:
-                        result = finished_sample(
-                            request_id, len(prompt_token_ids), sample, completion,
-                            (version_at_submit, self._policy_version), (called_at, submitted_at, now),
-                            output.num_cached_tokens,
-                        )
-                        for index in range(copies):
-                            yield dataclasses.replace(result, index=index) if index else result
-            except _vllm_validation_error() as err:
-                # Everything vLLM checks is checked above; should a check be missed, the
-                # caller still learns that its request, not the replica, is at fault.
-                raise InvalidArgument(f"vLLM refused request {request_id}: {err}") from None
-            finally:
-                # Closing vLLM's generator aborts the request if it is still
-                # running (consumer cancelled or stopped iterating).
-                await stream.aclose()
+            async for sample in samples:
+                yield sample
+        except _vllm_validation_error() as err:
+            # Everything vLLM checks is checked above; should a check be missed, the
+            # caller still learns that its request, not the replica, is at fault.
+            raise InvalidArgument(f"vLLM refused request {request_id}: {err}") from None
         finally:
+            await samples.aclose()
             self._requests_in_flight -= 1
             self._request_ids_in_flight.discard(request_id)
-            if running:
+            if rollout.running:
                 self._requests_running -= 1
+
+    async def open_stream(self, prompt_token_ids: list[int], params: Any,
+                          request_id: str) -> tuple[AsyncGenerator[Any, None], int]:
+        """One vLLM request of a ``generate`` call, submitted once no swap holds admission (so it
+        runs on the weights of the latest swap): its output stream (the request reaches vLLM at the
+        first read) and the swap serial before it waited (``resumes``). Unavailable if the engine
+        cannot serve."""
+        # Read before waiting: a swap may start between the wait's end and the request reaching
+        # vLLM, and abort it; counting that swap as "since" lets the request resume.
+        swap_serial = self._swap_serial
+        # Held here, not inside vLLM, while a swap runs: the request then
+        # starts on the new weights and does not delay the drain.
+        await self._admission_open.wait()
+        engine = self._require_engine()
+        return engine.generate({"prompt_token_ids": prompt_token_ids}, params, request_id), swap_serial
+
+    def resumes(self, swap_serial: int) -> bool:
+        """Whether an abort of a vLLM request opened at ``swap_serial`` is a ``resume`` swap's (one
+        started since, and it is the latest swap; should an ``abort`` swap start before the abort is
+        read, the sample finishes with "abort"): its unfinished samples are continued."""
+        return self._swap_serial > swap_serial and self._swap_mode == "resume"
+
+    def count_tokens(self, num_tokens: int, now: float, first: bool) -> None:
+        """Tokens a call received; ``first``: its first ones (it now counts as running)."""
+        self._token_rate.add(num_tokens, now)
+        if first:
+            self._requests_running += 1
+
+    def count_resume(self, carried_tokens: int) -> None:
+        """A sample continued after a ``resume`` swap, carrying ``carried_tokens`` sampled tokens."""
+        self._resumed_samples += 1
+        self._resumed_tokens += carried_tokens
 
     # ------------------------------------------------------------------ weights
 
@@ -352,8 +351,17 @@ class GenerationEngine:
         - ``wait``: hold new requests, let in-flight ones finish, swap, resume.
         - ``abort``: abort in-flight requests (they finish with "abort"), swap.
         - ``keep``: freeze in-flight requests, swap, resume them; their KV is
-          recomputed with the new weights and their samples report
+          recomputed with the new weights (vLLM preempts them:
+          ``clear_cache=True``) and their samples report
           ``policy_version_start != policy_version_end``.
+        - ``resume``: abort in-flight requests, swap, and let each ``generate``
+          call continue its unfinished samples as new requests (prompt + the
+          tokens sampled so far, the budget left) on the new weights; callers
+          see them finish normally with spans split at the swap. Requests with
+          stop strings finish with "abort" instead (see ``resume.py``).
+
+        ``keep`` and ``resume`` swaps leave the engine SERVING (new requests
+        wait for the swap); ``wait`` and ``abort`` ones report SWAPPING.
 
         Once started the swap runs to completion even if the caller goes away
         (a half-done pause/load/resume would wedge the engine). The version
@@ -395,8 +403,8 @@ class GenerationEngine:
 
     async def update_weights(self, version: int, named_tensors, mode: SwapMode = "wait") -> None:
         """Stage ``(name, tensor)`` pairs in a segment and apply them (in-process callers and tests)."""
-        if mode not in ("wait", "abort", "keep"):
-            raise InvalidArgument(f"mode must be wait, abort or keep, got {mode!r}")
+        if mode not in get_args(SwapMode):
+            raise InvalidArgument(f"mode must be one of {', '.join(get_args(SwapMode))}, got {mode!r}")
         from rlfleet.client.push import MODES
         from rlfleet.wire.weights import iter_push_messages
 
@@ -416,13 +424,16 @@ class GenerationEngine:
 
         version, mode = staged.version, staged.mode
         self._admission_open.clear()
-        if mode != "keep":
+        self._swap_serial += 1
+        self._swap_mode = mode
+        if mode not in ("keep", "resume"):
             self._state = EngineState.SWAPPING
         started = time.monotonic()
         try:
             # clear_cache=True also preempts kept requests so their KV is
-            # rebuilt with the new weights when they resume.
-            await engine.pause_generation(mode=mode, clear_cache=True)
+            # rebuilt with the new weights when they resume. A resume swap
+            # aborts in vLLM; the generate calls continue their samples.
+            await engine.pause_generation(mode="abort" if mode == "resume" else mode, clear_cache=True)
             await engine.start_weight_update()
             await engine.update_weights(WeightTransferUpdateRequest(update_info=staged.update_info()))
             await engine.finish_weight_update(weight_version=str(version))
@@ -468,6 +479,8 @@ class GenerationEngine:
             requests_running=self._requests_running,
             max_queued_requests=self.config.max_queued_requests,
             tokens_per_second=self._token_rate.per_second(),
+            resumed_samples=self._resumed_samples,
+            resumed_tokens=self._resumed_tokens,
         )
 
 

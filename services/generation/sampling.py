@@ -237,6 +237,10 @@ class SampleAccumulator:
     response_token_ids: list[int] = field(default_factory=list)
     behavior_log_probs: list[float] = field(default_factory=list)
     first_token_at: float | None = None
+    earlier_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    """Versions of the tokens sampled by earlier vLLM requests of this sample (``resume`` swaps)."""
+    request_start: int = 0
+    """Tokens sampled before the current vLLM request of this sample."""
 
     def add(self, token_ids: Sequence[int], flat_log_probs, now: float) -> None:
         """Append one delta: new token ids and vLLM's FlatLogprobs for them."""
@@ -247,11 +251,32 @@ class SampleAccumulator:
         self.response_token_ids.extend(token_ids)
         self.behavior_log_probs.extend(sampled_log_probs(token_ids, flat_log_probs))
 
+    def spans(self, weight_versions) -> list[tuple[int, int, int]]:
+        """``(version, start, end)`` over every token so far: the earlier requests' spans, then the
+        current request's (vLLM's ``weight_versions``, counted from that request's first token)
+        shifted by the tokens before it; adjacent spans of one version merge."""
+        spans = list(self.earlier_spans)
+        for span in weight_versions or []:
+            version, start, end = int(span.version), span.start + self.request_start, span.end + self.request_start
+            if spans and spans[-1][0] == version and spans[-1][2] == start:
+                spans[-1] = (version, spans[-1][1], end)
+            else:
+                spans.append((version, start, end))
+        return spans
+
+    def continue_after(self, weight_versions) -> int:
+        """The current request ended unfinished (``weight_versions``: its spans); a new request
+        continues the sample. Returns the tokens sampled so far, the continuation's prompt suffix."""
+        self.earlier_spans = self.spans(weight_versions)
+        self.request_start = len(self.response_token_ids)
+        return self.request_start
+
 
 def finished_sample(request_id: str, prompt_length: int, sample: SampleAccumulator, completion: Any,
                     versions: tuple[int, int], times: tuple[float, float, float],
                     cached_prompt_tokens: int | None = None) -> SampleResult:
-    """The result of a sample vLLM reports finished (``completion``: its last CompletionOutput).
+    """The result of a sample vLLM reports finished (``completion``: its last CompletionOutput; the
+    version spans of a resumed sample are stitched across its requests, ``SampleAccumulator.spans``).
 
     ``versions``: the policy version at submission and now; ``times``: monotonic
     clock at the call, at submission to vLLM, and now; ``cached_prompt_tokens``:
@@ -264,7 +289,7 @@ def finished_sample(request_id: str, prompt_length: int, sample: SampleAccumulat
     called_at, submitted_at, now = times
     # vLLM labels output tokens with the engine's weight version; a sample
     # without tokens (aborted while queued) falls back to our own clock.
-    spans = [(int(span.version), span.start, span.end) for span in completion.weight_versions or []]
+    spans = sample.spans(completion.weight_versions)
     return SampleResult(
         request_id=request_id,
         index=sample.index,

@@ -111,6 +111,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             max_queued_requests=status.max_queued_requests,
             weight_transports=list(WEIGHT_TRANSPORTS), weight_transfer_world_size=self.engine.transfer_world_size,
             max_push_bytes=self.engine.max_push_bytes,
+            resumed_samples=status.resumed_samples, resumed_tokens=status.resumed_tokens,
         )
 
 

@@ -15,7 +15,7 @@ class EngineState(str, enum.Enum):
     STARTING = "starting"
     SERVING = "serving"
     SWAPPING = "swapping"
-    """A wait/abort swap: new requests are held until it completes."""
+    """A wait/abort swap: new requests are held until it completes (keep/resume swaps hold them too, SERVING)."""
     FAILED = "failed"
     """A weight swap failed inside vLLM (the weights are undefined), or the engine core died."""
 
@@ -35,6 +35,10 @@ class EngineStatus:
     max_queued_requests: int
     tokens_per_second: float
     """Generated tokens per second over the last ``tokens_per_second_window_s``."""
+    resumed_samples: int = 0
+    """Samples continued as a new vLLM request after a ``resume`` swap (a sample resumed twice counts twice)."""
+    resumed_tokens: int = 0
+    """Sampled tokens those continuations carried over (re-prefilled, not thrown away)."""
 
 
 class TokenRate:

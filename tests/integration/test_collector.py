@@ -126,13 +126,16 @@ LONG_TURN = 400
 """Tokens a sample of the keep-swap test runs to: long enough for a push to land while it generates."""
 
 
-def test_a_keep_swap_mid_generation_splits_versions_response_where_the_engine_applied_it(backends, tmp_path,
-                                                                                         tiny_model_dir):
+@pytest.mark.parametrize("swap_mode", ["keep", "resume"])
+def test_a_keep_or_resume_swap_mid_generation_splits_versions_response_where_the_engine_applied_it(
+        backends, tmp_path, tiny_model_dir, swap_mode):
     """Each response token's version (``versions/response``) is the version whose weights sampled it: the
-    tokens before a keep-mode swap have the old weights' log-probs (Hugging Face's, within 1e-4), the ones
-    after it the new weights'. A push lands mid-generation in most tries; up to 5 tries, alternating weights."""
+    tokens before a keep- or resume-mode swap have the old weights' log-probs (Hugging Face's, within 1e-4), the
+    ones after it the new weights', and no sampled token is thrown away. The trainer's pushes ask for keep; the
+    collector's ``swap_mode`` makes them resume. A push lands mid-generation in most tries; up to 5 tries,
+    alternating weights."""
     proc, channel = start_collector(backends, tmp_path, "--mode", "async", "--max-staleness", "1000",
-                                    "--groups-per-step", "1")
+                                    "--groups-per-step", "1", "--swap-mode", swap_mode)
     collector = collector_pb2_grpc.CollectorServiceStub(channel)
     replicas = [generation_pb2_grpc.GenerationServiceStub(grpc.insecure_channel(p.address))
                 for name, p in backends.items() if name.startswith("generation")]
@@ -142,7 +145,7 @@ def test_a_keep_swap_mid_generation_splits_versions_response_where_the_engine_ap
     split = []
     try:
         for attempt in range(5):
-            prompt_id = f"keep-split-{attempt}"
+            prompt_id = f"{swap_mode}-split-{attempt}"
             collector.SubmitPrompts(collector_pb2.SubmitPromptsRequest(prompts=[collector_pb2.PromptSpec(
                 prompt_id=prompt_id, prompt=sampling_pb2.Prompt(text="count on and on"),
                 sampling=sampling_pb2.SamplingParams(max_tokens=LONG_TURN, ignore_eos=True))]), timeout=30)
@@ -168,6 +171,12 @@ def test_a_keep_swap_mid_generation_splits_versions_response_where_the_engine_ap
                                 (load_hf(tiny_model_dir, new), slice(switch, None))):
                 expected = response_log_probs(model, row["prompt"].tolist(), row["response"].tolist())
                 assert (row["log_probs"][part] - expected[part]).abs().max() <= 1e-4, (switch, part)
+        current = status(channel)
+        assert (current.discarded_samples, current.discarded_tokens) == (0, 0)  # every sampled token kept
+        if swap_mode == "resume":  # the engine continued the samples as new requests
+            resumed = sum(r.GetEngineStatus(generation_pb2.GetEngineStatusRequest(), timeout=10).resumed_samples
+                          for r in replicas)
+            assert resumed >= len(split)
     finally:
         push(channel, base)  # the module's other tests expect the base weights served
         reader.close()

@@ -289,3 +289,97 @@ async def test_admission_bound_and_cancellation(engine):
     (sample,) = await collect(engine, SamplingSpec(max_tokens=4), "after-flood")
     assert sample.finish_reason in ("stop", "length")
     assert engine.status().tokens_per_second > 0
+
+
+# ---------------------------------------------------------------- resume swaps
+
+
+async def serve(engine: GenerationEngine, weights: dict[str, torch.Tensor], mode: str = "wait") -> int:
+    """Push ``weights`` as the next policy version; returns that version."""
+    version = engine.policy_version + 1
+    await engine.update_weights(version, as_push(weights), mode=mode)
+    return version
+
+
+def check_log_probs_per_span(sample: SampleResult, models: dict[int, torch.nn.Module]) -> None:
+    """Each token's behaviour log-prob is the HF one under the weights of the version that sampled it."""
+    engine_log_probs = torch.tensor(sample.behavior_log_probs)
+    for version, start, end in sample.policy_version_spans:
+        expected = hf_log_probs(models[version], PROMPT, sample.response_token_ids, 1.0)
+        assert (engine_log_probs[start:end] - expected[start:end]).abs().max() <= LOG_PROB_TOLERANCE, version
+
+
+async def test_resume_mode_continues_a_sample_on_the_new_weights(engine, model_dir, base_state_dict):
+    """The swap aborts the request inside vLLM; the engine continues it as prompt + the tokens so far:
+    the caller sees one sample of the full budget whose first tokens are those the old weights sampled
+    (the same as an unswapped run with the same seed), split where the swap took effect."""
+    old_weights, new_weights = perturbed(base_state_dict, seed=5), perturbed(base_state_dict, seed=6)
+    old_version = await serve(engine, old_weights)
+    (unswapped,) = await collect(engine, long_spec(), "resume-reference")
+    before = engine.status()
+    generation = asyncio.create_task(collect(engine, long_spec(), "resume-in-flight"))
+    await wait_for_async(lambda: engine.status().requests_running == 1, ENGINE_STEP_TIMEOUT, "the request running")
+    new_version = await serve(engine, new_weights, mode="resume")
+    (sample,) = await generation
+
+    assert sample.finish_reason == "length"
+    assert len(sample.response_token_ids) == len(sample.behavior_log_probs) == LONG_RESPONSE_TOKENS
+    (first, start, switch), (second, switch_again, end) = sample.policy_version_spans
+    assert (first, second) == (old_version, new_version) == (sample.policy_version_start, sample.policy_version_end)
+    assert start == 0 and switch == switch_again and 0 < switch < end == LONG_RESPONSE_TOKENS
+    after = engine.status()
+    assert (after.resumed_samples - before.resumed_samples, after.resumed_tokens - before.resumed_tokens) == (1, switch)
+    # Nothing sampled before the swap was lost or changed.
+    assert sample.response_token_ids[:switch] == unswapped.response_token_ids[:switch]
+    assert sample.behavior_log_probs[:switch] == unswapped.behavior_log_probs[:switch]
+    check_log_probs_per_span(sample, {old_version: hf_model(model_dir, old_weights),
+                                      new_version: hf_model(model_dir, new_weights)})
+
+
+async def test_resume_mode_resumes_each_sample_of_a_group_and_again_at_a_second_swap(engine, model_dir,
+                                                                                     base_state_dict):
+    weights = [perturbed(base_state_dict, seed=seed) for seed in (7, 8, 9)]
+    versions = [await serve(engine, weights[0])]
+    resumed_before = engine.status().resumed_samples
+    spec = SamplingSpec(n=3, temperature=1.0, max_tokens=LONG_RESPONSE_TOKENS, ignore_eos=True)
+    generation = asyncio.create_task(collect(engine, spec, "resume-group"))
+    await wait_for_async(lambda: engine.status().requests_running == 1, ENGINE_STEP_TIMEOUT, "the group running")
+    versions.append(await serve(engine, weights[1], mode="resume"))
+    # The three continuations are inside vLLM (a continuation reaches it at its first read) ...
+    await wait_for_async(lambda: engine.status().resumed_samples - resumed_before == 3
+                         and engine._engine.get_num_unfinished_requests() == 3, ENGINE_STEP_TIMEOUT,
+                         "the continuations submitted")
+    # ... so the second swap aborts them too, and they are continued again.
+    versions.append(await serve(engine, weights[2], mode="resume"))
+    samples = await generation
+
+    assert sorted(s.index for s in samples) == [0, 1, 2]
+    assert len({tuple(s.response_token_ids) for s in samples}) == 3  # resumed independently
+    assert engine.status().resumed_samples - resumed_before == 6  # every sample, at each swap
+    models = {version: hf_model(model_dir, w) for version, w in zip(versions, weights)}
+    for sample in samples:
+        assert sample.finish_reason == "length"
+        assert len(sample.response_token_ids) == len(sample.behavior_log_probs) == LONG_RESPONSE_TOKENS
+        spans = sample.policy_version_spans
+        assert [end for _, _, end in spans[:-1]] == [start for _, start, _ in spans[1:]]
+        assert spans[0][1] == 0 and spans[-1][2] == LONG_RESPONSE_TOKENS and spans[-1][0] == versions[2]
+        assert [version for version, _, _ in spans] == sorted({version for version, _, _ in spans} & set(versions))
+        check_log_probs_per_span(sample, models)
+    assert any(sample.policy_version_spans[0][0] == versions[0] for sample in samples)
+
+
+async def test_resume_mode_finishes_a_request_with_stop_strings_with_abort(engine, base_state_dict):
+    """Stop strings cannot be matched across the boundary (vLLM matches them in a request's own output
+    text): such a request finishes as under an abort swap, and nothing is continued."""
+    before = engine.status().resumed_samples
+    old_version = engine.policy_version
+    spec = SamplingSpec(temperature=1.0, max_tokens=LONG_RESPONSE_TOKENS, ignore_eos=True, stop=("<<no such stop>>",))
+    generation = asyncio.create_task(collect(engine, spec, "resume-stop-strings"))
+    await wait_for_async(lambda: engine.status().requests_running == 1, ENGINE_STEP_TIMEOUT, "the request running")
+    await serve(engine, perturbed(base_state_dict, seed=10), mode="resume")
+    (sample,) = await generation
+
+    assert sample.finish_reason == "abort"
+    assert 0 < len(sample.response_token_ids) == len(sample.behavior_log_probs) < LONG_RESPONSE_TOKENS
+    assert sample.policy_version_spans == [(old_version, 0, len(sample.response_token_ids))]
+    assert engine.status().resumed_samples == before

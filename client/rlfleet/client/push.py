@@ -49,7 +49,7 @@ from rlfleet.wire.weights import DEFAULT_CHUNK_BYTES, iter_push_messages
 
 METHOD = "PushWeights"
 MODES = {"keep": weights_pb2.UPDATE_MODE_KEEP, "wait": weights_pb2.UPDATE_MODE_WAIT,
-         "abort": weights_pb2.UPDATE_MODE_ABORT}
+         "abort": weights_pb2.UPDATE_MODE_ABORT, "resume": weights_pb2.UPDATE_MODE_RESUME}
 PROGRESS_MIN_BYTES = 8 << 20
 """Pushes smaller than this never show a progress bar."""
 TRANSPORTS = ("auto", "shm", "grpc", "nccl")

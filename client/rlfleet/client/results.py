@@ -209,6 +209,8 @@ class Status:
     """The train/inference mismatch trainers reported, and the breaker on it."""
     dynamic_sampling: DynamicSamplingStatus = field(default_factory=DynamicSamplingStatus)
     """Groups filtered for constant scores, and the curriculum."""
+    discarded_tokens: int = 0
+    """Sampled tokens thrown away: of ``discarded_samples``, and of multi-turn turns aborted by a push."""
 
     @classmethod
     def from_proto(cls, reply: collector_pb2.GetStatusResponse) -> "Status":
@@ -225,6 +227,7 @@ class Status:
             spool_error=reply.spool_error, episodes=reply.episodes, episode_turns=reply.episode_turns,
             mismatch=MismatchStatus.from_proto(reply.mismatch),
             dynamic_sampling=DynamicSamplingStatus.from_proto(reply.dynamic_sampling),
+            discarded_tokens=reply.discarded_tokens,
         )
 
 

@@ -256,7 +256,7 @@ class ReplicaStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., policy_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., weight_transfer_world_size: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("policy_version", "mode", "max_staleness", "stages", "replicas", "staleness_histogram", "trajectories", "discarded_samples", "group_size", "groups_per_step", "pending_prompts", "failed_prompts", "serving", "not_serving_reason", "failed", "spool_error", "episodes", "episode_turns", "mismatch", "dynamic_sampling")
+    __slots__ = ("policy_version", "mode", "max_staleness", "stages", "replicas", "staleness_histogram", "trajectories", "discarded_samples", "group_size", "groups_per_step", "pending_prompts", "failed_prompts", "serving", "not_serving_reason", "failed", "spool_error", "episodes", "episode_turns", "mismatch", "dynamic_sampling", "discarded_tokens")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +277,7 @@ class GetStatusResponse(_message.Message):
     EPISODE_TURNS_FIELD_NUMBER: _ClassVar[int]
     MISMATCH_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     mode: str
     max_staleness: int
@@ -297,7 +298,8 @@ class GetStatusResponse(_message.Message):
     episode_turns: int
     mismatch: MismatchStatus
     dynamic_sampling: DynamicSamplingStatus
-    def __init__(self, policy_version: _Optional[int] = ..., mode: _Optional[str] = ..., max_staleness: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., trajectories: _Optional[int] = ..., discarded_samples: _Optional[int] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., failed_prompts: _Optional[int] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ..., failed: _Optional[bool] = ..., spool_error: _Optional[str] = ..., episodes: _Optional[int] = ..., episode_turns: _Optional[int] = ..., mismatch: _Optional[_Union[MismatchStatus, _Mapping]] = ..., dynamic_sampling: _Optional[_Union[DynamicSamplingStatus, _Mapping]] = ...) -> None: ...
+    discarded_tokens: int
+    def __init__(self, policy_version: _Optional[int] = ..., mode: _Optional[str] = ..., max_staleness: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., trajectories: _Optional[int] = ..., discarded_samples: _Optional[int] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., failed_prompts: _Optional[int] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ..., failed: _Optional[bool] = ..., spool_error: _Optional[str] = ..., episodes: _Optional[int] = ..., episode_turns: _Optional[int] = ..., mismatch: _Optional[_Union[MismatchStatus, _Mapping]] = ..., dynamic_sampling: _Optional[_Union[DynamicSamplingStatus, _Mapping]] = ..., discarded_tokens: _Optional[int] = ...) -> None: ...
 
 class DynamicSamplingStatus(_message.Message):
     __slots__ = ("enabled", "min_score_range", "filtered_groups", "filtered_samples", "filter_rate", "oversampling", "curriculum_skipped", "curriculum")

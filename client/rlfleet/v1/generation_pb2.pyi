@@ -100,7 +100,7 @@ class GetEngineStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetEngineStatusResponse(_message.Message):
-    __slots__ = ("model", "policy_version", "running_requests", "waiting_requests", "tokens_per_second", "swapping", "max_queued_requests", "weight_transports", "weight_transfer_world_size", "max_push_bytes")
+    __slots__ = ("model", "policy_version", "running_requests", "waiting_requests", "tokens_per_second", "swapping", "max_queued_requests", "weight_transports", "weight_transfer_world_size", "max_push_bytes", "resumed_samples", "resumed_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,8 @@ class GetEngineStatusResponse(_message.Message):
     WEIGHT_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_TRANSFER_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_PUSH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     policy_version: int
     running_requests: int
@@ -121,4 +123,6 @@ class GetEngineStatusResponse(_message.Message):
     weight_transports: _containers.RepeatedScalarFieldContainer[str]
     weight_transfer_world_size: int
     max_push_bytes: int
-    def __init__(self, model: _Optional[str] = ..., policy_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., swapping: _Optional[bool] = ..., max_queued_requests: _Optional[int] = ..., weight_transports: _Optional[_Iterable[str]] = ..., weight_transfer_world_size: _Optional[int] = ..., max_push_bytes: _Optional[int] = ...) -> None: ...
+    resumed_samples: int
+    resumed_tokens: int
+    def __init__(self, model: _Optional[str] = ..., policy_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., swapping: _Optional[bool] = ..., max_queued_requests: _Optional[int] = ..., weight_transports: _Optional[_Iterable[str]] = ..., weight_transfer_world_size: _Optional[int] = ..., max_push_bytes: _Optional[int] = ..., resumed_samples: _Optional[int] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...

@@ -14,6 +14,7 @@ class UpdateMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UPDATE_MODE_WAIT: _ClassVar[UpdateMode]
     UPDATE_MODE_ABORT: _ClassVar[UpdateMode]
     UPDATE_MODE_KEEP: _ClassVar[UpdateMode]
+    UPDATE_MODE_RESUME: _ClassVar[UpdateMode]
 
 class WeightPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -24,6 +25,7 @@ UPDATE_MODE_UNSPECIFIED: UpdateMode
 UPDATE_MODE_WAIT: UpdateMode
 UPDATE_MODE_ABORT: UpdateMode
 UPDATE_MODE_KEEP: UpdateMode
+UPDATE_MODE_RESUME: UpdateMode
 WEIGHT_PHASE_UNSPECIFIED: WeightPhase
 WEIGHT_PHASE_STAGED: WeightPhase
 WEIGHT_PHASE_APPLIED: WeightPhase
