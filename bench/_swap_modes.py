@@ -1,7 +1,8 @@
 """Part (e) of ``bench/pipeline.py``: the weight-swap modes under frequent pushes, with dynamic sampling.
 
 For each mode (wait, abort, keep, resume; the collector's ``--swap-mode``, so every push does it) a fresh
-async collector (``--max-staleness 4``, ``--dynamic-sampling``) runs for ``--swap-seconds``: a trainer reads
+async collector (unbounded ``--max-staleness``, so that a group is thrown away only by its swap mode, never
+for its staleness; ``--dynamic-sampling``) runs for ``--swap-seconds``: a trainer reads
 whole-group batches as fast as they come while a pusher pushes the tiny model's weights every
 ``--push-seconds``. Half the prompts score 0 whatever is sampled (reward ``none``: filtered), half score
 the fraction of lowercase characters (``char_fraction [a-z]``: they vary), ``--swap-max-tokens`` sampled
@@ -26,7 +27,7 @@ from rlfleet.client import connect
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc
 
 MODES = ("wait", "abort", "keep", "resume")
-MAX_STALENESS = 4
+MAX_STALENESS = 1_000_000
 
 
 def _prompts(tag: str, count: int) -> list[dict]:
@@ -109,10 +110,13 @@ def measure_swap_modes(backends, workdir: Path, model_dir: Path, start_collector
     from safetensors.torch import load_file
 
     state = load_file(str(model_dir / "model.safetensors"))
-    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    modes = tuple(ns.swap_modes.split(","))
+    if "keep" not in modes or "resume" not in modes or set(modes) - set(MODES):
+        raise ValueError(f"--swap-modes: a comma-separated subset of {','.join(MODES)} with keep and resume")
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     one_run(backends, workdir, start_collector, state, "keep", "swap-warmup", ns)  # warm-up, not counted
     for round_index in range(ns.swap_rounds):
-        order = MODES[round_index % len(MODES):] + MODES[:round_index % len(MODES)]
+        order = modes[round_index % len(modes):] + modes[:round_index % len(modes)]
         for mode in order:
             run = one_run(backends, workdir, start_collector, state, mode, f"swap-{mode}{round_index}", ns)
             runs[mode].append(run)
@@ -144,7 +148,7 @@ def swap_result(runs: dict[str, list[dict]]) -> dict:
 
 
 def report_swap_modes(runs: dict[str, list[dict]], result: dict, ns) -> None:
-    print(f"\n(e) swap modes under a push every {ns.push_seconds:g} s | async, max_staleness {MAX_STALENESS}, dynamic "
+    print(f"\n(e) swap modes under a push every {ns.push_seconds:g} s | async, unbounded staleness, dynamic "
           f"sampling (half the prompts always filtered) | {ns.swap_groups_per_step} groups x {ns.group_size} samples "
           f"x {ns.swap_max_tokens} tokens per batch | {ns.swap_seconds:g} s per run, {ns.swap_rounds} rotating rounds")
     print(f"{'mode':>6} | {'traj/s':>6} | {'pushes/run':>10} | {'tokens thrown away/push':>23} | "

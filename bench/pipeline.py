@@ -640,6 +640,7 @@ def main() -> None:
                         help="(d) alternating multi-turn/single-turn rounds")
     parser.add_argument("--parts", default="abcde", help="which parts to run: any of a, b, c, d, e")
     parser.add_argument("--swap-rounds", type=int, default=2, help="(e) rotating rounds of the four swap modes")
+    parser.add_argument("--swap-modes", default="wait,abort,keep,resume", help="(e) the modes compared")
     parser.add_argument("--swap-seconds", type=float, default=30.0, help="(e) seconds each mode's trainer reads")
     parser.add_argument("--push-seconds", type=float, default=2.0, help="(e) seconds between pushes")
     parser.add_argument("--swap-max-tokens", type=int, default=256, help="(e) sampled tokens per sample")

@@ -14,10 +14,14 @@ the largest lag, at most ``max_staleness`` (the ceiling), below the smallest lag
 KL is above the target. Lag 0 never lowers it (staleness cannot help there; the breaker acts on it). A
 lag's measurement is kept for ``horizon`` reports after it was last measured, then forgotten: with the
 bound lowered no more samples of that lag are made, so the bound goes back up after the horizon and
-the lag is measured again. Admission only: groups already generated are never discarded for it.
+the lag is measured again. Admission only: groups already generated are never discarded for it. The
+measurements are kept in the state directory at every report, so a restarted collector admits by them
+from its first group rather than from the ceiling.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import logging
 import math
@@ -96,6 +100,15 @@ class MismatchBreaker:
                        f"version {self._first_over_version}; an operator closes it with CloseMismatchBreaker")
         log.error("%s", self.reason)
         return True
+
+    def measurements(self) -> dict:
+        """What admission by divergence acts on, to keep across a restart (``restore_measurements``)."""
+        return {"reports": self.reports, "measured": [[dataclasses.asdict(entry), at]
+                                                      for entry, at in self.measured.values()]}
+
+    def restore_measurements(self, state: dict) -> None:
+        self.reports = int(state["reports"])
+        self.measured = {entry["lag"]: (LagMismatch(**entry), int(at)) for entry, at in state["measured"]}
 
     def check(self) -> None:
         """FAILED_PRECONDITION naming the measurement while the breaker is open."""

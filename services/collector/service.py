@@ -342,6 +342,8 @@ class CollectorService(Service[CollectorConfig]):
         if self.mismatch.report(policy_version, lags):
             write_atomically(self.breaker_path, json.dumps({"reason": self.mismatch.reason}).encode())
             await self.gate.hold(True)
+        if self.mismatch.kl_target is not None:  # what admission acts on survives a restart
+            write_atomically(self.measurements_path, json.dumps(self.mismatch.measurements()).encode())
         await self.gate.bound_admission(self.mismatch.admission_staleness(self.gate.max_staleness))
 
     async def close_mismatch_breaker(self) -> bool:
@@ -357,7 +359,15 @@ class CollectorService(Service[CollectorConfig]):
         """Present while the mismatch breaker is open: what it opened on."""
         return self.state_dir / "mismatch-breaker.json"
 
+    @property
+    def measurements_path(self) -> Path:
+        """The mismatch measured per lag (with ``mismatch_kl_target``): admission by divergence resumes from it."""
+        return self.state_dir / "mismatch-measured.json"
+
     async def _restore_breaker(self) -> None:
+        if self.mismatch.kl_target is not None and self.measurements_path.exists():
+            self.mismatch.restore_measurements(json.loads(self.measurements_path.read_text()))
+            await self.gate.bound_admission(self.mismatch.admission_staleness(self.gate.max_staleness))
         if self.breaker_path.exists():
             self.mismatch.reason = json.loads(self.breaker_path.read_text())["reason"]
             log.error("the mismatch breaker is open since before this start: %s", self.mismatch.reason)

@@ -259,12 +259,14 @@ def test_a_trainer_computing_with_other_weights_than_it_pushed_trips_the_mismatc
 
 def test_an_open_mismatch_breaker_stays_open_across_a_collector_sigkill_until_an_operator_closes_it(backends, tmp_path):
     """Killed just after the report that opened it returned: the restarted collector keeps it open, with the
-    same reason, and refuses trainer calls; closed, it stays closed across the next restart."""
+    same reason, and refuses trainer calls; closed, it stays closed across the next restart. The measured KL per
+    lag survives too: admission stays bounded below the lag found over the KL target."""
     from rlfleet.client import connect
 
     args = ("--mode", "async", "--max-staleness", "1000", "--groups-per-step", "1",
-            "--mismatch-kl-threshold", "0.01", "--mismatch-trip-batches", "2")
-    over = {0: {"kl_k3": 0.5, "kl_k1": 0.4, "ess_token": 0.3, "tokens": 96}}
+            "--mismatch-kl-threshold", "0.01", "--mismatch-trip-batches", "2", "--mismatch-kl-target", "0.05")
+    over = {0: {"kl_k3": 0.5, "kl_k1": 0.4, "ess_token": 0.3, "tokens": 96},
+            3: {"kl_k3": 0.2, "kl_k1": 0.1, "ess_token": 0.6, "tokens": 32}}  # lag 3 over the KL target too
     proc, channel = start_collector(backends, tmp_path, *args)
     try:
         with connect(proc.address, timeout=60) as client:
@@ -278,6 +280,8 @@ def test_an_open_mismatch_breaker_stays_open_across_a_collector_sigkill_until_an
             with connect(proc.address, timeout=60) as client:
                 mismatch = client.status().mismatch
                 assert mismatch.breaker_open == closing and mismatch.reason == (reason if closing else "")
+                # Admission by divergence resumes from what was measured, not from the ceiling.
+                assert (sorted(mismatch.measured), mismatch.admission_staleness) == ([0, 3], 2)
                 if closing:
                     with pytest.raises(grpc.RpcError) as refused:
                         submit(channel, 1, "breaker-after-restart")

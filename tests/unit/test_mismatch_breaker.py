@@ -98,3 +98,14 @@ def test_a_lowered_admission_bound_paces_new_groups_and_never_exceeds_the_ceilin
 
     first, paced, second, bound = asyncio.run(scenario())
     assert first == (0, 0) and paced and second == (1, 0) and bound == 2
+
+
+def test_the_measurements_admission_acts_on_round_trip_through_their_saved_form():
+    import json
+
+    breaker = MismatchBreaker(threshold=None, kl_target=0.05, horizon=4)
+    breaker.report(3, [LagMismatch(0, 0.001, 0.001, 0.99, 64), LagMismatch(2, 0.2, 0.1, 0.5, 16)])
+    restored = MismatchBreaker(threshold=None, kl_target=0.05, horizon=4)
+    restored.restore_measurements(json.loads(json.dumps(breaker.measurements())))
+    assert (restored.measured, restored.reports) == (breaker.measured, 1)
+    assert restored.admission_staleness(8) == breaker.admission_staleness(8) == 1
