@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from rlfleet.client.results import PassRate
 from rlfleet.services.collector.coalescer import Coalescer
 from rlfleet.services.collector.filtering import GroupOutcome
 from rlfleet.services.collector.prompt_item import PromptItem
@@ -67,20 +68,6 @@ CREATE TABLE IF NOT EXISTS pass_rates (
     updated_at REAL NOT NULL
 );
 """
-
-
-@dataclass(frozen=True)
-class PassRate:
-    """How a prompt's groups scored (``GetPassRates``): every group counted once, filtered or not."""
-
-    prompt_key: str
-    groups: int
-    samples: int
-    passed: int
-    filtered_groups: int
-    recent_samples: int
-    recent_passed: int
-    updated_at: float
 
 
 @dataclass(frozen=True)
