@@ -46,6 +46,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kl-to-ref-coeff", type=float, default=0.05)
     parser.add_argument("--entropy-coeff", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--is-correction", default=None, metavar="PRESET",
+                        help="decoupled PPO with this importance-sampling correction (rlfleet.client.offpolicy: none, "
+                             "token_tis, seq_tis, seq_mis, geo_mis, icepop) through rlfleet's CorrectedGRPOLoss; its "
+                             "offpolicy/* metrics join the loss output. Default: TorchRL's GRPOLoss as it is")
     parser.add_argument("--out", type=Path, default=Path("runs") / "torchrl")
     ns = parser.parse_args(argv)
 
@@ -83,8 +87,15 @@ def main(argv: list[str] | None = None) -> dict:
                                     prompts=primer, reward_fn="char_fraction", reward_args={"pattern": "[0-9]"})
     collector.client.wait_ready(timeout=300)
 
-    loss_fn = GRPOLoss(actor_network=policy_training, kl_to_ref_coeff=ns.kl_to_ref_coeff,
-                       entropy_coeff=ns.entropy_coeff, masking_strategy="sft")
+    loss_options = dict(actor_network=policy_training, kl_to_ref_coeff=ns.kl_to_ref_coeff,
+                        entropy_coeff=ns.entropy_coeff, masking_strategy="sft")
+    if ns.is_correction is None:
+        loss_fn = GRPOLoss(**loss_options)
+    else:  # the trainer holds the weights it pushed last (the first push is below)
+        from rlfleet.client.torchrl import CorrectedGRPOLoss
+
+        loss_fn = CorrectedGRPOLoss(correction=ns.is_correction, trainer_version=lambda: collector.last_push.version,
+                                    **loss_options)
 
     # ... and rlfleet's scheme instead of VLLMWeightSyncScheme; wired exactly as the recipe wires it.
     sender = RlfleetWeightSyncScheme(collector).create_sender()

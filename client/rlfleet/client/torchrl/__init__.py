@@ -11,6 +11,8 @@
 
 TorchRL itself is never imported here: the adapter speaks TensorDict, which both share, so the
 SDK installs without it (``pip install rlfleet[torchrl]`` brings the tested TorchRL).
+``CorrectedGRPOLoss`` (``rlfleet.client.torchrl.offpolicy``, a ``GRPOLoss`` subclass) is the one
+name that needs TorchRL: it is imported on first use.
 """
 
 from rlfleet.client.torchrl.collector import RlfleetLLMCollector, RlfleetWeightSender, RlfleetWeightSyncScheme
@@ -18,5 +20,13 @@ from rlfleet.client.torchrl.layout import to_torchrl
 from rlfleet.client.torchrl.logits import temperature_scaled
 from rlfleet.client.torchrl.weights import policy_state_dict
 
-__all__ = ["RlfleetLLMCollector", "RlfleetWeightSender", "RlfleetWeightSyncScheme", "policy_state_dict",
-           "temperature_scaled", "to_torchrl"]
+__all__ = ["CorrectedGRPOLoss", "RlfleetLLMCollector", "RlfleetWeightSender", "RlfleetWeightSyncScheme",
+           "policy_state_dict", "temperature_scaled", "to_torchrl"]
+
+
+def __getattr__(name: str):
+    if name == "CorrectedGRPOLoss":  # subclasses TorchRL's GRPOLoss: import TorchRL only when asked for
+        from rlfleet.client.torchrl.offpolicy import CorrectedGRPOLoss
+
+        return CorrectedGRPOLoss
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
