@@ -171,6 +171,9 @@ def training_parser(description: str, *, steps: int, groups_per_step: int, group
                              "icepop); its metrics go into metrics.json per step and to the collector "
                              "(report_mismatch). Default: the behaviour "
                              "log-probs as PPO's old policy, no correction")
+    parser.add_argument("--prompts-ahead", type=int, default=1, metavar="STEPS",
+                        help="steps of prompts kept queued at the collector beyond the step being read; async mode "
+                             "can only run as many versions ahead as there are prompts (max_staleness of them reaches it)")
     parser.add_argument("--out", type=Path, default=out)
     return parser
 
@@ -201,7 +204,7 @@ def train(client, model, ns, next_prompts: Callable[[int], list[dict]],
     optimizer = torch.optim.AdamW(model.parameters(), lr=ns.lr, weight_decay=0.0)
     batch_size = ns.groups_per_step * ns.group_size
     metrics: list[dict] = []
-    client.submit_prompts(next_prompts(2 * ns.groups_per_step))
+    client.submit_prompts(next_prompts((1 + ns.prompts_ahead) * ns.groups_per_step))
     with client.batches(batch_size=batch_size, whole_groups=True) as batches:
         progress = tqdm(range(ns.steps), desc="GRPO", unit="step", file=sys.stderr)
         iterator = iter(batches)
