@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 
-from rlfleet.client import connect
+from rlfleet.client import DeadlineExceededError, connect
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc
 
 MODES = ("wait", "abort", "keep", "resume")
@@ -80,9 +80,14 @@ def one_run(backends, workdir: Path, start_collector, state: dict, mode: str, ta
             batches = full = rows = 0
             started = time.perf_counter()
             thread.start()
-            with client.batches(per_batch) as stream:
+            # A mode may starve the trainer (abort, when pushes come faster than a group generates): a batch
+            # wait is bounded by the run's length, and the run ends with what it got.
+            with client.batches(per_batch, idle_timeout=ns.swap_seconds) as stream:
                 while time.perf_counter() - started < ns.swap_seconds:
-                    batch = next(stream)
+                    try:
+                        batch = next(stream)
+                    except DeadlineExceededError:
+                        break
                     batches += 1
                     rows += len(batch)
                     by_group: dict[int, set[float]] = {}

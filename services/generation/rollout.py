@@ -155,11 +155,15 @@ async def _read(stream: AsyncGenerator[Any, None]) -> Any:
 
 
 class StreamSet:
-    """vLLM output streams read as one: the next output of whichever has one."""
+    """vLLM output streams read as one: the next output of whichever has one.
+
+    One stream (no resume swap so far) is read directly. With more, each stream gets a task that
+    forwards its outputs to one queue: one task per stream for its life, not one per engine step."""
 
     def __init__(self) -> None:
         self._streams: dict[str, AsyncGenerator[Any, None]] = {}
-        self._reads: dict[str, asyncio.Task] = {}
+        self._pumps: dict[str, asyncio.Task] = {}
+        self._outputs: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
     def __bool__(self) -> bool:
         return bool(self._streams)
@@ -168,29 +172,38 @@ class StreamSet:
         self._streams[key] = stream
 
     async def next(self) -> tuple[str, Any]:
-        """``(key, output)``; ``(key, None)`` when that stream ended (it leaves the set)."""
-        if len(self._streams) == 1 and not self._reads:
-            # The common case (no resume swap so far): no task per engine step.
+        """``(key, output)``; ``(key, None)`` when that stream ended (it leaves the set). A stream's
+        error is raised here."""
+        if len(self._streams) == 1 and not self._pumps:
             key, stream = next(iter(self._streams.items()))
             output = await _read(stream)
         else:
             for key, stream in self._streams.items():
-                if key not in self._reads:
-                    self._reads[key] = asyncio.create_task(_read(stream))
-            await asyncio.wait(self._reads.values(), return_when=asyncio.FIRST_COMPLETED)
-            key = next(key for key, task in self._reads.items() if task.done())
-            output = self._reads.pop(key).result()
+                if key not in self._pumps:
+                    self._pumps[key] = asyncio.create_task(self._pump(key, stream))
+            key, output = await self._outputs.get()
+            if isinstance(output, BaseException):
+                raise output
         if output is _END:
             del self._streams[key]
+            self._pumps.pop(key, None)
             return key, None
         return key, output
 
+    async def _pump(self, key: str, stream: AsyncGenerator[Any, None]) -> None:
+        try:
+            while (output := await _read(stream)) is not _END:
+                self._outputs.put_nowait((key, output))
+            self._outputs.put_nowait((key, _END))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            self._outputs.put_nowait((key, exc))
+
     async def aclose(self) -> None:
         """Close every stream: vLLM aborts each request still running."""
-        reads, self._reads = self._reads, {}
-        for task in reads.values():
+        pumps, self._pumps = self._pumps, {}
+        for task in pumps.values():
             task.cancel()  # a cancelled read aborts its request inside vLLM's generate
-        await asyncio.gather(*reads.values(), return_exceptions=True)
+        await asyncio.gather(*pumps.values(), return_exceptions=True)
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             await stream.aclose()
