@@ -29,6 +29,7 @@ from rlfleet.services.collector.replicas import ReplicaPool
 from rlfleet.services.collector.rollout import Pipeline, PipelineOptions
 from rlfleet.services.collector.servicer import CollectorServicer, TrajectoryProxyServicer
 from rlfleet.services.collector.source import PromptSource
+from rlfleet.services.collector.status_metrics import STATUS_METRICS
 from rlfleet.services.common import metrics, security
 from rlfleet.services.common.errors import InvalidArgument, StartupError, Unavailable, UpstreamError
 from rlfleet.services.common.files import fsync_directory, write_atomically
@@ -165,6 +166,7 @@ class CollectorService(Service[CollectorConfig]):
     async def start(self) -> None:
         """Wait for the dependencies, agree on the version, start the pipeline."""
         await self._restore_breaker()  # before SubmitPrompts is taken
+        STATUS_METRICS.status = self.status  # what GetStatus shows of off-policy control, /metrics shows
         pending = await self.source.restore()  # first: SubmitPrompts waits for it
         _, self.pipeline.failed_prompts = await self.ledger.failures(0, 0)
         if pending:

@@ -1,0 +1,53 @@
+"""Prometheus metrics read from the collector's status at scrape time: what GetStatus shows of
+off-policy control (dynamic sampling, thrown-away work, the admission bound, the measured mismatch),
+the metrics show, from the one place that computes it."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client.core import REGISTRY, GaugeMetricFamily
+
+from rlfleet.v1 import collector_pb2
+
+
+class StatusMetrics:
+    """A Prometheus collector over ``status`` (the collector service's ``status``; None: no family)."""
+
+    def __init__(self) -> None:
+        self.status: Callable[[], collector_pb2.GetStatusResponse] | None = None
+
+    def describe(self):
+        return []  # families are known at scrape time only
+
+    def collect(self):
+        if self.status is None:
+            return
+        status = self.status()
+        sampling, mismatch = status.dynamic_sampling, status.mismatch
+        for name, help_text, value in (
+            ("rlfleet_filtered_groups", "Groups dynamic sampling filtered (never delivered), since the state "
+                                        "directory was created", sampling.filtered_groups),
+            ("rlfleet_filtered_samples", "Samples of those groups", sampling.filtered_samples),
+            ("rlfleet_filter_rate", "Fraction of the recent groups filtered", sampling.filter_rate),
+            ("rlfleet_oversampling", "Groups started per group expected to reach the trainer",
+             sampling.oversampling or 1.0),
+            ("rlfleet_discarded_samples", "Samples thrown away since start (aborted or too stale)",
+             status.discarded_samples),
+            ("rlfleet_discarded_tokens", "Sampled tokens thrown away since start", status.discarded_tokens),
+            ("rlfleet_admission_staleness", "The staleness bound admission applies now (max_staleness, or less "
+                                            "while a lag measures over mismatch_kl_target)",
+             mismatch.admission_staleness),
+            ("rlfleet_mismatch_breaker_open", "1 while the mismatch breaker is open", int(mismatch.breaker_open)),
+        ):
+            yield GaugeMetricFamily(name, help_text, value=value)
+        by_lag = GaugeMetricFamily("rlfleet_mismatch_kl_k3", "k3 KL between trainer and behaviour log-probs "
+                                   "trainers measured, per version lag (its last report within the horizon)",
+                                   labels=["lag"])
+        for measured in mismatch.measured:
+            by_lag.add_metric([str(measured.lag)], measured.kl_k3)
+        yield by_lag
+
+
+STATUS_METRICS = StatusMetrics()
+REGISTRY.register(STATUS_METRICS)
