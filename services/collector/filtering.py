@@ -34,10 +34,6 @@ class GroupOutcome:
     passed: int
     filtered: bool
 
-    def extreme(self) -> bool:
-        """All samples passed, or none."""
-        return self.passed in (0, self.samples)
-
 
 @dataclass(frozen=True)
 class FilterRule:
@@ -72,6 +68,11 @@ class FilterRate:
     def expected_loss(self) -> float:
         """The fraction of started groups to expect filtered, at most what ``max_oversampling`` allows."""
         return min(self.rate, 1.0 - 1.0 / self.max_oversampling)
+
+
+def passed_all_or_none(samples: int, passed: int) -> bool:
+    """What the curriculum skips: a group all of whose samples passed, or none."""
+    return passed in (0, samples)
 
 
 def revisit(seed: int, epoch: int, row: int, fraction: float) -> bool:

@@ -20,7 +20,7 @@ import random
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from rlfleet.services.collector.filtering import GroupOutcome, revisit
+from rlfleet.services.collector.filtering import GroupOutcome, passed_all_or_none, revisit
 from rlfleet.services.collector.prompt_item import PromptItem, from_row
 from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
 
@@ -187,7 +187,7 @@ class PromptSource:
 
     def _skipped_by_curriculum(self, key: str, row: int) -> bool:
         recent = self.ledger.recent.get(key)
-        if (self._curriculum_revisit is None or recent is None or recent[1] not in (0, recent[0])
+        if (self._curriculum_revisit is None or recent is None or not passed_all_or_none(*recent)
                 or revisit(self._seed, self.epoch, row, self._curriculum_revisit)):
             return False
         self.curriculum_skipped += 1
