@@ -33,7 +33,7 @@ from rlfleet.client.results import PassRate
 from rlfleet.services.collector.coalescer import Coalescer
 from rlfleet.services.collector.filtering import GroupOutcome
 from rlfleet.services.collector.prompt_item import PromptItem
-from rlfleet.services.common.sqlite import transaction
+from rlfleet.services.common.sqlite import chunks, transaction
 
 T = TypeVar("T")
 _SCHEMA = """
@@ -214,7 +214,7 @@ class PromptLedger:
 
     def _pass_rates(self, keys: list[str], after: str, limit: int) -> tuple[list[PassRate], int]:
         if keys:
-            rows = [row for chunk in (keys[i:i + 500] for i in range(0, len(keys), 500)) for row in self._db.execute(
+            rows = [row for chunk in chunks(keys) for row in self._db.execute(
                 f"SELECT * FROM pass_rates WHERE prompt_key IN ({','.join('?' * len(chunk))}) ORDER BY prompt_key",
                 chunk)]
         else:

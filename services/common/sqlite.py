@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import sqlite3
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterable, Iterator, Sequence, TypeVar
+
+T = TypeVar("T")
+SQL_CHUNK = 500
+"""Bound on "?" placeholders per statement."""
 
 
 @contextmanager
@@ -19,3 +23,9 @@ def transaction(db: sqlite3.Connection) -> Iterator[None]:
         db.execute("ROLLBACK")
         raise
     db.execute("COMMIT")
+
+
+def chunks(items: Sequence[T]) -> Iterable[Sequence[T]]:
+    """``items`` in slices of at most ``SQL_CHUNK``: one ``IN (?, ...)`` statement each."""
+    for start in range(0, len(items), SQL_CHUNK):
+        yield items[start:start + SQL_CHUNK]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sqlite3
-from typing import Iterable, Sequence, TypeVar
 
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS trajectories (
@@ -39,8 +38,6 @@ CREATE TABLE IF NOT EXISTS meta (
     value TEXT NOT NULL
 );
 """
-SQL_CHUNK = 500  # bound on "?" placeholders per statement
-T = TypeVar("T")
 
 
 def connect(path: str, synchronous: str, lock_timeout_seconds: float) -> sqlite3.Connection:
@@ -81,7 +78,3 @@ def _migrate(db: sqlite3.Connection) -> None:
     if "filtered" not in columns:
         db.execute("ALTER TABLE idempotency_keys ADD COLUMN filtered INTEGER NOT NULL DEFAULT 0")
 
-
-def chunks(items: Sequence[T]) -> Iterable[Sequence[T]]:
-    for start in range(0, len(items), SQL_CHUNK):
-        yield items[start:start + SQL_CHUNK]

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence
 
 from rlfleet.services.common.errors import InvalidArgument, NotFound, ResourceExhausted
-from rlfleet.services.common.sqlite import transaction
+from rlfleet.services.common.sqlite import chunks, transaction
 from rlfleet.services.trajectory import rows as rowcodec
 from rlfleet.services.trajectory import sqlite as sqlite_file
 from rlfleet.services.trajectory.appends import dedup_keys, filtered_flags, validate_append
@@ -296,7 +296,7 @@ class TrajectoryStore:
         if not keys:
             return []
         stored: dict[str, bool] = {}
-        for chunk in sqlite_file.chunks(list(dict.fromkeys(keys))):
+        for chunk in chunks(list(dict.fromkeys(keys))):
             stored.update((key, bool(filtered)) for key, filtered in self._db.execute(
                 f"SELECT key, filtered FROM idempotency_keys WHERE key IN ({','.join('?' * len(chunk))})", chunk))
         return [stored.get(key) for key in keys]
@@ -373,7 +373,7 @@ class TrajectoryStore:
             return None
         rows = [row for unit, count in plan for row in unit.ready[:count]]
         with transaction(self._db):
-            for chunk in sqlite_file.chunks([row.seq for row in rows]):
+            for chunk in chunks([row.seq for row in rows]):
                 self._db.execute("UPDATE trajectories SET deliveries = deliveries + 1 "
                                  f"WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
             parts = self._parts(rows)
@@ -465,11 +465,11 @@ class TrajectoryStore:
         """Messages whose concatenation is ``rows``, in order: each group's payload read once, and
         whole when all its rows are taken; call inside ``transaction(self._db)``."""
         own: dict[int, bytes] = {}  # rows stored one by one (files written before units)
-        for chunk in sqlite_file.chunks([row.seq for row in rows if row.own_payload]):
+        for chunk in chunks([row.seq for row in rows if row.own_payload]):
             own.update(self._db.execute(
                 f"SELECT seq, data FROM trajectories WHERE seq IN ({','.join('?' * len(chunk))})", chunk))
         units: dict[int, tensor_pb2.TensorDict] = {}
-        for chunk in sqlite_file.chunks(sorted({row.unit for row in rows if not row.own_payload})):
+        for chunk in chunks(sorted({row.unit for row in rows if not row.own_payload})):
             for unit_id, data in self._db.execute(
                     f"SELECT unit, data FROM units WHERE unit IN ({','.join('?' * len(chunk))})", chunk):
                 units[unit_id] = tensor_pb2.TensorDict.FromString(data)
@@ -574,9 +574,9 @@ class TrajectoryStore:
     def _delete_rows(self, seqs: Sequence[int], emptied_units: Sequence[int]) -> None:
         """Delete rows, and the payloads of the groups they leave empty; call inside
         ``transaction(self._db)``."""
-        for chunk in sqlite_file.chunks(seqs):
+        for chunk in chunks(seqs):
             self._db.execute(f"DELETE FROM trajectories WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
-        for chunk in sqlite_file.chunks(emptied_units):
+        for chunk in chunks(emptied_units):
             self._db.execute(f"DELETE FROM units WHERE unit IN ({','.join('?' * len(chunk))})", chunk)
 
 
