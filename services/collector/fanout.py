@@ -36,12 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
+from rlfleet.client.push import MODES
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.replicas import Replica, ReplicaPool
 from rlfleet.services.collector.spool import Spool
 from rlfleet.services.collector.transports import ReplicaOutcome, ReplicaPush
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted, Unavailable
-from rlfleet.services.common.weight_stream import MAX_POLICY_VERSION, UPDATE_MODES, WeightPush, open_offered_segment
+from rlfleet.services.common.weight_stream import MAX_POLICY_VERSION, WeightPush, open_offered_segment
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm
 
@@ -56,10 +57,6 @@ class PushOutcome:
     replicas: list[ReplicaOutcome]
     received_bytes: int
     seconds: float
-
-
-SWAP_MODES = {name: mode for mode, name in UPDATE_MODES.items() if mode != weights_pb2.UPDATE_MODE_UNSPECIFIED}
-"""What a push does to the requests in flight, by name (docs/off-policy.md, Weight-swap modes)."""
 
 
 class WeightFanout:
@@ -124,7 +121,7 @@ class WeightFanout:
         if manifest.resync or manifest.two_phase:
             raise InvalidArgument("manifest.resync and manifest.two_phase are set by the collector, not the trainer")
         if self.swap_mode:
-            manifest.mode = SWAP_MODES[self.swap_mode]
+            manifest.mode = MODES[self.swap_mode]  # the SDK's names: docs/off-policy.md, Weight-swap modes
         if manifest.version == 0:
             if self.gate.version >= MAX_POLICY_VERSION:
                 raise OutOfRange(f"manifest.version: no version is left after {self.gate.version} "
