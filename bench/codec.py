@@ -1,4 +1,4 @@
-"""Codec and transport throughput, as ratios against a plain memory copy.
+"""Codec and gRPC throughput, as ratios against a plain memory copy.
 
     .venv/bin/python bench/codec.py [--sizes-mib 1 4 16 64 256] [--repeats 5]
 

@@ -1,4 +1,4 @@
-"""Throughput ceiling of the data plane: real services and SDK trainer, a load generator for generation.
+"""Throughput ceiling of the data plane, with a load generator in place of generation.
 
     .venv/bin/python bench/dataplane.py [--rounds 3] [--seconds 20] [--warmup 10] [--trainers 1]
 

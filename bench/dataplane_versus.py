@@ -1,4 +1,6 @@
-"""bench/dataplane.py on this tree and on an older commit, alternated: per-service CPU before and after.
+"""The data plane's CPU per trajectory, this tree against an older commit.
+
+``bench/dataplane.py`` on this tree and on an older commit, alternated: per-service CPU before and after.
 
     .venv/bin/python bench/dataplane_versus.py BASE_COMMIT [--pairs 3] [-- DATAPLANE FLAGS...]
 

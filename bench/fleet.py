@@ -1,4 +1,4 @@
-"""Fleet bench: up to 32 generation replicas (load generators) behind one collector.
+"""Up to 32 generation replicas (load generators) behind one collector.
 
     .venv/bin/python bench/fleet.py [--replicas 1,4,16,32] [--rounds 5] [--seconds 8] [--pushes 3]
 

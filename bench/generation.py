@@ -1,4 +1,4 @@
-"""Generation service throughput, as a ratio against the same engine in-process.
+"""Generation service throughput against the same engine in-process.
 
     .venv/bin/python bench/generation.py [--prompts 32] [--n 4] [--max-tokens 64] [--rounds 7]
 
@@ -19,8 +19,8 @@ does not use offset" when vLLM rewinds the discarded sample); ``--request-seeds`
 turns them on to check whether that is still so.
 
 Both engines live on the same machine, and an idle vLLM worker busy-polls its
-shared-memory queue for ~1 s after its last step (measured: a full core), so
-each phase starts after ``--settle-seconds``; otherwise every phase would
+shared-memory queue (spinning on a core) for about a second after its last step,
+so each phase starts after ``--settle-seconds``; otherwise every phase would
 share the CPU with the previous phase's spinning engine.
 
 The two sides alternate ``--rounds`` times after a warm-up of each; the ratio
@@ -106,7 +106,7 @@ async def service_tokens(stub, requests, tag: str) -> tuple[int, float]:
 
 
 async def measure_tokens(ns, engine, address: str, vocab_size: int, meter: CpuMeter) -> dict:
-    from rlfleet.services.generation.sampling import sampling_from_proto
+    from rlfleet.services.common.sampling_spec import sampling_from_proto
 
     prompts = make_prompts(ns.prompts, tuple(ns.prompt_len), vocab_size, seed=0)
     params = [sampling_pb2.SamplingParams(n=ns.n, temperature=1.0, top_p=1.0, max_tokens=ns.max_tokens,

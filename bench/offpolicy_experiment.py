@@ -1,4 +1,4 @@
-"""The off-policy experiment: the GRPO demo on- and off-policy, with and without importance-sampling correction.
+"""The GRPO demo on- and off-policy, with and without importance-sampling correction.
 
     .venv/bin/python bench/offpolicy_experiment.py [--steps 30] [--seeds 0,1,2]
         [--arms sync,async,async+tis,async+mis] [--prompts-ahead 5]
@@ -17,8 +17,8 @@ temperature 1, reward ``char_fraction``) except the mode:
 Every arm runs the trainer with ``--is-correction PRESET`` (``none`` for sync and async), so every step
 records the mismatch per version lag (``offpolicy/lagN/...``); the trainer pushes its weights every step.
 ``--prompts-ahead`` keeps that many steps of prompts queued at the collector (the trainer's
-``--prompts-ahead``): with the demo's one step ahead, generation could never run more than ~2 versions
-ahead whatever ``max_staleness`` allows. The seed varies the trainer (``--seed``: its torch seed and its
+``--prompts-ahead``): with the demo's one step ahead, generation could not run as far ahead as
+``max_staleness`` allows. The seed varies the trainer (``--seed``: its torch seed and its
 prompts), the generation engine's sampling seed and the collector's.
 
 Writes one JSON file (machine, commit, settings, every per-step metric of every run, the headline numbers)

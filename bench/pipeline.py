@@ -1,5 +1,8 @@
-"""End-to-end pipeline throughput, as ratios against generation alone, against sync mode, against in-process vLLM
-and of multi-turn episodes against single turns of the same tokens.
+"""End-to-end pipeline throughput against its baselines.
+
+Ratios against generation alone (a), of async against sync mode (b), against plain in-process vLLM (c), of
+multi-turn episodes against single turns of the same tokens (d), and the weight-swap modes under frequent
+pushes (e).
 
     .venv/bin/python bench/pipeline.py [--groups 32] [--rounds 3] [--steps 6] [--sync-rounds 3]
         [--step-seconds S | --step-from rollout|generation] [--prefetch N]
@@ -45,8 +48,8 @@ alternate ``--sync-rounds`` times (sync first), a fresh collector each; ratio =
 async / sync per round, median. Also shown: the same ratio after the first batch (trajectories of steps
 2..``--steps`` / wall time from the first batch received to the last push), because async fills its pipeline
 before its first batch (it generates two steps at once), a cost a run of thousands of steps pays once but
-that weighs 1/``--steps`` here: with a 0.35 s rollout, a 0.35 s step, a 0.05 s push and 0.7 s to the first
-batch, an async trainer that never waits after its first batch makes 6 steps only ~1.45x as fast as sync.
+that weighs 1/``--steps`` here: even an async trainer that never waits after its first batch is at most
+``steps x (rollout + step + push) / (fill + steps x (step + push))`` times as fast as sync.
 The staleness histograms (trajectories by versions stale at append) are shown as a check.
 
 (c) trajectories/s end to end vs plain vLLM in-process (``bench/_inprocess.py``): an ``AsyncLLM``

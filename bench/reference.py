@@ -1,4 +1,4 @@
-"""Reference service throughput, as a ratio against the same model called in-process.
+"""Reference service throughput against the same model called in-process.
 
     .venv/bin/python bench/reference.py [--callers 1 8 64] [--seconds 1] [--rounds 10]
 
@@ -9,8 +9,9 @@ For each number of concurrent callers ``c``: every caller owns one request of
   requests (the best an in-process caller can do with the same batch and the
   same token budget), repeated for ``--seconds``. It runs in a fresh child
   process with the service's environment: the bench process itself (gRPC
-  client threads, two sets of imports) measured ~20% slower forward passes
-  than a fresh process, which would flatter the service;
+  client threads, two sets of imports) runs slower forward passes than a
+  fresh process (see the reference benchmark page), which would flatter the
+  service;
 * service: ``c`` concurrent gRPC callers (one asyncio client, so the bench's own
   threads do not compete with the service for the CPU), each sending its
   request again as soon as the reply arrives, for ``--seconds``.

@@ -1,4 +1,6 @@
-"""The python tool's sandbox, call by call: calls/s, wall and CPU per call, idle and with the cores busy.
+"""The python tool's sandbox, call by call.
+
+Calls/s, wall and CPU time per call, idle and with the cores busy.
 
     .venv/bin/python bench/sandbox.py [--calls 30] [--rounds 5] [--busy 2] [--concurrency 1]
                                       [--baseline OLD_SANDBOX_PY] [--calls-per-episode 3]
@@ -8,13 +10,13 @@ bench/pipeline.py part (d), its output checked every time) on one ``PythonSandbo
 environment service shares one; ``--concurrency`` calls in flight.
 Variants, alternated within each round (the order flips every round):
 
-  current   ``rlfleet.services.environment.sandbox.PythonSandbox``
-  baseline  the same class from ``--baseline FILE``, another version of sandbox.py (to compare one
-            against another side by side, e.g. ``git show REV:services/environment/sandbox.py > /tmp/old.py``)
-  episode   ``EpisodeSandbox`` (services/environment/episode_sandbox.py): one sandbox per episode of
-            ``--calls-per-episode`` calls (started at its first call, closed after its last, both counted),
-            a fresh process forked in it per call
-  floor     no sandbox: ``python3 -I -B -X utf8 -c SNIPPET`` as a plain child process (one interpreter)
+- ``current``: ``rlfleet.services.environment.sandbox.PythonSandbox``;
+- ``baseline``: the same class from ``--baseline FILE``, another version of sandbox.py (to compare one
+  against another side by side, e.g. ``git show REV:services/environment/sandbox.py > /tmp/old.py``);
+- ``episode``: ``EpisodeSandbox`` (services/environment/episode_sandbox.py): one sandbox per episode of
+  ``--calls-per-episode`` calls (started at its first call, closed after its last, both counted),
+  a fresh process forked in it per call;
+- ``floor``: no sandbox: ``python3 -I -B -X utf8 -c SNIPPET`` as a plain child process (one interpreter).
 
 Loads: idle (no load of ours: whatever else runs on the host still does), then ``--busy`` processes
 spinning ``while True: pass`` (as vLLM holds the cores).

@@ -1,4 +1,6 @@
-"""Load and soak: many trainers against the real suite for a bounded time; errors, latency, RSS growth.
+"""Load and soak: many trainers against the real suite.
+
+Runs for a bounded time and reports errors, latency and RSS growth.
 
     .venv/bin/python bench/soak.py [--seconds 120] [--warmup 20] [--streams 64] [--processes 1]
 

@@ -1,4 +1,6 @@
-"""Step time: TorchRL's GRPO recipe on rlfleet (examples/train_torchrl.py) vs the plain SDK demo (examples/train_grpo.py).
+"""Step time of TorchRL's GRPO recipe on rlfleet against the plain SDK demo.
+
+TorchRL's recipe is ``examples/train_torchrl.py``, the plain SDK demo ``examples/train_grpo.py``.
 
     .venv/bin/python bench/torchrl_step.py [--rounds 2] [--steps 10]
 

@@ -1,4 +1,6 @@
-"""Weight pushes through the collector, as ratios against their floors, measured side by side in one run.
+"""Weight pushes through the collector against their floors.
+
+Each push as a ratio to its floor, the two measured side by side in one run.
 
     .venv/bin/python bench/weights.py [--rounds 5] [--hidden 1024] [--layers 10] [--settle-seconds 1.5]
                                       [--transport nccl]   (GPU hosts: floor vs nccl pushes; unverified)
@@ -13,22 +15,24 @@ an explicit, increasing version per collector, timed by the client (``PushResult
 writing, fan-out, spool, stage and the apply into vLLM included).
 
 Each round (a warm-up round, then ``--rounds``) runs these phases in this order, each after
-``--settle-seconds`` (an idle vLLM worker busy-polls ~1 s after its last step):
+``--settle-seconds`` (an idle vLLM worker busy-polls for about a second after its last step):
 
-  raw     the push's bytes as raw 1 MiB gRPC messages to a sink that only counts them
-  grpc A  grpc push through collector A to g0                          (PSS sampled)
-  floor   vLLM ``reload_weights`` in the in-process engine's worker, from tensors already in its memory
-  shm A   shm push through collector A to g0                           (PSS sampled)
-  shm B   shm push through collector B to g1 + g2
+- ``raw``: the push's bytes as raw 1 MiB gRPC messages to a sink that only counts them;
+- ``grpc A``: grpc push through collector A to g0 (PSS sampled);
+- ``floor``: vLLM ``reload_weights`` in the in-process engine's worker, from tensors already in its memory;
+- ``shm A``: shm push through collector A to g0 (PSS sampled);
+- ``shm B``: shm push through collector B to g1 + g2.
 
 Ratios are taken per round from adjacent phases, then the median (IQR) over rounds:
-  grpc_vs_raw         = raw s / grpc A s            (higher is better; target >= 0.8)
-  shm_vs_reload       = shm A s / floor s           (lower is better; target <= 1.3)
-  two_vs_one_replica  = shm B s / shm A s           (target <= 1.2)
-  peak_rss_over_model = peak extra PSS / model bytes (target <= 1.1); PSS is summed over collector A,
-      g0 and g0's descendants (vLLM engine core), sampled every ~15 ms; extra = max during the push -
-      the sum just before it. Pages shared with this process (the trainer's shm segment) count only in
-      part, as PSS splits them. RESULT holds the max of the shm and grpc medians.
+
+- ``grpc_vs_raw`` = raw s / grpc A s (higher is better; target >= 0.8);
+- ``shm_vs_reload`` = shm A s / floor s (lower is better; target <= 1.3);
+- ``two_vs_one_replica`` = shm B s / shm A s (target <= 1.2);
+- ``peak_rss_over_model`` = peak extra PSS / model bytes (target <= 1.1); PSS is summed over collector A,
+  g0 and g0's descendants (vLLM engine core), sampled every ~15 ms; extra = max during the push -
+  the sum just before it. Pages shared with this process (the trainer's shm segment) count only in
+  part, as PSS splits them. RESULT holds the max of the shm and grpc medians.
+
 The last line is ``RESULT {json}``.
 """
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import ipaddress
-import os
 import secrets
 from pathlib import Path
 
+from rlfleet.services.common.files import write_atomically
 from rlfleet.services.common.security import ROLES
 
 DEFAULT_NAMES = ("generation", "reference", "reward", "trajectory", "environment", "collector", "trainer")
@@ -49,23 +49,23 @@ def make_credentials(directory: str | Path, names: tuple[str, ...] | list[str] =
     if force or not (directory / "ca.pem").exists() or not ca_key_path.exists():
         ca_key = _new_key()
         ca_cert = _certificate(CA_NAME, ca_key.public_key(), ca_key, None, days, ca=True)
-        _write(ca_key_path, _key_pem(ca_key), 0o600, None)
-        _write(directory / "ca.pem", _cert_pem(ca_cert), 0o644, owner)
+        write_atomically(ca_key_path, _key_pem(ca_key), mode=0o600)  # owned by whoever runs this
+        write_atomically(directory / "ca.pem", _cert_pem(ca_cert), mode=0o644, owner=owner)
         force = True  # new CA: every certificate again
     ca_key, ca_cert = _load(ca_key_path, directory / "ca.pem")
     for name in names:
         if force or not (directory / f"{name}.pem").exists():
             key = _new_key()
             cert = _certificate(name, key.public_key(), ca_key, ca_cert, days, sans=(name, "localhost", *hosts))
-            _write(directory / f"{name}.key", _key_pem(key), 0o640, owner)
-            _write(directory / f"{name}.pem", _cert_pem(cert), 0o644, owner)
+            write_atomically(directory / f"{name}.key", _key_pem(key), mode=0o640, owner=owner)
+            write_atomically(directory / f"{name}.pem", _cert_pem(cert), mode=0o644, owner=owner)
     if force or not (directory / "tokens").exists():
         tokens = {role: secrets.token_urlsafe(32) for role in ROLES}
         lines = ["# role token: the services' auth_tokens_file (made by rlfleet.services.credentials)"]
         lines += [f"{role} {token}" for role, token in tokens.items()]
-        _write(directory / "tokens", ("\n".join(lines) + "\n").encode(), 0o640, owner)
+        write_atomically(directory / "tokens", ("\n".join(lines) + "\n").encode(), mode=0o640, owner=owner)
         for role, token in tokens.items():
-            _write(directory / f"token-{role}", f"{token}\n".encode(), 0o640, owner)
+            write_atomically(directory / f"token-{role}", f"{token}\n".encode(), mode=0o640, owner=owner)
     return directory
 
 
@@ -132,19 +132,6 @@ def _load(key_path: Path, cert_path: Path):
 
     key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
     return key, x509.load_pem_x509_certificate(cert_path.read_bytes())
-
-
-def _write(path: Path, data: bytes, mode: int, owner: tuple[int, int] | None) -> None:
-    """Write atomically, with ``mode`` from the start (a secret is never readable by others, even briefly)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    with os.fdopen(fd, "wb") as file:
-        file.write(data)
-    os.chmod(tmp, mode)  # the umask may have taken bits off
-    if owner is not None:
-        os.chown(tmp, *owner)
-    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> None:

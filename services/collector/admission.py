@@ -7,8 +7,10 @@ The bound applies three times, each rule a method of ``VersionGate``:
 - at append (``too_stale_to_append``): a group that finished more than ``max_staleness`` versions
   after it started (pushes landed while it generated; in sync mode any push) is not appended, its
   prompt is generated again;
-- at read (``stale_at_read``, sync mode only): a batch read after a push that came after it was
-  appended is off-policy; the collector's batch proxy drops it and generates its prompts again.
+- at read (``read_floor``, sync mode only): a trainer's batch stream opens at the committed version,
+  one batch at a time (``open_for_read``), and a batch read after a push that came after it was
+  appended is off-policy (``stale_at_read``); the collector's batch relay (``batch_stream.py``) drops
+  it and generates its prompts again.
 
 The collector counts trainer steps in groups: groups ``[s*G, (s+1)*G)`` (G =
 ``groups_per_step``) feed the trainer's step ``s``. A group of step ``s`` may
@@ -78,9 +80,25 @@ class VersionGate:
         (the latest of the committed version and the version its samples ended at)."""
         return now_version - start_version > self.max_staleness
 
+    def read_floor(self) -> int | None:
+        """Sync mode: the oldest start version a batch may hold when the trainer reads it (the committed
+        version). None in async mode, where the reader's own ``min_policy_version`` decides."""
+        return self.version if self.sync else None
+
     def stale_at_read(self, oldest_start_version: int) -> bool:
         """Sync mode: a batch whose oldest trajectory started before the committed version."""
-        return self.sync and oldest_start_version < self.version
+        floor = self.read_floor()
+        return floor is not None and oldest_start_version < floor
+
+    def open_for_read(self, min_policy_version: int, prefetch: int) -> tuple[int, int]:
+        """The ``min_policy_version`` and ``prefetch`` a trainer's batch stream opens with, given what it
+        asked. Sync mode: nothing below ``read_floor``, and one batch at a time, so the next is leased
+        only after the trainer is done with the last, i.e. after its push (a batch read ahead could
+        go stale at that push)."""
+        floor = self.read_floor()
+        if floor is None:
+            return min_policy_version, prefetch
+        return max(min_policy_version, floor), 1
 
     def restart_at(self, version: int) -> None:
         """A restarted collector: ``version`` committed, step count re-aligned to it."""
@@ -131,6 +149,15 @@ class VersionGate:
                     self.base += new_version - self.version  # a push without a step: see the module doc
                 self.version = new_version
             self._pushing = False
+            self._changed.notify_all()
+
+    async def reopen(self, groups: int) -> None:
+        """Appended groups were deleted unread (stale at the trainer's push, sync mode): their slots are
+        generated again, as an abandoned group's are. Without it, groups dynamic sampling started ahead
+        of a step and that went stale would hold the next step's slots, and sync mode would wait for
+        ever for a push the trainer cannot make."""
+        async with self._changed:
+            self.groups_started = max(self.groups_started - groups, 0)
             self._changed.notify_all()
 
     async def give_back(self) -> None:

@@ -80,9 +80,12 @@ def split_reward_response(reply: reward_pb2.ComputeRewardsResponse,
     return answers
 
 
-def append_request(groups: Sequence[tuple[str, tensor_pb2.TensorDict, bool]]) -> trajectory_pb2.AppendRequest:
-    """One Append for ``(key, rows, filtered)`` groups, each deduplicated on its own key."""
-    request = trajectory_pb2.AppendRequest(group_keys=[key for key, _, _ in groups])
+def append_request(groups: Sequence[tuple[str, tensor_pb2.TensorDict, bool]],
+                   committed_version: int) -> trajectory_pb2.AppendRequest:
+    """One Append for ``(key, rows, filtered)`` groups, each deduplicated on its own key, made while
+    ``committed_version`` is committed (the store records the groups' staleness with it)."""
+    request = trajectory_pb2.AppendRequest(group_keys=[key for key, _, _ in groups],
+                                           committed_version=committed_version)
     if any(filtered for _, _, filtered in groups):
         request.filtered_groups.extend(filtered for _, _, filtered in groups)
     if len(groups) == 1:

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from rlfleet.choices import AdvantageModeName, KLEstimatorName
 from rlfleet.services.common.config import ServiceConfig
 
 
@@ -96,9 +97,9 @@ class CollectorConfig(ServiceConfig):
     """Token budget of an episode: prompt, sampled and observation tokens together. Each turn may
     sample at most what is left (and ``sampling.max_tokens``); one that reaches it ends truncated.
     Keep it within the replicas' ``max_model_len``."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    kl_estimator: KLEstimatorName = "k1"
     """Per-token KL estimator for the penalty."""
-    advantage_mode: Literal["grpo", "grpo_no_std", "rloo"] = "grpo"
+    advantage_mode: AdvantageModeName = "grpo"
     """Group advantage computation."""
     update_kl_controller: bool = True
     """Feed each group's KL to the reward service's KL controller."""
@@ -126,7 +127,7 @@ class CollectorConfig(ServiceConfig):
     """What every push does to the requests in flight on the replicas, for the whole run: ``wait`` (they
     finish on the old weights first), ``abort`` (thrown away, their prompts generated again), ``keep``
     (continued on the new weights, re-prefilled), ``resume`` (continued as new requests on the new
-    weights); docs/off-policy.md compares them. "": each push's own mode (the SDK's default is keep)."""
+    weights); docs/guides/off-policy.md compares them. "": each push's own mode (the SDK's default is keep)."""
     dynamic_sampling: bool = False
     """Filter groups whose scores do not vary (their range at most ``dynamic_sampling_min_score_range``)
     before they reach the trainer: stored as filtered in the trajectory service (never delivered),

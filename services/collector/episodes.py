@@ -188,8 +188,8 @@ class GroupSlot:
     A single-turn group is one Generate call of ``n`` samples: one of the collector's
     ``max_generations_in_flight`` slots carries the whole group. The episodes of a group generate their
     later turns as separate calls (``n = 1``, their histories differ); a slot per call put a quarter of
-    the single turns' sequences into the engine at once (bench/pipeline.py (d), tool output canned: 0.35
-    of the single turns' trajectories/s, 0.50 with four times the slots). So the group's calls share one
+    the single turns' sequences into the engine at once (its cost: see the pipeline benchmark page,
+    docs/benchmarks/pipeline.md, part (d) on 2026-11-26). So the group's calls share one
     slot, taken by the first of its episodes that generates and given back when none does (all of them
     in an environment step, or done)."""
 

@@ -121,7 +121,7 @@ class WeightFanout:
         if manifest.resync or manifest.two_phase:
             raise InvalidArgument("manifest.resync and manifest.two_phase are set by the collector, not the trainer")
         if self.swap_mode:
-            manifest.mode = MODES[self.swap_mode]  # the SDK's names: docs/off-policy.md, Weight-swap modes
+            manifest.mode = MODES[self.swap_mode]  # the SDK's names: docs/guides/off-policy.md, Weight-swap modes
         if manifest.version == 0:
             if self.gate.version >= MAX_POLICY_VERSION:
                 raise OutOfRange(f"manifest.version: no version is left after {self.gate.version} "

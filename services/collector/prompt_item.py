@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlfleet.services.common.errors import InvalidArgument
-from rlfleet.services.generation.sampling import sampling_from_fields
+from rlfleet.services.common.sampling_spec import sampling_from_fields
 from rlfleet.v1 import collector_pb2
 
 MAX_PROMPT_ID_BYTES = 256

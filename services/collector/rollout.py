@@ -48,7 +48,7 @@ from rlfleet.services.collector.replicas import Replica, ReplicaPool
 from rlfleet.services.collector.source import PromptSource
 from rlfleet.services.collector.trajectories import GroupSamples, group_message
 from rlfleet.services.common.errors import InvalidArgument
-from rlfleet.services.generation.sampling import SamplingSpec
+from rlfleet.services.common.sampling_spec import SamplingSpec
 from rlfleet.v1 import (generation_pb2, reference_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_grpc,
                         sampling_pb2, tensor_pb2, trajectory_pb2_grpc)
 from rlfleet.wire import WireError, decode_tensor, encode_tensor
@@ -452,7 +452,7 @@ class Pipeline:
     async def _append_call(self, groups: list[tuple[str, tensor_pb2.TensorDict, bool]]) -> list[tuple[bool, bool]]:
         """One Append for the groups that queued (``_appends``); for each, whether it was stored (False:
         it was appended before, under its key) and whether it is stored as filtered."""
-        reply = await call_with_retry(self.trajectory.Append, batched_calls.append_request(groups),
+        reply = await call_with_retry(self.trajectory.Append, batched_calls.append_request(groups, self.gate.version),
                                       method="Append", settings=self.settings)
         for field in ("duplicate_groups", "filtered_groups"):
             if len(getattr(reply, field)) != len(groups):

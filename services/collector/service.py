@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rlfleet.choices import ADVANTAGE_MODES, KL_ESTIMATORS
 from rlfleet.client.channel import ChannelSettings, aio_channel, call_with_retry
 from rlfleet.client.errors import RlfleetClientError
 from rlfleet.services.collector.admission import VersionGate
@@ -39,10 +39,6 @@ from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, environment_pb2_grpc,
                         reward_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc)
 
 log = logging.getLogger("rlfleet.collector")
-_KL = {"k1": reward_pb2.KL_ESTIMATOR_K1, "k2": reward_pb2.KL_ESTIMATOR_K2, "k3": reward_pb2.KL_ESTIMATOR_K3}
-_ADV = {"grpo": reward_pb2.ADVANTAGE_MODE_GRPO, "grpo_no_std": reward_pb2.ADVANTAGE_MODE_GRPO_NO_STD,
-        "rloo": reward_pb2.ADVANTAGE_MODE_RLOO}
-_SAMPLE = re.compile(r"sample (\d+): ")
 
 
 class CollectorService(Service[CollectorConfig]):
@@ -87,8 +83,8 @@ class CollectorService(Service[CollectorConfig]):
         self.pipeline = Pipeline(
             PipelineOptions(
                 group_size=config.group_size, sampling=dict(config.sampling),
-                default_reward_fn=config.reward_fn, kl_estimator=_KL[config.kl_estimator],
-                advantage_mode=_ADV[config.advantage_mode], update_kl_controller=config.update_kl_controller,
+                default_reward_fn=config.reward_fn, kl_estimator=KL_ESTIMATORS[config.kl_estimator],
+                advantage_mode=ADVANTAGE_MODES[config.advantage_mode], update_kl_controller=config.update_kl_controller,
                 max_groups_in_flight=config.max_groups_in_flight,
                 max_generations_in_flight=config.max_generations_in_flight,
                 max_scoring_in_flight=config.max_scoring_in_flight, max_groups_per_call=config.max_groups_per_call,
@@ -153,6 +149,7 @@ class CollectorService(Service[CollectorConfig]):
             return
         self.pipeline.discarded_samples += samples
         missing = await self.source.regenerate(prompt_ids)
+        await self.gate.reopen(len(prompt_ids))  # one group per prompt: its slot goes to a regenerated one
         log.info("stale groups deleted unread, prompts generated again",
                  extra={"why": why, "samples": samples, "prompts": len(prompt_ids) - len(missing)})
         if missing:
@@ -445,10 +442,11 @@ class CollectorService(Service[CollectorConfig]):
                 log.warning("reward service unreachable (%s): %d prompts taken without checking their reward "
                             "functions", error.code, len(items))
                 return
-            match = _SAMPLE.match(error.details)
-            where = f"prompts[{list(first.values())[int(match.group(1))]}]" if match else "prompts"
-            details = error.details[match.end():] if match else error.details
-            raise UpstreamError(error.code, f"{where}: {details}") from None
+            # The refused task, typed (its index in ``tasks``): named as the first prompt carrying it.
+            refused, carriers = error.sample_error, list(first.values())
+            if refused is not None and 0 <= refused.sample < len(carriers):
+                raise UpstreamError(error.code, f"prompts[{carriers[refused.sample]}]: {refused.description}") from None
+            raise UpstreamError(error.code, f"prompts: {error.details}") from None
 
 
 def upstream_settings(config: CollectorConfig) -> ChannelSettings:

@@ -3,25 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
 
 import grpc
 
+from rlfleet.client.channel import is_core_write_failure
 from rlfleet.client.errors import from_rpc_error
 from rlfleet.services.collector import prompt_item
+from rlfleet.services.collector.batch_stream import BatchRelay
 from rlfleet.services.collector.mismatch import LagMismatch
 from rlfleet.services.common import metrics
-from rlfleet.services.common.errors import Aborted, InvalidArgument, UpstreamError
-from rlfleet.v1 import collector_pb2, collector_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc
-from rlfleet.wire import decode_tensor
+from rlfleet.services.common.errors import Aborted, InvalidArgument, RlfleetError, UpstreamError
+from rlfleet.v1 import collector_pb2, collector_pb2_grpc, trajectory_pb2_grpc
 
 
 log = logging.getLogger("rlfleet.collector")
 MAX_PASS_RATE_KEYS = 1000
-_CORE_WRITE_FAILURE = "Internal error from Core"
-"""What grpc.aio reports for a call whose write raced its end, instead of the status it ended with."""
 
 
 class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
@@ -95,11 +95,7 @@ class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
 
 
 class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
-    """Forwards a trainer's batch stream so it needs only the collector's address.
-
-    In sync mode the stream opens at the current version, and a batch holding a
-    trajectory older than the latest push is acked upstream and dropped (counted);
-    the answer to that ack is the proxy's own and is not forwarded."""
+    """Forwards a trainer's batch stream (``batch_stream.BatchRelay``) so it needs only the collector's address."""
 
     def __init__(self, collector):
         self.collector = collector
@@ -107,105 +103,18 @@ class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
     async def StreamBatches(self, request_iterator, context):
         collector = self.collector
         collector.check_trainer_call()
-        upstream = collector.trajectory.StreamBatches(metadata=collector.settings.metadata())
-        write_lock = asyncio.Lock()
-        # A write racing the upstream's end (it refused an earlier message) fails, and grpc's aio client
-        # then reports the call as INTERNAL "Internal error from Core": the upstream's status is lost.
-        lost_status: list[int] = []  # the trainer's message the upstream ended the stream before
-
-        async def write(message, index: int | None = None) -> bool:
-            async with write_lock:
-                try:
-                    await upstream.write(message)
-                    return True
-                except asyncio.InvalidStateError:  # it ended before: its status is kept, read below
-                    return False
-                except grpc.aio.AioRpcError:
-                    if index is not None:
-                        lost_status.append(index)
-                    return False
-
-        async def pump():
-            index = 0
-            async for message in request_iterator:
-                if message.WhichOneof("kind") in ("ack", "nack"):
-                    waiting.settle()
-                if message.WhichOneof("kind") == "open" and collector.gate.sync:
-                    message.open.min_policy_version = max(message.open.min_policy_version, collector.gate.version)
-                    # On-policy: a batch is leased (and checked below) only after the trainer is done
-                    # with the last, i.e. after its push; one read ahead could go stale at that push.
-                    message.open.prefetch = 1
-                if not await write(message, index):
-                    return
-                index += 1
-            async with write_lock:
-                await upstream.done_writing()
-
+        upstream = _UpstreamBatches(collector.trajectory.StreamBatches(metadata=collector.settings.metadata()))
         waiting = TrainerWait()
-        pumping = asyncio.create_task(pump())
-        failing = asyncio.ensure_future(collector.failed.wait())
-        own_acks: set[str] = set()  # lease ids this proxy acked (stale batches)
         try:
-            while True:
-                reading = asyncio.ensure_future(upstream.read())
-                if not pumping.done():
-                    await asyncio.wait({reading, pumping, failing}, return_when=asyncio.FIRST_COMPLETED)
-                # Checked whether or not it was awaited just now: the trainer's bad message may have come
-                # while a batch was being yielded, and the upstream would then keep the stream open.
-                refused = pumping.done() and not pumping.cancelled() and pumping.exception()
-                if refused and not isinstance(refused, grpc.RpcError):  # (the upstream's own end: read below)
-                    reading.cancel()
-                    raise refused  # the trainer's message was bad (RlfleetError), or a bug of ours
-                if not reading.done():
-                    await asyncio.wait({reading, failing}, return_when=asyncio.FIRST_COMPLETED)
-                if failing.done():  # the collector failed: the trainer must hear why, not wait forever
-                    reading.cancel()
-                    collector.check_working()
-                try:
-                    response = await reading
-                except grpc.RpcError as exc:
-                    # Only INTERNAL "Internal error from Core" is a lost status. Any other code is the upstream's
-                    # own: UNAVAILABLE (the trajectory service is down or restarting) must reach the trainer as
-                    # such, for the SDK to reopen the stream; a write to an unreachable upstream fails, too.
-                    if lost_status and (exc.code(), exc.details()) == (grpc.StatusCode.INTERNAL, _CORE_WRITE_FAILURE):
-                        raise Aborted(f"the trajectory service ended the batch stream before message "
-                                      f"{lost_status[0]} was forwarded: it refused an earlier message, for a "
-                                      f"reason lost in that race (send one message at a time to see it)") from None
-                    error = from_rpc_error(exc, "StreamBatches")
-                    raise UpstreamError(error.code, error.details) from None
-                if response is grpc.aio.EOF:
-                    break
-                if response.HasField("settled"):
-                    if response.settled.lease_id in own_acks:
-                        own_acks.discard(response.settled.lease_id)
-                        continue
-                elif self._stale(response):
-                    # Stale (a push landed after it was appended): delete it, generate its prompts again.
-                    # (Regenerated first: a crash in between leaves the batch buffered, not the prompts lost.)
-                    entry = response.batch.entries.get("prompt_id")
-                    prompt_ids = list(dict.fromkeys(entry.strings.values)) if entry is not None else []
-                    await collector.regenerate(prompt_ids, response.batch.batch_size[0], "stale batch at the proxy")
-                    own_acks.add(response.lease_id)
-                    await write(trajectory_pb2.StreamBatchesRequest(ack=trajectory_pb2.AckBatch(
-                        lease_id=response.lease_id)))
-                    continue
-                if response.HasField("batch"):
-                    waiting.deliver()
-                yield response
+            # aclosing: the relay's cleanup (cancelling the upstream call) runs when this stream ends, not at GC.
+            async with contextlib.aclosing(BatchRelay(collector, upstream).responses(
+                    _counting_settles(request_iterator, waiting))) as responses:
+                async for response in responses:
+                    if response.HasField("batch"):
+                        waiting.deliver()
+                    yield response
         finally:
             waiting.end()
-            pumping.cancel()
-            failing.cancel()
-            upstream.cancel()
-
-    def _stale(self, response) -> bool:
-        if not self.collector.gate.sync:
-            return False
-        entry = response.batch.entries.get("policy_version_start")
-        if entry is None or not entry.HasField("tensor"):
-            return False
-        versions = decode_tensor(entry.tensor)
-        return versions.numel() > 0 and self.collector.gate.stale_at_read(int(versions.min()))
 
     async def GetStats(self, request, context):
         try:
@@ -217,6 +126,66 @@ class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
 
     async def Append(self, request, context):
         raise InvalidArgument("Append is not forwarded by the collector; collectors append to the trajectory service")
+
+
+async def _counting_settles(requests, waiting: TrainerWait):
+    """The trainer's messages, its acks and nacks counted: a trainer that settled all it got is waiting."""
+    async for message in requests:
+        if message.WhichOneof("kind") in ("ack", "nack"):
+            waiting.settle()
+        yield message
+
+
+class _UpstreamBatches:
+    """The trajectory service's StreamBatches call as ``batch_stream.UpstreamStream``: its gRPC errors
+    turned into the collector's."""
+
+    def __init__(self, call):
+        self._call = call
+        self._writing = asyncio.Lock()  # grpc.aio takes one write at a time: the trainer's and the relay's acks
+        self._unsent: int | None = None  # the trainer's message the upstream ended the stream before
+
+    async def write(self, message, index: int | None = None) -> bool:
+        async with self._writing:
+            try:
+                await self._call.write(message)
+                return True
+            except asyncio.InvalidStateError:  # it ended before: its status is kept, read below
+                return False
+            except grpc.RpcError:
+                # A write racing the upstream's end (it refused an earlier message) fails, and grpc.aio
+                # then reports the call as INTERNAL (is_core_write_failure): the upstream's status is lost.
+                if index is not None and self._unsent is None:
+                    self._unsent = index
+                return False
+
+    async def done_writing(self) -> None:
+        async with self._writing:
+            try:
+                await self._call.done_writing()
+            except grpc.RpcError:  # it ended meanwhile: read() raises its status
+                pass
+
+    async def read(self):
+        try:
+            response = await self._call.read()
+        except grpc.RpcError as exc:
+            raise self._error(exc) from None
+        return None if response is grpc.aio.EOF else response
+
+    def _error(self, exc: grpc.RpcError) -> RlfleetError:
+        # Only grpc.aio's write-race INTERNAL is a lost status. Any other code is the upstream's own:
+        # UNAVAILABLE (the trajectory service is down or restarting) must reach the trainer as such, for
+        # the SDK to reopen the stream; a write to an unreachable upstream fails, too.
+        if self._unsent is not None and is_core_write_failure(exc.code(), exc.details()):
+            return Aborted(f"the trajectory service ended the batch stream before message {self._unsent} was "
+                           f"forwarded: it refused an earlier message, for a reason lost in that race (send one "
+                           f"message at a time to see it)")
+        error = from_rpc_error(exc, "StreamBatches")
+        return UpstreamError(error.code, error.details)
+
+    def cancel(self) -> None:
+        self._call.cancel()
 
 
 class TrainerWait:

@@ -32,11 +32,12 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-C = TypeVar("C", bound="ServiceConfig")
+C = TypeVar("C", bound="Settings")
 
 
-class ServiceConfig(BaseSettings):
-    """Fields every service has. Each service subclasses this and sets ``service_name``."""
+class Settings(BaseSettings):
+    """How every rlfleet process loads its config (flags, env vars, a file; see the module doc).
+    A process's config subclasses this (a gRPC service through ``ServiceConfig``) and sets ``service_name``."""
 
     model_config = SettingsConfigDict(
         extra="forbid", validate_default=True, use_attribute_docstrings=True,
@@ -48,46 +49,6 @@ class ServiceConfig(BaseSettings):
         cli_kebab_case=True,
     )
     service_name: ClassVar[str] = "service"
-
-    host: str = "127.0.0.1"
-    """Interface the gRPC server binds to: loopback by default; ``0.0.0.0`` (all interfaces) in a
-    container or a cluster, with TLS and tokens (a warning is logged otherwise)."""
-    port: int = Field(50050, ge=0, le=65535)
-    """gRPC port; 0 picks a free port (written to ``port_file``)."""
-    health_port: int = Field(0, ge=0, le=65535)
-    """A second port serving only ``grpc.health.v1`` (Check, Watch, List), plaintext and without
-    tokens, on ``host``: for probes that cannot do TLS (Kubernetes' gRPC probes) when ``port``
-    requires it. It tells whether the service serves, nothing else. 0: none."""
-    port_file: str | None = None
-    """If set, the bound port is written here once the server listens (for launchers and tests)."""
-    metrics_port: int = Field(0, ge=0, le=65535)
-    """Prometheus metrics HTTP port; 0 disables the endpoint."""
-    metrics_host: str = "127.0.0.1"
-    """Interface the metrics endpoint binds to (plain HTTP, no auth: loopback unless a scraper needs it)."""
-    max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
-    """grpc.max_send/receive_message_length. Weights stream in ~1 MiB chunks, so this bounds other payloads."""
-    keepalive_seconds: float = Field(30.0, gt=0)
-    """Server keepalive ping interval (detects dead trainers/collectors behind NATs)."""
-    grace_seconds: float = Field(10.0, ge=0)
-    """On SIGTERM/SIGINT: how long in-flight RPCs may finish before being cancelled."""
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    """Logging level."""
-    log_format: Literal["json", "text"] = "json"
-    """Structured JSON lines (for log shippers) or human-readable text."""
-    auth_tokens_file: str | None = None
-    """Tokens and their roles (``services/common/security.py``): one ``ROLE[,ROLE...] TOKEN`` per line,
-    roles ``trainer``, ``reader``, ``operator``, ``service``. Set, every RPC must carry
-    ``authorization: Bearer <token>`` (UNAUTHENTICATED otherwise) of a role it accepts
-    (PERMISSION_DENIED otherwise); health and reflection stay open."""
-    auth_token: str | None = None
-    """One token with every role (as ``auth_tokens_file``). Prefer the file, or the env var: a command
-    line shows in ``ps``."""
-    tls_cert_file: str | None = None
-    """PEM certificate (chain) the server presents; with ``tls_key_file`` the service serves TLS only."""
-    tls_key_file: str | None = None
-    """PEM private key (unencrypted) of ``tls_cert_file``."""
-    tls_client_ca_file: str | None = None
-    """PEM CA certificate(s): set, every client must present a certificate signed by one (mTLS)."""
 
     @classmethod
     def settings_customise_sources(
@@ -152,6 +113,50 @@ class ServiceConfig(BaseSettings):
         )
         parser.add_argument("--config", help="YAML or JSON file with config fields")
         return parser, CliSettingsSource(cls, root_parser=parser)
+
+
+class ServiceConfig(Settings):
+    """Fields every gRPC service has. Each service subclasses this and sets ``service_name``."""
+
+    host: str = "127.0.0.1"
+    """Interface the gRPC server binds to: loopback by default; ``0.0.0.0`` (all interfaces) in a
+    container or a cluster, with TLS and tokens (a warning is logged otherwise)."""
+    port: int = Field(50050, ge=0, le=65535)
+    """gRPC port; 0 picks a free port (written to ``port_file``)."""
+    health_port: int = Field(0, ge=0, le=65535)
+    """A second port serving only ``grpc.health.v1`` (Check, Watch, List), plaintext and without
+    tokens, on ``host``: for probes that cannot do TLS (Kubernetes' gRPC probes) when ``port``
+    requires it. It tells whether the service serves, nothing else. 0: none."""
+    port_file: str | None = None
+    """If set, the bound port is written here once the server listens (for launchers and tests)."""
+    metrics_port: int = Field(0, ge=0, le=65535)
+    """Prometheus metrics HTTP port; 0 disables the endpoint."""
+    metrics_host: str = "127.0.0.1"
+    """Interface the metrics endpoint binds to (plain HTTP, no auth: loopback unless a scraper needs it)."""
+    max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    """grpc.max_send/receive_message_length. Weights stream in ~1 MiB chunks, so this bounds other payloads."""
+    keepalive_seconds: float = Field(30.0, gt=0)
+    """Server keepalive ping interval (detects dead trainers/collectors behind NATs)."""
+    grace_seconds: float = Field(10.0, ge=0)
+    """On SIGTERM/SIGINT: how long in-flight RPCs may finish before being cancelled."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Logging level."""
+    log_format: Literal["json", "text"] = "json"
+    """Structured JSON lines (for log shippers) or human-readable text."""
+    auth_tokens_file: str | None = None
+    """Tokens and their roles (``services/common/security.py``): one ``ROLE[,ROLE...] TOKEN`` per line,
+    roles ``trainer``, ``reader``, ``operator``, ``service``. Set, every RPC must carry
+    ``authorization: Bearer <token>`` (UNAUTHENTICATED otherwise) of a role it accepts
+    (PERMISSION_DENIED otherwise); health and reflection stay open."""
+    auth_token: str | None = None
+    """One token with every role (as ``auth_tokens_file``). Prefer the file, or the env var: a command
+    line shows in ``ps``."""
+    tls_cert_file: str | None = None
+    """PEM certificate (chain) the server presents; with ``tls_key_file`` the service serves TLS only."""
+    tls_key_file: str | None = None
+    """PEM private key (unencrypted) of ``tls_cert_file``."""
+    tls_client_ca_file: str | None = None
+    """PEM CA certificate(s): set, every client must present a certificate signed by one (mTLS)."""
 
 
 class _EnvironSource(EnvSettingsSource):

@@ -5,12 +5,18 @@ Nothing here imports grpc: the mapping lives in ``interceptors.py``.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 
 class RlfleetError(Exception):
     """Base of every error a service deliberately reports to its caller."""
 
     #: Name of the ``grpc.StatusCode`` this error maps to.
     code: str = "INTERNAL"
+    #: The request's sample (or task) this error is about, when ``about_sample`` made it: the caller
+    #: gets it typed, with ``description`` (an ``rlfleet.v1.SampleError`` detail), not only in words.
+    sample: int | None = None
+    description: str = ""
 
 
 class InvalidArgument(RlfleetError):
@@ -67,6 +73,18 @@ class UpstreamError(RlfleetError):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
+
+
+E = TypeVar("E", bound=RlfleetError)
+
+
+def about_sample(error_type: type[E], sample: int, description: str) -> E:
+    """``error_type("sample <sample>: <description>")`` that carries ``sample`` and ``description``
+    too: a caller that sent many samples (or tasks) learns which one was refused from them, typed,
+    never by parsing the message."""
+    error = error_type(f"sample {sample}: {description}")
+    error.sample, error.description = sample, description
+    return error
 
 
 class StartupError(Exception):

@@ -24,6 +24,7 @@ from rlfleet.services.common import metrics
 from rlfleet.services.common.errors import InvalidArgument, RlfleetError
 from rlfleet.services.common.security import AccessPolicy
 from rlfleet.wire import WireError
+from rlfleet.wire.error_details import sample_error_metadata
 
 log = logging.getLogger("rlfleet.rpc")
 
@@ -62,7 +63,16 @@ async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, meth
         log.error("unexpected error in %s", method, exc_info=exc)
         mapped = (grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
     metrics.RPC_ERRORS.labels(method=method, code=mapped[0].name).inc()
-    await context.abort(mapped[0], bounded_details(mapped[1]))
+    await context.abort(mapped[0], bounded_details(mapped[1]), detail_metadata(exc))
+
+
+def detail_metadata(exc: BaseException) -> tuple[tuple[str, bytes], ...]:
+    """The typed details of a domain error, as the trailing metadata of its status."""
+    if not isinstance(exc, RlfleetError) or exc.sample is None:
+        return ()
+    # Half the message's bound: the message (2 KiB, up to 6 KiB percent-encoded) and this detail
+    # (base64 in the trailers: 1 KiB takes ~1.4) stay under the clients' 8 KiB soft limit together.
+    return sample_error_metadata(exc.sample, bounded_details(exc.description, MAX_DETAILS_BYTES // 2))
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

@@ -1,7 +1,7 @@
 """Who may call what, and over which transport: server TLS, bearer tokens and their roles.
 
 **Roles.** A token carries one or more roles; each RPC accepts the roles in ``METHOD_ROLES``, the one
-table of them (the README shows it). Health and reflection stay open (probes, grpcurl).
+table of them (docs/guides/security.md shows it). Health and reflection stay open (probes, grpcurl).
 
 - ``trainer``: push weights, submit prompts, read and ack batches (and everything a reader or an
   operator reads);
@@ -55,7 +55,7 @@ METHOD_ROLES: Mapping[str, frozenset[str]] = {
     "/rlfleet.v1.CollectorService/SubmitPrompts": frozenset({TRAINER}),
     "/rlfleet.v1.CollectorService/GetPolicyVersion": _READS,
     "/rlfleet.v1.CollectorService/GetStatus": _READS,
-    "/rlfleet.v1.CollectorService/ListFailures": frozenset({TRAINER, OPERATOR}),
+    "/rlfleet.v1.CollectorService/ListFailures": _READS,  # dead letters: the rollout viewer shows them
     "/rlfleet.v1.CollectorService/GetPassRates": frozenset({TRAINER, OPERATOR}),
     "/rlfleet.v1.CollectorService/ReportMismatch": frozenset({TRAINER}),
     "/rlfleet.v1.CollectorService/CloseMismatchBreaker": frozenset({OPERATOR}),
@@ -64,6 +64,10 @@ METHOD_ROLES: Mapping[str, frozenset[str]] = {
     "/rlfleet.v1.TrajectoryService/GetStats": _READS | _INNER,
     "/rlfleet.v1.TrajectoryService/DropStale": frozenset({OPERATOR, SERVICE}),
     "/rlfleet.v1.TrajectoryService/Append": _INNER,
+    # The sample log and per-version statistics: read-only (the rollout viewer's reader token).
+    "/rlfleet.v1.TrajectoryService/GetVersionStats": _READS,
+    "/rlfleet.v1.TrajectoryService/ListSamples": _READS,
+    "/rlfleet.v1.TrajectoryService/GetSample": _READS,
     # The inner services: the collector calls them; operators read their status.
     "/rlfleet.v1.GenerationService/Generate": _INNER,
     "/rlfleet.v1.GenerationService/UpdateWeights": _INNER,

@@ -14,8 +14,7 @@ import importlib
 import logging
 import signal
 import sys
-from pathlib import Path
-from typing import ClassVar, Generic, NoReturn, TypeVar
+from typing import AsyncIterator, ClassVar, Generic, NoReturn, TypeVar
 
 import grpc
 import pydantic
@@ -26,11 +25,13 @@ from grpc_reflection.v1alpha import reflection
 from rlfleet.services.common import metrics
 from rlfleet.services.common.config import ServiceConfig
 from rlfleet.services.common.errors import FailedPrecondition, StartupError
+from rlfleet.services.common.files import write_atomically
 from rlfleet.services.common.logs import setup_logging
 from rlfleet.v1 import diagnostics_pb2, diagnostics_pb2_grpc
 
 log = logging.getLogger("rlfleet.server")
 C = TypeVar("C", bound=ServiceConfig)
+T = TypeVar("T")
 
 
 def grpc_options(config: ServiceConfig) -> list[tuple[str, int]]:
@@ -69,6 +70,9 @@ class Service(abc.ABC, Generic[C]):
         """Why the service stopped working ("" while it works): a supervised task died. Health is
         NOT_SERVING from then on and ``check_working`` refuses every call with this reason."""
         self._supervised: set[asyncio.Task] = set()
+        self._not_serving: asyncio.Task | None = None
+        """The task ``fail`` starts to turn health NOT_SERVING, held here: the loop keeps only a weak
+        reference to a task, and one collected before it ran would leave health SERVING."""
         self.failed = asyncio.Event()
         """Set when the service fails (long calls wait on it too, to end with the reason)."""
 
@@ -107,15 +111,42 @@ class Service(abc.ABC, Generic[C]):
         can no longer do its job. Logs the traceback, turns health NOT_SERVING, and every later call
         checked by ``check_working`` answers FAILED_PRECONDITION with the reason."""
         log.error("%s died: the service stops serving until it is restarted", what, exc_info=exc)
-        if not self.failure:
-            self.failure = f"{what} died: {type(exc).__name__}: {exc} (see the service's log; restart it)"
+        if self.failure:
+            return  # the first failure is the reason; health is turning NOT_SERVING already
+        self.failure = f"{what} died: {type(exc).__name__}: {exc} (see the service's log; restart it)"
         self.failed.set()
-        asyncio.get_running_loop().create_task(self.set_serving(False))
+        self._not_serving = asyncio.get_running_loop().create_task(self.set_serving(False), name="not-serving")
 
     def check_working(self) -> None:
         """FAILED_PRECONDITION naming the reason once the service failed (see ``fail``)."""
         if self.failure:
             raise FailedPrecondition(f"{type(self).__name__} does not work: {self.failure}")
+
+    async def while_working(self, stream: AsyncIterator[T]) -> AsyncIterator[T]:
+        """``stream``'s messages until the service fails, then FAILED_PRECONDITION with the reason: a
+        long call (a reader's batch stream) must not wait on a service that stopped working.
+        Refused at once if it failed already (``check_working``)."""
+        self.check_working()
+        messages = aiter(stream)
+        failing = asyncio.ensure_future(self.failed.wait())
+        step: asyncio.Future | None = None
+        try:
+            while True:
+                step = asyncio.ensure_future(anext(messages))
+                await asyncio.wait({step, failing}, return_when=asyncio.FIRST_COMPLETED)
+                self.check_working()
+                try:
+                    message = step.result()
+                except StopAsyncIteration:
+                    return
+                yield message
+        finally:
+            failing.cancel()
+            if step is not None:
+                step.cancel()  # (when still waiting) the stream's own cleanup runs before this call ends,
+                await asyncio.gather(step, return_exceptions=True)  # and an error left unread is read
+            if hasattr(messages, "aclose"):
+                await messages.aclose()
 
     async def stop_supervised(self) -> None:
         """Cancel the supervised tasks and wait for them (a failure was reported when it happened)."""
@@ -129,11 +160,13 @@ class Service(abc.ABC, Generic[C]):
         """Flip health for every served name (e.g. NOT_SERVING during a weight swap)."""
         if self.health is None:
             return
-        serving = serving and not self.failure
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self.service_names):
+            # Asked per name: a failure while this awaits turns the names not set yet NOT_SERVING too
+            # (and ``fail``'s own pass, queued behind this one, sets them all).
+            serving = serving and not self.failure
+            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
             await self.health.set(name, status)
-        metrics.READY.set(1 if serving else 0)
+        metrics.READY.set(1 if serving and not self.failure else 0)
 
 
 async def serve(service: Service, stop_event: asyncio.Event | None = None) -> None:
@@ -186,9 +219,8 @@ async def serve(service: Service, stop_event: asyncio.Event | None = None) -> No
         await health_server.start()
     await server.start()
     if config.port_file:
-        tmp = Path(config.port_file + ".tmp")
-        tmp.write_text(str(port))
-        tmp.rename(config.port_file)  # atomic: readers never see a partial file
+        # Atomic: a reader never sees a partial file. 0644 (not the 0600 default): a port is no secret.
+        write_atomically(config.port_file, str(port), mode=0o644)
     metrics.serve_metrics(config.metrics_port, config.metrics_host)
     log.info("listening", extra={"port": port, "tls": credentials is not None, "mtls": bool(config.tls_client_ca_file),
                                  "auth": policy.enabled, "health_port": config.health_port or None,

@@ -44,8 +44,8 @@ class EnvironmentServiceConfig(ServiceConfig):
     """``tool_calling``: run an episode's python calls in one sandbox that stays up until the episode
     closes (``episode_sandbox.py``: one bwrap per episode, a fresh process forked in it per call; no
     process, file or Python state of a call reaches the next), instead of a fresh sandbox per call:
-    0.7x the CPU per call in episodes of 3 calls (bench/sandbox.py). Needs bwrap; without it, or past
-    ``max_episode_sandboxes``, calls get a fresh sandbox each."""
+    less CPU per call (see the sandbox benchmark page, docs/benchmarks/sandbox.md). Needs bwrap;
+    without it, or past ``max_episode_sandboxes``, calls get a fresh sandbox each."""
 
     max_episode_sandboxes: int = Field(64, ge=1)
     """``sandbox_per_episode``: most per-episode sandboxes alive at once (each holds a bwrap and an

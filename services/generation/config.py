@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rlfleet.choices import MODEL_DTYPE_NAMES
 from rlfleet.services.common.config import ServiceConfig
 
 # Keys of engine_kwargs the engine sets itself: overriding them would silently
@@ -31,7 +32,7 @@ class GenerationEngineConfig(BaseModel):
     tokenizer: str | None = None
     """Tokenizer directory; defaults to ``model``."""
 
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    dtype: Literal[(*MODEL_DTYPE_NAMES, "auto")] = "float32"
     """Compute dtype of the engine. float32 keeps behaviour log-probs
     bit-comparable with a float32 trainer; bfloat16 is the usual GPU choice."""
 
@@ -79,9 +80,9 @@ class GenerationEngineConfig(BaseModel):
     """Microseconds vLLM's engine-core and worker processes sleep between checks of the
     shared-memory queues they hand each step through. vLLM itself spins there (``sched_yield``),
     a full core per process while generating: on a CPU host that core is taken from the model's
-    own worker and from the services beside it (on 2 cores, end to end / in-process vLLM 0.59
-    spinning, 0.68 at 100 µs). ``None``: 20 when the engine runs on CPU, vLLM's spin on a GPU
-    host; 0: vLLM's spin. See ``rlfleet.services.generation.queue_poll``."""
+    own worker and from the services beside it (the effect on a 2-core host: see the pipeline
+    benchmark page, docs/benchmarks/pipeline.md, part (c)). ``None``: 20 when the engine runs on
+    CPU, vLLM's spin on a GPU host; 0: vLLM's spin. See ``rlfleet.services.generation.queue_poll``."""
 
     kv_cache_memory_bytes: int | None = None
     """Explicit KV-cache size in bytes; ``None`` lets vLLM size it."""

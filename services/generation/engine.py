@@ -21,11 +21,12 @@ from rlfleet.services.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from rlfleet.services.common.sampling_spec import SamplingSpec
 from rlfleet.services.generation import queue_poll
 from rlfleet.services.generation.config import GenerationEngineConfig
 from rlfleet.services.generation.prompt_tokens import PromptTokenizer
 from rlfleet.services.generation.rollout import Rollout
-from rlfleet.services.generation.sampling import SampleResult, SamplingSpec
+from rlfleet.services.generation.sampling import SampleResult
 from rlfleet.services.generation.status import EngineState, EngineStatus, TokenRate
 from rlfleet.services.generation.staging import StagedPush
 from rlfleet.services.generation.transfer import WEIGHT_TRANSFER_CONFIG
@@ -385,7 +386,7 @@ class GenerationEngine:
         other replica join at the same time), receive its broadcast into the staged segment, leave.
 
         One group per push: a replica that went away never wedges the next one. Unverified: no
-        GPU vLLM runs where this was written (see README, Weight sync)."""
+        GPU vLLM runs where this was written (see docs/guides/weight-sync.md)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         from rlfleet.services.generation.transfer import stage_nccl_push

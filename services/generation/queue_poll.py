@@ -5,16 +5,15 @@ through shared-memory ring buffers (``vllm/distributed/device_communicators/
 shm_broadcast.py``). A reader that read within the last second waits for the next
 message by spinning on ``sched_yield()``: while a model generates, the engine core
 spins for the worker's output and the worker for the next step, each a full core
-(``top`` shows the engine core at ~80 % of a core, half of it system time). On a
-GPU host that core buys latency. On a CPU host the worker *is* the model: the
+(``top`` shows the engine core busy through every generation, much of it in system
+time). On a GPU host that core buys latency. On a CPU host the worker *is* the model: the
 spinning engine core lands on the worker's core and on the cores the rest of the
 pipeline needs (reference, reward, collector), and sched_yield gives way to them
-only by turns. Measured on this 2-core machine (README, Benchmarks): end to end /
-plain in-process vLLM (``bench/pipeline.py --parts c --groups 64``) 0.59 -> 0.68 with
-the service's engine sleeping 100 µs, async / sync (``--parts b``) 1.41 -> 1.54. The
-sleep costs a lone engine (one with a spare core to spin on) some throughput: the tiny
-model in-process, 64 groups x 4 x 64 tokens, medians of 12 rounds in alternation:
-spin 127.5 traj/s, 100 µs 112.9 (0.89), 20 µs 123.0 (0.96) — hence the default of 20.
+only by turns. The sleep lifts end to end / plain in-process vLLM
+(``bench/pipeline.py --parts c``) and async / sync (``--parts b``) on a 2-core host,
+and costs a lone engine (one with a spare core to spin on) some throughput, less at
+20 µs than at 100 µs — hence the default of 20. The measurements: see the pipeline
+benchmark page (docs/benchmarks/pipeline.md, the 2026-11-26 runs of parts b and c).
 
 :func:`install`, a ``vllm.general_plugins`` entry point (so it runs in every vLLM
 process, the spawned engine core and workers included), replaces that yield with a

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-from rlfleet.services.generation.sampling import SamplingSpec
+from rlfleet.services.common.sampling_spec import SamplingSpec
 
 _SEED_BITS = 63
 

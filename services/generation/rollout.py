@@ -16,8 +16,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Protocol
 
 from rlfleet.services.common.errors import Unavailable
+from rlfleet.services.common.sampling_spec import SamplingSpec
 from rlfleet.services.generation.resume import continuation_spec, resume_blocker
-from rlfleet.services.generation.sampling import SampleAccumulator, SampleResult, SamplingSpec, finished_sample
+from rlfleet.services.generation.sampling import SampleAccumulator, SampleResult, finished_sample, to_vllm
 
 
 class RolloutHost(Protocol):
@@ -84,7 +85,7 @@ class Rollout:
             await self._streams.aclose()
 
     async def _submit(self, request_id: str, prompt: list[int], sampling: SamplingSpec, sample: int | None) -> None:
-        stream, serial = await self._host.open_stream(prompt, sampling.to_vllm(), request_id)
+        stream, serial = await self._host.open_stream(prompt, to_vllm(sampling), request_id)
         self._requests[request_id] = (sample, serial)
         self._streams.add(request_id, stream)
 

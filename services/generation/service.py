@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import grpc
 
@@ -20,15 +19,16 @@ class GenerationService(Service[GenerationConfig]):
     def __init__(self, config: GenerationConfig):
         super().__init__(config)
         self.engine = GenerationEngine(config)
-        self._health_task: asyncio.Task | None = None
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-            GenerationServicer(self.engine), server)
+            GenerationServicer(self.engine, self), server)
 
     async def start(self) -> None:
         await self.engine.start()
-        self._health_task = asyncio.create_task(self._follow_engine_health())
+        # Supervised: a watch that died would leave health stuck at its last answer (SERVING through
+        # swaps, or after the engine core died); the service fails instead, naming why.
+        self.supervise(self._follow_engine_health(), "the engine health watch")
 
     async def _follow_engine_health(self) -> None:
         # NOT_SERVING during wait/abort swaps (and if a swap failed), SERVING otherwise.
@@ -40,8 +40,5 @@ class GenerationService(Service[GenerationConfig]):
                 await self.set_serving(serving)
 
     async def stop(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+        await self.stop_supervised()
         await self.engine.shutdown()

@@ -8,8 +8,10 @@ import uuid
 import torch
 
 from rlfleet.services.common.errors import Aborted, InvalidArgument
+from rlfleet.services.common.sampling_spec import sampling_from_proto, sampling_to_proto
+from rlfleet.services.common.server import Service
 from rlfleet.services.generation.engine import GenerationEngine
-from rlfleet.services.generation.sampling import SampleResult, sampling_from_proto, sampling_to_proto
+from rlfleet.services.generation.sampling import SampleResult
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, weights_pb2
 from rlfleet.wire import decode_tensor
 from rlfleet.wire.dtypes import TOKEN_ID_DTYPES
@@ -24,8 +26,10 @@ _FINISH = {
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, engine: GenerationEngine):
+    def __init__(self, engine: GenerationEngine, service: Service):
         self.engine = engine
+        self.service = service
+        """Only its supervision is used: once it failed, every call is refused with the reason."""
 
     async def _prompt_token_ids(self, prompt: sampling_pb2.Prompt) -> list[int]:
         """The prompt's token ids; one longer than the engine accepts is refused before it is listed."""
@@ -50,6 +54,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         raise InvalidArgument("prompt is empty: set token_ids, chat or text")
 
     async def Generate(self, request, context):
+        self.service.check_working()
         # Sampling first: n, max_tokens and the rest are refused before the prompt is even read.
         spec = sampling_from_proto(request.sampling)
         self.engine.check_sampling(spec)
@@ -63,6 +68,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def UpdateWeights(self, request_iterator, context):
         """Stage (receive and verify), then apply on commit; see generation.proto."""
+        self.service.check_working()
         started = time.monotonic()
         requests = request_iterator.__aiter__()
         first = await _next_request(requests, "before the manifest")
@@ -103,6 +109,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             staged.close()
 
     async def GetEngineStatus(self, request, context):
+        self.service.check_working()
         status = self.engine.status()
         return generation_pb2.GetEngineStatusResponse(
             model=status.model, policy_version=status.policy_version,

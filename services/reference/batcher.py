@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 
@@ -51,8 +52,13 @@ class MicroBatcher:
         token_budget: int | None = None,
         max_queued_requests: int | None = None,
         max_queued_tokens: int | None = None,
+        spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task] | None = None,
     ) -> None:
+        """``spawn(coroutine, name)`` starts the batching loop (at the first call): the service's
+        ``supervise``, so that a loop that dies fails the service; a plain task by default (its
+        death still reaches every caller, see ``_on_loop_exit``)."""
         self.scorer = scorer
+        self._spawn = spawn or (lambda coroutine, name: asyncio.get_running_loop().create_task(coroutine, name=name))
         self.max_wait = (scorer.config.max_wait_ms if max_wait_ms is None else max_wait_ms) / 1000
         self.token_budget = token_budget or scorer.config.token_budget
         self.max_queued_requests = max_queued_requests or scorer.config.max_queued_requests
@@ -99,10 +105,8 @@ class MicroBatcher:
         self._closed = True
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            # A loop that died was reported then (to its callers, and by ``spawn``): closing goes on.
+            await asyncio.gather(self._task, return_exceptions=True)
         self._fail_all(Unavailable("reference scorer is shutting down"))
         # Let a forward pass already running finish in its thread; do not block the loop on it.
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -129,21 +133,24 @@ class MicroBatcher:
     def _ensure_running(self) -> None:
         if self._task is None:
             self._wakeup = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="reference-micro-batcher")
+            self._task = self._spawn(self._run(), "the reference micro-batcher")
             self._task.add_done_callback(self._on_loop_exit)
         elif self._task.done():
-            raise Unavailable("reference micro-batcher stopped") from self._loop_error()
+            raise self._stopped(self._task)
 
-    def _loop_error(self) -> BaseException | None:
-        assert self._task is not None
-        return None if self._task.cancelled() else self._task.exception()
+    @staticmethod
+    def _stopped(task: asyncio.Task[None]) -> Unavailable:
+        """What a caller hears once the loop ended: cancelled (shutdown) or died, naming why."""
+        cause = None if task.cancelled() else task.exception()
+        if cause is None:
+            return Unavailable("reference micro-batcher stopped")
+        error = Unavailable(f"reference micro-batcher died: {type(cause).__name__}: {cause}")
+        error.__cause__ = cause
+        return error
 
     def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
         # The loop only ends by cancellation or by a bug; either way nobody may wait forever.
-        error = Unavailable("reference micro-batcher stopped")
-        if not task.cancelled() and task.exception() is not None:
-            error.__cause__ = task.exception()
-        self._fail_all(error)
+        self._fail_all(self._stopped(task))
 
     def _fail_all(self, error: Exception) -> None:
         for request in [*self._in_flight, *self._pending]:

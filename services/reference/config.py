@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rlfleet.choices import ModelDtypeName
 from rlfleet.services.common.config import ServiceConfig
 
 
@@ -18,7 +19,7 @@ class ReferenceConfig(BaseModel):
     model_path: str
     """Hugging Face model directory or hub name of the frozen reference policy."""
 
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: ModelDtypeName = "float32"
     """Weights and activations dtype. Log-probs are always returned as float32."""
 
     device: str = "cpu"
@@ -39,15 +40,15 @@ class ReferenceConfig(BaseModel):
     """How long the micro-batcher waits for more concurrent requests before it runs a
     forward pass that is not yet full. Requests that arrive while a forward pass runs
     are batched into the next one anyway, so under load batches fill without waiting;
-    the default 0 adds no latency when the model is idle (a 5 ms wait costs a lone
-    caller 5 ms per request: ~10% of its throughput on the tiny CPU model)."""
+    the default 0 adds no latency when the model is idle (a wait costs a lone caller
+    that much per request; see the reference benchmark page, docs/benchmarks/reference.md)."""
 
     micro_batch_tokens: int | None = Field(default=None, ge=1)
     """Most tokens the micro-batcher gathers from waiting requests into one scoring call,
     which sorts them by length and splits them into forward passes under ``token_budget``.
     More means less padding (similar lengths end up together) but the first callers of a
-    call wait for all of its passes. ``None``: ``4 * token_budget`` (at 64 concurrent
-    callers this cut the padding from 24% to 13% of the computed tokens)."""
+    call wait for all of its passes. ``None``: ``4 * token_budget`` (its effect on the padding:
+    see the reference benchmark page, docs/benchmarks/reference.md)."""
 
     max_request_tokens: int = Field(default=262_144, ge=2)
     """Most tokens one ``ScoreLogProbs`` request may carry, all its sequences together
@@ -67,7 +68,7 @@ class ReferenceConfig(BaseModel):
     torch_threads: int = Field(default=0, ge=0)
     """Intra-op CPU threads of the forward pass (``torch.set_num_threads``); 0 keeps torch's
     default of one per core. On a host shared with a vLLM CPU engine, 1 avoids OpenMP
-    oversubscription (measured on 2 cores: end-to-end pipeline 0.47 -> 0.69 of generation alone)."""
+    oversubscription (see the pipeline benchmark page, docs/benchmarks/pipeline.md, 2026-11-22)."""
 
     attn_implementation: str | None = None
     """Passed to ``from_pretrained`` (``eager``, ``sdpa`` ...); ``None`` lets HF choose."""

@@ -19,7 +19,8 @@ log = logging.getLogger("rlfleet.reference")
 
 
 class ReferenceService(Service[ReferenceServiceConfig]):
-    """Loads the frozen model in :meth:`start`; health stays NOT_SERVING until then."""
+    """Loads the frozen model in :meth:`start`; health stays NOT_SERVING until then. The batching loop
+    is supervised: if it dies, health turns NOT_SERVING and every call is refused with the reason."""
 
     service_names = (reference_pb2.DESCRIPTOR.services_by_name["ReferenceService"].full_name,)
 
@@ -27,11 +28,11 @@ class ReferenceService(Service[ReferenceServiceConfig]):
         super().__init__(config)
         self.scorer = ReferenceScorer(config)
         # Answers Unavailable until the model is loaded (the scorer's validation says so).
-        self.batcher = MicroBatcher(self.scorer, token_budget=config.micro_batch_token_limit)
+        self.batcher = MicroBatcher(self.scorer, token_budget=config.micro_batch_token_limit, spawn=self.supervise)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         reference_pb2_grpc.add_ReferenceServiceServicer_to_server(
-            ReferenceServicer(self.batcher, self.config.model_path), server)
+            ReferenceServicer(self.batcher, self.config.model_path, self), server)
 
     async def start(self) -> None:
         started = time.perf_counter()
@@ -43,4 +44,5 @@ class ReferenceService(Service[ReferenceServiceConfig]):
         })
 
     async def stop(self) -> None:
-        await self.batcher.aclose()
+        await self.batcher.aclose()  # cancels the batching loop: not a failure
+        await self.stop_supervised()

@@ -5,17 +5,21 @@ from __future__ import annotations
 import torch
 
 from rlfleet.services.common.errors import InvalidArgument
+from rlfleet.services.common.server import Service
 from rlfleet.services.reference.batcher import MicroBatcher
 from rlfleet.v1 import reference_pb2, reference_pb2_grpc
 from rlfleet.wire import Ragged, decode_ragged, encode_ragged
 
 
 class ReferenceServicer(reference_pb2_grpc.ReferenceServiceServicer):
-    def __init__(self, batcher: MicroBatcher, model: str):
+    def __init__(self, batcher: MicroBatcher, model: str, service: Service):
         self.batcher = batcher
         self.model = model
+        self.service = service
+        """Only its supervision is used: once it failed, every call is refused with the reason."""
 
     async def ScoreLogProbs(self, request, context):
+        self.service.check_working()
         token_ids, starts = request.token_ids, request.response_starts
         # Sized from the message's own counts before anything is built from it.
         self.batcher.check_size(len(token_ids.lengths), token_ids.values.shape[0] if token_ids.values.shape else 0)

@@ -20,18 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
+from rlfleet.choices import ADVANTAGE_MODES, AdvantageModeName, KLEstimatorName
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.services.reward import advantages as adv
 from rlfleet.services.reward import kl, shaping, validation
 from rlfleet.services.reward.scores import clip_scores
-
-AdvantageMode = Literal["grpo", "grpo_no_std", "rloo"]
-ADVANTAGE_MODES: tuple[str, ...] = ("grpo", "grpo_no_std", "rloo")
 
 
 @dataclass(frozen=True)
@@ -143,8 +140,8 @@ def compute_rewards(
     score_batch: Callable[[], Tensor],
     *,
     kl_coef: float,
-    kl_estimator: kl.Estimator = "k1",
-    advantage_mode: AdvantageMode = "grpo",
+    kl_estimator: KLEstimatorName = "k1",
+    advantage_mode: AdvantageModeName = "grpo",
     score_clip: float | None = None,
     grpo_eps: float = 1e-6,
 ) -> RewardOutputs:

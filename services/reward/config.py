@@ -12,10 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rlfleet.choices import AdvantageModeName, KLEstimatorName
 from rlfleet.services.common.config import ServiceConfig
-
-AdvantageModeName = Literal["grpo", "grpo_no_std", "rloo"]
-KLEstimatorName = Literal["k1", "k2", "k3"]
 
 
 class RewardFunctionConfig(BaseModel):

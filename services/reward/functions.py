@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlfleet.services.common.errors import InvalidArgument, NotFound, RlfleetError
+from rlfleet.services.common.errors import InvalidArgument, NotFound, RlfleetError, about_sample
 from rlfleet.services.reward import scores
 from rlfleet.services.reward.budget import TimeBudget
 from rlfleet.services.reward.config import RewardFunctionConfig
@@ -127,7 +127,8 @@ class RewardFunctions:
     # ------------------------------------------------------------------ resolve
 
     def resolve(self, task: TaskSpec, sample: int) -> tuple[tuple, str, Scorer]:
-        """``(cache key, display name, scorer)`` for ``task``; errors name ``sample``."""
+        """``(cache key, display name, scorer)`` for ``task``; errors name ``sample`` (``about_sample``:
+        the collector reads which prompt's task was refused from them)."""
         if self._configured is None or self._default is None:
             raise RuntimeError("RewardFunctions.load() has not run")
         name, args = task.reward_fn, dict(task.args)
@@ -144,22 +145,22 @@ class RewardFunctions:
             return ("configured", name), name, self._configured[name]
         canonical = ALIASES.get(name, name)
         if canonical in CONFIG_ONLY:
-            raise NotFound(
-                f"sample {sample}: reward function {name!r} is not configured here: models are loaded only "
+            raise about_sample(
+                NotFound, sample, f"reward function {name!r} is not configured here: models are loaded only "
                 f"from the service config (reward_functions); configured: {sorted(self.configured_specs)}"
             )
         if canonical in scores.available():
             return self._builtin(canonical, args, sample, display=name)
         if ":" in name:
-            raise InvalidArgument(
-                f"sample {sample}: reward function {name!r}: import paths are accepted only in the "
+            raise about_sample(
+                InvalidArgument, sample, f"reward function {name!r}: import paths are accepted only in the "
                 "service config (reward_functions), never from a request"
             )
-        raise NotFound(f"sample {sample}: reward function {name!r} is not registered; known: {self.names()}")
+        raise about_sample(NotFound, sample, f"reward function {name!r} is not registered; known: {self.names()}")
 
     def _args_refused(self, name: str, sample: int) -> InvalidArgument:
-        return InvalidArgument(
-            f"sample {sample}: reward function {name!r} is configured on the service; "
+        return about_sample(
+            InvalidArgument, sample, f"reward function {name!r} is configured on the service; "
             "its parameters come from the config, so Task.args must be empty"
         )
 
@@ -172,7 +173,7 @@ class RewardFunctions:
         try:
             scorer = scores.build_scorer(canonical, dict(params), allow_imports=False)
         except RlfleetError as exc:
-            raise type(exc)(f"sample {sample}: {exc}") from exc
+            raise about_sample(type(exc), sample, str(exc)) from exc
         with self._lock:
             self._cache[key] = scorer
             while len(self._cache) > self.max_cached:

@@ -30,15 +30,13 @@ batch x longest; ``sample_sums`` reduces that row per sample.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 from torch import Tensor
 
+from rlfleet.choices import KL_ESTIMATORS, KLEstimatorName
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.services.reward import validation
-
-Estimator = Literal["k1", "k2", "k3"]
 
 
 def _log_ratio(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
@@ -64,11 +62,10 @@ def kl_k3(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
     return torch.expm1(-log_ratio) + log_ratio
 
 
-ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "k1": kl_k1,
-    "k2": kl_k2,
-    "k3": kl_k3,
-}
+# The formulas in the order of the names' table (k1, k2, k3): a name added there without its
+# formula here fails at import.
+ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = dict(
+    zip(KL_ESTIMATORS, (kl_k1, kl_k2, kl_k3), strict=True))
 
 
 def _estimator(name: str) -> Callable[[Tensor, Tensor], Tensor]:
@@ -84,7 +81,7 @@ def _estimator(name: str) -> Callable[[Tensor, Tensor], Tensor]:
 
 
 def per_token_kl(
-    log_probs: Tensor, ref_log_probs: Tensor, mask: Tensor, estimator: Estimator = "k1"
+    log_probs: Tensor, ref_log_probs: Tensor, mask: Tensor, estimator: KLEstimatorName = "k1"
 ) -> Tensor:
     """Per-token KL ``[B, T]``; exactly 0 outside ``mask`` (padding may hold NaN/-inf)."""
     estimate = _estimator(estimator)

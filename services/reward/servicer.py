@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlfleet.choices import ADVANTAGE_MODES, KL_ESTIMATORS
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.services.reward import validation
 from rlfleet.services.reward.config import RewardServiceConfig
@@ -18,18 +19,9 @@ from rlfleet.wire import Ragged, decode_ragged, encode_ragged, encode_tensor
 if TYPE_CHECKING:
     from rlfleet.services.reward.service import RewardService
 
-_ESTIMATORS = {
-    reward_pb2.KL_ESTIMATOR_UNSPECIFIED: None,
-    reward_pb2.KL_ESTIMATOR_K1: "k1",
-    reward_pb2.KL_ESTIMATOR_K2: "k2",
-    reward_pb2.KL_ESTIMATOR_K3: "k3",
-}
-_ADVANTAGE_MODES = {
-    reward_pb2.ADVANTAGE_MODE_UNSPECIFIED: None,
-    reward_pb2.ADVANTAGE_MODE_GRPO: "grpo",
-    reward_pb2.ADVANTAGE_MODE_GRPO_NO_STD: "grpo_no_std",
-    reward_pb2.ADVANTAGE_MODE_RLOO: "rloo",
-}
+# Enum value -> name; UNSPECIFIED: None, the engine applies the configured default.
+_ESTIMATORS = {reward_pb2.KL_ESTIMATOR_UNSPECIFIED: None, **{v: name for name, v in KL_ESTIMATORS.items()}}
+_ADVANTAGE_MODES = {reward_pb2.ADVANTAGE_MODE_UNSPECIFIED: None, **{v: name for name, v in ADVANTAGE_MODES.items()}}
 
 
 def _enum(table: dict, value: int, field: str):

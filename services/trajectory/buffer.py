@@ -26,9 +26,10 @@ import queue
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Literal, Sequence, TypeVar
+from typing import Any, AsyncIterator, Callable, Coroutine, Literal, Sequence, TypeVar
 
 from rlfleet.services.common.errors import InvalidArgument, NotFound, Unavailable
+from rlfleet.services.trajectory.samples import SampleLog
 from rlfleet.services.trajectory.store import AppendResult, Delivery, Dropped, Stats, TrajectoryStore
 from rlfleet.v1 import tensor_pb2
 
@@ -119,29 +120,31 @@ class StoreThread:
 class TrajectoryBuffer:
     """The trajectory store, usable from the event loop."""
 
-    def __init__(self, open_store: Callable[[], TrajectoryStore], default_lease_seconds: float):
+    def __init__(self, open_store: Callable[[], TrajectoryStore], default_lease_seconds: float,
+                 spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task]):
+        """``spawn(coroutine, name)`` runs lease expiry in the background: the service's ``supervise``,
+        so that expiry that dies (leased batches never redelivered) fails the service."""
         self._open_store = open_store
         self._default_lease_seconds = default_lease_seconds
+        self._spawn = spawn
         self._executor: StoreThread | None = None
         self._store: TrajectoryStore | None = None
         self._changed = asyncio.Event()  # replaced on every notify: waiters hold the old one
         self._lease_added = asyncio.Event()
         self._reader_ids = itertools.count(1)
         self._expiry: asyncio.Task | None = None
-        self.on_failure: Callable[[BaseException], None] | None = None
-        """Called if lease expiry stops working (the service then reports NOT_SERVING)."""
 
     # --- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         self._executor = StoreThread()
         self._store = await asyncio.wrap_future(self._executor.submit(TRAINER, self._open_store))
-        self._expiry = asyncio.create_task(self._expire_leases(), name="trajectory-lease-expiry")
+        self._expiry = self._spawn(self._expire_leases(), "the lease expiry")
 
     async def stop(self) -> None:
         if self._expiry is not None:
             self._expiry.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._expiry
+            # Its error, if it died, was reported when it happened (``spawn``): stop goes on.
+            await asyncio.gather(self._expiry, return_exceptions=True)
         if self._executor is not None:
             if self._store is not None:
                 store, self._store = self._store, None  # later calls: Unavailable; queued ones still run
@@ -162,15 +165,21 @@ class TrajectoryBuffer:
 
     # --- unary operations -----------------------------------------------------------------
     async def append(self, trajectories: tensor_pb2.TensorDict, idempotency_key: str = "",
-                     group_keys: Sequence[str] = (), filtered_groups: Sequence[bool] = ()) -> AppendResult:
+                     group_keys: Sequence[str] = (), filtered_groups: Sequence[bool] = (),
+                     committed_version: int | None = None) -> AppendResult:
         result = await self._call(TrajectoryStore.append, trajectories, idempotency_key, group_keys,
-                                  filtered_groups, priority=APPENDS)
+                                  filtered_groups, committed_version, priority=APPENDS)
         if result.appended:
             self._notify()
         return result
 
     async def stats(self) -> Stats:
         return await self._call(TrajectoryStore.stats)
+
+    async def read_samples(self, read: Callable[[SampleLog], T]) -> T:
+        """``read(store.samples)`` on the store's thread, after the trainers' calls and the appends
+        already queued (the viewer's reads never hold a trainer up)."""
+        return await self._call(lambda store: read(store.samples), priority=APPENDS)
 
     async def drop_stale(self, below_policy_version: int) -> Dropped:
         # Nothing to notify: dropping makes no batch ready (readers' filters skip these rows anyway).
@@ -272,20 +281,13 @@ class TrajectoryBuffer:
 
     # --- lease expiry -------------------------------------------------------------------------
     async def _expire_leases(self) -> None:
-        try:
-            while True:
-                self._lease_added.clear()  # before expire(): a lease added meanwhile re-arms us
-                expired, next_expiry = await self._call(TrajectoryStore.expire)
-                if expired:
-                    log.info("leases expired", extra={"leases": [lease_id for lease_id, _ in expired]})
-                    self._notify()
-                timeout = None if next_expiry is None else max(0.0, next_expiry - time.time()) + 0.001
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._lease_added.wait(), timeout)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.exception("lease expiry stopped: leased batches will not be redelivered")
-            if self.on_failure is not None:
-                self.on_failure(exc)
-            raise
+        # An error ends it: leased batches would never be redelivered, so the service fails (``spawn``).
+        while True:
+            self._lease_added.clear()  # before expire(): a lease added meanwhile re-arms us
+            expired, next_expiry = await self._call(TrajectoryStore.expire)
+            if expired:
+                log.info("leases expired", extra={"leases": [lease_id for lease_id, _ in expired]})
+                self._notify()
+            timeout = None if next_expiry is None else max(0.0, next_expiry - time.time()) + 0.001
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._lease_added.wait(), timeout)

@@ -43,6 +43,12 @@ class TrajectoryConfig(ServiceConfig):
     max_filtered_groups: int = Field(10_000, gt=0)
     """Groups kept in the filtered log (Append's filtered_groups: never delivered), the newest; the
     count of all ever filtered is kept regardless."""
+    sample_groups_per_version: int = Field(8, ge=0)
+    """The sample log (what the rollout viewer shows): groups of each policy version copied there as
+    they are appended (delivered or filtered), in the Append's transaction; 0 copies none. Per-version
+    statistics (GetVersionStats) are counted for every group regardless."""
+    max_sample_groups: int = Field(2_000, ge=0)
+    """Groups the sample log keeps, the newest; 0 keeps every one copied (unbounded: not for long runs)."""
     lock_timeout_seconds: float = Field(10.0, ge=0)
     """At start, how long to wait for the database lock held by a previous instance that is still
     exiting; the file is locked for the life of the process so two services never share it."""

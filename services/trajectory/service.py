@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import grpc
@@ -19,15 +18,14 @@ log = logging.getLogger("rlfleet.trajectory")
 
 
 class TrajectoryService(Service[TrajectoryConfig]):
-    """Serves TrajectoryService; health is SERVING once the database is open and indexed."""
+    """Serves TrajectoryService; health is SERVING once the database is open and indexed. Lease expiry
+    is supervised: if it dies, health turns NOT_SERVING and every call is refused with the reason."""
 
     service_names = (trajectory_pb2.DESCRIPTOR.services_by_name["TrajectoryService"].full_name,)
 
     def __init__(self, config: TrajectoryConfig):
         super().__init__(config)
-        self.buffer = TrajectoryBuffer(self._open_store, config.default_lease_seconds)
-        self.buffer.on_failure = self._on_buffer_failure
-        self._failure_task: asyncio.Task | None = None
+        self.buffer = TrajectoryBuffer(self._open_store, config.default_lease_seconds, spawn=self.supervise)
 
     def _open_store(self) -> TrajectoryStore:
         config = self.config
@@ -35,6 +33,8 @@ class TrajectoryService(Service[TrajectoryConfig]):
                                synchronous=config.synchronous,
                                idempotency_window=config.idempotency_window,
                                max_filtered_groups=config.max_filtered_groups,
+                               sample_groups_per_version=config.sample_groups_per_version,
+                               max_sample_groups=config.max_sample_groups,
                                lock_timeout_seconds=config.lock_timeout_seconds,
                                documented=row_schema() if config.batch_schema else None)
 
@@ -42,7 +42,7 @@ class TrajectoryService(Service[TrajectoryConfig]):
         return 1  # small tensors: see Service.torch_threads
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
-        trajectory_pb2_grpc.add_TrajectoryServiceServicer_to_server(TrajectoryServicer(self.buffer), server)
+        trajectory_pb2_grpc.add_TrajectoryServiceServicer_to_server(TrajectoryServicer(self.buffer, self), server)
 
     async def start(self) -> None:
         await self.buffer.start()
@@ -50,8 +50,5 @@ class TrajectoryService(Service[TrajectoryConfig]):
                                                  "capacity_bytes": self.config.capacity_bytes})
 
     async def stop(self) -> None:
+        await self.stop_supervised()  # lease expiry, cancelled: not a failure
         await self.buffer.stop()
-
-    def _on_buffer_failure(self, exc: BaseException) -> None:
-        # Leases no longer expire: tell the orchestrator to replace this instance.
-        self._failure_task = asyncio.get_running_loop().create_task(self.set_serving(False))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sqlite3
 
+from rlfleet.services.trajectory import samples
+
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS trajectories (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- append order, never reused
@@ -58,7 +60,7 @@ def connect(path: str, synchronous: str, lock_timeout_seconds: float) -> sqlite3
             # Keep the WAL from staying at its high-water mark after large batches.
             db.execute("PRAGMA journal_size_limit = 67108864")
         db.execute("BEGIN IMMEDIATE")  # takes the (exclusive) lock now, not at the first append
-        for statement in SCHEMA_SQL.split(";"):
+        for statement in (SCHEMA_SQL + samples.SCHEMA_SQL).split(";"):
             if statement.strip():
                 db.execute(statement)
         _migrate(db)

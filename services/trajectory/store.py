@@ -48,6 +48,7 @@ from typing import Callable, Literal, Sequence
 from rlfleet.services.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from rlfleet.services.common.sqlite import chunks, transaction
 from rlfleet.services.trajectory import rows as rowcodec
+from rlfleet.services.trajectory import samples as sample_log
 from rlfleet.services.trajectory import sqlite as sqlite_file
 from rlfleet.services.trajectory.appends import dedup_keys, filtered_flags, validate_append
 from rlfleet.v1 import tensor_pb2
@@ -153,6 +154,7 @@ class TrajectoryStore:
     def __init__(self, path: str, capacity: int, *, capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
                  synchronous: Literal["FULL", "NORMAL"] = "FULL",
                  idempotency_window: int = 100_000, max_filtered_groups: int = 10_000,
+                 sample_groups_per_version: int = 8, max_sample_groups: int = 2_000,
                  lock_timeout_seconds: float = 10.0,
                  documented: rowcodec.Schema | None = None, clock: Callable[[], float] = time.time):
         """``capacity`` bounds the buffered rows, ``capacity_bytes`` their serialized payloads;
@@ -169,6 +171,9 @@ class TrajectoryStore:
         self._max_filtered_groups = max_filtered_groups
         self._clock = clock
         self._db = sqlite_file.connect(path, synchronous, lock_timeout_seconds)
+        self.samples = sample_log.SampleLog(self._db, groups_per_version=sample_groups_per_version,
+                                            max_groups=max_sample_groups, clock=clock)
+        """The sample log (``samples.py``): read it on the store's thread."""
         self._units: dict[int, _Unit] = {}
         self._ready_units: list[int] = []  # unit ids with ready rows, in delivery order (see _order)
         self._leases: dict[str, _Lease] = {}
@@ -216,11 +221,14 @@ class TrajectoryStore:
 
     # --- append ---------------------------------------------------------------------
     def append(self, msg: tensor_pb2.TensorDict, idempotency_key: str = "",
-               group_keys: Sequence[str] = (), filtered_groups: Sequence[bool] = ()) -> AppendResult:
+               group_keys: Sequence[str] = (), filtered_groups: Sequence[bool] = (),
+               committed_version: int | None = None) -> AppendResult:
         """Store the rows of ``msg``, all or none (durable once this returns), less the groups appended
         before: ``idempotency_key`` deduplicates the whole call, ``group_keys`` each group (see
         ``dedup_keys``); ``filtered_groups`` sends groups to the filtered log (see the module doc). A
-        call with nothing new to store is a no-op, checked no further than its validity."""
+        call with nothing new to store is a no-op, checked no further than its validity. The new
+        groups are also counted, and copied where there is room, in the sample log, with
+        ``committed_version`` (None: unknown) for their staleness."""
         group_ids, versions, units = validate_append(msg)
         keys = dedup_keys(idempotency_key, group_keys, len(units))
         filtered = filtered_flags(filtered_groups, group_keys, len(units))
@@ -270,6 +278,8 @@ class TrajectoryStore:
                                  (json.dumps(schema),))
             if keys:
                 self._remember_keys([keys[i] for i in new], [units[i] for i in new], [filtered[i] for i in new])
+            self.samples.record(msg, [sample_log.NewGroup(units[i], filtered[i], payload_of[i]) for i in new],
+                                committed_version)
         # Committed: only now does the in-memory index change.
         self._schema = schema
         self._filtered = filtered_total

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.v1 import reward_pb2, reward_pb2_grpc
 from rlfleet.wire import Ragged, decode_ragged, decode_tensor, encode_ragged
+from rlfleet.wire.error_details import sample_error_of
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -485,3 +486,6 @@ def test_check_tasks_answers_what_compute_rewards_would_refuse_without_scoring(s
         with pytest.raises(grpc.RpcError) as err:
             stub.CheckTasks(reward_pb2.CheckTasksRequest(tasks=[ok[0], task]), timeout=60)
         assert err.value.code() == code and message in err.value.details(), err.value
+        # The refused task, typed: what the collector reads (never the message text).
+        detail = sample_error_of(err.value.trailing_metadata())
+        assert detail.sample == 1 and err.value.details() == f"sample 1: {detail.description}"

@@ -151,11 +151,12 @@ def test_tensordicts_concatenate_and_split_back_row_for_row():
     assert decoded["group_id"].tolist() == [10, 10, 20, 20, 20]
     rows = split_tensordict(both)
     assert rows[:2] == split_tensordict(a) and rows[2:] == split_tensordict(b)
-    request = append_request([("p#1", a, False), ("q#2", b, False)])
+    request = append_request([("p#1", a, False), ("q#2", b, False)], 7)
     assert list(request.group_keys) == ["p#1", "q#2"] and request.trajectories == both
+    assert request.committed_version == 7  # the store records the groups' staleness with it
     assert list(request.filtered_groups) == []  # nothing filtered: the field stays empty
-    assert append_request([("p#1", a, False)]).trajectories == a
-    assert list(append_request([("p#1", a, False), ("q#2", b, True)]).filtered_groups) == [False, True]
+    assert append_request([("p#1", a, False)], 0).trajectories == a
+    assert list(append_request([("p#1", a, False), ("q#2", b, True)], 0).filtered_groups) == [False, True]
 
 
 # --- reward requests merged and answers split, against the reward service's engine ------------------------

@@ -338,7 +338,7 @@ def test_a_spool_write_that_fails_is_in_status_until_a_later_push_spools(tmp_pat
 
 
 def test_sampling_fields_are_checked_by_the_generation_rules():
-    from rlfleet.services.generation.sampling import sampling_from_fields
+    from rlfleet.services.common.sampling_spec import sampling_from_fields
 
     spec = sampling_from_fields({"temperature": 0.7, "max_tokens": 8, "stop": ["\n"], "n": 4})
     assert (spec.n, spec.max_tokens, spec.stop) == (4, 8, ("\n",))

@@ -88,6 +88,23 @@ def test_give_back_reopens_a_slot():
     run(scenario())
 
 
+def test_groups_deleted_unread_give_their_slots_back():
+    """Sync mode: a group dynamic sampling started ahead of the step (over-sampling) holds a slot of
+    the next step; it goes stale at the trainer's push and is deleted unread, and its slot comes back."""
+    async def scenario():
+        gate = VersionGate(groups_per_step=2, sync=True)
+        gate.expected_loss = 0.5  # half the groups measured filtered: replacements start alongside
+        assert await admitted_now(gate) == 3
+        for _ in range(3):
+            await gate.settle(delivered=True, expected_loss=0.0)  # none was filtered after all
+        await gate.begin_push()
+        await gate.end_push(1)
+        assert await admitted_now(gate) == 1  # the third v0 group holds one of step 1's two slots
+        await gate.reopen(1)  # stale since the push: deleted unread, its prompt generated again
+        assert await admitted_now(gate) == 1
+    run(scenario())
+
+
 def records(n):
     return [{"prompt": f"q{i}", "answer": str(i)} for i in range(n)]
 

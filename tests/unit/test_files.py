@@ -48,3 +48,16 @@ def test_a_failed_write_keeps_the_old_file_and_removes_the_temp(tmp_path, monkey
         files.write_atomically(path, "new")
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_mode_and_owner_are_exact_whatever_the_umask(tmp_path):
+    path = tmp_path / "token"
+    files.write_atomically(path, "secret\n")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # the default: nobody else reads it
+    old_umask = os.umask(0o077)
+    try:
+        files.write_atomically(path, b"cert", mode=0o644, owner=(os.getuid(), os.getgid()))
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644 and path.read_bytes() == b"cert"
+    assert (path.stat().st_uid, path.stat().st_gid) == (os.getuid(), os.getgid())

@@ -11,9 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 from rlfleet.services.common.errors import Unavailable
+from rlfleet.services.common.sampling_spec import SamplingSpec
 from rlfleet.services.generation.resume import continuation_seed, continuation_spec, resume_blocker
 from rlfleet.services.generation.rollout import Rollout
-from rlfleet.services.generation.sampling import SampleAccumulator, SamplingSpec
+from rlfleet.services.generation.sampling import SampleAccumulator
 
 PROMPT = [1, 2, 3]
 
@@ -87,7 +88,7 @@ async def test_engine_status_reports_resumed_samples_and_tokens():
                           requests_waiting=0, requests_running=0, max_queued_requests=4, tokens_per_second=0.0,
                           resumed_samples=5, resumed_tokens=120)
     engine = SimpleNamespace(status=lambda: status, swapping=False, transfer_world_size=1, max_push_bytes=1)
-    reply = await GenerationServicer(engine).GetEngineStatus(None, None)
+    reply = await GenerationServicer(engine, SimpleNamespace(check_working=lambda: None)).GetEngineStatus(None, None)
     assert (reply.resumed_samples, reply.resumed_tokens) == (5, 120)
 
 
@@ -161,7 +162,7 @@ class FakeHost:
 @pytest.fixture(autouse=True)
 def no_vllm(monkeypatch):
     # The continuation's SamplingSpec itself stands for vLLM's SamplingParams.
-    monkeypatch.setattr(SamplingSpec, "to_vllm", lambda self: self)
+    monkeypatch.setattr("rlfleet.services.generation.rollout.to_vllm", lambda spec: spec)
 
 
 async def run(host, spec, prompt=PROMPT):

@@ -9,12 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from rlfleet.services.common.errors import InvalidArgument
+from rlfleet.services.common.sampling_spec import SamplingSpec
 from rlfleet.services.generation.config import GenerationEngineConfig
-from rlfleet.services.generation.sampling import (
-    SampleAccumulator,
-    SamplingSpec,
-    sampled_log_probs,
-)
+from rlfleet.services.generation.sampling import SampleAccumulator, sampled_log_probs
 from rlfleet.services.generation.status import TokenRate
 from rlfleet.v1 import sampling_pb2
 
@@ -154,7 +151,8 @@ def engine(monkeypatch):
     from rlfleet.services.generation.status import EngineState
 
     # What to_vllm decides, without importing vLLM.
-    monkeypatch.setattr(SamplingSpec, "to_vllm", lambda self: SimpleNamespace(n=self.computed_samples))
+    monkeypatch.setattr("rlfleet.services.generation.rollout.to_vllm",
+                        lambda spec: SimpleNamespace(n=spec.computed_samples))
     engine = GenerationEngine(GenerationEngineConfig(model="/m", max_n=8, max_model_len=64))
     engine._engine = FakeVLLM()
     engine._state = EngineState.SERVING
@@ -224,12 +222,13 @@ async def test_servicer_refuses_n_before_reading_the_prompt(engine):
     from rlfleet.services.generation.servicer import GenerationServicer
     from rlfleet.v1 import generation_pb2, sampling_pb2, tensor_pb2
 
+    working = SimpleNamespace(check_working=lambda: None)  # a service that has not failed
     request = generation_pb2.GenerateRequest(
         prompt=sampling_pb2.Prompt(token_ids=tensor_pb2.Tensor(dtype=99)),  # malformed, never read
         sampling=sampling_pb2.SamplingParams(n=2**31 - 1, max_tokens=4))
     with pytest.raises(InvalidArgument, match="sampling.n is 2147483647"):
-        [reply async for reply in GenerationServicer(engine).Generate(request, None)]
+        [reply async for reply in GenerationServicer(engine, working).Generate(request, None)]
     request.sampling.n = 2
     request.sampling.stop_token_ids[:] = [1] * 5000
     with pytest.raises(InvalidArgument, match="stop_token_ids has 5000 ids"):
-        [reply async for reply in GenerationServicer(engine).Generate(request, None)]
+        [reply async for reply in GenerationServicer(engine, working).Generate(request, None)]

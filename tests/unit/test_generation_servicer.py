@@ -6,7 +6,8 @@ import random
 
 import torch
 
-from rlfleet.services.generation.sampling import SampleResult, SampleTiming, SamplingSpec, sampling_to_proto
+from rlfleet.services.common.sampling_spec import SamplingSpec, sampling_to_proto
+from rlfleet.services.generation.sampling import SampleResult, SampleTiming
 from rlfleet.services.generation.servicer import _sample_to_proto
 from rlfleet.v1 import generation_pb2, sampling_pb2
 from rlfleet.wire import decode_tensor, encode_tensor

@@ -45,7 +45,7 @@ OTHER_ENV = {"HF_TOKEN_PATH", "HF_HUB_OFFLINE", "HOME"}
 # Every checkov finding left in the manifests, each skipped there with its reason
 # (`checkov.io/skipN: CHECK=reason`): a new one fails here until it is fixed or explained.
 ACCEPTED_FINDINGS = {
-    "CKV_K8S_43": set(CONFIGS),  # image digests: the operator's registry pins them (README)
+    "CKV_K8S_43": set(CONFIGS),  # image digests: the operator's registry pins them (docs/guides/kubernetes.md)
     "CKV_K8S_23": {"environment"},  # root, for the sandbox's uid drop
     "CKV_K8S_40": {"environment"},  # uid 0, same reason
     "CKV_K8S_25": {"environment"},  # the four capabilities the sandbox needs
@@ -82,7 +82,7 @@ def manifests(rendered) -> dict[str, list[dict]]:
 
 @pytest.fixture(scope="module")
 def credentials(tmp_path_factory) -> Path:
-    """What README's step makes: the credentials directory, the CA's key kept elsewhere."""
+    """What the Kubernetes guide's step makes: the credentials directory, the CA's key kept elsewhere."""
     from rlfleet.services.credentials import make_credentials
 
     base = tmp_path_factory.mktemp("credentials")
@@ -297,7 +297,7 @@ def test_pods_run_non_root_read_only_and_unprivileged_but_the_sandbox(overlay, m
             # The root is read-only: the entrypoint's port file and every scratch file go to /tmp.
             assert "/tmp" in {mount["mountPath"] for mount in container["volumeMounts"]}, where
             if name == "environment" and container is main_container(workload):
-                # The sandbox's exceptions (README "Kubernetes"), on this one container only.
+                # The sandbox's exceptions (docs/guides/kubernetes.md), on this one container only.
                 assert context["runAsUser"] == 0 and context["runAsNonRoot"] is False, where
                 assert set(context["capabilities"]["add"]) == SANDBOX_CAPABILITIES, where
                 assert context["seccompProfile"] == context["appArmorProfile"] == {"type": "Unconfined"}, where
@@ -312,7 +312,7 @@ def test_pods_run_non_root_read_only_and_unprivileged_but_the_sandbox(overlay, m
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_credentials_are_the_secrets_files(overlay, manifests, credentials):
     made = {path.name for path in credentials.iterdir()}
-    assert "ca.key" not in made  # README: --ca-key-dir keeps it out of the Secret
+    assert "ca.key" not in made  # docs/guides/kubernetes.md: --ca-key-dir keeps it out of the Secret
     for name, workload in workloads(manifests[overlay]).items():
         service, container = config(workload), main_container(workload)
         assert (service.tls_cert_file, service.tls_key_file) == (f"/credentials/{name}.pem", f"/credentials/{name}.key")

@@ -18,7 +18,7 @@ from rlfleet.services.echo.config import EchoConfig
 from rlfleet.v1 import (collector_pb2, diagnostics_pb2, environment_pb2, generation_pb2, reference_pb2, reward_pb2,
                         trajectory_pb2)
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+SECURITY_GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "security.md"
 TOKENS = {"t" * 16: frozenset({"trainer"}), "r" * 16: frozenset({"reader"}), "o" * 16: frozenset({"operator"}),
           "s" * 16: frozenset({"service"}), "x" * 16: frozenset({"reader", "operator"})}
 
@@ -36,12 +36,12 @@ def test_every_rpc_of_every_service_is_in_the_role_table_and_nothing_else_is():
         assert roles and roles <= set(security.ROLES), method
 
 
-def test_the_readme_shows_the_role_table_as_it_is():
-    text = README.read_text()
+def test_the_security_guide_shows_the_role_table_as_it_is():
+    text = SECURITY_GUIDE.read_text()
     for method, roles in security.METHOD_ROLES.items():
         service, name = method.strip("/").split("/")
         row = re.search(rf"^\| `{service.split('.')[-1]}\.{name}` \|(.*)\|$", text, re.MULTILINE)
-        assert row, f"README has no row for {method}"
+        assert row, f"the security guide has no row for {method}"
         cells = [cell.strip() for cell in row.group(1).split("|")]
         assert cells == ["✓" if role in roles else "" for role in security.ROLES], method
 

@@ -596,7 +596,8 @@ class Commands:
 
 @pytest.fixture
 async def buffer():
-    buffer = TrajectoryBuffer(lambda: TrajectoryStore(":memory:", capacity=100), default_lease_seconds=60)
+    buffer = TrajectoryBuffer(lambda: TrajectoryStore(":memory:", capacity=100), default_lease_seconds=60,
+                              spawn=lambda coroutine, name: asyncio.get_running_loop().create_task(coroutine, name=name))
     await buffer.start()
     yield buffer
     await buffer.stop()

@@ -139,7 +139,7 @@ class AsyncClient:
         version not greater than the current one is ``FailedPreconditionError``. ``mode``:
         "keep" (in-flight samples continue on the new weights), "wait" (they finish on the
         old ones first), "abort", or "resume" (they are aborted and continued as new requests,
-        prompt + the tokens sampled so far, on the new weights; see docs/off-policy.md). A
+        prompt + the tokens sampled so far, on the new weights; see docs/guides/off-policy.md). A
         progress bar (tqdm, stderr) shows for pushes of 8 MiB or more when ``progress`` and tqdm
         is installed. ``timeout`` defaults to the client's
         timeout plus one second per 10 MiB. Retried only on an UNAVAILABLE that arrives before

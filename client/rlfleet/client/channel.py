@@ -144,7 +144,9 @@ STREAM_WRITE_ERRORS: tuple[type[BaseException], ...] = (grpc.RpcError, asyncio.I
 server's answer, a cancel): the call's own status, read next, is the real outcome."""
 
 
-def _core_write_failure(code: grpc.StatusCode, details: str) -> bool:
+def is_core_write_failure(code: grpc.StatusCode, details: str) -> bool:
+    """Whether a streaming call's status is grpc.aio's INTERNAL "Internal error from Core" for a write
+    that raced the call's end (see ``StatusWatch``): the server's own status is hidden behind it."""
     return code == grpc.StatusCode.INTERNAL and details == _CORE_WRITE_FAILURE
 
 
@@ -180,11 +182,11 @@ async def stream_error(call: Any, exc: grpc.RpcError, method: str,
     after it, so wait briefly for that.
     """
     code, details = exc.code(), exc.details()
-    if _core_write_failure(code, details) and watch is not None and watch.first is not None:
+    if is_core_write_failure(code, details) and watch is not None and watch.first is not None:
         code, details = watch.first
     loop = asyncio.get_running_loop()
     give_up = loop.time() + _STATUS_GRACE_SECONDS
-    while _core_write_failure(code, details) and loop.time() < give_up:
+    while is_core_write_failure(code, details) and loop.time() < give_up:
         await asyncio.sleep(0.01)
         code, details = await call.code(), await call.details()
     return from_rpc_error(_Status(code, details), method)
@@ -197,5 +199,5 @@ def backoff(attempt: int, base: float) -> float:
 
 __all__ = [
     "ChannelSettings", "RlfleetClientError", "STREAM_WRITE_ERRORS", "StatusWatch", "aio_channel", "backoff",
-    "call_with_retry", "credentials_from", "stream_error",
+    "call_with_retry", "credentials_from", "is_core_write_failure", "stream_error",
 ]

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import grpc
 
+from rlfleet.v1 import errors_pb2
+from rlfleet.wire.error_details import sample_error_of
+
 
 class RlfleetClientError(Exception):
     """Base of all SDK errors. ``code`` is the gRPC status name, ``details`` the server's message."""
@@ -16,9 +19,12 @@ class RlfleetClientError(Exception):
     #: Whether retrying the same call may succeed (transport problems only).
     retryable: bool = False
 
-    def __init__(self, details: str, *, method: str = ""):
+    def __init__(self, details: str, *, method: str = "", sample_error: errors_pb2.SampleError | None = None):
         self.details = details
         self.method = method
+        self.sample_error = sample_error
+        """Which sample (or task) of the request the server refused, and why, typed
+        (``rlfleet.v1.SampleError``); None when the error is not about one sample."""
         super().__init__(f"{method}: {details}" if method else details)
 
 
@@ -108,4 +114,5 @@ def from_rpc_error(error: grpc.RpcError, method: str = "") -> RlfleetClientError
     """The typed SDK exception for a gRPC error."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(error)
-    return _BY_CODE.get(code, InternalError)(details, method=method)
+    trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    return _BY_CODE.get(code, InternalError)(details, method=method, sample_error=sample_error_of(trailers))

@@ -18,7 +18,7 @@ at which level the ratio is taken and what is done outside its bounds:
 - ``inside``: for ``mask``, the weight of what is kept: the ratio itself (masked IS) or 1 (rejection
   sampling only).
 
-The presets and the peers' settings they match (see docs/off-policy.md for the formulas):
+The presets and the peers' settings they match (see docs/guides/off-policy.md for the formulas):
 
 =============  ===========================================  =====================================================
 preset         weight of a token (``R``: its level's ratio)  peers

@@ -9,7 +9,8 @@ unavailable". ``grpc`` streams the bytes as chunks. ``auto`` (the default)
 tries shm first and falls back to grpc for good once refused (or when no
 segment can be created here). The client keeps its segment for its next
 push, which rewrites it in place if no receiver holds it any more (a new
-segment costs ~1.3 s of CPU per GB here in page allocation and faults);
+segment costs CPU in page allocation and faults: see the weights benchmark
+page, docs/benchmarks/weights.md);
 ``close()`` unlinks it, and if the trainer is killed the services sweep it.
 
 Memory: chunks are cut straight out of each tensor's memory by

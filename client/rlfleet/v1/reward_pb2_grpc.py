@@ -67,7 +67,9 @@ class RewardServiceServicer:
         samples, tokens or characters than its config allows; checked before
         anything is decoded) or naming the reward function still running when
         the service's per-request time limit ran out. Not retried by the SDK:
-        the same request would fail the same way.
+        the same request would fail the same way. An error about a sample's task
+        (unknown function, arguments refused) names the sample in a SampleError
+        detail too (errors.proto).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -85,7 +87,8 @@ class RewardServiceServicer:
         this service has, with arguments it accepts (the collector checks a
         trainer's prompts with it before queueing them). Errors: NOT_FOUND
         (unknown function), INVALID_ARGUMENT (arguments refused), naming the task
-        as "sample i"; RESOURCE_EXHAUSTED past the service's size bounds.
+        as "sample i" in the message and, typed, in a SampleError detail
+        (errors.proto); RESOURCE_EXHAUSTED past the service's size bounds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -25,37 +25,55 @@ _sym_db = _symbol_database.Default()
 from rlfleet.v1 import tensor_pb2 as rlfleet_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brlfleet/v1/trajectory.proto\x12\nrlfleet.v1\x1a\x17rlfleet/v1/tensor.proto\"\x83\x01\n\rAppendRequest\x12,\n\x0ctrajectories\x18\x01 \x01(\x0b\x32\x16.rlfleet.v1.TensorDict\x12\x17\n\x0fidempotency_key\x18\x02 \x01(\t\x12\x12\n\ngroup_keys\x18\x03 \x03(\t\x12\x17\n\x0f\x66iltered_groups\x18\x04 \x03(\x08\"g\n\x0e\x41ppendResponse\x12\x10\n\x08\x61ppended\x18\x01 \x01(\x05\x12\x10\n\x08\x62uffered\x18\x02 \x01(\x03\x12\x18\n\x10\x64uplicate_groups\x18\x03 \x03(\x08\x12\x17\n\x0f\x66iltered_groups\x18\x04 \x03(\x08\"\x92\x01\n\x0fOpenBatchStream\x12\x12\n\nbatch_size\x18\x01 \x01(\x05\x12\x14\n\x0cwhole_groups\x18\x02 \x01(\x08\x12\x1a\n\x12min_policy_version\x18\x03 \x01(\x04\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\x12\x10\n\x08prefetch\x18\x05 \x01(\x05\x12\x10\n\x08\x63onsumer\x18\x06 \x01(\t\"\x1c\n\x08\x41\x63kBatch\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x1d\n\tNackBatch\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x97\x01\n\x14StreamBatchesRequest\x12+\n\x04open\x18\x01 \x01(\x0b\x32\x1b.rlfleet.v1.OpenBatchStreamH\x00\x12#\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x14.rlfleet.v1.AckBatchH\x00\x12%\n\x04nack\x18\x03 \x01(\x0b\x32\x15.rlfleet.v1.NackBatchH\x00\x42\x06\n\x04kind\"\xa5\x01\n\x15StreamBatchesResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12%\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x16.rlfleet.v1.TensorDict\x12\x18\n\x10lease_expires_at\x18\x03 \x01(\x01\x12\x13\n\x0bredelivered\x18\x04 \x01(\x08\x12$\n\x07settled\x18\x05 \x01(\x0b\x32\x13.rlfleet.v1.Settled\"`\n\x07Settled\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0c\n\x04nack\x18\x02 \x01(\x08\x12\x0f\n\x07\x61pplied\x18\x03 \x01(\x08\x12\x14\n\x0ctrajectories\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\x11\n\x0fGetStatsRequest\"\x80\x02\n\x10GetStatsResponse\x12\r\n\x05ready\x18\x01 \x01(\x03\x12\x0e\n\x06leased\x18\x02 \x01(\x03\x12\r\n\x05\x61\x63ked\x18\x03 \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x03\x12\x10\n\x08\x61ppended\x18\x05 \x01(\x03\x12\x1b\n\x13redelivered_batches\x18\x06 \x01(\x03\x12\x15\n\rdropped_stale\x18\x07 \x01(\x03\x12\x16\n\x0e\x62uffered_bytes\x18\x08 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\t \x01(\x03\x12\x17\n\x0f\x66iltered_groups\x18\n \x01(\x03\x12\x1d\n\x15\x66iltered_trajectories\x18\x0b \x01(\x03\"0\n\x10\x44ropStaleRequest\x12\x1c\n\x14\x62\x65low_policy_version\x18\x01 \x01(\x04\"K\n\x11\x44ropStaleResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x03\x12\x11\n\tgroup_ids\x18\x02 \x03(\x03\x12\x12\n\nprompt_ids\x18\x03 \x03(\t2\xbf\x02\n\x11TrajectoryService\x12?\n\x06\x41ppend\x12\x19.rlfleet.v1.AppendRequest\x1a\x1a.rlfleet.v1.AppendResponse\x12X\n\rStreamBatches\x12 .rlfleet.v1.StreamBatchesRequest\x1a!.rlfleet.v1.StreamBatchesResponse(\x01\x30\x01\x12\x45\n\x08GetStats\x12\x1b.rlfleet.v1.GetStatsRequest\x1a\x1c.rlfleet.v1.GetStatsResponse\x12H\n\tDropStale\x12\x1c.rlfleet.v1.DropStaleRequest\x1a\x1d.rlfleet.v1.DropStaleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brlfleet/v1/trajectory.proto\x12\nrlfleet.v1\x1a\x17rlfleet/v1/tensor.proto\"\xb9\x01\n\rAppendRequest\x12,\n\x0ctrajectories\x18\x01 \x01(\x0b\x32\x16.rlfleet.v1.TensorDict\x12\x17\n\x0fidempotency_key\x18\x02 \x01(\t\x12\x12\n\ngroup_keys\x18\x03 \x03(\t\x12\x17\n\x0f\x66iltered_groups\x18\x04 \x03(\x08\x12\x1e\n\x11\x63ommitted_version\x18\x05 \x01(\x03H\x00\x88\x01\x01\x42\x14\n\x12_committed_version\"g\n\x0e\x41ppendResponse\x12\x10\n\x08\x61ppended\x18\x01 \x01(\x05\x12\x10\n\x08\x62uffered\x18\x02 \x01(\x03\x12\x18\n\x10\x64uplicate_groups\x18\x03 \x03(\x08\x12\x17\n\x0f\x66iltered_groups\x18\x04 \x03(\x08\"\x92\x01\n\x0fOpenBatchStream\x12\x12\n\nbatch_size\x18\x01 \x01(\x05\x12\x14\n\x0cwhole_groups\x18\x02 \x01(\x08\x12\x1a\n\x12min_policy_version\x18\x03 \x01(\x04\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\x12\x10\n\x08prefetch\x18\x05 \x01(\x05\x12\x10\n\x08\x63onsumer\x18\x06 \x01(\t\"\x1c\n\x08\x41\x63kBatch\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x1d\n\tNackBatch\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x97\x01\n\x14StreamBatchesRequest\x12+\n\x04open\x18\x01 \x01(\x0b\x32\x1b.rlfleet.v1.OpenBatchStreamH\x00\x12#\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x14.rlfleet.v1.AckBatchH\x00\x12%\n\x04nack\x18\x03 \x01(\x0b\x32\x15.rlfleet.v1.NackBatchH\x00\x42\x06\n\x04kind\"\xa5\x01\n\x15StreamBatchesResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12%\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x16.rlfleet.v1.TensorDict\x12\x18\n\x10lease_expires_at\x18\x03 \x01(\x01\x12\x13\n\x0bredelivered\x18\x04 \x01(\x08\x12$\n\x07settled\x18\x05 \x01(\x0b\x32\x13.rlfleet.v1.Settled\"`\n\x07Settled\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0c\n\x04nack\x18\x02 \x01(\x08\x12\x0f\n\x07\x61pplied\x18\x03 \x01(\x08\x12\x14\n\x0ctrajectories\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\x11\n\x0fGetStatsRequest\"\x80\x02\n\x10GetStatsResponse\x12\r\n\x05ready\x18\x01 \x01(\x03\x12\x0e\n\x06leased\x18\x02 \x01(\x03\x12\r\n\x05\x61\x63ked\x18\x03 \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x03\x12\x10\n\x08\x61ppended\x18\x05 \x01(\x03\x12\x1b\n\x13redelivered_batches\x18\x06 \x01(\x03\x12\x15\n\rdropped_stale\x18\x07 \x01(\x03\x12\x16\n\x0e\x62uffered_bytes\x18\x08 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\t \x01(\x03\x12\x17\n\x0f\x66iltered_groups\x18\n \x01(\x03\x12\x1d\n\x15\x66iltered_trajectories\x18\x0b \x01(\x03\"0\n\x10\x44ropStaleRequest\x12\x1c\n\x14\x62\x65low_policy_version\x18\x01 \x01(\x04\"K\n\x11\x44ropStaleResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x03\x12\x11\n\tgroup_ids\x18\x02 \x03(\x03\x12\x12\n\nprompt_ids\x18\x03 \x03(\t\"<\n\x16GetVersionStatsRequest\x12\x13\n\x0bmin_version\x18\x01 \x01(\x03\x12\r\n\x05limit\x18\x02 \x01(\x05\"\xd0\x01\n\x0cVersionStats\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06groups\x18\x02 \x01(\x03\x12\x14\n\x0ctrajectories\x18\x03 \x01(\x03\x12\x17\n\x0f\x66iltered_groups\x18\x04 \x01(\x03\x12\x12\n\nmean_score\x18\x05 \x01(\x01\x12\x0f\n\x07mean_kl\x18\x06 \x01(\x01\x12\x1c\n\x14mean_response_tokens\x18\x07 \x01(\x01\x12\x16\n\x0emean_staleness\x18\x08 \x01(\x01\x12\x15\n\rmax_staleness\x18\t \x01(\x03\"E\n\x17GetVersionStatsResponse\x12*\n\x08versions\x18\x01 \x03(\x0b\x32\x18.rlfleet.v1.VersionStats\"\xef\x01\n\x12ListSamplesRequest\x12\x13\n\x0bmin_version\x18\x01 \x01(\x03\x12\x18\n\x0bmax_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\tmin_score\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x16\n\tmax_score\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12(\n\x06\x66ilter\x18\x05 \x01(\x0e\x32\x18.rlfleet.v1.SampleFilter\x12\r\n\x05limit\x18\x06 \x01(\x05\x12\x15\n\rbefore_cursor\x18\x07 \x01(\x03\x42\x0e\n\x0c_max_versionB\x0c\n\n_min_scoreB\x0c\n\n_max_score\"\xc0\x02\n\rSampleSummary\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\x03\x12\x14\n\x0csample_index\x18\x04 \x01(\x03\x12\x1c\n\x14policy_version_start\x18\x05 \x01(\x03\x12\x1a\n\x12policy_version_end\x18\x06 \x01(\x03\x12\r\n\x05score\x18\x07 \x01(\x01\x12\x11\n\tadvantage\x18\x08 \x01(\x01\x12\x0f\n\x07kl_mean\x18\t \x01(\x01\x12\x17\n\x0fresponse_tokens\x18\n \x01(\x03\x12\x10\n\x08\x66iltered\x18\x0b \x01(\x08\x12\x11\n\tstaleness\x18\x0c \x01(\x03\x12\x13\n\x0b\x61ppended_at\x18\r \x01(\x01\x12\x0e\n\x06\x63ursor\x18\x0e \x01(\x03\x12\r\n\x05turns\x18\x0f \x01(\x05\"f\n\x13ListSamplesResponse\x12*\n\x07samples\x18\x01 \x03(\x0b\x32\x19.rlfleet.v1.SampleSummary\x12\x13\n\x0bnext_cursor\x18\x02 \x01(\x03\x12\x0e\n\x06logged\x18\x03 \x01(\x03\"\"\n\x10GetSampleRequest\x12\x0e\n\x06\x63ursor\x18\x01 \x01(\x03\"k\n\x11GetSampleResponse\x12*\n\x07summary\x18\x01 \x01(\x0b\x32\x19.rlfleet.v1.SampleSummary\x12*\n\ntrajectory\x18\x02 \x01(\x0b\x32\x16.rlfleet.v1.TensorDict*f\n\x0cSampleFilter\x12\x1d\n\x19SAMPLE_FILTER_UNSPECIFIED\x10\x00\x12\x1b\n\x17SAMPLE_FILTER_DELIVERED\x10\x01\x12\x1a\n\x16SAMPLE_FILTER_FILTERED\x10\x02\x32\xb5\x04\n\x11TrajectoryService\x12?\n\x06\x41ppend\x12\x19.rlfleet.v1.AppendRequest\x1a\x1a.rlfleet.v1.AppendResponse\x12X\n\rStreamBatches\x12 .rlfleet.v1.StreamBatchesRequest\x1a!.rlfleet.v1.StreamBatchesResponse(\x01\x30\x01\x12\x45\n\x08GetStats\x12\x1b.rlfleet.v1.GetStatsRequest\x1a\x1c.rlfleet.v1.GetStatsResponse\x12H\n\tDropStale\x12\x1c.rlfleet.v1.DropStaleRequest\x1a\x1d.rlfleet.v1.DropStaleResponse\x12Z\n\x0fGetVersionStats\x12\".rlfleet.v1.GetVersionStatsRequest\x1a#.rlfleet.v1.GetVersionStatsResponse\x12N\n\x0bListSamples\x12\x1e.rlfleet.v1.ListSamplesRequest\x1a\x1f.rlfleet.v1.ListSamplesResponse\x12H\n\tGetSample\x12\x1c.rlfleet.v1.GetSampleRequest\x1a\x1d.rlfleet.v1.GetSampleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfleet.v1.trajectory_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLEFILTER']._serialized_start=2554
+  _globals['_SAMPLEFILTER']._serialized_end=2656
   _globals['_APPENDREQUEST']._serialized_start=69
-  _globals['_APPENDREQUEST']._serialized_end=200
-  _globals['_APPENDRESPONSE']._serialized_start=202
-  _globals['_APPENDRESPONSE']._serialized_end=305
-  _globals['_OPENBATCHSTREAM']._serialized_start=308
-  _globals['_OPENBATCHSTREAM']._serialized_end=454
-  _globals['_ACKBATCH']._serialized_start=456
-  _globals['_ACKBATCH']._serialized_end=484
-  _globals['_NACKBATCH']._serialized_start=486
-  _globals['_NACKBATCH']._serialized_end=515
-  _globals['_STREAMBATCHESREQUEST']._serialized_start=518
-  _globals['_STREAMBATCHESREQUEST']._serialized_end=669
-  _globals['_STREAMBATCHESRESPONSE']._serialized_start=672
-  _globals['_STREAMBATCHESRESPONSE']._serialized_end=837
-  _globals['_SETTLED']._serialized_start=839
-  _globals['_SETTLED']._serialized_end=935
-  _globals['_GETSTATSREQUEST']._serialized_start=937
-  _globals['_GETSTATSREQUEST']._serialized_end=954
-  _globals['_GETSTATSRESPONSE']._serialized_start=957
-  _globals['_GETSTATSRESPONSE']._serialized_end=1213
-  _globals['_DROPSTALEREQUEST']._serialized_start=1215
-  _globals['_DROPSTALEREQUEST']._serialized_end=1263
-  _globals['_DROPSTALERESPONSE']._serialized_start=1265
-  _globals['_DROPSTALERESPONSE']._serialized_end=1340
-  _globals['_TRAJECTORYSERVICE']._serialized_start=1343
-  _globals['_TRAJECTORYSERVICE']._serialized_end=1662
+  _globals['_APPENDREQUEST']._serialized_end=254
+  _globals['_APPENDRESPONSE']._serialized_start=256
+  _globals['_APPENDRESPONSE']._serialized_end=359
+  _globals['_OPENBATCHSTREAM']._serialized_start=362
+  _globals['_OPENBATCHSTREAM']._serialized_end=508
+  _globals['_ACKBATCH']._serialized_start=510
+  _globals['_ACKBATCH']._serialized_end=538
+  _globals['_NACKBATCH']._serialized_start=540
+  _globals['_NACKBATCH']._serialized_end=569
+  _globals['_STREAMBATCHESREQUEST']._serialized_start=572
+  _globals['_STREAMBATCHESREQUEST']._serialized_end=723
+  _globals['_STREAMBATCHESRESPONSE']._serialized_start=726
+  _globals['_STREAMBATCHESRESPONSE']._serialized_end=891
+  _globals['_SETTLED']._serialized_start=893
+  _globals['_SETTLED']._serialized_end=989
+  _globals['_GETSTATSREQUEST']._serialized_start=991
+  _globals['_GETSTATSREQUEST']._serialized_end=1008
+  _globals['_GETSTATSRESPONSE']._serialized_start=1011
+  _globals['_GETSTATSRESPONSE']._serialized_end=1267
+  _globals['_DROPSTALEREQUEST']._serialized_start=1269
+  _globals['_DROPSTALEREQUEST']._serialized_end=1317
+  _globals['_DROPSTALERESPONSE']._serialized_start=1319
+  _globals['_DROPSTALERESPONSE']._serialized_end=1394
+  _globals['_GETVERSIONSTATSREQUEST']._serialized_start=1396
+  _globals['_GETVERSIONSTATSREQUEST']._serialized_end=1456
+  _globals['_VERSIONSTATS']._serialized_start=1459
+  _globals['_VERSIONSTATS']._serialized_end=1667
+  _globals['_GETVERSIONSTATSRESPONSE']._serialized_start=1669
+  _globals['_GETVERSIONSTATSRESPONSE']._serialized_end=1738
+  _globals['_LISTSAMPLESREQUEST']._serialized_start=1741
+  _globals['_LISTSAMPLESREQUEST']._serialized_end=1980
+  _globals['_SAMPLESUMMARY']._serialized_start=1983
+  _globals['_SAMPLESUMMARY']._serialized_end=2303
+  _globals['_LISTSAMPLESRESPONSE']._serialized_start=2305
+  _globals['_LISTSAMPLESRESPONSE']._serialized_end=2407
+  _globals['_GETSAMPLEREQUEST']._serialized_start=2409
+  _globals['_GETSAMPLEREQUEST']._serialized_end=2443
+  _globals['_GETSAMPLERESPONSE']._serialized_start=2445
+  _globals['_GETSAMPLERESPONSE']._serialized_end=2552
+  _globals['_TRAJECTORYSERVICE']._serialized_start=2659
+  _globals['_TRAJECTORYSERVICE']._serialized_end=3224
 # @@protoc_insertion_point(module_scope)

@@ -1,5 +1,6 @@
 from rlfleet.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -7,17 +8,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SampleFilter(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SAMPLE_FILTER_UNSPECIFIED: _ClassVar[SampleFilter]
+    SAMPLE_FILTER_DELIVERED: _ClassVar[SampleFilter]
+    SAMPLE_FILTER_FILTERED: _ClassVar[SampleFilter]
+SAMPLE_FILTER_UNSPECIFIED: SampleFilter
+SAMPLE_FILTER_DELIVERED: SampleFilter
+SAMPLE_FILTER_FILTERED: SampleFilter
+
 class AppendRequest(_message.Message):
-    __slots__ = ("trajectories", "idempotency_key", "group_keys", "filtered_groups")
+    __slots__ = ("trajectories", "idempotency_key", "group_keys", "filtered_groups", "committed_version")
     TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     GROUP_KEYS_FIELD_NUMBER: _ClassVar[int]
     FILTERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     trajectories: _tensor_pb2.TensorDict
     idempotency_key: str
     group_keys: _containers.RepeatedScalarFieldContainer[str]
     filtered_groups: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, trajectories: _Optional[_Union[_tensor_pb2.TensorDict, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., group_keys: _Optional[_Iterable[str]] = ..., filtered_groups: _Optional[_Iterable[bool]] = ...) -> None: ...
+    committed_version: int
+    def __init__(self, trajectories: _Optional[_Union[_tensor_pb2.TensorDict, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., group_keys: _Optional[_Iterable[str]] = ..., filtered_groups: _Optional[_Iterable[bool]] = ..., committed_version: _Optional[int] = ...) -> None: ...
 
 class AppendResponse(_message.Message):
     __slots__ = ("appended", "buffered", "duplicate_groups", "filtered_groups")
@@ -142,3 +154,115 @@ class DropStaleResponse(_message.Message):
     group_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, dropped: _Optional[int] = ..., group_ids: _Optional[_Iterable[int]] = ..., prompt_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetVersionStatsRequest(_message.Message):
+    __slots__ = ("min_version", "limit")
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    min_version: int
+    limit: int
+    def __init__(self, min_version: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class VersionStats(_message.Message):
+    __slots__ = ("version", "groups", "trajectories", "filtered_groups", "mean_score", "mean_kl", "mean_response_tokens", "mean_staleness", "max_staleness")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_SCORE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_KL_FIELD_NUMBER: _ClassVar[int]
+    MEAN_RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    groups: int
+    trajectories: int
+    filtered_groups: int
+    mean_score: float
+    mean_kl: float
+    mean_response_tokens: float
+    mean_staleness: float
+    max_staleness: int
+    def __init__(self, version: _Optional[int] = ..., groups: _Optional[int] = ..., trajectories: _Optional[int] = ..., filtered_groups: _Optional[int] = ..., mean_score: _Optional[float] = ..., mean_kl: _Optional[float] = ..., mean_response_tokens: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+
+class GetVersionStatsResponse(_message.Message):
+    __slots__ = ("versions",)
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedCompositeFieldContainer[VersionStats]
+    def __init__(self, versions: _Optional[_Iterable[_Union[VersionStats, _Mapping]]] = ...) -> None: ...
+
+class ListSamplesRequest(_message.Message):
+    __slots__ = ("min_version", "max_version", "min_score", "max_score", "filter", "limit", "before_cursor")
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MIN_SCORE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SCORE_FIELD_NUMBER: _ClassVar[int]
+    FILTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    min_version: int
+    max_version: int
+    min_score: float
+    max_score: float
+    filter: SampleFilter
+    limit: int
+    before_cursor: int
+    def __init__(self, min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., min_score: _Optional[float] = ..., max_score: _Optional[float] = ..., filter: _Optional[_Union[SampleFilter, str]] = ..., limit: _Optional[int] = ..., before_cursor: _Optional[int] = ...) -> None: ...
+
+class SampleSummary(_message.Message):
+    __slots__ = ("trajectory_id", "prompt_id", "group_id", "sample_index", "policy_version_start", "policy_version_end", "score", "advantage", "kl_mean", "response_tokens", "filtered", "staleness", "appended_at", "cursor", "turns")
+    TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_START_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_END_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
+    KL_MEAN_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    APPENDED_AT_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    trajectory_id: str
+    prompt_id: str
+    group_id: int
+    sample_index: int
+    policy_version_start: int
+    policy_version_end: int
+    score: float
+    advantage: float
+    kl_mean: float
+    response_tokens: int
+    filtered: bool
+    staleness: int
+    appended_at: float
+    cursor: int
+    turns: int
+    def __init__(self, trajectory_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., group_id: _Optional[int] = ..., sample_index: _Optional[int] = ..., policy_version_start: _Optional[int] = ..., policy_version_end: _Optional[int] = ..., score: _Optional[float] = ..., advantage: _Optional[float] = ..., kl_mean: _Optional[float] = ..., response_tokens: _Optional[int] = ..., filtered: _Optional[bool] = ..., staleness: _Optional[int] = ..., appended_at: _Optional[float] = ..., cursor: _Optional[int] = ..., turns: _Optional[int] = ...) -> None: ...
+
+class ListSamplesResponse(_message.Message):
+    __slots__ = ("samples", "next_cursor", "logged")
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    LOGGED_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[SampleSummary]
+    next_cursor: int
+    logged: int
+    def __init__(self, samples: _Optional[_Iterable[_Union[SampleSummary, _Mapping]]] = ..., next_cursor: _Optional[int] = ..., logged: _Optional[int] = ...) -> None: ...
+
+class GetSampleRequest(_message.Message):
+    __slots__ = ("cursor",)
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    cursor: int
+    def __init__(self, cursor: _Optional[int] = ...) -> None: ...
+
+class GetSampleResponse(_message.Message):
+    __slots__ = ("summary", "trajectory")
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
+    summary: SampleSummary
+    trajectory: _tensor_pb2.TensorDict
+    def __init__(self, summary: _Optional[_Union[SampleSummary, _Mapping]] = ..., trajectory: _Optional[_Union[_tensor_pb2.TensorDict, _Mapping]] = ...) -> None: ...

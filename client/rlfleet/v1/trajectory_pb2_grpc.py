@@ -91,6 +91,21 @@ class TrajectoryServiceStub:
                 request_serializer=rlfleet_dot_v1_dot_trajectory__pb2.DropStaleRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_trajectory__pb2.DropStaleResponse.FromString,
                 _registered_method=True)
+        self.GetVersionStats = channel.unary_unary(
+                '/rlfleet.v1.TrajectoryService/GetVersionStats',
+                request_serializer=rlfleet_dot_v1_dot_trajectory__pb2.GetVersionStatsRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_trajectory__pb2.GetVersionStatsResponse.FromString,
+                _registered_method=True)
+        self.ListSamples = channel.unary_unary(
+                '/rlfleet.v1.TrajectoryService/ListSamples',
+                request_serializer=rlfleet_dot_v1_dot_trajectory__pb2.ListSamplesRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_trajectory__pb2.ListSamplesResponse.FromString,
+                _registered_method=True)
+        self.GetSample = channel.unary_unary(
+                '/rlfleet.v1.TrajectoryService/GetSample',
+                request_serializer=rlfleet_dot_v1_dot_trajectory__pb2.GetSampleRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_trajectory__pb2.GetSampleResponse.FromString,
+                _registered_method=True)
 
 
 class TrajectoryServiceServicer:
@@ -184,6 +199,34 @@ class TrajectoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetVersionStats(self, request, context):
+        """Per policy version, what was appended with it: groups, trajectories,
+        mean score, KL, response length and staleness (read-only; the rollout
+        viewer's charts). Counted in the Append's transaction, durable, for every
+        version ever appended (filtered groups included, and counted apart).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSamples(self, request, context):
+        """Summaries of the trajectories in the sample log, newest first, filtered
+        by version, score and whether their group was filtered (read-only: the
+        log is a copy kept for inspection; delivering or acking never touches it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSample(self, request, context):
+        """One trajectory of the sample log, whole: its tokens, masks, behaviour
+        and reference log-probs, per-token versions (read-only). NOT_FOUND when
+        the log no longer holds it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrajectoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -206,6 +249,21 @@ def add_TrajectoryServiceServicer_to_server(servicer, server):
                     servicer.DropStale,
                     request_deserializer=rlfleet_dot_v1_dot_trajectory__pb2.DropStaleRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_trajectory__pb2.DropStaleResponse.SerializeToString,
+            ),
+            'GetVersionStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetVersionStats,
+                    request_deserializer=rlfleet_dot_v1_dot_trajectory__pb2.GetVersionStatsRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_trajectory__pb2.GetVersionStatsResponse.SerializeToString,
+            ),
+            'ListSamples': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSamples,
+                    request_deserializer=rlfleet_dot_v1_dot_trajectory__pb2.ListSamplesRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_trajectory__pb2.ListSamplesResponse.SerializeToString,
+            ),
+            'GetSample': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSample,
+                    request_deserializer=rlfleet_dot_v1_dot_trajectory__pb2.GetSampleRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_trajectory__pb2.GetSampleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +411,87 @@ class TrajectoryService:
             '/rlfleet.v1.TrajectoryService/DropStale',
             rlfleet_dot_v1_dot_trajectory__pb2.DropStaleRequest.SerializeToString,
             rlfleet_dot_v1_dot_trajectory__pb2.DropStaleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetVersionStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.TrajectoryService/GetVersionStats',
+            rlfleet_dot_v1_dot_trajectory__pb2.GetVersionStatsRequest.SerializeToString,
+            rlfleet_dot_v1_dot_trajectory__pb2.GetVersionStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSamples(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.TrajectoryService/ListSamples',
+            rlfleet_dot_v1_dot_trajectory__pb2.ListSamplesRequest.SerializeToString,
+            rlfleet_dot_v1_dot_trajectory__pb2.ListSamplesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSample(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.TrajectoryService/GetSample',
+            rlfleet_dot_v1_dot_trajectory__pb2.GetSampleRequest.SerializeToString,
+            rlfleet_dot_v1_dot_trajectory__pb2.GetSampleResponse.FromString,
             options,
             channel_credentials,
             insecure,

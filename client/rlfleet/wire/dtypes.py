@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+# Model dtypes live torch-free (configs list them before torch is imported); the table answers for them too.
+from rlfleet.choices import MODEL_DTYPE_NAMES  # noqa: F401
 from rlfleet.v1 import tensor_pb2
 from rlfleet.wire.errors import WireError
 
@@ -67,9 +69,6 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(row.torch for row in BY_WIRE.v
 
 TOKEN_ID_DTYPES: tuple[torch.dtype, ...] = (torch.int64, torch.int32)
 """Dtypes accepted for token ids (prompts); they travel as int64."""
-
-MODEL_DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16")
-"""Dtypes the services load Hugging Face models in (reference model, reward models)."""
 
 
 def dtype_to_wire(dtype: torch.dtype) -> int:

@@ -11,7 +11,7 @@ import torch
 from rlfleet.v1 import tensor_pb2
 # SUPPORTED_DTYPES and the two converters stay importable from here (they lived here before dtypes.py).
 from rlfleet.wire.dtypes import SUPPORTED_DTYPES, dtype_from_wire, dtype_to_wire  # noqa: F401
-from rlfleet.wire.dtypes import BY_TORCH
+from rlfleet.wire.dtypes import BY_TORCH, BY_WIRE
 from rlfleet.wire.errors import WireError
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in sight
@@ -123,3 +123,11 @@ def checked_tensor(msg: tensor_pb2.Tensor, field: str = "", *,
         raise WireError(where("data"), "bool tensor holds bytes other than 0 and 1")
     return dtype, shape, data
 
+
+def numpy_view(msg: tensor_pb2.Tensor) -> numpy.ndarray | None:
+    """A read-only flat numpy view of the tensor's bytes (no copy, not checked against its shape), or
+    None for a dtype numpy has no match for (bfloat16)."""
+    info = BY_WIRE.get(msg.dtype)
+    if info is None or info.numpy is None:
+        return None
+    return numpy.frombuffer(msg.data, dtype=info.numpy)

@@ -167,3 +167,14 @@ def parse_tensordict(raw: bytes) -> tensor_pb2.TensorDict:
     except DecodeError as exc:
         raise WireError("", f"not a valid TensorDict message: {exc}") from None
     return msg
+
+
+def entry_at(msg: tensor_pb2.TensorDict, key: str) -> tensor_pb2.TensorDictValue | None:
+    """The entry at ``key`` ("tokens/response": nested TensorDicts walked by "/"), or None; reads the
+    message as it is, without decoding anything."""
+    *parents, name = key.split("/")
+    for parent in parents:
+        if parent not in msg.entries or msg.entries[parent].WhichOneof("kind") != "nested":
+            return None
+        msg = msg.entries[parent].nested
+    return msg.entries[name] if name in msg.entries else None

@@ -2,7 +2,7 @@
 
 TorchRL's consumers read variable-length fields with ``td.get(key, as_padded_tensor=True,
 padding_side="left")`` / ``as_list=True``, which act only on a ``LazyStackedTensorDict`` whose
-per-sample leaves are unpadded (``docs/torchrl-0.14-layout.md`` §0). The wire batch is dense with
+per-sample leaves are unpadded (``docs/reference/torchrl-0.14-layout.md`` §0). The wire batch is dense with
 jagged nested tensors (``Batch.td``, the ragged form); ``to_torchrl`` re-shapes it, sample by
 sample, into what ``LLMCollector`` + ``vLLMWrapper`` + ``RetrieveKL`` + ``MCAdvantage`` produce:
 

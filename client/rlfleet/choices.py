@@ -1,0 +1,36 @@
+"""The names a config or a request picks from, each list in one place: KL estimators and advantage
+modes (name <-> ``rlfleet.v1`` enum value), and the dtypes models load in.
+
+Outside ``rlfleet.wire`` and ``rlfleet.client`` on purpose: importing either loads torch, and a
+service's config imports this module, and is checked (exit 2 naming the setting) before any heavy
+import. The SDK installs without the services, so the services import it from here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from rlfleet.v1 import reward_pb2
+
+
+def _enum_names(enum, prefix: str) -> dict[str, int]:
+    # The enum's own names, lowercased (KL_ESTIMATOR_K3 -> "k3"): a value added to the proto is a
+    # name here, in the proto's order.
+    return {name.removeprefix(prefix).lower(): value for name, value in enum.items() if value != 0}
+
+
+KL_ESTIMATORS: dict[str, int] = _enum_names(reward_pb2.KLEstimator, "KL_ESTIMATOR_")
+"""``k1``, ``k2``, ``k3`` -> ``rlfleet.v1.KLEstimator`` (the formulas: ``services/reward/kl.py``)."""
+ADVANTAGE_MODES: dict[str, int] = _enum_names(reward_pb2.AdvantageMode, "ADVANTAGE_MODE_")
+"""``grpo``, ``grpo_no_std``, ``rloo`` -> ``rlfleet.v1.AdvantageMode`` (``services/reward/advantages.py``)."""
+
+KLEstimatorName = Literal[tuple(KL_ESTIMATORS)]
+"""A config field taking a KL estimator's name."""
+AdvantageModeName = Literal[tuple(ADVANTAGE_MODES)]
+"""A config field taking an advantage mode's name."""
+
+MODEL_DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+"""Dtypes the services load Hugging Face models in (generation engine, reference model, reward
+models): names of the dtype table (``rlfleet.wire.dtypes``, which answers for them too)."""
+ModelDtypeName = Literal[MODEL_DTYPE_NAMES]
+"""A config field taking a model dtype."""

@@ -1,0 +1,215 @@
+"""What the viewer reads, as JSON-ready dicts: the trajectory store's sample log and per-version
+statistics, the collector's status and dead letters. Read-only calls only (a ``reader`` token is
+enough); nothing here knows about HTTP."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+
+from rlfleet.client.channel import ChannelSettings, aio_channel
+from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, tensor_pb2, trajectory_pb2,
+                        trajectory_pb2_grpc)
+from rlfleet.wire.tensor import numpy_view
+from rlfleet.wire.tensordict import entry_at
+
+_FILTERS = {"": trajectory_pb2.SAMPLE_FILTER_UNSPECIFIED, "delivered": trajectory_pb2.SAMPLE_FILTER_DELIVERED,
+            "filtered": trajectory_pb2.SAMPLE_FILTER_FILTERED}
+_TOOL_CALL = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
+
+
+class BadQuery(ValueError):
+    """A query parameter the viewer cannot use (names it)."""
+
+
+class Reader:
+    """Channels to the trajectory service and the collector, and the calls the page needs."""
+
+    def __init__(self, trajectory_address: str, collector_address: str | None, settings: ChannelSettings,
+                 tokenizer=None):
+        self._settings = settings
+        self._trajectory_channel = aio_channel(trajectory_address, settings)
+        self._trajectory = trajectory_pb2_grpc.TrajectoryServiceStub(self._trajectory_channel)
+        self._collector_channel = aio_channel(collector_address, settings) if collector_address else None
+        self._collector = collector_pb2_grpc.CollectorServiceStub(self._collector_channel) \
+            if self._collector_channel else None
+        self._tokenizer = tokenizer
+
+    async def close(self) -> None:
+        await self._trajectory_channel.close()
+        if self._collector_channel is not None:
+            await self._collector_channel.close()
+
+    async def _call(self, method, request):
+        return await method(request, timeout=self._settings.timeout, metadata=self._settings.metadata())
+
+    async def versions(self, min_version: int = 0) -> dict[str, Any]:
+        reply = await self._call(self._trajectory.GetVersionStats,
+                                 trajectory_pb2.GetVersionStatsRequest(min_version=min_version, limit=10_000))
+        return {"versions": [_message(stats) for stats in reply.versions]}
+
+    async def samples(self, query: dict[str, str]) -> dict[str, Any]:
+        request = trajectory_pb2.ListSamplesRequest(
+            min_version=_int(query, "min_version", 0), limit=_int(query, "limit", 100),
+            before_cursor=_int(query, "before", 0))
+        for name in ("max_version",):
+            if query.get(name, "") != "":
+                setattr(request, name, _int(query, name, 0))
+        for name in ("min_score", "max_score"):
+            if query.get(name, "") != "":
+                setattr(request, name, _float(query, name))
+        which = query.get("filter", "")
+        if which not in _FILTERS:
+            raise BadQuery(f"filter: {which!r} is not one of {', '.join(repr(k) for k in _FILTERS)}")
+        request.filter = _FILTERS[which]
+        reply = await self._call(self._trajectory.ListSamples, request)
+        return {"samples": [_message(s) for s in reply.samples], "next_cursor": reply.next_cursor,
+                "logged": reply.logged}
+
+    async def sample(self, cursor: int) -> dict[str, Any]:
+        reply = await self._call(self._trajectory.GetSample, trajectory_pb2.GetSampleRequest(cursor=cursor))
+        return {"summary": _message(reply.summary), **render_tokens(reply.trajectory, self._tokenizer)}
+
+    async def stats(self) -> dict[str, Any]:
+        return _message(await self._call(self._trajectory.GetStats, trajectory_pb2.GetStatsRequest()))
+
+    async def status(self) -> dict[str, Any] | None:
+        if self._collector is None:
+            return None
+        return _message(await self._call(self._collector.GetStatus, collector_pb2.GetStatusRequest()))
+
+    async def failures(self) -> dict[str, Any] | None:
+        if self._collector is None:
+            return None
+        found, after = [], 0
+        while True:  # the collector keeps a bounded list; read all of it, a page at a time
+            reply = await self._call(self._collector.ListFailures,
+                                     collector_pb2.ListFailuresRequest(after_seq=after, limit=1000))
+            found += [_message(failure) for failure in reply.failures]
+            if len(reply.failures) < 1000:
+                return {"failures": found[::-1]}
+            after = reply.failures[-1].seq
+
+
+def render_tokens(trajectory: tensor_pb2.TensorDict, tokenizer) -> dict[str, Any]:
+    """One trajectory's tokens for the page: each with its text, its part (prompt, assistant turn,
+    tool call, observation), its turn, behaviour and reference log-probability and sampling version."""
+    full = _ragged(trajectory, "tokens/full")
+    prompt = _ragged(trajectory, "tokens/prompt")
+    if full is None or prompt is None:
+        return {"tokens": [], "turns": 0, "prompt_tokens": 0, "response_tokens": 0, "text": None}
+    prompt_length = len(prompt)
+    response_length = len(full) - prompt_length
+    mask = _ragged(trajectory, "masks/all_assistant_mask")
+    behaviour = _ragged(trajectory, "log_probs/response")
+    reference = _ragged(trajectory, "ref_log_probs/response")
+    versions = _ragged(trajectory, "versions/response")
+    ids = [int(token) for token in full]
+    pieces = [tokenizer.decode([token]) for token in ids] if tokenizer is not None else [f"[{t}]" for t in ids]
+    parts = ["prompt" if position < prompt_length else
+             "assistant" if mask is None or bool(mask[position]) else "observation" for position in range(len(ids))]
+    _mark_tool_calls(parts, pieces)
+    tokens, turn = [], 0
+    for position, (token, piece, part) in enumerate(zip(ids, pieces, parts)):
+        at = position - prompt_length
+        sampled = part in ("assistant", "tool_call")
+        if sampled and (position == 0 or parts[position - 1] not in ("assistant", "tool_call")):
+            turn += 1
+        tokens.append({
+            "id": token, "text": piece, "part": part, "turn": turn if at >= 0 else 0,
+            "logprob": _number(behaviour, at) if sampled else None,
+            "ref_logprob": _number(reference, at),
+            "version": int(versions[at]) if versions is not None and 0 <= at < len(versions) and
+            versions[at] >= 0 else None,
+        })
+    return {"tokens": tokens, "turns": turn, "prompt_tokens": prompt_length, "response_tokens": response_length,
+            "text": tokenizer.decode(ids) if tokenizer is not None else None}
+
+
+def _mark_tool_calls(parts: list[str], pieces: list[str]) -> None:
+    """Within each run of sampled tokens, mark the tokens of ``<tool_call> ... </tool_call>`` (however
+    the tokenizer split the markers; an unclosed call runs to the end of its turn) as ``tool_call``."""
+    position = 0
+    while position < len(parts):
+        if parts[position] != "assistant":
+            position += 1
+            continue
+        end = position
+        while end < len(parts) and parts[end] == "assistant":
+            end += 1
+        text, starts = "", []
+        for piece in pieces[position:end]:
+            starts.append(len(text))
+            text += piece
+        spans = [(m.start(), m.end()) for m in _TOOL_CALL.finditer(text)]
+        for k, start in enumerate(starts):
+            stop = starts[k + 1] if k + 1 < len(starts) else len(text)
+            if any(start < span_end and stop > span_start for span_start, span_end in spans):
+                parts[position + k] = "tool_call"
+        position = end
+
+
+def _ragged(trajectory: tensor_pb2.TensorDict, key: str) -> np.ndarray | None:
+    """The values of one row's ragged entry at ``key`` (None when absent)."""
+    entry = entry_at(trajectory, key)
+    if entry is None or entry.WhichOneof("kind") != "ragged":
+        return None
+    return numpy_view(entry.ragged.values)
+
+
+def _number(values: np.ndarray | None, at: int) -> float | None:
+    if values is None or not 0 <= at < len(values):
+        return None
+    value = float(values[at])
+    return value if math.isfinite(value) else None
+
+
+def _message(message) -> dict[str, Any]:
+    """A reply as a dict with every field (defaults too) and NaN as None (JSON has no NaN)."""
+    data = json_format.MessageToDict(message, always_print_fields_with_no_presence=True,
+                                     preserving_proto_field_name=True)
+    return _finite(data)
+
+
+def _finite(value):
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value in ("NaN", "Infinity", "-Infinity"):
+        return None
+    return value
+
+
+def _int(query: dict[str, str], name: str, default: int) -> int:
+    text = query.get(name, "")
+    if text == "":
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise BadQuery(f"{name}: {text!r} is not an integer") from None
+
+
+def _float(query: dict[str, str], name: str) -> float:
+    text = query.get(name, "")
+    try:
+        value = float(text)
+    except ValueError:
+        raise BadQuery(f"{name}: {text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise BadQuery(f"{name}: {text!r} is not a finite number")
+    return value
+
+
+def is_refusal(error: grpc.RpcError) -> bool:
+    """A call refused for what the viewer asked (shown as such), not a service outage."""
+    return error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                            grpc.StatusCode.OUT_OF_RANGE)

@@ -1,0 +1,223 @@
+// The rollout viewer's page: reads the viewer's JSON API (read-only) and draws it.
+"use strict";
+
+const $ = (selector) => document.querySelector(selector);
+
+async function getJSON(path) {
+  const response = await fetch(path, {credentials: "same-origin"});
+  const body = await response.json();
+  if (!response.ok) throw new Error(body.error || response.statusText);
+  return body;
+}
+
+function fmt(value, digits = 3) {
+  if (value === null || value === undefined) return "–";
+  return typeof value === "number" && !Number.isInteger(value) ? value.toFixed(digits) : String(value);
+}
+
+function cell(row, text, className) {
+  const td = row.insertCell();
+  td.textContent = text;
+  if (className) td.className = className;
+  return td;
+}
+
+// --- tabs ---------------------------------------------------------------------------------------
+for (const button of document.querySelectorAll("nav button")) {
+  button.addEventListener("click", () => showTab(button.dataset.tab));
+}
+function showTab(name) {
+  for (const b of document.querySelectorAll("nav button")) b.classList.toggle("active", b.dataset.tab === name);
+  for (const s of document.querySelectorAll(".tab")) s.classList.toggle("active", s.id === name);
+  if (name === "samples" && !$("#sample-table tbody").rows.length) loadSamples(false);
+  if (name === "failures") loadFailures();
+}
+
+// --- the run's header ---------------------------------------------------------------------------
+async function loadRun() {
+  const parts = [];
+  try {
+    const stats = await getJSON("/api/stats");
+    parts.push(`buffer: ${stats.ready} ready, ${stats.leased} leased, ${stats.acked} acked, ` +
+               `${stats.filtered_groups} groups filtered`);
+  } catch (error) { parts.push(`trajectory service: ${error.message}`); }
+  try {
+    const status = await getJSON("/api/status");
+    if (status) {
+      parts.unshift(`policy version ${status.policy_version} · ${status.serving ? "serving" : "NOT serving: " +
+                     status.not_serving_reason} · mode ${status.mode}`);
+    }
+  } catch (error) { parts.unshift(`collector: ${error.message}`); }
+  $("#run").textContent = parts.join(" · ");
+}
+
+// --- versions -----------------------------------------------------------------------------------
+const charts = {};
+function drawChart(id, title, versions, series) {
+  const element = $(id);
+  const width = Math.max(element.clientWidth, 320);
+  const data = [versions, ...series.map((s) => s.values)];
+  const options = {
+    title, width, height: 220,
+    scales: {x: {time: false}},
+    axes: [{label: "policy version"}, {}],
+    series: [{label: "version"}, ...series.map((s) => ({label: s.label, stroke: s.colour, width: 2,
+                                                       points: {show: true}}))],
+  };
+  if (charts[id]) charts[id].destroy();
+  element.textContent = "";
+  charts[id] = new uPlot(options, data, element);
+  element.dataset.points = String(versions.length);
+}
+
+async function loadVersions() {
+  const {versions} = await getJSON("/api/versions");
+  const column = (name) => versions.map((v) => v[name]);
+  const x = column("version").map(Number);
+  drawChart("#chart-score", "mean score (reward)", x, [{label: "score", values: column("mean_score"), colour: "#2e7d32"}]);
+  drawChart("#chart-kl", "mean KL to the reference (per token)", x,
+            [{label: "KL", values: column("mean_kl"), colour: "#c62828"}]);
+  drawChart("#chart-length", "mean response length (tokens)", x,
+            [{label: "tokens", values: column("mean_response_tokens"), colour: "#1565c0"}]);
+  drawChart("#chart-staleness", "staleness (versions behind when visible)", x,
+            [{label: "mean", values: column("mean_staleness"), colour: "#6a1b9a"},
+             {label: "max", values: column("max_staleness").map((v) => (Number(v) < 0 ? null : Number(v))),
+              colour: "#ad1457"}]);
+  const body = $("#version-table tbody");
+  body.textContent = "";
+  for (const v of [...versions].reverse()) {
+    const row = body.insertRow();
+    for (const name of ["version", "groups", "trajectories", "filtered_groups", "mean_score", "mean_kl",
+                        "mean_response_tokens", "mean_staleness"]) cell(row, fmt(v[name]));
+    cell(row, Number(v.max_staleness) < 0 ? "–" : fmt(v.max_staleness));
+  }
+}
+
+// --- samples ------------------------------------------------------------------------------------
+let nextCursor = 0;
+$("#sample-filters").addEventListener("submit", (event) => { event.preventDefault(); loadSamples(false); });
+$("#more-samples").addEventListener("click", () => loadSamples(true));
+
+async function loadSamples(more) {
+  const query = new URLSearchParams();
+  for (const [name, value] of new FormData($("#sample-filters"))) if (value !== "") query.set(name, value);
+  if (more) query.set("before", String(nextCursor));
+  $("#sample-error").textContent = "";
+  let page;
+  try {
+    page = await getJSON(`/api/samples?${query}`);
+  } catch (error) {
+    $("#sample-error").textContent = error.message;
+    return;
+  }
+  const body = $("#sample-table tbody");
+  if (!more) body.textContent = "";
+  for (const s of page.samples) {
+    const row = body.insertRow();
+    row.className = "clickable";
+    row.dataset.cursor = s.cursor;
+    cell(row, s.cursor);
+    cell(row, s.policy_version_start === s.policy_version_end ? s.policy_version_start
+                                                              : `${s.policy_version_start}→${s.policy_version_end}`);
+    cell(row, fmt(s.score)); cell(row, fmt(s.advantage)); cell(row, fmt(s.kl_mean));
+    cell(row, s.response_tokens); cell(row, s.turns);
+    cell(row, Number(s.staleness) < 0 ? "–" : s.staleness);
+    cell(row, s.group_id);
+    cell(row, s.prompt_id, "text");
+    cell(row, s.filtered ? "filtered" : "", "text");
+    row.addEventListener("click", () => showSample(s.cursor, row));
+  }
+  nextCursor = Number(page.next_cursor);
+  $("#more-samples").hidden = !nextCursor;
+  $("#sample-count").textContent = `${body.rows.length} shown of ${page.logged} in the sample log`;
+}
+
+// --- one trajectory -----------------------------------------------------------------------------
+let shown = null;
+$("#colour-by").addEventListener("change", () => shown && renderTokens(shown));
+
+async function showSample(cursor, row) {
+  for (const r of document.querySelectorAll("#sample-table tr.selected")) r.classList.remove("selected");
+  if (row) row.classList.add("selected");
+  try {
+    shown = await getJSON(`/api/samples/${cursor}`);
+  } catch (error) {
+    $("#sample-error").textContent = error.message;
+    return;
+  }
+  const s = shown.summary;
+  $("#detail-title").textContent = `trajectory ${s.trajectory_id || s.cursor} · prompt ${s.prompt_id} · ` +
+    `version ${s.policy_version_start} · score ${fmt(s.score)} · ${shown.turns} turn(s) · ` +
+    `${shown.prompt_tokens} prompt + ${shown.response_tokens} response tokens`;
+  $("#sample-detail").hidden = false;
+  renderTokens(shown);
+}
+
+function colour(token, by) {
+  if (token.part !== "assistant" && token.part !== "tool_call") return "";
+  if (token.logprob === null) return "";
+  if (by === "logprob") {
+    const alpha = Math.min(-token.logprob / 4, 1);   // 4 nats of surprise: full colour
+    return `rgba(220,50,40,${alpha.toFixed(3)})`;
+  }
+  if (token.ref_logprob === null) return "";
+  const diff = token.logprob - token.ref_logprob;
+  const alpha = Math.min(Math.abs(diff) / 2, 1);     // 2 nats apart: full colour
+  return diff >= 0 ? `rgba(220,50,40,${alpha.toFixed(3)})` : `rgba(40,90,220,${alpha.toFixed(3)})`;
+}
+
+function renderTokens(sample) {
+  const box = $("#tokens");
+  box.textContent = "";
+  const by = $("#colour-by").value;
+  let turn = 0;
+  sample.tokens.forEach((token, index) => {
+    if (token.turn !== turn && token.part !== "observation") {
+      turn = token.turn;
+      const marker = document.createElement("span");
+      marker.className = "turn";
+      marker.dataset.testid = "turn-marker";
+      marker.textContent = `turn ${turn}`;
+      box.appendChild(marker);
+    }
+    const span = document.createElement("span");
+    span.className = `t part-${token.part}`;
+    span.textContent = token.text;
+    span.dataset.index = index;
+    span.dataset.part = token.part;
+    const background = colour(token, by);
+    if (background) span.style.background = background;
+    span.addEventListener("mouseenter", () => {
+      $("#token-info").textContent = `#${index} id ${token.id} ${JSON.stringify(token.text)} · ${token.part}` +
+        ` · behaviour ${fmt(token.logprob, 4)} · reference ${fmt(token.ref_logprob, 4)}` +
+        ` · version ${token.version === null ? "–" : token.version}`;
+    });
+    box.appendChild(span);
+  });
+  box.dataset.tokens = String(sample.tokens.length);
+}
+
+// --- dead letters -------------------------------------------------------------------------------
+async function loadFailures() {
+  const body = $("#failure-table tbody");
+  let reply;
+  try {
+    reply = await getJSON("/api/failures");
+  } catch (error) {
+    body.textContent = "";
+    cell(body.insertRow(), error.message, "text error");
+    return;
+  }
+  body.textContent = "";
+  for (const f of (reply ? reply.failures : [])) {
+    const row = body.insertRow();
+    cell(row, f.seq); cell(row, f.prompt_id, "text"); cell(row, f.stage, "text"); cell(row, f.code, "text");
+    cell(row, f.attempts); cell(row, f.error, "text");
+  }
+  body.dataset.loaded = "true";
+}
+
+// --- start --------------------------------------------------------------------------------------
+loadRun();
+loadVersions().catch((error) => { $("#chart-score").textContent = error.message; })
+  .finally(() => { document.body.dataset.ready = "true"; });

@@ -1,0 +1,99 @@
+"""The docs site's generated pages match their sources, and the paths the docs name exist.
+
+``scripts/gen-docs --check`` is the drift check the test command relies on; these tests show it
+fails when a setting, an RPC, a console script or a result file changes without its page.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import gen_docs.__main__ as gen_docs  # noqa: E402
+from gen_docs import api, benchmarks, cli  # noqa: E402
+
+
+def test_every_generated_page_matches_its_source(capsys):
+    assert gen_docs.main(["--check"]) == 0, capsys.readouterr().err
+
+
+def test_a_setting_whose_doc_changed_makes_the_settings_page_stale(monkeypatch, capsys):
+    from rlfleet.services.trajectory.config import TrajectoryConfig
+
+    monkeypatch.setattr(TrajectoryConfig.model_fields["capacity"], "description", "A changed meaning.")
+    assert gen_docs.main(["--check", "--only", "settings"]) == 1
+    assert "reference/settings.md" in capsys.readouterr().err
+
+
+def test_a_new_rpc_makes_the_api_page_stale(monkeypatch, tmp_path, capsys):
+    protos = tmp_path / "protos"
+    shutil.copytree(ROOT / "protos", protos)
+    reward = protos / "rlfleet" / "v1" / "reward.proto"
+    text = reward.read_text()
+    text = text.replace("service RewardService {",
+                        "service RewardService {\n  // A new call nobody documented.\n"
+                        "  rpc Forget(ComputeRewardsRequest) returns (ComputeRewardsResponse);", 1)
+    reward.write_text(text)
+    monkeypatch.setattr(api, "PROTOS", protos)
+    assert gen_docs.main(["--check", "--only", "api"]) == 1
+    assert "reference/api.md" in capsys.readouterr().err
+
+
+def test_a_new_console_script_makes_the_cli_page_stale(monkeypatch, capsys):
+    scripts = {**cli.console_scripts(), "rlfleet-new": "rlfleet.services.suite:main"}
+    monkeypatch.setattr(cli, "console_scripts", lambda: scripts)
+    assert gen_docs.main(["--check", "--only", "cli"]) == 1
+    assert "reference/cli.md" in capsys.readouterr().err
+
+
+def test_a_result_without_its_commit_is_refused(monkeypatch, tmp_path, capsys):
+    results = tmp_path / "results"
+    shutil.copytree(benchmarks.RESULTS, results)
+    (results / "codec-2099-01-01.md").write_text("---\nbench: codec\ndate: 2099-01-01\nmachine: m\n"
+                                                 "command: python bench/codec.py\n---\nnumbers\n")
+    monkeypatch.setattr(benchmarks, "RESULTS", results)
+    assert gen_docs.main(["--check", "--only", "benchmarks"]) == 1
+    assert "codec-2099-01-01.md: front matter lacks commit" in capsys.readouterr().err
+
+
+def test_a_bench_without_a_result_is_refused(monkeypatch, tmp_path, capsys):
+    results = tmp_path / "results"
+    shutil.copytree(benchmarks.RESULTS, results)
+    for path in results.glob("*.md"):
+        if "bench: codec\n" in path.read_text():
+            path.unlink()
+    monkeypatch.setattr(benchmarks, "RESULTS", results)
+    assert gen_docs.main(["--check", "--only", "benchmarks"]) == 1
+    assert "no result file in docs/results for: codec" in capsys.readouterr().err
+
+
+# A repository path in backticks or a link: `services/collector/admission.py`, (../batch-schema.md) aside.
+_PATH = re.compile(r"`((?:services|client|bench|examples|scripts|tests|deploy|docker|protos|docs)/[A-Za-z0-9_./-]+)`")
+
+
+def _hand_written_pages() -> list[Path]:
+    generated = {"reference/settings.md", "reference/api.md", "reference/cli.md", "batch-schema.md"}
+    pages = [p for p in (ROOT / "docs").rglob("*.md")
+             if str(p.relative_to(ROOT / "docs")) not in generated
+             and not p.relative_to(ROOT / "docs").parts[0] in ("benchmarks", "results")]
+    return [ROOT / "README.md", *pages]
+
+
+@pytest.mark.parametrize("page", _hand_written_pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_repository_path_a_page_names_exists(page):
+    missing = []
+    for match in _PATH.finditer(page.read_text()):
+        name = match.group(1).rstrip(".,:;")
+        # Placeholders (`services/<service>/config.py`) and globs name no one file.
+        if any(ch in name for ch in "<>*{}"):
+            continue
+        if not (ROOT / name).exists():
+            missing.append(name)
+    assert not missing, f"{page.relative_to(ROOT)} names paths that do not exist: {sorted(set(missing))}"

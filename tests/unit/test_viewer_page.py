@@ -1,0 +1,134 @@
+"""The rollout viewer's logic above the services: token rendering, access tokens, error mapping."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from aiohttp.test_utils import TestClient, TestServer
+
+from rlfleet.services.viewer.reader import BadQuery, render_tokens
+from rlfleet.services.viewer.web import TOKEN_COOKIE, make_app
+from rlfleet.wire import Ragged, encode_tensordict
+
+TOKEN = "reader-token-0123456789"
+
+
+class Letters:
+    """A stand-in tokenizer: token id i is the letter chr(i)."""
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def episode():
+    """One episode row: a prompt "Hi", a turn that calls a tool, an observation, a final turn."""
+    prompt = [ord(c) for c in "Hi"]
+    turn1 = [ord(c) for c in "<tool_call>x</tool_call>"]
+    observation = [ord(c) for c in "=1"]
+    turn2 = [ord(c) for c in "ok"]
+    response = turn1 + observation + turn2
+    mask = [False] * len(prompt) + [True] * len(turn1) + [False] * len(observation) + [True] * len(turn2)
+    behaviour = [-0.5] * len(turn1) + [0.0] * len(observation) + [-1.0] * len(turn2)
+    versions = [3] * len(turn1) + [-1] * len(observation) + [4] * len(turn2)
+    ragged = lambda values, dtype: Ragged.from_list([torch.tensor(values, dtype=dtype)])  # noqa: E731
+    row = encode_tensordict({
+        "tokens": {"prompt": ragged(prompt, torch.int64), "response": ragged(response, torch.int64),
+                   "full": ragged(prompt + response, torch.int64)},
+        "masks": {"all_assistant_mask": ragged(mask, torch.bool)},
+        "log_probs": {"response": ragged(behaviour, torch.float32)},
+        "ref_log_probs": {"response": ragged([-2.0] * len(response), torch.float32)},
+        "versions": {"response": ragged(versions, torch.int64)},
+    }, batch_size=[1])
+    return row, prompt, turn1, observation, turn2
+
+
+def test_an_episode_renders_prompt_turns_tool_call_and_observation():
+    row, prompt, turn1, observation, turn2 = episode()
+    shown = render_tokens(row, Letters())
+    parts = [token["part"] for token in shown["tokens"]]
+    assert parts == ["prompt"] * 2 + ["tool_call"] * len(turn1) + ["observation"] * 2 + ["assistant"] * 2
+    assert [token["turn"] for token in shown["tokens"]] == [0, 0] + [1] * len(turn1) + [1, 1] + [2, 2]
+    assert shown["turns"] == 2 and shown["prompt_tokens"] == 2 and shown["response_tokens"] == len(turn1) + 4
+    first, observed, last = shown["tokens"][2], shown["tokens"][2 + len(turn1)], shown["tokens"][-1]
+    assert (first["logprob"], first["ref_logprob"], first["version"]) == (-0.5, -2.0, 3)
+    assert (observed["logprob"], observed["version"]) == (None, None)  # not sampled
+    assert (last["text"], last["logprob"], last["version"]) == ("k", -1.0, 4)
+    assert shown["text"] == "Hi<tool_call>x</tool_call>=1ok"
+
+
+def test_without_a_tokenizer_tokens_show_their_ids():
+    row, *_ = episode()
+    assert render_tokens(row, None)["tokens"][0]["text"] == f"[{ord('H')}]"
+
+
+class FakeReader:
+    """Answers the app's reads without services (the app's own rules are under test)."""
+
+    async def versions(self, min_version=0):
+        return {"versions": [{"version": min_version}]}
+
+    async def samples(self, query):
+        raise BadQuery("min_score: 'x' is not a number")
+
+    async def sample(self, cursor):
+        raise _RpcError(grpc.StatusCode.NOT_FOUND, f"cursor: no trajectory {cursor} in the sample log")
+
+    async def stats(self):
+        raise _RpcError(grpc.StatusCode.PERMISSION_DENIED, "GetStats needs one of the roles reader")
+
+    async def status(self):
+        return None
+
+    async def failures(self):
+        return None
+
+
+class _RpcError(grpc.RpcError):
+    def __init__(self, code, details):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+async def client(tokens=None) -> TestClient:
+    test_client = TestClient(TestServer(make_app(FakeReader(), tokens)))
+    await test_client.start_server()
+    return test_client
+
+
+async def test_reads_answer_json_and_errors_name_the_problem_with_their_status():
+    test_client = await client()
+    try:
+        assert (await (await test_client.get("/api/versions?min_version=4")).json()) == {"versions": [{"version": 4}]}
+        bad = await test_client.get("/api/samples?min_score=x")
+        assert bad.status == 400 and (await bad.json())["error"] == "min_score: 'x' is not a number"
+        gone = await test_client.get("/api/samples/7")
+        assert gone.status == 404 and "NOT_FOUND: cursor: no trajectory 7" in (await gone.json())["error"]
+        upstream = await test_client.get("/api/stats")
+        assert upstream.status == 502 and (await upstream.json())["error"].startswith("PERMISSION_DENIED")
+        page = await test_client.get("/")
+        assert page.status == 200 and "rollout viewer" in await page.text()
+    finally:
+        await test_client.close()
+
+
+async def test_with_access_tokens_every_request_needs_one():
+    test_client = await client({TOKEN: frozenset({"reader"})})
+    try:
+        refused = await test_client.get("/api/versions")
+        assert refused.status == 401 and "UNAUTHENTICATED" in (await refused.json())["error"]
+        assert (await test_client.get("/?token=wrong-token-0123456789", allow_redirects=False)).status == 401
+        opened = await test_client.get(f"/?token={TOKEN}&tab=samples", allow_redirects=False)
+        assert opened.status == 302 and opened.headers["Location"] == "/?tab=samples"  # the token leaves the address
+        assert opened.cookies[TOKEN_COOKIE].value == TOKEN
+        assert (await test_client.get("/api/versions")).status == 200  # the cookie, kept by the client
+        test_client.session.cookie_jar.clear()
+        bearer = await test_client.get("/api/versions", headers={"authorization": f"Bearer {TOKEN}"})
+        assert bearer.status == 200
+    finally:
+        await test_client.close()
