@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from rlfleet.client import connect, credentials_from
 from rlfleet.services.launch import ServiceProcess
@@ -55,6 +56,7 @@ def run(suite, tiny_model_dir):
 
     procs, credentials = suite
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    generator = torch.Generator().manual_seed(0)
     received: dict[str, list[int]] = {}
     with connect(procs["collector"].address, **credentials_from(credentials), timeout=60) as trainer:
         # Scores that vary within a group (delivered), a task no sample solves (constant 0: filtered),
@@ -70,6 +72,9 @@ def run(suite, tiny_model_dir):
             for step, batch in zip(range(STEPS), batches):
                 for trajectory_id, tokens in zip(batch["trajectory_id"].tolist(), batch.ragged("tokens/full").to_list()):
                     received[trajectory_id] = tokens.tolist()
+                with torch.no_grad():  # a "training step": the policy moves away from the reference
+                    for parameter in model.parameters():
+                        parameter.add_(torch.randn_like(parameter, generator=generator) * 0.05)
                 trainer.push_weights(model)
         wait_for(lambda: trainer.failures()[1] >= 1, TIMEOUT, "the dead letter")
         wait_for(lambda: trainer.status().dynamic_sampling.filtered_groups >= 1, TIMEOUT, "the filtered group")
@@ -187,7 +192,8 @@ def test_one_trajectory_shows_its_tokens_parts_and_log_probs(page, truth, run, t
 
     _, samples = truth
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    sample = next(s for s in samples if s.trajectory_id in run)  # one the trainer received
+    # One the trainer received, sampled after a push: its policy differs from the reference.
+    sample = next(s for s in samples if s.trajectory_id in run and s.policy_version_start >= 1)
     tokens = run[sample.trajectory_id]
     page.click("nav button[data-tab=samples]")
     page.click(f"#sample-table tbody tr[data-cursor='{sample.cursor}']")
@@ -201,8 +207,12 @@ def test_one_trajectory_shows_its_tokens_parts_and_log_probs(page, truth, run, t
     assert parts[:prompt_length] == ["prompt"] * prompt_length
     assert set(parts[prompt_length:]) <= {"assistant", "tool_call"}  # sampled (a random model may write a tool call)
     assert page.locator("#tokens .turn").count() == 1
-    coloured = page.eval_on_selector_all("#tokens span.part-assistant", "spans => spans.filter(s => s.style.background).length")
-    assert coloured >= 1  # behaviour vs reference log-probability as colour
+    # Behaviour vs reference log-probability as colour: the pushed weights moved, so some tokens differ.
+    alphas = page.eval_on_selector_all(
+        "#tokens span.t", "spans => spans.map(s => { const m = s.style.background.match(/rgba?\\(([^)]*)\\)/);"
+                          " return m ? Number(m[1].split(',')[3] ?? 1) : null; })")
+    assert all(alpha is None for alpha in alphas[:prompt_length])  # the prompt is not coloured
+    assert max(alpha for alpha in alphas[prompt_length:] if alpha is not None) > 0.05
     spans.nth(prompt_length).hover()
     info = page.locator("#token-info").inner_text()
     assert f"id {tokens[prompt_length]}" in info and f"version {sample.policy_version_start}" in info

@@ -60,7 +60,7 @@ function drawChart(id, title, versions, series) {
   const options = {
     title, width, height: 220,
     scales: {x: {time: false}},
-    axes: [{label: "policy version"}, {}],
+    axes: [{label: "policy version", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000]}, {}],
     series: [{label: "version"}, ...series.map((s) => ({label: s.label, stroke: s.colour, width: 2,
                                                        points: {show: true}}))],
   };
