@@ -1,6 +1,7 @@
-"""Prometheus metrics read from the collector's status at scrape time: what GetStatus shows of
-off-policy control (dynamic sampling, thrown-away work, the admission bound, the measured mismatch),
-the metrics show, from the one place that computes it."""
+"""Prometheus metrics read from the collector's status at scrape time: the committed version, the
+rollout's progress (trajectories appended, prompts pending and dead-lettered) and what GetStatus shows
+of off-policy control (dynamic sampling, thrown-away work, the admission bound, the measured
+mismatch), from the one place that computes it."""
 
 from __future__ import annotations
 
@@ -26,6 +27,12 @@ class StatusMetrics:
         status = self.status()
         sampling, mismatch = status.dynamic_sampling, status.mismatch
         for name, help_text, value in (
+            ("rlfleet_policy_version", "The committed policy version", status.policy_version),
+            ("rlfleet_trajectories_appended", "Trajectories appended for trainers since start", status.trajectories),
+            ("rlfleet_pending_prompts", "Prompts in the ledger not yet appended or dead-lettered",
+             status.pending_prompts),
+            ("rlfleet_failed_prompts", "Prompts dead-lettered (failed for good) since the state directory "
+                                       "was created", status.failed_prompts),
             ("rlfleet_filtered_groups", "Groups dynamic sampling filtered (never delivered), since the state "
                                         "directory was created", sampling.filtered_groups),
             ("rlfleet_filtered_samples", "Samples of those groups", sampling.filtered_samples),
