@@ -41,7 +41,8 @@ def main() -> None:
     ns = parser.parse_args()
 
     limit = 2 * max(ns.sizes_mib) * 2**20 + 2**20
-    echo = ServiceProcess("echo", ["--max-message-bytes", str(limit), "--log-level", "WARNING"])
+    echo = ServiceProcess("echo", ["--max-message-bytes", str(limit), "--log-level", "WARNING"],
+                          module="tests.echo_service")  # tests/echo_service: run from the repository root
     echo.start(Path(tempfile.mkdtemp(prefix="rlfleet-bench-"))).wait_ready(120)
     options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
     channel = grpc.insecure_channel(echo.address, options=options)

@@ -25,7 +25,7 @@ from rlfleet.services import healthcheck
 
 @dataclass
 class ServiceProcess:
-    """One service process: ``python -m rlfleet.services.<name> <args>``."""
+    """One service process: ``python -m rlfleet.services.<name> <args>`` (or ``python -m <module>``)."""
 
     name: str
     args: list[str] = field(default_factory=list)
@@ -37,6 +37,9 @@ class ServiceProcess:
     """Run in the child before it starts (e.g. resource limits a fault test sets)."""
     health_credentials: grpc.ChannelCredentials | None = None
     """TLS credentials of the health checks, for a service that serves TLS (None: plaintext)."""
+    module: str | None = None
+    """The module ``python -m`` runs, for a service outside the package (the tests' echo service,
+    ``tests.echo_service``, found from the working directory); None: ``rlfleet.services.<name>``."""
 
     def start(self, workdir: Path | None = None) -> "ServiceProcess":
         workdir = Path(workdir or tempfile.mkdtemp(prefix=f"rlfleet-{self.name}-"))
@@ -50,7 +53,7 @@ class ServiceProcess:
         args += ["--port-file", str(self._port_file)]
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", f"rlfleet.services.{self.name}", *args],
+            [sys.executable, "-m", self.module or f"rlfleet.services.{self.name}", *args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
             start_new_session=True,  # a Ctrl-C in the launcher's terminal is handled by the launcher
             preexec_fn=self.preexec_fn,

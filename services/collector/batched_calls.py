@@ -81,11 +81,14 @@ def split_reward_response(reply: reward_pb2.ComputeRewardsResponse,
 
 
 def append_request(groups: Sequence[tuple[str, tensor_pb2.TensorDict, bool]],
-                   committed_version: int) -> trajectory_pb2.AppendRequest:
+                   committed_version: int, trace_contexts: Sequence[str] = ()) -> trajectory_pb2.AppendRequest:
     """One Append for ``(key, rows, filtered)`` groups, each deduplicated on its own key, made while
-    ``committed_version`` is committed (the store records the groups' staleness with it)."""
+    ``committed_version`` is committed (the store records the groups' staleness with it);
+    ``trace_contexts``: each group's traceparent (sent only when some group has one: traced)."""
     request = trajectory_pb2.AppendRequest(group_keys=[key for key, _, _ in groups],
                                            committed_version=committed_version)
+    if any(trace_contexts):
+        request.trace_contexts.extend(trace_contexts)
     if any(filtered for _, _, filtered in groups):
         request.filtered_groups.extend(filtered for _, _, filtered in groups)
     if len(groups) == 1:

@@ -7,6 +7,9 @@ them sends the groups that queued in the meantime as one call. Nothing waits on 
 one group, as before. Each caller still gets its own group's answer, or its own error: a
 call refused for something one group carries (``split_on``) is made again group by group, so
 that only that group fails (a dead letter names its own prompt, not its neighbours').
+
+Traced (``tracing``), each call is a span in the trace of the first group it carries, linked both
+ways with the spans the other groups wait in.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import collections
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Generic, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Generic, Sequence, TypeVar
+
+from rlfleet.services.common import tracing
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -25,6 +30,8 @@ class _Waiting(Generic[Item, Result]):
     item: Item
     size: int
     future: asyncio.Future
+    span: Any = None
+    """The submitter's current span (None untraced): the call's span links to it."""
 
 
 class Coalescer(Generic[Item, Result]):
@@ -34,10 +41,12 @@ class Coalescer(Generic[Item, Result]):
 
     def __init__(self, call: Callable[[list[Item]], Awaitable[Sequence[Result]]], *,
                  split_on: Callable[[BaseException], bool], max_items: int = 64, max_bytes: int = 8 << 20,
-                 concurrency: int = 1):
+                 concurrency: int = 1, name: str = "call"):
         if max_items < 1 or max_bytes < 1 or concurrency < 1:
             raise ValueError("max_items, max_bytes and concurrency must be >= 1")
         self._call = call
+        self._name = name
+        """The span name of a call (traced)."""
         self._split_on = split_on
         self._max_items = max_items
         self._max_bytes = max_bytes
@@ -49,7 +58,7 @@ class Coalescer(Generic[Item, Result]):
         """Items answered."""
 
     async def submit(self, item: Item, size: int = 0) -> Result:
-        waiting = _Waiting(item, size, asyncio.get_running_loop().create_future())
+        waiting = _Waiting(item, size, asyncio.get_running_loop().create_future(), tracing.current())
         self._queue.append(waiting)
         async with self._slots:
             if self._queue:  # not taken by a call that started while this one waited for its slot
@@ -70,7 +79,8 @@ class Coalescer(Generic[Item, Result]):
         try:
             try:
                 self.calls += 1
-                results = await self._call([w.item for w in batch])
+                with tracing.shared_call(self._name, [w.span for w in batch]):
+                    results = await self._call([w.item for w in batch])
             except Exception as exc:  # noqa: BLE001 - handed to each caller, who classifies it
                 if len(batch) == 1 or not self._split_on(exc):
                     for waiting in batch:

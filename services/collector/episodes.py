@@ -34,6 +34,7 @@ from rlfleet.client.errors import NotFoundError
 from rlfleet.services.collector.failures import EpisodeLost
 from rlfleet.services.collector.prompt_item import PromptItem
 from rlfleet.services.collector.trajectories import NOT_SAMPLED, GroupSamples, response_versions
+from rlfleet.services.common import tracing
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.v1 import environment_pb2, environment_pb2_grpc, generation_pb2, sampling_pb2
 from rlfleet.wire import Ragged, decode_tensor, encode_tensor
@@ -112,6 +113,13 @@ class EpisodeRunner:
 
     async def _run(self, item: PromptItem, environment: str, prompt: list[dict[str, str]], episode_id: str,
                    index: int, generate: GenerateTurns, first_turns: "_FirstTurns") -> Episode:
+        # Traced, the episode's turns (generate) and the environment's OpenEpisode, Step (its tool
+        # calls) and CloseEpisode spans nest under one span per episode.
+        with tracing.span("episode", {"rlfleet.episode_id": episode_id, "rlfleet.environment": environment}):
+            return await self._episode(item, environment, prompt, episode_id, index, generate, first_turns)
+
+    async def _episode(self, item: PromptItem, environment: str, prompt: list[dict[str, str]], episode_id: str,
+                       index: int, generate: GenerateTurns, first_turns: "_FirstTurns") -> Episode:
         opened = await self._call("OpenEpisode", environment_pb2.OpenEpisodeRequest(
             environment=environment, prompt=[sampling_pb2.ChatMessage(**m) for m in prompt],
             ground_truth=item.ground_truth, metadata={"prompt_id": item.prompt_id}, episode_id=episode_id))

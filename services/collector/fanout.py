@@ -41,6 +41,7 @@ from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.replicas import Replica, ReplicaPool
 from rlfleet.services.collector.spool import Spool
 from rlfleet.services.collector.transports import ReplicaOutcome, ReplicaPush
+from rlfleet.services.common import tracing
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted, Unavailable
 from rlfleet.services.common.weight_stream import MAX_POLICY_VERSION, WeightPush, open_offered_segment
 from rlfleet.v1 import weights_pb2
@@ -87,7 +88,9 @@ class WeightFanout:
         async with self._lock:
             self.pushes += 1
             await self._spooled()
-            return await self._push(messages)
+            # Traced: one span per push, with a stage and a commit span per replica under it.
+            with tracing.span("push weights"):
+                return await self._push(messages)
 
     async def _spooled(self) -> None:
         """Wait for the previous push's spool write (pushes and re-syncs need it done; how it ended
@@ -131,6 +134,8 @@ class WeightFanout:
             raise FailedPrecondition(
                 f"weights version {manifest.version} is not newer than current {self.gate.version}")
         push = WeightPush.from_manifest(manifest, self._push_limit())
+        tracing.set_attributes({"rlfleet.policy_version": manifest.version, "rlfleet.bytes": push.total_bytes,
+                                "rlfleet.source": manifest.WhichOneof("source") or "grpc"})
         source = manifest.WhichOneof("source")
         if source == "nccl":
             return await self._push_nccl(manifest, push, started)

@@ -102,7 +102,7 @@ class PromptLedger:
         self.max_dead_letters = max_dead_letters
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="prompt-ledger")
         self._db: sqlite3.Connection = self._executor.submit(self._open).result()
-        self._ends = Coalescer(self._end, split_on=lambda exc: False)
+        self._ends = Coalescer(self._end, split_on=lambda exc: False, name="ledger commit")
         """Group commit of ``done``: what queued while a transaction ran is the next one."""
         self.filtered_groups, self.filtered_samples = self._executor.submit(self._filtered_counts).result()
         """Groups (and their samples) dynamic sampling filtered, ever: committed with their prompts' ends."""

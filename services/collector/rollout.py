@@ -47,6 +47,7 @@ from rlfleet.services.collector.prompt_item import PromptItem, sampling_fields
 from rlfleet.services.collector.replicas import Replica, ReplicaPool
 from rlfleet.services.collector.source import PromptSource
 from rlfleet.services.collector.trajectories import GroupSamples, group_message
+from rlfleet.services.common import tracing
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.services.common.sampling_spec import SamplingSpec
 from rlfleet.v1 import (generation_pb2, reference_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_grpc,
@@ -174,11 +175,12 @@ class Pipeline:
         per_call = options.max_groups_per_call
         scoring_calls = 2 if per_call > 1 else options.max_scoring_in_flight
         self._references = Coalescer(self._reference_call, split_on=_one_group_may_be_why, max_items=per_call,
-                                     concurrency=scoring_calls)
+                                     concurrency=scoring_calls, name="ScoreLogProbs call")
         self._rewards = Coalescer(self._reward_call, split_on=_one_group_may_be_why, max_items=per_call,
-                                  concurrency=scoring_calls)
+                                  concurrency=scoring_calls, name="ComputeRewards call")
         self._appends = Coalescer(self._append_call, split_on=_one_group_may_be_why, max_items=per_call,
-                                  concurrency=2 if per_call > 1 else options.max_groups_in_flight)
+                                  concurrency=2 if per_call > 1 else options.max_groups_in_flight,
+                                  name="Append call")
         self._tasks: set[asyncio.Task] = set()
         self._rng = random.Random()
         self.upstream_up = asyncio.Event()
@@ -223,6 +225,12 @@ class Pipeline:
 
     async def _run_group(self, item: PromptItem, group_index: int) -> None:
         group_id = self._rng.getrandbits(62)
+        # One trace per group, from admission to append (the trajectory service adds lease and ack).
+        with tracing.span("group", {"rlfleet.prompt_id": item.prompt_id, "rlfleet.group_id": f"{group_id:x}",
+                                    "rlfleet.admitted_at_version": self.gate.version}):
+            await self._group(item, group_id)
+
+    async def _group(self, item: PromptItem, group_id: int) -> None:
         stage = "generation"
         try:
             environment = item.environment or self.options.default_environment
@@ -230,6 +238,7 @@ class Pipeline:
                 group = await self._run_episodes(item, environment, group_id)
             else:
                 group = GroupSamples.decode(await self._generate(item, group_id))
+            tracing.set_attributes({"rlfleet.policy_version": group.start_version, "rlfleet.samples": len(group)})
             stage = "reference"
             ref_log_probs = await self._score_reference(group)
             stage = "reward"
@@ -245,6 +254,7 @@ class Pipeline:
                 self.filter_rate.record(filtered)
             await self.gate.settle(delivered=not filtered, expected_loss=self.filter_rate.expected_loss)
         except Discard as reason:
+            tracing.set_attributes({"rlfleet.discarded": str(reason)})
             log.info("group discarded, prompt requeued", extra={"prompt_id": item.prompt_id, "reason": str(reason)})
             self.source.requeue(item)
             await self.gate.give_back()
@@ -291,7 +301,8 @@ class Pipeline:
     async def _generate(self, item: PromptItem, group_id: int) -> list[generation_pb2.GenerateResponse]:
         request = self._request(item, group_id)
         async with self.stages["generation"].track(self._generation):
-            samples = await self._on_a_replica(request)
+            with tracing.span("generate", {"rlfleet.samples": request.sampling.n}):
+                samples = await self._on_a_replica(request)
         if any(s.finish_reason == sampling_pb2.FINISH_REASON_ABORT for s in samples):
             self.discarded_samples += len(samples)
             self.discarded_tokens += sampled_tokens(samples)
@@ -358,7 +369,8 @@ class Pipeline:
                                                          sampling=sampling)
                 encode_tensor(history, out=request.prompt.token_ids)
                 async with slot.held():
-                    samples = await self._on_a_replica(request, home)
+                    with tracing.span("generate", {"rlfleet.episode": index, "rlfleet.samples": n}):
+                        samples = await self._on_a_replica(request, home)
                 if all(s.finish_reason != sampling_pb2.FINISH_REASON_ABORT for s in samples):
                     return sorted(samples, key=lambda s: s.sample_index)
                 self.discarded_tokens += sampled_tokens(samples)
@@ -370,7 +382,8 @@ class Pipeline:
         request = reference_pb2.ScoreLogProbsRequest(token_ids=group.full_message,
                                                      response_starts=group.prompts.lengths.tolist())
         async with self.stages["reference"].track(self._scoring):
-            ref_log_probs = await self._references.submit(request, request.ByteSize())
+            with tracing.span("reference"):
+                ref_log_probs = await self._references.submit(request, request.ByteSize())
         if list(ref_log_probs.lengths) != group.responses.lengths.tolist():
             raise WireError("ref_log_probs.lengths", f"{list(ref_log_probs.lengths)} do not match the "
                             f"response lengths {group.responses.lengths.tolist()}")
@@ -402,7 +415,8 @@ class Pipeline:
             update_kl_controller=self.options.update_kl_controller,
         )
         async with self.stages["reward"].track(self._scoring):
-            return await self._rewards.submit(request, request.ByteSize())
+            with tracing.span("reward"):
+                return await self._rewards.submit(request, request.ByteSize())
 
     async def _reward_call(self, requests: list[reward_pb2.ComputeRewardsRequest]
                            ) -> list[reward_pb2.ComputeRewardsResponse]:
@@ -426,12 +440,14 @@ class Pipeline:
                           f"max_staleness {self.gate.max_staleness}")
         rows = group_message(group=group, ref_log_probs=ref_log_probs, rewards=rewards, group_id=group_id,
                              prompt_id=item.prompt_id, query=item.query)
+        trace = tracing.traceparent()  # the group's: the trajectory service puts lease and ack spans in it
         async with self.stages["trajectory"].track():
             attempt = 0
             while True:
                 try:
-                    appended, filtered = await self._appends.submit((item.append_key, rows, filtered),
-                                                                    rows.ByteSize())
+                    with tracing.span("append", {"rlfleet.filtered": filtered}):
+                        appended, filtered = await self._appends.submit((item.append_key, rows, filtered, trace),
+                                                                        rows.ByteSize())
                     break
                 except ResourceExhaustedError:
                     # Backpressure: the buffer is full until the trainer catches up.
@@ -449,11 +465,14 @@ class Pipeline:
         self.staleness[now - start_version] += len(group)  # staleness when it became visible
         return start_version, False
 
-    async def _append_call(self, groups: list[tuple[str, tensor_pb2.TensorDict, bool]]) -> list[tuple[bool, bool]]:
-        """One Append for the groups that queued (``_appends``); for each, whether it was stored (False:
-        it was appended before, under its key) and whether it is stored as filtered."""
-        reply = await call_with_retry(self.trajectory.Append, batched_calls.append_request(groups, self.gate.version),
-                                      method="Append", settings=self.settings)
+    async def _append_call(self, groups: list[tuple[str, tensor_pb2.TensorDict, bool, str]]
+                           ) -> list[tuple[bool, bool]]:
+        """One Append for the groups that queued (``_appends``: key, rows, filtered, traceparent); for each,
+        whether it was stored (False: it was appended before, under its key) and whether it is stored as
+        filtered."""
+        request = batched_calls.append_request([group[:3] for group in groups], self.gate.version,
+                                               [group[3] for group in groups])
+        reply = await call_with_retry(self.trajectory.Append, request, method="Append", settings=self.settings)
         for field in ("duplicate_groups", "filtered_groups"):
             if len(getattr(reply, field)) != len(groups):
                 raise WireError(field, f"the trajectory service answered {len(getattr(reply, field))} "

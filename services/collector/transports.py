@@ -18,6 +18,7 @@ import grpc
 
 from rlfleet.client.channel import ChannelSettings, StatusWatch, stream_error
 from rlfleet.services.collector.replicas import Replica
+from rlfleet.services.common import tracing
 from rlfleet.v1 import generation_pb2, weights_pb2
 from rlfleet.wire import shm
 from rlfleet.wire.shm import SHM_UNAVAILABLE
@@ -71,6 +72,10 @@ class ReplicaPush:
         self._call = None
         self._queue: asyncio.Queue | None = None
         self._feeder: asyncio.Task | None = None
+        self._stage_span = tracing.start_span("stage", {"rlfleet.replica": replica.address,
+                                                        "rlfleet.policy_version": manifest.version})
+        """Traced: from the call's opening to the replica's STAGED (the replica's UpdateWeights span is
+        its child: the call opens under it, and spans the commit too)."""
 
     @classmethod
     def start(cls, replica: Replica, manifest: weights_pb2.WeightManifest, settings: ChannelSettings,
@@ -93,7 +98,8 @@ class ReplicaPush:
             manifest.ClearField("shm")
         self._queue = asyncio.Queue(maxsize=QUEUE_CHUNKS)
         self._queue.put_nowait(generation_pb2.UpdateWeightsRequest(manifest=manifest))
-        self._call = self.replica.stub.UpdateWeights(self._requests(), metadata=self.settings.metadata())
+        with tracing.using(self._stage_span):
+            self._call = self.replica.stub.UpdateWeights(self._requests(), metadata=self.settings.metadata())
         self._watch = StatusWatch(self._call)  # keeps the replica's status over grpc.aio's write-race INTERNAL
         if transport == "grpc" and self.segment is not None:
             self._feeder = asyncio.ensure_future(self._feed(SegmentChunks(self.segment)))
@@ -143,21 +149,34 @@ class ReplicaPush:
             # its push may have unlinked its own.
             if self.segment.owner:
                 self.replica.shm_refused = True
+            stage_span, self._stage_span = self._stage_span, None  # the stage goes on, over grpc
             self.cancel()
+            self._stage_span = stage_span
             self.error = self.code = ""
             self._open("grpc")
             ok = await self._read(weights_pb2.WEIGHT_PHASE_STAGED)
         self.stage_seconds = time.monotonic() - self.started
+        self._end_stage(self.error)
         if not ok:
             self.cancel()
         return ok
 
+    def _end_stage(self, error: str = "") -> None:
+        if self._stage_span is not None:
+            self._stage_span.set_attribute("rlfleet.transport", self.transport)
+            tracing.end(self._stage_span, error)
+            self._stage_span = None
+
     async def commit(self) -> None:
         """Tell the replica to apply; ``applied`` tells the outcome."""
         committed = time.monotonic()
-        await self._queue.put(generation_pb2.UpdateWeightsRequest(
-            commit=weights_pb2.WeightCommit(version=self.version)))
-        self.applied = await self._read(weights_pb2.WEIGHT_PHASE_APPLIED)
+        with tracing.span("commit", {"rlfleet.replica": self.replica.address,
+                                     "rlfleet.policy_version": self.version}) as span:
+            await self._queue.put(generation_pb2.UpdateWeightsRequest(
+                commit=weights_pb2.WeightCommit(version=self.version)))
+            self.applied = await self._read(weights_pb2.WEIGHT_PHASE_APPLIED)
+            if span is not None and not self.applied:
+                span.set_status(tracing.Status(tracing.StatusCode.ERROR, self.error))
         self.apply_seconds = time.monotonic() - committed
         if self.applied:
             self.replica.policy_version = self.version
@@ -166,6 +185,7 @@ class ReplicaPush:
             self.cancel()
 
     def cancel(self) -> None:
+        self._end_stage(self.error or "cancelled")
         if self._feeder is not None:
             self._feeder.cancel()
         if self._call is not None:

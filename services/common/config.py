@@ -157,6 +157,14 @@ class ServiceConfig(Settings):
     """PEM private key (unencrypted) of ``tls_cert_file``."""
     tls_client_ca_file: str | None = None
     """PEM CA certificate(s): set, every client must present a certificate signed by one (mTLS)."""
+    otlp_endpoint: str | None = None
+    """OTLP/gRPC endpoint (``host:port``: an OpenTelemetry Collector, Jaeger) this service's trace spans
+    are exported to (``docs/guides/tracing.md``); None: no tracing, nothing added to any call."""
+    otlp_insecure: bool = True
+    """Export to ``otlp_endpoint`` in plaintext; false: over TLS, verified against the system roots."""
+    trace_sample_ratio: float = Field(1.0, ge=0, le=1)
+    """Share of the traces this service starts that are recorded (a trace begun by a caller follows
+    the caller's decision)."""
 
 
 class _EnvironSource(EnvSettingsSource):

@@ -13,6 +13,7 @@ UNKNOWN or INTERNAL, and before authentication).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -20,7 +21,7 @@ from typing import Any, AsyncIterator, Callable
 
 import grpc
 
-from rlfleet.services.common import metrics
+from rlfleet.services.common import metrics, tracing
 from rlfleet.services.common.errors import InvalidArgument, RlfleetError
 from rlfleet.services.common.security import AccessPolicy
 from rlfleet.wire import WireError
@@ -90,7 +91,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         verdict = self._policy.check(method, details.invocation_metadata)
         if verdict.code is not None:
             return _denied_handler(handler, method, getattr(grpc.StatusCode, verdict.code), verdict.message)
-        return _wrap_handler(handler, method)
+        return _wrap_handler(handler, method, tracing.traced_rpc(method, details.invocation_metadata))
 
 
 def _parser(handler: grpc.RpcMethodHandler, method: str) -> Callable[[bytes], Any]:
@@ -112,8 +113,13 @@ async def _parsed(requests: AsyncIterator[bytes], parse: Callable[[bytes], Any])
         yield parse(raw)
 
 
-def _wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+def _wrap_handler(handler: grpc.RpcMethodHandler, method: str, trace_parent=None) -> grpc.RpcMethodHandler:
+    """``trace_parent``: the caller's trace context when the call is traced (a SERVER span around the
+    handler, ``tracing.rpc_span``), None when not (tracing off: nothing added)."""
     parse = _parser(handler, method)
+
+    def traced():
+        return contextlib.nullcontext() if trace_parent is None else tracing.rpc_span(method, trace_parent)
     streaming_request = handler.request_streaming
 
     def request_of(raw_or_iterator):
@@ -125,7 +131,8 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethod
         async def unary_response(request_or_iterator, context):
             started = time.perf_counter()
             try:
-                return await behavior(request_of(request_or_iterator), context)
+                with traced():
+                    return await behavior(request_of(request_or_iterator), context)
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 raise
             except Exception as exc:  # noqa: BLE001 - the one place errors become statuses
@@ -141,12 +148,13 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethod
         async def unary_response(request_or_iterator, context):  # streams responses
             started = time.perf_counter()
             try:
-                result = behavior(request_of(request_or_iterator), context)
-                if inspect.isasyncgen(result):
-                    async for item in result:
-                        yield item
-                else:  # a coroutine using context.write
-                    await result
+                with traced():
+                    result = behavior(request_of(request_or_iterator), context)
+                    if inspect.isasyncgen(result):
+                        async for item in result:
+                            yield item
+                    else:  # a coroutine using context.write
+                        await result
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 raise
             except Exception as exc:  # noqa: BLE001

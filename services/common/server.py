@@ -179,11 +179,12 @@ async def serve(service: Service, stop_event: asyncio.Event | None = None) -> No
 
     # Imported here, not at the top: they load the codec (torch, tensordict: seconds), and a bad
     # config is refused before that (``run``).
-    from rlfleet.services.common import security
+    from rlfleet.services.common import security, tracing
     from rlfleet.services.common.diagnostics import DiagnosticsServicer
     from rlfleet.services.common.interceptors import ErrorInterceptor
 
     policy = security.access_policy(config)  # files read now: a bad one refuses the start
+    tracing.setup(type(config).service_name, config.otlp_endpoint, config.trace_sample_ratio, config.otlp_insecure)
     credentials = security.server_credentials(config)
 
     if service.torch_threads():
@@ -244,6 +245,7 @@ async def serve(service: Service, stop_event: asyncio.Event | None = None) -> No
         if health_server is not None:
             await health_server.stop(0)
         await service.stop()
+        tracing.shutdown()  # after the service's last spans (a collector's final appends)
         log.info("stopped")
 
 

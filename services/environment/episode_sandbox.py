@@ -2,16 +2,17 @@
 
 ``PythonSandbox.run`` starts a fresh bwrap and a fresh interpreter for every call (~20 ms of CPU, on
 the cores the generation engine needs). An ``EpisodeSandbox`` starts them once, at the episode's
-first call: the interpreter inside (the zygote) is the init of the sandbox's pid namespace (bwrap
-``--as-pid-1``), and for each call it forks a child that sets the rlimits, writes ``snippet.py`` and
-runs it exactly as ``PythonSandbox``'s runner does. When that child exits, the zygote kills every
-other process of the namespace (``kill(-1, SIGKILL)``: all but itself), reaps them, empties the
-working directory (a tmpfs of ``max_disk_bytes``) and ``/tmp``, and only then answers the host: no
-process and no file of a call outlives it, as with ``PythonSandbox``. The per-call guarantees hold call by call: the same bwrap
-options (read-only system, no /etc, no network, own pid/ipc/uts namespaces), uid 65534, the same
-rlimits set in the call's process before the snippet's first line (RLIMIT_NPROC counts the zygote
-where ``PythonSandbox`` counts bwrap's init: the same number of processes left to the snippet), the
-output caps, and the wall clock, kept by the host.
+first call: the interpreter inside (the zygote, ``sandboxed/zygote.py``) is the init of the
+sandbox's pid namespace (bwrap ``--as-pid-1``), and for each call it forks a child that sets the
+rlimits, writes ``snippet.py`` and runs it exactly as ``PythonSandbox``'s runner does. When that
+child exits, the zygote kills every other process of the namespace (``kill(-1, SIGKILL)``: all but
+itself), reaps them, empties the working directory (a tmpfs of ``max_disk_bytes``) and ``/tmp``, and
+only then answers the host: no process and no file of a call outlives it, as with ``PythonSandbox``.
+The per-call guarantees hold call by call: the same bwrap options (read-only system, no /etc, no
+network, own pid/ipc/uts namespaces), uid 65534, the same rlimits set in the call's process before
+the snippet's first line (RLIMIT_NPROC counts the zygote where ``PythonSandbox`` counts bwrap's
+init: the same number of processes left to the snippet), the output caps, and the wall clock, kept
+by the host.
 
 **Shared between the calls of one episode, and nothing else**: the sandbox's namespaces and mounts
 (empty between calls), the zygote (the parent of every call, pid 1; each call is a fresh fork of it,
@@ -43,99 +44,29 @@ import tempfile
 import time
 from typing import BinaryIO
 
+from rlfleet.services.environment import sandboxed
 from rlfleet.services.environment.sandbox import (
-    _PIPE_GRACE_SECONDS,
-    _RLIMITS,
-    _RUN_SNIPPET,
     SANDBOX_WORKDIR,
-    SNIPPET_NAME,
     PythonSandbox,
     SandboxUnavailable,
     ToolResult,
-    _describe_failure,
-    _end_namespace,
-    _OutputPipe,
-    _readable,
-    _stop,
     bwrap_arguments,
-    seccomp_filter_fd,
+    describe_failure,
+    interpreter_command,
     sandbox_env,
+    seccomp_filter_fd,
+)
+from rlfleet.services.environment.sandbox_process import (
+    PIPE_GRACE_SECONDS,
+    OutputPipe,
+    end_namespace,
+    readable,
+    stop_tasks,
 )
 
 log = logging.getLogger(__name__)
 
 _END_SECONDS = 5.0  # the kernel's kill of a pid namespace takes milliseconds
-
-# The zygote: serve() returns only in a call's process, which then goes on exactly as PythonSandbox's
-# runner (the rlimits, then the snippet as __main__). argv: the five rlimits, the snippet's name, the
-# control socket's fd. A call is one byte on the control socket carrying four fds (the snippet's
-# source, stdin, stdout, stderr); the answer is "<wait status> <1: emptied, 0: not>\n".
-_ZYGOTE = """\
-import array, ctypes, gc, os, resource, signal, sys, _socket
-from _frozen_importlib_external import SourceFileLoader  # imported once here, not by every call
-def empty(directory):
-    try:
-        with os.scandir(directory) as entries:
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    if not empty(entry.path):
-                        return False
-                    os.rmdir(entry.path)
-                else:
-                    os.unlink(entry.path)
-    except (OSError, RecursionError):
-        return False
-    return True
-def serve():
-    if os.getpid() != 1:  # kill(-1) below is for a pid namespace of our own only: never the host's
-        os._exit(2)
-    libc = ctypes.CDLL(None, use_errno=True)
-    def dumpable(flag):
-        if libc.prctl(4, flag, 0, 0, 0):  # PR_SET_DUMPABLE
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE)")
-    dumpable(0)  # no ptrace, no /proc/1/mem or /proc/1/fd for the snippets
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # the namespace's init: a signal without handler never arrives
-    control = _socket.socket(fileno=int(sys.argv[7]))
-    workdir = os.getcwd()
-    gc.freeze()  # the zygote's objects stay out of every call's collections: fewer pages copied on write
-    while True:
-        message, ancillary, _, _ = control.recvmsg(1, _socket.CMSG_SPACE(16))
-        if not message:
-            os._exit(0)  # the host closed the episode's sandbox
-        fds = array.array("i")
-        for _, _, data in ancillary:
-            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
-        if len(fds) != 4:
-            os._exit(3)
-        child = os.fork()
-        if child == 0:  # the call's process
-            control.close()
-            os.setsid()
-            dumpable(1)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            source, *standard = fds
-            for target, fd in enumerate(standard):
-                os.dup2(fd, target)
-                os.close(fd)
-            with open(source, "rb") as code, open(sys.argv[6], "wb") as snippet:
-                snippet.write(code.read())
-            return
-        for fd in fds:
-            os.close(fd)
-        status = os.waitpid(child, 0)[1]
-        try:
-            os.kill(-1, signal.SIGKILL)  # every process of the namespace but this one
-        except ProcessLookupError:
-            pass
-        while True:  # orphans are this init's children: none left means none alive
-            try:
-                os.wait()
-            except ChildProcessError:
-                break
-        emptied = empty(workdir) and empty("/tmp")
-        control.sendall(b"%d %d\\n" % (status, emptied))
-serve()
-""" + _RLIMITS + _RUN_SNIPPET
 
 
 class EpisodeSandboxes:
@@ -227,10 +158,9 @@ class EpisodeSandbox:
         stderr_read, stderr_write = os.pipe()
         self._zygote_stderr = stderr_read
         limits = self.limits
-        rlimits = (limits.cpu_seconds, limits.memory_bytes, limits.max_processes, limits.max_file_bytes,
-                   limits.max_open_files)
-        zygote = [owner.python, "-I", "-B", "-X", "utf8", "-c", _ZYGOTE, *map(str, rlimits), SNIPPET_NAME,
-                  str(zygote_end.fileno())]
+        # the zygote, then in each call's process the snippet runner (sandboxed/zygote.py)
+        program = sandboxed.source("zygote", "snippet_runner")
+        zygote = [*interpreter_command(owner.python, program, limits), str(zygote_end.fileno())]
         stdout_read, stdout_write = os.pipe()  # pipes, as a call's: sys.stdout is made over them
         seccomp_fd = None
         try:
@@ -255,7 +185,7 @@ class EpisodeSandbox:
         self.started += 1
 
     async def _call(self, code: str, stdin: str) -> ToolResult:
-        pipes = (_OutputPipe(self.limits.max_output_bytes), _OutputPipe(self.limits.max_output_bytes))
+        pipes = (OutputPipe(self.limits.max_output_bytes), OutputPipe(self.limits.max_output_bytes))
         readers: list[asyncio.Task] = []
         ended = True  # unless the zygote answers that it cleaned up
         timed_out = False
@@ -288,7 +218,7 @@ class EpisodeSandbox:
                     self._log_zygote_failure(answer, timed_out)
                     await self._end()
                 if readers:
-                    _, still_open = await asyncio.wait(readers, timeout=_PIPE_GRACE_SECONDS)
+                    _, still_open = await asyncio.wait(readers, timeout=PIPE_GRACE_SECONDS)
                     if still_open:
                         log.warning("an output pipe stayed open after the call ended: a process escaped the sandbox")
             except BaseException:  # cancelled: nothing of the call may outlive it
@@ -297,9 +227,9 @@ class EpisodeSandbox:
             finally:
                 for pipe in pipes:
                     pipe.close()
-                await _stop(readers)
+                await stop_tasks(readers)
         exit_code = os.waitstatus_to_exitcode(status) if answer is not None else status
-        error = _describe_failure(exit_code, timed_out, pipes[1].tail, self.limits)
+        error = describe_failure(exit_code, timed_out, pipes[1].tail, self.limits)
         if answer is None and not timed_out:
             error = "ended with its sandbox, which stopped answering"
         return ToolResult(ok=error is None, stdout=pipes[0].text("stdout"), stderr=pipes[1].text("stderr"),
@@ -337,12 +267,12 @@ class EpisodeSandbox:
         if process is not None:
             exited = os.pidfd_open(process.pid)
             try:
-                await _end_namespace(self._info)
+                await end_namespace(self._info)
                 try:
                     os.killpg(process.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                await asyncio.wait_for(_readable(exited), _END_SECONDS)
+                await asyncio.wait_for(readable(exited), _END_SECONDS)
             finally:
                 os.close(exited)
             process.wait()

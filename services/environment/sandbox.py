@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import functools
-import json
 import logging
 import os
 import shutil
@@ -43,7 +42,15 @@ from typing import BinaryIO, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlfleet.services.common.errors import Unavailable
+from rlfleet.services.environment import sandboxed
 from rlfleet.services.environment.sandbox_diagnosis import explain
+from rlfleet.services.environment.sandbox_process import (
+    PIPE_GRACE_SECONDS,
+    OutputPipe,
+    end_namespace,
+    readable,
+    stop_tasks,
+)
 from rlfleet.services.environment.seccomp import UnsupportedArchitecture, filter_fd, no_nested_user_namespaces
 
 log = logging.getLogger(__name__)
@@ -54,58 +61,9 @@ SANDBOX_UID = 65534  # nobody: owns nothing on the host
 SANDBOX_WORKDIR = "/sandbox"  # the call's working directory inside bwrap: a tmpfs of max_disk_bytes
 SNIPPET_NAME = "snippet.py"
 _SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/bin")
-_READ_CHUNK = 64 * 1024
-_TAIL_BYTES = 1024  # kept from the end of stderr whatever the cap: the exception line is there
-_PIPE_GRACE_SECONDS = 2.0  # after the exit, how long an output pipe may stay open (an escaped child)
-_NAMESPACE_END_SECONDS = 5.0  # the kernel's kill of a pid namespace takes milliseconds
 _PROBE_OUTPUT = "sandbox ok"
-
-# The one program inside the sandbox: lowers its own rlimits, then runs the snippet in the same
-# interpreter as `python -I -B -X utf8 snippet.py` would: a fresh `__main__` module with a script's
-# globals, `sys.argv == ["snippet.py"]`, CPython's own handling of exceptions, SystemExit and exit
-# codes, and tracebacks without this program's frame. That frame stays below the snippet's for
-# `inspect.stack()` and the recursion limit, and a NUL byte in the source is an error (3.11's file
-# reader ignored the rest of that line). One interpreter per call, where a shim used to exec a second
-# one: 25% less CPU per call (bench/sandbox.py). `site` runs before the rlimits, host code as in any
-# interpreter (snippets keep `exit()` and the system's site-packages); the snippet runs after them.
-# Not a `preexec_fn`: no Python may run between fork and exec in a threaded service (a lock held by
-# another thread at fork time deadlocks the child). Set inside bwrap's user namespace, RLIMIT_NPROC
-# also counts this sandbox's processes only, not those of concurrent calls.
-_RLIMITS = """\
-import resource, sys
-cpu, address_space, processes, file_bytes, open_files = map(int, sys.argv[1:6])
-for limit, soft, hard in (
-    (resource.RLIMIT_CPU, cpu, cpu + 1),  # SIGXCPU at the soft limit, SIGKILL a second later
-    (resource.RLIMIT_AS, address_space, address_space),
-    (resource.RLIMIT_NPROC, processes, processes),
-    (resource.RLIMIT_FSIZE, file_bytes, file_bytes),
-    (resource.RLIMIT_NOFILE, open_files, open_files),
-    (resource.RLIMIT_CORE, 0, 0),
-):
-    resource.setrlimit(limit, (soft, hard))
-"""
-_RUN_SNIPPET = """\
-import builtins, posix
-from _frozen_importlib_external import SourceFileLoader
-def excepthook(kind, error, traceback, shown=sys.excepthook, runner=sys._getframe().f_code):
-    while traceback is not None and traceback.tb_frame.f_code is runner:
-        traceback = traceback.tb_next
-    if isinstance(error, BaseException):  # printed from error.__traceback__, not from the argument
-        error.__traceback__ = traceback
-    shown(kind, error, traceback)
-name = sys.argv[6]
-path = posix.getcwd() + "/" + name
-main = type(sys)("__main__")
-main.__dict__.update(__loader__=SourceFileLoader("__main__", path), __spec__=None, __annotations__={},
-                     __builtins__=builtins, __file__=path, __cached__=None)
-sys.argv[:] = [name]
-sys.modules["__main__"] = main
-sys.excepthook = excepthook
-with open(name, "rb") as source:
-    code = compile(source.read(), path, "exec", dont_inherit=True)
-exec(code, main.__dict__)
-"""
-_SNIPPET_RUNNER = _RLIMITS + _RUN_SNIPPET
+# The programs the sandbox runs are in sandboxed/ (snippet_runner.py here, zygote.py per episode):
+# passed as `python -c` text, so nothing of rlfleet is mounted into the sandbox.
 
 
 def sandbox_env(home: str) -> dict[str, str]:
@@ -276,7 +234,7 @@ class PythonSandbox:
             await asyncio.to_thread(_remove_scratch, scratch)
 
     async def _run_process(self, isolation: Isolation, scratch: str | None, code: str, stdin: str) -> ToolResult:
-        pipes = (_OutputPipe(self.limits.max_output_bytes), _OutputPipe(self.limits.max_output_bytes))
+        pipes = (OutputPipe(self.limits.max_output_bytes), OutputPipe(self.limits.max_output_bytes))
         readers: list[asyncio.Task] = []
         # stdin is a file, not a pipe: nothing to feed, nothing that blocks on a snippet that never reads;
         # the source too: bwrap copies it into the tmpfs (--file), rlimits-only reads it from the scratch
@@ -293,15 +251,15 @@ class PythonSandbox:
                 readers = [asyncio.create_task(pipe.collect()) for pipe in pipes]
                 timed_out = await self._wait_and_end(process, bwrap_info if isolation == "bwrap" else None)
                 wall_seconds = time.monotonic() - started
-                _, still_open = await asyncio.wait(readers, timeout=_PIPE_GRACE_SECONDS)
+                _, still_open = await asyncio.wait(readers, timeout=PIPE_GRACE_SECONDS)
                 if still_open:
                     log.warning("an output pipe stayed open after the snippet ended: a process escaped the sandbox")
             finally:
                 for pipe in pipes:
                     pipe.close()
-                await _stop(readers)
+                await stop_tasks(readers)
         exit_code = _exit_code(process.returncode, isolation)
-        error = _describe_failure(exit_code, timed_out, pipes[1].tail, self.limits)
+        error = describe_failure(exit_code, timed_out, pipes[1].tail, self.limits)
         return ToolResult(
             ok=error is None,
             stdout=pipes[0].text("stdout"),
@@ -316,7 +274,7 @@ class PythonSandbox:
         isolation: Isolation,
         scratch: str | None,
         files: tuple[BinaryIO, BinaryIO, BinaryIO],
-        pipes: tuple[_OutputPipe, ...],
+        pipes: tuple[OutputPipe, ...],
     ) -> subprocess.Popen:
         """Start the call: ``files`` are its stdin, bwrap's info file and the snippet's source."""
         stdin_file, bwrap_info, source = files
@@ -368,7 +326,7 @@ class PythonSandbox:
         timed_out = False
         exited = os.pidfd_open(process.pid)  # not reaped until process.wait() below: the pid is ours
         try:
-            await asyncio.wait_for(_readable(exited), self.limits.wall_seconds)
+            await asyncio.wait_for(readable(exited), self.limits.wall_seconds)
         except asyncio.TimeoutError:
             timed_out = True
         finally:
@@ -378,22 +336,28 @@ class PythonSandbox:
             except ProcessLookupError:
                 pass  # nothing left in the group
             try:
-                await _readable(exited)
+                await readable(exited)
             finally:
                 os.close(exited)
             process.wait()  # exited: reaps it at once
             if bwrap_info is not None:
-                await _end_namespace(bwrap_info)
+                await end_namespace(bwrap_info)
         return timed_out
 
 
 def snippet_command(python: str, limits: SandboxLimits) -> list[str]:
     """The command that runs ``snippet.py`` of its working directory with ``python`` as
     ``python -I -B -X utf8 snippet.py`` would, in one interpreter that sets ``limits``' rlimits first."""
+    return interpreter_command(python, sandboxed.source("snippet_runner"), limits)
+
+
+def interpreter_command(python: str, program: str, limits: SandboxLimits) -> list[str]:
+    """``python`` running ``program`` (``sandboxed.source``) with the arguments each program of
+    ``sandboxed/`` reads first: ``limits``' five rlimits, the snippet's file name."""
     rlimits = (limits.cpu_seconds, limits.memory_bytes, limits.max_processes)
     rlimits += (limits.max_file_bytes, limits.max_open_files)
     # -I ignores PYTHON* variables, so -B stands in for PYTHONDONTWRITEBYTECODE
-    return [python, "-I", "-B", "-X", "utf8", "-c", _SNIPPET_RUNNER, *map(str, rlimits), SNIPPET_NAME]
+    return [python, "-I", "-B", "-X", "utf8", "-c", program, *map(str, rlimits), SNIPPET_NAME]
 
 
 def bwrap_arguments(limits: SandboxLimits, info_fd: int, seccomp_fd: int, snippet_fd: int | None = None) -> list[str]:
@@ -439,110 +403,6 @@ def _copy_snippet(source: BinaryIO, scratch: str) -> None:
         source.seek(0)
 
 
-class _OutputPipe:
-    """One output stream of the snippet: keeps the first ``cap`` bytes and the last ``_TAIL_BYTES``,
-    counts and drops the rest, so a flood costs reading time, never memory."""
-
-    def __init__(self, cap: int):
-        self.cap = cap
-        self.kept = bytearray()
-        self.tail = b""
-        self.total = 0
-        self._read_end: int | None
-        self.write_end: int | None
-        self._read_end, self.write_end = os.pipe()
-
-    def close_write_end(self) -> None:
-        if self.write_end is not None:
-            os.close(self.write_end)
-            self.write_end = None
-
-    def close(self) -> None:
-        """Close what ``collect()`` has not taken over."""
-        self.close_write_end()
-        if self._read_end is not None:
-            os.close(self._read_end)
-            self._read_end = None
-
-    async def collect(self) -> None:
-        """Read until EOF (every holder of the write end has exited)."""
-        reader = asyncio.StreamReader()
-        pipe = os.fdopen(self._read_end, "rb", buffering=0)
-        self._read_end = None
-        loop = asyncio.get_running_loop()
-        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
-        try:
-            while chunk := await reader.read(_READ_CHUNK):
-                self.kept += chunk[: max(0, self.cap - len(self.kept))]
-                self.tail = (self.tail + chunk)[-_TAIL_BYTES:]
-                self.total += len(chunk)
-        finally:
-            transport.close()
-
-    def text(self, name: str) -> str:
-        text = self.kept.decode("utf-8", errors="replace")
-        cut = self.total - len(self.kept)
-        if cut:
-            text += f"\n[... {name} truncated: {cut} of {self.total} bytes cut, the limit is {self.cap} bytes]\n"
-        return text
-
-
-async def _end_namespace(bwrap_info: BinaryIO) -> None:
-    """End the sandbox's pid namespace and wait until it has. bwrap returns as soon as the snippet's
-    main process exits; the namespace's init follows a moment later (``--die-with-parent``), the
-    kernel killing every other process in the namespace first. Done here, nothing of the call
-    outlives ``run()``: no daemon, no process still writing into the scratch directory."""
-    bwrap_info.seek(0)
-    try:
-        info = json.loads(bwrap_info.read() or "null")
-    except ValueError:  # killed while writing it: the namespace was still being set up
-        info = None
-    if info is None:
-        return  # bwrap ended before it made a namespace
-    init = info["child-pid"]
-    try:
-        pidfd = os.pidfd_open(init)
-    except ProcessLookupError:
-        return  # ended and reaped already
-    try:
-        try:  # the pid may name another process only if the init was reaped and its pid reused
-            ours = os.readlink(f"/proc/{init}/ns/pid") == f"pid:[{info['pid-namespace']}]"
-        except OSError:
-            ours = False  # a zombie: ended already
-        if ours:
-            try:
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            except ProcessLookupError:
-                pass  # reaped since
-        await asyncio.wait_for(_readable(pidfd), _NAMESPACE_END_SECONDS)
-    except asyncio.TimeoutError:
-        log.error("the sandbox's pid namespace (init pid %d) lives on %g s after SIGKILL", init, _NAMESPACE_END_SECONDS)
-    finally:
-        os.close(pidfd)
-
-
-async def _readable(fd: int) -> None:
-    """Wait until ``fd`` is readable (a pidfd: the process has ended)."""
-    loop = asyncio.get_running_loop()
-    readable = loop.create_future()
-    loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
-    try:
-        await readable
-    finally:
-        loop.remove_reader(fd)
-
-
-async def _stop(tasks: list[asyncio.Task]) -> None:
-    """Cancel what is still running, wait for all, re-raise a failure of any."""
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        await asyncio.wait(tasks)
-    for task in tasks:
-        if not task.cancelled():
-            task.result()
-
-
 def _remove_scratch(scratch: str) -> None:
     try:
         shutil.rmtree(scratch)
@@ -557,7 +417,7 @@ def _exit_code(returncode: int, isolation: Isolation) -> int:
     return returncode
 
 
-def _describe_failure(exit_code: int, timed_out: bool, stderr_tail: bytes, limits: SandboxLimits) -> str | None:
+def describe_failure(exit_code: int, timed_out: bool, stderr_tail: bytes, limits: SandboxLimits) -> str | None:
     """One sentence for the model saying why the snippet failed; ``None`` when it did not."""
     if timed_out:
         return f"timed out after {limits.wall_seconds:g} s (wall clock)"

@@ -28,9 +28,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Coroutine, Literal, Sequence, TypeVar
 
+from rlfleet.services.common import tracing
 from rlfleet.services.common.errors import InvalidArgument, NotFound, Unavailable
 from rlfleet.services.trajectory.samples import SampleLog
 from rlfleet.services.trajectory.store import AppendResult, Delivery, Dropped, Stats, TrajectoryStore
+from rlfleet.services.trajectory.traces import GroupTraces
 from rlfleet.v1 import tensor_pb2
 
 log = logging.getLogger("rlfleet.trajectory.buffer")
@@ -133,6 +135,8 @@ class TrajectoryBuffer:
         self._lease_added = asyncio.Event()
         self._reader_ids = itertools.count(1)
         self._expiry: asyncio.Task | None = None
+        self.traces = GroupTraces()
+        """Each group's trace, for the lease and ack spans (tracing on)."""
 
     # --- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -166,7 +170,8 @@ class TrajectoryBuffer:
     # --- unary operations -----------------------------------------------------------------
     async def append(self, trajectories: tensor_pb2.TensorDict, idempotency_key: str = "",
                      group_keys: Sequence[str] = (), filtered_groups: Sequence[bool] = (),
-                     committed_version: int | None = None) -> AppendResult:
+                     committed_version: int | None = None, trace_contexts: Sequence[str] = ()) -> AppendResult:
+        self.traces.appended(trajectories, trace_contexts)  # checked before anything is stored
         result = await self._call(TrajectoryStore.append, trajectories, idempotency_key, group_keys,
                                   filtered_groups, committed_version, priority=APPENDS)
         if result.appended:
@@ -230,6 +235,7 @@ class TrajectoryBuffer:
             for task in (take, deliver, pump):
                 if task is not None:
                     task.cancel()
+            self.traces.forget_leases(list(leases))
             released = await self._release_owner(owner)
             log.info("reader closed", extra={"reader": owner, "released": released})
 
@@ -244,10 +250,12 @@ class TrajectoryBuffer:
         while True:
             changed = self._changed  # taken before looking: a change after this wakes us
             if len(leases) < prefetch:
+                started = tracing.now_ns()
                 delivery = await self._call(
                     TrajectoryStore.lease, owner, options.batch_size, lease_seconds=lease_seconds,
                     whole_groups=options.whole_groups, min_policy_version=options.min_policy_version)
                 if delivery is not None:
+                    self.traces.leased(delivery.lease_id, delivery.batch, started, owner)
                     leases.add(delivery.lease_id)
                     self._lease_added.set()
                     return delivery
@@ -257,12 +265,14 @@ class TrajectoryBuffer:
                               outbox: asyncio.Queue) -> None:
         async for kind, lease_id in commands:
             nack = kind == "nack"
+            started = tracing.now_ns()
             try:
                 count = await self._call(TrajectoryStore.nack if nack else TrajectoryStore.ack, owner, lease_id)
                 settled = Settlement(lease_id, nack, applied=True, trajectories=count)
             except NotFound as err:
                 settled = Settlement(lease_id, nack, applied=False, reason=str(err))
                 log.info("%s of a lease that is not live", kind, extra={"reader": owner, "lease": lease_id})
+            self.traces.settled(lease_id, kind, started, settled.applied)
             await outbox.put(settled)  # before the slot is freed: the answer precedes the next batch
             leases.discard(lease_id)
             self._notify()
@@ -286,6 +296,7 @@ class TrajectoryBuffer:
             self._lease_added.clear()  # before expire(): a lease added meanwhile re-arms us
             expired, next_expiry = await self._call(TrajectoryStore.expire)
             if expired:
+                self.traces.forget_leases([lease_id for lease_id, _ in expired])
                 log.info("leases expired", extra={"leases": [lease_id for lease_id, _ in expired]})
                 self._notify()
             timeout = None if next_expiry is None else max(0.0, next_expiry - time.time()) + 0.001

@@ -28,7 +28,8 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
             raise InvalidArgument("trajectories: missing")
         result = await self._buffer.append(request.trajectories, request.idempotency_key, list(request.group_keys),
                                            list(request.filtered_groups),
-                                           request.committed_version if request.HasField("committed_version") else None)
+                                           request.committed_version if request.HasField("committed_version") else None,
+                                           list(request.trace_contexts))
         return trajectory_pb2.AppendResponse(appended=result.appended, buffered=result.buffered,
                                              duplicate_groups=result.duplicate_groups,
                                              filtered_groups=result.filtered_groups)

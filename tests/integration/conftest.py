@@ -6,16 +6,21 @@ import grpc
 import pytest
 
 from rlfleet.services.launch import ServiceProcess
+from tests import echo_service
 from tests.integration.fuzzing import FuzzLog
+
+# Services only the tests run, outside the installed package: name -> the module python -m runs.
+TEST_SERVICES = {"echo": echo_service.MODULE}
 
 
 @pytest.fixture
 def start_service(tmp_path):
-    """Start ``python -m rlfleet.services.<name>``; every process is stopped at teardown."""
+    """Start ``python -m rlfleet.services.<name>`` (a name of ``TEST_SERVICES``: its module); every
+    process is stopped at teardown."""
     started: list[ServiceProcess] = []
 
     def start(name: str, *args: str, env: dict[str, str] | None = None) -> ServiceProcess:
-        proc = ServiceProcess(name, list(args), env=env or {})
+        proc = ServiceProcess(name, list(args), env=env or {}, module=TEST_SERVICES.get(name))
         proc.start(tmp_path / f"{name}-{len(started)}")
         started.append(proc)
         return proc

@@ -11,7 +11,7 @@ import rlfleet.services.reward.config  # noqa: F401
 import rlfleet.services.trajectory.config  # noqa: F401
 from rlfleet.services.collector.config import CollectorConfig
 from rlfleet.services.common.config import ServiceConfig
-from rlfleet.services.echo.config import EchoConfig
+from tests.echo_service.config import EchoConfig
 
 
 def test_precedence_cli_over_env_over_file(tmp_path):

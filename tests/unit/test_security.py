@@ -14,9 +14,9 @@ from rlfleet.client.channel import ChannelSettings
 from rlfleet.services.common import security
 from rlfleet.services.common.errors import StartupError
 from rlfleet.services.credentials import make_credentials
-from rlfleet.services.echo.config import EchoConfig
 from rlfleet.v1 import (collector_pb2, diagnostics_pb2, environment_pb2, generation_pb2, reference_pb2, reward_pb2,
                         trajectory_pb2)
+from tests.echo_service.config import EchoConfig
 
 SECURITY_GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "security.md"
 TOKENS = {"t" * 16: frozenset({"trainer"}), "r" * 16: frozenset({"reader"}), "o" * 16: frozenset({"operator"}),

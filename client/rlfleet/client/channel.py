@@ -16,6 +16,12 @@ import grpc
 
 from rlfleet.client.errors import RlfleetClientError, from_rpc_error
 
+try:  # optional: the SDK's base install does not need OpenTelemetry
+    from opentelemetry import trace as _otel_trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator as _TraceContext
+except ImportError:  # pragma: no cover - exercised where opentelemetry-api is not installed
+    _otel_trace = None
+
 T = TypeVar("T")
 
 
@@ -67,7 +73,19 @@ class ChannelSettings:
                                             certificate_chain=self.certificate_chain)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self.auth_token}"),) if self.auth_token else ()
+        """The metadata of a call: the token, and the current trace context (``trace_metadata``)."""
+        auth = (("authorization", f"Bearer {self.auth_token}"),) if self.auth_token else ()
+        return auth + trace_metadata()
+
+
+def trace_metadata() -> tuple[tuple[str, str], ...]:
+    """The current OpenTelemetry span's W3C context (``traceparent``) as call metadata, so that the
+    service's spans join the caller's trace; () without a recording span or without opentelemetry-api."""
+    if _otel_trace is None or not _otel_trace.get_current_span().get_span_context().is_valid:
+        return ()
+    carrier: dict[str, str] = {}
+    _TraceContext().inject(carrier)
+    return tuple(carrier.items())
 
 
 def credentials_from(directory: str | Path, name: str = "trainer", role: str | None = None) -> dict[str, Any]:
@@ -199,5 +217,5 @@ def backoff(attempt: int, base: float) -> float:
 
 __all__ = [
     "ChannelSettings", "RlfleetClientError", "STREAM_WRITE_ERRORS", "StatusWatch", "aio_channel", "backoff",
-    "call_with_retry", "credentials_from", "is_core_write_failure", "stream_error",
+    "call_with_retry", "credentials_from", "is_core_write_failure", "stream_error", "trace_metadata",
 ]

@@ -18,18 +18,20 @@ SAMPLE_FILTER_DELIVERED: SampleFilter
 SAMPLE_FILTER_FILTERED: SampleFilter
 
 class AppendRequest(_message.Message):
-    __slots__ = ("trajectories", "idempotency_key", "group_keys", "filtered_groups", "committed_version")
+    __slots__ = ("trajectories", "idempotency_key", "group_keys", "filtered_groups", "committed_version", "trace_contexts")
     TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     GROUP_KEYS_FIELD_NUMBER: _ClassVar[int]
     FILTERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXTS_FIELD_NUMBER: _ClassVar[int]
     trajectories: _tensor_pb2.TensorDict
     idempotency_key: str
     group_keys: _containers.RepeatedScalarFieldContainer[str]
     filtered_groups: _containers.RepeatedScalarFieldContainer[bool]
     committed_version: int
-    def __init__(self, trajectories: _Optional[_Union[_tensor_pb2.TensorDict, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., group_keys: _Optional[_Iterable[str]] = ..., filtered_groups: _Optional[_Iterable[bool]] = ..., committed_version: _Optional[int] = ...) -> None: ...
+    trace_contexts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, trajectories: _Optional[_Union[_tensor_pb2.TensorDict, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., group_keys: _Optional[_Iterable[str]] = ..., filtered_groups: _Optional[_Iterable[bool]] = ..., committed_version: _Optional[int] = ..., trace_contexts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AppendResponse(_message.Message):
     __slots__ = ("appended", "buffered", "duplicate_groups", "filtered_groups")

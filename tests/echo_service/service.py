@@ -7,7 +7,7 @@ import asyncio
 import grpc
 
 from rlfleet.services.common.server import Service
-from rlfleet.services.echo.config import EchoConfig
+from tests.echo_service.config import EchoConfig
 
 
 class EchoService(Service[EchoConfig]):

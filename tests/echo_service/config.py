@@ -1,4 +1,4 @@
-"""Config of the echo service."""
+"""Config of the echo service (tests only)."""
 
 from __future__ import annotations
 

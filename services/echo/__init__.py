@@ -1,1 +1,0 @@
-"""rlfleet echo service."""
