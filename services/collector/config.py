@@ -8,9 +8,10 @@ from pydantic import Field, model_validator
 
 from rlfleet.choices import AdvantageModeName, KLEstimatorName
 from rlfleet.services.common.config import ServiceConfig
+from rlfleet.services.common.upstream import UpstreamConfig
 
 
-class CollectorConfig(ServiceConfig):
+class CollectorConfig(ServiceConfig, UpstreamConfig):
     """The collector: prompt source, rollout pipeline, policy versions, weight fan-out."""
 
     service_name = "collector"
@@ -38,22 +39,6 @@ class CollectorConfig(ServiceConfig):
     """Trajectory service."""
     environment_address: str | None = None
     """Environment service, for prompts run as multi-turn episodes; None = single-turn prompts only."""
-    upstream_auth_token: str | None = None
-    """Bearer token sent to the other services (if they enforce one: a ``service`` role token). Prefer
-    ``upstream_auth_token_file``: a command line shows in ``ps``."""
-    upstream_auth_token_file: str | None = None
-    """File holding the bearer token sent to the other services (a mounted secret); overrides
-    ``upstream_auth_token``."""
-    upstream_tls_ca_file: str | None = None
-    """PEM CA certificate(s) the other services' certificates are verified against; set (or a client
-    certificate set), the collector calls them over TLS."""
-    upstream_tls_cert_file: str | None = None
-    """PEM client certificate the collector presents to services that require one (mTLS)."""
-    upstream_tls_key_file: str | None = None
-    """PEM private key of ``upstream_tls_cert_file``."""
-    upstream_tls_server_name: str | None = None
-    """The name the other services' certificates hold, when it differs from their addresses' hosts."""
-
     dataset_path: str | None = None
     """JSONL/JSON/Parquet file or saved `datasets` directory of prompts; None = only trainer-submitted prompts."""
     prompt_field: str = "prompt"
@@ -170,8 +155,7 @@ class CollectorConfig(ServiceConfig):
     services' health checked (``Status.serving``)."""
     replica_startup_seconds: float = Field(60.0, ge=0)
     """At start, how long to wait for every replica to answer before starting with the ones that did."""
-    upstream_timeout_seconds: float = Field(120.0, gt=0)
-    """Deadline of calls to reference/reward/trajectory."""
+
 
     @model_validator(mode="after")
     def _sync_means_no_staleness(self) -> "CollectorConfig":

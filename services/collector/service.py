@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlfleet.choices import ADVANTAGE_MODES, KL_ESTIMATORS
-from rlfleet.client.channel import ChannelSettings, aio_channel, call_with_retry
+from rlfleet.client.channel import aio_channel, call_with_retry
 from rlfleet.client.errors import RlfleetClientError
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.config import CollectorConfig
@@ -30,10 +30,11 @@ from rlfleet.services.collector.rollout import Pipeline, PipelineOptions
 from rlfleet.services.collector.servicer import CollectorServicer, TrajectoryProxyServicer
 from rlfleet.services.collector.source import PromptSource
 from rlfleet.services.collector.status_metrics import STATUS_METRICS
-from rlfleet.services.common import metrics, security
+from rlfleet.services.common import metrics
 from rlfleet.services.common.errors import InvalidArgument, StartupError, Unavailable, UpstreamError
 from rlfleet.services.common.files import fsync_directory, write_atomically
 from rlfleet.services.common.server import Service
+from rlfleet.services.common.upstream import upstream_settings
 from rlfleet.wire import shm
 from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, environment_pb2_grpc, reference_pb2_grpc, reward_pb2,
                         reward_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc)
@@ -49,7 +50,7 @@ class CollectorService(Service[CollectorConfig]):
 
     def __init__(self, config: CollectorConfig):
         super().__init__(config)
-        self.settings = upstream_settings(config)
+        self.settings = upstream_settings(config, config.max_message_bytes)
         self.state_dir = Path(config.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.gate = VersionGate(groups_per_step=config.groups_per_step, max_staleness=config.max_staleness,
@@ -447,17 +448,3 @@ class CollectorService(Service[CollectorConfig]):
             if refused is not None and 0 <= refused.sample < len(carriers):
                 raise UpstreamError(error.code, f"prompts[{carriers[refused.sample]}]: {refused.description}") from None
             raise UpstreamError(error.code, f"prompts: {error.details}") from None
-
-
-def upstream_settings(config: CollectorConfig) -> ChannelSettings:
-    """How the collector calls the other services: token, TLS files (read and checked now: a bad one
-    refuses the start, naming the setting), deadlines and message sizes."""
-    token = config.upstream_auth_token
-    if config.upstream_auth_token_file:
-        token = security.read_token(config.upstream_auth_token_file, "upstream_auth_token_file")
-    roots, chain, key = security.channel_files(config.upstream_tls_ca_file, config.upstream_tls_cert_file,
-                                               config.upstream_tls_key_file, "upstream_tls")
-    return ChannelSettings(auth_token=token, timeout=config.upstream_timeout_seconds,
-                           max_message_bytes=config.max_message_bytes, tls=bool(roots or chain),
-                           root_certificates=roots, certificate_chain=chain, private_key=key,
-                           server_name=config.upstream_tls_server_name)

@@ -3,7 +3,7 @@ settings they make (the collector calls its upstreams this way, the rollout view
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from rlfleet.client.channel import ChannelSettings
 from rlfleet.services.common import security
@@ -11,6 +11,8 @@ from rlfleet.services.common import security
 
 class UpstreamConfig(BaseModel):
     """Token and TLS files this process presents to the services it calls."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)  # the docstrings below document the settings
 
     upstream_auth_token: str | None = None
     """Bearer token sent to the other services (if they enforce one). Prefer

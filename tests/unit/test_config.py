@@ -9,8 +9,9 @@ import rlfleet.services.generation.config  # noqa: F401 - registers the subclass
 import rlfleet.services.reference.config  # noqa: F401
 import rlfleet.services.reward.config  # noqa: F401
 import rlfleet.services.trajectory.config  # noqa: F401
+import rlfleet.services.viewer.config  # noqa: F401 - a Settings subclass, not a ServiceConfig one
 from rlfleet.services.collector.config import CollectorConfig
-from rlfleet.services.common.config import ServiceConfig
+from rlfleet.services.common.config import Settings
 from tests.echo_service.config import EchoConfig
 
 
@@ -39,7 +40,8 @@ def test_unknown_and_invalid_fields_are_rejected(tmp_path):
 
 
 def all_config_classes():
-    classes, todo = [], [ServiceConfig]
+    """Every config class of the processes (the services' and the viewer's), with their bases."""
+    classes, todo = [], [Settings]
     while todo:
         cls = todo.pop()
         classes.append(cls)
@@ -53,7 +55,8 @@ def test_every_config_field_is_documented(cls):
     assert not undocumented, f"{cls.__name__} fields without a docstring: {undocumented}"
 
 
-@pytest.mark.parametrize("cls", all_config_classes()[1:], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [c for c in all_config_classes() if c.service_name != "service"],
+                         ids=lambda c: c.__name__)
 def test_every_service_has_working_help_and_env_prefix(cls):
     text = cls.argument_parser().format_help()
     assert "--port" in text and cls.env_prefix() in text
