@@ -73,8 +73,9 @@ def test_each_role_is_held_to_its_rpcs(suite):
             reader.submit_prompts(["not mine to submit"])
         with pytest.raises(PermissionDeniedError, match="PushWeights"):
             reader.push_weights({"x": torch.zeros(1)})
-        with pytest.raises(PermissionDeniedError, match="ListFailures"):
-            reader.failures()
+        with pytest.raises(PermissionDeniedError, match="GetPassRates"):
+            reader.pass_rates(["a-prompt"])
+        assert reader.failures()[1] >= 0  # dead letters are a reader's to see (the rollout viewer shows them)
     with client(suite, "operator") as operator:
         assert operator.status().serving and operator.failures()[1] >= 0
         assert operator.buffer_stats() is not None
@@ -155,7 +156,8 @@ def test_every_rpc_of_every_service_takes_exactly_the_roles_in_the_table(suite):
                         denied = code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
                         if denied != (role not in METHOD_ROLES[path]) or code == grpc.StatusCode.UNAUTHENTICATED:
                             wrong.append(f"{key} {path} as {role}: {code.name}")
-    assert calls == 4 * (len(METHOD_ROLES) + 4 + 5)  # plus the proxy's 4 and Echo on 5 more processes
+    proxied = len(trajectory_pb2.DESCRIPTOR.services_by_name["TrajectoryService"].methods)
+    assert calls == 4 * (len(METHOD_ROLES) + proxied + 5)  # plus the collector's proxy of them, Echo on 5 more
     assert not wrong, wrong
 
 
