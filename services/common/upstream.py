@@ -3,10 +3,12 @@ settings they make (the collector calls its upstreams this way, the rollout view
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlfleet.client.channel import ChannelSettings
-from rlfleet.services.common import security
+if TYPE_CHECKING:  # configs import this module, and configs load without torch (the SDK's channel imports it)
+    from rlfleet.client.channel import ChannelSettings
 
 
 class UpstreamConfig(BaseModel):
@@ -33,9 +35,12 @@ class UpstreamConfig(BaseModel):
     """Deadline of each call to another service."""
 
 
-def upstream_settings(config: UpstreamConfig, max_message_bytes: int) -> ChannelSettings:
+def upstream_settings(config: UpstreamConfig, max_message_bytes: int) -> "ChannelSettings":
     """The channel settings of ``config``'s upstream fields: token and TLS files read and checked now
     (a bad one refuses the start, naming the setting), deadlines and message sizes."""
+    from rlfleet.client.channel import ChannelSettings
+    from rlfleet.services.common import security
+
     token = config.upstream_auth_token
     if config.upstream_auth_token_file:
         token = security.read_token(config.upstream_auth_token_file, "upstream_auth_token_file")
