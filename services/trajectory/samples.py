@@ -136,14 +136,16 @@ class SampleLog:
             return
         columns = _columns(msg)
         now = self._clock()
+        copied = False
         for group in groups:
             rows = list(group.rows)
             version = int(columns["version_start"][rows].min())
             staleness = max(committed_version - version, 0) if committed_version is not None else -1
             logged = self._count(version, rows, columns, group.filtered, staleness)
             if logged < self._groups_per_version:
-                self._copy(group, rows, columns, staleness, now)
-        if self._max_groups > 0:
+                self._copy(group, version, rows, columns, staleness, now)
+                copied = True
+        if copied and self._max_groups > 0:
             oldest_kept = "(SELECT max(seq) FROM sample_groups) - ?"
             self._db.execute(f"DELETE FROM samples WHERE sample_group <= {oldest_kept}", (self._max_groups,))
             self._db.execute(f"DELETE FROM sample_groups WHERE seq <= {oldest_kept}", (self._max_groups,))
@@ -153,7 +155,7 @@ class SampleLog:
         scores = _finite(columns["score"][rows])
         kls = _finite(columns["kl_mean"][rows])
         known = staleness >= 0
-        self._db.execute(
+        return self._db.execute(
             "INSERT INTO version_stats VALUES (?, 1, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?) "
             "ON CONFLICT (version) DO UPDATE SET groups = groups + 1, trajectories = trajectories + excluded.trajectories, "
             "filtered_groups = filtered_groups + excluded.filtered_groups, "
@@ -161,13 +163,13 @@ class SampleLog:
             "kl_sum = kl_sum + excluded.kl_sum, kl_count = kl_count + excluded.kl_count, "
             "tokens_sum = tokens_sum + excluded.tokens_sum, staleness_sum = staleness_sum + excluded.staleness_sum, "
             "staleness_count = staleness_count + excluded.staleness_count, "
-            "staleness_max = max(staleness_max, excluded.staleness_max)",
+            "staleness_max = max(staleness_max, excluded.staleness_max) RETURNING logged_groups",
             (version, len(rows), int(filtered), float(scores.sum()), len(scores), float(kls.sum()), len(kls),
              int(columns["response_tokens"][rows].sum()), staleness if known else 0, int(known),
-             staleness if known else -1))
-        return self._db.execute("SELECT logged_groups FROM version_stats WHERE version = ?", (version,)).fetchone()[0]
+             staleness if known else -1)).fetchone()[0]
 
-    def _copy(self, group: NewGroup, rows: list[int], columns: dict, staleness: int, now: float) -> None:
+    def _copy(self, group: NewGroup, version: int, rows: list[int], columns: dict, staleness: int,
+              now: float) -> None:
         seq = self._db.execute("INSERT INTO sample_groups (data) VALUES (?)", (group.payload,)).lastrowid
         self._db.executemany(
             "INSERT INTO samples (sample_group, row, trajectory_id, prompt_id, group_id, sample_index, version_start, "
@@ -179,8 +181,7 @@ class SampleLog:
               _real(columns["score"][row]), _real(columns["advantage"][row]), _real(columns["kl_mean"][row]),
               int(columns["response_tokens"][row]), int(columns["turns"][row]), int(group.filtered), staleness, now)
              for position, row in enumerate(rows)])
-        self._db.execute("UPDATE version_stats SET logged_groups = logged_groups + 1 WHERE version = ?",
-                         (int(columns["version_start"][rows].min()),))
+        self._db.execute("UPDATE version_stats SET logged_groups = logged_groups + 1 WHERE version = ?", (version,))
 
     def version_stats(self, min_version: int = 0, limit: int = 0) -> list[VersionStats]:
         if limit < 0 or limit > MAX_VERSIONS_PER_CALL:

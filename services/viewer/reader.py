@@ -57,9 +57,8 @@ class Reader:
         request = trajectory_pb2.ListSamplesRequest(
             min_version=_int(query, "min_version", 0), limit=_int(query, "limit", 100),
             before_cursor=_int(query, "before", 0))
-        for name in ("max_version",):
-            if query.get(name, "") != "":
-                setattr(request, name, _int(query, name, 0))
+        if query.get("max_version", "") != "":
+            request.max_version = _int(query, "max_version", 0)
         for name in ("min_score", "max_score"):
             if query.get(name, "") != "":
                 setattr(request, name, _float(query, name))
