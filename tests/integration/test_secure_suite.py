@@ -17,7 +17,6 @@ from rlfleet.client import (PermissionDeniedError, UnauthenticatedError, Unavail
                             credentials_from)
 from rlfleet.services.common.security import METHOD_ROLES, ROLES
 from rlfleet.services.credentials import make_credentials
-from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
 from rlfleet.v1 import (collector_pb2, diagnostics_pb2, environment_pb2, generation_pb2, reference_pb2,
                         reference_pb2_grpc, reward_pb2, trajectory_pb2)
 from rlfleet.wire import Ragged, decode_ragged, encode_ragged
@@ -26,14 +25,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def suite(tiny_model_dir, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("secure-suite")
-    options = SuiteOptions(model_dir=tiny_model_dir, secure=True, environments={},
-                           collector_args=["--group-size", "2", "--groups-per-step", "1",
-                                           "--sampling", '{"temperature": 1.0, "max_tokens": 8}'])
-    procs = start_suite(options, workdir)
-    yield procs, workdir / "credentials"
-    stop_suite(procs)
+def suite(secure_suite):
+    """The secure suite (tests/integration/conftest.py), shared with the viewer's test, which runs next."""
+    return secure_suite
 
 
 def client(suite, role: str | None, *, certificate: str | None = "trainer", roots: bool = True, **settings):
@@ -55,7 +49,8 @@ def test_a_trainer_trains_over_mtls_through_every_service(suite, tiny_model_dir)
 
     procs, credentials = suite
     with connect(procs["collector"].address, **credentials_from(credentials), timeout=30, retries=0) as trainer:
-        trainer.submit_prompts([{"prompt": "count to three", "ground_truth": "3"}, {"prompt": "say 2", "ground_truth": "2"}])
+        # Scores that vary within a group: the suite filters groups of constant scores (dynamic sampling).
+        trainer.submit_prompts([{"prompt": f"write the digits of {i}", "reward_fn": "char_fraction"} for i in range(3)])
         with trainer.batches(2) as batches:
             batch = next(iter(batches))
         assert len(batch) == 2 and batch.td["group_size"].tolist() == [2, 2]

@@ -1,4 +1,5 @@
-"""The rollout viewer in a real headless browser, over the whole suite with TLS and role tokens on.
+"""The rollout viewer in a real headless browser, over the whole suite with TLS and role tokens on
+(the secure suite shared with test_secure_suite.py, which ran first: its few groups are there too).
 
 A trainer trains for a few steps on known prompts (some delivered, one group filtered by dynamic
 sampling, one prompt dead-lettered); the viewer process reads the trajectory service and the
@@ -23,7 +24,6 @@ import torch
 
 from rlfleet.client import connect, credentials_from
 from rlfleet.services.launch import ServiceProcess
-from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
 from rlfleet.v1 import trajectory_pb2, trajectory_pb2_grpc
 from tests.waiting import wait_for
 
@@ -39,14 +39,9 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def suite(tiny_model_dir, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("viewer-suite")
-    options = SuiteOptions(model_dir=tiny_model_dir, secure=True, environments={}, collector_args=[
-        "--group-size", "2", "--groups-per-step", "2", "--mode", "sync", "--dynamic-sampling", "true",
-        "--sampling", '{"temperature": 1.0, "max_tokens": 12}'])
-    procs = start_suite(options, workdir)
-    yield procs, workdir / "credentials"
-    stop_suite(procs)
+def suite(secure_suite):
+    """The secure suite (tests/integration/conftest.py), shared with test_secure_suite.py."""
+    return secure_suite
 
 
 @pytest.fixture(scope="module")
