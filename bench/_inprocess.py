@@ -24,7 +24,7 @@ from typing import Any
 def engine_kwargs(service_args: list[str]) -> dict[str, Any]:
     """The ``AsyncEngineArgs`` kwargs the generation service builds from ``service_args``."""
     from rlfleet.services.generation.config import GenerationConfig, GenerationEngineConfig
-    from rlfleet.services.generation.engine import GenerationEngine
+    from rlfleet.services.generation.vllm_engine import GenerationEngine
 
     config = GenerationConfig.load(service_args, environ={})
     engine_config = GenerationEngineConfig(**{name: getattr(config, name)

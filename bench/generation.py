@@ -158,7 +158,7 @@ async def measure_tokens(ns, engine, address: str, vocab_size: int, meter: CpuMe
 
 async def run(ns, service_args: list[str], model_dir: Path) -> tuple:
     from rlfleet.services.generation.config import GenerationConfig, GenerationEngineConfig
-    from rlfleet.services.generation.engine import GenerationEngine
+    from rlfleet.services.generation.vllm_engine import GenerationEngine
 
     config = GenerationConfig.load(service_args, environ={})
     engine_config = GenerationEngineConfig(**{name: getattr(config, name)

@@ -121,7 +121,7 @@ async def build_floor_engine(gen_args: list[str], model_dir: Path):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from rlfleet.services.generation.config import GenerationConfig, GenerationEngineConfig
-    from rlfleet.services.generation.engine import GenerationEngine
+    from rlfleet.services.generation.vllm_engine import GenerationEngine
 
     config = GenerationConfig.load(gen_args, environ={})
     engine_config = GenerationEngineConfig(**{n: getattr(config, n) for n in GenerationEngineConfig.model_fields})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from rlfleet.services.collector.episodes import group_of_episodes
+from rlfleet.services.collector.episode_runner import group_of_episodes
 from rlfleet.services.collector.trajectories import GroupSamples, group_message
 from rlfleet.services.trajectory.rows import concat_rows, split_rows
 from rlfleet.v1 import generation_pb2, reward_pb2, sampling_pb2, tensor_pb2
@@ -56,7 +56,7 @@ def episode_batch(*, group_size: int = 3, turns: int = 3, vocab: int = 100, seed
     """One group of ``group_size`` multi-turn episodes (the collector's ``group_of_episodes``):
     ``turns`` sampled turns with observation tokens between them. ``behaviour(history, sampled)``
     gives a turn's behaviour log-probs (default: random negatives)."""
-    from rlfleet.services.collector.episodes import Episode, Turn
+    from rlfleet.services.collector.episode_runner import Episode, SampledTurn
 
     generator = torch.Generator().manual_seed(seed)
     episodes = []
@@ -68,7 +68,7 @@ def episode_batch(*, group_size: int = 3, turns: int = 3, vocab: int = 100, seed
                                     generator=generator)
             history = episode.history()
             lp = behaviour(history, sampled) if behaviour else -torch.rand(len(sampled), generator=generator) - 0.1
-            episode.turns.append(Turn(sampled, lp.float(), torch.full((len(sampled),), turn), turn, turn, 0.1,
+            episode.turns.append(SampledTurn(sampled, lp.float(), torch.full((len(sampled),), turn), turn, turn, 0.1,
                                       sampling_pb2.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=8)))
             if turn < turns - 1:
                 episode.turns[-1].observation = torch.randint(1, vocab, (3,), generator=generator)

@@ -1,7 +1,7 @@
 """The rollout pipeline: prompt -> generation (n samples) -> reference -> reward -> trajectory.
 
 A prompt whose environment is set (its own, or the collector's default) is generated as n
-multi-turn episodes instead of n samples (``episodes.py``); the stages after generation are the
+multi-turn episodes instead of n samples (``episode_runner.py``); the stages after generation are the
 same for both.
 
 Each admitted prompt runs as its own task through bounded stages, so many
@@ -40,7 +40,7 @@ from rlfleet.client.errors import InvalidArgumentError, NotFoundError, ResourceE
 from rlfleet.services.collector import batched_calls, failures
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.coalescer import Coalescer
-from rlfleet.services.collector.episodes import EpisodeRunner, GenerateTurns, GroupSlot, group_of_episodes
+from rlfleet.services.collector.episode_runner import EpisodeRunner, GenerateTurns, GroupSlot, group_of_episodes
 from rlfleet.services.collector.failures import Discard, GenerationFailed
 from rlfleet.services.collector.filtering import FilterRate, FilterRule
 from rlfleet.services.collector.prompt_item import PromptItem, sampling_fields
@@ -338,7 +338,7 @@ class Pipeline:
                                f"(replicas tried: {', '.join(sorted(tried)) or 'none'})")
 
     async def _run_episodes(self, item: PromptItem, environment: str, group_id: int) -> GroupSamples:
-        """The group as ``group_size`` episodes of ``environment`` (``episodes.py``), every turn generated
+        """The group as ``group_size`` episodes of ``environment`` (``episode_runner.py``), every turn generated
         on the group's replica while it is healthy."""
         if self.episodes is None:
             raise InvalidArgument(f"prompt {item.prompt_id!r}: environment {environment!r} needs a collector "

@@ -19,7 +19,7 @@ from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.config import CollectorConfig
 from rlfleet.services.collector.dataset import load_records
 from rlfleet.services.collector.discovery import make_discovery
-from rlfleet.services.collector.episodes import EpisodeLimits, EpisodeRunner
+from rlfleet.services.collector.episode_runner import EpisodeBudget, EpisodeRunner
 from rlfleet.services.collector.fanout import WeightFanout
 from rlfleet.services.collector.filtering import FilterRule
 from rlfleet.services.collector.ledger import PromptLedger
@@ -99,7 +99,7 @@ class CollectorService(Service[CollectorConfig]):
             reward_pb2_grpc.RewardServiceStub(self._channels["reward"]),
             self.trajectory, self.settings, on_fatal=self.fail,
             episodes=EpisodeRunner(environment_pb2_grpc.EnvironmentServiceStub(self._channels["environment"]),
-                                   self.settings, EpisodeLimits(config.max_turns, config.max_episode_tokens))
+                                   self.settings, EpisodeBudget(config.max_turns, config.max_episode_tokens))
             if "environment" in self._channels else None)
         self.not_serving_reason = "starting"
         """Why the collector does not serve yet ("" once it does)."""

@@ -28,7 +28,7 @@ NOT_SAMPLED = -1
 @dataclass
 class GroupSamples:
     """A group's samples (by ``sample_index``), their per-token data decoded once. A sample is one
-    response (``decode``) or one multi-turn episode (``services/collector/episodes.py``), whose
+    response (``decode``) or one multi-turn episode (``services/collector/episode_runner.py``), whose
     ``responses`` hold everything after the opening prompt: sampled and observation tokens."""
 
     prompts: Ragged

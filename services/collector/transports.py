@@ -22,7 +22,7 @@ from rlfleet.services.common import tracing
 from rlfleet.v1 import generation_pb2, weights_pb2
 from rlfleet.wire import shm
 from rlfleet.wire.shm import SHM_UNAVAILABLE
-from rlfleet.wire.weights import DEFAULT_CHUNK_BYTES
+from rlfleet.wire.push_messages import DEFAULT_CHUNK_BYTES
 
 _END = object()
 QUEUE_CHUNKS = 8

@@ -15,7 +15,7 @@ from rlfleet.services.common.metrics import SANDBOX_ISOLATION
 from rlfleet.services.common.server import Service
 from rlfleet.services.environment.config import TOOL_CALLING, EnvironmentServiceConfig
 from rlfleet.services.environment.episode_sandbox import EpisodeSandboxes
-from rlfleet.services.environment.episodes import EpisodeLimits, Episodes
+from rlfleet.services.environment.open_episodes import Episodes, OpenEpisodeLimits
 from rlfleet.services.environment.mcp_tools import MCPTools, ToolNameCollision
 from rlfleet.services.environment.rendering import ChatRenderer
 from rlfleet.services.environment.sandbox import PythonSandbox, SandboxUnavailable
@@ -74,7 +74,7 @@ class EnvironmentService(Service[EnvironmentServiceConfig]):
         except ToolNameCollision as exc:
             raise StartupError(f"mcp_servers: {exc}") from exc
         renderer = await asyncio.to_thread(_load_renderer, config.tokenizer_path)
-        limits = EpisodeLimits(config.max_turns, config.max_open_episodes, config.step_timeout_seconds,
+        limits = OpenEpisodeLimits(config.max_turns, config.max_open_episodes, config.step_timeout_seconds,
                                config.idle_episode_seconds)
         self._episodes = Episodes(renderer, factories, limits)
         self.supervise(self._reap_idle_episodes(), "idle episode reaper")

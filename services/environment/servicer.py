@@ -10,7 +10,7 @@ import torch
 from rlfleet.env import ROLES, Task
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.services.environment.config import EnvironmentServiceConfig
-from rlfleet.services.environment.episodes import Episodes, StepAnswer, Turn, quoted
+from rlfleet.services.environment.open_episodes import Episodes, StepAnswer, StepTurn, quoted
 from rlfleet.v1 import environment_pb2, environment_pb2_grpc, sampling_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
 
@@ -40,7 +40,7 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
     async def Step(self, request, context):
         episodes = self.episodes()
         episode_id = _episode_id(request.episode_id, self.config)
-        turn = Turn(
+        turn = StepTurn(
             token_ids=_token_ids(request, self.config, len(episodes.renderer.tokenizer)),
             text=_text("text", request.text, self.config) or None,
             finish_reason=_finish_reason(request.finish_reason),

@@ -8,7 +8,7 @@ import grpc
 
 from rlfleet.services.common.server import Service
 from rlfleet.services.generation.config import GenerationConfig
-from rlfleet.services.generation.engine import GenerationEngine
+from rlfleet.services.generation.vllm_engine import GenerationEngine
 from rlfleet.services.generation.servicer import GenerationServicer
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
 from rlfleet.services.common.weight_stream import WeightPush, open_offered_segment
-from rlfleet.services.generation.weights import TensorSpec, validate_manifest
+from rlfleet.services.generation.push_validation import TensorSpec, validate_manifest
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm
 from rlfleet.wire.dtypes import dtype_name

@@ -13,7 +13,7 @@ import grpc
 from rlfleet.services.common.server import Service
 from rlfleet.services.reward.budget import TimeBudget
 from rlfleet.services.reward.config import RewardServiceConfig
-from rlfleet.services.reward.engine import RewardEngine, RewardRequest
+from rlfleet.services.reward.reward_engine import RewardEngine, RewardRequest
 from rlfleet.services.reward.batch_rewards import RewardOutputs
 from rlfleet.services.reward.servicer import RewardServicer
 from rlfleet.v1 import reward_pb2, reward_pb2_grpc

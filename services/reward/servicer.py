@@ -10,7 +10,7 @@ from rlfleet.choices import ADVANTAGE_MODES, KL_ESTIMATORS
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.services.reward import validation
 from rlfleet.services.reward.config import RewardServiceConfig
-from rlfleet.services.reward.engine import RewardRequest
+from rlfleet.services.reward.reward_engine import RewardRequest
 from rlfleet.services.reward.functions import TaskSpec
 from rlfleet.services.reward.batch_rewards import RewardInputs, RewardOutputs
 from rlfleet.v1 import reward_pb2, reward_pb2_grpc

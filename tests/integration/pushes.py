@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, weights_pb2
-from rlfleet.wire.weights import iter_push_messages
+from rlfleet.wire.push_messages import iter_push_messages
 
 
 def push(channel, state, mode=weights_pb2.UPDATE_MODE_KEEP):

@@ -21,7 +21,7 @@ from rlfleet.client.errors import FailedPreconditionError
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc
-from rlfleet.wire.weights import iter_push_messages
+from rlfleet.wire.push_messages import iter_push_messages
 from tests.hf_reference import load_hf
 from tests.waiting import wait_for
 

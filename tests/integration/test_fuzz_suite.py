@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
 from rlfleet.v1 import collector_pb2, diagnostics_pb2, generation_pb2, sampling_pb2, tensor_pb2, weights_pb2
 from rlfleet.wire import encode_tensor
-from rlfleet.wire.weights import iter_push_messages
+from rlfleet.wire.push_messages import iter_push_messages
 from tests import fuzz_messages
 from tests.hf_reference import load_hf
 from tests.integration.fuzzing import (CALL_TIMEOUT, DIAGNOSTICS, FUZZ_SETTINGS, HEALTH, SEED, SHARED, TRAJECTORY,

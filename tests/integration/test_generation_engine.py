@@ -21,7 +21,7 @@ from rlfleet.services.common.errors import (
 from rlfleet.services.common.sampling_spec import SamplingSpec
 from rlfleet.services.generation import queue_poll
 from rlfleet.services.generation.config import GenerationEngineConfig
-from rlfleet.services.generation.engine import GenerationEngine
+from rlfleet.services.generation.vllm_engine import GenerationEngine
 from rlfleet.services.generation.sampling import SampleResult
 from rlfleet.services.models.tiny import build_tiny_model
 from tests.hf_reference import perturbed

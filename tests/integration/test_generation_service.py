@@ -14,7 +14,7 @@ from rlfleet.services.generation import queue_poll
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, tensor_pb2, weights_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
-from rlfleet.wire.weights import iter_push_messages
+from rlfleet.wire.push_messages import iter_push_messages
 from tests.hf_reference import load_hf, response_log_probs
 from tests.waiting import wait_for
 

@@ -246,7 +246,7 @@ TRAINER = textwrap.dedent("""
     import sys, threading, grpc, torch
     from rlfleet.v1 import collector_pb2, collector_pb2_grpc
     from rlfleet.wire import shm
-    from rlfleet.wire.weights import iter_push_messages
+    from rlfleet.wire.push_messages import iter_push_messages
     from tests.hf_reference import load_hf
     address, model_dir, phase = sys.argv[1:4]
     state = {k: v + 1.0 for k, v in load_hf(model_dir).state_dict().items()}

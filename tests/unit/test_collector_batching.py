@@ -184,7 +184,7 @@ def _reward_request(group_id: int, lengths: list[int], answer: str,
 ], ids=["none", "first only", "second only", "both"])
 def test_groups_scored_in_one_merged_call_get_what_each_would_get_alone(environment_rewards):
     from rlfleet.services.reward.config import RewardServiceConfig
-    from rlfleet.services.reward.engine import RewardEngine
+    from rlfleet.services.reward.reward_engine import RewardEngine
     from rlfleet.services.reward.servicer import request_from_proto, response_to_proto
 
     config = RewardServiceConfig()

@@ -1,4 +1,4 @@
-"""The collector's episode loop (``services/collector/episodes.py``) against a scripted environment
+"""The collector's episode loop (``services/collector/episode_runner.py``) against a scripted environment
 stub and a scripted generator: when an episode ends, what it keeps, how failures surface, and the
 group it becomes. The real services run it in tests/integration/test_episodes.py."""
 
@@ -13,7 +13,7 @@ import torch
 from rlfleet.client.channel import ChannelSettings
 from rlfleet.client.errors import FailedPreconditionError
 from rlfleet.services.collector import failures
-from rlfleet.services.collector.episodes import EpisodeLimits, EpisodeRunner, group_of_episodes
+from rlfleet.services.collector.episode_runner import EpisodeBudget, EpisodeRunner, group_of_episodes
 from rlfleet.services.collector.failures import EpisodeLost
 from rlfleet.services.collector.prompt_item import PromptItem
 from rlfleet.services.common.errors import InvalidArgument
@@ -101,7 +101,7 @@ def generator(histories: list[list[int]], tokens: int = 4, version=lambda turn: 
     return generate
 
 
-def run(environment, limits=EpisodeLimits(8, 1024), group_size=2, **generator_args):
+def run(environment, limits=EpisodeBudget(8, 1024), group_size=2, **generator_args):
     histories: list[list[int]] = []
     generator_args.setdefault("calls", [])
     runner = EpisodeRunner(environment, SETTINGS, limits)
@@ -130,7 +130,7 @@ def test_each_turn_is_generated_from_the_token_history_and_the_group_keeps_it_ex
 
 
 def test_max_turns_cuts_the_episode_on_sampled_tokens():
-    episodes, _ = run(ScriptedEnvironment(done_after=10), limits=EpisodeLimits(max_turns=2, max_episode_tokens=1024))
+    episodes, _ = run(ScriptedEnvironment(done_after=10), limits=EpisodeBudget(max_turns=2, max_episode_tokens=1024))
     for episode in episodes:
         assert len(episode.turns) == 2 and not episode.done
         assert episode.turns[-1].observation.numel() == 0  # the last observation is not kept
@@ -139,12 +139,12 @@ def test_max_turns_cuts_the_episode_on_sampled_tokens():
 
 def test_the_token_budget_caps_each_turn_and_ends_the_episode():
     # 3 prompt + 4 sampled + 2 observation = 9; then 3 tokens of room: the turn is cut there.
-    episodes, histories = run(ScriptedEnvironment(done_after=10), limits=EpisodeLimits(8, 12), group_size=1)
+    episodes, histories = run(ScriptedEnvironment(done_after=10), limits=EpisodeBudget(8, 12), group_size=1)
     (episode,) = episodes
     assert [len(t.token_ids) for t in episode.turns] == [4, 3]
     assert len(episode.history()) == 12 and not episode.done
     # Room for sampling but not for an observation and a token after it: the observation is dropped.
-    episodes, _ = run(ScriptedEnvironment(done_after=10), limits=EpisodeLimits(8, 9), group_size=1)
+    episodes, _ = run(ScriptedEnvironment(done_after=10), limits=EpisodeBudget(8, 9), group_size=1)
     assert [len(t.token_ids) for t in episodes[0].turns] == [4] and len(episodes[0].history()) == 7
 
 
@@ -165,7 +165,7 @@ def test_per_turn_versions_are_recorded():
 def test_a_prompt_longer_than_the_budget_is_refused_and_the_episodes_closed():
     environment = ScriptedEnvironment()
     with pytest.raises(InvalidArgument, match="max_episode_tokens"):
-        run(environment, limits=EpisodeLimits(8, 3))
+        run(environment, limits=EpisodeBudget(8, 3))
     assert sorted(environment.closed) == ["ab-0", "ab-1"]
     assert failures.verdict(InvalidArgument("x")) == "dead"
 
@@ -225,7 +225,7 @@ def test_a_groups_first_turns_are_one_call_when_the_openings_are_the_same():
 
 
 def test_a_groups_episodes_share_one_generation_slot_while_any_of_them_generates():
-    from rlfleet.services.collector.episodes import GroupSlot
+    from rlfleet.services.collector.episode_runner import GroupSlot
 
     async def scenario():
         slots = asyncio.Semaphore(1)

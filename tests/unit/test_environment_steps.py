@@ -10,12 +10,12 @@ import pytest
 
 from rlfleet.env import AssistantTurn, StepResult
 from rlfleet.services.common.errors import FailedPrecondition
-from rlfleet.services.environment.episodes import EpisodeLimits, Episodes, Turn
+from rlfleet.services.environment.open_episodes import Episodes, OpenEpisodeLimits, StepTurn
 from rlfleet.services.environment.rendering import ChatRenderer
 from rlfleet.env import Task
 from tests.environments import CounterEnv
 
-LIMITS = EpisodeLimits(max_turns=8, max_open_episodes=8, step_timeout_seconds=30, idle_episode_seconds=600)
+LIMITS = OpenEpisodeLimits(max_turns=8, max_open_episodes=8, step_timeout_seconds=30, idle_episode_seconds=600)
 TASK = Task(prompt=[{"role": "user", "content": "count"}])
 
 
@@ -36,8 +36,8 @@ def renderer(tiny_model_dir) -> ChatRenderer:
     return ChatRenderer.from_pretrained(str(tiny_model_dir))
 
 
-def turn(number: int, token_ids=(5, 6, 7)) -> Turn:
-    return Turn(token_ids=list(token_ids), text=None, finish_reason="stop", number=number)
+def turn(number: int, token_ids=(5, 6, 7)) -> StepTurn:
+    return StepTurn(token_ids=list(token_ids), text=None, finish_reason="stop", number=number)
 
 
 def test_a_repeated_turn_gets_its_first_answer_and_steps_once(renderer):

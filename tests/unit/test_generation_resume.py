@@ -71,7 +71,7 @@ def test_every_swap_mode_is_spelled_alike_on_the_wire_in_the_sdk_and_the_engine(
 
     from rlfleet.client.push import MODES
     from rlfleet.services.common.weight_stream import UPDATE_MODES
-    from rlfleet.services.generation.engine import SwapMode
+    from rlfleet.services.generation.vllm_engine import SwapMode
     from rlfleet.v1 import weights_pb2
 
     assert set(MODES) == set(get_args(SwapMode)) == {"wait", "abort", "keep", "resume"}

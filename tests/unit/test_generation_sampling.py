@@ -147,7 +147,7 @@ class FakeVLLM:
 
 @pytest.fixture
 def engine(monkeypatch):
-    from rlfleet.services.generation.engine import GenerationEngine
+    from rlfleet.services.generation.vllm_engine import GenerationEngine
     from rlfleet.services.generation.status import EngineState
 
     # What to_vllm decides, without importing vLLM.
@@ -211,7 +211,7 @@ async def test_a_request_vllm_refuses_is_invalid_argument_not_internal(engine, m
     class Refused(ValueError):
         pass
 
-    monkeypatch.setattr("rlfleet.services.generation.engine._vllm_validation_error", lambda: Refused)
+    monkeypatch.setattr("rlfleet.services.generation.vllm_engine._vllm_validation_error", lambda: Refused)
     engine._engine = FakeVLLM(fail_with=Refused("n must be 1 when using greedy sampling"))
     with pytest.raises(InvalidArgument, match="vLLM refused request r: n must be 1"):
         await collect(engine, SamplingSpec(n=2, max_tokens=4))

@@ -10,7 +10,7 @@ import torch
 from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
 from rlfleet.services.generation.staging import StagedPush
 from rlfleet.services.generation.transfer import RlfleetUpdateInfo, shm_weights
-from rlfleet.services.generation.weights import TensorSpec, checkpoint_bytes, read_checkpoint_specs, validate_push
+from rlfleet.services.generation.push_validation import TensorSpec, checkpoint_bytes, read_checkpoint_specs, validate_push
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm
 
@@ -149,7 +149,7 @@ def test_a_valid_manifest_gets_a_segment_of_its_size(tmp_path, monkeypatch):
 
 def test_engine_push_limit_is_a_multiple_of_the_served_checkpoint():
     from rlfleet.services.generation.config import GenerationEngineConfig
-    from rlfleet.services.generation.engine import GenerationEngine
+    from rlfleet.services.generation.vllm_engine import GenerationEngine
 
     engine = GenerationEngine(GenerationEngineConfig(model="/m"))
     engine._checkpoint_specs = CHECKPOINT

@@ -152,7 +152,7 @@ def vllm_families(model_dir: Path) -> list:
     from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
     from rlfleet.services.generation.config import GenerationConfig
-    from rlfleet.services.generation.engine import GenerationEngine
+    from rlfleet.services.generation.vllm_engine import GenerationEngine
 
     # The arguments the service starts AsyncLLM with (engine_kwargs pass-through included).
     engine_args = AsyncEngineArgs(**GenerationEngine(GenerationConfig(model=str(model_dir)))._engine_kwargs())

@@ -13,10 +13,10 @@ from rlfleet.services.collector.replicas import Replica
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument
 from rlfleet.services.generation.staging import StagedPush
 from rlfleet.services.generation.transfer import RlfleetUpdateInfo, SegmentSink, receive_broadcast
-from rlfleet.services.generation.weights import TensorSpec
+from rlfleet.services.generation.push_validation import TensorSpec
 from rlfleet.v1 import collector_pb2
 from rlfleet.wire import shm
-from rlfleet.wire.weights import iter_push_messages
+from rlfleet.wire.push_messages import iter_push_messages
 
 PAIRS = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64)), ("c", torch.randn(4).to(torch.bfloat16))]
 

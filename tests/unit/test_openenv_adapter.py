@@ -17,7 +17,7 @@ from openenv.core.env_server.interfaces import Environment as OpenEnvBase
 from openenv.core.env_server.types import Action, Observation, State
 
 from rlfleet.env import AssistantTurn, Task
-from rlfleet.services.environment.episodes import EnvironmentFailed, EpisodeLimits, Episodes, Turn
+from rlfleet.services.environment.open_episodes import EnvironmentFailed, Episodes, OpenEpisodeLimits, StepTurn
 from rlfleet.services.environment.openenv_adapter import OpenEnvEnvironment
 from rlfleet.services.environment.rendering import ChatRenderer
 
@@ -240,13 +240,13 @@ def renderer(tiny_model_dir) -> ChatRenderer:
 
 
 async def test_episodes_host_it_and_end_the_episode_when_the_openenv_environment_raises(renderer, guess):
-    limits = EpisodeLimits(max_turns=8, max_open_episodes=8, step_timeout_seconds=30, idle_episode_seconds=600)
+    limits = OpenEpisodeLimits(max_turns=8, max_open_episodes=8, step_timeout_seconds=30, idle_episode_seconds=600)
     episodes = Episodes(renderer, {"guess": guess.GuessInProcess, "thermostat": ThermostatEnv}, limits)
     tokens = renderer.tokenizer("50", add_special_tokens=False)["input_ids"] + [renderer.tokenizer.eos_token_id]
 
     opening = await episodes.open("g", "guess", TASK)
     assert opening.messages[-1] == {"role": "user", "content": "Guess a number from 1 to 100."}
-    answer = await episodes.step("g", Turn(token_ids=tokens, text=None, finish_reason="stop", number=1))
+    answer = await episodes.step("g", StepTurn(token_ids=tokens, text=None, finish_reason="stop", number=1))
     assert (answer.observation, answer.reward, answer.done) == ([{"role": "user", "content": "lower"}], -0.1, False)
     assert renderer.tokenizer.decode(answer.observation_token_ids) == (
         "\n<|im_start|>user\nlower<|im_end|>\n<|im_start|>assistant\n")
@@ -257,6 +257,6 @@ async def test_episodes_host_it_and_end_the_episode_when_the_openenv_environment
     broken = renderer.tokenizer("break", add_special_tokens=False)["input_ids"]
     ended = "step raised ValueError: the dial snapped; the episode is ended"
     with pytest.raises(EnvironmentFailed, match=ended) as failed:
-        await episodes.step("t", Turn(token_ids=broken, text=None, finish_reason="length", number=1))
+        await episodes.step("t", StepTurn(token_ids=broken, text=None, finish_reason="length", number=1))
     assert failed.value.code == "FAILED_PRECONDITION"
     assert len(episodes) == 0 and Thermostat.instances[0].closed == 1

@@ -17,7 +17,7 @@ from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
 from rlfleet.services.reward import kl, servicer, validation
 from rlfleet.services.reward.budget import TimeBudget
 from rlfleet.services.reward.config import RewardFunctionConfig, RewardServiceConfig
-from rlfleet.services.reward.engine import RewardEngine, RewardRequest
+from rlfleet.services.reward.reward_engine import RewardEngine, RewardRequest
 from rlfleet.services.reward.functions import RewardFunctions, TaskSpec
 from rlfleet.services.reward.batch_rewards import RewardInputs, compute_rewards
 from rlfleet.services.reward.scores import ScoreInput, build_scorer, compute_scores

@@ -8,7 +8,7 @@ import torch
 
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from rlfleet.services.reward.config import RewardFunctionConfig, RewardServiceConfig
-from rlfleet.services.reward.engine import RewardEngine, RewardRequest
+from rlfleet.services.reward.reward_engine import RewardEngine, RewardRequest
 from rlfleet.services.reward.functions import RewardFunctions, TaskSpec, expand_tasks
 from rlfleet.services.reward.batch_rewards import RewardInputs, compute_rewards
 from rlfleet.services.reward.scores import ScoreInput

@@ -23,7 +23,7 @@ from verifiers.v1.clients.client import SESSION_ID_HEADER
 
 from rlfleet.env import AssistantTurn, Task
 from rlfleet.services.environment import chat_endpoint, verifiers_adapter
-from rlfleet.services.environment.episodes import EnvironmentFailed, EpisodeLimits, Episodes, Turn
+from rlfleet.services.environment.open_episodes import EnvironmentFailed, Episodes, OpenEpisodeLimits, StepTurn
 from rlfleet.services.environment.rendering import ChatRenderer
 from rlfleet.services.environment.verifiers_adapter import (
     VerifiersConversationDiverged, VerifiersEnvironment, VerifiersRolloutFailed, answer_turn, chat_completion,
@@ -246,7 +246,7 @@ def renderer(tiny_model_dir) -> ChatRenderer:
 
 @pytest.mark.slow
 async def test_episodes_render_it_token_exact_and_end_it_when_the_rollout_raises(example, sums, renderer):
-    limits = EpisodeLimits(max_turns=8, max_open_episodes=8, step_timeout_seconds=120, idle_episode_seconds=600)
+    limits = OpenEpisodeLimits(max_turns=8, max_open_episodes=8, step_timeout_seconds=120, idle_episode_seconds=600)
     episodes = Episodes(renderer, {"sums": sums}, limits)
     tokenizer = renderer.tokenizer
 
@@ -256,11 +256,11 @@ async def test_episodes_render_it_token_exact_and_end_it_when_the_rollout_raises
     opening = await episodes.open("right", "sums", TASK)
     assert opening.prompt_token_ids == renderer.prompt(opening.messages, opening.tools)[1]
     assert '"name": "add"' in tokenizer.decode(opening.prompt_token_ids)
-    answer = await episodes.step("right", Turn(token_ids=sampled(TOOL_CALL), text=None, finish_reason="stop",
+    answer = await episodes.step("right", StepTurn(token_ids=sampled(TOOL_CALL), text=None, finish_reason="stop",
                                                number=1))
     assert tokenizer.decode(answer.observation_token_ids) == (
         "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n")
-    answer = await episodes.step("right", Turn(token_ids=sampled("5"), text=None, finish_reason="stop", number=2))
+    answer = await episodes.step("right", StepTurn(token_ids=sampled("5"), text=None, finish_reason="stop", number=2))
     assert (answer.reward, answer.done, answer.observation_token_ids) == (1.5, True, [])
     await episodes.close("right")
 
@@ -268,7 +268,7 @@ async def test_episodes_render_it_token_exact_and_end_it_when_the_rollout_raises
     await episodes.open("broken", "sums", Task(prompt=TASK.prompt, ground_truth="five"))
     with pytest.raises(EnvironmentFailed, match="step raised VerifiersRolloutFailed: .*ValueError: invalid literal "
                                                 "for int.*'five'.*; the episode is ended") as failed:
-        await episodes.step("broken", Turn(token_ids=sampled("it is 5"), text=None, finish_reason="stop", number=1))
+        await episodes.step("broken", StepTurn(token_ids=sampled("it is 5"), text=None, finish_reason="stop", number=1))
     assert failed.value.code == "FAILED_PRECONDITION" and len(episodes) == 0
     assert verifiers_children("runtimes/scripts") == []
 

@@ -9,7 +9,7 @@ from rlfleet.services.common.errors import Aborted, InvalidArgument, OutOfRange,
 from rlfleet.services.common.weight_stream import MAX_POLICY_VERSION, WeightPush
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm
-from rlfleet.wire.weights import iter_push_messages
+from rlfleet.wire.push_messages import iter_push_messages
 
 STATE = [
     ("a", torch.randn(3, 5)),

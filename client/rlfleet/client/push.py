@@ -46,7 +46,7 @@ from rlfleet.client.results import PushResult
 from rlfleet.v1 import collector_pb2, weights_pb2
 from rlfleet.wire import shm
 from rlfleet.wire.dtypes import SUPPORTED_DTYPES
-from rlfleet.wire.weights import DEFAULT_CHUNK_BYTES, iter_push_messages
+from rlfleet.wire.push_messages import DEFAULT_CHUNK_BYTES, iter_push_messages
 
 METHOD = "PushWeights"
 MODES = {"keep": weights_pb2.UPDATE_MODE_KEEP, "wait": weights_pb2.UPDATE_MODE_WAIT,

@@ -18,7 +18,7 @@ name that needs TorchRL: it is imported on first use.
 from rlfleet.client.torchrl.collector import RlfleetLLMCollector, RlfleetWeightSender, RlfleetWeightSyncScheme
 from rlfleet.client.torchrl.layout import to_torchrl
 from rlfleet.client.torchrl.logits import temperature_scaled
-from rlfleet.client.torchrl.weights import policy_state_dict
+from rlfleet.client.torchrl.policy_weights import policy_state_dict
 
 __all__ = ["CorrectedGRPOLoss", "RlfleetLLMCollector", "RlfleetWeightSender", "RlfleetWeightSyncScheme",
            "policy_state_dict", "temperature_scaled", "to_torchrl"]

@@ -21,7 +21,7 @@ from rlfleet.client.results import PushResult
 from rlfleet.client.sync import Client, connect
 from rlfleet.client.torchrl.layout import to_torchrl
 from rlfleet.client.torchrl.prompts import prompt_items, to_spec
-from rlfleet.client.torchrl.weights import policy_state_dict
+from rlfleet.client.torchrl.policy_weights import policy_state_dict
 
 log = logging.getLogger("rlfleet.client.torchrl")
 LAYOUTS = ("torchrl", "ragged")
@@ -35,7 +35,7 @@ class RlfleetLLMCollector:
         dialog_turns_per_batch: samples per batch (a multiple of the group size keeps groups whole).
         total_dialog_turns: stop after this many samples (-1: never).
         policy: what ``update_policy_weights_()`` pushes by default: a TorchRL wrapper, a module,
-            a state dict or a TensorDict (see ``rlfleet.client.torchrl.weights``).
+            a state dict or a TensorDict (see ``rlfleet.client.torchrl.policy_weights``).
         replay_buffer: as TorchRL's: each batch is ``extend``-ed into it and ``None`` is yielded.
         prompts: a ``DataLoadingPrimer``, DataLoader or iterable feeding ``submit_prompts``
             (``rlfleet.client.torchrl.prompts``); None: submit through ``collector.client``.

@@ -44,7 +44,7 @@ class EnvironmentTimedOut(RlfleetError):
 
 
 @dataclass(frozen=True)
-class EpisodeLimits:
+class OpenEpisodeLimits:
     max_turns: int
     max_open_episodes: int
     step_timeout_seconds: float
@@ -61,7 +61,7 @@ class Opening:
 
 
 @dataclass(frozen=True)
-class Turn:
+class StepTurn:
     """One assistant turn as sampled."""
 
     token_ids: list[int]
@@ -97,7 +97,7 @@ class _Episode:
     turns: int = 0
     over: bool = False
     stepping: bool = False
-    last_step: tuple[Turn, asyncio.Future[StepAnswer]] | None = None
+    last_step: tuple[StepTurn, asyncio.Future[StepAnswer]] | None = None
     """The last turn stepped and its answer (awaited by a retry of the same turn)."""
     last_used: float = 0.0
 
@@ -113,7 +113,7 @@ class Episodes:
         self,
         renderer: ChatRenderer,
         factories: Mapping[str, Callable[[], Environment]],
-        limits: EpisodeLimits,
+        limits: OpenEpisodeLimits,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.renderer = renderer
@@ -162,7 +162,7 @@ class Episodes:
     async def _construct(self, episode: _Episode) -> Environment:
         return self.factories[episode.environment]()
 
-    async def step(self, episode_id: str, turn: Turn) -> StepAnswer:
+    async def step(self, episode_id: str, turn: StepTurn) -> StepAnswer:
         """Answer one assistant turn of an open episode. A numbered turn sent again (a caller's retry after
         a lost answer) gets the answer of its first Step, awaited while it is in flight: the environment
         steps each turn once."""
@@ -198,7 +198,7 @@ class Episodes:
         answered.set_result(answer)
         return answer
 
-    async def _step(self, episode: _Episode, turn: Turn) -> StepAnswer:
+    async def _step(self, episode: _Episode, turn: StepTurn) -> StepAnswer:
         if turn.text is None:  # what a chat API would return: the content, less the end-of-turn token
             _, message = await asyncio.to_thread(self.renderer.assistant_message, turn.token_ids)
             text = message["content"]

@@ -30,7 +30,7 @@ from rlfleet.services.generation.sampling import SampleResult
 from rlfleet.services.generation.status import EngineState, EngineStatus, TokenRate
 from rlfleet.services.generation.staging import StagedPush
 from rlfleet.services.generation.transfer import WEIGHT_TRANSFER_CONFIG
-from rlfleet.services.generation.weights import TensorSpec, checkpoint_bytes, read_checkpoint_specs
+from rlfleet.services.generation.push_validation import TensorSpec, checkpoint_bytes, read_checkpoint_specs
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm
 
@@ -407,7 +407,7 @@ class GenerationEngine:
         if mode not in get_args(SwapMode):
             raise InvalidArgument(f"mode must be one of {', '.join(get_args(SwapMode))}, got {mode!r}")
         from rlfleet.client.push import MODES
-        from rlfleet.wire.weights import iter_push_messages
+        from rlfleet.wire.push_messages import iter_push_messages
 
         pairs = list(named_tensors)
         _, manifest = next(iter_push_messages(pairs, version=version, checksum_algo=None,

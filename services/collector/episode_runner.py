@@ -45,13 +45,13 @@ sample_index); n > 1 only for a group's shared first turn."""
 
 
 @dataclass
-class EpisodeLimits:
+class EpisodeBudget:
     max_turns: int
     max_episode_tokens: int
 
 
 @dataclass
-class Turn:
+class SampledTurn:
     """One assistant turn: what was sampled, and the observation appended after it."""
 
     token_ids: torch.Tensor
@@ -68,7 +68,7 @@ class Turn:
 @dataclass
 class Episode:
     prompt: torch.Tensor
-    turns: list[Turn] = field(default_factory=list)
+    turns: list[SampledTurn] = field(default_factory=list)
     reward: float = 0.0
     done: bool = False
     """Ended on its own (the environment said done); otherwise cut by a limit."""
@@ -85,7 +85,7 @@ class EpisodeRunner:
     """Runs the episodes of a group against the environment service."""
 
     def __init__(self, environment: environment_pb2_grpc.EnvironmentServiceStub, settings: ChannelSettings,
-                 limits: EpisodeLimits):
+                 limits: EpisodeBudget):
         self.environment = environment
         self.settings = settings
         self.limits = limits
@@ -148,9 +148,9 @@ class EpisodeRunner:
             else:
                 sample = await first_turns.sample(index, episode.prompt, room, generate)
             token_ids = decode_tensor(sample.response_token_ids, "response_token_ids").to(torch.int64)
-            turn = Turn(token_ids, decode_tensor(sample.behavior_log_probs, "behavior_log_probs").to(torch.float32),
-                        response_versions(sample, len(token_ids)), sample.policy_version_start, sample.policy_version_end, sample.timing.total_seconds,
-                        sample.sampling)
+            log_probs = decode_tensor(sample.behavior_log_probs, "behavior_log_probs").to(torch.float32)
+            turn = SampledTurn(token_ids, log_probs, response_versions(sample, len(token_ids)), sample.policy_version_start,
+                               sample.policy_version_end, sample.timing.total_seconds, sample.sampling)
             episode.turns.append(turn)
             length += len(turn.token_ids)
             request = environment_pb2.StepRequest(
