@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlfleet.services.models.tiny import build_tiny_model
+from tests.postgres import PostgresServer
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +21,12 @@ def tokenizer(tiny_model_dir):
 
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """One PostgreSQL server for the session (``tests/postgres.py``): each test takes a fresh database
+    with ``postgres.create_database()``. Fails, naming scripts/bootstrap, where the binaries are missing."""
+    server = PostgresServer().start()
+    yield server
+    server.stop()

@@ -1,6 +1,6 @@
 """Async facade over ``TrajectoryStore``: one owner thread, waiting readers, lease expiry.
 
-Every store call runs on one dedicated thread (sqlite3 connections are
+Every store call runs on one dedicated thread (database connections are
 thread-bound, and one thread also serializes the store: concurrent readers get
 disjoint batches without locks). The event loop only waits. A reader stream
 waits until a whole batch is ready and it has a free prefetch slot; any change
@@ -144,6 +144,11 @@ class TrajectoryBuffer:
         self._store = await asyncio.wrap_future(self._executor.submit(TRAINER, self._open_store))
         self._expiry = self._spawn(self._expire_leases(), "the lease expiry")
 
+    @property
+    def database(self) -> str:
+        """The store's database (file path, or URL less its password); empty until started."""
+        return self._store.path if self._store is not None else ""
+
     async def stop(self) -> None:
         if self._expiry is not None:
             self._expiry.cancel()
@@ -160,8 +165,14 @@ class TrajectoryBuffer:
         """Run ``TrajectoryStore.<method>(store, ...)`` on the store thread."""
         if self._store is None or self._executor is None:
             raise Unavailable("the trajectory store is not open (starting or shutting down)")
-        return await asyncio.wrap_future(self._executor.submit(
-            priority, functools.partial(method, self._store, *args, **kwargs)))
+        store = self._store
+        reconnects = store.reconnects
+        try:
+            return await asyncio.wrap_future(self._executor.submit(
+                priority, functools.partial(method, store, *args, **kwargs)))
+        finally:
+            if store.reconnects != reconnects:  # the index was rebuilt: dropped leases' rows are ready again
+                self._notify()
 
     def _notify(self) -> None:
         self._changed.set()
@@ -184,7 +195,7 @@ class TrajectoryBuffer:
     async def read_samples(self, read: Callable[[SampleLog], T]) -> T:
         """``read(store.samples)`` on the store's thread, after the trainers' calls and the appends
         already queued (the viewer's reads never hold a trainer up)."""
-        return await self._call(lambda store: read(store.samples), priority=APPENDS)
+        return await self._call(TrajectoryStore.read_samples, read, priority=APPENDS)
 
     async def drop_stale(self, below_policy_version: int) -> Dropped:
         # Nothing to notify: dropping makes no batch ready (readers' filters skip these rows anyway).

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rlfleet.services.common.config import ServiceConfig
+from rlfleet.services.common.database import check_schema_name, check_url
 
 
 class TrajectoryConfig(ServiceConfig):
@@ -18,7 +19,16 @@ class TrajectoryConfig(ServiceConfig):
     """gRPC port; 0 picks a free port (written to ``port_file``)."""
     db_path: str = "trajectories.sqlite3"
     """SQLite file holding the buffered trajectories (relative paths resolve against the working
-    directory: put it on a persistent volume). ``:memory:`` keeps nothing across restarts."""
+    directory: put it on a persistent volume). ``:memory:`` keeps nothing across restarts. Unused when
+    ``database_url`` is set."""
+    database_url: str = ""
+    """Empty: the store is the SQLite file ``db_path``. ``postgresql://user@host:port/dbname`` (any libpq
+    URL parameter allowed, e.g. ``?sslmode=require``): the store is in that PostgreSQL database, in the schema
+    ``database_schema``, for a buffer that outlives its node (docs/guides/postgresql.md). A lost connection
+    makes calls UNAVAILABLE until it is back; nothing acknowledged is lost."""
+    database_schema: str = "rlfleet_trajectory"
+    """PostgreSQL schema holding the store's tables (created if missing), so several stores can share one
+    database; one service owns a schema at a time (an advisory lock). Unused with SQLite."""
     capacity: int = Field(100_000, gt=0)
     """Most trajectories buffered at once (ready + leased). An Append that does not fit is
     RESOURCE_EXHAUSTED and stores nothing: backpressure on the collector."""
@@ -32,7 +42,9 @@ class TrajectoryConfig(ServiceConfig):
     un-acked after that, it is delivered again. Set it above a trainer step."""
     synchronous: Literal["FULL", "NORMAL"] = "FULL"
     """SQLite ``synchronous`` mode (WAL journal). FULL: an acknowledged append survives power loss
-    (one fsync per commit). NORMAL: it survives a crash of the service but not of the machine."""
+    (one fsync per commit). NORMAL: it survives a crash of the service but not of the machine. With
+    PostgreSQL, FULL is ``synchronous_commit=on`` and NORMAL ``off`` (survives a crash of the service,
+    not of the database server's machine)."""
     batch_schema: bool = True
     """Refuse an Append holding a key that is not in the batch schema (docs/batch-schema.md), or
     one whose kind, dtype or trailing dims differ from it (INVALID_ARGUMENT naming the key); keys
@@ -50,5 +62,16 @@ class TrajectoryConfig(ServiceConfig):
     max_sample_groups: int = Field(2_000, ge=0)
     """Groups the sample log keeps, the newest; 0 keeps every one copied (unbounded: not for long runs)."""
     lock_timeout_seconds: float = Field(10.0, ge=0)
-    """At start, how long to wait for the database lock held by a previous instance that is still
-    exiting; the file is locked for the life of the process so two services never share it."""
+    """At start (and on reconnecting to PostgreSQL), how long to wait for the database lock held by a
+    previous instance that is still exiting; the file (or the PostgreSQL schema, by an advisory lock) is
+    locked for the life of the process so two services never share it."""
+
+    @field_validator("database_url")
+    @classmethod
+    def _known_database(cls, url: str) -> str:
+        return check_url(url)
+
+    @field_validator("database_schema")
+    @classmethod
+    def _plain_schema_name(cls, name: str) -> str:
+        return check_schema_name(name)

@@ -15,12 +15,12 @@ duplicate is not recorded again. Reading never touches the buffer. Nothing here 
 from __future__ import annotations
 
 import math
-import sqlite3
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
+from rlfleet.services.common.database import Database
 from rlfleet.services.common.errors import InvalidArgument, NotFound
 from rlfleet.v1 import tensor_pb2
 from rlfleet.wire.rows import split_tensordict
@@ -120,9 +120,9 @@ class Page:
 
 
 class SampleLog:
-    """The sample log of one store's SQLite file (the store's connection and thread)."""
+    """The sample log of one store's database (the store's connection and thread)."""
 
-    def __init__(self, db: sqlite3.Connection, *, groups_per_version: int, max_groups: int,
+    def __init__(self, db: Database, *, groups_per_version: int, max_groups: int,
                  clock: Callable[[], float]):
         self._db = db
         self._groups_per_version = groups_per_version
@@ -156,21 +156,25 @@ class SampleLog:
         kls = _finite(columns["kl_mean"][rows])
         known = staleness >= 0
         return self._db.execute(
-            "INSERT INTO version_stats VALUES (?, 1, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?) "
-            "ON CONFLICT (version) DO UPDATE SET groups = groups + 1, trajectories = trajectories + excluded.trajectories, "
-            "filtered_groups = filtered_groups + excluded.filtered_groups, "
-            "score_sum = score_sum + excluded.score_sum, score_count = score_count + excluded.score_count, "
-            "kl_sum = kl_sum + excluded.kl_sum, kl_count = kl_count + excluded.kl_count, "
-            "tokens_sum = tokens_sum + excluded.tokens_sum, staleness_sum = staleness_sum + excluded.staleness_sum, "
-            "staleness_count = staleness_count + excluded.staleness_count, "
-            "staleness_max = max(staleness_max, excluded.staleness_max) RETURNING logged_groups",
+            "INSERT INTO version_stats AS v VALUES (?, 1, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (version) DO UPDATE SET groups = v.groups + 1, "
+            "trajectories = v.trajectories + excluded.trajectories, "
+            "filtered_groups = v.filtered_groups + excluded.filtered_groups, "
+            "score_sum = v.score_sum + excluded.score_sum, score_count = v.score_count + excluded.score_count, "
+            "kl_sum = v.kl_sum + excluded.kl_sum, kl_count = v.kl_count + excluded.kl_count, "
+            "tokens_sum = v.tokens_sum + excluded.tokens_sum, "
+            "staleness_sum = v.staleness_sum + excluded.staleness_sum, "
+            "staleness_count = v.staleness_count + excluded.staleness_count, "
+            "staleness_max = CASE WHEN excluded.staleness_max > v.staleness_max THEN excluded.staleness_max "
+            "ELSE v.staleness_max END RETURNING logged_groups",
             (version, len(rows), int(filtered), float(scores.sum()), len(scores), float(kls.sum()), len(kls),
              int(columns["response_tokens"][rows].sum()), staleness if known else 0, int(known),
              staleness if known else -1)).fetchone()[0]
 
     def _copy(self, group: NewGroup, version: int, rows: list[int], columns: dict, staleness: int,
               now: float) -> None:
-        seq = self._db.execute("INSERT INTO sample_groups (data) VALUES (?)", (group.payload,)).lastrowid
+        seq = self._db.execute("INSERT INTO sample_groups (data) VALUES (?) RETURNING seq",
+                               (group.payload,)).fetchone()[0]
         self._db.executemany(
             "INSERT INTO samples (sample_group, row, trajectory_id, prompt_id, group_id, sample_index, version_start, "
             "version_end, score, advantage, kl_mean, response_tokens, turns, filtered, staleness, appended_at) "

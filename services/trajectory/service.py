@@ -29,13 +29,14 @@ class TrajectoryService(Service[TrajectoryConfig]):
 
     def _open_store(self) -> TrajectoryStore:
         config = self.config
-        return TrajectoryStore(config.db_path, config.capacity, capacity_bytes=config.capacity_bytes,
+        return TrajectoryStore(config.database_url or config.db_path, config.capacity,
+                               capacity_bytes=config.capacity_bytes,
                                synchronous=config.synchronous,
                                idempotency_window=config.idempotency_window,
                                max_filtered_groups=config.max_filtered_groups,
                                sample_groups_per_version=config.sample_groups_per_version,
                                max_sample_groups=config.max_sample_groups,
-                               lock_timeout_seconds=config.lock_timeout_seconds,
+                               lock_timeout_seconds=config.lock_timeout_seconds, schema=config.database_schema,
                                documented=row_schema() if config.batch_schema else None)
 
     def torch_threads(self) -> int:
@@ -46,7 +47,7 @@ class TrajectoryService(Service[TrajectoryConfig]):
 
     async def start(self) -> None:
         await self.buffer.start()
-        log.info("trajectory store open", extra={"db_path": self.config.db_path, "capacity": self.config.capacity,
+        log.info("trajectory store open", extra={"database": self.buffer.database, "capacity": self.config.capacity,
                                                  "capacity_bytes": self.config.capacity_bytes})
 
     async def stop(self) -> None:

@@ -1,8 +1,8 @@
-"""The durable trajectory buffer: SQLite rows plus an in-memory index of them.
+"""The durable trajectory buffer: database rows plus an in-memory index of them.
 
-SQLite (WAL mode) holds every buffered group as one serialized TensorDict
-message of its rows (``rows.py``), and a row per trajectory that indexes it;
-nothing is acknowledged before its transaction commits.
+The database — a SQLite file (WAL mode), or PostgreSQL (``services/common/database.py``) — holds every
+buffered group as one serialized TensorDict message of its rows (``rows.py``), and a row per trajectory
+that indexes it; nothing is acknowledged before its transaction commits.
 Memory holds only the index — which rows are ready, which are leased to which
 reader, until when — never the payloads. Leases live in memory only, on
 purpose: after a restart every stored row is ready again, which is exactly
@@ -29,6 +29,11 @@ Rows leave only by an ack or by ``drop_stale`` (an operator's call). A
 reader's ``min_policy_version`` filters what that reader is given and deletes
 nothing: readers cannot delete data they were not given.
 
+A lost PostgreSQL connection fails the call that met it (``DatabaseUnavailable``: UNAVAILABLE); the
+next call reconnects and rebuilds the index from the database, as a restart would: leases are dropped
+and every stored row is ready again (an ack of a dropped lease is NOT_FOUND, as for an expired one),
+and an Append or ack whose COMMIT was cut off is seen as it landed, or not.
+
 A store is not thread-safe: sqlite3 connections are bound to the thread that
 opened them, so one thread owns the store (see ``buffer.TrajectoryBuffer``).
 Nothing here knows about gRPC.
@@ -43,23 +48,24 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Sequence
+from typing import Callable, Literal, Sequence, TypeVar
 
 from rlfleet.services.common.errors import InvalidArgument, NotFound, ResourceExhausted
-from rlfleet.services.common.sqlite import chunks, transaction
+from rlfleet.services.common.database import chunks, open_database
 from rlfleet.services.trajectory import rows as rowcodec
 from rlfleet.services.trajectory import samples as sample_log
-from rlfleet.services.trajectory import sqlite as sqlite_file
+from rlfleet.services.trajectory import schema as tables
 from rlfleet.services.trajectory.appends import dedup_keys, filtered_flags, validate_append
 from rlfleet.v1 import tensor_pb2
 from rlfleet.wire.rows import concat_tensordicts
 
 log = logging.getLogger("rlfleet.trajectory.store")
+T = TypeVar("T")
 
 #: The string column whose values ``drop_stale`` reports (when the rows have it).
 PROMPT_ID_KEY = "prompt_id"
 DEFAULT_CAPACITY_BYTES = 8 << 30
-
+DEFAULT_SCHEMA = "rlfleet_trajectory"
 
 
 @dataclass(frozen=True)
@@ -155,38 +161,49 @@ class TrajectoryStore:
                  synchronous: Literal["FULL", "NORMAL"] = "FULL",
                  idempotency_window: int = 100_000, max_filtered_groups: int = 10_000,
                  sample_groups_per_version: int = 8, max_sample_groups: int = 2_000,
-                 lock_timeout_seconds: float = 10.0,
+                 lock_timeout_seconds: float = 10.0, schema: str = DEFAULT_SCHEMA,
                  documented: rowcodec.Schema | None = None, clock: Callable[[], float] = time.time):
-        """``capacity`` bounds the buffered rows, ``capacity_bytes`` their serialized payloads;
+        """``path``: a SQLite file (``:memory:``: nothing kept) or a ``postgresql://`` URL, the tables in
+        ``schema`` there; ``capacity`` bounds the buffered rows, ``capacity_bytes`` their serialized payloads;
         ``documented``: the schema every append must keep to (its keys may be a subset); None
         accepts any layout."""
         if capacity <= 0:
             raise ValueError(f"capacity must be > 0, got {capacity}")
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
-        self.path = path
         self.capacity = capacity
         self.capacity_bytes = capacity_bytes
         self._idempotency_window = idempotency_window
         self._max_filtered_groups = max_filtered_groups
         self._clock = clock
-        self._db = sqlite_file.connect(path, synchronous, lock_timeout_seconds)
+        self._db = open_database(path, role="trajectory", schema=schema, lock_timeout_seconds=lock_timeout_seconds,
+                                 synchronous=synchronous)
+        try:
+            tables.create(self._db)
+        except BaseException:
+            self._db.close()
+            raise
+        self.path = self._db.name
+        """The database in messages: the file, or the URL less its password."""
         self.samples = sample_log.SampleLog(self._db, groups_per_version=sample_groups_per_version,
                                             max_groups=max_sample_groups, clock=clock)
         """The sample log (``samples.py``): read it on the store's thread."""
+        self._appended = self._acked = self._redelivered_batches = self._dropped_stale = 0
+        self.reconnects = 0
+        """Times the index was rebuilt after a lost connection (leases dropped, rows ready again)."""
+        self._documented = documented
+        self._load()
+
+    # --- lifecycle ----------------------------------------------------------------
+    def _load(self) -> None:
+        """(Re)build the index from the database: every stored row ready, no leases."""
         self._units: dict[int, _Unit] = {}
         self._ready_units: list[int] = []  # unit ids with ready rows, in delivery order (see _order)
         self._leases: dict[str, _Lease] = {}
         self._ready = 0
         self._leased = 0
         self._bytes = 0  # payload bytes of the ready + leased rows
-        self._appended = self._acked = self._redelivered_batches = self._dropped_stale = 0
-        self._schema: rowcodec.Schema | None = None
-        self._documented = documented
-        self._load()
-
-    # --- lifecycle ----------------------------------------------------------------
-    def _load(self) -> None:
+        self._last_seq = self._db.last_id("trajectories", "seq")
         row = self._db.execute("SELECT value FROM meta WHERE name = 'schema'").fetchone()
         self._schema = json.loads(row[0]) if row else None
         row = self._db.execute("SELECT value FROM meta WHERE name = 'filtered'").fetchone()
@@ -210,10 +227,20 @@ class TrajectoryStore:
             self._bytes += nbytes
         self._ready_units.sort(key=self._order)
         if set(unit_bytes) - set(self._units):  # not left behind by this code: a payload goes with its last row
-            with transaction(self._db):
+            with self._db.transaction():
                 self._db.execute("DELETE FROM units WHERE unit NOT IN (SELECT unit FROM trajectories)")
         if self._ready:
-            log.info("reopened trajectory store", extra={"path": self.path, "ready": self._ready})
+            log.info("reopened trajectory store", extra={"path": self._db.name, "ready": self._ready})
+
+    def _ensure_open(self) -> None:
+        """After a lost connection: reconnect and rebuild the index (``DatabaseUnavailable`` if not yet)."""
+        if not self._db.lost:
+            return
+        self._db.reconnect()
+        self._load()
+        self.reconnects += 1
+        log.warning("trajectory store reconnected: index rebuilt from the database, leases dropped",
+                    extra={"database": self._db.name, "ready": self._ready})
 
     def close(self) -> None:
         """Close the database. Leases are dropped: their rows are ready again on reopen."""
@@ -230,6 +257,7 @@ class TrajectoryStore:
         groups are also counted, and copied where there is room, in the sample log, with
         ``committed_version`` (None: unknown) for their staleness."""
         group_ids, versions, units = validate_append(msg)
+        self._ensure_open()
         keys = dedup_keys(idempotency_key, group_keys, len(units))
         filtered = filtered_flags(filtered_groups, group_keys, len(units))
         stored_before = self._stored_before(keys)
@@ -262,25 +290,26 @@ class TrajectoryStore:
                 f"trajectory buffer full: {self._bytes} of {self.capacity_bytes} bytes buffered, {size} more "
                 "do not fit; retry after trainers ack batches")
         filtered_total = (self._filtered[0] + len(dropped), self._filtered[1] + sum(len(units[i]) for i in dropped))
-        with transaction(self._db):
+        with self._db.transaction():
             self._db.executemany(
                 "INSERT INTO trajectories (seq, unit, group_id, group_size, policy_version_start, data) "
-                "VALUES (?, ?, ?, ?, ?, x'')", records)
+                "VALUES (?, ?, ?, ?, ?, ?)", records)
+            if records:
+                self._db.claim_ids("trajectories", "seq", records[-1][0])
             self._db.executemany("INSERT INTO units (unit, data) VALUES (?, ?)",
                                  [(unit.id, payload) for unit, payload in zip(new_units, [payload_of[i] for i in kept])])
             if dropped:
                 self._log_filtered([(keys[i] if keys else "", group_ids[units[i][0]], len(units[i]),
                                      min(versions[j] for j in units[i]), payload_of[i]) for i in dropped])
-                self._db.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('filtered', ?)",
-                                 (json.dumps(filtered_total),))
+                self._set_meta("filtered", json.dumps(filtered_total))
             if schema != self._schema:
-                self._db.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('schema', ?)",
-                                 (json.dumps(schema),))
+                self._set_meta("schema", json.dumps(schema))
             if keys:
                 self._remember_keys([keys[i] for i in new], [units[i] for i in new], [filtered[i] for i in new])
             self.samples.record(msg, [sample_log.NewGroup(units[i], filtered[i], payload_of[i]) for i in new],
                                 committed_version)
         # Committed: only now does the in-memory index change.
+        self._last_seq = records[-1][0] if records else self._last_seq
         self._schema = schema
         self._filtered = filtered_total
         for unit in new_units:
@@ -291,9 +320,13 @@ class TrajectoryStore:
         self._appended += count
         return AppendResult(count, self.buffered, reported, fates)
 
+    def _set_meta(self, name: str, value: str) -> None:
+        self._db.execute("INSERT INTO meta (name, value) VALUES (?, ?) "
+                         "ON CONFLICT (name) DO UPDATE SET value = excluded.value", (name, value))
+
     def _log_filtered(self, groups: list[tuple[str, int, int, int, bytes]]) -> None:
         """Keep ``groups`` (key, group id, size, version, payload) in the filtered log, the newest
-        ``max_filtered_groups`` of it; call inside ``transaction(self._db)``."""
+        ``max_filtered_groups`` of it; call inside ``self._db.transaction()``."""
         now = self._clock()
         self._db.executemany("INSERT INTO filtered (key, group_id, group_size, policy_version_start, filtered_at, "
                              "data) VALUES (?, ?, ?, ?, ?, ?)", [(*group[:4], now, group[4]) for group in groups])
@@ -314,7 +347,7 @@ class TrajectoryStore:
     def _remember_keys(self, keys: Sequence[str], units: Sequence[Sequence[int]],
                        filtered: Sequence[bool]) -> None:
         """Record the keys of the stored groups (``keys[i]`` covers ``units[i]``, filtered or not); call
-        inside ``transaction(self._db)``."""
+        inside ``self._db.transaction()``."""
         rows_per_key: dict[str, list[int]] = {}
         for key, indices, was_filtered in zip(keys, units, filtered):
             row = rows_per_key.setdefault(key, [0, int(was_filtered)])
@@ -348,14 +381,13 @@ class TrajectoryStore:
             unit = _Unit(next_seq, group_ids[indices[0]], len(indices), min(versions[i] for i in indices))
             for position, i in enumerate(indices):
                 unit.ready.append(_Row(next_seq, unit.id, versions[i], 0, _share(len(payload), unit.size, position)))
-                records.append((next_seq, unit.id, unit.group_id, unit.size, versions[i]))
+                records.append((next_seq, unit.id, unit.group_id, unit.size, versions[i], b""))
                 next_seq += 1
             new_units.append(unit)
         return new_units, records, sum(map(len, payloads))
 
     def _next_seq(self) -> int:
-        row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'trajectories'").fetchone()
-        return (row[0] if row else 0) + 1
+        return self._last_seq + 1
 
     # --- delivery ---------------------------------------------------------------------
     def lease(self, owner: str, batch_size: int, *, lease_seconds: float, whole_groups: bool = False,
@@ -374,6 +406,7 @@ class TrajectoryStore:
         """
         if batch_size <= 0:
             raise InvalidArgument(f"open.batch_size: must be > 0, got {batch_size}")
+        self._ensure_open()
         start = self._first_ready_at(min_policy_version)
         if whole_groups:
             plan = self._plan_whole_groups(batch_size, start)  # scans even when short: bad group sizes fail fast
@@ -382,7 +415,7 @@ class TrajectoryStore:
         if plan is None:
             return None
         rows = [row for unit, count in plan for row in unit.ready[:count]]
-        with transaction(self._db):
+        with self._db.transaction():
             for chunk in chunks([row.seq for row in rows]):
                 self._db.execute("UPDATE trajectories SET deliveries = deliveries + 1 "
                                  f"WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
@@ -443,12 +476,13 @@ class TrajectoryStore:
         """Delete the ready rows of every group whose policy_version_start is below
         ``below_policy_version`` (durable once this returns). Leased rows are left alone: acked,
         they are gone; released, the next call drops them."""
+        self._ensure_open()
         stop = self._first_ready_at(below_policy_version)
         units = [self._units[unit_id] for unit_id in self._ready_units[:stop]]
         rows = [row for unit in units for row in unit.ready]
         if not rows:
             return Dropped(0, (), ())
-        with transaction(self._db):
+        with self._db.transaction():
             prompt_ids = self._prompt_ids(rows)
             self._delete_rows([row.seq for row in rows], [unit.id for unit in units if not unit.leased])
         # Committed: only now does the in-memory index change.
@@ -473,7 +507,7 @@ class TrajectoryStore:
 
     def _parts(self, rows: Sequence[_Row]) -> list[tensor_pb2.TensorDict]:
         """Messages whose concatenation is ``rows``, in order: each group's payload read once, and
-        whole when all its rows are taken; call inside ``transaction(self._db)``."""
+        whole when all its rows are taken; call inside ``self._db.transaction()``."""
         own: dict[int, bytes] = {}  # rows stored one by one (files written before units)
         for chunk in chunks([row.seq for row in rows if row.own_payload]):
             own.update(self._db.execute(
@@ -501,11 +535,12 @@ class TrajectoryStore:
     # --- ack / release -------------------------------------------------------------------
     def ack(self, owner: str, lease_id: str) -> int:
         """Delete a leased batch for good; returns its size."""
+        self._ensure_open()
         lease = self._owned_lease(owner, lease_id)
         acked = collections.Counter(row.unit for row in lease.rows)
         emptied = [unit_id for unit_id, count in acked.items()
                    if self._units[unit_id].leased == count and not self._units[unit_id].ready]
-        with transaction(self._db):
+        with self._db.transaction():
             self._delete_rows([row.seq for row in lease.rows], emptied)
         del self._leases[lease_id]
         for row in lease.rows:
@@ -561,13 +596,19 @@ class TrajectoryStore:
         return self._ready + self._leased
 
     def stats(self) -> Stats:
+        self._ensure_open()  # counts of a lost connection's index would be a guess
         return Stats(ready=self._ready, leased=self._leased, acked=self._acked, capacity=self.capacity,
                      appended=self._appended, redelivered_batches=self._redelivered_batches,
                      dropped_stale=self._dropped_stale, buffered_bytes=self._bytes,
                      capacity_bytes=self.capacity_bytes, filtered_groups=self._filtered[0],
                      filtered_trajectories=self._filtered[1])
 
-    # --- sqlite helpers ----------------------------------------------------------------
+    def read_samples(self, read: Callable[[sample_log.SampleLog], T]) -> T:
+        """``read(self.samples)``, on a live connection."""
+        self._ensure_open()
+        return read(self.samples)
+
+    # --- index helpers ----------------------------------------------------------------
     def _order(self, unit_id: int) -> tuple[int, int]:
         """Delivery order: oldest policy version first, then append order.
 
@@ -583,7 +624,7 @@ class TrajectoryStore:
 
     def _delete_rows(self, seqs: Sequence[int], emptied_units: Sequence[int]) -> None:
         """Delete rows, and the payloads of the groups they leave empty; call inside
-        ``transaction(self._db)``."""
+        ``self._db.transaction()``."""
         for chunk in chunks(seqs):
             self._db.execute(f"DELETE FROM trajectories WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
         for chunk in chunks(emptied_units):

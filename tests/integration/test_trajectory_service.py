@@ -1,4 +1,6 @@
-"""The trajectory service as a real process: redelivery, SIGKILL durability, errors, capacity, DropStale."""
+"""The trajectory service as a real process: redelivery, SIGKILL durability, errors, capacity, DropStale;
+the exactly-once and durability tests on both backends (a SQLite file, a PostgreSQL database), and what
+PostgreSQL adds: connection loss, one owner per schema."""
 
 from __future__ import annotations
 
@@ -18,8 +20,18 @@ TIMEOUT = 60
 is shared with other heavy test runs."""
 
 
-def start_trajectory(start_service, db_path, *args):
-    return start_service("trajectory", "--db-path", str(db_path), "--log-format", "text", *args).wait_ready(180)
+@pytest.fixture(params=["sqlite", "postgres"])
+def database(request, tmp_path) -> list[str]:
+    """The service's database flags on each backend: a SQLite file, or a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return ["--db-path", str(tmp_path / "t.sqlite3")]
+    return ["--database-url", request.getfixturevalue("postgres").create_database()]
+
+
+def start_trajectory(start_service, database, *args):
+    """``database``: a SQLite file, or the flags of the ``database`` fixture."""
+    flags = database if isinstance(database, list) else ["--db-path", str(database)]
+    return start_service("trajectory", *flags, "--log-format", "text", *args).wait_ready(180)
 
 
 def connect(proc):
@@ -61,8 +73,8 @@ def stats(stub) -> pb.GetStatsResponse:
     return stub.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT)
 
 
-def test_a_batch_left_unacked_is_delivered_again(start_service, tmp_path):
-    proc = start_trajectory(start_service, tmp_path / "t.sqlite3")
+def test_a_batch_left_unacked_is_delivered_again(start_service, database):
+    proc = start_trajectory(start_service, database)
     stub, channel = connect(proc)
     assert append(stub, groups(0, 2, 2), first_id=0, key="c/0").appended == 4
 
@@ -88,9 +100,8 @@ def test_a_batch_left_unacked_is_delivered_again(start_service, tmp_path):
     channel.close()
 
 
-def test_sigkill_loses_no_acknowledged_append_and_redelivers_unacked(start_service, tmp_path):
-    db_path = tmp_path / "t.sqlite3"
-    proc = start_trajectory(start_service, db_path)
+def test_sigkill_loses_no_acknowledged_append_and_redelivers_unacked(start_service, database):
+    proc = start_trajectory(start_service, database)
     stub, channel = connect(proc)
     for n in range(3):
         assert append(stub, groups(2 * n, 2, 2), first_id=4 * n, key=f"c/{n}").appended == 4
@@ -105,7 +116,7 @@ def test_sigkill_loses_no_acknowledged_append_and_redelivers_unacked(start_servi
     proc.process.wait(TIMEOUT)
     channel.close()
 
-    proc = start_trajectory(start_service, db_path)
+    proc = start_trajectory(start_service, database)
     stub, channel = connect(proc)
     current = stats(stub)
     assert (current.ready, current.leased) == (8, 0)
@@ -122,8 +133,8 @@ def test_sigkill_loses_no_acknowledged_append_and_redelivers_unacked(start_servi
     channel.close()
 
 
-def test_every_ack_is_answered_and_a_late_one_does_not_end_the_stream(start_service, tmp_path):
-    proc = start_trajectory(start_service, tmp_path / "t.sqlite3")
+def test_every_ack_is_answered_and_a_late_one_does_not_end_the_stream(start_service, database):
+    proc = start_trajectory(start_service, database)
     stub, channel = connect(proc)
     append(stub, groups(0, 4, 2), first_id=0)
     reader = Reader(stub, batch_size=4, lease_seconds=0.5)
@@ -177,8 +188,8 @@ def test_malformed_requests_are_invalid_argument_and_the_service_keeps_serving(s
     channel.close()
 
 
-def test_group_keys_deduplicate_each_group_of_a_multi_group_append(start_service, tmp_path):
-    proc = start_trajectory(start_service, tmp_path / "t.sqlite3")
+def test_group_keys_deduplicate_each_group_of_a_multi_group_append(start_service, database):
+    proc = start_trajectory(start_service, database)
     stub, channel = connect(proc)
     request = pb.AppendRequest(trajectories=make_trajectories(groups(0, 2, 2)), group_keys=["c/0", "c/1"])
     first = stub.Append(request, timeout=TIMEOUT)
@@ -261,9 +272,8 @@ def test_a_readers_min_policy_version_deletes_nothing(start_service, tmp_path):
     channel.close()
 
 
-def test_drop_stale_deletes_durably_and_names_the_groups_and_prompts(start_service, tmp_path):
-    db_path = tmp_path / "t.sqlite3"
-    proc = start_trajectory(start_service, db_path)
+def test_drop_stale_deletes_durably_and_names_the_groups_and_prompts(start_service, database):
+    proc = start_trajectory(start_service, database)
     stub, channel = connect(proc)
     for n, version in enumerate([1, 1, 2, 3]):  # groups 0..3 of 2, prompt-<group>
         append(stub, groups(n, 1, 2), first_id=2 * n, policy_version=version, prompt_ids=True)
@@ -279,7 +289,7 @@ def test_drop_stale_deletes_durably_and_names_the_groups_and_prompts(start_servi
     proc.process.wait(TIMEOUT)
     channel.close()
 
-    proc = start_trajectory(start_service, db_path)
+    proc = start_trajectory(start_service, database)
     stub, channel = connect(proc)
     assert (stats(stub).ready, stats(stub).dropped_stale) == (4, 0)  # groups 0 and 3
     dropped = stub.DropStale(pb.DropStaleRequest(below_policy_version=2**64 - 1), timeout=TIMEOUT)
@@ -303,4 +313,106 @@ def test_a_buffer_full_in_bytes_is_resource_exhausted(start_service, tmp_path):
     current = stats(stub)
     assert (current.ready, current.appended) == (4, 4)
     assert (current.buffered_bytes, current.capacity_bytes) == (payload_bytes(first), limit)
+    channel.close()
+
+
+def test_an_append_answered_just_before_a_sigkill_is_there_after_restart_and_delivered_once(start_service, database):
+    proc = start_trajectory(start_service, database)
+    stub, channel = connect(proc)
+    assert append(stub, groups(0, 2, 2), first_id=0, key="c/0").appended == 4
+    proc.kill()  # the moment the answer is in: answered means committed
+    proc.process.wait(TIMEOUT)
+    channel.close()
+
+    proc = start_trajectory(start_service, database)
+    stub, channel = connect(proc)
+    assert stats(stub).ready == 4
+    assert append(stub, groups(0, 2, 2), first_id=0, key="c/0").appended == 0  # the collector's retry: a no-op
+    reader = Reader(stub, batch_size=4)
+    batch = reader.next()
+    assert trajectory_ids(batch.batch) == [f"traj-{i}" for i in range(4)] and not batch.redelivered
+    reader.ack(batch.lease_id)
+    assert reader.next().settled.applied
+    assert (stats(stub).ready, stats(stub).leased) == (0, 0)  # delivered once
+    reader.disconnect()
+    channel.close()
+
+
+# --- PostgreSQL: one owner per schema, connection loss ------------------------------------------
+
+
+def unavailable(call) -> str:
+    """The details of ``call()``'s UNAVAILABLE status (any other outcome fails the test)."""
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+    return err.value.details()
+
+
+def test_a_cut_connection_is_unavailable_naming_the_database_then_nothing_is_lost_or_doubled(start_service, postgres):
+    url = postgres.create_database()
+    proc = start_trajectory(start_service, ["--database-url", url])
+    stub, channel = connect(proc)
+    assert append(stub, groups(0, 4, 2), first_id=0, key="c/0").appended == 8
+    reader = Reader(stub, batch_size=2)
+    acked = reader.next()
+    reader.ack(acked.lease_id)
+    assert reader.next().settled.applied  # committed
+    held = reader.next()  # leased, not acked, when the connection is cut
+
+    assert postgres.terminate(url.rsplit("/", 1)[1]) == 1
+    details = unavailable(lambda: append(stub, groups(4, 1, 2), first_id=8, key="c/1"))
+    assert details.startswith(f"trajectory database unreachable: {url}: "), details
+    # The next call reconnects (the index rebuilt from the database, as after a restart): the resend is stored once.
+    assert append(stub, groups(4, 1, 2), first_id=8, key="c/1").appended == 2
+    assert append(stub, groups(4, 1, 2), first_id=8, key="c/1").appended == 0
+    assert proc.process.poll() is None
+    # The lease held across the loss was dropped with the old index: its ack is not applied, its rows come back.
+    reader.ack(held.lease_id)
+    answer = reader.next().settled
+    assert (answer.lease_id, answer.applied) == (held.lease_id, False)
+    delivered = []
+    for _ in range(4):
+        batch = reader.next()
+        delivered += trajectory_ids(batch.batch)
+        reader.ack(batch.lease_id)
+        assert reader.next().settled.applied
+    assert delivered[:2] == trajectory_ids(held.batch)
+    assert sorted(delivered) == sorted(f"traj-{i}" for i in range(2, 10))  # each once; the acked ones never
+    assert (stats(stub).ready, stats(stub).leased) == (0, 0)
+    reader.disconnect()
+    channel.close()
+
+
+def test_a_database_crash_is_an_outage_and_the_service_serves_again_once_it_is_back(start_service, postgres):
+    url = postgres.create_database()
+    proc = start_trajectory(start_service, ["--database-url", url])
+    stub, channel = connect(proc)
+    assert append(stub, groups(0, 2, 2), first_id=0, key="c/0").appended == 4
+    postgres.kill()
+    try:
+        for call in (lambda: append(stub, groups(2, 1, 2), first_id=4, key="c/1"), lambda: stats(stub)):
+            assert unavailable(call).startswith(f"trajectory database unreachable: {url}: ")
+        assert proc.process.poll() is None and proc.health() == 1  # SERVING: the outage is the database's
+    finally:
+        postgres.start()  # crash recovery: what was committed is back
+    assert append(stub, groups(2, 1, 2), first_id=4, key="c/1").appended == 2
+    assert append(stub, groups(0, 2, 2), first_id=0, key="c/0").appended == 0
+    reader = Reader(stub, batch_size=6)
+    batch = reader.next()
+    assert trajectory_ids(batch.batch) == [f"traj-{i}" for i in range(6)]
+    check_rows(batch.batch)
+    reader.disconnect()
+    channel.close()
+
+
+def test_a_second_service_on_the_same_schema_is_refused_at_start(start_service, postgres):
+    url = postgres.create_database()
+    first = start_trajectory(start_service, ["--database-url", url])
+    second = start_service("trajectory", "--database-url", url, "--lock-timeout-seconds", "0.2", "--log-format", "text")
+    assert second.process.wait(TIMEOUT) != 0
+    assert (f"{url} (schema rlfleet_trajectory): the trajectory database is in use by another process"
+            in second.log_tail()), second.log_tail()
+    stub, channel = connect(first)
+    assert append(stub, [1, 1], first_id=0).appended == 2  # the owner serves on
     channel.close()

@@ -1,10 +1,12 @@
-"""The trajectory buffer without sockets: batching, leases, capacity, durability."""
+"""The trajectory buffer without sockets: batching, leases, capacity, durability; every test that opens a
+store runs on both backends, a SQLite file and a PostgreSQL database (``tests/postgres.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
 
+import psycopg
 import pytest
 import torch
 
@@ -36,9 +38,28 @@ def clock():
     return FakeClock()
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def backend(request) -> str:
+    return request.param
+
+
 @pytest.fixture
-def store(clock):
-    store = TrajectoryStore(":memory:", capacity=100, clock=clock)
+def fresh_db(backend, request):
+    """A new, empty database at each call: ``:memory:``, or a new PostgreSQL database's URL."""
+    if backend == "sqlite":
+        return lambda: ":memory:"
+    return request.getfixturevalue("postgres").create_database
+
+
+@pytest.fixture
+def db(backend, fresh_db, tmp_path) -> str:
+    """The test's durable database, reopened by this path or URL: a SQLite file, or a PostgreSQL database."""
+    return str(tmp_path / "trajectories.sqlite3") if backend == "sqlite" else fresh_db()
+
+
+@pytest.fixture
+def store(clock, fresh_db):
+    store = TrajectoryStore(fresh_db(), capacity=100, clock=clock)
     yield store
     store.close()
 
@@ -61,8 +82,8 @@ def test_batches_have_exactly_batch_size_rows_in_append_order(store):
     assert store.stats().ready == 2 and store.stats().leased == 8
 
 
-def test_oldest_policy_version_is_served_first_then_append_order(tmp_path):
-    store = TrajectoryStore(str(tmp_path / "order.db"), capacity=100)
+def test_oldest_policy_version_is_served_first_then_append_order(db):
+    store = TrajectoryStore(db, capacity=100)
     store.append(make_trajectories(groups(0, 1, 2), first_id=0, policy_version=3))
     store.append(make_trajectories(groups(1, 1, 2), first_id=2, policy_version=1))  # a late, older group
     store.append(make_trajectories(groups(2, 1, 2), first_id=4, policy_version=1))
@@ -71,7 +92,7 @@ def test_oldest_policy_version_is_served_first_then_append_order(tmp_path):
     store.nack("a", first.lease_id)  # a released batch goes back to its place at the head
     assert trajectory_ids(store.lease("a", 4, lease_seconds=10).batch) == ["traj-2", "traj-3", "traj-4", "traj-5"]
     store.close()
-    reopened = TrajectoryStore(str(tmp_path / "order.db"), capacity=100)  # the order survives a restart
+    reopened = TrajectoryStore(db, capacity=100)  # the order survives a restart
     assert trajectory_ids(reopened.lease("a", 6, lease_seconds=10).batch) == [f"traj-{i}" for i in (2, 3, 4, 5, 0, 1)]
     reopened.close()
 
@@ -133,8 +154,8 @@ def test_a_filter_skips_whole_groups_by_their_oldest_row(store):
 # --- drop stale ----------------------------------------------------------------------------
 
 
-def test_drop_stale_deletes_ready_groups_below_the_version_and_says_which(tmp_path, clock):
-    path = str(tmp_path / "drop.db")
+def test_drop_stale_deletes_ready_groups_below_the_version_and_says_which(db, clock):
+    path = db
     store = TrajectoryStore(path, capacity=100, documented=row_schema(), clock=clock)
     appends = [make_trajectories([group, group], first_id=2 * n, policy_version=version, prompt_ids=True)
                for n, (group, version) in enumerate([(1, 1), (2, 1), (3, 2), (4, 3), (2, 2)])]  # group 2 twice
@@ -235,8 +256,8 @@ def test_concurrent_readers_get_disjoint_batches_and_only_ack_their_own(store):
 # --- append: capacity, idempotency, validation -------------------------------------------
 
 
-def test_capacity_backpressure_is_all_or_nothing(clock):
-    store = TrajectoryStore(":memory:", capacity=5, clock=clock)
+def test_capacity_backpressure_is_all_or_nothing(clock, fresh_db):
+    store = TrajectoryStore(fresh_db(), capacity=5, clock=clock)
     store.append(make_trajectories([1, 1, 2, 2]), "k1")
     with pytest.raises(ResourceExhausted, match="4 of 5 buffered"):
         store.append(make_trajectories([3, 3], first_id=4), "k2")
@@ -253,8 +274,8 @@ def test_capacity_backpressure_is_all_or_nothing(clock):
     store.close()
 
 
-def test_capacity_in_bytes_is_all_or_nothing_and_survives_a_reopen(tmp_path, clock):
-    path = str(tmp_path / "bytes.db")
+def test_capacity_in_bytes_is_all_or_nothing_and_survives_a_reopen(db, clock):
+    path = db
     first, second = make_trajectories([1, 1]), make_trajectories([2, 2], first_id=2)
     limit = payload_bytes(first) + payload_bytes(second) - 1
     store = TrajectoryStore(path, capacity=100, capacity_bytes=limit, clock=clock)
@@ -278,8 +299,8 @@ def test_capacity_in_bytes_is_all_or_nothing_and_survives_a_reopen(tmp_path, clo
     store.close()
 
 
-def test_idempotency_key_makes_a_resend_a_no_op(clock):
-    store = TrajectoryStore(":memory:", capacity=100, idempotency_window=2, clock=clock)
+def test_idempotency_key_makes_a_resend_a_no_op(clock, fresh_db):
+    store = TrajectoryStore(fresh_db(), capacity=100, idempotency_window=2, clock=clock)
     assert store.append(make_trajectories([1, 1]), "collector/1").appended == 2
     assert store.append(make_trajectories([1, 1]), "collector/1").appended == 0
     assert store.append(make_trajectories([2]), "").appended == 1
@@ -292,8 +313,8 @@ def test_idempotency_key_makes_a_resend_a_no_op(clock):
     store.close()
 
 
-def test_group_keys_skip_only_the_groups_appended_before_and_survive_a_reopen(tmp_path, clock):
-    path = str(tmp_path / "keys.db")
+def test_group_keys_skip_only_the_groups_appended_before_and_survive_a_reopen(db, clock):
+    path = db
     store = TrajectoryStore(path, capacity=100, clock=clock)
     first = store.append(make_trajectories(groups(0, 3, 2)), group_keys=["c/0", "c/1", "c/2"])
     assert (first.appended, first.buffered, first.duplicate_groups) == (6, 6, (False, False, False))
@@ -315,8 +336,8 @@ def test_group_keys_skip_only_the_groups_appended_before_and_survive_a_reopen(tm
     store.close()
 
 
-def test_group_keys_are_remembered_in_the_idempotency_window(clock):
-    store = TrajectoryStore(":memory:", capacity=100, idempotency_window=2, clock=clock)
+def test_group_keys_are_remembered_in_the_idempotency_window(clock, fresh_db):
+    store = TrajectoryStore(fresh_db(), capacity=100, idempotency_window=2, clock=clock)
     store.append(make_trajectories(groups(0, 3, 1)), group_keys=["k/0", "k/1", "k/2"])  # "k/0" is forgotten
     result = store.append(make_trajectories(groups(0, 3, 1), first_id=3), group_keys=["k/0", "k/1", "k/2"])
     assert (result.appended, result.duplicate_groups) == (1, (False, True, True))
@@ -326,8 +347,8 @@ def test_group_keys_are_remembered_in_the_idempotency_window(clock):
     store.close()
 
 
-def test_filtered_groups_are_logged_counted_and_never_delivered_and_a_retry_learns_their_fate(tmp_path, clock):
-    path = str(tmp_path / "filtered.db")
+def test_filtered_groups_are_logged_counted_and_never_delivered_and_a_retry_learns_their_fate(db, clock):
+    path = db
     store = TrajectoryStore(path, capacity=4, max_filtered_groups=2, clock=clock)
     # Three groups of two: the middle one filtered; capacity 4 holds the other two (filtered take none).
     first = store.append(make_trajectories(groups(0, 3, 2)), group_keys=["f/0", "f/1", "f/2"],
@@ -357,16 +378,34 @@ def test_filtered_groups_are_logged_counted_and_never_delivered_and_a_retry_lear
     store.close()
 
 
-def test_a_file_written_before_filtered_groups_opens_and_its_keys_read_as_not_filtered(tmp_path, clock):
-    path = str(tmp_path / "old.db")
-    old = sqlite3.connect(path)
-    old.executescript("CREATE TABLE idempotency_keys (key TEXT PRIMARY KEY, appended INTEGER NOT NULL);"
-                      "INSERT INTO idempotency_keys VALUES ('old/0', 2);")
-    old.close()
+def test_a_file_written_before_filtered_groups_opens_and_its_keys_read_as_not_filtered(db, backend, clock):
+    path = db
+    old_tables = "CREATE TABLE idempotency_keys (key TEXT PRIMARY KEY, appended INTEGER NOT NULL)"
+    if backend == "sqlite":  # what the code before filtered groups and schema versions wrote
+        old = sqlite3.connect(path)
+        old.executescript(f"{old_tables}; INSERT INTO idempotency_keys VALUES ('old/0', 2);")
+        old.close()
+    else:  # a PostgreSQL store at schema version 1 (as rlfleet never wrote one: the migration step is shared)
+        old_tables = old_tables.replace("(key", "(rowid BIGINT GENERATED ALWAYS AS IDENTITY UNIQUE, key")
+        with psycopg.connect(path, autocommit=True) as old:
+            old.execute("CREATE SCHEMA rlfleet_trajectory; SET search_path TO rlfleet_trajectory")
+            old.execute(f"{old_tables}; INSERT INTO idempotency_keys (key, appended) VALUES ('old/0', 2); "
+                        "CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL); "
+                        "INSERT INTO meta VALUES ('schema_version', '1')")
     store = TrajectoryStore(path, capacity=10, clock=clock)
     result = store.append(make_trajectories([0, 0]), group_keys=["old/0"], filtered_groups=[True])
     assert (result.duplicate_groups, result.filtered_groups, store.stats().filtered_groups) == ((True,), (False,), 0)
+    assert store._db.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()[0] == "2"
     store.close()
+
+
+def test_a_database_of_a_newer_schema_version_is_refused(db):
+    TrajectoryStore(db, capacity=10).close()
+    store = TrajectoryStore(db, capacity=10)
+    store._db.execute("UPDATE meta SET value = '99' WHERE name = 'schema_version'")
+    store.close()
+    with pytest.raises(RuntimeError, match="schema version 99, written by a newer rlfleet; this one knows versions up to 2"):
+        TrajectoryStore(db, capacity=10)
 
 
 @pytest.mark.parametrize("group_keys, filtered, message", [
@@ -397,8 +436,8 @@ def test_invalid_dedup_keys_name_the_problem_and_store_nothing(store, idempotenc
     assert store.append(msg, group_keys=["x/1", "x/2"]).appended == 4  # no key was burnt
 
 
-def test_group_keys_capacity_counts_only_the_rows_to_store(clock):
-    store = TrajectoryStore(":memory:", capacity=4, clock=clock)
+def test_group_keys_capacity_counts_only_the_rows_to_store(clock, fresh_db):
+    store = TrajectoryStore(fresh_db(), capacity=4, clock=clock)
     store.append(make_trajectories([0, 0]), group_keys=["g/0"])
     store.ack("a", store.lease("a", 2, lease_seconds=60).lease_id)
     whole = make_trajectories(groups(0, 3, 2))  # 6 rows could never fit; the 4 new ones do
@@ -415,7 +454,7 @@ def test_group_keys_capacity_counts_only_the_rows_to_store(clock):
     whole = make_trajectories([0, 0, 1, 1])
     limit = payload_bytes(new)
     assert payload_bytes(known) <= limit < payload_bytes(whole)
-    store = TrajectoryStore(":memory:", capacity=100, capacity_bytes=limit, clock=clock)
+    store = TrajectoryStore(fresh_db(), capacity=100, capacity_bytes=limit, clock=clock)
     store.append(known, group_keys=["g/0"])
     with pytest.raises(ResourceExhausted, match="bytes buffered"):
         store.append(whole, group_keys=["g/0", "g/1"])
@@ -462,8 +501,8 @@ def test_rows_of_one_buffer_share_a_schema(store):
     assert store.append(other).appended == 1  # an empty buffer takes a new schema
 
 
-def test_with_the_batch_schema_only_documented_keys_in_their_documented_form_are_stored(clock):
-    store = TrajectoryStore(":memory:", capacity=100, documented=row_schema(), clock=clock)
+def test_with_the_batch_schema_only_documented_keys_in_their_documented_form_are_stored(clock, fresh_db):
+    store = TrajectoryStore(fresh_db(), capacity=100, documented=row_schema(), clock=clock)
     assert store.append(make_trajectories([1, 1])).appended == 2  # a subset of the documented keys
     extra = make_trajectories([2, 2], first_id=2)
     extra.entries["my_metric"].CopyFrom(extra.entries["score"])
@@ -489,8 +528,8 @@ def test_with_the_batch_schema_only_documented_keys_in_their_documented_form_are
 # --- durability -----------------------------------------------------------------------------
 
 
-def test_reopen_keeps_acknowledged_appends_and_readies_leased_rows(tmp_path, clock):
-    path = str(tmp_path / "trajectories.sqlite3")
+def test_reopen_keeps_acknowledged_appends_and_readies_leased_rows(db, backend, clock):
+    path = db
     store = TrajectoryStore(path, capacity=100, clock=clock)
     store.append(make_trajectories(groups(0, 2, 2), first_id=0), "c/0")
     store.append(make_trajectories(groups(2, 2, 2), first_id=4), "c/1")
@@ -512,12 +551,13 @@ def test_reopen_keeps_acknowledged_appends_and_readies_leased_rows(tmp_path, clo
     assert sorted(delivered) == sorted(f"traj-{i}" for i in range(2, 8))
     check_rows(rest.batch)
     store.close()
-    mode = sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0]
-    assert mode == "wal"
+    if backend == "sqlite":
+        mode = sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0]
+        assert mode == "wal"
 
 
-def test_a_group_is_stored_once_and_its_payload_goes_with_its_last_row(tmp_path, clock):
-    path = str(tmp_path / "trajectories.sqlite3")
+def test_a_group_is_stored_once_and_its_payload_goes_with_its_last_row(db, clock):
+    path = db
     store = TrajectoryStore(path, capacity=100, clock=clock)
     store.append(make_trajectories([0, 0, 0, 1, 1, 2, 2, 2, 2]), group_keys=["g/0", "g/1", "g/2"])
     assert store._db.execute("SELECT count(*) FROM units").fetchone()[0] == 3
@@ -533,14 +573,14 @@ def test_a_group_is_stored_once_and_its_payload_goes_with_its_last_row(tmp_path,
     store.close()
 
 
-def test_a_file_written_before_groups_were_stored_whole_is_read_as_it_is(tmp_path, clock):
+def test_a_file_written_before_groups_were_stored_whole_is_read_as_it_is(db, clock):
     """Such a file holds each row as its own message and no group payloads: its rows are delivered,
     counted and acked as before, beside groups appended since."""
-    path = str(tmp_path / "trajectories.sqlite3")
+    path = db
     store = TrajectoryStore(path, capacity=100, clock=clock)
     old = make_trajectories([0, 0, 1, 1], prompt_ids=True)
     store.append(old, "old")
-    with store._db:  # what the previous code wrote: rows with their data, no units table rows
+    with store._db.transaction():  # what the previous code wrote: rows with their data, no units table rows
         for seq, row in enumerate(split_rows(old), start=1):
             store._db.execute("UPDATE trajectories SET data = ? WHERE seq = ?", (row, seq))
         store._db.execute("DELETE FROM units")
@@ -560,8 +600,8 @@ def test_a_file_written_before_groups_were_stored_whole_is_read_as_it_is(tmp_pat
     store.close()
 
 
-def test_a_second_store_cannot_open_a_file_in_use(tmp_path):
-    path = str(tmp_path / "trajectories.sqlite3")
+def test_a_second_store_cannot_open_a_file_in_use(db):
+    path = db
     store = TrajectoryStore(path, capacity=10)
     with pytest.raises(RuntimeError, match="in use by another process"):
         TrajectoryStore(path, capacity=10, lock_timeout_seconds=0.1)
@@ -595,8 +635,9 @@ class Commands:
 
 
 @pytest.fixture
-async def buffer():
-    buffer = TrajectoryBuffer(lambda: TrajectoryStore(":memory:", capacity=100), default_lease_seconds=60,
+async def buffer(fresh_db):
+    location = fresh_db()
+    buffer = TrajectoryBuffer(lambda: TrajectoryStore(location, capacity=100), default_lease_seconds=60,
                               spawn=lambda coroutine, name: asyncio.get_running_loop().create_task(coroutine, name=name))
     await buffer.start()
     yield buffer
