@@ -24,7 +24,10 @@ from tests.waiting import wait_for
 
 START_TIMEOUT = 120.0
 """initdb plus a start (with crash recovery after a kill): seconds, minutes on a loaded CI machine."""
-USER = "nobody"
+USER = "postgres"
+"""The server runs as the user Debian's postgresql package creates (postgres refuses root). Not
+``nobody``: uid 65534 is the python tool's sandbox user, and the sandbox tests check that no process of
+that uid outlives them."""
 
 
 def find_binaries() -> Path:
@@ -115,7 +118,11 @@ class PostgresServer:
             self.root = None
 
     def _initdb(self) -> None:
-        user = pwd.getpwnam(USER)
+        try:
+            user = pwd.getpwnam(USER)
+        except KeyError:
+            raise AssertionError(f"no {USER!r} user to run PostgreSQL as: run scripts/bootstrap, which installs "
+                                 "Debian's postgresql package (it creates the user)") from None
         self.root = Path(tempfile.mkdtemp(prefix="rlfleet-pg-"))
         os.chown(self.root, user.pw_uid, user.pw_gid)
         os.chmod(self.root, 0o700)
@@ -126,7 +133,7 @@ class PostgresServer:
     def _as_user(self, *command: str) -> list[str]:
         if os.geteuid() != 0:
             return list(command)
-        return ["setpriv", f"--reuid={USER}", "--regid=nogroup", "--clear-groups", *command]
+        return ["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups", *command]
 
     def _accepting(self) -> bool:
         import psycopg
