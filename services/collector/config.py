@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlfleet.choices import AdvantageModeName, KLEstimatorName
 from rlfleet.services.common.config import ServiceConfig
@@ -146,7 +146,18 @@ class CollectorConfig(ServiceConfig, UpstreamConfig):
     while its previous calls were in flight go out together (1: one call per group)."""
 
     state_dir: str = "collector-state"
-    """Directory for the resumable state (version, dataset position) and the weight spool used to re-sync replicas."""
+    """Directory for the resumable state (version, dataset position) and the weight spool used to re-sync replicas.
+    With ``database_url`` set, nothing durable is kept here: a collector restarts from the database alone."""
+    database_url: str = ""
+    """Empty: the durable state (prompt ledger, dead letters, pass rates, committed version, breaker) is the
+    SQLite file ``state_dir/prompts.sqlite3`` and the weight spool a directory beside it.
+    ``postgresql://user@host:port/dbname``: all of it, the spooled weights too, is in that PostgreSQL database
+    (schema ``database_schema``), so a collector whose node is lost restarts elsewhere from it
+    (docs/guides/postgresql.md). A lost connection takes the collector to NOT_SERVING naming the database:
+    restart it; nothing acknowledged is lost."""
+    database_schema: str = "rlfleet_collector"
+    """PostgreSQL schema holding the collector's tables (created if missing); one collector owns a schema at a
+    time (an advisory lock). Unused with SQLite."""
     max_push_bytes: int | None = Field(None, gt=0)
     """Largest weight push accepted, checked on the manifest before any memory is given to it.
     ``None``: the smallest limit the replicas report (each, by default, 4 x its checkpoint's bytes)."""
@@ -156,6 +167,19 @@ class CollectorConfig(ServiceConfig, UpstreamConfig):
     replica_startup_seconds: float = Field(60.0, ge=0)
     """At start, how long to wait for every replica to answer before starting with the ones that did."""
 
+    @field_validator("database_url")
+    @classmethod
+    def _known_database(cls, url: str) -> str:
+        from rlfleet.services.common.database import check_url
+
+        return check_url(url)
+
+    @field_validator("database_schema")
+    @classmethod
+    def _plain_schema_name(cls, name: str) -> str:
+        from rlfleet.services.common.database import check_schema_name
+
+        return check_schema_name(name)
 
     @model_validator(mode="after")
     def _sync_means_no_staleness(self) -> "CollectorConfig":

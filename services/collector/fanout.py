@@ -9,11 +9,13 @@ accepts (``transports.py``). A push runs in two phases:
    then offered that segment and maps the very same pages; a replica that
    cannot (another host or IPC namespace) gets the bytes as grpc chunks read
    from it, and from then on gets a grpc push's chunks forwarded as they
-   arrive. Each replica answers STAGED. The segment is also spooled to disk
-   for re-syncing replicas later (beside the staging, off the commit's path).
+   arrive. Each replica answers STAGED. The segment is also spooled (``spool.py``:
+   files, or the collector's database) for re-syncing replicas later, beside
+   the staging: off the commit's path for files; the database's spool must
+   hold every byte before the version commits, in one transaction with it.
 2. **Commit.** Once the trainer's bytes are complete and verified (the push is
    *decided*), every staged replica is told to apply; the version commits
-   (state fsync'd) when they applied. From the decision on, the
+   (durably, in the collector's database) when they applied. From the decision on, the
    push completes even if the trainer goes away, so a trainer's cut can never
    leave an engine ahead of the collector.
 
@@ -26,20 +28,16 @@ the spool by the replica monitor.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from rlfleet.client.push import MODES
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.replicas import Replica, ReplicaPool
-from rlfleet.services.collector.spool import Spool
+from rlfleet.services.collector.spool import DatabaseSpool, FileSpool
 from rlfleet.services.collector.transports import ReplicaOutcome, ReplicaPush
 from rlfleet.services.common import tracing
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted, Unavailable
@@ -63,15 +61,19 @@ class PushOutcome:
 class WeightFanout:
     """Receives pushes from the trainer, stages and commits them on every replica, keeps the spool."""
 
-    def __init__(self, pool: ReplicaPool, gate: VersionGate, spool_dir: Path, max_push_bytes: int | None,
-                 on_commit=None, on_fatal=None, swap_mode: str = ""):
+    def __init__(self, pool: ReplicaPool, gate: VersionGate, spool_dir: Path | None, max_push_bytes: int | None,
+                 on_commit: Callable[[int, weights_pb2.WeightManifest | None], Awaitable[None]] | None = None,
+                 on_fatal=None, swap_mode: str = "", spool: DatabaseSpool | None = None):
         self.pool = pool
         self.swap_mode = swap_mode
         """The run's swap mode (``CollectorConfig.swap_mode``): overrides each push's; "" leaves it."""
         self.gate = gate
-        self.spool = Spool(Path(spool_dir))
+        self.spool: FileSpool | DatabaseSpool = spool if spool is not None else FileSpool(Path(spool_dir))
+        """Where pushes are spooled for re-syncs: ``spool`` (the database's), else files in ``spool_dir``."""
         self.max_push_bytes = max_push_bytes
         self.on_commit = on_commit
+        """Makes a version the committed one, durably (with the spool's manifest when the spool commits with
+        the version); raises OSError or Unavailable when it could not."""
         self.on_fatal = on_fatal
         self.spool_error = ""
         """Why the spool does not hold the committed version (``Status.spool_error``); "" when current."""
@@ -80,8 +82,6 @@ class WeightFanout:
         self.pushes = 0  # pushes and re-syncs begun: a probe that straddled one is not trusted
         self._spooling: asyncio.Task | None = None  # the last push's spool write (off the commit path)
         self._staging = shm.SegmentCache()  # where grpc pushes land, kept between pushes
-        # The spool is background work: its thread yields the CPU to the replicas' apply.
-        self._spool_thread = ThreadPoolExecutor(1, "spool", initializer=_lower_priority)
 
     async def push(self, messages: AsyncIterator[tuple[str, object]]) -> PushOutcome:
         """``messages`` yields ("manifest", WeightManifest) then, for grpc pushes, ("chunk", WeightChunk)."""
@@ -166,7 +166,7 @@ class WeightFanout:
             except BaseException:
                 for s in remote:
                     s.cancel()
-                spool.discard()
+                await spool.discard()
                 raise
             # Every byte is here and verified: the push is decided.
             local = [ReplicaPush.start(r, _offered(manifest, r), self.pool.settings, segment)
@@ -177,30 +177,43 @@ class WeightFanout:
             if not handed_off:
                 self._release(segment)
 
-    async def _spool(self, spool, segment: shm.Segment, decision: asyncio.Future) -> None:
-        """Spool the push to disk beside the staging, commit it once the version committed.
+    async def _spool(self, spool, segment: shm.Segment, decision: asyncio.Future,
+                     copied: asyncio.Future | None = None) -> None:
+        """Spool the push beside the staging (``copied``: whether every byte is), commit it once the
+        version committed.
 
-        Not on the commit's path: a replica that is up applies from the transport, the spool only
-        serves later re-syncs, which wait for it (``_spooled``). A collector that dies between the
-        commit and the end of this write restarts without the bytes of that version; its replicas
-        that were down then rejoin at the next push."""
-        version, failure = spool.manifest.version, ""
+        A file spool is not on the commit's path: a replica that is up applies from the transport, the
+        spool only serves later re-syncs, which wait for it (``_spooled``). A collector that dies between
+        the commit and the end of this write restarts without the bytes of that version; its replicas
+        that were down then rejoin at the next push. The database's spool is (``_commit`` waits for
+        ``copied``): its manifest switches in the version's own transaction."""
+        version, failure, every_byte = spool.manifest.version, "", False
         try:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._spool_thread, spool.copy, segment)
-            await loop.run_in_executor(self._spool_thread, spool.flush)
-        except OSError as err:
+            await spool.copy(segment)
+            every_byte = True
+        except (OSError, Unavailable) as err:
             failure = f"spooling version {version} failed: {err}"
+        finally:
+            if copied is not None and not copied.done():
+                copied.set_result(every_byte)
         committed = await decision
         self._release(segment)  # only now: replicas falling back to grpc read from it until staged
         if committed and not failure:
             try:
-                await asyncio.to_thread(spool.commit)
+                await spool.commit()
                 self.spool_error = ""
                 return
-            except OSError as err:
+            except (OSError, Unavailable) as err:
+                if self.spool.commits_with_version:
+                    # The version and its manifest committed together: only older bytes stayed behind.
+                    log.warning("deleting the spooled versions before %d failed: %s", version, err)
+                    self.spool_error = ""
+                    return
                 failure = f"committing version {version} to the spool failed: {err}"
-        spool.discard()
+        try:
+            await spool.discard()
+        except (OSError, Unavailable) as err:
+            log.warning("discarding the spooled bytes of version %d failed: %s", version, err)
         if committed:  # an aborted push leaves the spool as current as it was
             self.spool_error = failure
             log.error("%s: replicas that restart cannot be re-synced to it until a later push spools", failure)
@@ -208,11 +221,12 @@ class WeightFanout:
     async def _decide(self, streams: list[ReplicaPush], push: WeightPush, spool, started: float,
                       segment: shm.Segment) -> PushOutcome:
         decision = asyncio.get_running_loop().create_future()
-        self._spooling = asyncio.ensure_future(self._spool(spool, segment, decision))
+        copied = asyncio.get_running_loop().create_future()
+        self._spooling = asyncio.ensure_future(self._spool(spool, segment, decision, copied))
         self._spooling.add_done_callback(self._spool_done)
         try:
             staged = await self._stage(streams, push.version)
-            return await self._commit(streams, staged, push, decision, started)
+            return await self._commit(streams, staged, push, decision, started, (spool, copied))
         finally:
             if not decision.done():
                 decision.set_result(False)
@@ -235,7 +249,8 @@ class WeightFanout:
         return staged
 
     async def _commit(self, streams: list[ReplicaPush], staged: list[ReplicaPush], push: WeightPush,
-                      decision: asyncio.Future | None, started: float) -> PushOutcome:
+                      decision: asyncio.Future | None, started: float,
+                      spooling: tuple[object, asyncio.Future] | None = None) -> PushOutcome:
         version = push.version
         await self.gate.begin_push()
         committed = None
@@ -250,8 +265,13 @@ class WeightFanout:
                 raise Unavailable(f"no replica applied version {version}: {errors}")
             if self.on_commit is not None:
                 try:
-                    self.on_commit(version)  # durable before the trainer (or the spool) hears of it
-                except OSError as err:
+                    # Durable before the trainer (or a file spool) hears of it; a database spool's manifest
+                    # switches with it, once every byte is there (else the spool keeps the version it has).
+                    manifest = None
+                    if spooling is not None and self.spool.commits_with_version and await spooling[1]:
+                        manifest = spooling[0].manifest
+                    await self.on_commit(version, manifest)
+                except (OSError, Unavailable) as err:
                     # The replicas that applied run ahead of the committed version: out of rotation,
                     # rolled back from the spool (it still holds the previous version) by the monitor.
                     for stream, outcome in zip(streams, outcomes):
@@ -338,7 +358,7 @@ class WeightFanout:
 
     def close(self) -> None:
         self._staging.close()
-        self._spool_thread.shutdown(wait=False)
+        self.spool.close()
 
     # --- re-sync -------------------------------------------------------------
     def _push_limit(self) -> int:
@@ -355,7 +375,11 @@ class WeightFanout:
         async with self._lock:
             self.pushes += 1
             await self._spooled()
-            manifest = self.spool.manifest()
+            try:
+                manifest = await self.spool.manifest()
+            except Unavailable as err:
+                log.warning("cannot re-sync %s: %s", replica.address, err)
+                return False
             if manifest is None or manifest.version != self.gate.version:
                 log.warning("cannot re-sync %s: the spool holds no bytes of version %d",
                             replica.address, self.gate.version)
@@ -364,12 +388,12 @@ class WeightFanout:
             manifest.resync = True
             segment = None
             try:
-                segment = await asyncio.to_thread(self.spool.load_segment, manifest)
+                segment = await self.spool.load_segment(manifest)
                 stream = ReplicaPush.start(replica, manifest, self.pool.settings, segment)
                 if await stream.wait_staged():
                     await stream.commit()
                 outcome = stream.outcome()
-            except OSError as err:
+            except (OSError, Unavailable) as err:
                 log.warning("re-sync of %s failed: %s", replica.address, err)
                 return False
             finally:
@@ -405,11 +429,6 @@ def nccl_rank_offsets(replicas: list[Replica]) -> tuple[list[int], int]:
         offsets.append(rank)
         rank += replica.transfer_world_size
     return offsets, rank
-
-
-def _lower_priority() -> None:
-    with contextlib.suppress(OSError):  # Linux: a thread's own nice value
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
 async def _finish_shielded(coroutine):

@@ -1,7 +1,10 @@
-"""The prompt ledger: every admitted prompt, durable until it ends as a group or a dead letter.
+"""The prompt ledger: every admitted prompt, durable until it ends as a group or a dead letter; and the
+rest of the collector's durable state beside it, in one database (``state_schema.py``): dead letters,
+pass rates, the committed version, the mismatch breaker, and (PostgreSQL) the spooled weights.
 
-A trainer's prompts are written here (one SQLite transaction, fsync'd) before
-SubmitPrompts answers; a dataset prompt is written as it is drawn, in the same
+The database is a SQLite file in the state directory (the default) or PostgreSQL (``database_url``),
+through ``services/common/database.py``. A trainer's prompts are written here (one transaction, durable)
+before SubmitPrompts answers; a dataset prompt is written as it is drawn, in the same
 transaction as the dataset position that moves past it. A prompt's row is
 deleted when its group is appended to the trajectory service, or moved to the
 dead letters when it fails for good. In sync mode an appended group's row is
@@ -11,6 +14,12 @@ the trajectory service and generates its prompt again from this row. A restarted
 still here, so nothing submitted is lost; and because a group's Append is keyed
 by its row (``<prompt_id>#<seq>``), a group appended just before a crash is not
 appended twice when its prompt is generated again.
+
+A lost PostgreSQL connection fails the call that met it (``DatabaseUnavailable``: UNAVAILABLE naming the
+database) and every later one, and is reported to ``on_lost``: the collector stops serving (NOT_SERVING
+with the reason), as for any failed ledger write, and is restarted from the database, which rebuilds what
+it keeps in memory (pending prompts, counts) as any restart does. A COMMIT cut off may have landed or
+not; either way the restart sees it as it is, and the keyed Appends make a group generated again land once.
 
 Every call runs on one dedicated thread (sqlite3 connections are thread-bound,
 and fsyncs must not stall the event loop).
@@ -30,44 +39,15 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from rlfleet.client.results import PassRate
+from rlfleet.services.collector import state_schema
 from rlfleet.services.collector.coalescer import Coalescer
 from rlfleet.services.collector.filtering import GroupOutcome
 from rlfleet.services.collector.prompt_item import PromptItem
-from rlfleet.services.common.sqlite import chunks, transaction
+from rlfleet.services.common.database import Database, DatabaseUnavailable, chunks, open_database
 
 T = TypeVar("T")
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS prompts (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    prompt_id TEXT NOT NULL,
-    item TEXT NOT NULL,
-    attempts INTEGER NOT NULL DEFAULT 0,
-    appended_version INTEGER  -- NULL: pending; else its group was appended at this version (sync mode)
-);
-CREATE UNIQUE INDEX IF NOT EXISTS pending_prompt_ids ON prompts (prompt_id) WHERE appended_version IS NULL;
-CREATE INDEX IF NOT EXISTS appended_prompts ON prompts (prompt_id) WHERE appended_version IS NOT NULL;
-CREATE TABLE IF NOT EXISTS dead_letters (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    prompt_id TEXT NOT NULL,
-    item TEXT NOT NULL,
-    stage TEXT NOT NULL,
-    code TEXT NOT NULL,
-    error TEXT NOT NULL,
-    attempts INTEGER NOT NULL,
-    failed_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS pass_rates (
-    prompt_key TEXT PRIMARY KEY,
-    groups INTEGER NOT NULL,
-    samples INTEGER NOT NULL,
-    passed INTEGER NOT NULL,
-    filtered_groups INTEGER NOT NULL,
-    recent_samples INTEGER NOT NULL,  -- the latest group's
-    recent_passed INTEGER NOT NULL,
-    updated_at REAL NOT NULL
-);
-"""
+_UPSERT_META = ("INSERT INTO meta (name, value) VALUES (?, ?) "
+                "ON CONFLICT (name) DO UPDATE SET value = excluded.value")
 
 
 @dataclass(frozen=True)
@@ -95,13 +75,26 @@ def _load(raw: str, seq: int, attempts: int) -> PromptItem:
 
 
 class PromptLedger:
-    """The prompt table and the dead letters, in one SQLite file (see the module doc)."""
+    """The prompt table, the dead letters and the collector's other durable state, in one database (see
+    the module doc): a SQLite file path (``:memory:``: nothing kept) or a ``postgresql://`` URL, its
+    tables in ``schema``. ``state_dir``: where a SQLite ledger written before schema version 2 left the
+    state files that are imported once (``state_schema.py``). ``on_lost(exc)``: told when the
+    connection is lost (on the event loop)."""
 
-    def __init__(self, path: str | Path, *, max_dead_letters: int = 10_000):
-        self.path = str(path)
+    def __init__(self, location: str | Path, *, max_dead_letters: int = 10_000, schema: str = "rlfleet_collector",
+                 state_dir: Path | None = None, lock_timeout_seconds: float = 10.0,
+                 on_lost: Callable[[DatabaseUnavailable], None] | None = None):
         self.max_dead_letters = max_dead_letters
+        self.on_lost = on_lost
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="prompt-ledger")
-        self._db: sqlite3.Connection = self._executor.submit(self._open).result()
+        try:
+            self._db: Database = self._executor.submit(self._open, str(location), schema, state_dir,
+                                                       lock_timeout_seconds).result()
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            raise
+        self.path = self._db.name
+        """The database in messages: the file, or the URL less its password."""
         self._ends = Coalescer(self._end, split_on=lambda exc: False, name="ledger commit")
         """Group commit of ``done``: what queued while a transaction ran is the next one."""
         self.filtered_groups, self.filtered_samples = self._executor.submit(self._filtered_counts).result()
@@ -109,20 +102,84 @@ class PromptLedger:
         self.recent: dict[str, tuple[int, int]] = self._executor.submit(self._recent_rates).result()
         """Each prompt key's latest group: (samples, passed), what the curriculum reads."""
 
-    def _open(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, isolation_level=None)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")  # a committed prompt survives power loss
-        db.executescript(_SCHEMA)
+    @staticmethod
+    def _open(location: str, schema: str, state_dir: Path | None, lock_timeout_seconds: float) -> Database:
+        # FULL: a committed prompt survives power loss.
+        db = open_database(location, role="collector", schema=schema, lock_timeout_seconds=lock_timeout_seconds,
+                           synchronous="FULL")
+        try:
+            state_schema.create(db, state_dir)
+        except BaseException:
+            db.close()
+            raise
         return db
 
+    @property
+    def in_postgresql(self) -> bool:
+        return self._db.dialect == "postgresql"
+
     async def _call(self, method: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(
-            self._executor, functools.partial(method, *args))
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._executor, functools.partial(method, *args))
+        except DatabaseUnavailable as lost:
+            if self.on_lost is not None:
+                self.on_lost(lost)
+            raise
+
+    async def run(self, method: Callable[..., T], *args: Any) -> T:
+        """``method(database, *args)`` on the ledger's thread (what else keeps state in its database:
+        the weight spool)."""
+        return await self._call(method, self._db, *args)
+
+    def run_now(self, method: Callable[..., T], *args: Any) -> T:
+        """``run``, blocking the caller (at start, before the event loop matters)."""
+        return self._executor.submit(method, self._db, *args).result()
 
     def close(self) -> None:
         self._executor.submit(self._db.close).result()
         self._executor.shutdown(wait=True)
+
+    # --- state ----------------------------------------------------------------------------
+    async def committed_version(self) -> int | None:
+        """The committed policy version (None: nothing was ever committed)."""
+        value = await self.meta("version")
+        return int(value) if value is not None else None
+
+    async def commit_version(self, version: int, spool_manifest: bytes | None = None) -> None:
+        """Make ``version`` the committed one, durably; with ``spool_manifest``, the spooled push's
+        manifest switches to it in the same transaction (its bytes were spooled before). OSError (or,
+        the connection lost, ``DatabaseUnavailable``) when it is not recorded."""
+        try:
+            await self._call(self._commit_version, version, spool_manifest)
+        except sqlite3.Error as err:  # a full disk: the caller treats it as the write it is
+            raise OSError(f"{self.path}: {err}") from err
+
+    def _commit_version(self, version: int, spool_manifest: bytes | None) -> None:
+        with self._db.transaction():
+            self._db.execute(_UPSERT_META, ("version", str(version)))
+            if spool_manifest is not None:
+                self._db.execute(_UPSERT_META, ("spool_manifest", spool_manifest.hex()))
+
+    async def meta(self, name: str) -> str | None:
+        """The ``meta`` row ``name`` (``state_schema.META_KEYS``), None if absent."""
+        return await self._call(self._meta, name)
+
+    def _meta(self, name: str) -> str | None:
+        row = self._db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
+        return row[0] if row else None
+
+    async def set_meta(self, values: dict[str, str | None]) -> None:
+        """Write (or, for None, delete) ``meta`` rows, in one transaction."""
+        await self._call(self._set_meta, values)
+
+    def _set_meta(self, values: dict[str, str | None]) -> None:
+        with self._db.transaction():
+            for name, value in values.items():
+                if value is None:
+                    self._db.execute("DELETE FROM meta WHERE name = ?", (name,))
+                else:
+                    self._db.execute(_UPSERT_META, (name, value))
 
     # --- prompts ------------------------------------------------------------------------
     async def add(self, items: list[PromptItem], position: dict[str, int] | None = None) -> list[PromptItem]:
@@ -133,16 +190,18 @@ class PromptLedger:
 
     def _add(self, items: list[PromptItem], position: dict[str, int] | None) -> list[PromptItem]:
         added = []
-        with transaction(self._db):
+        with self._db.transaction():
             for item in items:
-                cursor = self._db.execute("INSERT OR IGNORE INTO prompts (prompt_id, item) VALUES (?, ?)",
-                                          (item.prompt_id, _dump(item)))
-                if cursor.rowcount:
-                    item.ledger_seq, item.attempts = cursor.lastrowid, 0
-                    added.append(item)
+                inserted = self._db.execute(
+                    "INSERT INTO prompts (prompt_id, item) VALUES (?, ?) ON CONFLICT DO NOTHING RETURNING seq",
+                    (item.prompt_id, _dump(item))).fetchall()
+                if inserted:
+                    added.append((item, inserted[0][0]))
             if position is not None:
-                self._db.execute("INSERT OR REPLACE INTO meta VALUES ('position', ?)", (json.dumps(position),))
-        return added
+                self._db.execute(_UPSERT_META, ("position", json.dumps(position)))
+        for item, seq in added:  # committed: now the items are the rows
+            item.ledger_seq, item.attempts = seq, 0
+        return [item for item, _ in added]
 
     async def pending(self) -> list[PromptItem]:
         """Every prompt not yet ended, oldest first (what a restarted collector generates)."""
@@ -154,8 +213,8 @@ class PromptLedger:
         return [_load(raw, seq, attempts) for seq, raw, attempts in rows]
 
     async def position(self) -> dict[str, int] | None:
-        row = await self._call(lambda: self._db.execute("SELECT value FROM meta WHERE name = 'position'").fetchone())
-        return json.loads(row[0]) if row else None
+        value = await self.meta("position")
+        return json.loads(value) if value is not None else None
 
     async def count(self) -> int:
         return await self._call(lambda: self._db.execute(
@@ -182,7 +241,7 @@ class PromptLedger:
     def _done(self, ends: list[tuple[int, int | None, GroupOutcome | None]]) -> None:
         outcomes = [outcome for _, _, outcome in ends if outcome is not None]
         filtered = [outcome for outcome in outcomes if outcome.filtered]
-        with transaction(self._db):
+        with self._db.transaction():
             self._db.executemany("DELETE FROM prompts WHERE seq = ?",
                                  [(seq,) for seq, version, _ in ends if version is None])
             self._db.executemany("UPDATE prompts SET appended_version = ? WHERE seq = ?",
@@ -190,14 +249,15 @@ class PromptLedger:
             now = time.time()
             self._db.executemany(
                 "INSERT INTO pass_rates VALUES (?, 1, ?, ?, ?, ?, ?, ?) ON CONFLICT (prompt_key) DO UPDATE SET "
-                "groups = groups + 1, samples = samples + excluded.samples, passed = passed + excluded.passed, "
-                "filtered_groups = filtered_groups + excluded.filtered_groups, recent_samples = excluded.samples, "
-                "recent_passed = excluded.passed, updated_at = excluded.updated_at",
+                "groups = pass_rates.groups + 1, samples = pass_rates.samples + excluded.samples, "
+                "passed = pass_rates.passed + excluded.passed, "
+                "filtered_groups = pass_rates.filtered_groups + excluded.filtered_groups, "
+                "recent_samples = excluded.samples, recent_passed = excluded.passed, updated_at = excluded.updated_at",
                 [(o.key, o.samples, o.passed, int(o.filtered), o.samples, o.passed, now) for o in outcomes])
             if filtered:
                 groups, samples = self._filtered_counts()
-                self._db.execute("INSERT OR REPLACE INTO meta VALUES ('filtered', ?)", (json.dumps(
-                    [groups + len(filtered), samples + sum(o.samples for o in filtered)]),))
+                self._db.execute(_UPSERT_META, ("filtered", json.dumps(
+                    [groups + len(filtered), samples + sum(o.samples for o in filtered)])))
 
     def _filtered_counts(self) -> tuple[int, int]:
         row = self._db.execute("SELECT value FROM meta WHERE name = 'filtered'").fetchone()
@@ -230,7 +290,7 @@ class PromptLedger:
 
     def _regenerate(self, prompt_ids: list[str]) -> tuple[list[PromptItem], list[str]]:
         again, missing = [], []
-        with transaction(self._db):
+        with self._db.transaction():
             for prompt_id in prompt_ids:
                 row = self._db.execute("SELECT seq, item, attempts FROM prompts WHERE prompt_id = ? AND "
                                        "appended_version IS NOT NULL ORDER BY seq DESC LIMIT 1", (prompt_id,)).fetchone()
@@ -239,10 +299,10 @@ class PromptLedger:
                     continue
                 seq, raw, attempts = row
                 self._db.execute("DELETE FROM prompts WHERE seq = ?", (seq,))
-                cursor = self._db.execute("INSERT OR IGNORE INTO prompts (prompt_id, item, attempts) VALUES (?, ?, ?)",
-                                          (prompt_id, raw, attempts))
-                if cursor.rowcount:  # else the trainer submitted it again meanwhile: already pending
-                    again.append(_load(raw, cursor.lastrowid, attempts))
+                inserted = self._db.execute("INSERT INTO prompts (prompt_id, item, attempts) VALUES (?, ?, ?) "
+                                            "ON CONFLICT DO NOTHING RETURNING seq", (prompt_id, raw, attempts)).fetchall()
+                if inserted:  # else the trainer submitted it again meanwhile: already pending
+                    again.append(_load(raw, inserted[0][0], attempts))
         return again, missing
 
     async def forget_appended(self, below_version: int) -> int:
@@ -250,7 +310,7 @@ class PromptLedger:
         return await self._call(self._forget_appended, below_version)
 
     def _forget_appended(self, below_version: int) -> int:
-        with transaction(self._db):
+        with self._db.transaction():
             return self._db.execute("DELETE FROM prompts WHERE appended_version < ?", (below_version,)).rowcount
 
     async def attempted(self, item: PromptItem) -> int:
@@ -259,9 +319,9 @@ class PromptLedger:
         return item.attempts
 
     def _attempted(self, seq: int) -> int:
-        with transaction(self._db):
-            self._db.execute("UPDATE prompts SET attempts = attempts + 1 WHERE seq = ?", (seq,))
-        return self._db.execute("SELECT attempts FROM prompts WHERE seq = ?", (seq,)).fetchone()[0]
+        with self._db.transaction():
+            return self._db.execute("UPDATE prompts SET attempts = attempts + 1 WHERE seq = ? RETURNING attempts",
+                                    (seq,)).fetchall()[0][0]
 
     # --- dead letters -------------------------------------------------------------------------
     async def dead(self, item: PromptItem, stage: str, code: str, error: str,
@@ -273,16 +333,16 @@ class PromptLedger:
     def _dead(self, item: PromptItem, stage: str, code: str, error: str,
               position: dict[str, int] | None) -> DeadLetter:
         now = time.time()
-        with transaction(self._db):
+        with self._db.transaction():
             self._db.execute("DELETE FROM prompts WHERE seq = ?", (item.ledger_seq,))
             if position is not None:
-                self._db.execute("INSERT OR REPLACE INTO meta VALUES ('position', ?)", (json.dumps(position),))
-            cursor = self._db.execute(
+                self._db.execute(_UPSERT_META, ("position", json.dumps(position)))
+            seq = self._db.execute(
                 "INSERT INTO dead_letters (prompt_id, item, stage, code, error, attempts, failed_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (item.prompt_id, _dump(item), stage, code, error, item.attempts, now))
-            self._db.execute("DELETE FROM dead_letters WHERE seq <= ?", (cursor.lastrowid - self.max_dead_letters,))
-        return DeadLetter(cursor.lastrowid, item.prompt_id, stage, code, error, item.attempts, now)
+                "VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING seq",
+                (item.prompt_id, _dump(item), stage, code, error, item.attempts, now)).fetchall()[0][0]
+            self._db.execute("DELETE FROM dead_letters WHERE seq <= ?", (seq - self.max_dead_letters,))
+        return DeadLetter(seq, item.prompt_id, stage, code, error, item.attempts, now)
 
     async def failures(self, after: int, limit: int) -> tuple[list[DeadLetter], int]:
         """Dead letters with seq > ``after``, oldest first, and how many there were in all."""
@@ -292,5 +352,4 @@ class PromptLedger:
         rows = self._db.execute(
             "SELECT seq, prompt_id, stage, code, error, attempts, failed_at FROM dead_letters "
             "WHERE seq > ? ORDER BY seq LIMIT ?", (after, limit)).fetchall()
-        total = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'dead_letters'").fetchone()
-        return [DeadLetter(*row) for row in rows], total[0] if total else 0
+        return [DeadLetter(*row) for row in rows], self._db.last_id("dead_letters", "seq")

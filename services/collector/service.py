@@ -25,19 +25,20 @@ from rlfleet.services.collector.filtering import FilterRule
 from rlfleet.services.collector.ledger import PromptLedger
 from rlfleet.services.collector.mismatch import LagMismatch, MismatchBreaker
 from rlfleet.services.collector.prompt_item import PromptItem
+from rlfleet.services.collector.spool import DatabaseSpool
 from rlfleet.services.collector.replicas import ReplicaPool
 from rlfleet.services.collector.rollout import Pipeline, PipelineOptions
 from rlfleet.services.collector.servicer import CollectorServicer, TrajectoryProxyServicer
 from rlfleet.services.collector.source import PromptSource
 from rlfleet.services.collector.status_metrics import STATUS_METRICS
 from rlfleet.services.common import metrics
+from rlfleet.services.common.database import DatabaseUnavailable
 from rlfleet.services.common.errors import InvalidArgument, StartupError, Unavailable, UpstreamError
-from rlfleet.services.common.files import fsync_directory, write_atomically
 from rlfleet.services.common.server import Service
 from rlfleet.services.common.upstream import upstream_settings
 from rlfleet.wire import shm
 from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, environment_pb2_grpc, reference_pb2_grpc, reward_pb2,
-                        reward_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc)
+                        reward_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc, weights_pb2)
 
 log = logging.getLogger("rlfleet.collector")
 
@@ -52,7 +53,8 @@ class CollectorService(Service[CollectorConfig]):
         super().__init__(config)
         self.settings = upstream_settings(config, config.max_message_bytes)
         self.state_dir = Path(config.state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        if not config.database_url:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
         self.gate = VersionGate(groups_per_step=config.groups_per_step, max_staleness=config.max_staleness,
                                 sync=config.mode == "sync")
         self.mismatch = MismatchBreaker(config.mismatch_kl_threshold, config.mismatch_trip_batches,
@@ -61,7 +63,11 @@ class CollectorService(Service[CollectorConfig]):
         self.discovery = make_discovery(config.generation_addresses, config.generation_addresses_file,
                                         config.resolve_generation_addresses)
         records = load_records(config.dataset_path) if config.dataset_path else []
-        self.ledger = PromptLedger(self.state_dir / "prompts.sqlite3", max_dead_letters=config.max_dead_letters)
+        # The durable state: a SQLite file in the state directory, or PostgreSQL (``ledger.py``).
+        self.ledger = PromptLedger(config.database_url or self.state_dir / "prompts.sqlite3",
+                                   schema=config.database_schema, max_dead_letters=config.max_dead_letters,
+                                   state_dir=None if config.database_url else self.state_dir,
+                                   on_lost=self._database_lost)
         try:
             self.source = PromptSource(self.ledger, records, prompt_field=config.prompt_field,
                                        ground_truth_field=config.ground_truth_field, shuffle=config.shuffle,
@@ -79,8 +85,10 @@ class CollectorService(Service[CollectorConfig]):
         """The upstream services (not the replicas) by name."""
         self._channels = {name: aio_channel(address, self.settings) for name, address in self._addresses.items()}
         self.trajectory = trajectory_pb2_grpc.TrajectoryServiceStub(self._channels["trajectory"])
+        # The spool beside the state: files in the state directory, or the PostgreSQL database's rows.
         self.fanout = WeightFanout(self.pool, self.gate, self.state_dir / "spool", config.max_push_bytes,
-                                   on_commit=self._committed, on_fatal=self.fail, swap_mode=config.swap_mode)
+                                   on_commit=self._committed, on_fatal=self.fail, swap_mode=config.swap_mode,
+                                   spool=DatabaseSpool(self.ledger) if self.ledger.in_postgresql else None)
         self.pipeline = Pipeline(
             PipelineOptions(
                 group_size=config.group_size, sampling=dict(config.sampling),
@@ -115,18 +123,18 @@ class CollectorService(Service[CollectorConfig]):
         trajectory_pb2_grpc.add_TrajectoryServiceServicer_to_server(TrajectoryProxyServicer(self), server)
 
     # --- state ----------------------------------------------------------------
-    @property
-    def state_path(self) -> Path:
-        return self.state_dir / "state.json"
+    def _database_lost(self, lost: DatabaseUnavailable) -> None:
+        """The connection to the collector's PostgreSQL database is lost: the collector stops serving
+        (NOT_SERVING naming the database), as for any failed ledger write; restarted, it resumes from the
+        database. Nothing acknowledged is lost, nothing half-written is taken for done."""
+        self.fail("the collector database", lost)
 
-    def save_state(self, version: int) -> None:
-        """Make ``version`` the committed one, durably (fsync'd file and directory). The dataset
-        position lives in the prompt ledger (moved with each prompt drawn)."""
-        write_atomically(self.state_path, json.dumps({"version": version}).encode())
-
-    def _committed(self, version: int) -> None:
-        """Every replica that applied serves ``version``: it is durable before the trainer hears of it."""
-        self.save_state(version)
+    async def _committed(self, version: int, spool_manifest: weights_pb2.WeightManifest | None = None) -> None:
+        """Every replica that applied serves ``version``: it is durable before the trainer hears of it (in
+        the collector's database: with the spool's manifest when the spool is there too). The dataset
+        position lives there as well (moved with each prompt drawn)."""
+        await self.ledger.commit_version(version, spool_manifest.SerializeToString()
+                                         if spool_manifest is not None else None)
         if self.gate.sync:
             self.supervise(self.drop_stale(version), f"drop-stale-{version}")
 
@@ -157,9 +165,6 @@ class CollectorService(Service[CollectorConfig]):
             log.warning("stale groups deleted whose prompts had left the ledger (not generated again)",
                         extra={"prompt_ids": missing[:20], "count": len(missing)})
 
-    def load_state(self) -> dict:
-        return json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
-
     # --- lifecycle --------------------------------------------------------------
     async def start(self) -> None:
         """Wait for the dependencies, agree on the version, start the pipeline."""
@@ -171,13 +176,13 @@ class CollectorService(Service[CollectorConfig]):
             log.info("generating the prompts pending when the collector stopped", extra={"prompts": pending})
         await self._wait_for_dependencies()
         await self._update_members()
-        state = self.load_state()
+        committed = await self.ledger.committed_version()
         self.not_serving_reason = "probing the generation replicas"
         versions = await self._probe_replicas()
-        # The saved version is the truth once there is one: it is written (fsync'd) at every
+        # The saved version is the truth once there is one: it is written (durably) at every
         # commit, so a replica ahead of it applied a push that never committed (the collector
         # died mid-commit) and is rolled back from the spool by the replica monitor.
-        self.gate.restart_at(state["version"] if "version" in state else max([0, *versions.values()]))
+        self.gate.restart_at(committed if committed is not None else max([0, *versions.values()]))
         for replica in self.pool.replicas:
             if versions.get(replica.address) == self.gate.version:
                 await self.pool.mark_healthy(replica, self.gate.version)
@@ -339,37 +344,34 @@ class CollectorService(Service[CollectorConfig]):
     async def report_mismatch(self, policy_version: int, lags: list[LagMismatch]) -> None:
         """A trainer's measurement: opening the breaker holds admission (durably: a restarted collector
         keeps it open); the KL target bounds it."""
-        if self.mismatch.report(policy_version, lags):
-            write_atomically(self.breaker_path, json.dumps({"reason": self.mismatch.reason}).encode())
-            await self.gate.hold(True)
+        saved: dict[str, str | None] = {}
+        opened = self.mismatch.report(policy_version, lags)
+        if opened:
+            saved["mismatch_breaker"] = json.dumps({"reason": self.mismatch.reason})
         if self.mismatch.kl_target is not None:  # what admission acts on survives a restart
-            write_atomically(self.measurements_path, json.dumps(self.mismatch.measurements()).encode())
+            saved["mismatch_measured"] = json.dumps(self.mismatch.measurements())
+        if saved:
+            await self.ledger.set_meta(saved)  # before admission is held: a restart keeps what it acted on
+        if opened:
+            await self.gate.hold(True)
         await self.gate.bound_admission(self.mismatch.admission_staleness(self.gate.max_staleness))
 
     async def close_mismatch_breaker(self) -> bool:
+        await self.ledger.set_meta({"mismatch_breaker": None})  # durably closed first: a restart keeps it closed
         was_open = self.mismatch.close()
-        if self.breaker_path.exists():
-            self.breaker_path.unlink()
-            fsync_directory(self.state_dir)
         await self.gate.hold(False)
         return was_open
 
-    @property
-    def breaker_path(self) -> Path:
-        """Present while the mismatch breaker is open: what it opened on."""
-        return self.state_dir / "mismatch-breaker.json"
-
-    @property
-    def measurements_path(self) -> Path:
-        """The mismatch measured per lag (with ``mismatch_kl_target``): admission by divergence resumes from it."""
-        return self.state_dir / "mismatch-measured.json"
-
     async def _restore_breaker(self) -> None:
-        if self.mismatch.kl_target is not None and self.measurements_path.exists():
-            self.mismatch.restore_measurements(json.loads(self.measurements_path.read_text()))
+        """The breaker's state as the database keeps it (``mismatch_breaker`` while open: what it opened on;
+        ``mismatch_measured``: the mismatch per lag, with ``mismatch_kl_target``)."""
+        measured = await self.ledger.meta("mismatch_measured")
+        if self.mismatch.kl_target is not None and measured is not None:
+            self.mismatch.restore_measurements(json.loads(measured))
             await self.gate.bound_admission(self.mismatch.admission_staleness(self.gate.max_staleness))
-        if self.breaker_path.exists():
-            self.mismatch.reason = json.loads(self.breaker_path.read_text())["reason"]
+        breaker = await self.ledger.meta("mismatch_breaker")
+        if breaker is not None:
+            self.mismatch.reason = json.loads(breaker)["reason"]
             log.error("the mismatch breaker is open since before this start: %s", self.mismatch.reason)
             await self.gate.hold(True)
 

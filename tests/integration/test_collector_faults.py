@@ -1,6 +1,7 @@
 """The collector's failure modes, each through a real collector process beside real services:
-a SIGKILL right after a push returned and in the middle of one, malformed dataset rows, an
-unparseable dataset and a bad sampling config at start, and a background task that dies."""
+a SIGKILL right after a push returned and in the middle of one, a collector on PostgreSQL SIGKILLed
+and restarted on "another node" (an empty state directory) from the database alone, malformed dataset
+rows, an unparseable dataset and a bad sampling config at start, and a background task that dies."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from rlfleet.client import connect
 from rlfleet.client.errors import FailedPreconditionError
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
-from rlfleet.v1 import collector_pb2, collector_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc
+from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, generation_pb2, generation_pb2_grpc, sampling_pb2,
+                        trajectory_pb2, trajectory_pb2_grpc, weights_pb2)
+from rlfleet.wire import decode_tensor
 from rlfleet.wire.push_messages import iter_push_messages
 from tests.hf_reference import load_hf
 from tests.waiting import wait_for
@@ -167,6 +170,86 @@ def test_a_collector_killed_in_the_middle_of_a_push_keeps_the_old_version_and_go
             assert client.failures()[1] == 0
     finally:
         collector.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_collector_on_postgresql_killed_mid_run_resumes_on_another_node_from_the_database_alone(
+        backends, tmp_path, tiny_model_dir, postgres):
+    """The collector's node is lost: SIGKILLed with prompts in flight, its state directory gone with it. A
+    new collector with another, empty state directory and the same database resumes at the committed
+    version; the replica, meanwhile given other weights under another version (as a replica restarted
+    from another checkpoint would serve), is re-synced from the weights spooled in PostgreSQL (its
+    log-probs are the committed weights' again), and the run goes on: every prompt submitted is generated,
+    each group arrives once, nothing is dead-lettered, and the next push commits."""
+    url = postgres.create_database()
+    state = load_hf(tiny_model_dir).state_dict()
+    replica = backends["generation-0"]
+    first = ready(ServiceProcess("collector", collector_args(backends, tmp_path / "node-a", "--database-url", url))
+                  .start(tmp_path / "proc-a"))
+    early, late = [f"pg-early-{i}" for i in range(2)], [f"pg-late-{i}" for i in range(4)]
+    with connect(first.address, timeout=60) as client:
+        client.wait_ready(timeout=SETTLE_SECONDS)
+        pushed = client.push_weights(state, progress=False).version
+        committed_weights = _seeded_sample(replica)
+        client.submit_prompts([{"prompt_id": p, "prompt": f"say {p}"} for p in early])
+        assert all(len(ids) == 1 for ids in groups_read(client, set(early)).values())
+        client.submit_prompts([{"prompt_id": p, "prompt": f"say {p}"} for p in late])
+    first.kill()  # the node is lost: whatever was in flight, and its state directory with it
+    assert not (tmp_path / "node-a").exists()  # nothing durable was there: the database holds it all
+
+    _push_to_replica(replica, {name: tensor * 0.5 for name, tensor in state.items()}, pushed + 5)
+    assert not _same_sample(_seeded_sample(replica), committed_weights)
+
+    second = ready(ServiceProcess("collector", collector_args(backends, tmp_path / "node-b", "--database-url", url))
+                   .start(tmp_path / "proc-b"))
+    try:
+        with connect(second.address, timeout=60) as client:
+            assert client.policy_version == pushed
+            wait_for(lambda: [(r.healthy, r.policy_version) for r in client.status().replicas] == [(True, pushed)],
+                     SETTLE_SECONDS, "the replica re-synced from the database's spool, in rotation")
+            assert f"re-synced to version {pushed}" in second.log_path.read_text()
+            assert _same_sample(_seeded_sample(replica), committed_weights)
+            seen: dict[str, set[int]] = {p: set() for p in early + late}
+            with client.batches(batch_size=GROUP, whole_groups=True, idle_timeout=SETTLE_SECONDS) as batches:
+                for batch in batches:
+                    for prompt_id, group_id in zip(batch["prompt_id"].tolist(), batch["group_id"].tolist()):
+                        if prompt_id in seen:
+                            seen[prompt_id].add(group_id)
+                    if all(seen[p] for p in late):
+                        break
+            assert all(len(seen[p]) == 1 for p in late) and not any(seen[p] for p in early), seen
+            wait_for(lambda: client.status().pending_prompts == 0, SETTLE_SECONDS, "the ledger to empty")
+            assert client.failures()[1] == 0
+            assert client.push_weights(state, progress=False).version == pushed + 1
+            assert client.status().spool_error == ""
+        assert not (tmp_path / "node-b").exists()
+    finally:
+        second.stop()
+
+
+def _push_to_replica(replica: ServiceProcess, state: dict, version: int) -> None:
+    """Weights straight to the replica (no collector), as its own checkpoint at another version."""
+    requests = (generation_pb2.UpdateWeightsRequest(**{kind: message})
+                for kind, message in iter_push_messages(list(state.items()), version=version, chunk_bytes=1 << 20))
+    with grpc.insecure_channel(replica.address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        replies = list(stub.UpdateWeights(requests, timeout=SETTLE_SECONDS))
+    assert replies[-1].phase == weights_pb2.WEIGHT_PHASE_APPLIED
+
+
+def _seeded_sample(replica: ServiceProcess) -> tuple[list[int], torch.Tensor]:
+    """One seeded sample's tokens and behaviour log-probs: what the replica's weights compute."""
+    request = generation_pb2.GenerateRequest(
+        prompt=sampling_pb2.Prompt(text="the weights say"),
+        sampling=sampling_pb2.SamplingParams(temperature=1.0, seed=7, max_tokens=8))
+    with grpc.insecure_channel(replica.address) as channel:
+        (sample,) = list(generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=SETTLE_SECONDS))
+    return decode_tensor(sample.response_token_ids).tolist(), decode_tensor(sample.behavior_log_probs).clone()
+
+
+def _same_sample(a: tuple[list[int], torch.Tensor], b: tuple[list[int], torch.Tensor]) -> bool:
+    return a[0] == b[0] and torch.allclose(a[1], b[1], atol=1e-4)
 
 
 def _one_group(client, prompt_ids: set[str]) -> set[str]:

@@ -16,6 +16,7 @@ from rlfleet.client.errors import (AbortedError, DeadlineExceededError, Internal
 from rlfleet.services.collector import failures
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.dataset import load_records
+from rlfleet.services.collector.filtering import GroupOutcome
 from rlfleet.services.collector.ledger import PromptLedger
 from rlfleet.services.collector.prompt_item import PromptItem
 from rlfleet.services.collector.source import PromptSource
@@ -177,14 +178,24 @@ def test_a_dataset_without_a_single_prompt_is_refused_not_an_endless_loop_of_dea
         ledger.close()
 
 
-def test_groups_that_end_together_end_in_one_durable_transaction(tmp_path):
+@pytest.fixture(params=["sqlite", "postgres"])
+def ledger_db(request, tmp_path) -> str:
+    """Where a test's ledger lives, reopened by it: a SQLite file, or a fresh PostgreSQL database's URL."""
+    if request.param == "sqlite":
+        return str(tmp_path / "prompts.sqlite3")
+    return request.getfixturevalue("postgres").create_database()
 
-    path = tmp_path / "prompts.sqlite3"
+
+def test_groups_that_end_together_end_in_one_durable_transaction(ledger_db):
+
+    path = ledger_db
 
     async def scenario():
         ledger = PromptLedger(path)
         items = await ledger.add([PromptItem(f"p{i}", text=str(i)) for i in range(8)])
-        await asyncio.gather(*(ledger.done(item) for item in items[:5]), ledger.done(items[5], retain_at_version=3))
+        outcomes = [GroupOutcome("k", 4, i, filtered=i == 0) for i in range(5)]  # one key: its rate adds up
+        await asyncio.gather(*(ledger.done(item, outcome=o) for item, o in zip(items[:5], outcomes)),
+                             ledger.done(items[5], retain_at_version=3))
         calls = ledger._ends.calls
         ledger.close()
         return calls
@@ -195,9 +206,13 @@ def test_groups_that_end_together_end_in_one_durable_transaction(tmp_path):
     try:
         pending = asyncio.run(reopened.pending())
         assert [p.prompt_id for p in pending] == ["p6", "p7"]
-        kept = reopened._executor.submit(lambda: reopened._db.execute(
-            "SELECT prompt_id, appended_version FROM prompts WHERE appended_version IS NOT NULL").fetchall()).result()
-        assert kept == [("p5", 3)]
+        (rate,), total = asyncio.run(reopened.pass_rates([], "", 10))
+        assert (total, rate.groups, rate.samples, rate.passed, rate.filtered_groups) == (1, 5, 20, 10, 1)
+        assert (reopened.filtered_groups, reopened.filtered_samples) == (1, 4)
+        assert reopened.recent["k"] == (rate.recent_samples, rate.recent_passed) == (4, rate.recent_passed)
+        kept = reopened.run_now(lambda db: db.execute(
+            "SELECT prompt_id, appended_version FROM prompts WHERE appended_version IS NOT NULL").fetchall())
+        assert [tuple(row) for row in kept] == [("p5", 3)]
     finally:
         reopened.close()
 
@@ -251,16 +266,114 @@ def test_a_task_cancelled_at_stop_is_not_a_failure():
 
 
 # --- the durable commit and pushes that bring replicas back -------------------------------------------------
-def test_the_state_written_at_commit_holds_the_new_version(tmp_path):
+def test_the_state_written_at_commit_holds_the_new_version_and_the_breaker_survives_a_restart(ledger_db):
     """The bug: the commit callback saved the gate's version before the gate moved to the new one,
-    so a collector killed before its next checkpoint came back one version behind its replicas."""
+    so a collector killed before its next checkpoint came back one version behind its replicas. The
+    version, the spool's manifest (committed with it) and the mismatch breaker's state are in the
+    collector's database, read back by the next collector that opens it."""
+    from rlfleet.services.collector.mismatch import LagMismatch, MismatchBreaker
     from rlfleet.services.collector.service import CollectorService
+    from rlfleet.v1 import weights_pb2
 
-    service = CollectorService.__new__(CollectorService)
-    service.state_dir, service.gate = tmp_path, VersionGate(version=6)
-    service._committed(7)
-    assert json.loads((tmp_path / "state.json").read_text()) == {"version": 7}
-    assert service.load_state() == {"version": 7}
+    def collector(ledger):
+        service = CollectorService.__new__(CollectorService)
+        service.ledger, service.gate = ledger, VersionGate(version=6, max_staleness=4)
+        service.mismatch = MismatchBreaker(threshold=0.01, trip_batches=1, kl_target=0.05)
+        return service
+
+    async def first_life():
+        ledger = PromptLedger(ledger_db)
+        service = collector(ledger)
+        assert await ledger.committed_version() is None
+        await service._committed(7, weights_pb2.WeightManifest(version=7, total_bytes=3))
+        await service.report_mismatch(7, [LagMismatch(0, 0.5, 0.4, 0.9, 10), LagMismatch(2, 0.2, 0.1, 0.5, 10)])
+        assert service.mismatch.open
+        ledger.close()
+
+    async def second_life():
+        ledger = PromptLedger(ledger_db)
+        service = collector(ledger)
+        version, manifest = await ledger.committed_version(), await ledger.meta("spool_manifest")
+        await service._restore_breaker()
+        assert service.mismatch.open and service.gate.admission_staleness == 1
+        assert await service.close_mismatch_breaker()
+        ledger.close()
+        return version, weights_pb2.WeightManifest.FromString(bytes.fromhex(manifest)).version
+
+    asyncio.run(first_life())
+    assert asyncio.run(second_life()) == (7, 7)
+    reopened = PromptLedger(ledger_db)
+    try:
+        assert asyncio.run(reopened.meta("mismatch_breaker")) is None  # closed durably
+    finally:
+        reopened.close()
+
+
+def test_a_ledger_written_before_schema_versions_imports_the_state_files_once(tmp_path):
+    """An existing deployment's SQLite ledger (no schema version) and its state files (state.json,
+    mismatch-breaker.json, mismatch-measured.json): opened, the database's meta holds what they held and
+    the files are gone, so nothing reads them again."""
+    import sqlite3
+
+    path = tmp_path / "prompts.sqlite3"
+    old = sqlite3.connect(path)
+    old.executescript("""
+        CREATE TABLE prompts (seq INTEGER PRIMARY KEY AUTOINCREMENT, prompt_id TEXT NOT NULL, item TEXT NOT NULL,
+                              attempts INTEGER NOT NULL DEFAULT 0, appended_version INTEGER);
+        CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+        INSERT INTO prompts (prompt_id, item) VALUES ('p1', '{"prompt_id": "p1", "text": "hi"}');
+        INSERT INTO meta VALUES ('position', '{"epoch": 2, "index": 5}');
+    """)
+    old.close()
+    (tmp_path / "state.json").write_text(json.dumps({"version": 12}))
+    (tmp_path / "mismatch-breaker.json").write_text(json.dumps({"reason": "opened at v11"}))
+    (tmp_path / "mismatch-measured.json").write_text(json.dumps({"reports": 3, "measured": []}))
+
+    async def opened():
+        ledger = PromptLedger(path, state_dir=tmp_path)
+        try:
+            return (await ledger.committed_version(), await ledger.meta("mismatch_breaker"),
+                    await ledger.meta("mismatch_measured"), await ledger.position(),
+                    [p.prompt_id for p in await ledger.pending()], await ledger.meta("schema_version"))
+        finally:
+            ledger.close()
+
+    assert asyncio.run(opened()) == (12, json.dumps({"reason": "opened at v11"}),
+                                     json.dumps({"reports": 3, "measured": []}), {"epoch": 2, "index": 5}, ["p1"], "2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.sqlite3"]
+    assert asyncio.run(opened())[0] == 12  # reopened: already version 2, nothing imported again
+
+
+def test_a_lost_connection_fails_the_call_naming_the_database_and_a_restart_sees_what_committed(postgres):
+    """The connection cut (the server terminates it): the call that met it and every later one raise
+    DatabaseUnavailable naming the database (UNAVAILABLE) and ``on_lost`` is told (the collector stops
+    serving); a collector opening the database again finds every prompt that was acknowledged."""
+    from rlfleet.services.common.database import DatabaseUnavailable
+
+    url = postgres.create_database()
+    database = url.rsplit("/", 1)[1]
+    lost = []
+
+    async def first_life():
+        ledger = PromptLedger(url, schema="collector_a", on_lost=lost.append)
+        await ledger.add([PromptItem("kept", text="x")])
+        assert postgres.terminate(database) >= 1
+        with pytest.raises(DatabaseUnavailable, match=r"collector database unreachable: postgresql://.*/" + database):
+            await ledger.add([PromptItem("cut", text="y")])
+        with pytest.raises(DatabaseUnavailable, match="the connection was lost"):
+            await ledger.count()
+        ledger.close()
+
+    async def second_life():
+        ledger = PromptLedger(url, schema="collector_a")
+        try:
+            return [p.prompt_id for p in await ledger.pending()]
+        finally:
+            ledger.close()
+
+    asyncio.run(first_life())
+    assert len(lost) == 2 and all(isinstance(e, DatabaseUnavailable) for e in lost)
+    assert asyncio.run(second_life()) == ["kept"]
 
 
 class _Pool:
@@ -296,45 +409,107 @@ def test_a_push_goes_to_replicas_out_of_rotation_that_answer_as_a_resync():
         asyncio.run(fanout._targets(manifest))
 
 
-def test_a_spool_write_that_fails_is_in_status_until_a_later_push_spools(tmp_path):
-    """Disk full while spooling: the push still commits (replicas applied it), the reason is kept for
-    ``Status.spool_error``, the spool is left as it was, and the next push that spools clears it."""
-    import errno
-    from concurrent.futures import ThreadPoolExecutor
-
+def _spooling_fanout(spool):
     from rlfleet.services.collector.fanout import WeightFanout
-    from rlfleet.services.collector.spool import Spool
+
+    fanout = WeightFanout.__new__(WeightFanout)
+    fanout.spool, fanout.spool_error = spool, ""
+    fanout._release = lambda segment: segment.close()
+    return fanout
+
+
+async def _spool_push(fanout, version: int, data: bytes, committed: bool = True, fail: bool = False):
+    """One push's spool write, as ``WeightFanout._decide`` runs it: copied beside the staging, then the
+    version committed (a database spool's manifest with it), then the spool's own commit."""
     from rlfleet.v1 import weights_pb2
     from rlfleet.wire import shm
 
-    fanout = WeightFanout.__new__(WeightFanout)
-    fanout.spool, fanout.spool_error, fanout._spool_thread = Spool(tmp_path), "", ThreadPoolExecutor(1)
-    fanout._release = lambda segment: segment.close()
+    segment = shm.create_segment(len(data))
+    segment.buffer[:] = data
+    write = fanout.spool.begin(weights_pb2.WeightManifest(version=version, total_bytes=len(data)))
+    if fail:
+        async def disk_full(segment):
+            raise OSError(28, "No space left on device")
+        write.copy = disk_full
+    decision, copied = asyncio.get_running_loop().create_future(), asyncio.get_running_loop().create_future()
+    spooling = asyncio.ensure_future(fanout._spool(write, segment, decision, copied))
+    if committed and fanout.spool.commits_with_version:
+        await fanout.spool.ledger.commit_version(version, write.manifest.SerializeToString() if await copied
+                                                 else None)
+    decision.set_result(committed)
+    await spooling
 
-    def disk_full(segment):
-        raise OSError(errno.ENOSPC, "No space left on device")
 
-    async def push(version: int, fail: bool, committed: bool = True) -> None:
-        segment = shm.create_segment(8)
-        segment.buffer[:] = bytes(range(8))
-        write = fanout.spool.begin(weights_pb2.WeightManifest(version=version, total_bytes=8))
-        if fail:
-            write.copy = disk_full
-        decision = asyncio.get_running_loop().create_future()
-        decision.set_result(committed)
-        await fanout._spool(write, segment, decision)
+def test_a_spool_write_that_fails_is_in_status_until_a_later_push_spools(tmp_path):
+    """Disk full while spooling: the push still commits (replicas applied it), the reason is kept for
+    ``Status.spool_error``, the spool is left as it was, and the next push that spools clears it."""
+    from rlfleet.services.collector.spool import FileSpool
 
+    fanout = _spooling_fanout(FileSpool(tmp_path))
     try:
-        asyncio.run(push(3, fail=True))
+        asyncio.run(_spool_push(fanout, 3, bytes(range(8)), fail=True))
         assert fanout.spool_error == "spooling version 3 failed: [Errno 28] No space left on device"
-        assert fanout.spool.manifest() is None and not list(tmp_path.glob("*.tmp"))
-        asyncio.run(push(4, fail=True, committed=False))  # an aborted push changes nothing
+        assert asyncio.run(fanout.spool.manifest()) is None and not list(tmp_path.glob("*.tmp"))
+        asyncio.run(_spool_push(fanout, 4, bytes(range(8)), committed=False, fail=True))  # aborted: changes nothing
         assert fanout.spool_error.startswith("spooling version 3 failed")
-        asyncio.run(push(5, fail=False))
-        assert fanout.spool_error == "" and fanout.spool.manifest().version == 5
+        asyncio.run(_spool_push(fanout, 5, bytes(range(8))))
+        assert fanout.spool_error == "" and asyncio.run(fanout.spool.manifest()).version == 5
         assert (tmp_path / "weights-5.bin").read_bytes() == bytes(range(8))
     finally:
-        fanout._spool_thread.shutdown()
+        fanout.spool.close()
+
+
+def test_the_spool_in_the_database_switches_with_the_version_and_reads_back_chunk_by_chunk(ledger_db, monkeypatch):
+    """The spool beside a PostgreSQL ledger (here on both backends): a push's bytes are chunk rows, its
+    manifest switches in the transaction that commits the version, older versions are deleted after; an
+    aborted push and a cut-off one (chunks without a manifest) leave the committed version's bytes as
+    they were; a collector opening the database again re-syncs from them."""
+    from rlfleet.services.collector import spool as spool_module
+    from rlfleet.services.collector.spool import DatabaseSpool
+
+    monkeypatch.setattr(spool_module, "SPOOL_CHUNK_BYTES", 5)  # 13 bytes: three chunks, the last short
+    first, second = bytes(range(13)), bytes(range(100, 113))
+
+    async def chunks_of(ledger):
+        return sorted(tuple(row) for row in await ledger.run(
+            lambda db: db.execute("SELECT version, idx FROM spool_chunks").fetchall()))
+
+    async def first_life():
+        ledger = PromptLedger(ledger_db)
+        fanout = _spooling_fanout(DatabaseSpool(ledger))
+        await _spool_push(fanout, 3, first)
+        await _spool_push(fanout, 4, second, committed=False)
+        await _spool_push(fanout, 5, second, fail=True)  # committed without the spool: it keeps version 3
+        assert fanout.spool_error.startswith("spooling version 5 failed")
+        manifest = await fanout.spool.manifest()
+        assert (manifest.version, await ledger.committed_version()) == (3, 5)
+        assert await chunks_of(ledger) == [(3, 0), (3, 1), (3, 2)]
+        await _spool_push(fanout, 6, second)
+        assert fanout.spool_error == "" and await chunks_of(ledger) == [(6, 0), (6, 1), (6, 2)]
+        await DatabaseSpool(ledger).begin(manifest).copy(_segment(first))  # version 3 again, cut off: no commit
+        ledger.close()
+
+    async def second_life():
+        ledger = PromptLedger(ledger_db)
+        spool = DatabaseSpool(ledger)  # removes the cut-off push's chunks
+        remaining = await chunks_of(ledger)
+        manifest = await spool.manifest()
+        segment = await spool.load_segment(manifest)
+        data = bytes(segment.buffer)
+        segment.close()
+        ledger.close()
+        return remaining, manifest.version, data
+
+    asyncio.run(first_life())
+    assert asyncio.run(second_life()) == ([(6, 0), (6, 1), (6, 2)], 6, second)
+
+
+def _segment(data: bytes):
+    from rlfleet.wire import shm
+
+    segment = shm.create_segment(len(data))
+    segment.buffer[:] = data
+    return segment
 
 
 def test_sampling_fields_are_checked_by_the_generation_rules():

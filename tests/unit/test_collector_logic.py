@@ -113,6 +113,14 @@ def ledger() -> PromptLedger:
     return PromptLedger(":memory:")
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def ledger_db(request, tmp_path) -> str:
+    """Where a test's ledger lives, reopened by it: a SQLite file, or a fresh PostgreSQL database's URL."""
+    if request.param == "sqlite":
+        return str(tmp_path / "prompts.sqlite3")
+    return request.getfixturevalue("postgres").create_database()
+
+
 def test_prompt_source_epochs_shuffle_resume_and_priority():
     async def scenario():
         source = PromptSource(ledger(), records(5), shuffle=True, seed=1, epochs=2)
@@ -150,9 +158,9 @@ def test_prompt_source_validation_and_bounds():
     run(scenario())
 
 
-def test_every_prompt_handed_out_is_in_the_ledger_until_it_ends(tmp_path):
+def test_every_prompt_handed_out_is_in_the_ledger_until_it_ends(ledger_db):
     """A restarted source generates what was pending (queued or in flight), from where the dataset stood."""
-    path = tmp_path / "prompts.sqlite3"
+    path = ledger_db
 
     async def first_life():
         source = PromptSource(PromptLedger(path), records(4), shuffle=False)
@@ -183,9 +191,9 @@ def test_every_prompt_handed_out_is_in_the_ledger_until_it_ends(tmp_path):
     run(second_life(run(first_life())))
 
 
-def test_sync_mode_keeps_appended_prompts_a_while_to_generate_stale_groups_again(tmp_path):
+def test_sync_mode_keeps_appended_prompts_a_while_to_generate_stale_groups_again(ledger_db):
     async def scenario():
-        source = PromptSource(PromptLedger(tmp_path / "p.sqlite3"))
+        source = PromptSource(PromptLedger(ledger_db))
         await source.submit([PromptItem("a", text="x"), PromptItem("b", text="y")])
         a, b = await source.next(), await source.next()
         await source.done(a, retain_at_version=3)
@@ -202,9 +210,9 @@ def test_sync_mode_keeps_appended_prompts_a_while_to_generate_stale_groups_again
     run(scenario())
 
 
-def test_dead_letters_keep_the_newest_and_count_all(tmp_path):
+def test_dead_letters_keep_the_newest_and_count_all(ledger_db):
     async def scenario():
-        store = PromptLedger(tmp_path / "p.sqlite3", max_dead_letters=3)
+        store = PromptLedger(ledger_db, max_dead_letters=3)
         items = await store.add([PromptItem(f"p{i}", text="x") for i in range(5)])
         for item in items:
             await store.dead(item, "generation", "INTERNAL", f"boom {item.prompt_id}")
