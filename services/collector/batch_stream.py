@@ -111,6 +111,7 @@ class BatchRelay:
         if self._stale(response.batch):
             await self._drop(response)
             return False
+        self.gate.note_read()
         return True
 
     def _stale(self, batch) -> bool:

@@ -169,6 +169,15 @@ class ReplicaPool:
             return status.policy_version
         except grpc.RpcError:
             return None
+        except asyncio.CancelledError:
+            # Discovery dropped the replica while this probe was in flight: closing its channel cancels
+            # the call, which grpc.aio raises as a CancelledError in the caller. Not a cancellation of
+            # the monitor (that one re-raises): let it end the whole watch and no replica would ever
+            # be re-synced again.
+            task = asyncio.current_task()
+            if replica.gone and task is not None and not getattr(task, "cancelling", lambda: 1)():
+                return None
+            raise
 
     def require_any(self) -> list[Replica]:
         healthy = self.healthy()

@@ -70,6 +70,7 @@ class Service(abc.ABC, Generic[C]):
         """Why the service stopped working ("" while it works): a supervised task died. Health is
         NOT_SERVING from then on and ``check_working`` refuses every call with this reason."""
         self._supervised: set[asyncio.Task] = set()
+        self._stopping = False
         self._not_serving: asyncio.Task | None = None
         """The task ``fail`` starts to turn health NOT_SERVING, held here: the loop keeps only a weak
         reference to a task, and one collected before it ran would leave health SERVING."""
@@ -103,7 +104,10 @@ class Service(abc.ABC, Generic[C]):
 
     def _supervised_done(self, task: asyncio.Task) -> None:
         self._supervised.discard(task)
-        if not task.cancelled() and task.exception() is not None:
+        if task.cancelled():
+            if not self._stopping:  # only ``stop_supervised`` cancels them: anything else ended its work
+                self.fail(task.get_name(), asyncio.CancelledError("cancelled while the service was running"))
+        elif task.exception() is not None:
             self.fail(task.get_name(), task.exception())
 
     def fail(self, what: str, exc: BaseException) -> None:
@@ -150,6 +154,7 @@ class Service(abc.ABC, Generic[C]):
 
     async def stop_supervised(self) -> None:
         """Cancel the supervised tasks and wait for them (a failure was reported when it happened)."""
+        self._stopping = True
         tasks = list(self._supervised)
         for task in tasks:
             task.cancel()

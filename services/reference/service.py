@@ -44,5 +44,5 @@ class ReferenceService(Service[ReferenceServiceConfig]):
         })
 
     async def stop(self) -> None:
-        await self.batcher.aclose()  # cancels the batching loop: not a failure
-        await self.stop_supervised()
+        await self.stop_supervised()  # cancels the batching loop (supervised): not a failure
+        await self.batcher.aclose()  # then fails whatever still waits on it

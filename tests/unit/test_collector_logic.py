@@ -79,6 +79,31 @@ def test_a_push_without_a_step_moves_the_step_count_not_the_lead(max_staleness):
     run(scenario())
 
 
+def test_a_slot_given_back_just_before_a_push_does_not_halve_the_next_step():
+    """Sync mode: the trainer read a batch of the current step, then a group of that step failed for
+    good (its slot given back) just before the trainer's push. The push followed a step: the next step
+    gets its whole two groups (before, the push counted as one without a step and the next step got one
+    slot, so a trainer waiting for whole steps of two groups waited for ever)."""
+    async def scenario():
+        gate = VersionGate(groups_per_step=2, sync=True)
+        assert await admitted_now(gate) == 2  # step 0 at v0
+        for _ in range(2):
+            await gate.settle(delivered=True)
+        gate.note_read()  # the trainer read step 0
+        await gate.begin_push()
+        await gate.end_push(1)
+        assert await admitted_now(gate) == 2  # step 1 at v1
+        await gate.settle(delivered=True)
+        gate.note_read()  # the trainer read one group of step 1 ...
+        await gate.give_back()  # ... and the other failed for good (a dead letter) before the push
+        await gate.begin_push()
+        await gate.end_push(2)
+        assert not gate.read_since_commit
+        # The failed slot of step 1 and the two of step 2: at least the two groups a step needs.
+        assert await admitted_now(gate) == 3
+    run(scenario())
+
+
 def test_give_back_reopens_a_slot():
     async def scenario():
         gate = VersionGate(groups_per_step=2, max_staleness=0)

@@ -239,3 +239,52 @@ async def test_a_reference_service_stopped_normally_has_not_failed(tiny_model):
     await asyncio.wait_for(servicer.ScoreLogProbs(score_request(), None), WAIT)  # starts the batching loop
     await service.stop()  # cancels the batching loop
     assert service.failure == "" and not service.failed.is_set()
+
+
+# --- any service: a task cancelled while the service runs -------------------------------------------------
+async def test_a_supervised_task_cancelled_while_the_service_runs_fails_it(tmp_path):
+    """Only ``stop_supervised`` cancels a service's background work; a task that ends cancelled otherwise
+    (a CancelledError raised inside it, say by a closed grpc.aio channel) stopped doing its job, and the
+    service says so instead of going on without it."""
+    service = await started(trajectory_service(tmp_path))
+
+    async def cancelled_inside():
+        raise asyncio.CancelledError()
+
+    task = service.supervise(cancelled_inside(), "the watch that got cancelled")
+    await asyncio.gather(task, return_exceptions=True)
+    await failed_with(service, "the watch that got cancelled died: CancelledError")
+    await service.stop()
+
+
+async def test_a_probe_cut_by_its_replica_leaving_answers_none_not_cancelled():
+    """A replica dropped by discovery while the monitor probes it: closing its channel cancels the call
+    (grpc.aio raises CancelledError in the caller); the probe answers "not serving" and the monitor goes on."""
+    from grpc_health.v1 import health_pb2_grpc
+
+    from rlfleet.client.channel import ChannelSettings
+    from rlfleet.services.collector.discovery import Endpoint
+    from rlfleet.services.collector.replicas import ReplicaPool
+
+    answering = asyncio.Event()
+
+    class SlowHealth(health_pb2_grpc.HealthServicer):
+        async def Check(self, request, context):
+            answering.set()
+            await asyncio.sleep(60)
+
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(SlowHealth(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    pool = ReplicaPool(ChannelSettings())
+    try:
+        (replica,), _ = await pool.update([Endpoint(f"127.0.0.1:{port}")])
+        probing = asyncio.ensure_future(pool.probe(replica, timeout=30))
+        await asyncio.wait_for(answering.wait(), WAIT)
+        await pool.update([])  # discovery drops it: its channel closes under the probe
+        assert await asyncio.wait_for(probing, WAIT) is None
+        assert replica.gone
+    finally:
+        await pool.close()
+        await server.stop(0)
