@@ -488,7 +488,11 @@ def parse_args() -> argparse.Namespace:
     add_arguments(parser)
     # Short windows, more rounds: other users' load on a shared machine moves in bursts of minutes.
     parser.set_defaults(rounds=5, seconds=8.0)
-    parser.add_argument("--replicas", default="1,4,16,32", help="replica counts of the steps")
+    parser.add_argument("--replicas", default=None,
+                        help="replica counts of the steps (default 1,4,16,32; with --ray one count, default 4)")
+    parser.add_argument("--ray", action="store_true",
+                        help="the same fleet as processes and as Ray actors on a local 3-node Ray cluster, "
+                             "side by side (bench/_ray_fleet.py): ray_over_processes")
     parser.add_argument("--step-warmup", type=float, default=2.0, help="after a step's replicas are in rotation")
     parser.add_argument("--pushes", type=int, default=3, help="weight pushes per step and round")
     parser.add_argument("--push-gap", type=float, default=0.5, help="seconds before each push")
@@ -499,7 +503,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--growth", type=float, default=0.10,
                         help="traj/s 'stops growing' when the next step adds less than this fraction")
     ns = parser.parse_args()
-    ns.replicas = sorted({int(n) for n in ns.replicas.split(",")})
+    ns.replicas = sorted({int(n) for n in (ns.replicas or ("4" if ns.ray else "1,4,16,32")).split(",")})
     if ns.batch_size % ns.group_size or ns.replicas[0] < 1 or ns.push_every:
         parser.error("--batch-size must be a multiple of --group-size, --replicas >= 1, no --push-every here")
     return ns
@@ -507,6 +511,11 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     ns = parse_args()
+    if ns.ray:
+        import _ray_fleet as ray_fleet
+
+        ray_fleet.run(ns, Fleet)
+        return
     from safetensors.torch import load_file
 
     from rlfleet.client import connect

@@ -20,7 +20,9 @@ class CollectorConfig(ServiceConfig, UpstreamConfig):
     """gRPC port the trainer connects to (also serves TrajectoryService.StreamBatches, forwarded)."""
     generation_addresses: list[str] = Field(default_factory=lambda: ["127.0.0.1:50051"])
     """Generation replicas as host:port; with ``resolve_generation_addresses`` a host resolving to several
-    IPs (a Kubernetes headless Service) counts once per IP, re-resolved every ``discovery_refresh_seconds``."""
+    IPs (a Kubernetes headless Service) counts once per IP, re-resolved every ``discovery_refresh_seconds``.
+    Or one entry ``ray+gcs://GCS_HOST:PORT/FLEET``: the replicas fleet FLEET registered on that Ray
+    cluster (``rlfleet.ray``, which sets it; needs the ``ray`` extra), asked every ``discovery_refresh_seconds``."""
     generation_addresses_file: str | None = None
     """A JSON list of ``host:port`` re-read every ``discovery_refresh_seconds`` (written by an autoscaler, a
     registry sidecar, an operator); set, it replaces ``generation_addresses``. A replica that appears is
@@ -166,6 +168,18 @@ class CollectorConfig(ServiceConfig, UpstreamConfig):
     services' health checked (``Status.serving``)."""
     replica_startup_seconds: float = Field(60.0, ge=0)
     """At start, how long to wait for every replica to answer before starting with the ones that did."""
+
+
+    @model_validator(mode="after")
+    def _ray_registry_alone(self) -> "CollectorConfig":
+        from rlfleet.services.collector.discovery import RAY_SCHEME, parse_ray_url
+
+        registries = [a for a in self.generation_addresses if a.startswith(RAY_SCHEME)]
+        if registries:
+            if len(self.generation_addresses) != 1 or self.generation_addresses_file:
+                raise ValueError(f"generation_addresses: {RAY_SCHEME}... must be the only source of replicas")
+            parse_ray_url(registries[0])
+        return self
 
     @field_validator("database_url")
     @classmethod

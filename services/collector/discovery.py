@@ -11,9 +11,13 @@ rotation, its calls in flight finishing or failing over as any failed call does)
   with a WARNING);
 - ``Dns``: wraps either, resolving each name: a name with several IPs (a Kubernetes headless
   Service) is one replica per IP, whose TLS certificate is checked against the name. A lookup that
-  fails keeps that name's last answer (a DNS blip must not empty the fleet).
+  fails keeps that name's last answer (a DNS blip must not empty the fleet);
+- ``RayDiscovery``: the generation replicas a fleet on a Ray cluster registered (``rlfleet.ray``:
+  ``generation_addresses: ["ray+gcs://GCS_HOST:PORT/FLEET"]``). A replica whose node died stays
+  listed (out of rotation: its calls fail) until it republishes from the node it restarted on or is
+  scaled away: it leaves once its old process is long gone, not while the replica monitor may still
+  be probing it. An unreadable registry keeps the last answer.
 
-A Ray- or registry-based source is one more ``Discovery`` subclass; nothing else changes.
 Knows no gRPC.
 """
 
@@ -127,6 +131,59 @@ def _is_ip(host: str) -> bool:
         return False
 
 
+RAY_SCHEME = "ray+gcs://"
+
+
+class RayDiscovery(Discovery):
+    """The ``service`` records of fleet ``fleet`` in the registry of the Ray cluster whose GCS is at
+    ``gcs_address`` (``rlfleet.ray.registry``: read from the GCS directly, no Ray driver attached).
+    Imports ray only when built: the collector needs the ``ray`` extra only with this source."""
+
+    def __init__(self, gcs_address: str, fleet: str, service: str = "generation", registry=None):
+        if registry is None:
+            from rlfleet.ray.registry import Registry
+
+            registry = Registry(gcs_address, fleet)
+        self.registry = registry
+        self.service = service
+        self._last: list[str] = []
+        self._warned = ""
+
+    @classmethod
+    def from_url(cls, url: str) -> "RayDiscovery":
+        gcs_address, fleet = parse_ray_url(url)
+        return cls(gcs_address, fleet)
+
+    async def endpoints(self) -> list[Endpoint]:
+        try:
+            records = await asyncio.to_thread(self.registry.services, self.service, False)
+        except Exception as exc:  # noqa: BLE001 - the GCS unreachable (head restarting): keep the last answer
+            problem = f"{type(exc).__name__}: {exc}"
+            if problem != self._warned:
+                log.warning("Ray registry at %s unreadable (%s): keeping the last %d replicas",
+                            self.registry.gcs_address, problem, len(self._last))
+                self._warned = problem
+            return [Endpoint(address) for address in self._last]
+        self._warned = ""
+        self._last = list(dict.fromkeys(record["address"] for record in records.values()))
+        return [Endpoint(address) for address in self._last]
+
+    def describe(self) -> str:
+        return f"the Ray registry of fleet {self.registry.fleet!r} at {self.registry.gcs_address}"
+
+
+def parse_ray_url(url: str) -> tuple[str, str]:
+    """``ray+gcs://HOST:PORT/FLEET`` -> (``HOST:PORT``, ``FLEET``); ValueError naming what is wrong."""
+    if not url.startswith(RAY_SCHEME):
+        raise ValueError(f"{url!r} does not start with {RAY_SCHEME}")
+    gcs_address, _, fleet = url[len(RAY_SCHEME):].partition("/")
+    if ":" not in gcs_address or not fleet or "/" in fleet:
+        raise ValueError(f"{url!r} is not {RAY_SCHEME}GCS_HOST:PORT/FLEET")
+    return gcs_address, fleet
+
+
 def make_discovery(addresses: list[str], addresses_file: str | None, resolve: bool) -> Discovery:
+    if not addresses_file and addresses and addresses[0].startswith(RAY_SCHEME):
+        return RayDiscovery.from_url(addresses[0])  # one entry: the config refuses mixing it with others
     names = AddressFile(addresses_file) if addresses_file else StaticList(addresses)
     return Dns(names) if resolve else names

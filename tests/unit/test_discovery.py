@@ -195,3 +195,81 @@ def test_idle_replicas_take_work_in_turn():
         assert sorted(chosen) == sorted(f"10.0.0.{i}:1" for i in range(4) for _ in range(2))
         await pool.close()
     run(scenario())
+
+
+class FakeGcs:
+    """Ray's GCS client as the registry uses it: a key-value store and the nodes' states (a fake: the
+    registry's reading above it is what is tested; tests/integration/test_ray.py runs the real one)."""
+
+    def __init__(self):
+        self.kv: dict[bytes, bytes] = {}
+        self.nodes: dict[str, int] = {}
+        self.fail = False
+
+    def internal_kv_put(self, key, value, overwrite, namespace):
+        self.kv[key] = value
+
+    def internal_kv_del(self, key, by_prefix, namespace):
+        for stored in [k for k in self.kv if (k.startswith(key) if by_prefix else k == key)]:
+            del self.kv[stored]
+
+    def internal_kv_keys(self, prefix, namespace):
+        if self.fail:
+            raise ConnectionError("GCS unreachable")
+        return [k for k in self.kv if k.startswith(prefix)]
+
+    def internal_kv_multi_get(self, keys, namespace):
+        return {k: self.kv[k] for k in keys if k in self.kv}
+
+    def get_all_node_info(self):
+        return {bytes.fromhex(node): type("Info", (), {"state": state}) for node, state in self.nodes.items()}
+
+
+def fake_registry(fleet="f"):
+    from rlfleet.ray.registry import Registry
+
+    registry = Registry("10.0.0.9:6379", fleet)
+    registry._gcs = FakeGcs()
+    return registry
+
+
+def test_ray_discovery_lists_the_fleets_replicas_until_they_republish_and_keeps_the_last_answer(caplog):
+    from rlfleet.services.collector.discovery import RayDiscovery
+
+    registry = fake_registry()
+    gcs = registry._gcs
+    gcs.nodes = {"aa": 0, "bb": 0}
+    for key, address, node in [("generation-10", "10.0.0.3:1", "bb"), ("generation-9", "10.0.0.2:1", "aa"),
+                               ("reference", "10.0.0.4:1", "aa")]:
+        registry.publish(key, {"service": key.split("-")[0], "address": address, "node_id": node})
+    fake_registry("other").publish("generation-0", {"service": "generation", "address": "x:1", "node_id": "aa"})
+    source = RayDiscovery("10.0.0.9:6379", "f", registry=registry)
+    assert [e.address for e in run(source.endpoints())] == ["10.0.0.2:1", "10.0.0.3:1"]  # 9 before 10
+    gcs.nodes["bb"] = 1  # DEAD: its replica stays listed (out of rotation) until it restarts elsewhere
+    assert [e.address for e in run(source.endpoints())] == ["10.0.0.2:1", "10.0.0.3:1"]
+    assert list(registry.services("generation")) == ["generation-9"]  # what Fleet.status shows: live nodes
+    registry.publish("generation-10", {"service": "generation", "address": "10.0.0.2:2", "node_id": "aa"})
+    assert [e.address for e in run(source.endpoints())] == ["10.0.0.2:1", "10.0.0.2:2"]  # restarted on aa
+    caplog.set_level(logging.WARNING, "rlfleet.collector.discovery")
+    gcs.fail = True
+    assert [e.address for e in run(source.endpoints())] == ["10.0.0.2:1", "10.0.0.2:2"]
+    assert "unreadable" in caplog.text and "keeping the last 2 replicas" in caplog.text
+    gcs.fail = False
+    registry.withdraw("generation-9")  # scaled down
+    assert [e.address for e in run(source.endpoints())] == ["10.0.0.2:2"]
+
+
+def test_a_ray_registry_url_is_the_only_source_and_is_checked_at_start():
+    from rlfleet.services.collector.config import CollectorConfig
+    from rlfleet.services.collector.discovery import RayDiscovery, parse_ray_url
+
+    assert parse_ray_url("ray+gcs://10.0.0.9:6379/fleet") == ("10.0.0.9:6379", "fleet")
+    for bad in ("ray+gcs://10.0.0.9/fleet", "ray+gcs://10.0.0.9:6379", "ray+gcs://h:1/a/b", "ray://h:1/f"):
+        with pytest.raises(ValueError):
+            parse_ray_url(bad)
+    source = make_discovery(["ray+gcs://10.0.0.9:6379/fleet"], None, True)
+    assert isinstance(source, RayDiscovery) and "fleet 'fleet'" in source.describe()
+    assert CollectorConfig(generation_addresses=["ray+gcs://h:1/f"]).generation_addresses == ["ray+gcs://h:1/f"]
+    for addresses in (["ray+gcs://h:1/f", "a:1"], ["ray+gcs://h/f"]):
+        with pytest.raises(ValueError, match="generation_addresses|GCS_HOST"):
+            CollectorConfig(generation_addresses=addresses)

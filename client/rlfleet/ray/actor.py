@@ -1,0 +1,212 @@
+"""The Ray actor that hosts one service process: ``python -m rlfleet.services.<name>`` on its node.
+
+The actor starts the process (``services/launch.py``'s ``ServiceProcess``: port file, health wait),
+publishes its address in the fleet's registry once it serves, and watches it:
+
+- the process dies with the actor: ``PR_SET_PDEATHSIG`` (SIGKILL) for the process itself, and a
+  detached reaper (``reaper.py``) for its process group (a vLLM engine core and its workers outlive
+  their parent otherwise), so a node that goes, or an actor that Ray kills, leaves nothing behind on a
+  host that stays;
+- the process exiting on its own makes the actor exit (``os._exit``): Ray's restart policy
+  (``max_restarts``) then starts the actor again, on this node or another, and the new one republishes;
+- the collector's upstreams (trajectory, reference, reward, environment) are read from the registry at
+  start; when one of them is republished at another address (it restarted on another node), the
+  collector's process is restarted with the new addresses (SIGTERM, same state directory): it resumes
+  from its durable state at the committed version. Generation replicas are found by the collector itself
+  (``RayDiscovery``): a replica that moves is a member that leaves and one that joins, re-synced to the
+  committed weights before it serves.
+
+Credentials arrive as bytes in the actor's arguments and are written to a private directory (0700,
+files 0600) on the node; the process reads them from there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rlfleet.ray.registry import Registry
+
+log = logging.getLogger("rlfleet.ray")
+WATCH_SECONDS = 0.5
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In the child, before exec: SIGKILL it when the thread that started it (the actor's) ends."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def substitute(value: Any, variables: dict[str, str]) -> Any:
+    """``{workdir}``, ``{key}`` ... replaced in every string of ``value`` (dicts and lists walked)."""
+    if isinstance(value, str):
+        for name, replacement in variables.items():
+            value = value.replace("{" + name + "}", replacement)
+        return value
+    if isinstance(value, dict):
+        return {k: substitute(v, variables) for k, v in value.items()}
+    if isinstance(value, list):
+        return [substitute(v, variables) for v in value]
+    return value
+
+
+def write_credentials(files: dict[str, bytes] | None) -> Path | None:
+    """The credentials directory's files in a fresh private directory on this node."""
+    if not files:
+        return None
+    directory = Path(tempfile.mkdtemp(prefix="rlfleet-credentials-"))
+    os.chmod(directory, 0o700)
+    for name, content in files.items():
+        path = directory / name
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(content)
+    return directory
+
+
+class ServiceHost:
+    """One service instance (``spec``: what ``Fleet`` builds, see ``Fleet._actor_spec``)."""
+
+    def __init__(self, spec: dict[str, Any]):
+        import ray
+
+        self.spec = spec
+        context = ray.get_runtime_context()
+        self.node_id = context.get_node_id()
+        self.node_ip = ray.util.get_node_ip_address()
+        self.registry = Registry(spec["gcs_address"], spec["fleet"])
+        self.credentials = write_credentials(spec.get("credentials"))
+        self.workdir = Path(spec["workdir"]) / spec["key"]
+        self.process = None
+        self.upstreams: dict[str, str] = {}
+        self.starts = 0
+        self._stopping = False
+        self._lock = threading.Lock()
+        self._alive_write: int | None = None
+        self._alive_read: int | None = None
+        self._start()
+        threading.Thread(target=self._watch, name=f"rlfleet-watch-{spec['key']}", daemon=True).start()
+
+    # -- the process -------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        from rlfleet.services import healthcheck
+        from rlfleet.services.launch import ServiceProcess
+
+        spec = self.spec
+        self.upstreams = self._resolve_upstreams(spec["start_timeout_seconds"])
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        args = []
+        if spec["settings"]:
+            settings_file = self.workdir / "settings.json"
+            settings_file.write_text(json.dumps(spec["settings"]))
+            args += ["--config", str(settings_file)]
+        args += [*spec["args"], "--host", spec["bind_host"], "--port", str(spec["port"])]
+        for setting, address in self.upstreams.items():
+            args += [f"--{setting.replace('_', '-')}", address]
+        if spec["service"] == "collector":
+            args += ["--generation-addresses", json.dumps([f"ray+gcs://{spec['gcs_address']}/{spec['fleet']}"])]
+        process = ServiceProcess(spec["service"], args, env=dict(spec["env"]), preexec_fn=die_with_parent,
+                                 module=spec.get("module"))
+        if self.credentials is not None:
+            process.args += self._tls_args()
+            process.health_credentials = healthcheck.tls_credentials(
+                str(self.credentials / "ca.pem"), str(self.credentials / f"{spec['service']}.pem"),
+                str(self.credentials / f"{spec['service']}.key"))
+        process.start(self.workdir)
+        self._guard(process.process.pid)
+        self.process = process
+        process.wait_ready(spec["start_timeout_seconds"])
+        self.starts += 1
+        self.registry.publish(spec["key"], self.record())
+        log.info("%s serving at %s on node %s", spec["key"], self.address(), self.node_id)
+
+    def _guard(self, pgid: int) -> None:
+        """A reaper (``reaper.py``) that kills the process group ``pgid`` once this actor's process ends."""
+        import subprocess
+        import sys
+
+        if self._alive_write is None:  # one pipe for the actor's life: only this process holds the write end
+            read_end, self._alive_write = os.pipe()
+            self._alive_read = read_end
+        subprocess.run([sys.executable, "-m", "rlfleet.ray.reaper", str(self._alive_read), str(pgid)],
+                       pass_fds=(self._alive_read,), start_new_session=True, check=True, timeout=60)
+
+    def _tls_args(self) -> list[str]:
+        from rlfleet.services.suite import _upstream_args, secure_args
+
+        args = secure_args(self.credentials, self.spec["service"])
+        if self.spec["service"] == "collector":
+            args += _upstream_args(self.credentials)
+        return args
+
+    def _resolve_upstreams(self, timeout: float) -> dict[str, str]:
+        """The collector's upstream settings -> the addresses the registry holds now (waits for each)."""
+        wanted = self.spec.get("upstreams", {})
+        deadline = time.monotonic() + timeout
+        while True:
+            found = {setting: self.registry.address(key) for setting, key in wanted.items()}
+            if all(found.values()):
+                return found
+            if time.monotonic() > deadline:
+                missing = [wanted[setting] for setting, address in found.items() if not address]
+                raise TimeoutError(f"{self.spec['key']}: no address for {missing} within {timeout:.0f} s")
+            time.sleep(WATCH_SECONDS)
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(WATCH_SECONDS)
+            with self._lock:
+                if self._stopping:
+                    return
+                if self.process.process.poll() is not None:
+                    log.error("%s exited with code %s: the actor exits for Ray to restart it; log tail:\n%s",
+                              self.spec["key"], self.process.process.returncode, self.process.log_tail())
+                    os._exit(1)
+                if self.spec.get("upstreams") and self._upstreams_moved():
+                    log.warning("%s: an upstream moved (%s): restarting the process with the new addresses",
+                                self.spec["key"], self.upstreams)
+                    self.process.stop()
+                    try:
+                        self._start()
+                    except Exception:  # noqa: BLE001 - whatever stopped it, Ray's restart is the way on
+                        log.exception("%s did not start again: the actor exits for Ray to restart it",
+                                      self.spec["key"])
+                        os._exit(1)
+
+    def _upstreams_moved(self) -> bool:
+        try:
+            now = {setting: self.registry.address(key) for setting, key in self.spec["upstreams"].items()}
+        except Exception as exc:  # noqa: BLE001 - a GCS hiccup: ask again next round
+            log.warning("registry unreadable (%s): keeping the current upstreams", exc)
+            return False
+        return any(address and address != self.upstreams.get(setting) for setting, address in now.items())
+
+    # -- what callers ask ---------------------------------------------------------------------------
+
+    def address(self) -> str:
+        return f"{self.node_ip}:{self.process.port}"
+
+    def record(self) -> dict[str, Any]:
+        """What the registry holds for this instance."""
+        return {"service": self.spec["service"], "key": self.spec["key"], "address": self.address(),
+                "node_id": self.node_id, "node_ip": self.node_ip, "pid": self.process.process.pid,
+                "starts": self.starts, "log": str(self.process.log_path)}
+
+    def info(self) -> dict[str, Any]:
+        return self.record()
+
+    def stop(self) -> int | None:
+        """SIGTERM the process (graceful), take the record out of the registry: before ``ray.kill``."""
+        with self._lock:
+            self._stopping = True
+            self.registry.withdraw(self.spec["key"])
+            return self.process.stop() if self.process is not None else None

@@ -1,0 +1,128 @@
+"""The fleet's config file (``rlfleet-ray up fleet.yaml``; ``Fleet.up(config)``).
+
+    name: rlfleet                     # actor names and registry keys
+    workdir: /tmp/rlfleet-ray         # each service's state and log in <workdir>/<key>
+    credentials: ./credentials        # optional: TLS, mTLS and role tokens everywhere
+    services:
+      trajectory: {settings: {db_path: "{workdir}/trajectory/trajectories.db"}}
+      reference:  {num_gpus: 1, settings: {model_path: /models/policy}}
+      reward:     {settings: {tokenizer_path: /models/policy}}
+      generation: {replicas: 4, placement: spread, num_gpus: 1, settings: {model: /models/policy}}
+      collector:  {port: 50050, settings: {mode: sync, group_size: 8}}
+
+A service's ``settings`` are its own config fields (the names of its ``--config`` file, its flags
+without ``--`` and with ``_``), written to a ``--config`` file on the node that runs it; ``args`` are
+extra flags and ``env`` extra environment variables, as for a process started by hand. ``{workdir}``
+in a string setting is the fleet's workdir, ``{key}`` the instance (``generation-1``). The fleet sets
+what only it can know: host, port, TLS files, the collector's upstream addresses and its replica
+discovery (``ray+gcs://``). Ray's side per service: ``num_cpus``, ``num_gpus``, ``resources``,
+``placement`` (``spread``: replicas on different nodes while there are nodes),
+``max_restarts`` (-1: forever).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SERVICES = ("trajectory", "reference", "reward", "environment", "generation", "collector")
+"""In start order: the collector last (it reads the others' addresses), generation replicas together."""
+UPSTREAMS = {"trajectory": "trajectory_address", "reference": "reference_address", "reward": "reward_address",
+             "environment": "environment_address"}
+"""The collector's setting naming each upstream service."""
+
+
+@dataclass
+class ServiceSpec:
+    """One service of the fleet (``replicas`` instances for generation)."""
+
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The service's own config fields, written to its ``--config`` file."""
+    args: list[str] = field(default_factory=list)
+    """Extra command-line flags (they win over ``settings``)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables of the process."""
+    replicas: int = 1
+    """Instances (generation only; others run one)."""
+    num_cpus: float = 1.0
+    """Ray CPUs the actor holds while the process runs."""
+    num_gpus: float = 0.0
+    """Ray GPUs the actor holds (CUDA_VISIBLE_DEVICES is set by Ray for the process)."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources the actor holds (e.g. ``{"gpu_node": 1}`` to pin it to nodes that offer it)."""
+    placement: str = "default"
+    """``spread``: each instance on the live node that fits it (by its total resources) and runs the fewest
+    instances of the service (a soft node affinity: a restart after that node is gone goes wherever the
+    resources are; if that node has no free resources now, the instance waits for them there);
+    ``default``: Ray's scheduling."""
+    max_restarts: int = -1
+    """Ray restarts of the actor after its node or process died (-1: forever; 0: never)."""
+    port: int = 0
+    """Fixed gRPC port (0: a free one each start). The collector's, for trainers outside the cluster."""
+    start_timeout_seconds: float = 600.0
+    """From process start to SERVING (a vLLM engine on a loaded host takes minutes)."""
+    module: str | None = None
+    """The module ``python -m`` runs instead of ``rlfleet.services.<name>`` (a custom build, a benchmark's
+    load generator); it must take ``--host``, ``--port`` and ``--port-file`` (and ``--config`` when
+    ``settings`` is not empty)."""
+
+
+@dataclass
+class FleetConfig:
+    """A fleet on one Ray cluster."""
+
+    name: str = "rlfleet"
+    """Actor names (``<name>/<key>`` in Ray namespace ``rlfleet``) and registry keys."""
+    ray_address: str | None = None
+    """What ``ray.init`` connects to when Ray is not initialised yet (None: ``auto``)."""
+    workdir: str = "/tmp/rlfleet-ray"
+    """Each service's state, logs and port file in ``<workdir>/<key>``, on the node running it. Durable
+    state that must survive a node (trajectory store, collector state) needs PostgreSQL (their
+    ``database_url`` settings) or this on a shared volume."""
+    credentials: str | None = None
+    """A directory made by ``rlfleet.services.credentials`` (certificates must hold the nodes' IPs:
+    ``--host``); read by the driver and delivered to every actor, written there to a private directory.
+    None: plaintext."""
+    bind_host: str = "0.0.0.0"
+    """The interface every service binds (its address in the registry is the node's IP)."""
+    services: dict[str, ServiceSpec] = field(default_factory=dict)
+
+    def __post_init__(self):
+        unknown = set(self.services) - set(SERVICES)
+        if unknown:
+            raise ValueError(f"services: unknown {sorted(unknown)}; known: {list(SERVICES)}")
+        for needed in ("trajectory", "reference", "reward", "generation", "collector"):
+            if needed not in self.services:
+                raise ValueError(f"services: {needed} is missing")
+        for name, spec in self.services.items():
+            if spec.placement not in ("default", "spread"):
+                raise ValueError(f"services.{name}.placement: {spec.placement!r} is not default or spread")
+            if spec.replicas < 0 or (name != "generation" and spec.replicas != 1):
+                raise ValueError(f"services.{name}.replicas: only generation runs several (got {spec.replicas})")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "FleetConfig":
+        data = dict(data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        if set(data) - known:
+            raise ValueError(f"unknown fleet settings {sorted(set(data) - known)}; known: {sorted(known)}")
+        services = {}
+        spec_fields = {f.name for f in dataclasses.fields(ServiceSpec)}
+        for name, spec in (data.pop("services", None) or {}).items():
+            spec = dict(spec or {})
+            if set(spec) - spec_fields:
+                raise ValueError(f"services.{name}: unknown {sorted(set(spec) - spec_fields)}; known: {sorted(spec_fields)}")
+            services[name] = ServiceSpec(**spec)
+        return cls(**data, services=services)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_config(path: str | Path) -> FleetConfig:
+    """A fleet config from a YAML (or JSON) file."""
+    import yaml
+
+    return FleetConfig.from_dict(yaml.safe_load(Path(path).read_text()) or {})

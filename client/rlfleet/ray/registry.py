@@ -1,0 +1,89 @@
+"""Where a fleet's services are: records in the Ray cluster's GCS key-value store.
+
+Every service actor publishes ``{address, node_id, pid, ...}`` under ``<fleet>/service/<key>`` once its
+process serves, and again after every restart (on whatever node Ray placed it). Readers (the collector's
+``RayDiscovery``, a restarted actor resolving its upstreams, ``Fleet.address``, a trainer task) ask the
+GCS directly: no Ray driver is attached, so a process that reads the registry does not die with the
+raylet it would have attached to, and reads cost one small RPC. The GCS lives on the head node and
+outlives every worker node; its records outlive the actors that wrote them (``services()`` leaves out
+records on dead nodes unless asked for all).
+
+Uses Ray's GCS client (``ray._raylet.GcsClient``, the object behind ``ray.experimental.internal_kv``),
+which is not a public API: the ``ray`` extra pins the major version, and this module is its one user.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+NAMESPACE = b"rlfleet"
+
+
+class Registry:
+    """The records of fleet ``fleet`` in the cluster whose GCS listens at ``gcs_address`` (``host:port``)."""
+
+    def __init__(self, gcs_address: str, fleet: str):
+        self.gcs_address = gcs_address
+        self.fleet = fleet
+        self._gcs = None
+
+    def _client(self):
+        if self._gcs is None:
+            from ray._raylet import GcsClient
+
+            self._gcs = GcsClient(address=self.gcs_address)
+        return self._gcs
+
+    def _key(self, kind: str, name: str = "") -> bytes:
+        return f"{self.fleet}/{kind}/{name}".encode()
+
+    def publish(self, key: str, record: dict[str, Any]) -> None:
+        """``key``'s record (its address and node), replacing the previous one."""
+        self._client().internal_kv_put(self._key("service", key), json.dumps(record).encode(), True, NAMESPACE)
+
+    def withdraw(self, key: str) -> None:
+        self._client().internal_kv_del(self._key("service", key), False, NAMESPACE)
+
+    def clear(self) -> None:
+        """Every record of the fleet (its spec included)."""
+        self._client().internal_kv_del(f"{self.fleet}/".encode(), True, NAMESPACE)
+
+    def records(self) -> dict[str, dict[str, Any]]:
+        """Every service record by key, dead nodes' included."""
+        prefix = self._key("service")
+        keys = self._client().internal_kv_keys(prefix, NAMESPACE)
+        if not keys:
+            return {}
+        values = self._client().internal_kv_multi_get(keys, NAMESPACE)
+        return {key[len(prefix):].decode(): json.loads(value) for key, value in values.items() if value}
+
+    def alive_nodes(self) -> set[str]:
+        """Hex ids of the nodes the GCS holds alive."""
+        infos = self._client().get_all_node_info()
+        return {node_id.hex() for node_id, info in infos.items() if info.state == 0}  # GcsNodeInfo.ALIVE
+
+    def services(self, service: str | None = None, alive_only: bool = True) -> dict[str, dict[str, Any]]:
+        """The records (of ``service`` only, if given) on live nodes (``alive_only``) or all, sorted by key."""
+        alive = self.alive_nodes() if alive_only else None
+        found = {key: record for key, record in self.records().items()
+                 if (alive is None or record.get("node_id") in alive)
+                 and (service is None or record.get("service") == service)}
+        return dict(sorted(found.items(), key=lambda item: _natural(item[0])))
+
+    def address(self, key: str) -> str | None:
+        """``key``'s address while its node is alive, else None."""
+        return self.services().get(key, {}).get("address")
+
+    def put_spec(self, spec: dict[str, Any]) -> None:
+        self._client().internal_kv_put(self._key("spec"), json.dumps(spec).encode(), True, NAMESPACE)
+
+    def spec(self) -> dict[str, Any] | None:
+        value = self._client().internal_kv_get(self._key("spec"), NAMESPACE)
+        return json.loads(value) if value else None
+
+
+def _natural(key: str) -> tuple[str, int]:
+    """``generation-10`` after ``generation-9``."""
+    stem, _, index = key.rpartition("-")
+    return (stem, int(index)) if index.isdigit() else (key, -1)

@@ -1,0 +1,323 @@
+"""rlfleet on a local Ray cluster of five nodes (``ray.cluster_utils.Cluster``: one raylet per node, all on
+this host), every service a Ray actor hosting the real service process, TLS and role tokens on.
+
+Nodes: the head (the trainer task; reward), two "GPU" nodes (custom resource ``gpu_node``: generation
+replicas, spread, and reference), a collector node (``collector_node``) and a store node (``store_node``:
+trajectory). A removed collector or store node is replaced by a fresh one with the same resources, as an
+autoscaler or a node group would (a removed GPU node is not: the other one has room).
+
+One fleet for the module (sync mode, the demo's digits task), in order: the GRPO demo as a Ray task
+inside the cluster on one replica; a second replica scaled up at run time (on the other GPU node,
+re-synced before it serves); then, with an SDK trainer outside the cluster, the node holding a
+generation replica, the collector's and the trajectory store's removed mid-run; last, scaled down. After
+each: every submitted prompt delivered as exactly one whole group, no trajectory in two confirmed
+batches, nothing left ready or leased, no dead letter.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from rlfleet.client import connect, credentials_from  # noqa: E402
+from rlfleet.client.errors import RlfleetClientError  # noqa: E402
+from rlfleet.ray import Fleet, FleetConfig  # noqa: E402
+from rlfleet.services.credentials import make_credentials  # noqa: E402
+from tests.hf_reference import load_hf  # noqa: E402
+from tests.ports import free_port  # noqa: E402
+from tests.waiting import wait_for  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+ROOT = Path(__file__).resolve().parents[2]
+GROUP = 4
+GROUPS_PER_STEP = 4
+DEMO_STEPS = 3
+START_TIMEOUT = 600.0
+"""A fleet's start on a loaded 2-core machine: two vLLM engines at once, then the collector."""
+RECOVERY_TIMEOUT = 180.0
+"""A restarted collector or trajectory store (no model to load) back and the trainer's next batch."""
+RESYNC_TIMEOUT = 420.0
+"""A generation replica restarted on another node: a new actor, its vLLM engine's start, one re-sync push."""
+NODES = {"gpu_node": {"num_cpus": 2, "resources": {"gpu_node": 3}},
+         "collector_node": {"num_cpus": 1, "resources": {"collector_node": 1}},
+         "store_node": {"num_cpus": 1, "resources": {"store_node": 1}}}
+
+
+def fleet_config(model: Path, workdir: Path, credentials: Path, collector_port: int) -> FleetConfig:
+    sampling = {"temperature": 1.0, "max_tokens": 16}
+    return FleetConfig.from_dict({"name": "test", "workdir": str(workdir), "credentials": str(credentials),
+                                  "services": {
+        "trajectory": {"num_cpus": 0.5, "resources": {"store_node": 1},
+                       "settings": {"db_path": "{workdir}/trajectory/trajectories.db"}},
+        "reference": {"num_cpus": 0.5, "resources": {"gpu_node": 1},
+                      "settings": {"model_path": str(model), "torch_threads": 1}},
+        "reward": {"num_cpus": 0.5, "settings": {"tokenizer_path": str(model)}},
+        "generation": {"replicas": 1, "placement": "spread", "num_cpus": 0.5, "resources": {"gpu_node": 1},
+                       "settings": {"model": str(model), "kv_cache_memory_bytes": 128 << 20, "max_model_len": 1024,
+                                    "max_num_seqs": 32}},
+        "collector": {"num_cpus": 0.5, "resources": {"collector_node": 1}, "port": collector_port,
+                      "settings": {"state_dir": "{workdir}/collector/state", "mode": "sync",
+                                   "group_size": GROUP, "groups_per_step": GROUPS_PER_STEP,
+                                   "reward_fn": "char_fraction", "sampling": sampling,
+                                   "discovery_refresh_seconds": 0.5, "replica_check_seconds": 0.5,
+                                   "replica_startup_seconds": 5, "grace_seconds": 2}},
+    }})
+
+
+class LocalCluster:
+    """The Ray cluster and its nodes by role; ``replace`` removes a node and adds a fresh one like it."""
+
+    def __init__(self):
+        from ray.cluster_utils import Cluster
+
+        self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+        self.nodes = {"gpu_node": [self.add("gpu_node"), self.add("gpu_node")],
+                      "collector_node": [self.add("collector_node")], "store_node": [self.add("store_node")]}
+
+    def add(self, role: str):
+        return self.cluster.add_node(**NODES[role])
+
+    def node(self, node_id: str):
+        return next(node for node in self.cluster.list_all_nodes() if node.node_id == node_id)
+
+    def remove(self, node_id: str, replace: bool) -> None:
+        node = self.node(node_id)
+        role = next(role for role, nodes in self.nodes.items() if node in nodes)
+        self.nodes[role].remove(node)
+        self.cluster.remove_node(node)
+        if replace:
+            self.nodes[role].append(self.add(role))
+
+    def shutdown(self) -> None:
+        ray.shutdown()
+        self.cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    local = LocalCluster()
+    ray.init(address=local.cluster.address, namespace="rlfleet", logging_level="WARNING")
+    yield local
+    local.shutdown()
+
+
+@pytest.fixture(scope="module")
+def credentials(cluster, tmp_path_factory):
+    # The certificates hold the nodes' IP: the registry's addresses are node IPs.
+    return make_credentials(tmp_path_factory.mktemp("ray-credentials"), hosts=[ray.util.get_node_ip_address()])
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster, credentials, tiny_model_dir, tmp_path_factory):
+    config = fleet_config(tiny_model_dir, tmp_path_factory.mktemp("ray-fleet"), credentials, free_port())
+    for spec in config.services.values():
+        spec.start_timeout_seconds = START_TIMEOUT
+    fleet = Fleet.up(config)
+    yield fleet
+    fleet.down()
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_fleet_places_services_by_their_resources(fleet, cluster):
+    status = fleet.status()
+    gpu_nodes = {node.node_id for node in cluster.nodes["gpu_node"]}
+    assert status["generation-0"]["node_id"] in gpu_nodes and status["reference"]["node_id"] in gpu_nodes
+    assert status["collector"]["node_id"] == cluster.nodes["collector_node"][0].node_id
+    assert status["trajectory"]["node_id"] == cluster.nodes["store_node"][0].node_id
+
+
+def test_grpo_demo_runs_as_a_ray_task_inside_the_cluster(fleet, cluster, credentials, tiny_model_dir, tmp_path):
+    """examples/ray_train_grpo.py: a driver submits train_grpo.py's loop as a Ray task, which finds the
+    collector through the registry and connects with TLS, a client certificate and the trainer's token."""
+    out = tmp_path / "demo"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "ray_train_grpo.py"), "--fleet", "test",
+                    "--ray-address", cluster.cluster.address, "--model-dir", str(tiny_model_dir),
+                    "--steps", str(DEMO_STEPS), "--groups-per-step", str(GROUPS_PER_STEP),
+                    "--group-size", str(GROUP), "--credentials", str(credentials), "--torch-threads", "1",
+                    "--out", str(out)], check=True, timeout=900)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert [m["policy_version"] for m in metrics] == [m["version_before"] + 1 for m in metrics]
+    assert [m["policy_version"] for m in metrics] == list(range(metrics[0]["policy_version"],
+                                                                metrics[0]["policy_version"] + DEMO_STEPS))
+    for m in metrics:  # sync mode: each batch sampled by exactly the weights pushed last
+        assert m["batch_policy_version_min"] == m["batch_policy_version_max"] == m["version_before"]
+        assert m["logprob_mismatch_max"] <= 1e-3 and 0 <= m["reward_mean"] <= 1, m
+
+
+def test_generation_scales_up_at_run_time_spread_to_another_node(fleet, cluster, trainer):
+    """The new replica lands on the GPU node that runs none, joins, is re-synced to the committed
+    version before it gets work, and takes its share of the next step."""
+    committed = trainer.push()  # the new replica starts at the checkpoint: it must be re-synced to this
+    assert fleet.scale("generation", 2, timeout=RESYNC_TIMEOUT) == ["generation-0", "generation-1"]
+    replicas = fleet.status_of("generation")
+    assert {r["node_id"] for r in replicas.values()} == {node.node_id for node in cluster.nodes["gpu_node"]}
+    wait_for(lambda: sorted((r.address, r.healthy, r.policy_version) for r in trainer.client.status().replicas)
+             == sorted((record["address"], True, committed) for record in replicas.values()),
+             RESYNC_TIMEOUT, "both replicas in rotation at the committed version")
+    trainer.submit()
+    batch = trainer.read()
+    assert set(batch["policy_version_start"].tolist()) == {committed}
+    trainer.push()
+    trainer.finish()
+
+
+class Trainer:
+    """An SDK trainer outside the cluster, in sync mode: a wave of prompts, one step's batch, a push.
+    Records what it was delivered to check, at the end, that nothing was lost or delivered twice."""
+
+    def __init__(self, fleet: Fleet, credentials: Path, weights: dict, name: str):
+        self.fleet = fleet
+        self.client = connect(fleet.address("collector"), timeout=60, **credentials_from(credentials))
+        self.weights = weights
+        self.name = name
+        self.submitted: list[str] = []
+        self.batches = []
+        self.stream = self.client.batches(GROUP * GROUPS_PER_STEP, whole_groups=True, idle_timeout=RESYNC_TIMEOUT,
+                                          reconnect_seconds=RESYNC_TIMEOUT)
+        self.iterator = iter(self.stream.__enter__())
+        self.drain()
+
+    def drain(self) -> None:
+        """Read and push through what an earlier test left queued (the demo keeps prompts a step ahead):
+        in sync mode each step's groups wait for the push after the previous step."""
+        while self.client.status().pending_prompts or self.client.buffer_stats().ready:
+            next(self.iterator)
+            self.push()
+
+    def submit(self) -> None:
+        wave = len(self.submitted) // GROUPS_PER_STEP
+        self.submitted += self.client.submit_prompts(
+            [{"prompt": f"answer in digits: {wave} {i}", "prompt_id": f"{self.name}-{wave}-{i}"}
+             for i in range(GROUPS_PER_STEP)])
+
+    def read(self):
+        batch = next(self.iterator)
+        self.batches.append(batch)
+        return batch
+
+    def push(self) -> int:
+        return self.client.push_weights(self.weights, progress=False).version
+
+    def status(self):
+        try:
+            return self.client.status()
+        except RlfleetClientError as err:  # the collector restarting
+            if err.retryable:
+                return None
+            raise
+
+    def finish(self) -> None:
+        """Ack the last batch and check the ledger: each prompt one whole group, no trajectory twice."""
+        self.stream.__exit__(None, None, None)
+        confirmed = collections.Counter(tid for batch in self.batches if batch.confirmed
+                                        for tid in batch["trajectory_id"].tolist())
+        assert [tid for tid, count in confirmed.items() if count > 1] == []
+        groups: dict[str, dict[int, set]] = collections.defaultdict(lambda: collections.defaultdict(set))
+        for batch in self.batches:
+            if batch.confirmed:  # (the ack of the last batch was answered when the stream closed)
+                for pid, gid, tid in zip(batch["prompt_id"].tolist(), batch["group_id"].tolist(),
+                                         batch["trajectory_id"].tolist()):
+                    groups[pid][gid].add(tid)
+        assert set(groups) == set(self.submitted)
+        assert all(len(g) == 1 and [len(t) for t in g.values()] == [GROUP] for g in groups.values()), groups
+        failures, _ = self.client.failures(limit=100)
+        assert [f.prompt_id for f in failures] == []
+        wait_for(lambda: (stats := self.client.buffer_stats()).ready == 0 and stats.leased == 0, RECOVERY_TIMEOUT,
+                 "the buffer to hold nothing ready or leased")
+        self.client.close()
+
+
+@pytest.fixture
+def trainer(fleet, credentials, tiny_model_dir, request):
+    trainer = Trainer(fleet, credentials, load_hf(tiny_model_dir).state_dict(), request.node.name[-24:])
+    yield trainer
+    trainer.client.close()
+
+
+def test_generation_node_removed_mid_run_replica_restarts_elsewhere_resynced(fleet, cluster, trainer):
+    status = fleet.status()
+    # The replica whose node the reference does not share: only generation moves.
+    key, victim = next((key, record) for key, record in fleet.status_of("generation").items()
+                       if record["node_id"] != status["reference"]["node_id"])
+    trainer.submit()
+    # Mid-run: the replica has samples in flight when its node goes.
+    wait_for(lambda: any(r.address == victim["address"] and r.in_flight > 0 for r in trainer.client.status().replicas),
+             RECOVERY_TIMEOUT, f"{key} busy")
+    processes = [victim["pid"], *(child.pid for child in psutil.Process(victim["pid"]).children(recursive=True))]
+    cluster.remove(victim["node_id"], replace=False)
+    wait_for(lambda: not any(alive(pid) for pid in processes), RECOVERY_TIMEOUT,
+             "the replica's processes (its vLLM engine's too) gone with its node")
+    trainer.read()  # its samples failed over to the other replica
+    wait_for(lambda: not {r.address: r.healthy for r in trainer.client.status().replicas}.get(victim["address"]),
+             RECOVERY_TIMEOUT, "the lost replica out of rotation")
+    committed = trainer.push()  # commits on the survivor alone
+
+    def resynced():
+        status = trainer.client.status()
+        for replica in status.replicas:  # never in rotation at an older version
+            assert not replica.healthy or replica.policy_version == status.policy_version, replica
+        moved = fleet.status().get(key)
+        return (moved and moved["node_id"] != victim["node_id"]
+                and any(r.address == moved["address"] and r.healthy for r in status.replicas) and moved)
+
+    moved = wait_for(resynced, RESYNC_TIMEOUT, f"{key} restarted on another node, re-synced, in rotation")
+    assert moved["node_id"] in {node.node_id for node in cluster.nodes["gpu_node"]}
+    status = trainer.client.status()
+    assert status.policy_version == committed and sorted(r.policy_version for r in status.replicas) == [committed] * 2
+    trainer.submit()  # the next step is generated by both replicas' new weights
+    batch = trainer.read()
+    assert set(batch["policy_version_start"].tolist()) == {committed}
+    assert trainer.push() == committed + 1
+    trainer.finish()
+
+
+@pytest.mark.parametrize("victim", ["collector", "trajectory"])
+def test_node_removed_while_a_batch_is_held_loses_and_duplicates_nothing(fleet, cluster, trainer, victim):
+    """The trainer holds a leased, un-acked batch and the next wave is queued when the victim's node goes;
+    the victim restarts on the replacement node (the collector from its state directory at the committed
+    version, on its fixed port; the trajectory store from its database, at a new address that the
+    collector's actor reads from the registry, restarting the collector's process with it)."""
+    trainer.submit()
+    trainer.read()
+    committed = trainer.push()
+    trainer.submit()
+    held = trainer.read()
+    trainer.submit()
+    before = fleet.status()[victim]
+    cluster.remove(before["node_id"], replace=True)
+    wait_for(lambda: not alive(before["pid"]), RECOVERY_TIMEOUT, f"{victim}'s process gone with its node")
+    wait_for(lambda: (now := fleet.status().get(victim)) and now["node_id"] != before["node_id"], RECOVERY_TIMEOUT,
+             f"{victim} restarted on another node")
+    status = wait_for(trainer.status, RECOVERY_TIMEOUT, "the collector answering")
+    assert status.policy_version == committed
+    again = trainer.read()  # the held batch's ack was lost with the stream: delivered again
+    assert again.redelivered and set(again["trajectory_id"].tolist()) == set(held["trajectory_id"].tolist())
+    assert trainer.push() == committed + 1
+    trainer.read()
+    assert trainer.push() == committed + 2
+    trainer.finish()
+
+
+def test_generation_scales_down_at_run_time(fleet, trainer):
+    """The replica leaves the registry before its process stops: the collector drops it, the run goes on."""
+    assert fleet.scale("generation", 1) == ["generation-0"]
+    wait_for(lambda: [r.address for r in trainer.client.status().replicas] == [fleet.address("generation-0")],
+             RECOVERY_TIMEOUT, "the collector down to one replica")
+    trainer.submit()
+    trainer.read()
+    trainer.push()
+    trainer.finish()
