@@ -2,8 +2,9 @@
 
 TorchRL's own ``GRPOLoss``, ``MCAdvantage``, ``TransformersWrapper`` and ``GRPOTrainer`` read
 ``RlfleetLLMCollector``'s batches and push through the adapter: in-process for the contract
-(log-probs aligned, versions, temperature), and as ``examples/train_torchrl.py`` (TorchRL's GRPO
-recipe with the collector swapped) for learning."""
+(log-probs aligned, versions, temperature), as ``examples/train_torchrl.py`` (TorchRL's GRPO
+recipe with the collector swapped) for learning, and as TorchRL's Ray recipe (``grpo-async.py``'s
+pattern) with ``RlfleetRayLLMCollector`` in a real Ray actor filling a ``RayReplayBuffer``."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from rlfleet.client import connect
-from rlfleet.client.torchrl import RlfleetLLMCollector, temperature_scaled
+from rlfleet.client.torchrl import (RlfleetLLMCollector, RlfleetRayLLMCollector, RlfleetWeightSyncScheme,
+                                    temperature_scaled)
 from tests.integration.suites import DEMO_COLLECTOR_ARGS, run_example, suite_fixture
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 GROUP, GROUPS = 4, 8
@@ -82,6 +85,59 @@ def test_grpo_loss_and_mc_advantage_run_on_rlfleet_batches_and_pushes_advance_on
             pushed = collector.update_policy_weights_()
             assert pushed == version + 1 == collector.policy_version
             version = pushed
+
+
+def test_grpo_async_recipe_pattern_with_the_ray_collector_in_a_ray_actor(suite, policy):
+    """grpo-async.py's calls, in its order, with RayLLMCollector swapped for RlfleetRayLLMCollector: a
+    RayReplayBuffer with MCAdvantage, the sender's first push, ``start()`` filling the buffer from a Ray
+    actor, a loss step on a sample, one push through ``update_policy_weights_``, the next batch."""
+    ray = pytest.importorskip("ray")
+    from functools import partial
+
+    from torchrl.data import LazyStackStorage
+    from torchrl.data.replay_buffers.ray_buffer import RayReplayBuffer
+    from torchrl.objectives.llm import GRPOLoss, MCAdvantage
+
+    # A cluster of its own ("local"): never join another one running on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    rb = collector = None
+    try:
+        # Capacity one batch: the second batch replaces the first, so a sample after it is all of it.
+        rb = RayReplayBuffer(storage=partial(LazyStackStorage, BATCH), transform_factory=partial(MCAdvantage,
+                             grpo_size=GROUP), batch_size=BATCH, remote_config={"num_cpus": 1, "num_gpus": 0})
+        collector = RlfleetRayLLMCollector(suite["collector"].address, dialog_turns_per_batch=BATCH,
+                                           total_dialog_turns=2 * BATCH, replay_buffer=rb, track_policy_version=True,
+                                           weight_updater=None, prompts=queries(2 * GROUPS, "ray"), **TASK)
+        assert isinstance(collector._collector, ray.actor.ActorHandle)
+        sender = RlfleetWeightSyncScheme(collector).create_sender()
+        sender.register_model(policy.model)
+        version = sender.update_weights()  # the recipe's first update, before the collectors start
+        collector.start()
+        sender.register_collector(collector)
+        wait_for(lambda: collector.getattr_rb("write_count") >= BATCH, 180, "the actor's first batch in the buffer")
+        data = rb.sample()
+        assert data.get("policy_version").unique().tolist() == [version]
+        assert data.get(("tokens", "response"), as_padded_tensor=True, padding_side="left").shape[0] == BATCH
+        assert data.get("advantage", as_padded_tensor=True).shape == (BATCH, 1, 1)  # MCAdvantage on write
+        out = GRPOLoss(policy, masking_strategy="sft")(data)  # TorchRL's loss reads the sample as it is
+        assert torch.isfinite(out.loss_objective), out
+        out.loss_objective.backward()
+        torch.optim.SGD(policy.parameters(), lr=1e-3).step()
+        policy.zero_grad()
+        pushed = collector.update_policy_weights_(policy)
+        assert pushed == version + 1 == collector.policy_version
+        wait_for(lambda: not collector.is_running(), 180, "the actor to stop at total_dialog_turns")
+        assert collector.getattr_rb("write_count") == 2 * BATCH
+        assert rb.sample().get("policy_version").unique().tolist() == [version + 1]  # sync: on the pushed weights
+        # A push after the last batch, as a training step ends: the sync collector's next step is allowed again
+        # (the tests after this one take it without pushing first).
+        assert collector.update_policy_weights_(policy) == version + 2
+    finally:
+        if collector is not None:
+            collector.shutdown()
+        if rb is not None:
+            rb.close()
+        ray.shutdown()
 
 
 def test_at_temperature_t_a_scaled_wrapper_scores_what_the_engine_sampled(suite, policy):

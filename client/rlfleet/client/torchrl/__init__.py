@@ -9,6 +9,9 @@
         ...
         collector.update_policy_weights_()  # pushes train_policy's weights; version += 1
 
+``RlfleetRayLLMCollector`` stands in for ``RayLLMCollector`` (TorchRL's Ray recipes, ``grpo-async.py``):
+the same methods, its batch side in a Ray actor when Ray is initialized (``ray`` is imported then only).
+
 TorchRL itself is never imported here: the adapter speaks TensorDict, which both share, so the
 SDK installs without it (``pip install rlfleet[torchrl]`` brings the tested TorchRL).
 ``CorrectedGRPOLoss`` (``rlfleet.client.torchrl.offpolicy``, a ``GRPOLoss`` subclass) is the one
@@ -19,9 +22,10 @@ from rlfleet.client.torchrl.collector import RlfleetLLMCollector, RlfleetWeightS
 from rlfleet.client.torchrl.layout import to_torchrl
 from rlfleet.client.torchrl.logits import temperature_scaled
 from rlfleet.client.torchrl.policy_weights import policy_state_dict
+from rlfleet.client.torchrl.ray_collector import IgnoredArgumentWarning, RlfleetRayLLMCollector
 
-__all__ = ["CorrectedGRPOLoss", "RlfleetLLMCollector", "RlfleetWeightSender", "RlfleetWeightSyncScheme",
-           "policy_state_dict", "temperature_scaled", "to_torchrl"]
+__all__ = ["CorrectedGRPOLoss", "IgnoredArgumentWarning", "RlfleetLLMCollector", "RlfleetRayLLMCollector",
+           "RlfleetWeightSender", "RlfleetWeightSyncScheme", "policy_state_dict", "temperature_scaled", "to_torchrl"]
 
 
 def __getattr__(name: str):

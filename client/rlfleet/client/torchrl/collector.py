@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from tensordict import TensorDictBase
 
@@ -37,6 +37,8 @@ class RlfleetLLMCollector:
         policy: what ``update_policy_weights_()`` pushes by default: a TorchRL wrapper, a module,
             a state dict or a TensorDict (see ``rlfleet.client.torchrl.policy_weights``).
         replay_buffer: as TorchRL's: each batch is ``extend``-ed into it and ``None`` is yielded.
+        postproc: as TorchRL's: applied to each batch (in the chosen layout) before it is yielded or
+            extended into the replay buffer.
         prompts: a ``DataLoadingPrimer``, DataLoader or iterable feeding ``submit_prompts``
             (``rlfleet.client.torchrl.prompts``); None: submit through ``collector.client``.
         prompts_ahead: batches' worth of prompts kept submitted ahead of what was delivered.
@@ -52,6 +54,7 @@ class RlfleetLLMCollector:
 
     def __init__(self, address_or_client: str | Client, *, dialog_turns_per_batch: int,
                  total_dialog_turns: int = -1, policy: Any = None, replay_buffer: Any = None,
+                 postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
                  prompts: Any = None, prompts_ahead: int = 2, reward_fn: str | None = None,
                  reward_args: Mapping[str, Any] | None = None, system_prompt: str | None = None,
                  layout: str = "torchrl", track_policy_version: bool = True, whole_groups: bool = True,
@@ -69,6 +72,7 @@ class RlfleetLLMCollector:
         self.total_dialog_turns = total_dialog_turns
         self.policy = policy
         self.replay_buffer = replay_buffer
+        self.postproc = postproc
         self.layout = layout
         self.track_policy_version = track_policy_version
         self.stream_options = dict(whole_groups=whole_groups, min_policy_version=min_policy_version,
@@ -101,6 +105,8 @@ class RlfleetLLMCollector:
                 data = to_torchrl(batch.td) if self.layout == "torchrl" else batch.td
                 if self.layout == "ragged" and self.track_policy_version:
                     data["policy_version"] = data["policy_version_start"].clone()
+                if self.postproc is not None:
+                    data = self.postproc(data)
                 if self.replay_buffer is not None:
                     self.replay_buffer.extend(data)
                     yield None
@@ -109,6 +115,21 @@ class RlfleetLLMCollector:
                 collected += len(batch)
                 if 0 < self.total_dialog_turns <= collected:
                     return
+
+    def set_postproc(self, postproc: Callable[[TensorDictBase], TensorDictBase]) -> None:
+        """Set the post-processing transform once (TorchRL's rule: a second call raises)."""
+        if self.postproc is not None:
+            raise RuntimeError("Postproc already set")
+        self.postproc = postproc
+
+    def interrupt(self) -> None:
+        """End a batch wait under way in another thread (the iteration ends); safe from any thread.
+
+        Nothing delivered is lost: the batch before the wait was acknowledged when the wait began,
+        and one arriving as the stream ends goes back to the buffer.
+        """
+        if self._batches is not None:
+            self._batches._stream.abandon()  # the stream's thread-safe close (close() runs on its loop)
 
     def submit_prompts(self, prompts: Any) -> list[str]:
         """Submit prompts in any form ``prompts=`` accepts (one pass over them); returns their ids."""
