@@ -3,6 +3,8 @@ over generation/reward replies, through the wire codec (encode -> bytes -> decod
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from tensordict import TensorDict
 
@@ -91,3 +93,22 @@ def episode_batch(*, group_size: int = 3, turns: int = 3, vocab: int = 100, seed
                             group_id=7, prompt_id="episode", query="")
     rows = split_rows(message)
     return decode_tensordict(tensor_pb2.TensorDict.FromString(concat_rows(rows).SerializeToString()))
+
+
+# --- stand-ins for the SDK's answers, for unit tests of the adapters' logic above the client ----------------
+@dataclass
+class Pushed:
+    """What ``Client.push_weights`` answers: the committed version."""
+
+    version: int
+
+
+@dataclass
+class FakeBatch:
+    """A batch as the SDK's batch stream yields it: its TensorDict and whether it was delivered before."""
+
+    td: TensorDict
+    redelivered: bool = False
+
+    def __len__(self):
+        return int(self.td.batch_size[0])

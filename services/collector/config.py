@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from rlfleet.choices import AdvantageModeName, KLEstimatorName
 from rlfleet.services.common.config import ServiceConfig
+from rlfleet.services.common.database import DatabaseUrl, SchemaName
 from rlfleet.services.common.upstream import UpstreamConfig
 
 
@@ -150,14 +151,14 @@ class CollectorConfig(ServiceConfig, UpstreamConfig):
     state_dir: str = "collector-state"
     """Directory for the resumable state (version, dataset position) and the weight spool used to re-sync replicas.
     With ``database_url`` set, nothing durable is kept here: a collector restarts from the database alone."""
-    database_url: str = ""
+    database_url: DatabaseUrl = ""
     """Empty: the durable state (prompt ledger, dead letters, pass rates, committed version, breaker) is the
     SQLite file ``state_dir/prompts.sqlite3`` and the weight spool a directory beside it.
     ``postgresql://user@host:port/dbname``: all of it, the spooled weights too, is in that PostgreSQL database
     (schema ``database_schema``), so a collector whose node is lost restarts elsewhere from it
     (docs/guides/postgresql.md). A lost connection takes the collector to NOT_SERVING naming the database:
     restart it; nothing acknowledged is lost."""
-    database_schema: str = "rlfleet_collector"
+    database_schema: SchemaName = "rlfleet_collector"
     """PostgreSQL schema holding the collector's tables (created if missing); one collector owns a schema at a
     time (an advisory lock). Unused with SQLite."""
     max_push_bytes: int | None = Field(None, gt=0)
@@ -180,20 +181,6 @@ class CollectorConfig(ServiceConfig, UpstreamConfig):
                 raise ValueError(f"generation_addresses: {RAY_SCHEME}... must be the only source of replicas")
             parse_ray_url(registries[0])
         return self
-
-    @field_validator("database_url")
-    @classmethod
-    def _known_database(cls, url: str) -> str:
-        from rlfleet.services.common.database import check_url
-
-        return check_url(url)
-
-    @field_validator("database_schema")
-    @classmethod
-    def _plain_schema_name(cls, name: str) -> str:
-        from rlfleet.services.common.database import check_schema_name
-
-        return check_schema_name(name)
 
     @model_validator(mode="after")
     def _sync_means_no_staleness(self) -> "CollectorConfig":

@@ -28,14 +28,16 @@ import re
 import sqlite3
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
+from typing import Annotated, Any, Callable, Iterable, Iterator, Literal, Sequence
 from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import AfterValidator
 
 from rlfleet.services.common.errors import Unavailable
 from rlfleet.services.common.sqlite import chunks, transaction as sqlite_transaction
 
-__all__ = ["Database", "DatabaseUnavailable", "check_schema_name", "check_url", "chunks", "open_database",
-           "redact"]
+__all__ = ["Database", "DatabaseUnavailable", "DatabaseUrl", "SchemaName", "check_schema_name", "check_url", "chunks",
+           "open_database", "redact"]
 
 log = logging.getLogger("rlfleet.database")
 
@@ -75,6 +77,12 @@ def check_schema_name(name: str) -> str:
         raise ValueError(f"{name!r}: a schema name is a lower-case identifier: a-z, 0-9 and _, not starting with "
                          "a digit, at most 63 characters")
     return name
+
+
+DatabaseUrl = Annotated[str, AfterValidator(check_url)]
+"""A config's ``database_url``: empty (SQLite) or a PostgreSQL URL naming a database; refused at start otherwise."""
+SchemaName = Annotated[str, AfterValidator(check_schema_name)]
+"""A config's ``database_schema``: a PostgreSQL schema name that needs no quoting."""
 
 
 def redact(url: str) -> str:

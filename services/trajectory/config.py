@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from rlfleet.services.common.config import ServiceConfig
-from rlfleet.services.common.database import check_schema_name, check_url
+from rlfleet.services.common.database import DatabaseUrl, SchemaName
 
 
 class TrajectoryConfig(ServiceConfig):
@@ -21,12 +21,12 @@ class TrajectoryConfig(ServiceConfig):
     """SQLite file holding the buffered trajectories (relative paths resolve against the working
     directory: put it on a persistent volume). ``:memory:`` keeps nothing across restarts. Unused when
     ``database_url`` is set."""
-    database_url: str = ""
+    database_url: DatabaseUrl = ""
     """Empty: the store is the SQLite file ``db_path``. ``postgresql://user@host:port/dbname`` (any libpq
     URL parameter allowed, e.g. ``?sslmode=require``): the store is in that PostgreSQL database, in the schema
     ``database_schema``, for a buffer that outlives its node (docs/guides/postgresql.md). A lost connection
     makes calls UNAVAILABLE until it is back; nothing acknowledged is lost."""
-    database_schema: str = "rlfleet_trajectory"
+    database_schema: SchemaName = "rlfleet_trajectory"
     """PostgreSQL schema holding the store's tables (created if missing), so several stores can share one
     database; one service owns a schema at a time (an advisory lock). Unused with SQLite."""
     capacity: int = Field(100_000, gt=0)
@@ -65,13 +65,3 @@ class TrajectoryConfig(ServiceConfig):
     """At start (and on reconnecting to PostgreSQL), how long to wait for the database lock held by a
     previous instance that is still exiting; the file (or the PostgreSQL schema, by an advisory lock) is
     locked for the life of the process so two services never share it."""
-
-    @field_validator("database_url")
-    @classmethod
-    def _known_database(cls, url: str) -> str:
-        return check_url(url)
-
-    @field_validator("database_schema")
-    @classmethod
-    def _plain_schema_name(cls, name: str) -> str:
-        return check_schema_name(name)

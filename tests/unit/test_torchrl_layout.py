@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from rlfleet.client.torchrl import (RlfleetLLMCollector, RlfleetWeightSyncScheme
                                     temperature_scaled, to_torchrl)
 from rlfleet.client.torchrl.prompts import prompt_items, to_spec
 from rlfleet.wire import get_ragged
-from tests.torchrl_batches import ragged_batch
+from tests.torchrl_batches import FakeBatch, Pushed, ragged_batch
 
 PAD = dict(as_padded_tensor=True, padding_side="left")
 
@@ -149,20 +148,6 @@ def test_temperature_scaled_divides_the_logits_and_is_removable():
 
 
 # --- the collector's logic over a stand-in client ---------------------------------------------
-@dataclass
-class Pushed:
-    version: int
-
-
-@dataclass
-class FakeBatch:
-    td: TensorDict
-    redelivered: bool = False
-
-    def __len__(self):
-        return int(self.td.batch_size[0])
-
-
 class FakeClient:
     """Records what the adapter asks of rlfleet's client (unit test of the logic above it)."""
 

@@ -10,7 +10,6 @@ import queue
 import threading
 import time
 import warnings
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from tensordict import LazyStackedTensorDict, TensorDict
 
 from rlfleet.client.torchrl import IgnoredArgumentWarning, RlfleetRayLLMCollector, RlfleetWeightSyncScheme
 from rlfleet.client.torchrl import ray_collector
-from tests.torchrl_batches import ragged_batch
+from tests.torchrl_batches import FakeBatch, Pushed, ragged_batch
 from tests.waiting import wait_for
 
 BATCH = 6  # 2 groups of 3
@@ -27,20 +26,6 @@ BATCH = 6  # 2 groups of 3
 @pytest.fixture(scope="module")
 def ragged():
     return ragged_batch(groups=2, group_size=3)
-
-
-@dataclass
-class Pushed:
-    version: int
-
-
-@dataclass
-class FakeBatch:
-    td: TensorDict
-    redelivered: bool = False
-
-    def __len__(self):
-        return int(self.td.batch_size[0])
 
 
 class FakeStream:
