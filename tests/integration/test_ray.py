@@ -1,5 +1,7 @@
 """rlfleet on a local Ray cluster of five nodes (``ray.cluster_utils.Cluster``: one raylet per node, all on
-this host), every service a Ray actor hosting the real service process, TLS and role tokens on.
+this host), every service a Ray actor hosting the real service process, TLS and role tokens on, and the
+trajectory store's and the collector's durable state in PostgreSQL (the session's throwaway server,
+``tests/postgres.py``): a service restarted on another node resumes from the database, not a local disk.
 
 Nodes: the head (the trainer task; reward), two "GPU" nodes (custom resource ``gpu_node``: generation
 replicas, spread, and reference), a collector node (``collector_node``) and a store node (``store_node``:
@@ -24,16 +26,15 @@ from pathlib import Path
 
 import psutil
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-
-from rlfleet.client import connect, credentials_from  # noqa: E402
-from rlfleet.client.errors import RlfleetClientError  # noqa: E402
-from rlfleet.ray import Fleet, FleetConfig  # noqa: E402
-from rlfleet.services.credentials import make_credentials  # noqa: E402
-from tests.hf_reference import load_hf  # noqa: E402
-from tests.ports import free_port  # noqa: E402
-from tests.waiting import wait_for  # noqa: E402
+from rlfleet.client import connect, credentials_from
+from rlfleet.client.errors import RlfleetClientError
+from rlfleet.ray import Fleet, FleetConfig
+from rlfleet.services.credentials import make_credentials
+from tests.hf_reference import load_hf
+from tests.ports import free_port
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,12 +52,14 @@ NODES = {"gpu_node": {"num_cpus": 2, "resources": {"gpu_node": 3}},
          "store_node": {"num_cpus": 1, "resources": {"store_node": 1}}}
 
 
-def fleet_config(model: Path, workdir: Path, credentials: Path, collector_port: int) -> FleetConfig:
+def fleet_config(model: Path, workdir: Path, credentials: Path, collector_port: int, database_url: str) -> FleetConfig:
+    """The durable state of the trajectory store and the collector in PostgreSQL (``database_url``, one
+    schema each): what a service restarted on another node resumes from."""
     sampling = {"temperature": 1.0, "max_tokens": 16}
     return FleetConfig.from_dict({"name": "test", "workdir": str(workdir), "credentials": str(credentials),
                                   "services": {
         "trajectory": {"num_cpus": 0.5, "resources": {"store_node": 1},
-                       "settings": {"db_path": "{workdir}/trajectory/trajectories.db"}},
+                       "settings": {"database_url": database_url}},
         "reference": {"num_cpus": 0.5, "resources": {"gpu_node": 1},
                       "settings": {"model_path": str(model), "torch_threads": 1}},
         "reward": {"num_cpus": 0.5, "settings": {"tokenizer_path": str(model)}},
@@ -64,7 +67,7 @@ def fleet_config(model: Path, workdir: Path, credentials: Path, collector_port: 
                        "settings": {"model": str(model), "kv_cache_memory_bytes": 128 << 20, "max_model_len": 1024,
                                     "max_num_seqs": 32}},
         "collector": {"num_cpus": 0.5, "resources": {"collector_node": 1}, "port": collector_port,
-                      "settings": {"state_dir": "{workdir}/collector/state", "mode": "sync",
+                      "settings": {"database_url": database_url, "mode": "sync",
                                    "group_size": GROUP, "groups_per_step": GROUPS_PER_STEP,
                                    "reward_fn": "char_fraction", "sampling": sampling,
                                    "discovery_refresh_seconds": 0.5, "replica_check_seconds": 0.5,
@@ -116,8 +119,9 @@ def credentials(cluster, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fleet(cluster, credentials, tiny_model_dir, tmp_path_factory):
-    config = fleet_config(tiny_model_dir, tmp_path_factory.mktemp("ray-fleet"), credentials, free_port())
+def fleet(cluster, credentials, tiny_model_dir, tmp_path_factory, postgres):
+    config = fleet_config(tiny_model_dir, tmp_path_factory.mktemp("ray-fleet"), credentials, free_port(),
+                          postgres.create_database())
     for spec in config.services.values():
         spec.start_timeout_seconds = START_TIMEOUT
     fleet = Fleet.up(config)
