@@ -21,13 +21,19 @@ Each round (a warm-up round, then ``--rounds``) runs these phases in this order,
 - ``grpc A``: grpc push through collector A to g0 (PSS sampled);
 - ``floor``: vLLM ``reload_weights`` in the in-process engine's worker, from tensors already in its memory;
 - ``shm A``: shm push through collector A to g0 (PSS sampled);
-- ``shm B``: shm push through collector B to g1 + g2.
+- ``shm B``: shm push through collector B to g1 + g2;
+- ``delta``: through collector A to g0 over shm, a third client: a full push (``delta=False``), a seed
+  push (``delta=True``, full: it gives the client its base; not measured), then delta pushes with 1 %,
+  10 % and 100 % of the tensors changed (a seeded random pick each round, ``+1e-3`` in place). Each
+  timed around ``push_weights`` (the client's diff against its kept copy included).
 
 Ratios are taken per round from adjacent phases, then the median (IQR) over rounds:
 
 - ``grpc_vs_raw`` = raw s / grpc A s (higher is better; target >= 0.8);
 - ``shm_vs_reload`` = shm A s / floor s (lower is better; target <= 1.3);
 - ``two_vs_one_replica`` = shm B s / shm A s (target <= 1.2);
+- ``delta_<p>pct_time_ratio`` = delta push s / full push s, and ``delta_<p>pct_bytes_ratio`` = bytes the
+  collector received / the full push's (target at 1 %: <= 0.02);
 - ``peak_rss_over_model`` = peak extra PSS / model bytes (target <= 1.1); PSS is summed over collector A,
   g0 and g0's descendants (vLLM engine core), sampled every ~15 ms; extra = max during the push -
   the sum just before it. Pages shared with this process (the trainer's shm segment) count only in
@@ -132,12 +138,44 @@ async def build_floor_engine(gen_args: list[str], model_dir: Path):
     return engine, loaded
 
 
-def push(client, state, version: int, transport: str, replicas: int):
-    result = client.push_weights(state, version=version, transport=transport, progress=False)
+def push(client, state, version: int, transport: str, replicas: int, delta: bool = False):
+    result = client.push_weights(state, version=version, transport=transport, progress=False, delta=delta)
     if result.version != version or len(result.replicas) != replicas or not result.all_applied \
             or result.transport != transport:
         raise RuntimeError(f"push v{version} over {transport}: {result}")
     return result
+
+
+DELTA_FRACTIONS = (0.01, 0.1, 1.0)
+
+
+def delta_phase(client, state: dict, version: int, seed: int) -> tuple[int, dict]:
+    """A full push, a seed push, then a delta per fraction of tensors changed (in ``state``, in place):
+    the last version and {key: (seconds, bytes)} with "full" and each fraction."""
+    import random
+
+    import torch
+
+    out = {}
+    started = time.perf_counter()
+    full = push(client, state, version + 1, "shm", 1)
+    out["full"] = (time.perf_counter() - started, full.bytes)
+    push(client, state, version + 2, "shm", 1, delta=True)  # the seed: full, the client keeps it
+    version += 2
+    names, rng = sorted(state), random.Random(seed)
+    for fraction in DELTA_FRACTIONS:
+        changed = rng.sample(names, max(1, round(fraction * len(names))))
+        with torch.no_grad():
+            for name in changed:
+                state[name].add_(1e-3)
+        version += 1
+        started = time.perf_counter()
+        result = push(client, state, version, "shm", 1, delta=True)
+        seconds = time.perf_counter() - started
+        if result.base_version != version - 1 or result.tensors != len(changed):
+            raise RuntimeError(f"delta push v{version}: expected {len(changed)} tensors on v{version - 1}: {result}")
+        out[fraction] = (seconds, result.bytes)
+    return version, out
 
 
 async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
@@ -167,7 +205,7 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
                       start_collector("collector-b", backends, gens[1:], workdir)]
         for c in collectors:
             await asyncio.to_thread(c.wait_ready, 300)
-        clients = [connect(c.address) for c in collectors]
+        clients = [connect(c.address) for c in collectors] + [connect(collectors[0].address)]  # [2]: deltas
         sink = Sink(64 << 20)
         state = dict(sorted(load_file(str(model_dir / "model.safetensors")).items()))
         flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in state.values()])
@@ -176,7 +214,8 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
         print(f"all up: collectors A {collectors[0].address} (g0), B {collectors[1].address} (g1, g2); "
               f"in-process floor engine idle between its phases", file=sys.stderr, flush=True)
 
-        rows = {k: [] for k in ("raw", "grpc", "floor", "shm", "shm2", "pss_grpc", "pss_shm")}
+        rows = {k: [] for k in ("raw", "grpc", "floor", "shm", "shm2", "pss_grpc", "pss_shm", "delta_full",
+                                *(f"delta_{f}" for f in DELTA_FRACTIONS), *(f"delta_bytes_{f}" for f in DELTA_FRACTIONS))}
         details = {k: [] for k in ("grpc", "shm", "shm2")}
         versions = [0, 0]
 
@@ -201,12 +240,20 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
             await settle()
             versions[1] += 1
             r_shm2 = await asyncio.to_thread(push, clients[1], state, versions[1], "shm", 2)
+            await settle()
+            versions[0], deltas = await asyncio.to_thread(delta_phase, clients[2], state, versions[0],
+                                                          1000 + round_index)
             print(f"  round {round_index}: raw {raw:.3f}s grpc {r_grpc.seconds:.3f}s | floor {floor:.3f}s "
                   f"shm {r_shm.seconds:.3f}s | 2 replicas shm {r_shm2.seconds:.3f}s | peak extra PSS "
-                  f"grpc {pss_grpc.extra / 1e6:.0f} MB shm {pss_shm.extra / 1e6:.0f} MB",
+                  f"grpc {pss_grpc.extra / 1e6:.0f} MB shm {pss_shm.extra / 1e6:.0f} MB | full {deltas['full'][0]:.3f}s, "
+                  + ", ".join(f"delta {f:.0%} {deltas[f][0]:.3f}s {deltas[f][1] / 1e6:.1f} MB" for f in DELTA_FRACTIONS),
                   file=sys.stderr, flush=True)
             if round_index < 0:
                 continue
+            rows["delta_full"].append(deltas["full"][0])
+            for f in DELTA_FRACTIONS:
+                rows[f"delta_{f}"].append(deltas[f][0])
+                rows[f"delta_bytes_{f}"].append(deltas[f][1])
             for key, value in (("raw", raw), ("grpc", r_grpc.seconds), ("floor", floor), ("shm", r_shm.seconds),
                                ("shm2", r_shm2.seconds), ("pss_grpc", pss_grpc.extra),
                                ("pss_shm", pss_shm.extra)):
@@ -372,8 +419,18 @@ def main() -> None:
     for t in ("shm", "grpc"):
         row(f"peak extra PSS / model ({t})", f"model {model_bytes / 1e6:.0f} MB",
             f"peak extra {pss[t]['num'] / 1e6:.0f} MB", pss[t], "<= 1.10", pss[t]["ratio"] <= 1.1)
+    deltas = {}
+    for f in DELTA_FRACTIONS:
+        deltas[f] = (ratio(rows[f"delta_{f}"], rows["delta_full"]), ratio(rows[f"delta_bytes_{f}"], model))
+        time_ratio, bytes_ratio = deltas[f]
+        row(f"delta push, {f:.0%} of tensors: time", f"full push {time_ratio['den']:.3f}s",
+            f"delta {time_ratio['num']:.3f}s", time_ratio, "-", True)
+        target_ok = bytes_ratio["ratio"] <= 0.02 if f == 0.01 else True
+        row(f"delta push, {f:.0%} of tensors: bytes", f"full push {model_bytes / 1e6:.0f} MB",
+            f"delta {bytes_ratio['num'] / 1e6:.1f} MB", bytes_ratio, "<= 0.02" if f == 0.01 else "-", target_ok)
     print(f"kept in /dev/shm between pushes: {out['kept'] / 1e6:.0f} MB = {out['kept'] / model_bytes:.2f} x the "
-          f"model (each of the two clients' segment and collector A's staging segment; not counted as extra above)")
+          f"model (the clients' segments, collector A's staging segment and each replica's kept weights; not counted as "
+          f"extra above)")
     print("breakdown:")
     print(breakdown("grpc, 1 replica", details["grpc"]))
     print(breakdown("shm, 1 replica", details["shm"]))
@@ -383,6 +440,9 @@ def main() -> None:
     result = dict(grpc_vs_raw=grpc_raw["ratio"], shm_vs_reload=shm_floor["ratio"],
                   two_vs_one_replica=two_one["ratio"],
                   peak_rss_over_model=max(pss["shm"]["ratio"], pss["grpc"]["ratio"]))
+    for f, name in zip(DELTA_FRACTIONS, ("1pct", "10pct", "100pct")):
+        result[f"delta_{name}_time_ratio"] = deltas[f][0]["ratio"]
+        result[f"delta_{name}_bytes_ratio"] = deltas[f][1]["ratio"]
     print("RESULT " + json.dumps({k: round(float(v), 4) for k, v in result.items()}))
 
 

@@ -19,6 +19,12 @@ accepts (``transports.py``). A push runs in two phases:
    push completes even if the trainer goes away, so a trainer's cut can never
    leave an engine ahead of the collector.
 
+A delta push (only the tensors that changed, ``rlfleet.wire.weight_delta``) runs the same two
+phases: it must be on the committed version, whose bytes the spool holds (``_delta_base``; else
+FAILED_PRECONDITION and the SDK sends a full push), and is spooled patched into them. A replica
+that cannot take it (not at the base, or keeping no weights) answers FAILED_PRECONDITION: it leaves
+rotation, and the monitor re-syncs it with the spool's full copy.
+
 Before the decision, any failure (trainer cut, bad bytes) cancels every
 replica call, and replicas discard what they staged. A replica found ahead of
 the committed version (the collector died mid-commit) is rolled back from
@@ -43,7 +49,7 @@ from rlfleet.services.common import tracing
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted, Unavailable
 from rlfleet.services.common.weight_stream import MAX_POLICY_VERSION, WeightPush, open_offered_segment
 from rlfleet.v1 import weights_pb2
-from rlfleet.wire import shm
+from rlfleet.wire import WireError, shm, weight_delta
 
 log = logging.getLogger("rlfleet.collector.fanout")
 PROBE_SECONDS = 2.0
@@ -135,7 +141,9 @@ class WeightFanout:
                 f"weights version {manifest.version} is not newer than current {self.gate.version}")
         push = WeightPush.from_manifest(manifest, self._push_limit())
         tracing.set_attributes({"rlfleet.policy_version": manifest.version, "rlfleet.bytes": push.total_bytes,
-                                "rlfleet.source": manifest.WhichOneof("source") or "grpc"})
+                                "rlfleet.source": manifest.WhichOneof("source") or "grpc",
+                                "rlfleet.delta": weight_delta.is_delta(manifest)})
+        base = await self._delta_base(manifest) if weight_delta.is_delta(manifest) else None
         source = manifest.WhichOneof("source")
         if source == "nccl":
             return await self._push_nccl(manifest, push, started)
@@ -147,7 +155,7 @@ class WeightFanout:
         handed_off = False
         try:
             replicas = await self._targets(manifest)
-            spool = self.spool.begin(manifest)
+            spool = self.spool.begin(manifest, base)
             # Replicas known to live elsewhere get a grpc push's chunks as they arrive; the others
             # are offered the segment once it holds every verified byte (shm: right away).
             remote = [ReplicaPush.start(r, _offered(manifest, r), self.pool.settings, None)
@@ -176,6 +184,25 @@ class WeightFanout:
         finally:
             if not handed_off:
                 self._release(segment)
+
+    async def _delta_base(self, manifest: weights_pb2.WeightManifest) -> weights_pb2.WeightManifest:
+        """The spooled full manifest a delta push patches: FAILED_PRECONDITION (the SDK then sends a full
+        push) unless the delta is on the committed version and the spool holds that version's bytes."""
+        base = manifest.delta.base_version
+        if manifest.WhichOneof("source") == "nccl":
+            raise InvalidArgument("manifest.delta: a delta push travels by shm or grpc, not nccl")
+        if base != self.gate.version:
+            raise FailedPrecondition(f"delta push on version {base}: the committed version is {self.gate.version}; "
+                                     f"send a full push")
+        spooled = await self.spool.manifest()
+        if spooled is None or spooled.version != base or self.spool_error:
+            raise FailedPrecondition(f"delta push on version {base}: the collector's spool does not hold that "
+                                     f"version's weights ({self.spool_error or 'never spooled'}); send a full push")
+        try:
+            weight_delta.spans(manifest, spooled)
+        except WireError as err:
+            raise InvalidArgument(str(err)) from None
+        return spooled
 
     async def _spool(self, spool, segment: shm.Segment, decision: asyncio.Future,
                      copied: asyncio.Future | None = None) -> None:

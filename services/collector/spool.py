@@ -2,6 +2,10 @@
 one interface (``begin`` -> a write's ``copy`` / ``commit`` / ``discard``; ``manifest``, ``load_segment``),
 so the fan-out does not know which:
 
+The spool always holds a full copy: a delta push (``rlfleet.wire.weight_delta``) is spooled as the
+committed version's bytes patched with its tensors (the copy made in the kernel, or in the database),
+so a re-sync is always a full push.
+
 ``FileSpool`` (the default, beside a SQLite ledger): ``manifest.pb`` names the spooled version;
 ``weights-<version>.bin`` holds its concatenated bytes. A push copies its segment into
 ``push-<version>.tmp`` beside the staging and fsyncs it; at the commit renames it to
@@ -30,7 +34,7 @@ from pathlib import Path
 from rlfleet.services.common.database import Database
 from rlfleet.services.common.files import write_atomically
 from rlfleet.v1 import weights_pb2
-from rlfleet.wire import shm
+from rlfleet.wire import shm, weight_delta
 
 log = logging.getLogger("rlfleet.collector.spool")
 
@@ -42,7 +46,12 @@ def data_path(directory: Path, version: int) -> Path:
     return directory / f"weights-{version}.bin"
 
 
-def _spooled_manifest(manifest: weights_pb2.WeightManifest) -> weights_pb2.WeightManifest:
+def _spooled_manifest(manifest: weights_pb2.WeightManifest,
+                      base: weights_pb2.WeightManifest | None) -> weights_pb2.WeightManifest:
+    """What the spool holds after ``manifest``: the push itself, or for a delta push, the full weights
+    (``base``, the spooled version it patches) at its version."""
+    if weight_delta.is_delta(manifest):
+        return weight_delta.full_manifest(base, manifest)
     spooled = weights_pb2.WeightManifest()
     spooled.CopyFrom(manifest)
     spooled.ClearField("shm")  # the spool is read back as chunks or into a new segment
@@ -58,18 +67,35 @@ def _lower_priority() -> None:
 class FileSpoolWrite:
     """One push being spooled to a file."""
 
-    def __init__(self, spool: "FileSpool", manifest: weights_pb2.WeightManifest):
+    def __init__(self, spool: "FileSpool", manifest: weights_pb2.WeightManifest,
+                 base: weights_pb2.WeightManifest | None = None):
         self.spool = spool
         self.directory = spool.directory
-        self.manifest = _spooled_manifest(manifest)
+        self.manifest = _spooled_manifest(manifest, base)
+        self.delta = weight_delta.spans(manifest, base) if weight_delta.is_delta(manifest) else None
+        self.base = base
         self.tmp = self.directory / f"push-{manifest.version}.tmp"
         self._file = open(self.tmp, "wb")
 
     async def copy(self, segment: shm.Segment) -> None:
-        """The segment's bytes, durable (a re-sync after a crash reads them), on the spool's thread."""
+        """The segment's bytes (a delta's: the base's file patched with them), durable (a re-sync after a
+        crash reads them), on the spool's thread."""
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self.spool.thread, self._copy, segment)
+        await loop.run_in_executor(self.spool.thread, self._copy if self.delta is None else self._patch, segment)
         await loop.run_in_executor(self.spool.thread, self._flush)
+
+    def _patch(self, segment: shm.Segment) -> None:
+        """The base version's file copied in the kernel, then the delta's tensors written over their spans."""
+        out = self._file.fileno()
+        with open(data_path(self.directory, self.base.version), "rb") as base:
+            size, copied = self.base.total_bytes, 0
+            while copied < size:
+                n = os.copy_file_range(base.fileno(), out, size - copied, copied, copied)
+                if n == 0:
+                    raise OSError(f"the spooled version {self.base.version} ended after {copied} of {size} bytes")
+                copied += n
+        for span in self.delta:
+            os.pwrite(out, segment.buffer[span.delta_offset:span.delta_offset + span.size], span.full_offset)
 
     def _copy(self, segment: shm.Segment) -> None:
         """Copy a segment's bytes in the kernel (sendfile: ~5x less CPU than a write() of its mapping here)."""
@@ -117,8 +143,10 @@ class FileSpool:
         # Background work: its thread yields the CPU to the replicas' apply.
         self.thread = ThreadPoolExecutor(1, "spool", initializer=_lower_priority)
 
-    def begin(self, manifest: weights_pb2.WeightManifest) -> FileSpoolWrite:
-        return FileSpoolWrite(self, manifest)
+    def begin(self, manifest: weights_pb2.WeightManifest,
+              base: weights_pb2.WeightManifest | None = None) -> FileSpoolWrite:
+        """A push's write; a delta push's names ``base``, the spooled manifest it patches."""
+        return FileSpoolWrite(self, manifest, base)
 
     async def manifest(self) -> weights_pb2.WeightManifest | None:
         path = self.directory / "manifest.pb"
@@ -148,17 +176,44 @@ class FileSpool:
 class DatabaseSpoolWrite:
     """One push being spooled to ``spool_chunks``."""
 
-    def __init__(self, spool: "DatabaseSpool", manifest: weights_pb2.WeightManifest):
+    def __init__(self, spool: "DatabaseSpool", manifest: weights_pb2.WeightManifest,
+                 base: weights_pb2.WeightManifest | None = None):
         self.spool = spool
-        self.manifest = _spooled_manifest(manifest)
+        self.manifest = _spooled_manifest(manifest, base)
+        self.delta = weight_delta.spans(manifest, base) if weight_delta.is_delta(manifest) else None
+        self.base = base
 
     async def copy(self, segment: shm.Segment) -> None:
         """The segment's bytes as rows, one statement per chunk (other ledger work goes between them);
-        each durable when written."""
+        each durable when written. A delta: the base version's rows copied in the database, then the
+        chunks its tensors fall in rewritten."""
         version, ledger = self.manifest.version, self.spool.ledger
         await ledger.run(_delete_version, version)  # of an earlier try of this version
+        if self.delta is not None:
+            await ledger.run(_copy_version, self.base.version, version)
+            await self._patch(segment)
+            return
         for idx, start in enumerate(range(0, segment.size, SPOOL_CHUNK_BYTES)):
             await ledger.run(_write_chunk, version, idx, segment.buffer[start:start + SPOOL_CHUNK_BYTES])
+
+    async def _patch(self, segment: shm.Segment) -> None:
+        version, ledger = self.manifest.version, self.spool.ledger
+        chunks: dict[int, list[tuple[int, int, int]]] = {}  # idx -> (start in chunk, delta offset, size)
+        for span in self.delta:
+            offset, end = span.full_offset, span.full_offset + span.size
+            while offset < end:
+                idx, start = divmod(offset, SPOOL_CHUNK_BYTES)
+                size = min(end - offset, SPOOL_CHUNK_BYTES - start)
+                chunks.setdefault(idx, []).append((start, span.delta_offset + offset - span.full_offset, size))
+                offset += size
+        for idx, parts in sorted(chunks.items()):
+            data = await ledger.run(_read_chunk, version, idx)
+            if data is None:
+                raise OSError(f"the spool in the database lacks chunk {idx} of version {self.base.version}")
+            data = bytearray(data)
+            for start, delta_offset, size in parts:
+                data[start:start + size] = segment.buffer[delta_offset:delta_offset + size]
+            await ledger.run(_write_chunk, version, idx, memoryview(data))
 
     async def commit(self) -> None:
         """The manifest switched with the version (``commits_with_version``): delete the older versions."""
@@ -180,8 +235,10 @@ class DatabaseSpool:
         if removed:
             log.info("removed %d spool chunks left by an interrupted push", removed)
 
-    def begin(self, manifest: weights_pb2.WeightManifest) -> DatabaseSpoolWrite:
-        return DatabaseSpoolWrite(self, manifest)
+    def begin(self, manifest: weights_pb2.WeightManifest,
+              base: weights_pb2.WeightManifest | None = None) -> DatabaseSpoolWrite:
+        """A push's write; a delta push's names ``base``, the spooled manifest it patches."""
+        return DatabaseSpoolWrite(self, manifest, base)
 
     async def manifest(self) -> weights_pb2.WeightManifest | None:
         return await self.ledger.run(_current_manifest)
@@ -223,6 +280,11 @@ def _write_chunk(db: Database, version: int, idx: int, data: memoryview) -> None
 def _read_chunk(db: Database, version: int, idx: int) -> bytes | None:
     row = db.execute("SELECT data FROM spool_chunks WHERE version = ? AND idx = ?", (version, idx)).fetchone()
     return bytes(row[0]) if row else None
+
+
+def _copy_version(db: Database, source: int, version: int) -> None:
+    db.execute("INSERT INTO spool_chunks (version, idx, data) SELECT ?, idx, data FROM spool_chunks "
+               "WHERE version = ?", (version, source))
 
 
 def _delete_version(db: Database, version: int) -> None:

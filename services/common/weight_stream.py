@@ -98,7 +98,7 @@ class WeightPush:
             dtypes.append(dtype)
             shapes.append(tuple(spec.shape))
             sizes.append(numel * dtype.itemsize)
-        if not names:
+        if not names and not manifest.HasField("delta"):  # a delta may change nothing: the version moves
             raise InvalidArgument("manifest.tensors is empty")
         total = sum(sizes)
         if manifest.total_bytes != total:

@@ -104,6 +104,13 @@ class GenerationEngineConfig(BaseModel):
     checkpoint's bytes. Shapes must match the checkpoint exactly, so only a wider
     dtype makes a push bigger: 4 admits float32 pushes onto an 8-bit checkpoint."""
 
+    delta_pushes: bool = True
+    """Keep the weights this replica serves (the bytes of the pushes it applied: one more copy of the
+    model in ``/dev/shm``), so that a delta push (only the tensors that changed since the version it
+    serves) can patch them; only the layers it touches are reloaded. False saves that memory: delta
+    pushes are refused with FAILED_PRECONDITION and the collector re-syncs this replica with a full push
+    instead. The checkpoint's own weights are not kept: a replica takes deltas after its first push."""
+
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments passed verbatim to ``vllm.AsyncEngineArgs``
     (e.g. ``tensor_parallel_size``, ``gpu_memory_utilization``). They override

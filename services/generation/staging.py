@@ -9,8 +9,11 @@ apply is the same for all:
   trainer's broadcast into it (``GenerationEngine.receive_nccl``).
 The manifest is checked against the checkpoint (names, dtypes, shapes) and
 its size against a multiple of the checkpoint's before the segment is
-allocated, so the segment is bounded by the model's size. Nothing touches the engine
-until the commit; ``close()`` releases the segment
+allocated, so the segment is bounded by the model's size. A delta push
+(``rlfleet.wire.weight_delta``) is checked against the weights the replica
+keeps instead (``kept_weights.py``): its tensors located there, its bytes
+staged alone; the commit patches the kept weights and loads from them.
+Nothing touches the engine until the commit; ``close()`` releases the segment
 (and unlinks the one this service created) whether or not it was applied.
 """
 
@@ -21,10 +24,11 @@ from typing import Any
 
 from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
 from rlfleet.services.common.weight_stream import WeightPush, open_offered_segment
+from rlfleet.services.generation.kept_weights import KeptWeights
 from rlfleet.services.generation.push_validation import TensorSpec, validate_manifest
 from rlfleet.v1 import weights_pb2
-from rlfleet.wire import shm
-from rlfleet.wire.dtypes import dtype_name
+from rlfleet.wire import WireError, shm, weight_delta
+from rlfleet.wire.dtypes import BY_WIRE, dtype_name
 
 
 @dataclass
@@ -32,20 +36,34 @@ class StagedPush:
     push: WeightPush
     transport: str
     resync: bool
+    manifest: weights_pb2.WeightManifest
     segment: shm.Segment | None = None
     nccl: dict[str, Any] | None = field(default=None)
+    delta: list[weight_delta.Span] | None = None
+    """A delta push: its tensors located in the kept weights it patches."""
+    loads_from: KeptWeights | None = None
+    """Set at a delta's commit: the kept weights it patched, which the worker loads from."""
 
     @classmethod
     def begin(cls, manifest: weights_pb2.WeightManifest, checkpoint: dict[str, TensorSpec],
-              max_bytes: int) -> "StagedPush":
-        """Validate ``manifest`` against the checkpoint and prepare where its bytes go.
+              max_bytes: int, kept: weights_pb2.WeightManifest | None = None) -> "StagedPush":
+        """Validate ``manifest`` against the checkpoint (a delta: against ``kept``, the full manifest of
+        the weights it patches) and prepare where its bytes go.
 
         Names, dtypes and shapes are checked against the served model first, then
         the size against ``max_bytes``: only a push that passes both is given memory."""
-        validate_manifest(manifest, checkpoint)
-        push = WeightPush.from_manifest(manifest, max_bytes)
+        delta = None
+        if weight_delta.is_delta(manifest):
+            push = WeightPush.from_manifest(manifest, max_bytes)  # dtypes and shapes well-formed first
+            try:
+                delta = weight_delta.spans(manifest, kept)
+            except WireError as err:
+                raise InvalidArgument(str(err)) from None
+        else:
+            validate_manifest(manifest, checkpoint)
+            push = WeightPush.from_manifest(manifest, max_bytes)
         source = manifest.WhichOneof("source")
-        staged = cls(push=push, transport=source or "grpc", resync=manifest.resync)
+        staged = cls(push=push, transport=source or "grpc", resync=manifest.resync, manifest=manifest, delta=delta)
         if source == "shm":
             staged.segment = open_offered_segment(manifest, push.total_bytes, "at this replica")
             push.add_all(staged.segment.buffer)  # the bytes are all there (checksummed if asked)
@@ -78,6 +96,13 @@ class StagedPush:
 
     def update_info(self) -> dict[str, Any]:
         """What the worker engine (``transfer.RlfleetUpdateInfo``) needs to load the push."""
+        if self.loads_from is not None:  # a delta, patched into the kept weights: their layout, what changed
+            kept = self.loads_from
+            return dict(names=[spec.name for spec in kept.manifest.tensors],
+                        dtype_names=[BY_WIRE[spec.dtype].name for spec in kept.manifest.tensors],
+                        shapes=[list(spec.shape) for spec in kept.manifest.tensors],
+                        total_bytes=kept.manifest.total_bytes, shm_path=kept.segment.fd_path,
+                        changed=[span.name for span in self.delta or ()])
         info: dict[str, Any] = dict(
             names=list(self.push.names),
             dtype_names=[dtype_name(d) for d in self.push.dtypes],

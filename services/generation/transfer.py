@@ -23,11 +23,19 @@ The load goes through vLLM's layerwise reload (``initialize_layerwise_reload`` /
 checkpoint names onto fused parameters and re-runs post-load processing.
 Floating tensors in another dtype than the engine's (a bf16 trainer, a
 float32 engine) are converted one tensor at a time as they are loaded.
+
+A delta push (``changed`` set) loads only the layers holding a changed
+tensor: layerwise reload processes a layer once all of its weights arrived,
+so each changed tensor brings its whole layer (``loaded_with``: q with k and
+v into qkv_proj, gate with up), read from the replica's kept weights; every
+other layer keeps its kernel tensors as they are.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -62,6 +70,8 @@ class RlfleetUpdateInfo:
     shapes: list[list[int]]
     shm_path: str = ""
     total_bytes: int = 0
+    changed: list[str] | None = None
+    """A delta push: the tensors that changed (their layers are loaded); None: load every tensor."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -75,17 +85,50 @@ def _engine_base():
     return WeightTransferEngine
 
 
-def shm_weights(segment_flat: torch.Tensor, update: RlfleetUpdateInfo,
-                target_dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` views of a mapped segment, floating tensors converted to ``target_dtype``."""
+def layer_of(name: str, packed_modules: dict[str, list[str]]) -> str:
+    """The vLLM layer a checkpoint tensor loads into: its module, with the modules vLLM fuses
+    (``packed_modules_mapping``: q/k/v_proj -> qkv_proj) named by their fused module."""
+    module = name.rpartition(".")[0]
+    parent, _, leaf = module.rpartition(".")
+    for fused, parts in packed_modules.items():
+        if leaf in parts:
+            return f"{parent}.{fused}" if parent else fused
+    return module
+
+
+def loaded_with(names: list[str], changed: list[str], packed_modules: dict[str, list[str]]) -> set[str]:
+    """The tensors a delta loads: every tensor of ``names`` in a layer that holds a changed one."""
+    layers = {layer_of(name, packed_modules) for name in changed}
+    return {name for name in names if layer_of(name, packed_modules) in layers}
+
+
+@contextmanager
+def _quiet_reload():
+    """Layerwise reload warns for each layer that loaded nothing, which is every layer a delta leaves."""
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level = layerwise.level
+    layerwise.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        layerwise.setLevel(level)
+
+
+def shm_weights(segment_flat: torch.Tensor, update: RlfleetUpdateInfo, target_dtype: torch.dtype | None,
+                only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` views of a mapped segment (only those in ``only`` when given), floating
+    tensors converted to ``target_dtype``."""
     from rlfleet.wire.dtypes import dtype_from_name
     from rlfleet.wire.shm import view_tensor
 
     offset = 0
     for name, dtype_name, shape in zip(update.names, update.dtype_names, update.shapes):
         dtype = dtype_from_name(dtype_name)
-        tensor = view_tensor(segment_flat, offset, dtype, shape)
+        start = offset
         offset += math.prod(shape) * dtype.itemsize
+        if only is not None and name not in only:
+            continue
+        tensor = view_tensor(segment_flat, start, dtype, shape)
         if target_dtype is not None and tensor.is_floating_point() and tensor.dtype != target_dtype:
             tensor = tensor.to(target_dtype)
         yield name, tensor
@@ -154,6 +197,7 @@ class RlfleetWeightTransferEngine(_engine_base()):  # type: ignore[misc]
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self._nccl = None
+        self._partial = False  # the update being loaded is a delta
 
     def init_transfer_engine(self, init_info: RlfleetInitInfo) -> None:
         if init_info.nccl is None:
@@ -173,7 +217,12 @@ class RlfleetWeightTransferEngine(_engine_base()):  # type: ignore[misc]
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        partial, self._partial = self._partial, False
+        if partial:
+            with _quiet_reload():
+                finalize_layerwise_reload(self.model, self.model_config)
+        else:
+            finalize_layerwise_reload(self.model, self.model_config)
 
     def receive_weights(self, update_info: RlfleetUpdateInfo) -> None:
         from rlfleet.wire.shm import open_segment
@@ -182,7 +231,12 @@ class RlfleetWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         try:
             flat = segment.as_uint8()
             target = self.model_config.dtype if self.model_config is not None else None
-            self.model.load_weights(shm_weights(flat, update_info, target))
+            only = None
+            if update_info.changed is not None:
+                self._partial = True
+                packed = dict(getattr(self.model, "packed_modules_mapping", None) or {})
+                only = loaded_with(update_info.names, update_info.changed, packed)
+            self.model.load_weights(shm_weights(flat, update_info, target, only))
             del flat
         finally:
             segment.close(unlink=False)

@@ -24,6 +24,7 @@ from rlfleet.services.common.errors import (
 from rlfleet.services.common.sampling_spec import SamplingSpec
 from rlfleet.services.generation import queue_poll
 from rlfleet.services.generation.config import GenerationEngineConfig
+from rlfleet.services.generation.kept_weights import WeightKeeper
 from rlfleet.services.generation.prompt_tokens import PromptTokenizer
 from rlfleet.services.generation.rollout import Rollout
 from rlfleet.services.generation.sampling import SampleResult
@@ -32,7 +33,7 @@ from rlfleet.services.generation.staging import StagedPush
 from rlfleet.services.generation.transfer import WEIGHT_TRANSFER_CONFIG
 from rlfleet.services.generation.push_validation import TensorSpec, checkpoint_bytes, read_checkpoint_specs
 from rlfleet.v1 import weights_pb2
-from rlfleet.wire import shm
+from rlfleet.wire import shm, weight_delta
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -66,6 +67,7 @@ class GenerationEngine:
         self._swap_mode: SwapMode | None = None
         self._resumed_samples = 0
         self._resumed_tokens = 0
+        self._kept = WeightKeeper(config.delta_pushes)  # the served weights, for delta pushes
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -146,6 +148,7 @@ class GenerationEngine:
         self._state = EngineState.STOPPED
         self._admission_open.set()  # release callers held by a swap; they see STOPPED
         self.prompts.close()
+        self._kept.drop()
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)
 
@@ -343,8 +346,27 @@ class GenerationEngine:
             raise Unavailable(f"generation engine is {self._state.value}")
         if not manifest.resync:
             self.check_version(manifest.version)
+        kept = None
+        if weight_delta.is_delta(manifest):
+            kept = self._delta_base(manifest)
         return StagedPush.begin(manifest, self._checkpoint_specs,
-                                self.max_push_bytes if max_bytes is None else max_bytes)
+                                self.max_push_bytes if max_bytes is None else max_bytes, kept)
+
+    def _delta_base(self, manifest: weights_pb2.WeightManifest) -> weights_pb2.WeightManifest:
+        """The full manifest of the kept weights a delta push patches; FAILED_PRECONDITION (the
+        collector then re-syncs this replica with a full push) unless they are its base version's."""
+        base = manifest.delta.base_version
+        if manifest.WhichOneof("source") == "nccl":
+            raise InvalidArgument("manifest.delta: a delta push travels by shm or grpc, not nccl")
+        if not self.config.delta_pushes:
+            raise FailedPrecondition(f"delta push on version {base} refused: this replica keeps no weights to "
+                                     f"patch (delta_pushes is off); it takes full pushes")
+        kept = self._kept.manifest
+        if base != self._policy_version or kept is None or kept.version != base:
+            held = f"keeps the weights of version {kept.version}" if kept is not None else "keeps no weights"
+            raise FailedPrecondition(f"delta push on version {base}: this replica serves version "
+                                     f"{self._policy_version} and {held}; it needs a full push")
+        return kept
 
     async def apply(self, staged: StagedPush) -> None:
         """Second phase: swap the staged weights in as policy ``staged.version``.
@@ -379,7 +401,22 @@ class GenerationEngine:
         async with self._swap_lock:
             if not staged.resync:
                 self.check_version(staged.version)
+            if staged.delta is not None:
+                await self._patch_kept(staged)
             await asyncio.shield(self._swap(engine, staged))
+            if staged.delta is None:
+                segment, staged.segment = staged.segment, None
+                self._kept.keep(staged.version, staged.manifest, segment)
+
+    async def _patch_kept(self, staged: StagedPush) -> None:
+        """A delta's commit: its bytes into the kept weights, which the swap then loads from."""
+        kept = await self._kept.current()
+        base = staged.manifest.delta.base_version
+        if kept is None or kept.version != base or self._policy_version != base:
+            raise FailedPrecondition(f"delta push on version {base}: this replica now serves version "
+                                     f"{self._policy_version}; it needs a full push")
+        await asyncio.to_thread(self._kept.patch, kept, staged.version, staged.delta, staged.segment.buffer)
+        staged.loads_from = kept
 
     async def receive_nccl(self, staged: StagedPush) -> None:
         """Stage an nccl push: join the trainer's NCCL group (a collective: the trainer and every
@@ -402,8 +439,10 @@ class GenerationEngine:
                           f"nothing applied")
         staged.push.received = staged.push.total_bytes
 
-    async def update_weights(self, version: int, named_tensors, mode: SwapMode = "wait") -> None:
-        """Stage ``(name, tensor)`` pairs in a segment and apply them (in-process callers and tests)."""
+    async def update_weights(self, version: int, named_tensors, mode: SwapMode = "wait",
+                             base_version: int | None = None) -> None:
+        """Stage ``(name, tensor)`` pairs in a segment and apply them (in-process callers and tests);
+        ``base_version`` set: a delta push on that version (only the tensors that changed)."""
         if mode not in get_args(SwapMode):
             raise InvalidArgument(f"mode must be one of {', '.join(get_args(SwapMode))}, got {mode!r}")
         from rlfleet.client.push import MODES
@@ -412,6 +451,8 @@ class GenerationEngine:
         pairs = list(named_tensors)
         _, manifest = next(iter_push_messages(pairs, version=version, checksum_algo=None,
                                               mode=MODES[mode]))
+        if base_version is not None:
+            manifest.delta.base_version = base_version
         staged = self.stage(manifest)
         try:
             shm.write_tensors(staged.segment, [tensor for _, tensor in pairs])
@@ -446,7 +487,8 @@ class GenerationEngine:
             self._policy_version = version
             await engine.resume_generation()
         except BaseException:
-            # The weights may be half-written: never serve from them.
+            # The weights may be half-written: never serve from them (nor patch what was kept).
+            self._kept.drop()
             self._state = EngineState.FAILED
             logger.exception("weight swap to version %d failed; engine marked failed", version)
             raise

@@ -21,15 +21,25 @@ from rlfleet.services.common.errors import (
 from rlfleet.services.common.sampling_spec import SamplingSpec
 from rlfleet.services.generation import queue_poll
 from rlfleet.services.generation.config import GenerationEngineConfig
+from rlfleet.services.generation.lora_adapter import (
+    LoraAdapterConfig,
+    lora_request,
+    remove_adapter_dir,
+    validate_adapter,
+    write_adapter_dir,
+)
+from rlfleet.services.generation.push_validation import read_checkpoint_specs
 from rlfleet.services.generation.vllm_engine import GenerationEngine
 from rlfleet.services.generation.sampling import SampleResult
 from rlfleet.services.models.tiny import build_tiny_model
-from tests.hf_reference import perturbed
+from tests.hf_reference import load_hf, perturbed, response_log_probs
 from tests.waiting import wait_for_async
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 MAX_QUEUED_REQUESTS = 4
+LORA_ENGINE_KWARGS = dict(enable_lora=True, max_lora_rank=8, max_loras=2, max_cpu_loras=2)
+"""What a LoRA-serving replica adds to its engine (``GenerationEngineConfig.engine_kwargs``)."""
 LOG_PROB_TOLERANCE = 1e-4
 PROMPT = [1, 348, 201, 330, 400, 223, 20, 267, 223, 21, 2, 201, 1, 305, 310, 201]
 LONG_RESPONSE_TOKENS = 400
@@ -65,6 +75,7 @@ async def engine(model_dir):
         max_num_seqs=8,
         max_queued_requests=MAX_QUEUED_REQUESTS,
         kv_cache_memory_bytes=64 * 1024 * 1024,
+        engine_kwargs=LORA_ENGINE_KWARGS,  # the LoRA tests below; every other test runs without an adapter
     )
     engine = GenerationEngine(config)
     await engine.start()
@@ -168,6 +179,127 @@ async def test_a_turn_from_a_cached_history_samples_exactly_what_a_cold_one_does
     assert warm.behavior_log_probs == cold.behavior_log_probs
     expected = hf_log_probs(hf_model(model_dir), history, warm.response_token_ids, 1.0)
     assert max_abs_diff(warm, expected) <= LOG_PROB_TOLERANCE
+
+
+# ---------------------------------------------------------------- LoRA adapters (groundwork for LoRA pushes)
+# A pushed adapter as a push would carry it (peft names, one flat buffer of raw bytes) becomes a directory
+# through ``lora_adapter``, and vLLM serves it under the version's name, against HF + peft. Run before any
+# push (the references are the checkpoint plus an adapter); the last one removes the first version.
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+OTHER_PROMPT = [1, 305, 310, 201, 330, 400, 223, 21]
+RESPONSE_TOKENS = 12
+ADAPTERS = {
+    1: LoraAdapterConfig(rank=8, alpha=16, target_modules=TARGETS),
+    # Below max_lora_rank and not a value max_lora_rank may take: still served; a scaling of its own (alpha / r = 4).
+    2: LoraAdapterConfig(rank=4, alpha=16, target_modules=TARGETS),
+}
+
+
+def peft_model(model_dir, adapter: LoraAdapterConfig, seed: int):
+    """The trainer's side: the tiny model with a seeded LoRA whose lora_B is non-zero (so it changes outputs)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)  # lora_A's init
+    config = LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, target_modules=list(adapter.target_modules))
+    model = get_peft_model(load_hf(model_dir), config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.05)
+    return model.eval()
+
+
+def push_adapter(model, adapter: LoraAdapterConfig, model_dir, directory):
+    """What a replica does with a pushed adapter: validate the manifest, write the buffer as a directory."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model)
+    names, dtypes, shapes = list(state), [t.dtype for t in state.values()], [t.shape for t in state.values()]
+    buffer = memoryview(b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in state.values()))
+    checkpoint = read_checkpoint_specs(model_dir)
+    adapter.check_served(checkpoint, LORA_ENGINE_KWARGS["max_lora_rank"])
+    names = validate_adapter(names, dtypes, shapes, checkpoint, adapter)
+    return write_adapter_dir(directory, names, dtypes, shapes, buffer, adapter)
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir, tmp_path_factory):
+    """Versions 1 and 2: (reference peft model, LoRARequest) each."""
+    root = tmp_path_factory.mktemp("lora")
+    served = {}
+    for version, adapter in ADAPTERS.items():
+        model = peft_model(model_dir, adapter, seed=version)
+        directory = push_adapter(model, adapter, model_dir, root / f"rlfleet-lora-v{version}")
+        served[version] = (model, lora_request(version, directory))
+    return served
+
+
+
+
+async def greedy(engine, request_id: str, lora=None, prompt=PROMPT) -> tuple[list[int], torch.Tensor]:
+    """Greedy response tokens and the engine's log-prob of each."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=RESPONSE_TOKENS, ignore_eos=True, logprobs=0)
+    final = None
+    async for output in engine._require_engine().generate({"prompt_token_ids": prompt}, params, request_id, lora_request=lora):
+        final = output
+    completion = final.outputs[0]
+    tokens = list(completion.token_ids)
+    return tokens, torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, tokens)])
+
+
+def max_diff(engine_log_probs: torch.Tensor, reference: torch.Tensor) -> float:
+    return (engine_log_probs - reference).abs().max().item()
+
+
+
+
+async def test_the_adapter_is_served_with_the_log_probs_of_hf_and_peft(engine, adapters, model_dir):
+    model, request = adapters[1]
+    assert await engine._require_engine().add_lora(request)
+    tokens, log_probs = await greedy(engine, "lora-v1", request)
+    adapted = response_log_probs(model, PROMPT, tokens)
+    base = response_log_probs(load_hf(model_dir), PROMPT, tokens)
+    print(f"v1 vs hf+peft: max |diff| {max_diff(log_probs, adapted):.2e}; vs base {max_diff(log_probs, base):.2e}")
+    assert max_diff(log_probs, adapted) < LOG_PROB_TOLERANCE
+    # The adapter moved the log-probs: a request that ignored it would fail the check above.
+    assert max_diff(log_probs, base) > 100 * LOG_PROB_TOLERANCE
+
+
+async def test_a_request_without_an_adapter_still_gets_the_base_model(engine, model_dir):
+    tokens, log_probs = await greedy(engine, "lora-base")
+    assert max_diff(log_probs, response_log_probs(load_hf(model_dir), PROMPT, tokens)) < LOG_PROB_TOLERANCE
+
+
+async def test_two_versions_resident_serve_interleaved_requests(engine, adapters, model_dir):
+    (model_1, request_1), (model_2, request_2) = adapters[1], adapters[2]
+    for request in (request_1, request_2):
+        await engine._require_engine().add_lora(request)  # False when resident already
+    assert set(await engine._require_engine().list_loras()) == {request_1.lora_int_id, request_2.lora_int_id}
+    plan = [(request_1, model_1, PROMPT), (request_2, model_2, PROMPT),
+            (request_1, model_1, OTHER_PROMPT), (request_2, model_2, OTHER_PROMPT)]
+    results = await asyncio.gather(*(greedy(engine, f"lora-mix-{i}", request, prompt)
+                                     for i, (request, _, prompt) in enumerate(plan)))
+    diffs = [max_diff(log_probs, response_log_probs(model, prompt, tokens))
+             for (tokens, log_probs), (_, model, prompt) in zip(results, plan)]
+    print(f"interleaved v1/v2 vs hf+peft: max |diff| {max(diffs):.2e}")
+    assert max(diffs) < LOG_PROB_TOLERANCE
+    # Same prompt, two versions, answers of their own (prefix blocks are not shared across adapters).
+    (tokens_1, log_probs_1), (tokens_2, log_probs_2) = results[0], results[1]
+    assert tokens_1 != tokens_2 or max_diff(log_probs_1, log_probs_2) > 100 * LOG_PROB_TOLERANCE
+
+
+async def test_removing_a_version_leaves_the_other_serving(engine, adapters):
+    (_, request_1), (model_2, request_2) = adapters[1], adapters[2]
+    for request in (request_1, request_2):
+        await engine._require_engine().add_lora(request)
+    assert await engine._require_engine().remove_lora(request_1.lora_int_id)
+    remove_adapter_dir(request_1.lora_path)
+    assert set(await engine._require_engine().list_loras()) == {request_2.lora_int_id}
+    tokens, log_probs = await greedy(engine, "lora-v2-alone", request_2)
+    assert max_diff(log_probs, response_log_probs(model_2, PROMPT, tokens)) < LOG_PROB_TOLERANCE
 
 
 async def test_weight_push_changes_log_probs(engine, model_dir, base_state_dict):
@@ -384,3 +516,66 @@ async def test_resume_mode_finishes_a_request_with_stop_strings_with_abort(engin
     assert 0 < len(sample.response_token_ids) == len(sample.behavior_log_probs) < LONG_RESPONSE_TOKENS
     assert sample.policy_version_spans == [(old_version, 0, len(sample.response_token_ids))]
     assert engine.status().resumed_samples == before
+
+
+# ---------------------------------------------------------------- delta pushes
+
+
+def changed_few(weights: dict[str, torch.Tensor], names: list[str], seed: int) -> dict[str, torch.Tensor]:
+    """``weights`` with noise added to ``names`` only."""
+    generator = torch.Generator().manual_seed(seed)
+    return {name: tensor + 0.05 * torch.randn(tensor.shape, generator=generator) if name in names else tensor
+            for name, tensor in weights.items()}
+
+
+DELTA_TENSORS = ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight",
+                 "model.layers.0.input_layernorm.weight"]
+"""Changed by the delta test: one tensor of a fused qkv_proj, one of gate_up_proj, one plain layer."""
+
+
+async def test_a_delta_push_reloads_what_changed_and_keeps_the_rest(engine, model_dir, base_state_dict):
+    """A full push is kept; a delta naming three tensors patches it: the engine then samples exactly as
+    Hugging Face does with those three changed (so q and v beside the changed k, and gate beside up, kept
+    their bytes), and not as with the base."""
+    full = perturbed(base_state_dict, seed=20)
+    base_version = await serve(engine, full)
+    after = changed_few(full, DELTA_TENSORS, seed=21)
+    await engine.update_weights(base_version + 1, [(name, after[name]) for name in DELTA_TENSORS],
+                                base_version=base_version)
+    assert engine.policy_version == base_version + 1
+
+    samples = await collect(engine, SamplingSpec(n=2, temperature=1.0, max_tokens=32, seed=22), "after-delta")
+    new_model, old_model = hf_model(model_dir, after), hf_model(model_dir, full)
+    for sample in samples:
+        assert sample.policy_version_start == sample.policy_version_end == base_version + 1
+        tokens = sample.response_token_ids
+        assert max_abs_diff(sample, hf_log_probs(new_model, PROMPT, tokens, 1.0)) <= LOG_PROB_TOLERANCE
+        assert max_abs_diff(sample, hf_log_probs(old_model, PROMPT, tokens, 1.0)) > 1e-3
+
+
+async def test_an_empty_delta_moves_the_version_and_changes_nothing(engine):
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=32, seed=23)
+    before = await collect(engine, spec, "before-empty-delta")
+    version = engine.policy_version
+    await engine.update_weights(version + 1, [], base_version=version)
+    assert engine.policy_version == version + 1
+    after = {s.index: s for s in await collect(engine, spec, "after-empty-delta")}
+    for sample in before:
+        assert after[sample.index].response_token_ids == sample.response_token_ids
+        assert after[sample.index].behavior_log_probs == sample.behavior_log_probs
+
+
+async def test_a_delta_on_another_base_or_reshaping_a_tensor_is_refused_untouched(engine, base_state_dict):
+    version = engine.policy_version
+    name = DELTA_TENSORS[0]
+    tensor = base_state_dict[name]
+    with pytest.raises(FailedPrecondition, match=f"delta push on version {version - 1}: this replica serves "
+                                                 f"version {version}"):
+        await engine.update_weights(version + 1, [(name, tensor)], base_version=version - 1)
+    with pytest.raises(InvalidArgument, match=name):
+        await engine.update_weights(version + 1, [(name, tensor[:-1])], base_version=version)
+    with pytest.raises(InvalidArgument, match="model.layers.7.mlp.up_proj.weight"):
+        await engine.update_weights(version + 1, [("model.layers.7.mlp.up_proj.weight", torch.zeros(2, 2))],
+                                    base_version=version)
+    assert engine.policy_version == version
+

@@ -8,6 +8,7 @@ committed at that version (HF recompute, float32, 1e-4).
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -23,7 +24,8 @@ import torch
 from rlfleet.client import FailedPreconditionError, RlfleetClientError, connect
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
-from rlfleet.v1 import collector_pb2, collector_pb2_grpc, generation_pb2, generation_pb2_grpc, sampling_pb2
+from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, generation_pb2, generation_pb2_grpc, sampling_pb2,
+                        tensor_pb2, weights_pb2)
 from rlfleet.wire import decode_tensor, encode_tensor, shm
 from tests.hf_reference import load_hf, response_log_probs
 from tests.waiting import wait_for
@@ -134,14 +136,15 @@ def segment_holders() -> dict[str, set[int]]:
 
 
 def our_segments(suite, before: set[str]) -> set[str]:
-    """New segments, less the two kept for the next push (each held only by its keeper, one per
-    keeper): this process's client's (shm pushes) and the collector's staging (grpc pushes)."""
+    """New segments, less those kept (each held only by its keeper, one per keeper): this process's
+    client's and the collector's staging for the next push, and each replica's weights (for deltas)."""
     new = set(shm.list_segments()) - before
     holders = segment_holders()
     kept = {}
+    keepers_allowed = {os.getpid(), suite["collector"].process.pid, *(p.process.pid for p in replicas(suite))}
     for path in new:
         keepers = holders.get(path, set())
-        if len(keepers) == 1 and keepers <= {os.getpid(), suite["collector"].process.pid}:
+        if len(keepers) == 1 and keepers <= keepers_allowed:
             kept.setdefault(next(iter(keepers)), []).append(path)
     assert all(len(paths) == 1 for paths in kept.values()), f"more than one segment kept: {kept}"
     return new - {path for paths in kept.values() for path in paths}
@@ -188,6 +191,90 @@ def test_bad_push_changes_nothing(suite, client, committed, tiny_model_dir):
     for transport in ("shm", "grpc"):
         with pytest.raises(RlfleetClientError, match=name):
             client.push_weights(wrong, transport=transport, progress=False)
+    assert client.policy_version == version
+    assert_serving(suite, client, committed, tiny_model_dir)
+
+
+# ---------------------------------------------------------------- delta pushes
+
+
+def changed_few(weights: dict[str, torch.Tensor], names: list[str], seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=generator) if k in names else v.clone()
+            for k, v in weights.items()}
+
+
+DELTA_TENSORS = ["model.layers.0.self_attn.v_proj.weight", "model.layers.1.mlp.gate_proj.weight"]
+"""One tensor of a fused qkv_proj and one of a gate_up_proj: their siblings must keep their bytes."""
+
+
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_a_delta_push_sends_only_what_changed_and_serves_what_a_full_push_would(suite, client, committed,
+                                                                               tiny_model_dir, transport):
+    before = set(shm.list_segments())
+    base = perturbed(committed[0], seed=300 + len(committed))
+    first = client.push_weights(base, transport=transport, progress=False, delta=True)
+    committed[first.version] = base
+    assert first.base_version is None and first.all_applied  # nothing kept yet: full
+
+    after = changed_few(base, DELTA_TENSORS, seed=301)
+    delta = client.push_weights(after, transport=transport, progress=False, delta=True)
+    committed[delta.version] = after
+    assert delta.base_version == first.version and delta.tensors == len(DELTA_TENSORS)
+    assert delta.bytes == sum(after[name].numel() * 4 for name in DELTA_TENSORS)
+    assert delta.all_applied
+    assert_serving(suite, client, committed, tiny_model_dir)
+    by_delta = [sample(proc, seed=77)[:2] for proc in replicas(suite)]
+
+    # The same weights as a full push: every replica samples the very same tokens and log-probs, bit for bit.
+    full = client.push_weights(after, transport=transport, progress=False)
+    committed[full.version] = after
+    assert full.base_version is None and full.all_applied
+    for proc, (tokens, log_probs) in zip(replicas(suite), by_delta):
+        full_tokens, full_log_probs = sample(proc, seed=77)[:2]
+        assert full_tokens == tokens and torch.equal(full_log_probs, log_probs), proc.address
+    assert our_segments(suite, before) == set()
+
+
+def test_a_delta_on_a_version_the_collector_left_goes_full(suite, client, committed, tiny_model_dir):
+    """Another pusher moved the version on: the collector refuses the delta (FAILED_PRECONDITION) and the
+    client sends the whole state dict instead, in the same call."""
+    base = perturbed(committed[0], seed=310)
+    first = client.push_weights(base, progress=False, delta=True)
+    committed[first.version] = base
+    other = perturbed(committed[0], seed=311)
+    with connect(suite["collector"].address, timeout=PUSH_TIMEOUT) as other_client:
+        committed[other_client.push_weights(other, progress=False).version] = other
+    after = changed_few(base, DELTA_TENSORS, seed=312)
+    result = client.push_weights(after, progress=False, delta=True)
+    committed[result.version] = after
+    assert result.base_version is None and result.all_applied
+    assert result.bytes == sum(t.numel() * 4 for t in after.values())
+    assert_serving(suite, client, committed, tiny_model_dir)
+
+
+def test_a_malformed_delta_is_refused_naming_the_tensor(suite, client, committed, tiny_model_dir):
+    version = client.policy_version
+    stub = collector_pb2_grpc.CollectorServiceStub(grpc.insecure_channel(suite["collector"].address))
+    name = DELTA_TENSORS[0]
+    shape = list(committed[version][name].shape)
+    for tensors, code, words in [
+        ([weights_pb2.WeightSpec(name=name, dtype=tensor_pb2.DTYPE_FLOAT32, shape=[shape[0] - 1, shape[1]])],
+         grpc.StatusCode.INVALID_ARGUMENT, name),
+        ([weights_pb2.WeightSpec(name="model.layers.9.mlp.up_proj.weight", dtype=tensor_pb2.DTYPE_FLOAT32,
+                                 shape=[2, 2])], grpc.StatusCode.INVALID_ARGUMENT, "model.layers.9.mlp.up_proj"),
+    ]:
+        manifest = weights_pb2.WeightManifest(tensors=tensors, total_bytes=4 * math.prod(tensors[0].shape))
+        manifest.delta.base_version = version
+        with pytest.raises(grpc.RpcError) as error:
+            stub.PushWeights(iter([collector_pb2.PushWeightsRequest(manifest=manifest)]), timeout=PUSH_TIMEOUT)
+        assert error.value.code() == code and words in error.value.details()
+    manifest = weights_pb2.WeightManifest()
+    manifest.delta.base_version = version - 1
+    with pytest.raises(grpc.RpcError) as error:
+        stub.PushWeights(iter([collector_pb2.PushWeightsRequest(manifest=manifest)]), timeout=PUSH_TIMEOUT)
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"the committed version is {version}" in error.value.details()
     assert client.policy_version == version
     assert_serving(suite, client, committed, tiny_model_dir)
 
@@ -295,14 +382,20 @@ def test_trainer_sigkill_mid_push_leaves_old_version_and_no_segment(suite, clien
 
 
 def test_replica_killed_then_restarted_is_resynced_over_shm(suite, client, committed, tiny_model_dir):
+    """The victim misses a full push and two deltas on it; it rejoins at the committed version (the
+    collector's spool holds the deltas patched into a full copy), then takes deltas again."""
     victim_key = "generation-1"
     victim = suite[victim_key]
     victim.kill()  # SIGKILL the service and its engine core
     weights = perturbed(committed[0], seed=4242)
-    result = client.push_weights(weights, progress=False)
-    committed[result.version] = weights
-    applied = {r.address: r.applied for r in result.replicas}
-    assert applied == {suite["generation-0"].address: True, victim.address: False}
+    for step in range(3):
+        result = client.push_weights(weights, progress=False, delta=True)
+        committed[result.version] = weights
+        assert (result.base_version is None) == (step == 0)
+        applied = {r.address: r.applied for r in result.replicas}
+        # Out of rotation after the first, the victim is only probed (and left out) by the next pushes.
+        assert applied[suite["generation-0"].address] and not applied.get(victim.address, False)
+        weights = changed_few(weights, DELTA_TENSORS[step % 2:step % 2 + 1], seed=4243 + step)
     assert_serving(suite, client, committed, tiny_model_dir, procs=[suite["generation-0"]])
 
     restarted = ServiceProcess("generation", [*victim.args, "--port", str(victim.port)])
@@ -320,6 +413,10 @@ def test_replica_killed_then_restarted_is_resynced_over_shm(suite, client, commi
     wait_for(back_in_rotation, RESYNC_TIMEOUT, "the restarted replica to be re-synced", interval=0.1)
     assert f"replica {victim.address} re-synced to version {result.version} over shm" in \
         open(suite["collector"].log_path).read()
+    assert_serving(suite, client, committed, tiny_model_dir)
+    result = client.push_weights(weights, progress=False, delta=True)  # the rejoined replica kept what it got
+    committed[result.version] = weights
+    assert result.base_version is not None and result.all_applied
     assert_serving(suite, client, committed, tiny_model_dir)
 
 
@@ -355,6 +452,9 @@ def test_replica_on_another_host_gets_grpc_within_the_same_push(suite, client, c
             assert result.all_applied and result.transport == transport
             assert {r.address: r.transport for r in result.replicas} == expected
             assert_serving(suite, client, committed, tiny_model_dir)
-        assert os.listdir(elsewhere) == []  # its grpc staging segments are gone too
+        # Its grpc staging segments are gone too, but for the last one: the weights it keeps for deltas.
+        (kept,) = os.listdir(elsewhere)
+        fds = f"/proc/{restarted.process.pid}/fd"
+        assert os.path.join(elsewhere, kept) in {os.readlink(os.path.join(fds, fd)) for fd in os.listdir(fds)}
     finally:
         shutil.rmtree(elsewhere, ignore_errors=True)

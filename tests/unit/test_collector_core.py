@@ -418,7 +418,8 @@ def _spooling_fanout(spool):
     return fanout
 
 
-async def _spool_push(fanout, version: int, data: bytes, committed: bool = True, fail: bool = False):
+async def _spool_push(fanout, version: int, data: bytes, committed: bool = True, fail: bool = False,
+                      manifest=None, base=None):
     """One push's spool write, as ``WeightFanout._decide`` runs it: copied beside the staging, then the
     version committed (a database spool's manifest with it), then the spool's own commit."""
     from rlfleet.v1 import weights_pb2
@@ -426,7 +427,7 @@ async def _spool_push(fanout, version: int, data: bytes, committed: bool = True,
 
     segment = shm.create_segment(len(data))
     segment.buffer[:] = data
-    write = fanout.spool.begin(weights_pb2.WeightManifest(version=version, total_bytes=len(data)))
+    write = fanout.spool.begin(manifest or weights_pb2.WeightManifest(version=version, total_bytes=len(data)), base)
     if fail:
         async def disk_full(segment):
             raise OSError(28, "No space left on device")
@@ -502,6 +503,44 @@ def test_the_spool_in_the_database_switches_with_the_version_and_reads_back_chun
 
     asyncio.run(first_life())
     assert asyncio.run(second_life()) == ([(6, 0), (6, 1), (6, 2)], 6, second)
+
+
+@pytest.mark.parametrize("kind", ["files", "database"])
+def test_a_delta_is_spooled_as_the_committed_version_patched(kind, tmp_path, monkeypatch):
+    """The spool keeps a full copy: a delta's tensors written over the committed version's bytes (files:
+    copied in the kernel; the database: rows copied, the chunks a tensor falls in rewritten, across chunk
+    boundaries), read back whole for a re-sync."""
+    from rlfleet.services.collector import spool as spool_module
+    from rlfleet.services.collector.spool import DatabaseSpool, FileSpool
+    from rlfleet.v1 import tensor_pb2, weights_pb2
+
+    monkeypatch.setattr(spool_module, "SPOOL_CHUNK_BYTES", 5)
+    specs = [weights_pb2.WeightSpec(name=n, dtype=tensor_pb2.DTYPE_UINT8, shape=[size])
+             for n, size in (("a", 4), ("b", 7), ("c", 2))]  # bytes 0-4, 4-11, 11-13
+    full = weights_pb2.WeightManifest(version=3, total_bytes=13, tensors=specs)
+    delta = weights_pb2.WeightManifest(version=4, total_bytes=9, tensors=[specs[1], specs[2]])
+    delta.delta.base_version = 3
+
+    async def scenario():
+        ledger = PromptLedger(str(tmp_path / "prompts.sqlite3")) if kind == "database" else None
+        fanout = _spooling_fanout(DatabaseSpool(ledger) if ledger is not None else FileSpool(tmp_path / "spool"))
+        try:
+            await _spool_push(fanout, 3, bytes(range(13)), manifest=full)
+            await _spool_push(fanout, 4, bytes(range(100, 109)), manifest=delta, base=full)
+            spooled = await fanout.spool.manifest()
+            assert (spooled.version, spooled.total_bytes, list(spooled.tensors)) == (4, 13, specs)
+            assert not spooled.HasField("delta") and fanout.spool_error == ""
+            segment = await fanout.spool.load_segment(spooled)
+            try:
+                assert bytes(segment.buffer) == bytes(range(4)) + bytes(range(100, 109))
+            finally:
+                segment.close()
+        finally:
+            fanout.spool.close()
+            if ledger is not None:
+                ledger.close()
+
+    asyncio.run(scenario())
 
 
 def _segment(data: bytes):

@@ -130,7 +130,8 @@ class AsyncClient:
     async def push_weights(self, weights: Any, version: int | None = None, *, mode: str = "keep",
                            chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: bool = True,
                            timeout: float | None = None, checksum: str | None = "crc32",
-                           transport: str = "auto", nccl_address: str | None = None) -> PushResult:
+                           transport: str = "auto", nccl_address: str | None = None,
+                           delta: bool = False) -> PushResult:
         """Stream new weights to the collector, which fans them out and commits a new policy version.
 
         ``weights``: an ``nn.Module`` (its ``state_dict()``), a ``{name: tensor}`` mapping or
@@ -149,13 +150,17 @@ class AsyncClient:
         "nccl" (GPU trainers: CUDA tensors broadcast to every inference worker; needs
         ``rlfleet[nccl]``; ``nccl_address`` is this host's address as the replicas reach it,
         default ``$RLFLEET_NCCL_ADDRESS`` or the host name; unverified, see ``rlfleet.client.nccl``).
+        ``delta``: send only the tensors whose bytes changed since the last push this client saw
+        committed, as a delta on that version (the first push, and any after a failed one, is full;
+        keeps a host copy of the weights; not with "nccl"; see ``rlfleet.client.delta``). The result's
+        ``base_version`` says whether it went as a delta.
         """
         collector, _ = self._stubs()
         return await push_weights(collector.PushWeights, named_tensors(weights), version=version, mode=mode,
                                   chunk_bytes=chunk_bytes, progress=progress, timeout=timeout,
                                   settings=self.settings, checksum=checksum, transport=transport,
                                   memo=self._transport_memo, status_call=collector.GetStatus,
-                                  nccl_address=nccl_address)
+                                  nccl_address=nccl_address, delta=delta)
 
     async def submit_prompts(self, prompts: PromptInput | Iterable[PromptInput], *,
                              timeout: float | None = None) -> list[str]:

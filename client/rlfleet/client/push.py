@@ -33,6 +33,7 @@ DEADLINE_EXCEEDED is never retried: the deadline covers the whole push.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import time
 from typing import Any, Iterable, Iterator, Mapping
@@ -41,6 +42,7 @@ import grpc
 import torch
 
 from rlfleet.client.channel import STREAM_WRITE_ERRORS, ChannelSettings, StatusWatch, backoff, stream_error
+from rlfleet.client.delta import DeltaBase
 from rlfleet.client.errors import FailedPreconditionError, UnavailableError
 from rlfleet.client.results import PushResult
 from rlfleet.v1 import collector_pb2, weights_pb2
@@ -91,12 +93,14 @@ def named_tensors(weights: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 class TransportMemo:
-    """What a client learned about its collector (shm refused once means grpc from then on), and
-    the segment it keeps for its next shm push (``shm.SegmentCache``; ``close`` removes it)."""
+    """What a client learned about its collector (shm refused once means grpc from then on), the
+    segment it keeps for its next shm push (``shm.SegmentCache``; ``close`` removes it), and the
+    last committed push's bytes for delta pushes (``DeltaBase``)."""
 
     def __init__(self) -> None:
         self.shm_refused = False
         self.segments = shm.SegmentCache()
+        self.delta = DeltaBase()
 
     def refuse_shm(self) -> None:
         self.shm_refused = True
@@ -110,12 +114,62 @@ async def push_weights(
     call_factory, pairs: list[tuple[str, torch.Tensor]], *, version: int | None, mode: str,
     chunk_bytes: int, progress: bool, timeout: float | None, settings: ChannelSettings,
     checksum: str | None = "crc32", transport: str = "auto", memo: TransportMemo | None = None,
-    status_call=None, nccl_address: str | None = None,
+    status_call=None, nccl_address: str | None = None, delta: bool = False,
 ) -> PushResult:
     """Push ``pairs`` through ``call_factory(timeout=, metadata=)`` (a PushWeights stub); see the module
-    doc. ``transport="nccl"`` also needs ``status_call`` (a GetStatus stub); see ``rlfleet.client.nccl``."""
+    doc. ``transport="nccl"`` also needs ``status_call`` (a GetStatus stub); see ``rlfleet.client.nccl``.
+    ``delta``: send only the tensors that changed since the last push committed (``rlfleet.client.delta``)."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if delta:
+        if transport == "nccl":
+            raise ValueError("delta pushes travel by shm or grpc, not nccl")
+        memo = memo or TransportMemo()
+        return await _push_delta(call_factory, pairs, memo, version=version, mode=mode, chunk_bytes=chunk_bytes,
+                                 progress=progress, timeout=timeout, settings=settings, checksum=checksum,
+                                 transport=transport)
+    if memo is not None:
+        memo.delta.forget()  # a full push on its own: what was kept would be stale
+    return await _push(call_factory, pairs, version=version, mode=mode, chunk_bytes=chunk_bytes, progress=progress,
+                       timeout=timeout, settings=settings, checksum=checksum, transport=transport, memo=memo,
+                       status_call=status_call, nccl_address=nccl_address)
+
+
+async def _push_delta(call_factory, pairs, memo: TransportMemo, **options) -> PushResult:
+    """A delta on the last committed push when one is kept and the collector takes it, else a full push;
+    what is kept follows every push that committed and is forgotten by one that failed."""
+    base = memo.delta
+    changed = await asyncio.to_thread(base.changed, pairs)
+    if changed is not None:
+        base_version = base.version
+        try:
+            result = await _push(call_factory, changed, memo=memo, base_version=base_version, **options)
+        except FailedPreconditionError as error:
+            base.forget()
+            if "delta push on version" not in error.details:
+                raise
+            # The collector moved on (another pusher, a restart without its spool): a full push.
+        except BaseException:
+            base.forget()  # it may have committed: nothing is known any more
+            raise
+        else:
+            await asyncio.to_thread(base.record, pairs, changed, result.version)
+            return dataclasses.replace(result, base_version=base_version, tensors=len(changed))
+    try:
+        result = await _push(call_factory, pairs, memo=memo, **options)
+    except BaseException:
+        base.forget()
+        raise
+    await asyncio.to_thread(base.record, pairs, None, result.version)
+    return result
+
+
+async def _push(
+    call_factory, pairs: list[tuple[str, torch.Tensor]], *, version: int | None, mode: str,
+    chunk_bytes: int, progress: bool, timeout: float | None, settings: ChannelSettings,
+    checksum: str | None = "crc32", transport: str = "auto", memo: TransportMemo | None = None,
+    status_call=None, nccl_address: str | None = None, base_version: int | None = None,
+) -> PushResult:
     if transport == "nccl":
         from rlfleet.client.nccl import push_nccl
 
@@ -127,7 +181,7 @@ async def push_weights(
     if transport == "shm" or (transport == "auto" and not memo.shm_refused):
         try:
             return await _push_shm(call_factory, pairs, version=version, mode=mode, timeout=timeout,
-                                   settings=settings, segments=memo.segments)
+                                   settings=settings, segments=memo.segments, base_version=base_version)
         except FailedPreconditionError as error:
             if transport == "shm" or shm.SHM_UNAVAILABLE not in error.details:
                 raise
@@ -137,14 +191,16 @@ async def push_weights(
                 raise
             memo.refuse_shm()  # no usable /dev/shm here
     return await _push_grpc(call_factory, pairs, version=version, mode=mode, chunk_bytes=chunk_bytes,
-                            progress=progress, timeout=timeout, settings=settings, checksum=checksum)
+                            progress=progress, timeout=timeout, settings=settings, checksum=checksum,
+                            base_version=base_version)
 
 
-def _bare_manifest(pairs, version: int | None, mode: str) -> weights_pb2.WeightManifest:
+def _bare_manifest(pairs, version: int | None, mode: str, base_version: int | None = None) -> weights_pb2.WeightManifest:
     """The manifest of a push whose bytes never cross gRPC (shm, nccl): no checksum."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
-    return next(iter_push_messages(pairs, version=version or 0, mode=MODES[mode], checksum_algo=None))[1]
+    return next(iter_push_messages(pairs, version=version or 0, mode=MODES[mode], checksum_algo=None,
+                                   base_version=base_version))[1]
 
 
 def _bare_deadline(timeout: float | None, settings: ChannelSettings, manifest) -> float:
@@ -154,11 +210,11 @@ def _bare_deadline(timeout: float | None, settings: ChannelSettings, manifest) -
 
 
 async def _push_shm(call_factory, pairs, *, version, mode, timeout, settings,
-                    segments: shm.SegmentCache) -> PushResult:
+                    segments: shm.SegmentCache, base_version: int | None = None) -> PushResult:
     """Write the tensors once into a segment (the one kept from the last push when nobody holds it
     any more) and send only the manifest naming it."""
     started = time.perf_counter()
-    manifest = _bare_manifest(pairs, version, mode)
+    manifest = _bare_manifest(pairs, version, mode, base_version)
     await asyncio.to_thread(shm.sweep_stale)
     segment = segments.take(manifest.total_bytes)
     try:
@@ -178,7 +234,7 @@ async def _push_shm(call_factory, pairs, *, version, mode, timeout, settings,
         finally:
             if not call.done():
                 call.cancel()
-        return PushResult.from_proto(reply, time.perf_counter() - started, 1, "shm")
+        return PushResult.from_proto(reply, time.perf_counter() - started, 1, "shm", tensors=len(pairs))
     finally:
         segments.keep(segment)  # the receivers have mapped it or fell back to grpc
 
@@ -186,7 +242,7 @@ async def _push_shm(call_factory, pairs, *, version, mode, timeout, settings,
 async def _push_grpc(
     call_factory, pairs: list[tuple[str, torch.Tensor]], *, version: int | None, mode: str,
     chunk_bytes: int, progress: bool, timeout: float | None, settings: ChannelSettings,
-    checksum: str | None = "crc32",
+    checksum: str | None = "crc32", base_version: int | None = None,
 ) -> PushResult:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
@@ -200,11 +256,12 @@ async def _push_grpc(
     attempt = 0
     while True:
         messages = iter_push_messages(pairs, version=version or 0, mode=MODES[mode], chunk_bytes=chunk_bytes,
-                                      checksum_algo=checksum)
+                                      checksum_algo=checksum, base_version=base_version)
         try:
             reply = await _push_once(call_factory, messages, chunk_bytes=chunk_bytes, progress=progress,
                                      timeout=timeout, settings=settings)
-            return PushResult.from_proto(reply, time.perf_counter() - started, attempt + 1, "grpc")
+            return PushResult.from_proto(reply, time.perf_counter() - started, attempt + 1, "grpc",
+                                         tensors=len(pairs))
         except _EarlyUnavailable as early:
             if attempt >= settings.retries:
                 raise early.error from None
@@ -228,7 +285,7 @@ async def _push_once(call_factory, messages: Iterator[tuple[str, Any]], *, chunk
     call = call_factory(timeout=deadline, metadata=settings.metadata())
     watch = StatusWatch(call)
     bar = _progress_bar(total, progress, manifest.version)
-    may_have_committed = False
+    may_have_committed = total == 0  # an empty delta is whole with its manifest
     try:
         try:
             await call.write(collector_pb2.PushWeightsRequest(manifest=manifest))

@@ -41,6 +41,11 @@ class PushResult:
     """1 unless the push was retried after an early UNAVAILABLE."""
     transport: str = ""
     """How the bytes left the trainer: "shm" (a segment the collector mapped) or "grpc" (chunks)."""
+    base_version: int | None = None
+    """A delta push: the version it patched (only the tensors that changed since then were sent); None
+    for a full push."""
+    tensors: int = 0
+    """Tensors sent (a delta: those that changed)."""
 
     @property
     def replica_transport(self) -> str:
@@ -60,9 +65,10 @@ class PushResult:
 
     @classmethod
     def from_proto(cls, reply: collector_pb2.PushWeightsResponse, seconds: float, attempts: int,
-                   transport: str = "") -> "PushResult":
+                   transport: str = "", base_version: int | None = None, tensors: int = 0) -> "PushResult":
         return cls(version=reply.version, bytes=reply.received_bytes, seconds=seconds,
                    server_seconds=reply.seconds, attempts=attempts, transport=transport,
+                   base_version=base_version, tensors=tensors,
                    replicas=tuple(ReplicaPushResult(r.address, r.applied, r.error, r.transport, r.stage_seconds,
                                                     r.apply_seconds) for r in reply.replicas))
 

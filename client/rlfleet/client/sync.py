@@ -163,12 +163,13 @@ class Client:
     def push_weights(self, weights: Any, version: int | None = None, *, mode: str = "keep",
                      chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: bool = True,
                      timeout: float | None = None, checksum: str | None = "crc32",
-                     transport: str = "auto", nccl_address: str | None = None) -> PushResult:
+                     transport: str = "auto", nccl_address: str | None = None,
+                     delta: bool = False) -> PushResult:
         """See ``AsyncClient.push_weights``."""
         pairs = named_tensors(weights)  # state_dict() runs on the caller's thread, not the loop's
         return self._runner.run(self._async.push_weights(
             pairs, version, mode=mode, chunk_bytes=chunk_bytes, progress=progress, timeout=timeout,
-            checksum=checksum, transport=transport, nccl_address=nccl_address))
+            checksum=checksum, transport=transport, nccl_address=nccl_address, delta=delta))
 
     def submit_prompts(self, prompts: PromptInput | Iterable[PromptInput], *,
                        timeout: float | None = None) -> list[str]:

@@ -41,7 +41,7 @@ class WeightSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "tensors", "total_bytes", "checksum", "mode", "shm", "nccl", "two_phase", "resync")
+    __slots__ = ("version", "tensors", "total_bytes", "checksum", "mode", "shm", "nccl", "two_phase", "resync", "delta")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class WeightManifest(_message.Message):
     NCCL_FIELD_NUMBER: _ClassVar[int]
     TWO_PHASE_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[WeightSpec]
     total_bytes: int
@@ -60,7 +61,14 @@ class WeightManifest(_message.Message):
     nccl: NcclRendezvous
     two_phase: bool
     resync: bool
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[WeightSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ..., nccl: _Optional[_Union[NcclRendezvous, _Mapping]] = ..., two_phase: _Optional[bool] = ..., resync: _Optional[bool] = ...) -> None: ...
+    delta: WeightDelta
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[WeightSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ..., nccl: _Optional[_Union[NcclRendezvous, _Mapping]] = ..., two_phase: _Optional[bool] = ..., resync: _Optional[bool] = ..., delta: _Optional[_Union[WeightDelta, _Mapping]] = ...) -> None: ...
+
+class WeightDelta(_message.Message):
+    __slots__ = ("base_version",)
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    base_version: int
+    def __init__(self, base_version: _Optional[int] = ...) -> None: ...
 
 class ShmSegment(_message.Message):
     __slots__ = ("path",)

@@ -35,9 +35,10 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
 def iter_push_messages(
     named_tensors: Sequence[tuple[str, torch.Tensor]], *, version: int,
     mode: int = weights_pb2.UPDATE_MODE_KEEP, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    checksum_algo: str | None = "crc32",
+    checksum_algo: str | None = "crc32", base_version: int | None = None,
 ) -> Iterator[tuple[str, object]]:
-    """Yield ``("manifest", WeightManifest)`` then ``("chunk", WeightChunk)`` pairs.
+    """Yield ``("manifest", WeightManifest)`` then ``("chunk", WeightChunk)`` pairs (``base_version``:
+    a delta push, ``named_tensors`` being the tensors that changed since that version).
 
     Chunks are cut straight out of each tensor's memory (one copy per chunk,
     the floor for gRPC in Python), so no second full copy of the weights is
@@ -57,8 +58,10 @@ def iter_push_messages(
     digest = ""
     if checksum_algo:
         digest = f"sha256:{sha.hexdigest()}" if sha is not None else f"crc32:{crc:08x}"
-    yield "manifest", weights_pb2.WeightManifest(
-        version=version, tensors=specs, total_bytes=total, checksum=digest, mode=mode)
+    manifest = weights_pb2.WeightManifest(version=version, tensors=specs, total_bytes=total, checksum=digest, mode=mode)
+    if base_version is not None:  # a delta push: only the tensors that changed since base_version
+        manifest.delta.base_version = base_version
+    yield "manifest", manifest
 
     offset, pending = 0, bytearray()
     for _, tensor in named_tensors:

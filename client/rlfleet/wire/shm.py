@@ -51,7 +51,9 @@ class Segment:
         # populate: map every page table entry now, in one call, rather than fault page by page
         # (a reader about to read it all: ~4x cheaper here).
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-        self._map = mmap.mmap(fd, max(size, 1), flags, mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        # An empty file cannot be mapped (an empty delta push): a private page stands in for it.
+        self._map = mmap.mmap(fd, size, flags, mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)) if size \
+            else mmap.mmap(-1, 1)
         self._full = memoryview(self._map)
         self.fd_path = f"/proc/{os.getpid()}/fd/{fd}"
         """Opens this very file while we hold it, even once unlinked (our child processes use it)."""

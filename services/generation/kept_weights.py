@@ -1,0 +1,112 @@
+"""The weights a replica serves, kept as a push's bytes so that delta pushes can patch them.
+
+After a full push applies, its segment is kept (``delta_pushes``): the one this service created
+(grpc and nccl pushes) as it is, a sender's (shm) as a copy made off the swap's path. A delta push
+(``rlfleet.wire.weight_delta``) is checked against it when staged, and at its commit patches it in
+place and is loaded from it: only the layers holding a changed tensor are reloaded
+(``transfer.loaded_with``), reading their unchanged siblings (q beside k and v) from here. A swap
+that fails drops what is kept (its bytes may be ahead of the version served); the next push must then
+be full, and the collector re-syncs the replica with one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from rlfleet.v1 import weights_pb2
+from rlfleet.wire import shm, weight_delta
+
+log = logging.getLogger("rlfleet.generation.kept_weights")
+
+
+@dataclass
+class KeptWeights:
+    """Every tensor of ``version`` (``manifest``'s names, dtypes, shapes) in ``segment``, which we own."""
+
+    version: int
+    manifest: weights_pb2.WeightManifest
+    segment: shm.Segment
+
+    def close(self) -> None:
+        self.segment.close()
+
+
+class WeightKeeper:
+    """What a replica keeps (``KeptWeights``), or None; the copy of a sender's segment in flight."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.kept: KeptWeights | None = None
+        self.manifest: weights_pb2.WeightManifest | None = None
+        """The full manifest of what is kept, or of the copy in flight (delta pushes stage against it)."""
+        self._copying: asyncio.Future | None = None
+
+    async def current(self) -> KeptWeights | None:
+        """What is kept, once a copy in flight is done."""
+        copying = self._copying
+        if copying is not None:
+            await asyncio.wait({copying})
+        return self.kept
+
+    def keep(self, version: int, manifest: weights_pb2.WeightManifest, segment: shm.Segment) -> None:
+        """Keep a full push just applied; takes ``segment`` over (closes it when done with it). Ours is
+        kept as it is; a sender's is copied on a thread, then closed (the sender may reuse its pages)."""
+        self.drop()
+        if not self.enabled:
+            segment.close()
+            return
+        full = weights_pb2.WeightManifest(version=version, total_bytes=manifest.total_bytes)
+        full.tensors.extend(manifest.tensors)
+        self.manifest = full
+        if segment.owner:
+            self.kept = KeptWeights(version, full, segment)
+            return
+        copying = asyncio.ensure_future(asyncio.to_thread(_copy, version, full, segment))
+        self._copying = copying
+        copying.add_done_callback(self._copied)
+
+    def _copied(self, copying: asyncio.Future) -> None:
+        current = self._copying is copying
+        if current:
+            self._copying = None
+        if copying.cancelled():
+            return
+        if copying.exception() is not None:
+            log.warning("keeping the weights for delta pushes failed: %s", copying.exception())
+            if current:
+                self.manifest = None
+            return
+        if current:
+            self.kept = copying.result()
+        else:
+            copying.result().close()  # dropped meanwhile
+
+    def patch(self, kept: KeptWeights, version: int, spans: list[weight_delta.Span], delta: memoryview) -> None:
+        """Apply a delta's bytes to what is kept (in place: a swap that then fails must ``drop``)."""
+        weight_delta.patch(kept.segment.buffer, delta, spans)
+        kept.version = version
+        kept.manifest.version = version
+
+    def drop(self) -> None:
+        """Forget what is kept (a failed swap, or a full push replacing it); a copy in flight is closed
+        when it ends."""
+        self._copying = None
+        self.manifest = None
+        if self.kept is not None:
+            self.kept.close()
+            self.kept = None
+
+
+def _copy(version: int, manifest: weights_pb2.WeightManifest, source: shm.Segment) -> KeptWeights:
+    try:
+        copy = shm.create_segment(source.size)
+        try:
+            copy.buffer[:] = source.buffer
+        except BaseException:
+            copy.close()
+            raise
+        return KeptWeights(version, manifest, copy)
+    finally:
+        source.close()
