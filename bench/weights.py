@@ -24,8 +24,12 @@ Each round (a warm-up round, then ``--rounds``) runs these phases in this order,
 - ``shm B``: shm push through collector B to g1 + g2;
 - ``delta``: through collector A to g0 over shm, a third client: a full push (``delta=False``), a seed
   push (``delta=True``, full: it gives the client its base; not measured), then delta pushes with 1 %,
-  10 % and 100 % of the tensors changed (a seeded random pick each round, ``+1e-3`` in place). Each
-  timed around ``push_weights`` (the client's diff against its kept copy included).
+  10 % and 100 % of the tensors changed (a seeded random pick each round, ``+1e-3`` in place), then LoRA
+  adapter pushes (``push_adapter``) of ranks 8 and 64 on every linear projection. Each timed around the
+  SDK call (the client's diff against its kept copy included), each after ``--settle-seconds`` (so the
+  previous push's spool write is done, as before the full push). The generation services serve
+  adapters (``--max-lora-rank 64``; on CPU that switches vLLM's compilation off, in g0-g2 and the
+  floor engine alike).
 
 Ratios are taken per round from adjacent phases, then the median (IQR) over rounds:
 
@@ -34,6 +38,7 @@ Ratios are taken per round from adjacent phases, then the median (IQR) over roun
 - ``two_vs_one_replica`` = shm B s / shm A s (target <= 1.2);
 - ``delta_<p>pct_time_ratio`` = delta push s / full push s, and ``delta_<p>pct_bytes_ratio`` = bytes the
   collector received / the full push's (target at 1 %: <= 0.02);
+- ``lora_r<r>_over_full`` = adapter push s / full push s, ``lora_r<r>_bytes_ratio`` the same for bytes;
 - ``peak_rss_over_model`` = peak extra PSS / model bytes (target <= 1.1); PSS is summed over collector A,
   g0 and g0's descendants (vLLM engine core), sampled every ~15 ms; extra = max during the push -
   the sum just before it. Pages shared with this process (the trainer's shm segment) count only in
@@ -147,11 +152,28 @@ def push(client, state, version: int, transport: str, replicas: int, delta: bool
 
 
 DELTA_FRACTIONS = (0.01, 0.1, 1.0)
+LORA_RANKS = (8, 64)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def delta_phase(client, state: dict, version: int, seed: int) -> tuple[int, dict]:
-    """A full push, a seed push, then a delta per fraction of tensors changed (in ``state``, in place):
-    the last version and {key: (seconds, bytes)} with "full" and each fraction."""
+def lora_adapter(state: dict, rank: int) -> dict:
+    """A rank-``rank`` adapter on every linear projection of ``state``'s layers (peft's names and shapes)."""
+    import torch
+
+    adapter = {}
+    for name, tensor in state.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in LORA_TARGETS:
+            out_features, in_features = tensor.shape
+            adapter[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, in_features) * 0.01
+            adapter[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out_features, rank) * 0.01
+    return adapter
+
+
+def delta_phase(client, state: dict, version: int, seed: int, settle: float, adapters: dict) -> tuple[int, dict]:
+    """A full push, a seed push, then a delta per fraction of tensors changed (in ``state``, in place),
+    then an adapter push per rank: the last version and {key: (seconds, bytes)} with "full", each
+    fraction and ("lora", rank)."""
     import random
 
     import torch
@@ -169,12 +191,23 @@ def delta_phase(client, state: dict, version: int, seed: int) -> tuple[int, dict
             for name in changed:
                 state[name].add_(1e-3)
         version += 1
+        time.sleep(settle)
         started = time.perf_counter()
         result = push(client, state, version, "shm", 1, delta=True)
         seconds = time.perf_counter() - started
         if result.base_version != version - 1 or result.tensors != len(changed):
             raise RuntimeError(f"delta push v{version}: expected {len(changed)} tensors on v{version - 1}: {result}")
         out[fraction] = (seconds, result.bytes)
+    for rank, adapter in adapters.items():
+        version += 1
+        time.sleep(settle)
+        started = time.perf_counter()
+        result = client.push_adapter(adapter, version, rank=rank, alpha=2 * rank, target_modules=LORA_TARGETS,
+                                     transport="shm", progress=False)
+        seconds = time.perf_counter() - started
+        if result.version != version or not result.all_applied or result.adapter_rank != rank:
+            raise RuntimeError(f"adapter push v{version}: {result}")
+        out[("lora", rank)] = (seconds, result.bytes)
     return version, out
 
 
@@ -189,7 +222,7 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
     from rlfleet.services.suite import DEFAULT_MODEL_DIR, SuiteOptions, start_suite, stop_suite
 
     gen_args = ["--model", str(model_dir), "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "512",
-                "--log-format", "text"]
+                "--log-format", "text", "--max-lora-rank", str(max(LORA_RANKS))]
     gens = [ServiceProcess("generation", gen_args).start(workdir / f"g{i}") for i in range(3)]
     backends, collectors, clients, engine, sink = {}, [], [], None, None
     try:
@@ -215,7 +248,9 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
               f"in-process floor engine idle between its phases", file=sys.stderr, flush=True)
 
         rows = {k: [] for k in ("raw", "grpc", "floor", "shm", "shm2", "pss_grpc", "pss_shm", "delta_full",
-                                *(f"delta_{f}" for f in DELTA_FRACTIONS), *(f"delta_bytes_{f}" for f in DELTA_FRACTIONS))}
+                                *(f"delta_{f}" for f in DELTA_FRACTIONS), *(f"delta_bytes_{f}" for f in DELTA_FRACTIONS),
+                                *(f"lora_{r}" for r in LORA_RANKS), *(f"lora_bytes_{r}" for r in LORA_RANKS))}
+        adapters = {rank: lora_adapter(state, rank) for rank in LORA_RANKS}
         details = {k: [] for k in ("grpc", "shm", "shm2")}
         versions = [0, 0]
 
@@ -242,11 +277,13 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
             r_shm2 = await asyncio.to_thread(push, clients[1], state, versions[1], "shm", 2)
             await settle()
             versions[0], deltas = await asyncio.to_thread(delta_phase, clients[2], state, versions[0],
-                                                          1000 + round_index)
+                                                          1000 + round_index, ns.settle_seconds, adapters)
             print(f"  round {round_index}: raw {raw:.3f}s grpc {r_grpc.seconds:.3f}s | floor {floor:.3f}s "
                   f"shm {r_shm.seconds:.3f}s | 2 replicas shm {r_shm2.seconds:.3f}s | peak extra PSS "
                   f"grpc {pss_grpc.extra / 1e6:.0f} MB shm {pss_shm.extra / 1e6:.0f} MB | full {deltas['full'][0]:.3f}s, "
-                  + ", ".join(f"delta {f:.0%} {deltas[f][0]:.3f}s {deltas[f][1] / 1e6:.1f} MB" for f in DELTA_FRACTIONS),
+                  + ", ".join(f"delta {f:.0%} {deltas[f][0]:.3f}s {deltas[f][1] / 1e6:.1f} MB" for f in DELTA_FRACTIONS)
+                  + "".join(f", LoRA r{r} {deltas['lora', r][0]:.3f}s {deltas['lora', r][1] / 1e6:.1f} MB"
+                            for r in LORA_RANKS),
                   file=sys.stderr, flush=True)
             if round_index < 0:
                 continue
@@ -254,6 +291,9 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
             for f in DELTA_FRACTIONS:
                 rows[f"delta_{f}"].append(deltas[f][0])
                 rows[f"delta_bytes_{f}"].append(deltas[f][1])
+            for r in LORA_RANKS:
+                rows[f"lora_{r}"].append(deltas["lora", r][0])
+                rows[f"lora_bytes_{r}"].append(deltas["lora", r][1])
             for key, value in (("raw", raw), ("grpc", r_grpc.seconds), ("floor", floor), ("shm", r_shm.seconds),
                                ("shm2", r_shm2.seconds), ("pss_grpc", pss_grpc.extra),
                                ("pss_shm", pss_shm.extra)):
@@ -428,6 +468,14 @@ def main() -> None:
         target_ok = bytes_ratio["ratio"] <= 0.02 if f == 0.01 else True
         row(f"delta push, {f:.0%} of tensors: bytes", f"full push {model_bytes / 1e6:.0f} MB",
             f"delta {bytes_ratio['num'] / 1e6:.1f} MB", bytes_ratio, "<= 0.02" if f == 0.01 else "-", target_ok)
+    loras = {}
+    for r in LORA_RANKS:
+        loras[r] = (ratio(rows[f"lora_{r}"], rows["delta_full"]), ratio(rows[f"lora_bytes_{r}"], model))
+        time_ratio, bytes_ratio = loras[r]
+        row(f"LoRA push, rank {r}: time", f"full push {time_ratio['den']:.3f}s",
+            f"adapter {time_ratio['num']:.3f}s", time_ratio, "-", True)
+        row(f"LoRA push, rank {r}: bytes", f"full push {model_bytes / 1e6:.0f} MB",
+            f"adapter {bytes_ratio['num'] / 1e6:.1f} MB", bytes_ratio, "-", True)
     print(f"kept in /dev/shm between pushes: {out['kept'] / 1e6:.0f} MB = {out['kept'] / model_bytes:.2f} x the "
           f"model (the clients' segments, collector A's staging segment and each replica's kept weights; not counted as "
           f"extra above)")
@@ -440,6 +488,9 @@ def main() -> None:
     result = dict(grpc_vs_raw=grpc_raw["ratio"], shm_vs_reload=shm_floor["ratio"],
                   two_vs_one_replica=two_one["ratio"],
                   peak_rss_over_model=max(pss["shm"]["ratio"], pss["grpc"]["ratio"]))
+    for r in LORA_RANKS:
+        result[f"lora_r{r}_over_full"] = loras[r][0]["ratio"]
+        result[f"lora_r{r}_bytes_ratio"] = loras[r][1]["ratio"]
     for f, name in zip(DELTA_FRACTIONS, ("1pct", "10pct", "100pct")):
         result[f"delta_{name}_time_ratio"] = deltas[f][0]["ratio"]
         result[f"delta_{name}_bytes_ratio"] = deltas[f][1]["ratio"]

@@ -10,6 +10,10 @@ task is verifiable and dense enough for a random tiny model to learn on CPU
 in minutes: answer with digits only (reward = fraction of the response's
 characters that are digits, the reward service's ``char_fraction``).
 
+With ``--lora RANK`` the policy is wrapped in a peft LoRA adapter on every linear projection, only
+the adapter is trained, and each step pushes only the adapter (``push_adapter``): the generation
+replicas, started with the generation setting ``max_lora_rank`` >= RANK, serve their weights plus it.
+
 Writes ``metrics.json`` and ``metrics.png`` (reward and KL per step) to ``--out``.
 """
 
@@ -26,6 +30,8 @@ from typing import Callable
 import torch
 
 TASK_WORDS = "seven three nine two one eight five four six zero".split()
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""``--lora``: every linear projection of a Qwen2/Llama decoder layer."""
 
 
 def task_prompts(count: int, rng: random.Random) -> list[dict]:
@@ -201,7 +207,8 @@ def train(client, model, ns, next_prompts: Callable[[int], list[dict]],
     task's own metrics to it."""
     from tqdm import tqdm
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=ns.lr, weight_decay=0.0)
+    # Only what trains: all of a plain model, the adapter of a LoRA one (its base weights are frozen).
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=ns.lr, weight_decay=0.0)
     batch_size = ns.groups_per_step * ns.group_size
     metrics: list[dict] = []
     client.submit_prompts(next_prompts((1 + ns.prompts_ahead) * ns.groups_per_step))
@@ -218,7 +225,7 @@ def train(client, model, ns, next_prompts: Callable[[int], list[dict]],
             by_lag = stats.pop("by_lag")
             if by_lag:  # the collector shows it, and its mismatch breaker acts on it
                 client.report_mismatch(by_lag, version_before)
-            pushed = client.push_weights(model, progress=False, transport=ns.transport)
+            pushed = push_policy(client, model, ns)
             elapsed = time.monotonic() - started
             starts = batch["policy_version_start"]
             task = describe(batch)
@@ -231,6 +238,8 @@ def train(client, model, ns, next_prompts: Callable[[int], list[dict]],
                 "push_mb_per_s": pushed.megabytes_per_second, "push_seconds": pushed.seconds,
                 "push_transport": pushed.transport, **stats, **task,
             }
+            if pushed.adapter_rank:
+                record["push_kind"] = "adapter"
             metrics.append(record)
             progress.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record['kl']:.3f}", v=pushed.version)
             progress.write(
@@ -238,8 +247,54 @@ def train(client, model, ns, next_prompts: Callable[[int], list[dict]],
                 f"tok/s {record['tokens_per_second']:6.0f}  staleness {record['staleness_mean']:.1f}  "
                 f"logprob mismatch {record['logprob_mismatch_max']:.1e}  "
                 f"push {pushed.seconds * 1e3:.0f} ms over {pushed.transport}"
+                + (f" (LoRA adapter, rank {pushed.adapter_rank})" if pushed.adapter_rank else "")
                 + "".join(f"  {key} {value:.2f}" for key, value in task.items() if isinstance(value, float)))
     return metrics
+
+
+def push_policy(client, model, ns):
+    """Push the step's policy: with ``--lora`` only the adapter (``model`` is its PeftModel), else every weight."""
+    if getattr(ns, "lora", None):  # examples sharing this loop have no --lora
+        return client.push_adapter(model, progress=False, transport=ns.transport)
+    return client.push_weights(model, progress=False, transport=ns.transport)
+
+
+def lora_policy(model, rank: int, alpha: float):
+    """``model`` wrapped in a fresh peft LoRA adapter on ``LORA_TARGETS``: only the adapter trains.
+
+    No LoRA dropout: the trainer's log-probs must be the served model's (behaviour log-probs)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
+                        bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def demo_parser() -> argparse.ArgumentParser:
+    """This demo's flags: ``training_parser``'s plus ``--lora``."""
+    parser = training_parser(__doc__.splitlines()[0], steps=30, groups_per_step=8, group_size=4, lr=3e-4,
+                             kl_coef=0.05, out=Path("runs") / "demo")
+    parser.add_argument("--lora", type=int, default=None, metavar="RANK",
+                        help="train a LoRA adapter of this rank on every linear projection (peft) and push only "
+                             "the adapter each step; the generation replicas need max_lora_rank >= RANK")
+    parser.add_argument("--lora-alpha", type=float, default=None, metavar="ALPHA",
+                        help="the adapter's lora_alpha (its update is scaled by alpha / rank); default 2 x RANK")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The demo's flags, checked (``--lora-alpha`` defaults to twice ``--lora``)."""
+    parser = demo_parser()
+    ns = parser.parse_args(argv)
+    if ns.lora is not None and ns.lora < 1:
+        parser.error(f"--lora: the rank must be >= 1, got {ns.lora}")
+    if ns.lora is None and ns.lora_alpha is not None:
+        parser.error("--lora-alpha needs --lora RANK")
+    if ns.lora_alpha is not None and not ns.lora_alpha > 0:
+        parser.error(f"--lora-alpha must be > 0, got {ns.lora_alpha}")
+    if ns.lora is not None and ns.lora_alpha is None:
+        ns.lora_alpha = 2.0 * ns.lora
+    return ns
 
 
 def first_and_last(metrics: list[dict], key: str, count: int = 5) -> tuple[float, float]:
@@ -251,9 +306,7 @@ def first_and_last(metrics: list[dict], key: str, count: int = 5) -> tuple[float
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = training_parser(__doc__.splitlines()[0], steps=30, groups_per_step=8, group_size=4, lr=3e-4,
-                             kl_coef=0.05, out=Path("runs") / "demo")
-    ns = parser.parse_args(argv)
+    ns = parse_args(argv)
 
     from transformers import AutoModelForCausalLM
 
@@ -261,6 +314,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     rng = prepare_run(ns)
     model = AutoModelForCausalLM.from_pretrained(ns.model_dir, torch_dtype=torch.float32)
+    if ns.lora:
+        model = lora_policy(model, ns.lora, ns.lora_alpha)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        print(f"[demo] LoRA rank {ns.lora}, alpha {ns.lora_alpha:g} on {', '.join(LORA_TARGETS)}: {trainable} of "
+              f"{sum(p.numel() for p in model.parameters())} parameters train; each step pushes the adapter",
+              file=sys.stderr)
     model.train()
 
     with connect(ns.collector, **connection(ns)) as client:

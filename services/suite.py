@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--generation-replicas", type=int, default=1)
     parser.add_argument("--collector-arg", action="append", default=[],
                         help="extra collector flag, e.g. --collector-arg=--mode=sync (repeatable)")
+    parser.add_argument("--generation-arg", action="append", default=[],
+                        help="extra flag of every generation replica, e.g. --generation-arg=--max-lora-rank=8 "
+                             "(repeatable)")
     parser.add_argument("--with-environment", action="store_true",
                         help="also start the environment service (multi-turn episodes) and point the collector at it")
     parser.add_argument("--environment", action="append", default=[], metavar="NAME=MODULE:CLASS",
@@ -172,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     if ns.with_environment and environments is None:
         environments = {}
     options = SuiteOptions(model_dir=ns.model_dir, generation_replicas=ns.generation_replicas,
-                           collector_args=ns.collector_arg, environments=environments, secure=ns.secure)
+                           collector_args=ns.collector_arg, generation_args=ns.generation_arg,
+                           environments=environments, secure=ns.secure)
     procs = start_suite(options, ns.workdir)
     exit_code = 0
     try:

@@ -143,7 +143,10 @@ class WeightFanout:
         tracing.set_attributes({"rlfleet.policy_version": manifest.version, "rlfleet.bytes": push.total_bytes,
                                 "rlfleet.source": manifest.WhichOneof("source") or "grpc",
                                 "rlfleet.delta": weight_delta.is_delta(manifest)})
-        base = await self._delta_base(manifest) if weight_delta.is_delta(manifest) else None
+        if manifest.HasField("lora") and (weight_delta.is_delta(manifest) or manifest.WhichOneof("source") == "nccl"):
+            raise InvalidArgument("manifest.lora: an adapter push is whole (no manifest.delta) and travels by shm "
+                                  "or grpc, not nccl")
+        spooled = await self._spooled_manifests(manifest)
         source = manifest.WhichOneof("source")
         if source == "nccl":
             return await self._push_nccl(manifest, push, started)
@@ -155,7 +158,7 @@ class WeightFanout:
         handed_off = False
         try:
             replicas = await self._targets(manifest)
-            spool = self.spool.begin(manifest, base)
+            spool = self.spool.begin(manifest, spooled)
             # Replicas known to live elsewhere get a grpc push's chunks as they arrive; the others
             # are offered the segment once it holds every verified byte (shm: right away).
             remote = [ReplicaPush.start(r, _offered(manifest, r), self.pool.settings, None)
@@ -185,21 +188,30 @@ class WeightFanout:
             if not handed_off:
                 self._release(segment)
 
-    async def _delta_base(self, manifest: weights_pb2.WeightManifest) -> weights_pb2.WeightManifest:
-        """The spooled full manifest a delta push patches: FAILED_PRECONDITION (the SDK then sends a full
-        push) unless the delta is on the committed version and the spool holds that version's bytes."""
+    async def _spooled_manifests(self, manifest: weights_pb2.WeightManifest) -> list[weights_pb2.WeightManifest]:
+        """What the spool holds now (``manifests()``), which a delta patches and an adapter sits on. A delta
+        push gets FAILED_PRECONDITION (the SDK then sends a full push) unless it is on the committed
+        version and the spool holds that version's weights (not an adapter's)."""
+        if not weight_delta.is_delta(manifest):
+            try:
+                return await self.spool.manifests()
+            except Unavailable:
+                return []  # the database is away: this push's spool write fails too
         base = manifest.delta.base_version
         if manifest.WhichOneof("source") == "nccl":
             raise InvalidArgument("manifest.delta: a delta push travels by shm or grpc, not nccl")
         if base != self.gate.version:
             raise FailedPrecondition(f"delta push on version {base}: the committed version is {self.gate.version}; "
                                      f"send a full push")
-        spooled = await self.spool.manifest()
-        if spooled is None or spooled.version != base or self.spool_error:
+        spooled = await self.spool.manifests()
+        head = spooled[-1] if spooled else None
+        if head is None or head.version != base or self.spool_error or head.HasField("lora"):
+            held = "an adapter" if head is not None and head.HasField("lora") else \
+                self.spool_error or "never spooled"
             raise FailedPrecondition(f"delta push on version {base}: the collector's spool does not hold that "
-                                     f"version's weights ({self.spool_error or 'never spooled'}); send a full push")
+                                     f"version's weights ({held}); send a full push")
         try:
-            weight_delta.spans(manifest, spooled)
+            weight_delta.spans(manifest, head)
         except WireError as err:
             raise InvalidArgument(str(err)) from None
         return spooled
@@ -403,32 +415,33 @@ class WeightFanout:
             self.pushes += 1
             await self._spooled()
             try:
-                manifest = await self.spool.manifest()
+                manifests = await self.spool.manifests()
             except Unavailable as err:
                 log.warning("cannot re-sync %s: %s", replica.address, err)
                 return False
-            if manifest is None or manifest.version != self.gate.version:
+            if not manifests or manifests[-1].version != self.gate.version:
                 log.warning("cannot re-sync %s: the spool holds no bytes of version %d",
                             replica.address, self.gate.version)
                 return False
-            manifest.mode = weights_pb2.UPDATE_MODE_ABORT
-            manifest.resync = True
-            segment = None
-            try:
-                segment = await self.spool.load_segment(manifest)
-                stream = ReplicaPush.start(replica, manifest, self.pool.settings, segment)
-                if await stream.wait_staged():
-                    await stream.commit()
-                outcome = stream.outcome()
-            except (OSError, Unavailable) as err:
-                log.warning("re-sync of %s failed: %s", replica.address, err)
-                return False
-            finally:
-                if segment is not None:
-                    segment.close()
-            if not outcome.applied:
-                log.warning("re-sync of %s failed: %s", replica.address, outcome.error)
-                return False
+            for manifest in manifests:  # an adapter after the weights it sits on
+                manifest.mode = weights_pb2.UPDATE_MODE_ABORT
+                manifest.resync = True
+                segment = None
+                try:
+                    segment = await self.spool.load_segment(manifest)
+                    stream = ReplicaPush.start(replica, manifest, self.pool.settings, segment)
+                    if await stream.wait_staged():
+                        await stream.commit()
+                    outcome = stream.outcome()
+                except (OSError, Unavailable) as err:
+                    log.warning("re-sync of %s failed: %s", replica.address, err)
+                    return False
+                finally:
+                    if segment is not None:
+                        segment.close()
+                if not outcome.applied:
+                    log.warning("re-sync of %s failed: %s", replica.address, outcome.error)
+                    return False
             replica.policy_version = manifest.version
             log.info("replica %s re-synced to version %d over %s", replica.address, manifest.version,
                      outcome.transport)

@@ -4,7 +4,9 @@ so the fan-out does not know which:
 
 The spool always holds a full copy: a delta push (``rlfleet.wire.weight_delta``) is spooled as the
 committed version's bytes patched with its tensors (the copy made in the kernel, or in the database),
-so a re-sync is always a full push.
+so a re-sync is always a full push. A LoRA adapter push (``WeightManifest.lora``) is spooled as it
+is, beside the weights it sits on (the spooled full push it followed, kept with its bytes; none: the
+checkpoint's): a re-sync then pushes those weights, then the adapter (``manifests``).
 
 ``FileSpool`` (the default, beside a SQLite ledger): ``manifest.pb`` names the spooled version;
 ``weights-<version>.bin`` holds its concatenated bytes. A push copies its segment into
@@ -46,6 +48,16 @@ def data_path(directory: Path, version: int) -> Path:
     return directory / f"weights-{version}.bin"
 
 
+def adapter_base(spooled: list[weights_pb2.WeightManifest]) -> weights_pb2.WeightManifest | None:
+    """The full push an adapter pushed now sits on, given what is spooled (``manifests()``): the spooled
+    push if it is full, else the weights the spooled adapter sits on; None: the checkpoint's."""
+    if not spooled:
+        return None
+    if not spooled[-1].HasField("lora"):
+        return spooled[-1]
+    return spooled[0] if len(spooled) == 2 else None
+
+
 def _spooled_manifest(manifest: weights_pb2.WeightManifest,
                       base: weights_pb2.WeightManifest | None) -> weights_pb2.WeightManifest:
     """What the spool holds after ``manifest``: the push itself, or for a delta push, the full weights
@@ -68,12 +80,14 @@ class FileSpoolWrite:
     """One push being spooled to a file."""
 
     def __init__(self, spool: "FileSpool", manifest: weights_pb2.WeightManifest,
-                 base: weights_pb2.WeightManifest | None = None):
+                 spooled: list[weights_pb2.WeightManifest]):
         self.spool = spool
         self.directory = spool.directory
-        self.manifest = _spooled_manifest(manifest, base)
-        self.delta = weight_delta.spans(manifest, base) if weight_delta.is_delta(manifest) else None
-        self.base = base
+        self.base = spooled[-1] if spooled else None
+        self.manifest = _spooled_manifest(manifest, self.base)
+        self.delta = weight_delta.spans(manifest, self.base) if weight_delta.is_delta(manifest) else None
+        self.adapter = manifest.HasField("lora")
+        self.sits_on = adapter_base(spooled) if self.adapter else None
         self.tmp = self.directory / f"push-{manifest.version}.tmp"
         self._file = open(self.tmp, "wb")
 
@@ -81,6 +95,8 @@ class FileSpoolWrite:
         """The segment's bytes (a delta's: the base's file patched with them), durable (a re-sync after a
         crash reads them), on the spool's thread."""
         loop = asyncio.get_running_loop()
+        if self.adapter:  # what it sits on, named before the version can commit (ignored unless it does)
+            await loop.run_in_executor(self.spool.thread, self.spool.name_base, self.sits_on)
         await loop.run_in_executor(self.spool.thread, self._copy if self.delta is None else self._patch, segment)
         await loop.run_in_executor(self.spool.thread, self._flush)
 
@@ -118,8 +134,11 @@ class FileSpoolWrite:
         data = data_path(self.directory, self.manifest.version)
         os.replace(self.tmp, data)
         write_atomically(self.directory / "manifest.pb", self.manifest.SerializeToString())
+        keep = {data} | ({data_path(self.directory, self.sits_on.version)} if self.sits_on is not None else set())
+        if not self.adapter:
+            (self.directory / "base.pb").unlink(missing_ok=True)
         for old in self.directory.glob("weights-*.bin"):
-            if old != data:
+            if old not in keep:
                 old.unlink(missing_ok=True)
 
     async def discard(self) -> None:
@@ -140,17 +159,40 @@ class FileSpool:
         for leftover in directory.glob("*.tmp"):
             log.info("removing %s left by an interrupted push", leftover)
             leftover.unlink(missing_ok=True)
+        head = self._read("manifest.pb")
+        if head is None or not head.HasField("lora"):  # named by an adapter push that did not commit
+            (directory / "base.pb").unlink(missing_ok=True)
         # Background work: its thread yields the CPU to the replicas' apply.
         self.thread = ThreadPoolExecutor(1, "spool", initializer=_lower_priority)
 
     def begin(self, manifest: weights_pb2.WeightManifest,
-              base: weights_pb2.WeightManifest | None = None) -> FileSpoolWrite:
-        """A push's write; a delta push's names ``base``, the spooled manifest it patches."""
-        return FileSpoolWrite(self, manifest, base)
+              spooled: list[weights_pb2.WeightManifest] = ()) -> FileSpoolWrite:
+        """A push's write, given what is spooled now (``manifests()``: what a delta patches, what an
+        adapter sits on)."""
+        return FileSpoolWrite(self, manifest, list(spooled))
+
+    def _read(self, name: str) -> weights_pb2.WeightManifest | None:
+        path = self.directory / name
+        return weights_pb2.WeightManifest.FromString(path.read_bytes()) if path.exists() else None
 
     async def manifest(self) -> weights_pb2.WeightManifest | None:
-        path = self.directory / "manifest.pb"
-        return weights_pb2.WeightManifest.FromString(path.read_bytes()) if path.exists() else None
+        """The spooled push's manifest (the committed version's)."""
+        return self._read("manifest.pb")
+
+    async def manifests(self) -> list[weights_pb2.WeightManifest]:
+        """What a re-sync pushes, in order: the spooled push, after the weights it sits on if an adapter."""
+        head = self._read("manifest.pb")
+        if head is None:
+            return []
+        base = self._read("base.pb") if head.HasField("lora") else None
+        return [base, head] if base is not None else [head]
+
+    def name_base(self, base: weights_pb2.WeightManifest | None) -> None:
+        """An adapter push sits on ``base`` (None: the checkpoint's weights)."""
+        if base is None:
+            (self.directory / "base.pb").unlink(missing_ok=True)
+        else:
+            write_atomically(self.directory / "base.pb", base.SerializeToString())
 
     async def load_segment(self, manifest: weights_pb2.WeightManifest) -> shm.Segment:
         """The spooled bytes in a new shm segment (re-syncs use the same load path as pushes)."""
@@ -177,11 +219,13 @@ class DatabaseSpoolWrite:
     """One push being spooled to ``spool_chunks``."""
 
     def __init__(self, spool: "DatabaseSpool", manifest: weights_pb2.WeightManifest,
-                 base: weights_pb2.WeightManifest | None = None):
+                 spooled: list[weights_pb2.WeightManifest]):
         self.spool = spool
-        self.manifest = _spooled_manifest(manifest, base)
-        self.delta = weight_delta.spans(manifest, base) if weight_delta.is_delta(manifest) else None
-        self.base = base
+        self.base = spooled[-1] if spooled else None
+        self.manifest = _spooled_manifest(manifest, self.base)
+        self.delta = weight_delta.spans(manifest, self.base) if weight_delta.is_delta(manifest) else None
+        self.adapter = manifest.HasField("lora")
+        self.sits_on = adapter_base(spooled) if self.adapter else None
 
     async def copy(self, segment: shm.Segment) -> None:
         """The segment's bytes as rows, one statement per chunk (other ledger work goes between them);
@@ -189,6 +233,8 @@ class DatabaseSpoolWrite:
         chunks its tensors fall in rewritten."""
         version, ledger = self.manifest.version, self.spool.ledger
         await ledger.run(_delete_version, version)  # of an earlier try of this version
+        if self.adapter:  # what it sits on, named before the version can commit (ignored unless it does)
+            await ledger.run(_name_base, self.sits_on)
         if self.delta is not None:
             await ledger.run(_copy_version, self.base.version, version)
             await self._patch(segment)
@@ -236,12 +282,18 @@ class DatabaseSpool:
             log.info("removed %d spool chunks left by an interrupted push", removed)
 
     def begin(self, manifest: weights_pb2.WeightManifest,
-              base: weights_pb2.WeightManifest | None = None) -> DatabaseSpoolWrite:
-        """A push's write; a delta push's names ``base``, the spooled manifest it patches."""
-        return DatabaseSpoolWrite(self, manifest, base)
+              spooled: list[weights_pb2.WeightManifest] = ()) -> DatabaseSpoolWrite:
+        """A push's write, given what is spooled now (``manifests()``: what a delta patches, what an
+        adapter sits on)."""
+        return DatabaseSpoolWrite(self, manifest, list(spooled))
 
     async def manifest(self) -> weights_pb2.WeightManifest | None:
+        """The spooled push's manifest (the committed version's)."""
         return await self.ledger.run(_current_manifest)
+
+    async def manifests(self) -> list[weights_pb2.WeightManifest]:
+        """What a re-sync pushes, in order: the spooled push, after the weights it sits on if an adapter."""
+        return await self.ledger.run(_manifests)
 
     async def load_segment(self, manifest: weights_pb2.WeightManifest) -> shm.Segment:
         """The spooled bytes in a new shm segment, read chunk by chunk."""
@@ -267,9 +319,31 @@ class DatabaseSpool:
         pass  # the ledger owns the connection
 
 
-def _current_manifest(db: Database) -> weights_pb2.WeightManifest | None:
-    row = db.execute("SELECT value FROM meta WHERE name = 'spool_manifest'").fetchone()
+def _current_manifest(db: Database, name: str = "spool_manifest") -> weights_pb2.WeightManifest | None:
+    row = db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
     return weights_pb2.WeightManifest.FromString(bytes.fromhex(row[0])) if row else None
+
+
+def _manifests(db: Database) -> list[weights_pb2.WeightManifest]:
+    """(The ledger's one connection and thread: no other write comes between the two reads.)"""
+    head = _current_manifest(db)
+    if head is None:
+        return []
+    base = _current_manifest(db, "spool_base_manifest") if head.HasField("lora") else None
+    return [base, head] if base is not None else [head]
+
+
+def _kept_versions(db: Database) -> list[int]:
+    """The versions whose chunks the spool keeps: the spooled push's, and the weights an adapter sits on."""
+    return [m.version for m in _manifests(db)] or [-1]
+
+
+def _name_base(db: Database, base: weights_pb2.WeightManifest | None) -> None:
+    if base is None:
+        db.execute("DELETE FROM meta WHERE name = 'spool_base_manifest'")
+    else:
+        db.execute("INSERT INTO meta (name, value) VALUES ('spool_base_manifest', ?) "
+                   "ON CONFLICT (name) DO UPDATE SET value = excluded.value", (base.SerializeToString().hex(),))
 
 
 def _write_chunk(db: Database, version: int, idx: int, data: memoryview) -> None:
@@ -292,7 +366,18 @@ def _delete_version(db: Database, version: int) -> None:
 
 
 def _delete_others(db: Database, version: int) -> None:
-    db.execute("DELETE FROM spool_chunks WHERE version <> ?", (version,))
+    """``version`` committed: every other version's chunks go, but those of the weights an adapter sits on."""
+    with db.transaction():
+        _delete_not_kept(db)
+
+
+def _delete_not_kept(db: Database) -> int:
+    kept = _kept_versions(db)
+    head = _current_manifest(db)
+    if head is None or not head.HasField("lora"):  # named by an adapter push that did not commit, or replaced
+        db.execute("DELETE FROM meta WHERE name = 'spool_base_manifest'")
+    marks = ", ".join("?" * len(kept))
+    return db.execute(f"DELETE FROM spool_chunks WHERE version NOT IN ({marks})", tuple(kept)).rowcount
 
 
 def _delete_unless_current(db: Database, version: int) -> None:
@@ -306,9 +391,7 @@ def _delete_unless_current(db: Database, version: int) -> None:
 
 def _delete_not_current(db: Database) -> int:
     with db.transaction():
-        current = _current_manifest(db)
-        return db.execute("DELETE FROM spool_chunks WHERE version <> ?",
-                          (current.version if current is not None else -1,)).rowcount
+        return _delete_not_kept(db)
 
 
 __all__ = ["DatabaseSpool", "FileSpool", "SPOOL_CHUNK_BYTES"]

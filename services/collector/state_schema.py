@@ -62,6 +62,8 @@ META_KEYS = {
     "mismatch_breaker": "while the mismatch breaker is open: what it opened on (JSON {reason})",
     "mismatch_measured": "the mismatch measured per lag (JSON), with mismatch_kl_target",
     "spool_manifest": "PostgreSQL: the spooled push's manifest (hex of a serialized WeightManifest)",
+    "spool_base_manifest": "PostgreSQL, while the spooled push is a LoRA adapter: the manifest of the weights it "
+                           "sits on (hex; absent: the checkpoint's)",
 }
 """The ``meta`` rows the collector keeps, besides the schema version."""
 

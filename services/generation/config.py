@@ -16,6 +16,8 @@ from rlfleet.services.common.config import ServiceConfig
 # Keys of engine_kwargs the engine sets itself: overriding them would silently
 # break behaviour log-probs or weight updates.
 OWNED_ENGINE_KWARGS = frozenset({"logprobs_mode", "weight_transfer_config", "model"})
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""vLLM 0.32's ``MaxLoRARanks`` (checked against it in tests/integration/test_generation_engine.py)."""
 
 
 class GenerationEngineConfig(BaseModel):
@@ -111,11 +113,28 @@ class GenerationEngineConfig(BaseModel):
     pushes are refused with FAILED_PRECONDITION and the collector re-syncs this replica with a full push
     instead. The checkpoint's own weights are not kept: a replica takes deltas after its first push."""
 
+    max_lora_rank: int | None = Field(None, ge=1)
+    """Serve LoRA adapter pushes (``WeightManifest.lora``) of up to this rank: vLLM's LoRA support is
+    switched on (``enable_lora``; on CPU it also switches vLLM's compilation off). One of vLLM's
+    allowed values (1, 8, 16, 32, 64, 128, 256, 320, 512). ``None``: adapter pushes are refused
+    (FAILED_PRECONDITION)."""
+
+    max_loras: int = Field(2, ge=2)
+    """With ``max_lora_rank``: adapter versions vLLM may run in one batch. At least 2, so requests that
+    started on the previous adapter finish on it while new ones run on the pushed one."""
+
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments passed verbatim to ``vllm.AsyncEngineArgs``
     (e.g. ``tensor_parallel_size``, ``gpu_memory_utilization``). They override
     the fields above; ``logprobs_mode`` and ``weight_transfer_config`` are
     owned by the engine and may not be set here."""
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _a_rank_vllm_allows(cls, rank: int | None) -> int | None:
+        if rank is not None and rank not in MAX_LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {list(MAX_LORA_RANKS)} (vLLM's), got {rank}")
+        return rank
 
     @field_validator("engine_kwargs")
     @classmethod

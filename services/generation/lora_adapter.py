@@ -284,10 +284,17 @@ def adapter_name(version: int) -> str:
     return f"{ADAPTER_NAME_PREFIX}{version}"
 
 
-def lora_request(version: int, directory: str | os.PathLike[str]) -> LoRARequest:
-    """The ``LoRARequest`` serving policy ``version`` from ``directory`` (int id ``version + 1``: ids are > 0)."""
+def lora_request(version: int, directory: str | os.PathLike[str], serial: int | None = None) -> LoRARequest:
+    """The ``LoRARequest`` serving policy ``version`` from ``directory``. ``serial`` (a replica's count of
+    adapters loaded, > 0) makes name and int id unique even if a version comes twice with other bytes (a
+    push applied here that never committed, then another of that version): ``rlfleet-v{version}-{serial}``,
+    id ``serial``; without it the name is ``rlfleet-v{version}`` and the id ``version + 1`` (ids are > 0)."""
     from vllm.lora.request import LoRARequest
 
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ValueError(f"policy version must be a non-negative integer, got {version!r}")
-    return LoRARequest(lora_name=adapter_name(version), lora_int_id=version + 1, lora_path=str(directory))
+    if serial is None:
+        return LoRARequest(lora_name=adapter_name(version), lora_int_id=version + 1, lora_path=str(directory))
+    if serial < 1:
+        raise ValueError(f"serial must be > 0, got {serial}")
+    return LoRARequest(lora_name=f"{adapter_name(version)}-{serial}", lora_int_id=serial, lora_path=str(directory))

@@ -28,7 +28,7 @@ class RolloutHost(Protocol):
     def policy_version(self) -> int: ...
 
     async def open_stream(self, prompt_token_ids: list[int], params: Any,
-                          request_id: str) -> tuple[AsyncGenerator[Any, None], int]: ...
+                          request_id: str) -> tuple[AsyncGenerator[Any, None], int, int | None]: ...
 
     def resumes(self, swap_serial: int) -> bool: ...
 
@@ -52,8 +52,9 @@ class Rollout:
         self._cached_prompt_tokens: int | None = 0
         self._resumable = resume_blocker(sampling) is None
         self._samples: dict[int, SampleAccumulator] = {}
-        # vLLM request id -> (the sample it continues, None for the call's own request; swap serial at submission)
-        self._requests: dict[str, tuple[int | None, int]] = {}
+        # vLLM request id -> (the sample it continues, None for the call's own request; swap serial at
+        # submission; the version of the LoRA adapter it is pinned to, None without one)
+        self._requests: dict[str, tuple[int | None, int, int | None]] = {}
         self._streams = StreamSet()
         self._continuations = 0
         self.running = False
@@ -77,22 +78,23 @@ class Rollout:
                 for result in finished:
                     for copy in _copies(result, copies):
                         yield copy
-                for sample, completion in aborted:
-                    if (result := await self._continue(sample, completion)) is not None:
+                for sample, completion, versions in aborted:
+                    if (result := await self._continue(sample, completion, versions)) is not None:
                         for copy in _copies(result, copies):
                             yield copy
         finally:
             await self._streams.aclose()
 
     async def _submit(self, request_id: str, prompt: list[int], sampling: SamplingSpec, sample: int | None) -> None:
-        stream, serial = await self._host.open_stream(prompt, to_vllm(sampling), request_id)
-        self._requests[request_id] = (sample, serial)
+        stream, serial, pinned = await self._host.open_stream(prompt, to_vllm(sampling), request_id)
+        self._requests[request_id] = (sample, serial, pinned)
         self._streams.add(request_id, stream)
 
-    def _absorb(self, request_id: str, output: Any) -> tuple[list[SampleResult], list[tuple[SampleAccumulator, Any]]]:
+    def _absorb(self, request_id: str, output: Any) -> tuple[list[SampleResult],
+                                                             list[tuple[SampleAccumulator, Any, Any]]]:
         """One output of one request (once per engine step: keep it small): the samples it finished,
         and those a ``resume`` swap aborted, to continue."""
-        continued, serial = self._requests[request_id]
+        continued, serial, pinned = self._requests[request_id]
         if continued is None:
             # A continuation's prompt includes sampled tokens: report the call's own prefix-cache hit.
             self._cached_prompt_tokens = output.num_cached_tokens
@@ -109,16 +111,17 @@ class Rollout:
                 new_tokens += len(completion.token_ids)
             if completion.finish_reason is None:
                 continue
+            versions = _pinned_spans(sample, pinned) if pinned is not None else completion.weight_versions
             if completion.finish_reason == "abort" and self._resumable and self._host.resumes(serial):
-                aborted.append((sample, completion))
+                aborted.append((sample, completion, versions))
             else:
-                finished.append(self._result(sample, completion, now))
+                finished.append(self._result(sample, completion, now, versions))
         if new_tokens:
             self._host.count_tokens(new_tokens, now, first=not self.running)
             self.running = True
         return finished, aborted
 
-    async def _continue(self, sample: SampleAccumulator, completion: Any) -> SampleResult | None:
+    async def _continue(self, sample: SampleAccumulator, completion: Any, versions: Any) -> SampleResult | None:
         """Submit the continuation of ``sample`` once the swap is over; if the engine cannot take it
         (the swap failed, shutdown), the sample's result with "abort"."""
         sampled = len(sample.response_token_ids)
@@ -128,17 +131,31 @@ class Rollout:
             await self._submit(f"{self._request_id}/resume-{self._continuations}",
                                self._prompt + sample.response_token_ids, spec, sample.index)
         except Unavailable:
-            return self._result(sample, completion, time.monotonic())
-        sample.continue_after(completion.weight_versions)
+            return self._result(sample, completion, time.monotonic(), versions)
+        sample.continue_after(versions)
         self._host.count_resume(sampled)
         return None
 
-    def _result(self, sample: SampleAccumulator, completion: Any, now: float) -> SampleResult:
+    def _result(self, sample: SampleAccumulator, completion: Any, now: float, versions: Any) -> SampleResult:
         return finished_sample(
             self._request_id, len(self._prompt), sample, completion,
             (self._version_at_submit, self._host.policy_version), (self._called_at, self._submitted_at, now),
-            self._cached_prompt_tokens,
+            self._cached_prompt_tokens, versions,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Span:
+    version: int
+    start: int
+    end: int
+
+
+def _pinned_spans(sample: SampleAccumulator, version: int) -> list[_Span]:
+    """A request pinned to an adapter: every token it sampled is that version's (vLLM's labels follow
+    the engine's weights, not the request's adapter), counted from the request's first token."""
+    tokens = len(sample.response_token_ids) - sample.request_start
+    return [_Span(version, 0, tokens)] if tokens else []
 
 
 def _copies(result: SampleResult, copies: int) -> list[SampleResult]:

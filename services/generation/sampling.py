@@ -133,11 +133,12 @@ class SampleAccumulator:
 
 def finished_sample(request_id: str, prompt_length: int, sample: SampleAccumulator, completion: Any,
                     versions: tuple[int, int], times: tuple[float, float, float],
-                    cached_prompt_tokens: int | None = None) -> SampleResult:
+                    cached_prompt_tokens: int | None = None, weight_versions: Any = None) -> SampleResult:
     """The result of a sample vLLM reports finished (``completion``: its last CompletionOutput; the
     version spans of a resumed sample are stitched across its requests, ``SampleAccumulator.spans``).
 
-    ``versions``: the policy version at submission and now; ``times``: monotonic
+    ``weight_versions``: the request's version spans when not vLLM's (a request pinned to a LoRA
+    adapter). ``versions``: the policy version at submission and now; ``times``: monotonic
     clock at the call, at submission to vLLM, and now; ``cached_prompt_tokens``:
     the request's prefix-cache hit (vLLM's ``num_cached_tokens``)."""
     finish_reason = _FINISH_REASONS.get(completion.finish_reason)
@@ -148,7 +149,7 @@ def finished_sample(request_id: str, prompt_length: int, sample: SampleAccumulat
     called_at, submitted_at, now = times
     # vLLM labels output tokens with the engine's weight version; a sample
     # without tokens (aborted while queued) falls back to our own clock.
-    spans = sample.spans(completion.weight_versions)
+    spans = sample.spans(weight_versions if weight_versions is not None else completion.weight_versions)
     return SampleResult(
         request_id=request_id,
         index=sample.index,

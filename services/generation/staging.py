@@ -25,6 +25,7 @@ from typing import Any
 from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
 from rlfleet.services.common.weight_stream import WeightPush, open_offered_segment
 from rlfleet.services.generation.kept_weights import KeptWeights
+from rlfleet.services.generation.lora_adapter import LoraAdapterConfig, validate_adapter
 from rlfleet.services.generation.push_validation import TensorSpec, validate_manifest
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import WireError, shm, weight_delta
@@ -43,17 +44,27 @@ class StagedPush:
     """A delta push: its tensors located in the kept weights it patches."""
     loads_from: KeptWeights | None = None
     """Set at a delta's commit: the kept weights it patched, which the worker loads from."""
+    adapter: tuple[LoraAdapterConfig, list[str]] | None = None
+    """A LoRA adapter push: its config and its tensors' names in peft's form."""
 
     @classmethod
     def begin(cls, manifest: weights_pb2.WeightManifest, checkpoint: dict[str, TensorSpec],
               max_bytes: int, kept: weights_pb2.WeightManifest | None = None) -> "StagedPush":
         """Validate ``manifest`` against the checkpoint (a delta: against ``kept``, the full manifest of
-        the weights it patches) and prepare where its bytes go.
+        the weights it patches; an adapter: as an adapter of the checkpoint's linear layers) and prepare
+        where its bytes go.
 
         Names, dtypes and shapes are checked against the served model first, then
         the size against ``max_bytes``: only a push that passes both is given memory."""
-        delta = None
-        if weight_delta.is_delta(manifest):
+        delta, adapter = None, None
+        if manifest.HasField("lora"):
+            if weight_delta.is_delta(manifest):
+                raise InvalidArgument("manifest.lora: an adapter push is whole, never a delta (manifest.delta)")
+            config = LoraAdapterConfig(rank=manifest.lora.rank, alpha=manifest.lora.alpha,
+                                       target_modules=tuple(manifest.lora.target_modules))
+            push = WeightPush.from_manifest(manifest, max_bytes)
+            adapter = (config, validate_adapter(push.names, push.dtypes, push.shapes, checkpoint, config))
+        elif weight_delta.is_delta(manifest):
             push = WeightPush.from_manifest(manifest, max_bytes)  # dtypes and shapes well-formed first
             try:
                 delta = weight_delta.spans(manifest, kept)
@@ -63,7 +74,8 @@ class StagedPush:
             validate_manifest(manifest, checkpoint)
             push = WeightPush.from_manifest(manifest, max_bytes)
         source = manifest.WhichOneof("source")
-        staged = cls(push=push, transport=source or "grpc", resync=manifest.resync, manifest=manifest, delta=delta)
+        staged = cls(push=push, transport=source or "grpc", resync=manifest.resync, manifest=manifest, delta=delta,
+                     adapter=adapter)
         if source == "shm":
             staged.segment = open_offered_segment(manifest, push.total_bytes, "at this replica")
             push.add_all(staged.segment.buffer)  # the bytes are all there (checksummed if asked)

@@ -25,6 +25,7 @@ from rlfleet.services.common.sampling_spec import SamplingSpec
 from rlfleet.services.generation import queue_poll
 from rlfleet.services.generation.config import GenerationEngineConfig
 from rlfleet.services.generation.kept_weights import WeightKeeper
+from rlfleet.services.generation.served_adapters import AdapterSet, ServedAdapter
 from rlfleet.services.generation.prompt_tokens import PromptTokenizer
 from rlfleet.services.generation.rollout import Rollout
 from rlfleet.services.generation.sampling import SampleResult
@@ -68,6 +69,7 @@ class GenerationEngine:
         self._resumed_samples = 0
         self._resumed_tokens = 0
         self._kept = WeightKeeper(config.delta_pushes)  # the served weights, for delta pushes
+        self._adapters = AdapterSet()  # LoRA adapters served (max_lora_rank)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -135,6 +137,10 @@ class GenerationEngine:
         )
         if cfg.block_size is not None:
             kwargs["block_size"] = cfg.block_size
+        if cfg.max_lora_rank is not None:
+            # Adapter versions: max_loras in a batch; two more cached on the CPU for the pinned ones.
+            kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=cfg.max_loras,
+                          max_cpu_loras=cfg.max_loras + 2)
         kwargs.update(cfg.engine_kwargs)
         # Owned keys last: behaviour log-probs must be those of the sampling
         # distribution, and weight pushes go through rlfleet's transfer engine.
@@ -149,6 +155,7 @@ class GenerationEngine:
         self._admission_open.set()  # release callers held by a swap; they see STOPPED
         self.prompts.close()
         self._kept.drop()
+        self._adapters.close()
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)
 
@@ -295,11 +302,12 @@ class GenerationEngine:
                 self._requests_running -= 1
 
     async def open_stream(self, prompt_token_ids: list[int], params: Any,
-                          request_id: str) -> tuple[AsyncGenerator[Any, None], int]:
+                          request_id: str) -> tuple[AsyncGenerator[Any, None], int, int | None]:
         """One vLLM request of a ``generate`` call, submitted once no swap holds admission (so it
         runs on the weights of the latest swap): its output stream (the request reaches vLLM at the
-        first read) and the swap serial before it waited (``resumes``). Unavailable if the engine
-        cannot serve."""
+        first read), the swap serial before it waited (``resumes``), and the version of the LoRA
+        adapter it is pinned to (None: none; its tokens are then labelled by vLLM). Unavailable if
+        the engine cannot serve."""
         # Read before waiting: a swap may start between the wait's end and the request reaching
         # vLLM, and abort it; counting that swap as "since" lets the request resume.
         swap_serial = self._swap_serial
@@ -307,7 +315,22 @@ class GenerationEngine:
         # starts on the new weights and does not delay the drain.
         await self._admission_open.wait()
         engine = self._require_engine()
-        return engine.generate({"prompt_token_ids": prompt_token_ids}, params, request_id), swap_serial
+        adapter = self._adapters.pin()
+        if adapter is None:
+            return engine.generate({"prompt_token_ids": prompt_token_ids}, params, request_id), swap_serial, None
+        stream = self._pinned(engine, engine.generate({"prompt_token_ids": prompt_token_ids}, params, request_id,
+                                                      lora_request=adapter.request), adapter)
+        return stream, swap_serial, adapter.version
+
+    async def _pinned(self, engine: AsyncLLM, stream: AsyncGenerator[Any, None],
+                      adapter: ServedAdapter) -> AsyncGenerator[Any, None]:
+        """``stream``, counting as a user of ``adapter`` until it ends or is closed."""
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()
+            self._adapters.unpin(engine, adapter)
 
     def resumes(self, swap_serial: int) -> bool:
         """Whether an abort of a vLLM request opened at ``swap_serial`` is a ``resume`` swap's (one
@@ -347,10 +370,24 @@ class GenerationEngine:
         if not manifest.resync:
             self.check_version(manifest.version)
         kept = None
-        if weight_delta.is_delta(manifest):
+        if manifest.HasField("lora"):
+            self._check_adapter(manifest)
+        elif weight_delta.is_delta(manifest):
             kept = self._delta_base(manifest)
         return StagedPush.begin(manifest, self._checkpoint_specs,
                                 self.max_push_bytes if max_bytes is None else max_bytes, kept)
+
+    def _check_adapter(self, manifest: weights_pb2.WeightManifest) -> None:
+        """FAILED_PRECONDITION for an adapter push this replica cannot serve (started without LoRA, or
+        with a smaller ``max_lora_rank``); INVALID_ARGUMENT over nccl."""
+        if manifest.WhichOneof("source") == "nccl":
+            raise InvalidArgument("manifest.lora: an adapter push travels by shm or grpc, not nccl")
+        if self.config.max_lora_rank is None:
+            raise FailedPrecondition("adapter push refused: this replica serves no LoRA adapters (start it with "
+                                     "max_lora_rank)")
+        if manifest.lora.rank > self.config.max_lora_rank:
+            raise FailedPrecondition(f"adapter push refused: its rank {manifest.lora.rank} is above this replica's "
+                                     f"max_lora_rank {self.config.max_lora_rank}")
 
     def _delta_base(self, manifest: weights_pb2.WeightManifest) -> weights_pb2.WeightManifest:
         """The full manifest of the kept weights a delta push patches; FAILED_PRECONDITION (the
@@ -401,12 +438,44 @@ class GenerationEngine:
         async with self._swap_lock:
             if not staged.resync:
                 self.check_version(staged.version)
+            if staged.adapter is not None:
+                await asyncio.shield(self._apply_adapter(engine, staged))
+                return
             if staged.delta is not None:
                 await self._patch_kept(staged)
-            await asyncio.shield(self._swap(engine, staged))
+            # Requests pinned to an adapter cannot go on with other weights under it: "keep" resumes them.
+            mode = "resume" if staged.mode == "keep" and self._adapters.current is not None else staged.mode
+            await asyncio.shield(self._swap(engine, staged.version, mode, staged.transport,
+                                            lambda: self._load_weights(engine, staged)))
             if staged.delta is None:
                 segment, staged.segment = staged.segment, None
                 self._kept.keep(staged.version, staged.manifest, segment)
+
+    async def _apply_adapter(self, engine: AsyncLLM, staged: StagedPush) -> None:
+        """An adapter push's commit: added to vLLM, then current. ``keep``: nothing pauses (requests
+        running go on with the adapter they started on); other modes as for weights."""
+        config, names = staged.adapter
+        try:
+            adapter = await self._adapters.load(engine, staged.version, config, names, staged.push.dtypes,
+                                                staged.push.shapes, staged.segment.buffer)
+        except (InvalidArgument, FailedPrecondition):
+            raise
+        except Exception as err:  # vLLM refused it: nothing changed, the replica serves on
+            raise InvalidArgument(f"vLLM refused the adapter of version {staged.version}: {err}") from None
+        if staged.mode == "keep":
+            self._adapters.switch(engine, adapter)
+            self._policy_version = staged.version
+            logger.info("serving adapter version %d (rank %d, keep: nothing paused)", staged.version, config.rank)
+            return
+
+        async def switch() -> None:
+            self._adapters.switch(engine, adapter)
+        try:
+            await self._swap(engine, staged.version, staged.mode, staged.transport, switch)
+        except BaseException:
+            if self._adapters.current is not adapter:
+                await self._adapters.discard(adapter, engine)
+            raise
 
     async def _patch_kept(self, staged: StagedPush) -> None:
         """A delta's commit: its bytes into the kept weights, which the swap then loads from."""
@@ -461,10 +530,23 @@ class GenerationEngine:
         finally:
             staged.close()
 
-    async def _swap(self, engine: AsyncLLM, staged: StagedPush) -> None:
+    async def _load_weights(self, engine: AsyncLLM, staged: StagedPush) -> None:
+        """A weight push's part of a swap: vLLM loads it, and reports its version; any adapter goes."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        version, mode = staged.version, staged.mode
+        version = staged.version
+        await engine.start_weight_update()
+        await engine.update_weights(WeightTransferUpdateRequest(update_info=staged.update_info()))
+        await engine.finish_weight_update(weight_version=str(version))
+        if not await engine.reset_prefix_cache():
+            raise RuntimeError("prefix cache reset failed after the swap")
+        engine_version = await engine.get_weight_version()
+        if engine_version != str(version):
+            raise RuntimeError(f"engine reports weight version {engine_version!r} after applying {version}")
+        self._adapters.switch(engine, None)
+
+    async def _swap(self, engine: AsyncLLM, version: int, mode: SwapMode, transport: str, load) -> None:
+        """Pause, ``load()`` (weights or an adapter), move the version, resume (see ``apply``)."""
         self._admission_open.clear()
         self._swap_serial += 1
         self._swap_mode = mode
@@ -476,14 +558,7 @@ class GenerationEngine:
             # rebuilt with the new weights when they resume. A resume swap
             # aborts in vLLM; the generate calls continue their samples.
             await engine.pause_generation(mode="abort" if mode == "resume" else mode, clear_cache=True)
-            await engine.start_weight_update()
-            await engine.update_weights(WeightTransferUpdateRequest(update_info=staged.update_info()))
-            await engine.finish_weight_update(weight_version=str(version))
-            if not await engine.reset_prefix_cache():
-                raise RuntimeError("prefix cache reset failed after the swap")
-            engine_version = await engine.get_weight_version()
-            if engine_version != str(version):
-                raise RuntimeError(f"engine reports weight version {engine_version!r} after applying {version}")
+            await load()
             self._policy_version = version
             await engine.resume_generation()
         except BaseException:
@@ -496,7 +571,7 @@ class GenerationEngine:
             self._admission_open.set()
         self._state = EngineState.SERVING
         logger.info("swapped to policy version %d (%s, %s) in %.3fs",
-                    version, mode, staged.transport, time.monotonic() - started)
+                    version, mode, transport, time.monotonic() - started)
 
     @property
     def transfer_world_size(self) -> int:

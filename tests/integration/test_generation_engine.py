@@ -21,25 +21,19 @@ from rlfleet.services.common.errors import (
 from rlfleet.services.common.sampling_spec import SamplingSpec
 from rlfleet.services.generation import queue_poll
 from rlfleet.services.generation.config import GenerationEngineConfig
-from rlfleet.services.generation.lora_adapter import (
-    LoraAdapterConfig,
-    lora_request,
-    remove_adapter_dir,
-    validate_adapter,
-    write_adapter_dir,
-)
-from rlfleet.services.generation.push_validation import read_checkpoint_specs
+from rlfleet.services.generation.config import MAX_LORA_RANKS
 from rlfleet.services.generation.vllm_engine import GenerationEngine
 from rlfleet.services.generation.sampling import SampleResult
 from rlfleet.services.models.tiny import build_tiny_model
+from rlfleet.v1 import weights_pb2
+from rlfleet.wire import shm
 from tests.hf_reference import load_hf, perturbed, response_log_probs
 from tests.waiting import wait_for_async
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 MAX_QUEUED_REQUESTS = 4
-LORA_ENGINE_KWARGS = dict(enable_lora=True, max_lora_rank=8, max_loras=2, max_cpu_loras=2)
-"""What a LoRA-serving replica adds to its engine (``GenerationEngineConfig.engine_kwargs``)."""
+MAX_LORA_RANK = 8
 LOG_PROB_TOLERANCE = 1e-4
 PROMPT = [1, 348, 201, 330, 400, 223, 20, 267, 223, 21, 2, 201, 1, 305, 310, 201]
 LONG_RESPONSE_TOKENS = 400
@@ -75,7 +69,7 @@ async def engine(model_dir):
         max_num_seqs=8,
         max_queued_requests=MAX_QUEUED_REQUESTS,
         kv_cache_memory_bytes=64 * 1024 * 1024,
-        engine_kwargs=LORA_ENGINE_KWARGS,  # the LoRA tests below; every other test runs without an adapter
+        max_lora_rank=MAX_LORA_RANK,  # the adapter tests at the end; the others run without an adapter
     )
     engine = GenerationEngine(config)
     await engine.start()
@@ -179,127 +173,6 @@ async def test_a_turn_from_a_cached_history_samples_exactly_what_a_cold_one_does
     assert warm.behavior_log_probs == cold.behavior_log_probs
     expected = hf_log_probs(hf_model(model_dir), history, warm.response_token_ids, 1.0)
     assert max_abs_diff(warm, expected) <= LOG_PROB_TOLERANCE
-
-
-# ---------------------------------------------------------------- LoRA adapters (groundwork for LoRA pushes)
-# A pushed adapter as a push would carry it (peft names, one flat buffer of raw bytes) becomes a directory
-# through ``lora_adapter``, and vLLM serves it under the version's name, against HF + peft. Run before any
-# push (the references are the checkpoint plus an adapter); the last one removes the first version.
-
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-OTHER_PROMPT = [1, 305, 310, 201, 330, 400, 223, 21]
-RESPONSE_TOKENS = 12
-ADAPTERS = {
-    1: LoraAdapterConfig(rank=8, alpha=16, target_modules=TARGETS),
-    # Below max_lora_rank and not a value max_lora_rank may take: still served; a scaling of its own (alpha / r = 4).
-    2: LoraAdapterConfig(rank=4, alpha=16, target_modules=TARGETS),
-}
-
-
-def peft_model(model_dir, adapter: LoraAdapterConfig, seed: int):
-    """The trainer's side: the tiny model with a seeded LoRA whose lora_B is non-zero (so it changes outputs)."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)  # lora_A's init
-    config = LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, target_modules=list(adapter.target_modules))
-    model = get_peft_model(load_hf(model_dir), config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.05)
-    return model.eval()
-
-
-def push_adapter(model, adapter: LoraAdapterConfig, model_dir, directory):
-    """What a replica does with a pushed adapter: validate the manifest, write the buffer as a directory."""
-    from peft import get_peft_model_state_dict
-
-    state = get_peft_model_state_dict(model)
-    names, dtypes, shapes = list(state), [t.dtype for t in state.values()], [t.shape for t in state.values()]
-    buffer = memoryview(b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in state.values()))
-    checkpoint = read_checkpoint_specs(model_dir)
-    adapter.check_served(checkpoint, LORA_ENGINE_KWARGS["max_lora_rank"])
-    names = validate_adapter(names, dtypes, shapes, checkpoint, adapter)
-    return write_adapter_dir(directory, names, dtypes, shapes, buffer, adapter)
-
-
-@pytest.fixture(scope="module")
-def adapters(model_dir, tmp_path_factory):
-    """Versions 1 and 2: (reference peft model, LoRARequest) each."""
-    root = tmp_path_factory.mktemp("lora")
-    served = {}
-    for version, adapter in ADAPTERS.items():
-        model = peft_model(model_dir, adapter, seed=version)
-        directory = push_adapter(model, adapter, model_dir, root / f"rlfleet-lora-v{version}")
-        served[version] = (model, lora_request(version, directory))
-    return served
-
-
-
-
-async def greedy(engine, request_id: str, lora=None, prompt=PROMPT) -> tuple[list[int], torch.Tensor]:
-    """Greedy response tokens and the engine's log-prob of each."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=RESPONSE_TOKENS, ignore_eos=True, logprobs=0)
-    final = None
-    async for output in engine._require_engine().generate({"prompt_token_ids": prompt}, params, request_id, lora_request=lora):
-        final = output
-    completion = final.outputs[0]
-    tokens = list(completion.token_ids)
-    return tokens, torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, tokens)])
-
-
-def max_diff(engine_log_probs: torch.Tensor, reference: torch.Tensor) -> float:
-    return (engine_log_probs - reference).abs().max().item()
-
-
-
-
-async def test_the_adapter_is_served_with_the_log_probs_of_hf_and_peft(engine, adapters, model_dir):
-    model, request = adapters[1]
-    assert await engine._require_engine().add_lora(request)
-    tokens, log_probs = await greedy(engine, "lora-v1", request)
-    adapted = response_log_probs(model, PROMPT, tokens)
-    base = response_log_probs(load_hf(model_dir), PROMPT, tokens)
-    print(f"v1 vs hf+peft: max |diff| {max_diff(log_probs, adapted):.2e}; vs base {max_diff(log_probs, base):.2e}")
-    assert max_diff(log_probs, adapted) < LOG_PROB_TOLERANCE
-    # The adapter moved the log-probs: a request that ignored it would fail the check above.
-    assert max_diff(log_probs, base) > 100 * LOG_PROB_TOLERANCE
-
-
-async def test_a_request_without_an_adapter_still_gets_the_base_model(engine, model_dir):
-    tokens, log_probs = await greedy(engine, "lora-base")
-    assert max_diff(log_probs, response_log_probs(load_hf(model_dir), PROMPT, tokens)) < LOG_PROB_TOLERANCE
-
-
-async def test_two_versions_resident_serve_interleaved_requests(engine, adapters, model_dir):
-    (model_1, request_1), (model_2, request_2) = adapters[1], adapters[2]
-    for request in (request_1, request_2):
-        await engine._require_engine().add_lora(request)  # False when resident already
-    assert set(await engine._require_engine().list_loras()) == {request_1.lora_int_id, request_2.lora_int_id}
-    plan = [(request_1, model_1, PROMPT), (request_2, model_2, PROMPT),
-            (request_1, model_1, OTHER_PROMPT), (request_2, model_2, OTHER_PROMPT)]
-    results = await asyncio.gather(*(greedy(engine, f"lora-mix-{i}", request, prompt)
-                                     for i, (request, _, prompt) in enumerate(plan)))
-    diffs = [max_diff(log_probs, response_log_probs(model, prompt, tokens))
-             for (tokens, log_probs), (_, model, prompt) in zip(results, plan)]
-    print(f"interleaved v1/v2 vs hf+peft: max |diff| {max(diffs):.2e}")
-    assert max(diffs) < LOG_PROB_TOLERANCE
-    # Same prompt, two versions, answers of their own (prefix blocks are not shared across adapters).
-    (tokens_1, log_probs_1), (tokens_2, log_probs_2) = results[0], results[1]
-    assert tokens_1 != tokens_2 or max_diff(log_probs_1, log_probs_2) > 100 * LOG_PROB_TOLERANCE
-
-
-async def test_removing_a_version_leaves_the_other_serving(engine, adapters):
-    (_, request_1), (model_2, request_2) = adapters[1], adapters[2]
-    for request in (request_1, request_2):
-        await engine._require_engine().add_lora(request)
-    assert await engine._require_engine().remove_lora(request_1.lora_int_id)
-    remove_adapter_dir(request_1.lora_path)
-    assert set(await engine._require_engine().list_loras()) == {request_2.lora_int_id}
-    tokens, log_probs = await greedy(engine, "lora-v2-alone", request_2)
-    assert max_diff(log_probs, response_log_probs(model_2, PROMPT, tokens)) < LOG_PROB_TOLERANCE
 
 
 async def test_weight_push_changes_log_probs(engine, model_dir, base_state_dict):
@@ -579,3 +452,124 @@ async def test_a_delta_on_another_base_or_reshaping_a_tensor_is_refused_untouche
                                     base_version=version)
     assert engine.policy_version == version
 
+
+# ---------------------------------------------------------------- LoRA adapter pushes
+# Adapters as a trainer pushes them (peft's names, one flat buffer), served by vLLM against Hugging Face
+# + peft. The module's weights are first set back to the checkpoint's: the peft references sit on it.
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def peft_model(model_dir, rank: int, alpha: float, seed: int):
+    """The trainer's side: the tiny model with a seeded LoRA whose lora_B is non-zero (so it changes outputs)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)  # lora_A's init
+    model = get_peft_model(load_hf(model_dir), LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.05)
+    return model.eval()
+
+
+async def push_adapter(engine, model, version: int, mode: str = "keep", pairs=None, rank=None, delta=False):
+    """Stage and apply ``model``'s adapter (or ``pairs``) as an adapter push of ``version``."""
+    from peft import get_peft_model_state_dict
+
+    from rlfleet.client.push import MODES
+    from rlfleet.wire.push_messages import iter_push_messages
+
+    config = model.peft_config["default"]
+    pairs = pairs if pairs is not None else list(get_peft_model_state_dict(model).items())
+    _, manifest = next(iter_push_messages(pairs, version=version, checksum_algo=None, mode=MODES[mode]))
+    manifest.lora.CopyFrom(weights_pb2.LoraAdapter(rank=rank or config.r, alpha=config.lora_alpha,
+                                                   target_modules=sorted(config.target_modules)))
+    if delta:
+        manifest.delta.base_version = version - 1
+    staged = engine.stage(manifest)
+    try:
+        shm.write_tensors(staged.segment, [tensor for _, tensor in pairs])
+        staged.push.received = staged.push.total_bytes
+        await engine.apply(staged)
+    finally:
+        staged.close()
+
+
+def test_the_allowed_ranks_are_vllms():
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    assert MAX_LORA_RANKS == tuple(get_args(MaxLoRARanks))
+
+
+async def test_an_adapter_push_is_served_with_the_log_probs_of_hf_and_peft(engine, model_dir, base_state_dict):
+    await serve(engine, base_state_dict)  # the checkpoint's weights again: the references' base
+    model = peft_model(model_dir, rank=8, alpha=16, seed=1)
+    version = engine.policy_version + 1
+    await push_adapter(engine, model, version)
+    assert engine.policy_version == version
+
+    samples = await collect(engine, SamplingSpec(n=2, temperature=1.0, max_tokens=16, seed=31), "adapter-1")
+    for sample in samples:
+        assert sample.policy_version_spans == [(version, 0, len(sample.response_token_ids))]
+        tokens = sample.response_token_ids
+        assert max_abs_diff(sample, response_log_probs(model, PROMPT, tokens)) <= LOG_PROB_TOLERANCE
+        assert max_abs_diff(sample, response_log_probs(load_hf(model_dir), PROMPT, tokens)) > 1e-2
+
+
+async def test_a_request_runs_to_its_end_on_the_adapter_it_started_on(engine, model_dir):
+    """``keep``: an adapter push pauses nothing; the request running goes on with the previous adapter (two
+    resident), new requests get the pushed one, and the previous one leaves vLLM when its last request ends."""
+    first = peft_model(model_dir, rank=8, alpha=16, seed=1)  # what the previous test pushed
+    first_version = engine.policy_version
+    second = peft_model(model_dir, rank=4, alpha=16, seed=2)  # a rank below max_lora_rank: a scaling of its own
+    long = asyncio.create_task(collect(engine, long_spec(), "adapter-long"))
+    await wait_for_async(lambda: engine.status().requests_running == 1, ENGINE_STEP_TIMEOUT, "the request running")
+    await push_adapter(engine, second, first_version + 1)
+    assert engine.status().requests_running == 1 and not long.done()
+    assert len(await engine._require_engine().list_loras()) == 2
+
+    (fresh,) = await collect(engine, SamplingSpec(temperature=1.0, max_tokens=16, seed=32), "adapter-2")
+    assert fresh.policy_version_spans == [(first_version + 1, 0, len(fresh.response_token_ids))]
+    assert max_abs_diff(fresh, response_log_probs(second, PROMPT, fresh.response_token_ids)) <= LOG_PROB_TOLERANCE
+    (sample,) = await long
+    assert sample.policy_version_spans == [(first_version, 0, LONG_RESPONSE_TOKENS)]
+    assert max_abs_diff(sample, response_log_probs(first, PROMPT, sample.response_token_ids)) <= LOG_PROB_TOLERANCE
+    loras = engine._require_engine().list_loras
+
+    async def one_left():
+        return len(await loras()) == 1
+    deadline = asyncio.get_running_loop().time() + ABORT_TIMEOUT
+    while not await one_left():
+        assert asyncio.get_running_loop().time() < deadline, "the previous adapter never left vLLM"
+        await asyncio.sleep(0.05)
+    await wait_for_async(lambda: len(list(engine._adapters._root.iterdir())) == 1, ABORT_TIMEOUT,
+                         "the previous adapter's directory to go")
+
+
+async def test_adapter_pushes_the_replica_cannot_serve_are_refused_untouched(engine, model_dir):
+    version = engine.policy_version
+    model = peft_model(model_dir, rank=8, alpha=16, seed=3)
+    with pytest.raises(FailedPrecondition, match="rank 16 is above this replica's max_lora_rank 8"):
+        await push_adapter(engine, model, version + 1, rank=16)
+    from peft import get_peft_model_state_dict
+
+    pairs = [(name, tensor.t().contiguous() if name.endswith("layers.0.self_attn.q_proj.lora_A.weight") else tensor)
+             for name, tensor in get_peft_model_state_dict(model).items()]
+    with pytest.raises(InvalidArgument, match="layers.0.self_attn.q_proj.lora_A"):
+        await push_adapter(engine, model, version + 1, pairs=pairs)
+    with pytest.raises(InvalidArgument, match="never a delta"):
+        await push_adapter(engine, model, version + 1, delta=True)
+    assert engine.policy_version == version
+
+
+async def test_a_full_push_drops_the_adapter(engine, model_dir, base_state_dict):
+    weights = perturbed(base_state_dict, seed=33)
+    version = await serve(engine, weights, mode="keep")  # run as "resume" under an adapter
+    (sample,) = await collect(engine, SamplingSpec(temperature=1.0, max_tokens=16, seed=34), "after-adapters")
+    assert sample.policy_version_spans == [(version, 0, len(sample.response_token_ids))]
+    expected = hf_log_probs(hf_model(model_dir, weights), PROMPT, sample.response_token_ids, 1.0)
+    assert max_abs_diff(sample, expected) <= LOG_PROB_TOLERANCE
+    await wait_for_async(lambda: not list(engine._adapters._root.iterdir()), ABORT_TIMEOUT, "adapters removed")

@@ -60,6 +60,7 @@ by a push), or swept at the next monitor tick once the process holding them is d
 @pytest.fixture(scope="module")
 def suite(tiny_model_dir, tmp_path_factory):
     options = SuiteOptions(model_dir=tiny_model_dir, generation_replicas=2, kv_cache_bytes=64 << 20,
+                           generation_args=["--max-lora-rank", "8"],  # adapter pushes
                            collector_args=["--replica-check-seconds", str(REPLICA_CHECK_SECONDS), "--mode", "async",
                                            "--max-staleness", "1000", "--sampling",
                                            '{"temperature": 1.0, "max_tokens": 8}'])
@@ -76,7 +77,8 @@ def client(suite):
 
 @pytest.fixture(scope="module")
 def committed(tiny_model_dir):
-    """version -> the float32 state dict committed at that version (what the engines must compute with)."""
+    """version -> the float32 state dict committed at that version (what the engines must compute with),
+    or for an adapter push, the peft model (its base weights and the adapter)."""
     return {0: load_hf(tiny_model_dir).state_dict()}
 
 
@@ -108,7 +110,8 @@ def sample(proc, seed: int):
 def assert_serving(suite, client, committed, tiny_model_dir, procs=None):
     """Every (given) replica serves the collector's version and computes with that version's weights."""
     version = client.policy_version
-    model = load_hf(tiny_model_dir, committed[version])
+    reference = committed[version]
+    model = reference if isinstance(reference, torch.nn.Module) else load_hf(tiny_model_dir, reference)
     for proc in procs or replicas(suite):
         assert replica_version(proc) == version, f"{proc.address} is not at the collector's version {version}"
         tokens, log_probs, reply = sample(proc, seed=version + 1)
@@ -269,6 +272,23 @@ def test_a_malformed_delta_is_refused_naming_the_tensor(suite, client, committed
         with pytest.raises(grpc.RpcError) as error:
             stub.PushWeights(iter([collector_pb2.PushWeightsRequest(manifest=manifest)]), timeout=PUSH_TIMEOUT)
         assert error.value.code() == code and words in error.value.details()
+    # Adapters: a factor of the wrong shape names the tensor (the replicas' check); with a delta, refused.
+    adapter = weights_pb2.LoraAdapter(rank=8, alpha=16, target_modules=["v_proj"])
+    a_name = "base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight"
+    b_name = a_name.replace("lora_A", "lora_B")
+    specs = [weights_pb2.WeightSpec(name=a_name, dtype=tensor_pb2.DTYPE_FLOAT32, shape=[shape[1], 8]),
+             weights_pb2.WeightSpec(name=b_name, dtype=tensor_pb2.DTYPE_FLOAT32, shape=[shape[0], 8])]
+    for delta, code, words in [(False, grpc.StatusCode.INVALID_ARGUMENT, "v_proj.lora_A"),
+                               (True, grpc.StatusCode.INVALID_ARGUMENT, "manifest.lora")]:
+        manifest = weights_pb2.WeightManifest(tensors=specs, lora=adapter,
+                                              total_bytes=4 * 8 * (shape[0] + shape[1]))
+        if delta:
+            manifest.delta.base_version = version
+        requests = [collector_pb2.PushWeightsRequest(manifest=manifest),
+                    collector_pb2.PushWeightsRequest(chunk=weights_pb2.WeightChunk(data=bytes(manifest.total_bytes)))]
+        with pytest.raises(grpc.RpcError) as error:
+            stub.PushWeights(iter(requests), timeout=PUSH_TIMEOUT)
+        assert error.value.code() == code and words in error.value.details(), error.value.details()
     manifest = weights_pb2.WeightManifest()
     manifest.delta.base_version = version - 1
     with pytest.raises(grpc.RpcError) as error:
@@ -276,6 +296,44 @@ def test_a_malformed_delta_is_refused_naming_the_tensor(suite, client, committed
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert f"the committed version is {version}" in error.value.details()
     assert client.policy_version == version
+    assert_serving(suite, client, committed, tiny_model_dir)
+
+
+# ---------------------------------------------------------------- LoRA adapter pushes
+
+
+def adapted(tiny_model_dir, base: dict[str, torch.Tensor], seed: int, rank: int = 8):
+    """A peft LoRA on ``base`` whose lora_B is non-zero (it changes outputs), as a trainer holds it."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(load_hf(tiny_model_dir, base), LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                      "up_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.05)
+    return model.eval()
+
+
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_an_adapter_push_serves_the_base_weights_with_the_adapter(suite, client, committed, tiny_model_dir,
+                                                                 transport):
+    base = committed[client.policy_version]
+    assert not isinstance(base, torch.nn.Module), "the previous version must be weights"
+    model = adapted(tiny_model_dir, base, seed=400 + len(committed))
+    result = client.push_adapter(model, transport=transport, progress=False)
+    committed[result.version] = model
+    assert result.all_applied and result.transport == transport
+    adapter_bytes = sum(t.numel() * 4 for n, t in model.named_parameters() if "lora_" in n)
+    assert result.bytes == adapter_bytes < sum(t.numel() * 4 for t in base.values()) / 4
+    assert_serving(suite, client, committed, tiny_model_dir)
+    # A full push drops the adapter.
+    weights = perturbed(committed[0], seed=410 + len(committed))
+    full = client.push_weights(weights, transport=transport, progress=False)
+    committed[full.version] = weights
+    assert full.all_applied
     assert_serving(suite, client, committed, tiny_model_dir)
 
 
@@ -382,8 +440,9 @@ def test_trainer_sigkill_mid_push_leaves_old_version_and_no_segment(suite, clien
 
 
 def test_replica_killed_then_restarted_is_resynced_over_shm(suite, client, committed, tiny_model_dir):
-    """The victim misses a full push and two deltas on it; it rejoins at the committed version (the
-    collector's spool holds the deltas patched into a full copy), then takes deltas again."""
+    """The victim misses a full push, two deltas on it and an adapter; it rejoins at the committed version
+    (the collector's spool holds the deltas patched into a full copy, and the adapter beside it), then
+    takes deltas again."""
     victim_key = "generation-1"
     victim = suite[victim_key]
     victim.kill()  # SIGKILL the service and its engine core
@@ -396,6 +455,11 @@ def test_replica_killed_then_restarted_is_resynced_over_shm(suite, client, commi
         # Out of rotation after the first, the victim is only probed (and left out) by the next pushes.
         assert applied[suite["generation-0"].address] and not applied.get(victim.address, False)
         weights = changed_few(weights, DELTA_TENSORS[step % 2:step % 2 + 1], seed=4243 + step)
+    weights = committed[result.version]
+    model = adapted(tiny_model_dir, weights, seed=4250, rank=4)
+    result = client.push_adapter(model, progress=False)
+    committed[result.version] = model
+    assert result.replicas[0].applied and not any(r.applied for r in result.replicas[1:])
     assert_serving(suite, client, committed, tiny_model_dir, procs=[suite["generation-0"]])
 
     restarted = ServiceProcess("generation", [*victim.args, "--port", str(victim.port)])
@@ -414,9 +478,11 @@ def test_replica_killed_then_restarted_is_resynced_over_shm(suite, client, commi
     assert f"replica {victim.address} re-synced to version {result.version} over shm" in \
         open(suite["collector"].log_path).read()
     assert_serving(suite, client, committed, tiny_model_dir)
-    result = client.push_weights(weights, progress=False, delta=True)  # the rejoined replica kept what it got
-    committed[result.version] = weights
-    assert result.base_version is not None and result.all_applied
+    for step in range(2):  # the adapter push forgot the client's base: full, then a delta
+        weights = changed_few(weights, DELTA_TENSORS[:1], seed=4260 + step)
+        result = client.push_weights(weights, progress=False, delta=True)
+        committed[result.version] = weights
+        assert (result.base_version is not None) == (step == 1) and result.all_applied
     assert_serving(suite, client, committed, tiny_model_dir)
 
 

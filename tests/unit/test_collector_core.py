@@ -419,7 +419,7 @@ def _spooling_fanout(spool):
 
 
 async def _spool_push(fanout, version: int, data: bytes, committed: bool = True, fail: bool = False,
-                      manifest=None, base=None):
+                      manifest=None):
     """One push's spool write, as ``WeightFanout._decide`` runs it: copied beside the staging, then the
     version committed (a database spool's manifest with it), then the spool's own commit."""
     from rlfleet.v1 import weights_pb2
@@ -427,7 +427,8 @@ async def _spool_push(fanout, version: int, data: bytes, committed: bool = True,
 
     segment = shm.create_segment(len(data))
     segment.buffer[:] = data
-    write = fanout.spool.begin(manifest or weights_pb2.WeightManifest(version=version, total_bytes=len(data)), base)
+    write = fanout.spool.begin(manifest or weights_pb2.WeightManifest(version=version, total_bytes=len(data)),
+                               await fanout.spool.manifests())
     if fail:
         async def disk_full(segment):
             raise OSError(28, "No space left on device")
@@ -487,7 +488,7 @@ def test_the_spool_in_the_database_switches_with_the_version_and_reads_back_chun
         assert await chunks_of(ledger) == [(3, 0), (3, 1), (3, 2)]
         await _spool_push(fanout, 6, second)
         assert fanout.spool_error == "" and await chunks_of(ledger) == [(6, 0), (6, 1), (6, 2)]
-        await DatabaseSpool(ledger).begin(manifest).copy(_segment(first))  # version 3 again, cut off: no commit
+        await DatabaseSpool(ledger).begin(manifest, []).copy(_segment(first))  # version 3 again, cut off: no commit
         ledger.close()
 
     async def second_life():
@@ -526,7 +527,7 @@ def test_a_delta_is_spooled_as_the_committed_version_patched(kind, tmp_path, mon
         fanout = _spooling_fanout(DatabaseSpool(ledger) if ledger is not None else FileSpool(tmp_path / "spool"))
         try:
             await _spool_push(fanout, 3, bytes(range(13)), manifest=full)
-            await _spool_push(fanout, 4, bytes(range(100, 109)), manifest=delta, base=full)
+            await _spool_push(fanout, 4, bytes(range(100, 109)), manifest=delta)
             spooled = await fanout.spool.manifest()
             assert (spooled.version, spooled.total_bytes, list(spooled.tensors)) == (4, 13, specs)
             assert not spooled.HasField("delta") and fanout.spool_error == ""
@@ -535,6 +536,65 @@ def test_a_delta_is_spooled_as_the_committed_version_patched(kind, tmp_path, mon
                 assert bytes(segment.buffer) == bytes(range(4)) + bytes(range(100, 109))
             finally:
                 segment.close()
+        finally:
+            fanout.spool.close()
+            if ledger is not None:
+                ledger.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("kind", ["files", "database"])
+def test_an_adapter_is_spooled_beside_the_weights_it_sits_on(kind, tmp_path, monkeypatch):
+    """A re-sync pushes the weights an adapter sits on, then the adapter: the spool keeps both (a later
+    adapter replaces the first, a full push both); an adapter on the checkpoint is spooled alone; the
+    spool opened again (a restarted collector) has the same."""
+    from rlfleet.services.collector import spool as spool_module
+    from rlfleet.services.collector.spool import DatabaseSpool, FileSpool
+    from rlfleet.v1 import weights_pb2
+
+    monkeypatch.setattr(spool_module, "SPOOL_CHUNK_BYTES", 5)
+
+    def adapter(version, size):
+        return weights_pb2.WeightManifest(version=version, total_bytes=size,
+                                          lora=weights_pb2.LoraAdapter(rank=1, alpha=2, target_modules=["q_proj"]))
+
+    async def scenario():
+        ledger = PromptLedger(str(tmp_path / "prompts.sqlite3")) if kind == "database" else None
+
+        def open_spool():
+            return _spooling_fanout(DatabaseSpool(ledger) if ledger is not None else FileSpool(tmp_path / "spool"))
+
+        async def spooled(fanout):
+            out = []
+            for manifest in await fanout.spool.manifests():
+                segment = await fanout.spool.load_segment(manifest)
+                out.append((manifest.version, manifest.HasField("lora"), bytes(segment.buffer)))
+                segment.close()
+            return out
+
+        fanout = open_spool()
+        try:
+            await _spool_push(fanout, 2, b"ab", manifest=adapter(2, 2))  # on the checkpoint
+            assert await spooled(fanout) == [(2, True, b"ab")]
+            await _spool_push(fanout, 3, bytes(range(13)))
+            await _spool_push(fanout, 4, b"abcdef", manifest=adapter(4, 6))
+            assert await spooled(fanout) == [(3, False, bytes(range(13))), (4, True, b"abcdef")]
+            await _spool_push(fanout, 5, b"xyz", manifest=adapter(5, 3))
+            await _spool_push(fanout, 6, b"uvw", manifest=adapter(6, 3), committed=False)  # aborted: no change
+            assert await spooled(fanout) == [(3, False, bytes(range(13))), (5, True, b"xyz")]
+            fanout.spool.close()
+            fanout = open_spool()
+            assert await spooled(fanout) == [(3, False, bytes(range(13))), (5, True, b"xyz")]
+            await _spool_push(fanout, 7, bytes(range(50, 63)))
+            assert await spooled(fanout) == [(7, False, bytes(range(50, 63)))]
+            if kind == "files":
+                assert sorted(p.name for p in (tmp_path / "spool").iterdir()) == ["manifest.pb", "weights-7.bin"]
+            else:
+                versions = await ledger.run(lambda db: db.execute("SELECT DISTINCT version FROM spool_chunks")
+                                            .fetchall())
+                assert [tuple(v) for v in versions] == [(7,)]
+                assert await ledger.meta("spool_base_manifest") is None
         finally:
             fanout.spool.close()
             if ledger is not None:

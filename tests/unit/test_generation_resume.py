@@ -121,8 +121,9 @@ class FakeHost:
     """The engine side of a Rollout: each submitted request answers with the next script; a script
     entry "swap" moves the version (what a swap does while the request runs)."""
 
-    def __init__(self, *scripts, resume: bool = True):
+    def __init__(self, *scripts, resume: bool = True, pins=()):
         self.scripts = list(scripts)
+        self.pins = list(pins)  # the adapter version each request is pinned to, in order (none: not pinned)
         self.policy_version = 1
         self.resume = resume
         self.submitted: list[tuple[str, list[int], SamplingSpec]] = []
@@ -133,7 +134,7 @@ class FakeHost:
         if not self.scripts:
             raise Unavailable("engine is failed")
         self.submitted.append((request_id, prompt, params))
-        return self._stream(request_id, self.scripts.pop(0)), 0
+        return self._stream(request_id, self.scripts.pop(0)), 0, self.pins.pop(0) if self.pins else None
 
     async def _stream(self, request_id, script):
         try:
@@ -241,3 +242,17 @@ async def test_closing_the_call_closes_every_current_request():
     assert first.response_token_ids == [10, 11]
     await samples.aclose()
     assert sorted(host.closed) == ["r", "r/resume-1", "r/resume-2"]
+
+
+async def test_requests_pinned_to_adapters_report_their_versions_not_vllms_labels():
+    """vLLM labels tokens with the engine's weight version, which an adapter push does not move: a request
+    pinned to adapter 5, resumed (a resume swap) on adapter 6, has its tokens under 5 then 6."""
+    host = FakeHost(
+        [output(completion(0, [10, 11])), "swap", output(completion(0, [], "abort", [span(1, 0, 2)]))],
+        [output(completion(0, [12, 13], "length", [span(1, 0, 2)]))],
+        pins=[5, 6],
+    )
+    (sample,) = (await run(host, SamplingSpec(max_tokens=4))).values()
+    assert sample.response_token_ids == [10, 11, 12, 13]
+    assert sample.policy_version_spans == [(5, 0, 2), (6, 2, 4)]
+    assert (sample.policy_version_start, sample.policy_version_end) == (5, 6)

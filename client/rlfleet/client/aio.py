@@ -16,6 +16,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from rlfleet.client.batches import DEFAULT_IDLE_TIMEOUT, DEFAULT_RECONNECT_SECONDS, BatchStream
 from rlfleet.client.channel import ChannelSettings, aio_channel, call_with_retry
 from rlfleet.client.errors import FailedPreconditionError, RlfleetClientError, UnavailableError, UnimplementedError
+from rlfleet.client.lora import adapter_tensors
 from rlfleet.client.prompts import PromptInput, to_prompt_specs
 from rlfleet.client.push import DEFAULT_CHUNK_BYTES, TransportMemo, named_tensors, push_weights
 from rlfleet.client.results import (BufferStats, DroppedStale, MismatchStatus, PassRate, PromptFailure, PushResult,
@@ -161,6 +162,34 @@ class AsyncClient:
                                   settings=self.settings, checksum=checksum, transport=transport,
                                   memo=self._transport_memo, status_call=collector.GetStatus,
                                   nccl_address=nccl_address, delta=delta)
+
+    async def push_adapter(self, adapter: Any, version: int | None = None, *, rank: int | None = None,
+                           alpha: float | None = None, target_modules: Iterable[str] | None = None,
+                           mode: str = "keep", chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: bool = True,
+                           timeout: float | None = None, checksum: str | None = "crc32",
+                           transport: str = "auto") -> PushResult:
+        """Push a LoRA adapter: only its factors travel, and a new policy version is committed.
+
+        ``adapter``: a ``peft.PeftModel`` (its active LoRA adapter's tensors, ``r`` and ``lora_alpha``
+        from its ``LoraConfig``), or a ``{name: tensor}`` mapping / ``(name, tensor)`` pairs of its
+        ``lora_A`` / ``lora_B`` factors (named as ``peft.get_peft_model_state_dict`` names them; the
+        ``base_model.model.`` prefix may be left out) with ``rank``, ``alpha`` (peft's ``lora_alpha``) and
+        ``target_modules`` given; full tensors, any floating dtype, any device (see
+        ``rlfleet.client.lora.adapter_tensors``: ValueError for what vLLM cannot serve, e.g. DoRA).
+        From the returned version on, the replicas serve the model's weights as they are plus this
+        adapter (scaled by alpha / rank); the next adapter push replaces it, and a later full or delta
+        ``push_weights`` drops it (push ``merge_and_unload()``'s weights to keep its effect). ``version``,
+        ``mode``, ``chunk_bytes``, ``progress``, ``timeout``, ``checksum`` and retries as in
+        ``push_weights``; ``transport`` "auto", "shm" or "grpc" (not "nccl"). It forgets what a
+        ``delta=True`` push kept: the next such push is full. The replicas must be started with LoRA
+        enabled (generation setting ``max_lora_rank`` at least the adapter's rank), else
+        ``FailedPreconditionError``. The result's ``adapter_rank`` is the adapter's rank.
+        """
+        pairs, lora = adapter_tensors(adapter, rank=rank, alpha=alpha, target_modules=target_modules)
+        collector, _ = self._stubs()
+        return await push_weights(collector.PushWeights, pairs, version=version, mode=mode, chunk_bytes=chunk_bytes,
+                                  progress=progress, timeout=timeout, settings=self.settings, checksum=checksum,
+                                  transport=transport, memo=self._transport_memo, lora=lora)
 
     async def submit_prompts(self, prompts: PromptInput | Iterable[PromptInput], *,
                              timeout: float | None = None) -> list[str]:

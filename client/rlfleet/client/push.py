@@ -115,12 +115,20 @@ async def push_weights(
     chunk_bytes: int, progress: bool, timeout: float | None, settings: ChannelSettings,
     checksum: str | None = "crc32", transport: str = "auto", memo: TransportMemo | None = None,
     status_call=None, nccl_address: str | None = None, delta: bool = False,
+    lora: weights_pb2.LoraAdapter | None = None,
 ) -> PushResult:
     """Push ``pairs`` through ``call_factory(timeout=, metadata=)`` (a PushWeights stub); see the module
     doc. ``transport="nccl"`` also needs ``status_call`` (a GetStatus stub); see ``rlfleet.client.nccl``.
-    ``delta``: send only the tensors that changed since the last push committed (``rlfleet.client.delta``)."""
+    ``delta``: send only the tensors that changed since the last push committed (``rlfleet.client.delta``).
+    ``lora``: ``pairs`` are a LoRA adapter's factors (``rlfleet.client.lora``), served on top of the
+    model's weights as they are."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if lora is not None:
+        if delta:
+            raise ValueError("an adapter push is whole: delta=True is for full weights")
+        if transport == "nccl":
+            raise ValueError("adapter pushes travel by shm or grpc, not nccl")
     if delta:
         if transport == "nccl":
             raise ValueError("delta pushes travel by shm or grpc, not nccl")
@@ -129,10 +137,12 @@ async def push_weights(
                                  progress=progress, timeout=timeout, settings=settings, checksum=checksum,
                                  transport=transport)
     if memo is not None:
-        memo.delta.forget()  # a full push on its own: what was kept would be stale
-    return await _push(call_factory, pairs, version=version, mode=mode, chunk_bytes=chunk_bytes, progress=progress,
-                       timeout=timeout, settings=settings, checksum=checksum, transport=transport, memo=memo,
-                       status_call=status_call, nccl_address=nccl_address)
+        memo.delta.forget()  # a full or adapter push on its own: what was kept would be stale
+    result = await _push(call_factory, pairs, version=version, mode=mode, chunk_bytes=chunk_bytes,
+                         progress=progress, timeout=timeout, settings=settings, checksum=checksum,
+                         transport=transport, memo=memo, status_call=status_call, nccl_address=nccl_address,
+                         lora=lora)
+    return result if lora is None else dataclasses.replace(result, adapter_rank=lora.rank)
 
 
 async def _push_delta(call_factory, pairs, memo: TransportMemo, **options) -> PushResult:
@@ -169,6 +179,7 @@ async def _push(
     chunk_bytes: int, progress: bool, timeout: float | None, settings: ChannelSettings,
     checksum: str | None = "crc32", transport: str = "auto", memo: TransportMemo | None = None,
     status_call=None, nccl_address: str | None = None, base_version: int | None = None,
+    lora: weights_pb2.LoraAdapter | None = None,
 ) -> PushResult:
     if transport == "nccl":
         from rlfleet.client.nccl import push_nccl
@@ -181,7 +192,8 @@ async def _push(
     if transport == "shm" or (transport == "auto" and not memo.shm_refused):
         try:
             return await _push_shm(call_factory, pairs, version=version, mode=mode, timeout=timeout,
-                                   settings=settings, segments=memo.segments, base_version=base_version)
+                                   settings=settings, segments=memo.segments, base_version=base_version,
+                                   lora=lora)
         except FailedPreconditionError as error:
             if transport == "shm" or shm.SHM_UNAVAILABLE not in error.details:
                 raise
@@ -192,15 +204,16 @@ async def _push(
             memo.refuse_shm()  # no usable /dev/shm here
     return await _push_grpc(call_factory, pairs, version=version, mode=mode, chunk_bytes=chunk_bytes,
                             progress=progress, timeout=timeout, settings=settings, checksum=checksum,
-                            base_version=base_version)
+                            base_version=base_version, lora=lora)
 
 
-def _bare_manifest(pairs, version: int | None, mode: str, base_version: int | None = None) -> weights_pb2.WeightManifest:
+def _bare_manifest(pairs, version: int | None, mode: str, base_version: int | None = None,
+                   lora: weights_pb2.LoraAdapter | None = None) -> weights_pb2.WeightManifest:
     """The manifest of a push whose bytes never cross gRPC (shm, nccl): no checksum."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     return next(iter_push_messages(pairs, version=version or 0, mode=MODES[mode], checksum_algo=None,
-                                   base_version=base_version))[1]
+                                   base_version=base_version, lora=lora))[1]
 
 
 def _bare_deadline(timeout: float | None, settings: ChannelSettings, manifest) -> float:
@@ -209,12 +222,12 @@ def _bare_deadline(timeout: float | None, settings: ChannelSettings, manifest) -
         100 * DEADLINE_BYTES_PER_SECOND)
 
 
-async def _push_shm(call_factory, pairs, *, version, mode, timeout, settings,
-                    segments: shm.SegmentCache, base_version: int | None = None) -> PushResult:
+async def _push_shm(call_factory, pairs, *, version, mode, timeout, settings, segments: shm.SegmentCache,
+                    base_version: int | None = None, lora: weights_pb2.LoraAdapter | None = None) -> PushResult:
     """Write the tensors once into a segment (the one kept from the last push when nobody holds it
     any more) and send only the manifest naming it."""
     started = time.perf_counter()
-    manifest = _bare_manifest(pairs, version, mode, base_version)
+    manifest = _bare_manifest(pairs, version, mode, base_version, lora)
     await asyncio.to_thread(shm.sweep_stale)
     segment = segments.take(manifest.total_bytes)
     try:
@@ -242,7 +255,7 @@ async def _push_shm(call_factory, pairs, *, version, mode, timeout, settings,
 async def _push_grpc(
     call_factory, pairs: list[tuple[str, torch.Tensor]], *, version: int | None, mode: str,
     chunk_bytes: int, progress: bool, timeout: float | None, settings: ChannelSettings,
-    checksum: str | None = "crc32", base_version: int | None = None,
+    checksum: str | None = "crc32", base_version: int | None = None, lora: weights_pb2.LoraAdapter | None = None,
 ) -> PushResult:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
@@ -256,7 +269,7 @@ async def _push_grpc(
     attempt = 0
     while True:
         messages = iter_push_messages(pairs, version=version or 0, mode=MODES[mode], chunk_bytes=chunk_bytes,
-                                      checksum_algo=checksum, base_version=base_version)
+                                      checksum_algo=checksum, base_version=base_version, lora=lora)
         try:
             reply = await _push_once(call_factory, messages, chunk_bytes=chunk_bytes, progress=progress,
                                      timeout=timeout, settings=settings)

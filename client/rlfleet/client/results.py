@@ -26,7 +26,7 @@ class ReplicaPushResult:
 
 @dataclass(frozen=True)
 class PushResult:
-    """Outcome of ``push_weights``."""
+    """Outcome of ``push_weights`` or ``push_adapter``."""
 
     version: int
     """The committed policy version."""
@@ -46,6 +46,8 @@ class PushResult:
     for a full push."""
     tensors: int = 0
     """Tensors sent (a delta: those that changed)."""
+    adapter_rank: int = 0
+    """A LoRA adapter push (``push_adapter``): the adapter's rank; 0 for a weight push."""
 
     @property
     def replica_transport(self) -> str:

@@ -15,6 +15,7 @@ from typing import Any, Coroutine, Iterable, Sequence, TypeVar
 from rlfleet.client.aio import DEFAULT_MAX_MESSAGE_BYTES, AsyncClient, make_settings
 from rlfleet.client.batches import DEFAULT_IDLE_TIMEOUT, DEFAULT_RECONNECT_SECONDS, Batch, BatchStream
 from rlfleet.client.channel import ChannelSettings
+from rlfleet.client.lora import adapter_tensors
 from rlfleet.client.prompts import PromptInput
 from rlfleet.client.push import DEFAULT_CHUNK_BYTES, named_tensors
 from rlfleet.client.results import (BufferStats, DroppedStale, MismatchStatus, PassRate, PromptFailure, PushResult,
@@ -170,6 +171,18 @@ class Client:
         return self._runner.run(self._async.push_weights(
             pairs, version, mode=mode, chunk_bytes=chunk_bytes, progress=progress, timeout=timeout,
             checksum=checksum, transport=transport, nccl_address=nccl_address, delta=delta))
+
+    def push_adapter(self, adapter: Any, version: int | None = None, *, rank: int | None = None,
+                     alpha: float | None = None, target_modules: Iterable[str] | None = None,
+                     mode: str = "keep", chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: bool = True,
+                     timeout: float | None = None, checksum: str | None = "crc32",
+                     transport: str = "auto") -> PushResult:
+        """See ``AsyncClient.push_adapter``."""
+        # The adapter's tensors are collected on the caller's thread, not the loop's.
+        pairs, lora = adapter_tensors(adapter, rank=rank, alpha=alpha, target_modules=target_modules)
+        return self._runner.run(self._async.push_adapter(
+            pairs, version, rank=lora.rank, alpha=lora.alpha, target_modules=list(lora.target_modules), mode=mode,
+            chunk_bytes=chunk_bytes, progress=progress, timeout=timeout, checksum=checksum, transport=transport))
 
     def submit_prompts(self, prompts: PromptInput | Iterable[PromptInput], *,
                        timeout: float | None = None) -> list[str]:

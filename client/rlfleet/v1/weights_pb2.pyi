@@ -41,7 +41,7 @@ class WeightSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "tensors", "total_bytes", "checksum", "mode", "shm", "nccl", "two_phase", "resync", "delta")
+    __slots__ = ("version", "tensors", "total_bytes", "checksum", "mode", "shm", "nccl", "two_phase", "resync", "delta", "lora")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class WeightManifest(_message.Message):
     TWO_PHASE_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[WeightSpec]
     total_bytes: int
@@ -62,7 +63,18 @@ class WeightManifest(_message.Message):
     two_phase: bool
     resync: bool
     delta: WeightDelta
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[WeightSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ..., nccl: _Optional[_Union[NcclRendezvous, _Mapping]] = ..., two_phase: _Optional[bool] = ..., resync: _Optional[bool] = ..., delta: _Optional[_Union[WeightDelta, _Mapping]] = ...) -> None: ...
+    lora: LoraAdapter
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[WeightSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ..., nccl: _Optional[_Union[NcclRendezvous, _Mapping]] = ..., two_phase: _Optional[bool] = ..., resync: _Optional[bool] = ..., delta: _Optional[_Union[WeightDelta, _Mapping]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("rank", "alpha", "target_modules")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WeightDelta(_message.Message):
     __slots__ = ("base_version",)

@@ -36,14 +36,18 @@ def iter_push_messages(
     named_tensors: Sequence[tuple[str, torch.Tensor]], *, version: int,
     mode: int = weights_pb2.UPDATE_MODE_KEEP, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     checksum_algo: str | None = "crc32", base_version: int | None = None,
+    lora: weights_pb2.LoraAdapter | None = None,
 ) -> Iterator[tuple[str, object]]:
     """Yield ``("manifest", WeightManifest)`` then ``("chunk", WeightChunk)`` pairs (``base_version``:
-    a delta push, ``named_tensors`` being the tensors that changed since that version).
+    a delta push, ``named_tensors`` being the tensors that changed since that version; ``lora``: a LoRA
+    adapter push, ``named_tensors`` being the adapter's factors; not both).
 
     Chunks are cut straight out of each tensor's memory (one copy per chunk,
     the floor for gRPC in Python), so no second full copy of the weights is
     ever materialised. A chunk may span tensor boundaries.
     """
+    if lora is not None and base_version is not None:
+        raise ValueError("a push is a delta (base_version) or a LoRA adapter (lora), not both")
     specs, total = [], 0
     crc, sha = 0, (hashlib.sha256() if checksum_algo == "sha256" else None)
     for name, tensor in named_tensors:
@@ -61,6 +65,8 @@ def iter_push_messages(
     manifest = weights_pb2.WeightManifest(version=version, tensors=specs, total_bytes=total, checksum=digest, mode=mode)
     if base_version is not None:  # a delta push: only the tensors that changed since base_version
         manifest.delta.base_version = base_version
+    if lora is not None:  # a LoRA adapter push: served on top of the model's weights as they are
+        manifest.lora.CopyFrom(lora)
     yield "manifest", manifest
 
     offset, pending = 0, bytearray()

@@ -21,7 +21,7 @@ from rlfleet.client.results import PushResult
 from rlfleet.client.sync import Client, connect
 from rlfleet.client.torchrl.layout import to_torchrl
 from rlfleet.client.torchrl.prompts import prompt_items, to_spec
-from rlfleet.client.torchrl.policy_weights import policy_state_dict
+from rlfleet.client.torchrl.policy_weights import peft_adapter, policy_state_dict
 
 log = logging.getLogger("rlfleet.client.torchrl")
 LAYOUTS = ("torchrl", "ragged")
@@ -35,7 +35,8 @@ class RlfleetLLMCollector:
         dialog_turns_per_batch: samples per batch (a multiple of the group size keeps groups whole).
         total_dialog_turns: stop after this many samples (-1: never).
         policy: what ``update_policy_weights_()`` pushes by default: a TorchRL wrapper, a module,
-            a state dict or a TensorDict (see ``rlfleet.client.torchrl.policy_weights``).
+            a state dict or a TensorDict (see ``rlfleet.client.torchrl.policy_weights``); a
+            ``peft.PeftModel`` (or a wrapper of one) pushes only its LoRA adapter.
         replay_buffer: as TorchRL's: each batch is ``extend``-ed into it and ``None`` is yielded.
         postproc: as TorchRL's: applied to each batch (in the chosen layout) before it is yielded or
             extended into the replay buffer.
@@ -46,7 +47,7 @@ class RlfleetLLMCollector:
         layout: "torchrl" (lazy stack, ``rlfleet.client.torchrl.layout``) or "ragged" (``Batch.td``).
         min_policy_version, lease_seconds, prefetch, whole_groups: the batch stream's options
             (``Client.batches``).
-        push_mode, push_transport: ``Client.push_weights``'s ``mode`` and ``transport``.
+        push_mode, push_transport: ``Client.push_weights``'s (and ``push_adapter``'s) ``mode`` and ``transport``.
         connect_kwargs: for ``connect`` when an address is given.
     """
 
@@ -185,9 +186,17 @@ class RlfleetLLMCollector:
         return version
 
     def push(self, weights: Any) -> int:
-        """Push ``weights`` (any form ``policy`` accepts) without counting an increment; the new version."""
-        self.last_push = self.client.push_weights(policy_state_dict(weights), mode=self.push_mode,
-                                                  transport=self.push_transport, progress=False)
+        """Push ``weights`` (any form ``policy`` accepts) without counting an increment; the new version.
+
+        A ``peft.PeftModel`` (or a wrapper holding one) pushes only its LoRA adapter
+        (``Client.push_adapter``): the replicas serve their weights plus the adapter."""
+        adapter = peft_adapter(weights)
+        if adapter is not None:
+            self.last_push = self.client.push_adapter(adapter, mode=self.push_mode, transport=self.push_transport,
+                                                      progress=False)
+        else:
+            self.last_push = self.client.push_weights(policy_state_dict(weights), mode=self.push_mode,
+                                                      transport=self.push_transport, progress=False)
         self._unacknowledged_pushes += 1
         return self.last_push.version
 

@@ -5,10 +5,14 @@ Accepted: a TorchRL LLM wrapper (``TransformersWrapper``: its inner HF model is 
 joined with "."). Names as a wrapper holds them (``model.`` + the HF name, e.g.
 ``model.model.layers.0...`` and ``model.lm_head.weight``) are mapped to the HF names, as every
 TorchRL weight updater does by registering the wrapper's ``.model``.
+
+A ``peft.PeftModel`` (or a wrapper holding one) is a LoRA adapter: ``peft_adapter`` finds it, and the
+collector pushes only its factors (``Client.push_adapter``).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Mapping
 
 import torch
@@ -44,6 +48,19 @@ def policy_state_dict(weights: Any) -> dict[str, torch.Tensor]:
         raise TypeError(f"expected a TorchRL LLM wrapper, an nn.Module, a state dict or a TensorDict, "
                         f"got {type(weights).__name__}")
     return strip_wrapper_prefix(state)
+
+
+def peft_adapter(weights: Any) -> Any | None:
+    """The ``peft.PeftModel`` that ``weights`` is, or that a TorchRL wrapper of it holds; else None.
+
+    peft is never imported here: if it was not imported, nothing is a PeftModel.
+    """
+    peft = sys.modules.get("peft")
+    if peft is None:
+        return None
+    if isinstance(weights, TensorDictModuleBase) and hasattr(weights, "model"):
+        weights = weights.model
+    return weights if isinstance(weights, peft.PeftModel) else None
 
 
 def strip_wrapper_prefix(state: dict[str, Any]) -> dict[str, Any]:

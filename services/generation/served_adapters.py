@@ -1,0 +1,105 @@
+"""The LoRA adapters a replica serves: the current one, and older ones requests still run on.
+
+An adapter push (``WeightManifest.lora``) is written as a directory (``lora_adapter.write_adapter_dir``)
+under a directory of this replica's in ``/dev/shm`` and added to vLLM under a name of its own
+(``rlfleet-v{version}-{serial}``: vLLM's prefix cache keys blocks on it). Each request is pinned at
+submission to the adapter current then (``pin``) and runs on it to its end, whatever is pushed
+meanwhile; its tokens are that version's. An adapter that is no longer current leaves vLLM, and its
+directory goes, once the last request pinned to it ends (vLLM reloads an adapter from its directory
+when a request names one it evicted). A full or delta push drops the current adapter (``switch(None)``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlfleet.services.generation.lora_adapter import LoraAdapterConfig, lora_request, remove_adapter_dir, write_adapter_dir
+from rlfleet.wire import shm
+
+log = logging.getLogger("rlfleet.generation.adapters")
+
+
+@dataclass(eq=False)
+class ServedAdapter:
+    version: int
+    request: Any
+    """vLLM's ``LoRARequest``."""
+    directory: Path
+    users: int = 0
+    """Requests pinned to it and still running."""
+
+
+@dataclass
+class AdapterSet:
+    current: ServedAdapter | None = None
+    _serial: int = 0
+    _root: Path | None = None
+    _retiring: set[ServedAdapter] = field(default_factory=set)
+    _tasks: set[asyncio.Task] = field(default_factory=set)
+
+    async def load(self, engine, version: int, config: LoraAdapterConfig, names, dtypes, shapes,
+                   buffer) -> ServedAdapter:
+        """Write an adapter push's directory and add it to vLLM; not current yet (``switch``)."""
+        if self._root is None:
+            self._root = Path(tempfile.mkdtemp(prefix="rlfleet-lora-", dir=shm.SHM_DIR))
+        self._serial += 1
+        directory = self._root / f"v{version}-{self._serial}"
+        await asyncio.to_thread(write_adapter_dir, directory, names, dtypes, shapes, buffer, config)
+        adapter = ServedAdapter(version, lora_request(version, directory, self._serial), directory)
+        try:
+            await engine.add_lora(adapter.request)
+        except BaseException:
+            await asyncio.to_thread(remove_adapter_dir, directory)
+            raise
+        return adapter
+
+    def switch(self, engine, adapter: ServedAdapter | None) -> None:
+        """Make ``adapter`` (None: the model's weights alone) the one new requests run on."""
+        old, self.current = self.current, adapter
+        if old is not None:
+            self._retiring.add(old)
+            self._retire_unused(engine)
+
+    def pin(self) -> ServedAdapter | None:
+        """The adapter a request submitted now runs on (it counts as a user until ``unpin``)."""
+        adapter = self.current
+        if adapter is not None:
+            adapter.users += 1
+        return adapter
+
+    def unpin(self, engine, adapter: ServedAdapter) -> None:
+        adapter.users -= 1
+        self._retire_unused(engine)
+
+    def _retire_unused(self, engine) -> None:
+        for adapter in [a for a in self._retiring if a.users == 0]:
+            self._retiring.discard(adapter)
+            task = asyncio.ensure_future(self._remove(engine, adapter))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _remove(engine, adapter: ServedAdapter) -> None:
+        try:
+            await engine.remove_lora(adapter.request.lora_int_id)
+        except Exception as err:  # an engine shutting down: its directory goes all the same
+            log.warning("removing adapter %s from vLLM failed: %s", adapter.request.lora_name, err)
+        await asyncio.to_thread(remove_adapter_dir, adapter.directory)
+
+    async def discard(self, adapter: ServedAdapter, engine) -> None:
+        """An adapter loaded but never made current (its swap failed)."""
+        await self._remove(engine, adapter)
+
+    def close(self) -> None:
+        """Every directory goes (the engine is shut down)."""
+        self.current = None
+        self._retiring.clear()
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+            self._root = None
