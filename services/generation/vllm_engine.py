@@ -509,9 +509,10 @@ class GenerationEngine:
         staged.push.received = staged.push.total_bytes
 
     async def update_weights(self, version: int, named_tensors, mode: SwapMode = "wait",
-                             base_version: int | None = None) -> None:
+                             base_version: int | None = None, lora: weights_pb2.LoraAdapter | None = None) -> None:
         """Stage ``(name, tensor)`` pairs in a segment and apply them (in-process callers and tests);
-        ``base_version`` set: a delta push on that version (only the tensors that changed)."""
+        ``base_version`` set: a delta push on that version (only the tensors that changed); ``lora``: an
+        adapter push (the pairs are its factors)."""
         if mode not in get_args(SwapMode):
             raise InvalidArgument(f"mode must be one of {', '.join(get_args(SwapMode))}, got {mode!r}")
         from rlfleet.client.push import MODES
@@ -522,6 +523,8 @@ class GenerationEngine:
                                               mode=MODES[mode]))
         if base_version is not None:
             manifest.delta.base_version = base_version
+        if lora is not None:
+            manifest.lora.CopyFrom(lora)
         staged = self.stage(manifest)
         try:
             shm.write_tensors(staged.segment, [tensor for _, tensor in pairs])

@@ -26,7 +26,6 @@ from rlfleet.services.generation.vllm_engine import GenerationEngine
 from rlfleet.services.generation.sampling import SampleResult
 from rlfleet.services.models.tiny import build_tiny_model
 from rlfleet.v1 import weights_pb2
-from rlfleet.wire import shm
 from tests.hf_reference import load_hf, perturbed, response_log_probs
 from tests.waiting import wait_for_async
 
@@ -474,26 +473,14 @@ def peft_model(model_dir, rank: int, alpha: float, seed: int):
 
 
 async def push_adapter(engine, model, version: int, mode: str = "keep", pairs=None, rank=None, delta=False):
-    """Stage and apply ``model``'s adapter (or ``pairs``) as an adapter push of ``version``."""
+    """``model``'s adapter (or ``pairs``) as an adapter push of ``version``."""
     from peft import get_peft_model_state_dict
-
-    from rlfleet.client.push import MODES
-    from rlfleet.wire.push_messages import iter_push_messages
 
     config = model.peft_config["default"]
     pairs = pairs if pairs is not None else list(get_peft_model_state_dict(model).items())
-    _, manifest = next(iter_push_messages(pairs, version=version, checksum_algo=None, mode=MODES[mode]))
-    manifest.lora.CopyFrom(weights_pb2.LoraAdapter(rank=rank or config.r, alpha=config.lora_alpha,
-                                                   target_modules=sorted(config.target_modules)))
-    if delta:
-        manifest.delta.base_version = version - 1
-    staged = engine.stage(manifest)
-    try:
-        shm.write_tensors(staged.segment, [tensor for _, tensor in pairs])
-        staged.push.received = staged.push.total_bytes
-        await engine.apply(staged)
-    finally:
-        staged.close()
+    lora = weights_pb2.LoraAdapter(rank=rank or config.r, alpha=config.lora_alpha,
+                                   target_modules=sorted(config.target_modules))
+    await engine.update_weights(version, pairs, mode=mode, lora=lora, base_version=version - 1 if delta else None)
 
 
 def test_the_allowed_ranks_are_vllms():
