@@ -23,11 +23,14 @@ log = logging.getLogger("rlfleet.generation.kept_weights")
 
 @dataclass
 class KeptWeights:
-    """Every tensor of ``version`` (``manifest``'s names, dtypes, shapes) in ``segment``, which we own."""
+    """Every tensor of ``manifest.version`` (its names, dtypes, shapes) in ``segment``, which we own."""
 
-    version: int
     manifest: weights_pb2.WeightManifest
     segment: shm.Segment
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
 
     def close(self) -> None:
         self.segment.close()
@@ -61,9 +64,9 @@ class WeightKeeper:
         full.tensors.extend(manifest.tensors)
         self.manifest = full
         if segment.owner:
-            self.kept = KeptWeights(version, full, segment)
+            self.kept = KeptWeights(full, segment)
             return
-        copying = asyncio.ensure_future(asyncio.to_thread(_copy, version, full, segment))
+        copying = asyncio.ensure_future(asyncio.to_thread(_copy, full, segment))
         self._copying = copying
         copying.add_done_callback(self._copied)
 
@@ -86,7 +89,6 @@ class WeightKeeper:
     def patch(self, kept: KeptWeights, version: int, spans: list[weight_delta.Span], delta: memoryview) -> None:
         """Apply a delta's bytes to what is kept (in place: a swap that then fails must ``drop``)."""
         weight_delta.patch(kept.segment.buffer, delta, spans)
-        kept.version = version
         kept.manifest.version = version
 
     def drop(self) -> None:
@@ -99,7 +101,7 @@ class WeightKeeper:
             self.kept = None
 
 
-def _copy(version: int, manifest: weights_pb2.WeightManifest, source: shm.Segment) -> KeptWeights:
+def _copy(manifest: weights_pb2.WeightManifest, source: shm.Segment) -> KeptWeights:
     try:
         copy = shm.create_segment(source.size)
         try:
@@ -107,6 +109,6 @@ def _copy(version: int, manifest: weights_pb2.WeightManifest, source: shm.Segmen
         except BaseException:
             copy.close()
             raise
-        return KeptWeights(version, manifest, copy)
+        return KeptWeights(manifest, copy)
     finally:
         source.close()

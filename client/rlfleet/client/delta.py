@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes, flat, on the host (a view when it is already contiguous there)."""
-    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+from rlfleet.wire.push_messages import host_bytes
 
 
 class DeltaBase:
@@ -36,7 +33,7 @@ class DeltaBase:
         for name, tensor in pairs:
             if self._specs.get(name) != (tensor.dtype, tuple(tensor.shape)):
                 return None
-            if not torch.equal(_bytes(tensor), self._kept[name]):
+            if not torch.equal(host_bytes(tensor), self._kept[name]):
                 changed.append((name, tensor))
         return changed
 
@@ -44,11 +41,11 @@ class DeltaBase:
                version: int) -> None:
         """A push committed as ``version``: ``sent`` are the delta's tensors (None: a full push of ``pairs``)."""
         if sent is None:
-            self._kept = {name: _bytes(tensor).clone() for name, tensor in pairs}
+            self._kept = {name: host_bytes(tensor).clone() for name, tensor in pairs}
             self._specs = {name: (tensor.dtype, tuple(tensor.shape)) for name, tensor in pairs}
         else:
             for name, tensor in sent:
-                self._kept[name].copy_(_bytes(tensor))
+                self._kept[name].copy_(host_bytes(tensor))
         self.version = version
 
     def forget(self) -> None:

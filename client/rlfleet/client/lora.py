@@ -53,7 +53,7 @@ def adapter_tensors(adapter: Any, *, rank: int | None = None, alpha: float | Non
     floating ``lora_A`` [rank, in] / ``lora_B`` [out, rank] factor of a target module, and for
     hyper-parameters missing (tensors) or given twice (a PeftModel).
     """
-    if _is_peft_model(adapter):
+    if is_peft_model(adapter):
         if rank is not None or alpha is not None or target_modules is not None:
             raise ValueError("rank, alpha and target_modules come from the PeftModel's LoraConfig: "
                              "pass them only with adapter tensors")
@@ -75,7 +75,8 @@ def adapter_tensors(adapter: Any, *, rank: int | None = None, alpha: float | Non
     return pairs, lora
 
 
-def _is_peft_model(adapter: Any) -> bool:
+def is_peft_model(adapter: Any) -> bool:
+    """Whether ``adapter`` is a ``peft.PeftModel``, without importing peft."""
     peft = sys.modules.get("peft")  # not imported: whatever this is, it is no PeftModel
     return peft is not None and isinstance(adapter, peft.PeftModel)
 
@@ -163,4 +164,4 @@ def _check_factors(pairs: list[tuple[str, torch.Tensor]], lora: weights_pb2.Lora
             raise ValueError(f"adapter: module {path!r} has {next(iter(present))} without its partner")
 
 
-__all__ = ["PEFT_PREFIX", "adapter_tensors"]
+__all__ = ["PEFT_PREFIX", "adapter_tensors", "is_peft_model"]

@@ -26,10 +26,15 @@ def checksum(data: bytes | memoryview, algo: str = "crc32") -> str:
     return f"crc32:{zlib.crc32(data):08x}"
 
 
+def host_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, flat uint8 on the host: a view when it is already contiguous on CPU."""
+    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes as a memoryview, without a copy when it is already contiguous on CPU."""
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    flat = host_bytes(tensor)
+    return memoryview(flat.numpy()) if flat.numel() else memoryview(b"")
 
 
 def iter_push_messages(

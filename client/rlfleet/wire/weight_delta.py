@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import WireError
 from rlfleet.wire.dtypes import BY_WIRE
+from rlfleet.wire.shm import tensor_offsets
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,8 @@ def tensor_sizes(manifest: weights_pb2.WeightManifest) -> list[int]:
 
 def layout(manifest: weights_pb2.WeightManifest) -> dict[str, tuple[int, int]]:
     """Name -> (offset, size) of every tensor in a push's concatenated bytes."""
-    where, offset = {}, 0
-    for spec, size in zip(manifest.tensors, tensor_sizes(manifest)):
-        where[spec.name] = (offset, size)
-        offset += size
-    return where
+    sizes = tensor_sizes(manifest)
+    return {spec.name: where for spec, where in zip(manifest.tensors, zip(tensor_offsets(sizes), sizes))}
 
 
 def spans(delta: weights_pb2.WeightManifest, full: weights_pb2.WeightManifest) -> list[Span]:
@@ -49,8 +47,9 @@ def spans(delta: weights_pb2.WeightManifest, full: weights_pb2.WeightManifest) -
     another dtype or shape than the base's (its bytes would not fit the span)."""
     base = {spec.name: spec for spec in full.tensors}
     where = layout(full)
-    result, offset = [], 0
-    for i, (spec, size) in enumerate(zip(delta.tensors, tensor_sizes(delta))):
+    sizes = tensor_sizes(delta)
+    result = []
+    for i, (spec, size, offset) in enumerate(zip(delta.tensors, sizes, tensor_offsets(sizes))):
         known = base.get(spec.name)
         if known is None:
             raise WireError(f"manifest.tensors[{i}]", f"delta tensor {spec.name!r} is not in version "
@@ -61,7 +60,6 @@ def spans(delta: weights_pb2.WeightManifest, full: weights_pb2.WeightManifest) -
                 f"{list(spec.shape)}, version {delta.delta.base_version} has it as "
                 f"{BY_WIRE[known.dtype].name} {list(known.shape)} (a delta keeps every dtype and shape)")
         result.append(Span(spec.name, offset, where[spec.name][0], size))
-        offset += size
     return result
 
 

@@ -12,12 +12,13 @@ collector pushes only its factors (``Client.push_adapter``).
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Mapping
 
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
+
+from rlfleet.client.lora import is_peft_model
 
 WRAPPER_PREFIX = "model."
 NON_PERSISTENT_BUFFERS = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq",
@@ -51,16 +52,11 @@ def policy_state_dict(weights: Any) -> dict[str, torch.Tensor]:
 
 
 def peft_adapter(weights: Any) -> Any | None:
-    """The ``peft.PeftModel`` that ``weights`` is, or that a TorchRL wrapper of it holds; else None.
-
-    peft is never imported here: if it was not imported, nothing is a PeftModel.
-    """
-    peft = sys.modules.get("peft")
-    if peft is None:
-        return None
+    """The ``peft.PeftModel`` that ``weights`` is, or that a TorchRL wrapper of it holds; else None
+    (peft is never imported here: ``is_peft_model``)."""
     if isinstance(weights, TensorDictModuleBase) and hasattr(weights, "model"):
         weights = weights.model
-    return weights if isinstance(weights, peft.PeftModel) else None
+    return weights if is_peft_model(weights) else None
 
 
 def strip_wrapper_prefix(state: dict[str, Any]) -> dict[str, Any]:
