@@ -30,6 +30,10 @@ replacements are generated alongside rather than after them.
 
 Pushes close the gate while weights are swapped (nothing starts on weights
 that are about to be replaced), and so does an open mismatch breaker (``hold``).
+A rolling update does not (``begin_rolling``): its replicas switch a few at a time
+while the others serve, and groups start pinned to their replica's version
+(``rolling.py``). Either way a group whose samples ran on a version being pushed
+reaches the trainer only once that version committed (``committed``).
 
 Steps are counted from ``base`` versions: a push committed while the next step
 to admit was already admissible at the old version, and no batch was read through
@@ -75,6 +79,8 @@ class VersionGate:
         """A batch went to a trainer through the collector since the last commit (``note_read``)."""
         self._changed = asyncio.Condition()
         self._pushing = False
+        self.rolling = False
+        """A rolling update is switching replicas: admission stays open, groups start pinned."""
         self._held = False
         self.admission_staleness = self.max_staleness
         """The bound ``admit`` applies: ``max_staleness``, or less while trainers measure more divergence
@@ -152,15 +158,39 @@ class VersionGate:
     async def end_push(self, new_version: int | None) -> None:
         """Re-open the gate, committing ``new_version`` if the push succeeded."""
         async with self._changed:
-            if new_version is not None:
-                if new_version <= self.version:
-                    raise ValueError(f"version must grow: {new_version} <= {self.version}")
-                if not self.read_since_commit and self.base + self.step_of(self.groups_started) <= self.version:
-                    self.base += new_version - self.version  # a push without a step: see the module doc
-                self.version = new_version
-                self.read_since_commit = False
+            self._commit(new_version)
             self._pushing = False
             self._changed.notify_all()
+
+    async def begin_rolling(self) -> None:
+        """A rolling update starts switching replicas; admission stays open."""
+        async with self._changed:
+            self.rolling = True
+
+    async def end_rolling(self, new_version: int | None) -> None:
+        """The rolling update is over, ``new_version`` committed if every replica applied it."""
+        async with self._changed:
+            self._commit(new_version)
+            self.rolling = False
+            self._changed.notify_all()
+
+    def _commit(self, new_version: int | None) -> None:
+        if new_version is None:
+            return
+        if new_version <= self.version:
+            raise ValueError(f"version must grow: {new_version} <= {self.version}")
+        if not self.read_since_commit and self.base + self.step_of(self.groups_started) <= self.version:
+            self.base += new_version - self.version  # a push without a step: see the module doc
+        self.version = new_version
+        self.read_since_commit = False
+
+    async def committed(self, version: int) -> bool:
+        """Whether ``version`` is committed, once known: a group that ran on a version being pushed (a
+        rolling update's new replicas, or a replica that applied before the commit) waits for the push to
+        end; False: it did not commit, and what ran on it must not reach a trainer."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.version >= version or not (self._pushing or self.rolling))
+            return self.version >= version
 
     async def reopen(self, groups: int) -> None:
         """Appended groups were deleted unread (stale at the trainer's push, sync mode): their slots are

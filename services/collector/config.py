@@ -116,6 +116,23 @@ class CollectorConfig(ServiceConfig, UpstreamConfig):
     finish on the old weights first), ``abort`` (thrown away, their prompts generated again), ``keep``
     (continued on the new weights, re-prefilled), ``resume`` (continued as new requests on the new
     weights); docs/guides/off-policy.md compares them. "": each push's own mode (the SDK's default is keep)."""
+    update_strategy: Literal["pause_all", "rolling"] = "pause_all"
+    """How a push that names no strategy (``WeightManifest.strategy``; the SDK's ``strategy=``) reaches the
+    replicas: ``pause_all`` (every replica swaps at once under the push's mode, no group admitted meanwhile)
+    or ``rolling`` (``rolling_max_unavailable`` replicas at a time, each drained first, while the others
+    serve; requests pinned to their replica's version; the push's mode and ``swap_mode`` unused).
+    docs/guides/weight-sync.md, Rolling updates."""
+    rolling_max_unavailable: int = Field(1, ge=1)
+    """Rolling updates: replicas switched at once (drained, applying, then serving the new version)."""
+    rolling_drain_seconds: float = Field(30.0, ge=0)
+    """Rolling updates: how long a replica's running requests (and, for the last replica on a version, the
+    multi-turn groups pinned to it) may take to finish before the switch aborts them (generated again)."""
+    rolling_max_seconds: float = Field(300.0, gt=0)
+    """Rolling updates: the bound on the window in which two versions serve; past it the replicas left
+    switch together, without draining."""
+    rolling_settle_seconds: float = Field(0.0, ge=0)
+    """Rolling updates: the wait after a batch switched before the next is drained (Kubernetes'
+    ``minReadySeconds``): a replica that fails on the new version shows before more follow."""
     dynamic_sampling: bool = False
     """Filter groups whose scores do not vary (their range at most ``dynamic_sampling_min_score_range``)
     before they reach the trainer: stored as filtered in the trajectory service (never delivered),

@@ -25,6 +25,10 @@ FAILED_PRECONDITION and the SDK sends a full push), and is spooled patched into 
 that cannot take it (not at the base, or keeping no weights) answers FAILED_PRECONDITION: it leaves
 rotation, and the monitor re-syncs it with the spool's full copy.
 
+A rolling push (``WeightManifest.strategy``, or the collector's ``update_strategy``) stages the same
+way, but is committed a few replicas at a time while the others serve, admission open
+(``rolling.py``).
+
 Before the decision, any failure (trainer cut, bad bytes) cancels every
 replica call, and replicas discard what they staged. A replica found ahead of
 the committed version (the collector died mid-commit) is rolled back from
@@ -43,6 +47,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from rlfleet.client.push import MODES
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.replicas import Replica, ReplicaPool
+from rlfleet.services.collector.rolling import RollingSettings, RollingUpdate
 from rlfleet.services.collector.spool import DatabaseSpool, FileSpool
 from rlfleet.services.collector.transports import ReplicaOutcome, ReplicaPush
 from rlfleet.services.common import tracing
@@ -69,10 +74,16 @@ class WeightFanout:
 
     def __init__(self, pool: ReplicaPool, gate: VersionGate, spool_dir: Path | None, max_push_bytes: int | None,
                  on_commit: Callable[[int, weights_pb2.WeightManifest | None], Awaitable[None]] | None = None,
-                 on_fatal=None, swap_mode: str = "", spool: DatabaseSpool | None = None):
+                 on_fatal=None, swap_mode: str = "", spool: DatabaseSpool | None = None,
+                 update_strategy: str = "pause_all", rolling: RollingSettings = RollingSettings()):
         self.pool = pool
         self.swap_mode = swap_mode
         """The run's swap mode (``CollectorConfig.swap_mode``): overrides each push's; "" leaves it."""
+        self.update_strategy = update_strategy
+        """How a push that names no strategy is rolled out: "pause_all" or "rolling"."""
+        self.rolling_settings = rolling
+        self.rolling: RollingUpdate | None = None
+        """The rolling update in progress, else the last one (status)."""
         self.gate = gate
         self.spool: FileSpool | DatabaseSpool = spool if spool is not None else FileSpool(Path(spool_dir))
         """Where pushes are spooled for re-syncs: ``spool`` (the database's), else files in ``spool_dir``."""
@@ -129,7 +140,16 @@ class WeightFanout:
         manifest = weights_pb2.WeightManifest.FromString(manifest.SerializeToString())
         if manifest.resync or manifest.two_phase:
             raise InvalidArgument("manifest.resync and manifest.two_phase are set by the collector, not the trainer")
-        if self.swap_mode:
+        rolling = manifest.strategy == weights_pb2.UPDATE_STRATEGY_ROLLING or (
+            manifest.strategy == weights_pb2.UPDATE_STRATEGY_UNSPECIFIED and self.update_strategy == "rolling")
+        if rolling:
+            if manifest.WhichOneof("source") == "nccl":
+                raise InvalidArgument("manifest.strategy: an nccl push is one collective across every replica; it "
+                                      "cannot roll out a few replicas at a time (push it by shm or grpc)")
+            # Each replica is drained before it switches: what is left running there is aborted (and
+            # generated again), never continued on the new weights.
+            manifest.mode = weights_pb2.UPDATE_MODE_ABORT
+        elif self.swap_mode:
             manifest.mode = MODES[self.swap_mode]  # the SDK's names: docs/guides/off-policy.md, Weight-swap modes
         if manifest.version == 0:
             if self.gate.version >= MAX_POLICY_VERSION:
@@ -183,7 +203,7 @@ class WeightFanout:
             local = [ReplicaPush.start(r, _offered(manifest, r), self.pool.settings, segment)
                      for r in replicas if not (source is None and r.shm_refused)]
             handed_off = True  # the spool writer closes the segment once it copied it
-            return await _finish_shielded(self._decide(remote + local, push, spool, started, segment))
+            return await _finish_shielded(self._decide(remote + local, push, spool, started, segment, rolling))
         finally:
             if not handed_off:
                 self._release(segment)
@@ -258,14 +278,14 @@ class WeightFanout:
             log.error("%s: replicas that restart cannot be re-synced to it until a later push spools", failure)
 
     async def _decide(self, streams: list[ReplicaPush], push: WeightPush, spool, started: float,
-                      segment: shm.Segment) -> PushOutcome:
+                      segment: shm.Segment, rolling: bool) -> PushOutcome:
         decision = asyncio.get_running_loop().create_future()
         copied = asyncio.get_running_loop().create_future()
         self._spooling = asyncio.ensure_future(self._spool(spool, segment, decision, copied))
         self._spooling.add_done_callback(self._spool_done)
         try:
             staged = await self._stage(streams, push.version)
-            return await self._commit(streams, staged, push, decision, started, (spool, copied))
+            return await self._commit(streams, staged, push, decision, started, (spool, copied), rolling)
         finally:
             if not decision.done():
                 decision.set_result(False)
@@ -289,12 +309,23 @@ class WeightFanout:
 
     async def _commit(self, streams: list[ReplicaPush], staged: list[ReplicaPush], push: WeightPush,
                       decision: asyncio.Future | None, started: float,
-                      spooling: tuple[object, asyncio.Future] | None = None) -> PushOutcome:
+                      spooling: tuple[object, asyncio.Future] | None = None, rolling: bool = False) -> PushOutcome:
+        """Every staged replica applies (all at once behind a closed admission gate, or ``rolling``: a few
+        at a time, admission open), then the version commits."""
         version = push.version
-        await self.gate.begin_push()
+        update = None
+        if rolling:
+            update = self.rolling = RollingUpdate(self.pool, self.rolling_settings, self.gate.version, version,
+                                                  len(staged))
+            await self.gate.begin_rolling()
+        else:
+            await self.gate.begin_push()
         committed = None
         try:
-            await asyncio.gather(*(s.commit() for s in staged))
+            if update is None:
+                await asyncio.gather(*(s.commit() for s in staged))
+            else:
+                await update.run(staged)
             outcomes = [s.outcome() for s in streams]
             for stream, outcome in zip(streams, outcomes):
                 if not outcome.applied:
@@ -327,7 +358,11 @@ class WeightFanout:
                     await self.pool.mark_healthy(stream.replica, version)  # a push brought it back
                     log.info("replica %s back in rotation with version %d", stream.replica.address, version)
         finally:
-            await self.gate.end_push(committed)
+            if update is None:
+                await self.gate.end_push(committed)
+            else:
+                update.finish(committed is not None)
+                await self.gate.end_rolling(committed)
         transports = sorted({o.transport for o in outcomes if o.applied})
         log.info("weights committed", extra={"version": committed, "bytes": push.total_bytes,
                                              "applied": sum(o.applied for o in outcomes),

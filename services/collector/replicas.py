@@ -7,13 +7,20 @@ of a replica that failed a call and came back. One that disappears leaves the ro
 calls in flight finish (or fail over like any failed call) and its channel closes when the last ends.
 Work goes to the healthy replica with the fewest samples outstanding (not calls: a group of 16 weighs
 16 single samples), except that a group's later turns stay where its prefix is cached.
+
+During a rolling update (``rolling.py``) replicas serve two versions: a replica being drained takes no
+new work, and a request pinned to a version goes only to a replica serving it (``acquire(version=)``);
+a drained replica that is the last to serve its version also waits for the groups pinned to it
+(``hold_pin``) to end. ``VersionRetired`` when no replica in rotation serves a pinned version any more.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -49,6 +56,13 @@ class Replica:
     """Its inference workers (NCCL ranks in an nccl push), from its last probe."""
     max_push_bytes: int = 0
     """The largest push it accepts, from its last probe (0: not reported yet)."""
+    draining: bool = False
+    """A rolling update is about to switch it: no new work (requests pinned to its version excepted,
+    when it is the last replica serving that version)."""
+
+
+class VersionRetired(Exception):
+    """No replica in rotation serves the version a request is pinned to any more."""
 
 
 class ReplicaPool:
@@ -60,6 +74,8 @@ class ReplicaPool:
         self._changed = asyncio.Condition()
         self._closing: set[asyncio.Task] = set()
         self._turn = 0
+        self.pins: collections.Counter[int] = collections.Counter()
+        """Groups pinned to each version and still generating (``hold_pin``)."""
 
     async def update(self, endpoints: list[Endpoint]) -> tuple[list[Replica], list[Replica]]:
         """Make the members ``endpoints``: (the replicas added, out of rotation until the monitor
@@ -96,22 +112,68 @@ class ReplicaPool:
         return [r for r in self.replicas if r.healthy]
 
     async def acquire(self, exclude: set[str] = frozenset(), timeout: float | None = None,
-                      prefer: Replica | None = None, samples: int = 1) -> Replica:
+                      prefer: Replica | None = None, samples: int = 1, version: int | None = None) -> Replica:
         """``prefer`` while it is healthy and not excluded (an episode's group stays where its prefix is
         cached), else the healthy replica with the fewest samples outstanding (waits for one); counts
-        ``samples`` on it until ``release``."""
+        ``samples`` on it until ``release``. ``version``: only a replica serving it (VersionRetired
+        when none in rotation does); replicas being drained take no new work, but do take requests
+        pinned to their version when no other replica serves it."""
         async def pick():
             async with self._changed:
                 while True:
-                    if prefer is not None and prefer.healthy and prefer.address not in exclude:
+                    serving = self._serving(version)
+                    if not serving and version is not None:
+                        raise VersionRetired(f"no replica in rotation serves version {version} any more")
+                    if prefer in serving and prefer.address not in exclude:
                         return self._take(prefer, samples)
-                    candidates = [r for r in self.replicas if r.healthy and r.address not in exclude]
+                    candidates = [r for r in serving if r.address not in exclude]
                     if not candidates and exclude:
-                        candidates = self.healthy()  # all others are down: allow a retry anywhere
+                        candidates = serving  # all others are down: allow a retry anywhere
                     if candidates:
                         return self._take(self._least_loaded(candidates), samples)
                     await self._changed.wait()
         return await asyncio.wait_for(pick(), timeout)
+
+    def _serving(self, version: int | None) -> list[Replica]:
+        """The replicas that take a request pinned to ``version`` (None: any): healthy, serving it, not
+        being drained unless none other serves it."""
+        healthy = [r for r in self.replicas if r.healthy and (version is None or r.policy_version == version)]
+        open_ = [r for r in healthy if not r.draining]
+        return open_ if open_ or version is None else healthy
+
+    def hold_pin(self, version: int) -> None:
+        """A group pinned to ``version`` started: the last replica serving it drains only once it ended."""
+        self.pins[version] += 1
+
+    async def release_pin(self, version: int) -> None:
+        self.pins[version] -= 1
+        if self.pins[version] <= 0:
+            del self.pins[version]
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def drain(self, replica: Replica, deadline: float) -> bool:
+        """Take ``replica`` out of new work and wait (until the monotonic ``deadline``) for what it runs
+        to end, and, should it be the last replica serving its version, for the groups pinned to that
+        version; whether it drained in time. ``undrain`` puts it back."""
+        replica.draining = True
+        version = replica.policy_version
+
+        def drained() -> bool:
+            others = [r for r in self.replicas if r is not replica and r.healthy and r.policy_version == version]
+            return replica.in_flight == 0 and (bool(others) or self.pins[version] == 0)
+        async with self._changed:
+            self._changed.notify_all()
+            try:
+                await asyncio.wait_for(self._changed.wait_for(drained), max(deadline - time.monotonic(), 0))
+                return True
+            except asyncio.TimeoutError:
+                return drained()
+
+    async def undrain(self, replica: Replica) -> None:
+        replica.draining = False
+        async with self._changed:
+            self._changed.notify_all()
 
     @staticmethod
     def _take(replica: Replica, samples: int) -> Replica:
@@ -120,9 +182,10 @@ class ReplicaPool:
         return replica
 
     def least_loaded(self) -> Replica | None:
-        """The healthy replica with the fewest samples outstanding now (None: none is healthy)."""
-        healthy = self.healthy()
-        return self._least_loaded(healthy) if healthy else None
+        """The healthy replica with the fewest samples outstanding now, of those taking new work (None:
+        none is healthy)."""
+        serving = self._serving(None)
+        return self._least_loaded(serving) if serving else None
 
     def _least_loaded(self, candidates: list[Replica]) -> Replica:
         """The fewest samples outstanding; ties taken in turn (the first of a list of idle replicas
@@ -139,6 +202,14 @@ class ReplicaPool:
                 self._close(replica)
             return
         metrics.REPLICA_OUTSTANDING.labels(replica.address).set(replica.in_flight)
+        if replica.draining and replica.in_flight == 0:
+            task = asyncio.get_running_loop().create_task(self._notify())  # a drain waits for this
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
 
     async def mark_failed(self, replica: Replica, error: str) -> None:
         if replica.healthy:

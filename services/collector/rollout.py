@@ -36,7 +36,8 @@ import grpc
 import torch
 
 from rlfleet.client.channel import ChannelSettings, backoff, call_with_retry
-from rlfleet.client.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError, from_rpc_error
+from rlfleet.client.errors import (AbortedError, InvalidArgumentError, NotFoundError, ResourceExhaustedError,
+                                   from_rpc_error)
 from rlfleet.services.collector import batched_calls, failures
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.coalescer import Coalescer
@@ -44,7 +45,7 @@ from rlfleet.services.collector.episode_runner import EpisodeRunner, GenerateTur
 from rlfleet.services.collector.failures import Discard, GenerationFailed
 from rlfleet.services.collector.filtering import FilterRate, FilterRule
 from rlfleet.services.collector.prompt_item import PromptItem, sampling_fields
-from rlfleet.services.collector.replicas import Replica, ReplicaPool
+from rlfleet.services.collector.replicas import Replica, ReplicaPool, VersionRetired
 from rlfleet.services.collector.source import PromptSource
 from rlfleet.services.collector.trajectories import GroupSamples, group_message
 from rlfleet.services.common import tracing
@@ -125,6 +126,24 @@ class PipelineOptions:
     retry_backoff_seconds: float = 1.0
 
 
+@dataclass
+class Placement:
+    """Where a group's requests go: its home replica (an episode's later turns stay where its prefix is
+    cached; None: the least loaded), and the version they are pinned to (None: none). A group whose first
+    request is placed while a rolling update runs is pinned to the version of that request's replica:
+    every request of the group then runs on that version, on a replica serving it (``rolling.py``)."""
+
+    home: Replica | None = None
+    version: int | None = None
+
+
+def off_pin(samples: list[generation_pb2.GenerateResponse], version: int) -> bool:
+    """Whether a sample that finished ran on another version than its pin (the replica's promise broken)."""
+    return any(s.policy_version_start != version or s.policy_version_end != version
+               or any(span.version != version for span in s.policy_version_spans)
+               for s in samples if s.finish_reason != sampling_pb2.FINISH_REASON_ABORT)
+
+
 def sampled_tokens(samples: list[generation_pb2.GenerateResponse]) -> int:
     """Response tokens of ``samples`` (each sample's 1-D token tensor)."""
     return sum(sample.response_token_ids.shape[0] if sample.response_token_ids.shape else 0 for sample in samples)
@@ -165,6 +184,12 @@ class Pipeline:
         self.filter_rate = FilterRate(window=options.filter_window, max_oversampling=options.max_oversampling)
         self.failed_prompts = 0
         """Dead letters since the state directory was created (seeded from the ledger at start)."""
+        self.pin_violations = 0
+        """Pinned requests whose samples ran on another version (their groups generated again; must stay 0)."""
+        self.pins_retired = 0
+        """Pinned groups generated again because no replica serves their version any more."""
+        self.pinned_groups = 0
+        """Groups pinned to a version (started while a rolling update ran)."""
         self._groups = asyncio.Semaphore(options.max_groups_in_flight)
         self._generation = asyncio.Semaphore(options.max_generations_in_flight)
         self._scoring = asyncio.Semaphore(options.max_scoring_in_flight)
@@ -232,6 +257,7 @@ class Pipeline:
 
     async def _group(self, item: PromptItem, group_id: int) -> None:
         stage = "generation"
+        holds_slot = True
         try:
             environment = item.environment or self.options.default_environment
             if environment:
@@ -245,6 +271,13 @@ class Pipeline:
             rewards = await self._compute_rewards(item, group, ref_log_probs, group_id)
             stage = "trajectory"
             outcome = self.options.filter_rule.outcome(item.pass_key, decode_tensor(rewards.scores, "scores"))
+            if group.end_version > self.gate.version:
+                # It ran on a version being pushed (a rolling update's switched replicas): it reaches the
+                # trainer only once that version commits. Parked, it gives its slot to a group that generates
+                # meanwhile (how many park is bounded by the update's window, rolling_max_seconds).
+                holds_slot = False
+                self._groups.release()
+                await self._until_committed(group)
             version, filtered = await self._append(item, group, ref_log_probs, rewards, group_id, outcome.filtered)
             outcome = dataclasses.replace(outcome, filtered=filtered)  # as stored, should it be from before a restart
             # Sync mode keeps the prompt's row a while: a group that goes stale unread is generated again.
@@ -265,7 +298,15 @@ class Pipeline:
             await self.gate.give_back()  # its slot goes to another prompt
             await self._failed(item, stage, exc, verdict)
         finally:
-            self._groups.release()
+            if holds_slot:
+                self._groups.release()
+
+    async def _until_committed(self, group: GroupSamples) -> None:
+        """Wait for the push of the version ``group`` ended on; Discard if it did not commit."""
+        if not await self.gate.committed(group.end_version):
+            self.discarded_samples += len(group)
+            self.discarded_tokens += int(group.responses.lengths.sum())
+            raise Discard(f"generated on version {group.end_version}, which did not commit")
 
     async def _failed(self, item: PromptItem, stage: str, exc: Exception, verdict: failures.Verdict) -> None:
         """Dead-letter the prompt (input refused, or retries used up), or retry it after a backoff."""
@@ -300,23 +341,45 @@ class Pipeline:
 
     async def _generate(self, item: PromptItem, group_id: int) -> list[generation_pb2.GenerateResponse]:
         request = self._request(item, group_id)
-        async with self.stages["generation"].track(self._generation):
+        async with self.stages["generation"].track(self._generation), self._placed() as place:
             with tracing.span("generate", {"rlfleet.samples": request.sampling.n}):
-                samples = await self._on_a_replica(request)
+                samples = await self._on_a_replica(request, place)
         if any(s.finish_reason == sampling_pb2.FINISH_REASON_ABORT for s in samples):
             self.discarded_samples += len(samples)
             self.discarded_tokens += sampled_tokens(samples)
             raise Discard("generation aborted by a weight update")
         return sorted(samples, key=lambda s: s.sample_index)
 
+    @contextlib.asynccontextmanager
+    async def _placed(self):
+        """A group's ``Placement``; a pin it took is let go when its generation ends."""
+        place = Placement()
+        try:
+            yield place
+        finally:
+            if place.version is not None:
+                await self.pool.release_pin(place.version)
+
     async def _on_a_replica(self, request: generation_pb2.GenerateRequest,
-                            home: list[Replica | None] | None = None) -> list[generation_pb2.GenerateResponse]:
-        """``request``'s samples from a healthy replica (``home[0]`` while it is healthy, which becomes
-        the one that answered), failing over to others: GenerationFailed after the attempts."""
+                            place: Placement) -> list[generation_pb2.GenerateResponse]:
+        """``request``'s samples from a healthy replica (``place.home`` while it is healthy, which becomes
+        the one that answered; only replicas serving ``place.version`` when it is pinned), failing over to
+        others: GenerationFailed after the attempts, Discard when its pinned version is served no more."""
         tried: set[str] = set()
         samples_asked = max(1, request.sampling.n)
         for attempt in range(self.options.generation_attempts):
-            replica = await self.pool.acquire(exclude=tried, prefer=home[0] if home else None, samples=samples_asked)
+            try:
+                replica = await self.pool.acquire(exclude=tried, prefer=place.home, samples=samples_asked,
+                                                  version=place.version)
+            except VersionRetired as retired:
+                self.pins_retired += 1
+                raise Discard(str(retired)) from None
+            if place.version is None and self.gate.rolling:
+                place.version = replica.policy_version
+                self.pool.hold_pin(place.version)
+                self.pinned_groups += 1
+            if place.version is not None:
+                request.policy_version = place.version
             try:
                 call = replica.stub.Generate(request, metadata=self.settings.metadata())
                 samples = [s async for s in call]
@@ -324,6 +387,9 @@ class Pipeline:
                 error = from_rpc_error(exc, "Generate")
                 if isinstance(error, (InvalidArgumentError, NotFoundError)):
                     raise error from None
+                if place.version is not None and isinstance(error, AbortedError):
+                    self.pins_retired += 1  # it switched (or restarted) before our routing knew
+                    raise Discard(f"{replica.address} no longer serves version {place.version}") from None
                 if not isinstance(error, ResourceExhaustedError):
                     tried.add(replica.address)
                     await self.pool.mark_failed(replica, str(error))
@@ -331,8 +397,12 @@ class Pipeline:
                 continue
             finally:
                 self.pool.release(replica, samples_asked)
-            if home is not None:
-                home[0] = replica
+            if place.version is not None and off_pin(samples, place.version):
+                self.pin_violations += 1
+                log.error("replica %s ran a request pinned to version %d on another one: its group is generated "
+                          "again", replica.address, place.version)
+                raise Discard(f"{replica.address} did not keep request {request.request_id} on version {place.version}")
+            place.home = replica
             return samples
         raise GenerationFailed(f"generation failed on {self.options.generation_attempts} attempts "
                                f"(replicas tried: {', '.join(sorted(tried)) or 'none'})")
@@ -343,15 +413,15 @@ class Pipeline:
         if self.episodes is None:
             raise InvalidArgument(f"prompt {item.prompt_id!r}: environment {environment!r} needs a collector "
                                   "with an environment_address")
-        home: list[Replica | None] = [self.pool.least_loaded()]  # every episode's first turn goes there too
         slot = GroupSlot(self._generation)  # the group's turns share one slot, as its samples would
-        async with self.stages["generation"].track():
+        async with self.stages["generation"].track(), self._placed() as place:
+            place.home = self.pool.least_loaded()  # every episode's first turn goes there too
             episodes = await self.episodes.run_group(
                 item, environment, group_id, self.options.group_size,
-                lambda index: self._turn_generator(item, group_id, index, home, slot))
+                lambda index: self._turn_generator(item, group_id, index, place, slot))
         return group_of_episodes(episodes)
 
-    def _turn_generator(self, item: PromptItem, group_id: int, index: int, home: list[Replica | None],
+    def _turn_generator(self, item: PromptItem, group_id: int, index: int, place: Placement,
                         slot: GroupSlot) -> GenerateTurns:
         """Generates the turns of episode ``index`` (``n`` samples from its token history, at most the
         tokens its budget leaves; n > 1 for the group's shared first turn). A turn aborted by a weight
@@ -370,7 +440,7 @@ class Pipeline:
                 encode_tensor(history, out=request.prompt.token_ids)
                 async with slot.held():
                     with tracing.span("generate", {"rlfleet.episode": index, "rlfleet.samples": n}):
-                        samples = await self._on_a_replica(request, home)
+                        samples = await self._on_a_replica(request, place)
                 if all(s.finish_reason != sampling_pb2.FINISH_REASON_ABORT for s in samples):
                     return sorted(samples, key=lambda s: s.sample_index)
                 self.discarded_tokens += sampled_tokens(samples)

@@ -21,6 +21,7 @@ from rlfleet.services.collector.dataset import load_records
 from rlfleet.services.collector.discovery import make_discovery
 from rlfleet.services.collector.episode_runner import EpisodeBudget, EpisodeRunner
 from rlfleet.services.collector.fanout import WeightFanout
+from rlfleet.services.collector.rolling import RollingSettings
 from rlfleet.services.collector.filtering import FilterRule
 from rlfleet.services.collector.ledger import PromptLedger
 from rlfleet.services.collector.mismatch import LagMismatch, MismatchBreaker
@@ -88,6 +89,9 @@ class CollectorService(Service[CollectorConfig]):
         # The spool beside the state: files in the state directory, or the PostgreSQL database's rows.
         self.fanout = WeightFanout(self.pool, self.gate, self.state_dir / "spool", config.max_push_bytes,
                                    on_commit=self._committed, on_fatal=self.fail, swap_mode=config.swap_mode,
+                                   update_strategy=config.update_strategy,
+                                   rolling=RollingSettings(config.rolling_max_unavailable, config.rolling_drain_seconds,
+                                                           config.rolling_max_seconds, config.rolling_settle_seconds),
                                    spool=DatabaseSpool(self.ledger) if self.ledger.in_postgresql else None)
         self.pipeline = Pipeline(
             PipelineOptions(
@@ -276,8 +280,10 @@ class CollectorService(Service[CollectorConfig]):
                 if replica.healthy:
                     await self._check_in_rotation(replica)
                     continue
+                if self.fanout.busy:
+                    continue  # a push or re-sync moves versions (a rolling update, for minutes): next tick
                 version = await self.pool.probe(replica)
-                if version is None:
+                if version is None or self.fanout.busy:
                     continue
                 if version != self.gate.version and not await self.fanout.resync(replica):
                     continue
@@ -312,7 +318,8 @@ class CollectorService(Service[CollectorConfig]):
                                               items_per_second=s.rate()) for s in pipeline.stages.values()],
             replicas=[collector_pb2.ReplicaStatus(address=r.address, healthy=r.healthy,
                                                   policy_version=r.policy_version, in_flight=r.in_flight,
-                                                  weight_transfer_world_size=r.transfer_world_size)
+                                                  weight_transfer_world_size=r.transfer_world_size,
+                                                  draining=r.draining)
                       for r in self.pool.replicas],
             staleness_histogram=pipeline.staleness_histogram(), trajectories=pipeline.appended,
             discarded_samples=pipeline.discarded_samples, group_size=self.config.group_size,
@@ -326,8 +333,18 @@ class CollectorService(Service[CollectorConfig]):
                 filtered_groups=self.ledger.filtered_groups, filtered_samples=self.ledger.filtered_samples,
                 filter_rate=pipeline.filter_rate.rate, oversampling=1.0 / (1.0 - pipeline.filter_rate.expected_loss),
                 curriculum_skipped=self.source.curriculum_skipped, curriculum=self.config.curriculum),
-            discarded_tokens=pipeline.discarded_tokens,
+            discarded_tokens=pipeline.discarded_tokens, rolling_update=self.rolling_status(),
         )
+
+    def rolling_status(self) -> collector_pb2.RollingUpdateStatus | None:
+        """The rolling update in progress, else the last one (None before the first), with the pin counters."""
+        update, pipeline = self.fanout.rolling, self.pipeline
+        if update is None and not pipeline.pinned_groups:
+            return None
+        status = update.status() if update is not None else collector_pb2.RollingUpdateStatus()
+        status.pinned_groups = pipeline.pinned_groups
+        status.pin_violations, status.pins_retired = pipeline.pin_violations, pipeline.pins_retired
+        return status
 
     def mismatch_status(self) -> collector_pb2.MismatchStatus:
         breaker = self.mismatch

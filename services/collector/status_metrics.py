@@ -1,7 +1,7 @@
 """Prometheus metrics read from the collector's status at scrape time: the committed version, the
-rollout's progress (trajectories appended, prompts pending and dead-lettered) and what GetStatus shows
+rollout's progress (trajectories appended, prompts pending and dead-lettered), what GetStatus shows
 of off-policy control (dynamic sampling, thrown-away work, the admission bound, the measured
-mismatch), from the one place that computes it."""
+mismatch) and of rolling updates (the two-version window, pins), from the one place that computes it."""
 
 from __future__ import annotations
 
@@ -46,6 +46,20 @@ class StatusMetrics:
                                             "while a lag measures over mismatch_kl_target)",
              mismatch.admission_staleness),
             ("rlfleet_mismatch_breaker_open", "1 while the mismatch breaker is open", int(mismatch.breaker_open)),
+            ("rlfleet_versions_serving", "Distinct policy versions the replicas in rotation serve (2 during a "
+                                         "rolling update)",
+             len({r.policy_version for r in status.replicas if r.healthy})),
+            ("rlfleet_rolling_update_in_progress", "1 while a rolling update switches replicas",
+             int(status.rolling_update.in_progress)),
+            ("rlfleet_rolling_update_window_seconds", "Seconds two versions have served in the rolling update in "
+                                                      "progress (the last one's whole window once over)",
+             status.rolling_update.window_seconds),
+            ("rlfleet_rolling_update_max_window_seconds", "The bound on that window (rolling_max_seconds)",
+             status.rolling_update.max_window_seconds),
+            ("rlfleet_pin_violations", "Samples that ran on another version than their request's pin (must stay "
+                                       "0)", status.rolling_update.pin_violations),
+            ("rlfleet_pins_retired", "Pinned groups generated again: no replica served their version any more",
+             status.rolling_update.pins_retired),
         ):
             yield GaugeMetricFamily(name, help_text, value=value)
         by_lag = GaugeMetricFamily("rlfleet_mismatch_kl_k3", "k3 KL between trainer and behaviour log-probs "

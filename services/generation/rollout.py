@@ -27,8 +27,8 @@ class RolloutHost(Protocol):
     @property
     def policy_version(self) -> int: ...
 
-    async def open_stream(self, prompt_token_ids: list[int], params: Any,
-                          request_id: str) -> tuple[AsyncGenerator[Any, None], int, int | None]: ...
+    async def open_stream(self, prompt_token_ids: list[int], params: Any, request_id: str,
+                          required_version: int | None = None) -> tuple[AsyncGenerator[Any, None], int, int | None]: ...
 
     def resumes(self, swap_serial: int) -> bool: ...
 
@@ -41,7 +41,7 @@ class Rollout:
     """The vLLM requests of one ``generate`` call, read as finished samples."""
 
     def __init__(self, host: RolloutHost, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
-                 request_id: str, called_at: float) -> None:
+                 request_id: str, called_at: float, required_version: int | None = None) -> None:
         self._host = host
         self._prompt = list(prompt_token_ids)
         self._sampling = sampling
@@ -50,7 +50,10 @@ class Rollout:
         self._submitted_at = called_at
         self._version_at_submit = host.policy_version
         self._cached_prompt_tokens: int | None = 0
-        self._resumable = resume_blocker(sampling) is None
+        self._required_version = required_version
+        """The version every sample must run on (None: any): a rolling update's pin. Such a call is never
+        continued on other weights, so a swap ends its samples with "abort"."""
+        self._resumable = resume_blocker(sampling) is None and required_version is None
         self._samples: dict[int, SampleAccumulator] = {}
         # vLLM request id -> (the sample it continues, None for the call's own request; swap serial at
         # submission; the version of the LoRA adapter it is pinned to, None without one)
@@ -86,7 +89,8 @@ class Rollout:
             await self._streams.aclose()
 
     async def _submit(self, request_id: str, prompt: list[int], sampling: SamplingSpec, sample: int | None) -> None:
-        stream, serial, pinned = await self._host.open_stream(prompt, to_vllm(sampling), request_id)
+        stream, serial, pinned = await self._host.open_stream(prompt, to_vllm(sampling), request_id,
+                                                              self._required_version)
         self._requests[request_id] = (sample, serial, pinned)
         self._streams.add(request_id, stream)
 

@@ -63,7 +63,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # What every sample of this request repeats, built once.
         template = generation_pb2.GenerateResponse(request_id=request_id, sampling=sampling_to_proto(spec))
         encode_values(prompt_ids, torch.int64, template.prompt_token_ids)
-        async for sample in self.engine.generate(prompt_ids, spec, request_id):
+        required = request.policy_version if request.HasField("policy_version") else None
+        async for sample in self.engine.generate(prompt_ids, spec, request_id, required):
             yield _sample_to_proto(sample, template)
 
     async def UpdateWeights(self, request_iterator, context):

@@ -60,6 +60,8 @@ class GenerationEngine:
         self._admission_open = asyncio.Event()
         self._swap_lock = asyncio.Lock()
         self._requests_in_flight = 0
+        self._version_bound_requests = 0
+        """Calls in flight with a ``required_version``: a ``keep`` swap runs as ``resume`` (which ends them)."""
         self._requests_running = 0
         self._request_ids_in_flight: set[str] = set()
         self._token_rate = TokenRate(config.tokens_per_second_window_s)
@@ -265,9 +267,14 @@ class GenerationEngine:
     # ------------------------------------------------------------------ generation
 
     async def generate(
-        self, prompt_token_ids: Sequence[int], sampling: SamplingSpec, request_id: str
+        self, prompt_token_ids: Sequence[int], sampling: SamplingSpec, request_id: str,
+        required_version: int | None = None,
     ) -> AsyncIterator[SampleResult]:
         """Sample ``sampling.n`` responses; yield each one as soon as it finishes.
+
+        ``required_version`` (a rolling update's pin; None: any): Aborted unless this replica serves
+        it when the request starts, and a swap while it runs ends its samples with "abort" (never
+        continued on other weights, whatever the swap's mode).
 
         Admission is checked at the first iteration: beyond
         ``max_queued_requests`` calls in flight it raises ResourceExhausted.
@@ -283,9 +290,10 @@ class GenerationEngine:
                 f"generation queue full ({self._requests_in_flight} requests in flight, "
                 f"max_queued_requests={self.config.max_queued_requests})"
             )
-        rollout = Rollout(self, prompt_token_ids, sampling, request_id, time.monotonic())
+        rollout = Rollout(self, prompt_token_ids, sampling, request_id, time.monotonic(), required_version)
         samples = rollout.samples()
         self._requests_in_flight += 1
+        self._version_bound_requests += required_version is not None
         self._request_ids_in_flight.add(request_id)
         try:
             async for sample in samples:
@@ -297,12 +305,13 @@ class GenerationEngine:
         finally:
             await samples.aclose()
             self._requests_in_flight -= 1
+            self._version_bound_requests -= required_version is not None
             self._request_ids_in_flight.discard(request_id)
             if rollout.running:
                 self._requests_running -= 1
 
-    async def open_stream(self, prompt_token_ids: list[int], params: Any,
-                          request_id: str) -> tuple[AsyncGenerator[Any, None], int, int | None]:
+    async def open_stream(self, prompt_token_ids: list[int], params: Any, request_id: str,
+                          required_version: int | None = None) -> tuple[AsyncGenerator[Any, None], int, int | None]:
         """One vLLM request of a ``generate`` call, submitted once no swap holds admission (so it
         runs on the weights of the latest swap): its output stream (the request reaches vLLM at the
         first read), the swap serial before it waited (``resumes``), and the version of the LoRA
@@ -315,6 +324,9 @@ class GenerationEngine:
         # starts on the new weights and does not delay the drain.
         await self._admission_open.wait()
         engine = self._require_engine()
+        if required_version is not None and required_version != self._policy_version:
+            raise Aborted(f"request {request_id} is pinned to policy version {required_version}; this replica "
+                          f"serves version {self._policy_version}")
         adapter = self._adapters.pin()
         if adapter is None:
             return engine.generate({"prompt_token_ids": prompt_token_ids}, params, request_id), swap_serial, None
@@ -443,8 +455,10 @@ class GenerationEngine:
                 return
             if staged.delta is not None:
                 await self._patch_kept(staged)
-            # Requests pinned to an adapter cannot go on with other weights under it: "keep" resumes them.
-            mode = "resume" if staged.mode == "keep" and self._adapters.current is not None else staged.mode
+            # Requests pinned to an adapter cannot go on with other weights under it: "keep" resumes them;
+            # requests bound to a version are never continued (resume ends them with "abort").
+            bound = self._adapters.current is not None or self._version_bound_requests
+            mode = "resume" if staged.mode == "keep" and bound else staged.mode
             await asyncio.shield(self._swap(engine, staged.version, mode, staged.transport,
                                             lambda: self._load_weights(engine, staged)))
             if staged.delta is None:

@@ -14,6 +14,7 @@ import pytest_asyncio
 import torch
 
 from rlfleet.services.common.errors import (
+    Aborted,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
@@ -388,6 +389,29 @@ async def test_resume_mode_finishes_a_request_with_stop_strings_with_abort(engin
     assert 0 < len(sample.response_token_ids) == len(sample.behavior_log_probs) < LONG_RESPONSE_TOKENS
     assert sample.policy_version_spans == [(old_version, 0, len(sample.response_token_ids))]
     assert engine.status().resumed_samples == before
+
+
+async def test_a_request_bound_to_a_version_runs_on_it_alone(engine, base_state_dict):
+    """A rolling update's pin (``required_version``): refused on another version, naming both; a ``keep`` swap
+    while it runs ends it with "abort" on its version instead of continuing it on the new weights, while a
+    request beside it that is bound to nothing is continued on them (the swap runs as ``resume``)."""
+    version = engine.policy_version
+    with pytest.raises(Aborted, match=f"pinned to policy version {version + 1}; this replica serves version "
+                                      f"{version}"):
+        [s async for s in engine.generate(PROMPT, SamplingSpec(max_tokens=4), "bound-ahead", version + 1)]
+
+    async def bound():
+        return [s async for s in engine.generate(PROMPT, long_spec(), "bound", version)]
+    pinned = asyncio.create_task(bound())
+    free = asyncio.create_task(collect(engine, long_spec(), "unbound"))
+    await wait_for_async(lambda: engine.status().requests_running == 2, ENGINE_STEP_TIMEOUT, "both requests running")
+    await serve(engine, perturbed(base_state_dict, seed=12), mode="keep")
+    (on_pin,), (unbound,) = await pinned, await free
+
+    assert on_pin.finish_reason == "abort" and 0 < len(on_pin.response_token_ids) < LONG_RESPONSE_TOKENS
+    assert on_pin.policy_version_spans == [(version, 0, len(on_pin.response_token_ids))]
+    assert unbound.finish_reason == "length" and len(unbound.response_token_ids) == LONG_RESPONSE_TOKENS
+    assert (unbound.policy_version_start, unbound.policy_version_end) == (version, version + 1)
 
 
 # ---------------------------------------------------------------- delta pushes

@@ -8,6 +8,7 @@ committed at that version (HF recompute, float32, 1e-4).
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 import shutil
@@ -16,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
+import time
 
 import grpc
 import pytest
@@ -52,6 +55,13 @@ slowest thing here (the suite fixture allows 900 s for every service together)."
 RESYNC_TIMEOUT = PUSH_TIMEOUT + 20 * REPLICA_CHECK_SECONDS
 """A restarted replica back at the collector's version and in rotation: noticed within a few monitor ticks (a
 tick skips its check while a push moves versions), then one re-sync push from the spool."""
+ROLLING_SETTLE_SECONDS = 3.0
+"""--rolling-settle-seconds: a rolling update waits this long after a replica switched before draining the next,
+the window in which both versions serve (and in which the kill test strikes: the status poll that sees the first
+replica switched answers from memory, in far less)."""
+DRAIN_TIMEOUT = PUSH_TIMEOUT + 60.0
+"""Prompts submitted during an update all ended (each a group of 4 samples of 8 tokens: milliseconds), those
+generated on a replica that died or switched included (generated again)."""
 RELEASE_TIMEOUT = PUSH_TIMEOUT + 20 * REPLICA_CHECK_SECONDS
 """Shared-memory segments of a cut or killed push gone: dropped when the push that staged them ends (bounded
 by a push), or swept at the next monitor tick once the process holding them is dead."""
@@ -62,6 +72,7 @@ def suite(tiny_model_dir, tmp_path_factory):
     options = SuiteOptions(model_dir=tiny_model_dir, generation_replicas=2, kv_cache_bytes=64 << 20,
                            generation_args=["--max-lora-rank", "8"],  # adapter pushes
                            collector_args=["--replica-check-seconds", str(REPLICA_CHECK_SECONDS), "--mode", "async",
+                                           "--rolling-settle-seconds", str(ROLLING_SETTLE_SECONDS),
                                            "--max-staleness", "1000", "--sampling",
                                            '{"temperature": 1.0, "max_tokens": 8}'])
     procs = start_suite(options, tmp_path_factory.mktemp("weight-sync"))
@@ -151,6 +162,56 @@ def our_segments(suite, before: set[str]) -> set[str]:
             kept.setdefault(next(iter(keepers)), []).append(path)
     assert all(len(paths) == 1 for paths in kept.values()), f"more than one segment kept: {kept}"
     return new - {path for paths in kept.values() for path in paths}
+
+
+class Load:
+    """Prompts submitted in a background thread (a few every 50 ms) while the block runs, and the collector's
+    status polled meanwhile: what a rolling update looked like from outside."""
+
+    BACKLOG = 32
+
+    def __init__(self, suite, client, tag: str):
+        self.client, self.tag = client, tag
+        self.stub = collector_pb2_grpc.CollectorServiceStub(grpc.insecure_channel(suite["collector"].address))
+        self.polls: list[collector_pb2.GetStatusResponse] = []
+        self.submitted = 0
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._submit, daemon=True),
+                         threading.Thread(target=self._poll, daemon=True)]
+
+    def status(self) -> collector_pb2.GetStatusResponse:
+        return self.stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=QUERY_TIMEOUT)
+
+    def _submit(self) -> None:
+        """Keeps about ``BACKLOG`` prompts waiting: the pipeline always has work, and never more than it ends."""
+        while not self._stop.wait(0.05):
+            if self.polls and self.polls[-1].pending_prompts >= self.BACKLOG:
+                continue
+            self.client.submit_prompts([{"prompt_id": f"{self.tag}-{self.submitted + i}", "prompt": PROMPT,
+                                         "ground_truth": "1"} for i in range(4)])
+            self.submitted += 4
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.02):
+            self.polls.append(self.status())
+
+    def __enter__(self) -> "Load":
+        self.before = self.status()
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+
+    def wait_all_ended(self) -> collector_pb2.GetStatusResponse:
+        """Every prompt submitted ended; none as a dead letter."""
+        wait_for(lambda: self.status().pending_prompts == 0, DRAIN_TIMEOUT, "the submitted prompts to end")
+        after = self.status()
+        assert after.failed_prompts == self.before.failed_prompts, "a prompt was dead-lettered"
+        return after
 
 
 def barrier(client) -> None:
@@ -439,28 +500,81 @@ def test_trainer_sigkill_mid_push_leaves_old_version_and_no_segment(suite, clien
 # ---------------------------------------------------------------- replicas
 
 
-def test_replica_killed_then_restarted_is_resynced_over_shm(suite, client, committed, tiny_model_dir):
-    """The victim misses a full push, two deltas on it and an adapter; it rejoins at the committed version
-    (the collector's spool holds the deltas patched into a full copy, and the adapter beside it), then
-    takes deltas again."""
-    victim_key = "generation-1"
-    victim = suite[victim_key]
-    victim.kill()  # SIGKILL the service and its engine core
+def test_a_rolling_update_switches_one_replica_at_a_time_while_the_other_serves(suite, client, committed,
+                                                                                tiny_model_dir):
+    """Under load, a rolling push drains and switches one replica at a time: at every moment a replica takes
+    new work, both versions serve for a while and groups are generated meanwhile, every group that started
+    then is pinned and ran on its pin alone, and the version commits once both replicas applied it."""
+    weights = perturbed(committed[0], seed=4100)
+    with Load(suite, client, "rolling") as load:
+        wait_for(lambda: load.status().trajectories > load.before.trajectories, GENERATE_TIMEOUT,
+                 "the load to reach the trainer")
+        result = client.push_weights(weights, progress=False, strategy="rolling")
+    committed[result.version] = weights
+    assert result.all_applied
+    after = load.wait_all_ended()
+    rolling = after.rolling_update
+    assert (rolling.from_version, rolling.to_version) == (load.before.policy_version, result.version)
+    assert not rolling.in_progress and rolling.committed
+    assert (rolling.replicas_switched, rolling.replicas_total) == (2, 2)
+    assert ROLLING_SETTLE_SECONDS <= rolling.window_seconds <= rolling.max_window_seconds
+    assert rolling.pinned_groups > 0 and rolling.pin_violations == 0
+    # Each replica's requests (8 tokens) ended within the drain bound: none was aborted by the switch.
+    assert "not drained in time" not in open(suite["collector"].log_path).read()
+    during = [s for s in load.polls if s.rolling_update.in_progress and s.rolling_update.to_version == result.version]
+    assert during, "no status poll saw the update in progress"
+    for status in during:
+        open_ = [r for r in status.replicas if r.healthy and not r.draining]
+        assert open_, "every replica was out of new work at once"
+        assert sum(r.draining for r in status.replicas) <= 1
+    both = [s for s in during if {r.policy_version for r in s.replicas} == {rolling.from_version, result.version}]
+    assert both, "no poll saw both versions serving"
+    assert both[-1].trajectories > both[0].trajectories, "nothing reached the trainer while both versions served"
+    assert_serving(suite, client, committed, tiny_model_dir)
+
+
+def test_replica_killed_mid_rolling_update_then_restarted_is_resynced_over_shm(suite, client, committed,
+                                                                               tiny_model_dir):
+    """A rolling update under load: once one replica switched, the other (the victim, waiting its turn) is
+    SIGKILLed. The update completes on the survivor with nothing lost (every prompt submitted ends as a
+    group, none as a dead letter) and no sample off its pin. The victim then misses two deltas and an
+    adapter; it rejoins at the committed version (the collector's spool holds the deltas patched into a
+    full copy, and the adapter beside it), then takes deltas again."""
     weights = perturbed(committed[0], seed=4242)
-    for step in range(3):
+    target = client.policy_version + 1
+    with Load(suite, client, "kill") as load, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pushing = pool.submit(client.push_weights, weights, progress=False, delta=True, strategy="rolling")
+
+        def one_switched():
+            status = load.status()
+            update = status.rolling_update
+            return update.in_progress and update.to_version == target and update.replicas_switched == 1 and status
+        status = wait_for(one_switched, PUSH_TIMEOUT, "the first replica to switch", interval=0.02)
+        victim_key = next(key for key, proc in suite.items() if key.startswith("generation") and
+                          {r.address: r.policy_version for r in status.replicas}[proc.address] != target)
+        victim = suite[victim_key]
+        victim.kill()  # SIGKILL the service and its engine core, while it waits for its turn
+        result = pushing.result(timeout=PUSH_TIMEOUT)
+    survivor = next(proc for key, proc in suite.items() if key.startswith("generation") and key != victim_key)
+    assert result.version == target and result.base_version is None
+    assert {r.address: r.applied for r in result.replicas} == {survivor.address: True, victim.address: False}
+    committed[result.version] = weights
+    after = load.wait_all_ended()
+    assert after.rolling_update.committed and after.rolling_update.pin_violations == 0
+    assert after.rolling_update.replicas_switched == 1
+    for step in range(1, 3):
+        weights = changed_few(weights, DELTA_TENSORS[step % 2:step % 2 + 1], seed=4243 + step)
         result = client.push_weights(weights, progress=False, delta=True)
         committed[result.version] = weights
-        assert (result.base_version is None) == (step == 0)
+        assert result.base_version is not None
         applied = {r.address: r.applied for r in result.replicas}
-        # Out of rotation after the first, the victim is only probed (and left out) by the next pushes.
-        assert applied[suite["generation-0"].address] and not applied.get(victim.address, False)
-        weights = changed_few(weights, DELTA_TENSORS[step % 2:step % 2 + 1], seed=4243 + step)
-    weights = committed[result.version]
+        # Out of rotation, the victim is only probed (and left out) by the next pushes.
+        assert applied[survivor.address] and not applied.get(victim.address, False)
     model = adapted(tiny_model_dir, weights, seed=4250, rank=4)
     result = client.push_adapter(model, progress=False)
     committed[result.version] = model
     assert result.replicas[0].applied and not any(r.applied for r in result.replicas[1:])
-    assert_serving(suite, client, committed, tiny_model_dir, procs=[suite["generation-0"]])
+    assert_serving(suite, client, committed, tiny_model_dir, procs=[survivor])
 
     restarted = ServiceProcess("generation", [*victim.args, "--port", str(victim.port)])
     restarted.start(victim.log_path.parent / "restarted").wait_ready(ENGINE_START_TIMEOUT)

@@ -130,7 +130,7 @@ class FakeHost:
         self.closed: list[str] = []
         self.resumed_samples = self.resumed_tokens = 0
 
-    async def open_stream(self, prompt, params, request_id):
+    async def open_stream(self, prompt, params, request_id, required_version=None):
         if not self.scripts:
             raise Unavailable("engine is failed")
         self.submitted.append((request_id, prompt, params))
@@ -166,8 +166,8 @@ def no_vllm(monkeypatch):
     monkeypatch.setattr("rlfleet.services.generation.rollout.to_vllm", lambda spec: spec)
 
 
-async def run(host, spec, prompt=PROMPT):
-    rollout = Rollout(host, prompt, spec, "r", called_at=0.0)
+async def run(host, spec, prompt=PROMPT, required_version=None):
+    rollout = Rollout(host, prompt, spec, "r", called_at=0.0, required_version=required_version)
     return {sample.index: sample async for sample in rollout.samples()}
 
 
@@ -196,6 +196,16 @@ async def test_two_samples_resumed_one_of_them_twice():
     assert continuations == [([1, 2, 3, 10, 11], 1, 4, 2), ([1, 2, 3, 20], 1, 5, 3), ([1, 2, 3, 20, 21], 1, 4, 2)]
     assert (host.resumed_samples, host.resumed_tokens) == (3, 2 + 1 + 2)
     assert len({request_id for request_id, _, _ in host.submitted}) == 4
+
+
+async def test_a_call_bound_to_a_version_is_never_continued_on_other_weights():
+    """A rolling update's pin: the swap that would resume the samples ends them with "abort" instead."""
+    spec = SamplingSpec(n=1, temperature=1.0, max_tokens=6, seed=5)
+    host = FakeHost([output(completion(0, [10, 11])), "swap", output(completion(0, [], "abort", [span(1, 0, 2)]))],
+                    [output(completion(0, [12], "length", [span(2, 0, 1)]))])
+    samples = await run(host, spec, required_version=1)
+    assert samples[0].finish_reason == "abort" and samples[0].response_token_ids == [10, 11]
+    assert len(host.submitted) == 1 and host.resumed_samples == 0
 
 
 async def test_a_greedy_group_is_resumed_once_and_sent_n_times():

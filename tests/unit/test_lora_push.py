@@ -232,13 +232,16 @@ class FakeClient:
 
     def __init__(self):
         self.pushes: list[tuple[str, object]] = []
+        self.strategies: list[str] = []
 
-    def push_weights(self, weights, *, mode, transport, progress):
+    def push_weights(self, weights, *, mode, transport, strategy, progress):
         self.pushes.append(("weights", set(weights)))
+        self.strategies.append(strategy)
         return Pushed(len(self.pushes))
 
-    def push_adapter(self, adapter, *, mode, transport, progress):
+    def push_adapter(self, adapter, *, mode, transport, strategy, progress):
         self.pushes.append(("adapter", adapter))
+        self.strategies.append(strategy)
         return Pushed(len(self.pushes))
 
     @property
@@ -249,7 +252,8 @@ class FakeClient:
 def test_a_peft_policy_pushes_its_adapter_and_a_plain_one_its_weights():
     lora = get_peft_model(TinyLM(), LoraConfig(r=2, target_modules=["q_proj"]))
     client = FakeClient()
-    collector = RlfleetLLMCollector(client, dialog_turns_per_batch=6, policy=Wrapper(lora), push_mode="abort")
+    collector = RlfleetLLMCollector(client, dialog_turns_per_batch=6, policy=Wrapper(lora), push_mode="abort",
+                                    push_strategy="rolling")
     assert collector.update_policy_weights_() == 1
     assert collector.update_policy_weights_(lora) == 2
     assert collector.update_policy_weights_(TinyLM()) == 3
@@ -258,6 +262,7 @@ def test_a_peft_policy_pushes_its_adapter_and_a_plain_one_its_weights():
     sender.register_model(lora)
     sender.register_collector(collector)
     assert sender.update_weights() == 4 and client.pushes[-1] == ("adapter", lora)
+    assert client.strategies == ["rolling"] * 4
     assert collector._unacknowledged_pushes == 0
 
 

@@ -159,7 +159,7 @@ class FakeClient:
         self.group_size = group_size
         self.stream_options = None
 
-    def push_weights(self, weights, *, mode, transport, progress):
+    def push_weights(self, weights, *, mode, transport, strategy, progress):
         self.pushes.append(set(weights))
         self.version += 1
         return Pushed(self.version)

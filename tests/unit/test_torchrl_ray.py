@@ -76,7 +76,7 @@ class FakeClient:
         self.streams: list[FakeStream] = []
         self.closed = False
 
-    def push_weights(self, weights, *, mode, transport, progress):
+    def push_weights(self, weights, *, mode, transport, strategy, progress):
         self.pushes.append(set(weights))
         self.version += 1
         return Pushed(self.version)

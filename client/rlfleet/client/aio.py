@@ -132,7 +132,7 @@ class AsyncClient:
                            chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: bool = True,
                            timeout: float | None = None, checksum: str | None = "crc32",
                            transport: str = "auto", nccl_address: str | None = None,
-                           delta: bool = False) -> PushResult:
+                           delta: bool = False, strategy: str = "") -> PushResult:
         """Stream new weights to the collector, which fans them out and commits a new policy version.
 
         ``weights``: an ``nn.Module`` (its ``state_dict()``), a ``{name: tensor}`` mapping or
@@ -154,20 +154,23 @@ class AsyncClient:
         ``delta``: send only the tensors whose bytes changed since the last push this client saw
         committed, as a delta on that version (the first push, and any after a failed one, is full;
         keeps a host copy of the weights; not with "nccl"; see ``rlfleet.client.delta``). The result's
-        ``base_version`` says whether it went as a delta.
+        ``base_version`` says whether it went as a delta. ``strategy``: how the collector rolls it
+        out to its replicas, "pause_all" (every replica swaps at once under ``mode``) or "rolling" (a
+        few at a time, each drained first, while the others serve; ``mode`` is not used); "" leaves
+        it to the collector's ``update_strategy`` (docs/guides/weight-sync.md, Rolling updates).
         """
         collector, _ = self._stubs()
         return await push_weights(collector.PushWeights, named_tensors(weights), version=version, mode=mode,
                                   chunk_bytes=chunk_bytes, progress=progress, timeout=timeout,
                                   settings=self.settings, checksum=checksum, transport=transport,
                                   memo=self._transport_memo, status_call=collector.GetStatus,
-                                  nccl_address=nccl_address, delta=delta)
+                                  nccl_address=nccl_address, delta=delta, strategy=strategy)
 
     async def push_adapter(self, adapter: Any, version: int | None = None, *, rank: int | None = None,
                            alpha: float | None = None, target_modules: Iterable[str] | None = None,
                            mode: str = "keep", chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: bool = True,
                            timeout: float | None = None, checksum: str | None = "crc32",
-                           transport: str = "auto") -> PushResult:
+                           transport: str = "auto", strategy: str = "") -> PushResult:
         """Push a LoRA adapter: only its factors travel, and a new policy version is committed.
 
         ``adapter``: a ``peft.PeftModel`` (its active LoRA adapter's tensors, ``r`` and ``lora_alpha``
@@ -179,7 +182,7 @@ class AsyncClient:
         From the returned version on, the replicas serve the model's weights as they are plus this
         adapter (scaled by alpha / rank); the next adapter push replaces it, and a later full or delta
         ``push_weights`` drops it (push ``merge_and_unload()``'s weights to keep its effect). ``version``,
-        ``mode``, ``chunk_bytes``, ``progress``, ``timeout``, ``checksum`` and retries as in
+        ``mode``, ``chunk_bytes``, ``progress``, ``timeout``, ``checksum``, ``strategy`` and retries as in
         ``push_weights``; ``transport`` "auto", "shm" or "grpc" (not "nccl"). It forgets what a
         ``delta=True`` push kept: the next such push is full. The replicas must be started with LoRA
         enabled (generation setting ``max_lora_rank`` at least the adapter's rank), else
@@ -189,7 +192,7 @@ class AsyncClient:
         collector, _ = self._stubs()
         return await push_weights(collector.PushWeights, pairs, version=version, mode=mode, chunk_bytes=chunk_bytes,
                                   progress=progress, timeout=timeout, settings=self.settings, checksum=checksum,
-                                  transport=transport, memo=self._transport_memo, lora=lora)
+                                  transport=transport, memo=self._transport_memo, lora=lora, strategy=strategy)
 
     async def submit_prompts(self, prompts: PromptInput | Iterable[PromptInput], *,
                              timeout: float | None = None) -> list[str]:

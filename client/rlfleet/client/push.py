@@ -53,6 +53,9 @@ from rlfleet.wire.push_messages import DEFAULT_CHUNK_BYTES, iter_push_messages
 METHOD = "PushWeights"
 MODES = {"keep": weights_pb2.UPDATE_MODE_KEEP, "wait": weights_pb2.UPDATE_MODE_WAIT,
          "abort": weights_pb2.UPDATE_MODE_ABORT, "resume": weights_pb2.UPDATE_MODE_RESUME}
+STRATEGIES = {"": weights_pb2.UPDATE_STRATEGY_UNSPECIFIED, "pause_all": weights_pb2.UPDATE_STRATEGY_PAUSE_ALL,
+              "rolling": weights_pb2.UPDATE_STRATEGY_ROLLING}
+"""How the collector rolls a push out (``WeightManifest.strategy``): "" leaves it to its ``update_strategy``."""
 PROGRESS_MIN_BYTES = 8 << 20
 """Pushes smaller than this never show a progress bar."""
 TRANSPORTS = ("auto", "shm", "grpc", "nccl")
@@ -115,15 +118,18 @@ async def push_weights(
     chunk_bytes: int, progress: bool, timeout: float | None, settings: ChannelSettings,
     checksum: str | None = "crc32", transport: str = "auto", memo: TransportMemo | None = None,
     status_call=None, nccl_address: str | None = None, delta: bool = False,
-    lora: weights_pb2.LoraAdapter | None = None,
+    lora: weights_pb2.LoraAdapter | None = None, strategy: str = "",
 ) -> PushResult:
     """Push ``pairs`` through ``call_factory(timeout=, metadata=)`` (a PushWeights stub); see the module
     doc. ``transport="nccl"`` also needs ``status_call`` (a GetStatus stub); see ``rlfleet.client.nccl``.
     ``delta``: send only the tensors that changed since the last push committed (``rlfleet.client.delta``).
     ``lora``: ``pairs`` are a LoRA adapter's factors (``rlfleet.client.lora``), served on top of the
-    model's weights as they are."""
+    model's weights as they are. ``strategy``: how the collector rolls it out (``STRATEGIES``; "": its
+    setting ``update_strategy``)."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
     if lora is not None:
         if delta:
             raise ValueError("an adapter push is whole: delta=True is for full weights")
@@ -135,13 +141,13 @@ async def push_weights(
         memo = memo or TransportMemo()
         return await _push_delta(call_factory, pairs, memo, version=version, mode=mode, chunk_bytes=chunk_bytes,
                                  progress=progress, timeout=timeout, settings=settings, checksum=checksum,
-                                 transport=transport)
+                                 transport=transport, strategy=strategy)
     if memo is not None:
         memo.delta.forget()  # a full or adapter push on its own: what was kept would be stale
     result = await _push(call_factory, pairs, version=version, mode=mode, chunk_bytes=chunk_bytes,
                          progress=progress, timeout=timeout, settings=settings, checksum=checksum,
                          transport=transport, memo=memo, status_call=status_call, nccl_address=nccl_address,
-                         lora=lora)
+                         lora=lora, strategy=strategy)
     return result if lora is None else dataclasses.replace(result, adapter_rank=lora.rank)
 
 
@@ -179,12 +185,12 @@ async def _push(
     chunk_bytes: int, progress: bool, timeout: float | None, settings: ChannelSettings,
     checksum: str | None = "crc32", transport: str = "auto", memo: TransportMemo | None = None,
     status_call=None, nccl_address: str | None = None, base_version: int | None = None,
-    lora: weights_pb2.LoraAdapter | None = None,
+    lora: weights_pb2.LoraAdapter | None = None, strategy: str = "",
 ) -> PushResult:
     if transport == "nccl":
         from rlfleet.client.nccl import push_nccl
 
-        manifest = _bare_manifest(pairs, version, mode)
+        manifest = _bare_manifest(pairs, version, mode, strategy=strategy)
         return await push_nccl(call_factory, status_call, pairs, manifest,
                                timeout=_bare_deadline(timeout, settings, manifest), settings=settings,
                                address=nccl_address)
@@ -193,7 +199,7 @@ async def _push(
         try:
             return await _push_shm(call_factory, pairs, version=version, mode=mode, timeout=timeout,
                                    settings=settings, segments=memo.segments, base_version=base_version,
-                                   lora=lora)
+                                   lora=lora, strategy=strategy)
         except FailedPreconditionError as error:
             if transport == "shm" or shm.SHM_UNAVAILABLE not in error.details:
                 raise
@@ -204,16 +210,16 @@ async def _push(
             memo.refuse_shm()  # no usable /dev/shm here
     return await _push_grpc(call_factory, pairs, version=version, mode=mode, chunk_bytes=chunk_bytes,
                             progress=progress, timeout=timeout, settings=settings, checksum=checksum,
-                            base_version=base_version, lora=lora)
+                            base_version=base_version, lora=lora, strategy=strategy)
 
 
 def _bare_manifest(pairs, version: int | None, mode: str, base_version: int | None = None,
-                   lora: weights_pb2.LoraAdapter | None = None) -> weights_pb2.WeightManifest:
+                   lora: weights_pb2.LoraAdapter | None = None, strategy: str = "") -> weights_pb2.WeightManifest:
     """The manifest of a push whose bytes never cross gRPC (shm, nccl): no checksum."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     return next(iter_push_messages(pairs, version=version or 0, mode=MODES[mode], checksum_algo=None,
-                                   base_version=base_version, lora=lora))[1]
+                                   base_version=base_version, lora=lora, strategy=STRATEGIES[strategy]))[1]
 
 
 def _bare_deadline(timeout: float | None, settings: ChannelSettings, manifest) -> float:
@@ -223,11 +229,12 @@ def _bare_deadline(timeout: float | None, settings: ChannelSettings, manifest) -
 
 
 async def _push_shm(call_factory, pairs, *, version, mode, timeout, settings, segments: shm.SegmentCache,
-                    base_version: int | None = None, lora: weights_pb2.LoraAdapter | None = None) -> PushResult:
+                    base_version: int | None = None, lora: weights_pb2.LoraAdapter | None = None,
+                    strategy: str = "") -> PushResult:
     """Write the tensors once into a segment (the one kept from the last push when nobody holds it
     any more) and send only the manifest naming it."""
     started = time.perf_counter()
-    manifest = _bare_manifest(pairs, version, mode, base_version, lora)
+    manifest = _bare_manifest(pairs, version, mode, base_version, lora, strategy)
     await asyncio.to_thread(shm.sweep_stale)
     segment = segments.take(manifest.total_bytes)
     try:
@@ -256,6 +263,7 @@ async def _push_grpc(
     call_factory, pairs: list[tuple[str, torch.Tensor]], *, version: int | None, mode: str,
     chunk_bytes: int, progress: bool, timeout: float | None, settings: ChannelSettings,
     checksum: str | None = "crc32", base_version: int | None = None, lora: weights_pb2.LoraAdapter | None = None,
+    strategy: str = "",
 ) -> PushResult:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
@@ -269,7 +277,8 @@ async def _push_grpc(
     attempt = 0
     while True:
         messages = iter_push_messages(pairs, version=version or 0, mode=MODES[mode], chunk_bytes=chunk_bytes,
-                                      checksum_algo=checksum, base_version=base_version, lora=lora)
+                                      checksum_algo=checksum, base_version=base_version, lora=lora,
+                                      strategy=STRATEGIES[strategy])
         try:
             reply = await _push_once(call_factory, messages, chunk_bytes=chunk_bytes, progress=progress,
                                      timeout=timeout, settings=settings)
@@ -343,5 +352,5 @@ def _progress_bar(total: int, enabled: bool, version: int):
                 leave=False, dynamic_ncols=True)
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "MODES", "TRANSPORTS", "PushResult", "TransportMemo", "named_tensors",
+__all__ = ["DEFAULT_CHUNK_BYTES", "MODES", "STRATEGIES", "TRANSPORTS", "PushResult", "TransportMemo", "named_tensors",
            "push_weights"]

@@ -94,6 +94,8 @@ class ReplicaStatus:
     policy_version: int
     in_flight: int
     """Samples outstanding on it (a group of n counts n)."""
+    draining: bool = False
+    """A rolling update is draining it: no new work; what it runs finishes."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,34 @@ class DynamicSamplingStatus:
     def from_proto(cls, status: collector_pb2.DynamicSamplingStatus) -> "DynamicSamplingStatus":
         return cls(status.enabled, status.min_score_range, status.filtered_groups, status.filtered_samples,
                    status.filter_rate, status.oversampling or 1.0, status.curriculum_skipped, status.curriculum)
+
+
+@dataclass(frozen=True)
+class RollingUpdateStatus:
+    """The rolling update in progress, else the last one (``push_weights(strategy="rolling")``)."""
+
+    in_progress: bool = False
+    from_version: int = 0
+    to_version: int = 0
+    replicas_switched: int = 0
+    replicas_total: int = 0
+    window_seconds: float = 0.0
+    """Seconds two versions served (so far, or in all once over)."""
+    max_window_seconds: float = 0.0
+    """The bound on that window (the collector's ``rolling_max_seconds``)."""
+    committed: bool = False
+    pinned_groups: int = 0
+    """Since the collector started: groups pinned to a version because they started during a rolling update."""
+    pin_violations: int = 0
+    """Samples that ran on another version than their pin (must stay 0; their groups generated again)."""
+    pins_retired: int = 0
+    """Pinned groups generated again because no replica served their version any more."""
+
+    @classmethod
+    def from_proto(cls, status: collector_pb2.RollingUpdateStatus) -> "RollingUpdateStatus":
+        return cls(status.in_progress, status.from_version, status.to_version, status.replicas_switched,
+                   status.replicas_total, status.window_seconds, status.max_window_seconds, status.committed,
+                   status.pinned_groups, status.pin_violations, status.pins_retired)
 
 
 @dataclass(frozen=True)
@@ -219,13 +249,15 @@ class Status:
     """Groups filtered for constant scores, and the curriculum."""
     discarded_tokens: int = 0
     """Sampled tokens thrown away: of ``discarded_samples``, and of multi-turn turns aborted by a push."""
+    rolling_update: RollingUpdateStatus | None = None
+    """The rolling update in progress, else the last one; None before the first."""
 
     @classmethod
     def from_proto(cls, reply: collector_pb2.GetStatusResponse) -> "Status":
         return cls(
             policy_version=reply.policy_version, mode=reply.mode, max_staleness=reply.max_staleness,
             stages=tuple(StageStatus(s.name, s.queued, s.in_flight, s.items_per_second) for s in reply.stages),
-            replicas=tuple(ReplicaStatus(r.address, r.healthy, r.policy_version, r.in_flight)
+            replicas=tuple(ReplicaStatus(r.address, r.healthy, r.policy_version, r.in_flight, r.draining)
                            for r in reply.replicas),
             staleness_histogram=tuple(reply.staleness_histogram), trajectories=reply.trajectories,
             discarded_samples=reply.discarded_samples, group_size=reply.group_size,
@@ -236,6 +268,8 @@ class Status:
             mismatch=MismatchStatus.from_proto(reply.mismatch),
             dynamic_sampling=DynamicSamplingStatus.from_proto(reply.dynamic_sampling),
             discarded_tokens=reply.discarded_tokens,
+            rolling_update=RollingUpdateStatus.from_proto(reply.rolling_update)
+            if reply.HasField("rolling_update") else None,
         )
 
 

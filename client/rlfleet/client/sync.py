@@ -165,24 +165,25 @@ class Client:
                      chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: bool = True,
                      timeout: float | None = None, checksum: str | None = "crc32",
                      transport: str = "auto", nccl_address: str | None = None,
-                     delta: bool = False) -> PushResult:
+                     delta: bool = False, strategy: str = "") -> PushResult:
         """See ``AsyncClient.push_weights``."""
         pairs = named_tensors(weights)  # state_dict() runs on the caller's thread, not the loop's
         return self._runner.run(self._async.push_weights(
             pairs, version, mode=mode, chunk_bytes=chunk_bytes, progress=progress, timeout=timeout,
-            checksum=checksum, transport=transport, nccl_address=nccl_address, delta=delta))
+            checksum=checksum, transport=transport, nccl_address=nccl_address, delta=delta, strategy=strategy))
 
     def push_adapter(self, adapter: Any, version: int | None = None, *, rank: int | None = None,
                      alpha: float | None = None, target_modules: Iterable[str] | None = None,
                      mode: str = "keep", chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: bool = True,
                      timeout: float | None = None, checksum: str | None = "crc32",
-                     transport: str = "auto") -> PushResult:
+                     transport: str = "auto", strategy: str = "") -> PushResult:
         """See ``AsyncClient.push_adapter``."""
         # The adapter's tensors are collected on the caller's thread, not the loop's.
         pairs, lora = adapter_tensors(adapter, rank=rank, alpha=alpha, target_modules=target_modules)
         return self._runner.run(self._async.push_adapter(
             pairs, version, rank=lora.rank, alpha=lora.alpha, target_modules=list(lora.target_modules), mode=mode,
-            chunk_bytes=chunk_bytes, progress=progress, timeout=timeout, checksum=checksum, transport=transport))
+            chunk_bytes=chunk_bytes, progress=progress, timeout=timeout, checksum=checksum, transport=transport,
+            strategy=strategy))
 
     def submit_prompts(self, prompts: PromptInput | Iterable[PromptInput], *,
                        timeout: float | None = None) -> list[str]:

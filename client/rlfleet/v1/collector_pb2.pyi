@@ -242,21 +242,23 @@ class StageStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., queued: _Optional[int] = ..., in_flight: _Optional[int] = ..., items_per_second: _Optional[float] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("address", "healthy", "policy_version", "in_flight", "weight_transfer_world_size")
+    __slots__ = ("address", "healthy", "policy_version", "in_flight", "weight_transfer_world_size", "draining")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_TRANSFER_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     address: str
     healthy: bool
     policy_version: int
     in_flight: int
     weight_transfer_world_size: int
-    def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., policy_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., weight_transfer_world_size: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., policy_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., weight_transfer_world_size: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("policy_version", "mode", "max_staleness", "stages", "replicas", "staleness_histogram", "trajectories", "discarded_samples", "group_size", "groups_per_step", "pending_prompts", "failed_prompts", "serving", "not_serving_reason", "failed", "spool_error", "episodes", "episode_turns", "mismatch", "dynamic_sampling", "discarded_tokens")
+    __slots__ = ("policy_version", "mode", "max_staleness", "stages", "replicas", "staleness_histogram", "trajectories", "discarded_samples", "group_size", "groups_per_step", "pending_prompts", "failed_prompts", "serving", "not_serving_reason", "failed", "spool_error", "episodes", "episode_turns", "mismatch", "dynamic_sampling", "discarded_tokens", "rolling_update")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +280,7 @@ class GetStatusResponse(_message.Message):
     MISMATCH_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DISCARDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROLLING_UPDATE_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     mode: str
     max_staleness: int
@@ -299,7 +302,34 @@ class GetStatusResponse(_message.Message):
     mismatch: MismatchStatus
     dynamic_sampling: DynamicSamplingStatus
     discarded_tokens: int
-    def __init__(self, policy_version: _Optional[int] = ..., mode: _Optional[str] = ..., max_staleness: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., trajectories: _Optional[int] = ..., discarded_samples: _Optional[int] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., failed_prompts: _Optional[int] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ..., failed: _Optional[bool] = ..., spool_error: _Optional[str] = ..., episodes: _Optional[int] = ..., episode_turns: _Optional[int] = ..., mismatch: _Optional[_Union[MismatchStatus, _Mapping]] = ..., dynamic_sampling: _Optional[_Union[DynamicSamplingStatus, _Mapping]] = ..., discarded_tokens: _Optional[int] = ...) -> None: ...
+    rolling_update: RollingUpdateStatus
+    def __init__(self, policy_version: _Optional[int] = ..., mode: _Optional[str] = ..., max_staleness: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., trajectories: _Optional[int] = ..., discarded_samples: _Optional[int] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., failed_prompts: _Optional[int] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ..., failed: _Optional[bool] = ..., spool_error: _Optional[str] = ..., episodes: _Optional[int] = ..., episode_turns: _Optional[int] = ..., mismatch: _Optional[_Union[MismatchStatus, _Mapping]] = ..., dynamic_sampling: _Optional[_Union[DynamicSamplingStatus, _Mapping]] = ..., discarded_tokens: _Optional[int] = ..., rolling_update: _Optional[_Union[RollingUpdateStatus, _Mapping]] = ...) -> None: ...
+
+class RollingUpdateStatus(_message.Message):
+    __slots__ = ("in_progress", "from_version", "to_version", "replicas_switched", "replicas_total", "window_seconds", "max_window_seconds", "committed", "pin_violations", "pins_retired", "pinned_groups")
+    IN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TO_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_SWITCHED_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    PIN_VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
+    PINS_RETIRED_FIELD_NUMBER: _ClassVar[int]
+    PINNED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    in_progress: bool
+    from_version: int
+    to_version: int
+    replicas_switched: int
+    replicas_total: int
+    window_seconds: float
+    max_window_seconds: float
+    committed: bool
+    pin_violations: int
+    pins_retired: int
+    pinned_groups: int
+    def __init__(self, in_progress: _Optional[bool] = ..., from_version: _Optional[int] = ..., to_version: _Optional[int] = ..., replicas_switched: _Optional[int] = ..., replicas_total: _Optional[int] = ..., window_seconds: _Optional[float] = ..., max_window_seconds: _Optional[float] = ..., committed: _Optional[bool] = ..., pin_violations: _Optional[int] = ..., pins_retired: _Optional[int] = ..., pinned_groups: _Optional[int] = ...) -> None: ...
 
 class DynamicSamplingStatus(_message.Message):
     __slots__ = ("enabled", "min_score_range", "filtered_groups", "filtered_samples", "filter_rate", "oversampling", "curriculum_skipped", "curriculum")

@@ -16,6 +16,12 @@ class UpdateMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UPDATE_MODE_KEEP: _ClassVar[UpdateMode]
     UPDATE_MODE_RESUME: _ClassVar[UpdateMode]
 
+class UpdateStrategy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    UPDATE_STRATEGY_UNSPECIFIED: _ClassVar[UpdateStrategy]
+    UPDATE_STRATEGY_PAUSE_ALL: _ClassVar[UpdateStrategy]
+    UPDATE_STRATEGY_ROLLING: _ClassVar[UpdateStrategy]
+
 class WeightPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     WEIGHT_PHASE_UNSPECIFIED: _ClassVar[WeightPhase]
@@ -26,6 +32,9 @@ UPDATE_MODE_WAIT: UpdateMode
 UPDATE_MODE_ABORT: UpdateMode
 UPDATE_MODE_KEEP: UpdateMode
 UPDATE_MODE_RESUME: UpdateMode
+UPDATE_STRATEGY_UNSPECIFIED: UpdateStrategy
+UPDATE_STRATEGY_PAUSE_ALL: UpdateStrategy
+UPDATE_STRATEGY_ROLLING: UpdateStrategy
 WEIGHT_PHASE_UNSPECIFIED: WeightPhase
 WEIGHT_PHASE_STAGED: WeightPhase
 WEIGHT_PHASE_APPLIED: WeightPhase
@@ -41,7 +50,7 @@ class WeightSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "tensors", "total_bytes", "checksum", "mode", "shm", "nccl", "two_phase", "resync", "delta", "lora")
+    __slots__ = ("version", "tensors", "total_bytes", "checksum", "mode", "shm", "nccl", "two_phase", "resync", "delta", "lora", "strategy")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +62,7 @@ class WeightManifest(_message.Message):
     RESYNC_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[WeightSpec]
     total_bytes: int
@@ -64,7 +74,8 @@ class WeightManifest(_message.Message):
     resync: bool
     delta: WeightDelta
     lora: LoraAdapter
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[WeightSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ..., nccl: _Optional[_Union[NcclRendezvous, _Mapping]] = ..., two_phase: _Optional[bool] = ..., resync: _Optional[bool] = ..., delta: _Optional[_Union[WeightDelta, _Mapping]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+    strategy: UpdateStrategy
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[WeightSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ..., nccl: _Optional[_Union[NcclRendezvous, _Mapping]] = ..., two_phase: _Optional[bool] = ..., resync: _Optional[bool] = ..., delta: _Optional[_Union[WeightDelta, _Mapping]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ..., strategy: _Optional[_Union[UpdateStrategy, str]] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("rank", "alpha", "target_modules")

@@ -41,7 +41,7 @@ def iter_push_messages(
     named_tensors: Sequence[tuple[str, torch.Tensor]], *, version: int,
     mode: int = weights_pb2.UPDATE_MODE_KEEP, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     checksum_algo: str | None = "crc32", base_version: int | None = None,
-    lora: weights_pb2.LoraAdapter | None = None,
+    lora: weights_pb2.LoraAdapter | None = None, strategy: int = weights_pb2.UPDATE_STRATEGY_UNSPECIFIED,
 ) -> Iterator[tuple[str, object]]:
     """Yield ``("manifest", WeightManifest)`` then ``("chunk", WeightChunk)`` pairs (``base_version``:
     a delta push, ``named_tensors`` being the tensors that changed since that version; ``lora``: a LoRA
@@ -67,7 +67,8 @@ def iter_push_messages(
     digest = ""
     if checksum_algo:
         digest = f"sha256:{sha.hexdigest()}" if sha is not None else f"crc32:{crc:08x}"
-    manifest = weights_pb2.WeightManifest(version=version, tensors=specs, total_bytes=total, checksum=digest, mode=mode)
+    manifest = weights_pb2.WeightManifest(version=version, tensors=specs, total_bytes=total, checksum=digest, mode=mode,
+                                           strategy=strategy)
     if base_version is not None:  # a delta push: only the tensors that changed since base_version
         manifest.delta.base_version = base_version
     if lora is not None:  # a LoRA adapter push: served on top of the model's weights as they are

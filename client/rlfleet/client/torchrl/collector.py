@@ -47,7 +47,8 @@ class RlfleetLLMCollector:
         layout: "torchrl" (lazy stack, ``rlfleet.client.torchrl.layout``) or "ragged" (``Batch.td``).
         min_policy_version, lease_seconds, prefetch, whole_groups: the batch stream's options
             (``Client.batches``).
-        push_mode, push_transport: ``Client.push_weights``'s (and ``push_adapter``'s) ``mode`` and ``transport``.
+        push_mode, push_transport, push_strategy: ``Client.push_weights``'s (and ``push_adapter``'s) ``mode``,
+            ``transport`` and ``strategy`` ("rolling": the replicas switch one at a time while the others serve).
         connect_kwargs: for ``connect`` when an address is given.
     """
 
@@ -60,7 +61,8 @@ class RlfleetLLMCollector:
                  reward_args: Mapping[str, Any] | None = None, system_prompt: str | None = None,
                  layout: str = "torchrl", track_policy_version: bool = True, whole_groups: bool = True,
                  min_policy_version: int = 0, lease_seconds: float = 0.0, prefetch: int = 1,
-                 push_mode: str = "keep", push_transport: str = "auto", **connect_kwargs: Any):
+                 push_mode: str = "keep", push_transport: str = "auto", push_strategy: str = "",
+                 **connect_kwargs: Any):
         if dialog_turns_per_batch < 1:
             raise ValueError(f"dialog_turns_per_batch must be >= 1, got {dialog_turns_per_batch}")
         if layout not in LAYOUTS:
@@ -80,6 +82,7 @@ class RlfleetLLMCollector:
                                    lease_seconds=lease_seconds, prefetch=prefetch)
         self.push_mode = push_mode
         self.push_transport = push_transport
+        self.push_strategy = push_strategy
         self.last_push: PushResult | None = None
         """The result of the last weight push (version, bytes, seconds, transport)."""
         self._prompt_defaults = dict(reward_fn=reward_fn, reward_args=reward_args, system_prompt=system_prompt)
@@ -193,10 +196,11 @@ class RlfleetLLMCollector:
         adapter = peft_adapter(weights)
         if adapter is not None:
             self.last_push = self.client.push_adapter(adapter, mode=self.push_mode, transport=self.push_transport,
-                                                      progress=False)
+                                                      strategy=self.push_strategy, progress=False)
         else:
             self.last_push = self.client.push_weights(policy_state_dict(weights), mode=self.push_mode,
-                                                      transport=self.push_transport, progress=False)
+                                                      transport=self.push_transport, strategy=self.push_strategy,
+                                                      progress=False)
         self._unacknowledged_pushes += 1
         return self.last_push.version
 

@@ -184,7 +184,7 @@ class RlfleetRayLLMCollector:
         weight_updater: None only (rlfleet pushes through its collector service).
         backend: "auto" (a Ray actor if Ray is importable and initialized, or ``ray_init_config`` is
             given; else in-process), "ray" (an actor, calling ``ray.init`` if needed) or "local".
-        push_mode, push_transport: the weight side's (``RlfleetLLMCollector``).
+        push_mode, push_transport, push_strategy: the weight side's (``RlfleetLLMCollector``).
         options: ``RlfleetLLMCollector``'s other keywords (``prompts``, ``reward_fn``, ``layout``, the
             stream's options, ``connect`` arguments).
     """
@@ -200,7 +200,7 @@ class RlfleetRayLLMCollector:
                  remote_config: dict[str, Any] | None = None, track_policy_version: bool = True,
                  sync_iter: bool = True, verbose: bool = False, num_cpus: float | None = None,
                  num_gpus: float | None = None, backend: Literal["auto", "ray", "local"] = "auto",
-                 push_mode: str = "keep", push_transport: str = "auto", **options: Any):
+                 push_mode: str = "keep", push_transport: str = "auto", push_strategy: str = "", **options: Any):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if weight_updater is not None:
@@ -223,7 +223,7 @@ class RlfleetRayLLMCollector:
         connect_args = {name: value for name, value in options.items() if name in CONNECT_ARGS}
         self._weights = RlfleetLLMCollector(address_or_client, dialog_turns_per_batch=dialog_turns_per_batch,
                                             policy=policy, push_mode=push_mode, push_transport=push_transport,
-                                            **connect_args)
+                                            push_strategy=push_strategy, **connect_args)
         batch_options = dict(options, dialog_turns_per_batch=dialog_turns_per_batch,
                              total_dialog_turns=total_dialog_turns, postproc=postproc,
                              track_policy_version=track_policy_version)
