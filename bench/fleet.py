@@ -1,13 +1,15 @@
 """Up to 32 generation replicas (load generators) behind one collector.
 
     .venv/bin/python bench/fleet.py [--replicas 1,4,16,32] [--rounds 5] [--seconds 8] [--pushes 3]
+    .venv/bin/python bench/fleet.py --only-update [--rounds 5] [--update-replicas 16]
 
 The harness of ``bench/dataplane.py`` (real trajectory, reference, reward and collector services,
 an SDK trainer process, per-process CPU, medians of rounds), with N generation replicas, each a
 ``bench/loadgen_generation.py`` LOAD GENERATOR (a real gRPC server answering at once with pre-made
 samples; never a stand-in in tests). Every loadgen starts up front; the collector reads its
 replicas from a JSON file this bench writes (``--generation-addresses-file``, re-read every
-``--discovery-refresh-seconds``), as an autoscaler would. Three parts, one run:
+``--discovery-refresh-seconds``), as an autoscaler would. Four parts, one run (``--only-update``:
+the fourth alone, a few minutes):
 
 1. Scaling. ``--rounds`` rounds over the steps of ``--replicas`` (ascending, then descending, so a
    drift in the machine's load hits every step alike). A step writes its first N loadgens into
@@ -28,8 +30,27 @@ replicas from a JSON file this bench writes (``--generation-addresses-file``, re
    version, its re-sync from the spool included.
 3. Where the collector saturates: the step after which traj/s stops growing (the next step adds
    under ``--growth``), and what is at its ceiling there: one process at ~1 core, or the machine.
+4. Update: fleet throughput while weights are pushed, a rolling update (``strategy="rolling"``: the
+   collector drains and switches ``--rolling-max-unavailable 1`` replica at a time, admission open)
+   against a pause-all one (``strategy="pause_all"``, ``mode="wait"``: every replica swaps at once,
+   nothing admitted meanwhile). ``--update-replicas`` fresh loadgens replace the others, each with a
+   replica's timing: ``--update-sample-seconds`` per Generate call, at most ``--update-max-running``
+   at once (the rest queue), ``--update-swap-seconds`` to apply a push (its mode honoured as the real
+   engine does), so that the replicas, not the collector, set the pace. Calibration first: a window
+   with every replica, one with one replica fewer in the file, one with all again (replica-bound:
+   N-1 of N give about (N-1)/N of the traj/s; the collector's cores). One push of each kind, not
+   measured, sets the windows' length. Then ``--rounds`` rounds of: a steady window, one push, a
+   steady window, the other push (which goes first alternates per round). A push's window runs from
+   the push call's start to its return plus ``--update-tail`` s (the same for both: a rolling
+   update's groups that ran on the new version are parked until it commits and delivered right
+   after), then ``--update-gap`` s to settle; the steady window just before it lasts as long as that
+   strategy's previous update window. Reported per strategy: the median over rounds of (update
+   traj/s / steady traj/s), the push's seconds, and after each rolling push the collector's
+   ``rolling_update``: the window two versions served, replicas switched of the total, pin
+   violations (must be 0: a loud WARNING otherwise); also what of a window's work reached the
+   trainer only in the gap after it (late).
 
-The last line is ``RESULT {json}``.
+The last line is ``RESULT {json}`` (``--only-update``: just the update keys).
 """
 
 from __future__ import annotations
@@ -91,16 +112,17 @@ class Fleet:
         self.members_file = workdir / "replicas.json"
         self.vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
 
-    def start(self, loadgens: int, first: int) -> None:
+    def start(self, loadgens: int, first: int, loadgen_args: list[str] = ()) -> None:
         """Upstream services and every loadgen, all SERVING; then the collector with ``first`` of them."""
         start_upstream(self.model_dir, self.workdir, self.ns, self.procs)
-        self.pool = self.spawn(loadgens)
+        self.pool = self.spawn(loadgens, loadgen_args)
         self.use(first)
         for proc in self.procs.values():
             proc.wait_ready(STARTUP_TIMEOUT_SECONDS)
         args = ["--generation-addresses-file", str(self.members_file),
                 "--discovery-refresh-seconds", str(self.ns.discovery_refresh_seconds),
                 "--replica-check-seconds", str(self.ns.replica_check_seconds),
+                "--rolling-max-unavailable", "1",
                 *pipeline_args(self.ns, self.procs, self.workdir), *common_args(self.ns),
                 *extra_args(self.ns, "collector")]
         self.procs["collector"] = ServiceProcess("collector", args).start(self.workdir / "collector")
@@ -108,12 +130,12 @@ class Fleet:
         for key, proc in self.procs.items():
             log(f"{key:<10} SERVING on {proc.address} (pid {proc.process.pid})")
 
-    def spawn(self, count: int) -> list[LoadgenProcess]:
+    def spawn(self, count: int, loadgen_args: list[str] = ()) -> list[LoadgenProcess]:
         """``count`` fresh loadgens, started in parallel, SERVING (not in the file yet)."""
         fresh = []
         for _ in range(count):
             name = f"loadgen-{len(self.started)}"
-            self.started.append(LoadgenProcess("loadgen", ["--vocab-size", str(self.vocab)]))
+            self.started.append(LoadgenProcess("loadgen", ["--vocab-size", str(self.vocab), *loadgen_args]))
             fresh.append(self.started[-1].start(self.workdir / name))  # stopped at the end whatever happens
         started = time.monotonic()
         for proc in fresh:
@@ -140,6 +162,15 @@ class Fleet:
         self.members.append(fresh)
         self.write_members()
         return fresh
+
+    def replace_pool(self, fresh: list[LoadgenProcess]) -> None:
+        """``fresh`` (SERVING) become the pool and every one of them is named in the file; the loadgens
+        of the old pool are stopped once the file no longer names them."""
+        old, self.pool = self.pool, list(fresh)
+        self.use(len(self.pool))
+        time.sleep(2 * self.ns.discovery_refresh_seconds)  # the collector re-read the file: no new work there
+        for proc in old:
+            proc.stop()
 
     def addresses(self) -> set[str]:
         return {proc.address for proc in self.members}
@@ -481,6 +512,250 @@ def report(rows: list[dict], parts: dict, load: tuple, ns) -> dict:
                 "max_scoring_in_flight", "service_arg")}}
 
 
+# ---------------------------------------------------------------- part 4: rolling vs pause-all updates
+
+STRATEGIES = ("rolling", "pause_all")
+
+
+def update_loadgen_args(ns) -> list[str]:
+    """A replica's timing for the update part's loadgens (see ``bench/loadgen_generation.py``)."""
+    return ["--sample-seconds", str(ns.update_sample_seconds), "--max-running", str(ns.update_max_running),
+            "--swap-seconds", str(ns.update_swap_seconds)]
+
+
+class UpdateWatch(StatusPoller):
+    """Polls the collector's GetStatus while a push runs: how many replicas were draining at once, which
+    versions served, and the trajectories the trainer had by then."""
+
+    def __init__(self, address: str, trainers: Trainers, period: float = 0.2):
+        super().__init__(address, period, lambda reply: {
+            "time": time.monotonic(), "received": trainers.received.value,
+            "draining": sum(r.draining for r in reply.replicas),
+            "versions": sorted({r.policy_version for r in reply.replicas if r.healthy}),
+            "healthy": sum(r.healthy for r in reply.replicas)})
+
+    def summary(self) -> dict:
+        return {"max_draining": max((s["draining"] for s in self.samples), default=0),
+                "max_versions_serving": max((len(s["versions"]) for s in self.samples), default=0),
+                "min_healthy": min((s["healthy"] for s in self.samples), default=0)}
+
+
+def update_meter(fleet: Fleet, trainers: Trainers) -> CpuMeter:
+    meter = CpuMeter({})
+    for key in ("collector", "reference", "reward", "trajectory"):
+        meter.add(key, fleet.procs[key].process.pid)
+    meter.trees["loadgen"] = [psutil.Process(proc.process.pid) for proc in fleet.pool]
+    meter.trees["trainer"] = [psutil.Process(pid) for pid in trainers.pids]
+    return meter
+
+
+def steady(client, trainers: Trainers, meter: CpuMeter, seconds: float) -> dict:
+    """One window of ``seconds`` with no push."""
+    before = counters(client, trainers, meter)
+    time.sleep(seconds)
+    measured = window(before, counters(client, trainers, meter))
+    trainers.check()
+    return measured
+
+
+def push_window(fleet: Fleet, client, trainers: Trainers, meter: CpuMeter, state, strategy: str, ns) -> dict:
+    """One push of ``strategy`` measured from the call's start to its return plus ``--update-tail`` s; then
+    ``--update-gap`` s for the pipeline to settle (what the trainer got in it is kept: ``late``)."""
+    status_before = client.status()
+    with UpdateWatch(fleet.procs["collector"].address, trainers) as watch:
+        before = counters(client, trainers, meter)
+        started = time.monotonic()
+        result = client.push_weights(state, progress=False, strategy=strategy,
+                                     mode="wait" if strategy == "pause_all" else "keep",
+                                     timeout=ns.update_push_timeout)
+        push_seconds = time.monotonic() - started
+        at_return = trainers.received.value
+        time.sleep(ns.update_tail)
+        after = counters(client, trainers, meter)
+    status = client.status()
+    time.sleep(ns.update_gap)
+    measured = window(before, after)
+    measured["gap_trajectories"] = trainers.received.value - after["received"]
+    replicas = len(fleet.members)
+    if not result.all_applied or len(result.replicas) != replicas:
+        raise RuntimeError(f"{strategy} push v{result.version}: {sum(r.applied for r in result.replicas)} of "
+                           f"{replicas} replicas applied it: {result.replicas}")
+    out = {"strategy": strategy, "version": result.version, "window": measured, "push_seconds": push_seconds,
+           "server_seconds": result.server_seconds,
+           "delivered_during_push": at_return - before["received"],
+           "delivered_in_tail": after["received"] - at_return,
+           "discarded_samples": status.discarded_samples - status_before.discarded_samples,
+           "failed_prompts": status.failed_prompts - status_before.failed_prompts, **watch.summary()}
+    if strategy == "rolling":
+        rolling, previous = status.rolling_update, status_before.rolling_update
+        if rolling is None or rolling.to_version != result.version:
+            raise RuntimeError(f"GetStatus shows no rolling update to v{result.version}: {rolling}")
+        out.update(window_seconds=rolling.window_seconds, replicas_switched=rolling.replicas_switched,
+                   replicas_total=rolling.replicas_total, committed=rolling.committed,
+                   pin_violations=rolling.pin_violations,
+                   new_pin_violations=rolling.pin_violations - (previous.pin_violations if previous else 0),
+                   new_pins_retired=rolling.pins_retired - (previous.pins_retired if previous else 0),
+                   new_pinned_groups=rolling.pinned_groups - (previous.pinned_groups if previous else 0))
+        if rolling.pin_violations or not rolling.committed or rolling.replicas_switched != rolling.replicas_total:
+            log("WARNING " + "!" * 60)
+            log(f"WARNING: rolling update to v{result.version}: pin_violations {rolling.pin_violations} (must be 0), "
+                f"committed {rolling.committed}, switched {rolling.replicas_switched} of {rolling.replicas_total}")
+            log("WARNING " + "!" * 60)
+    return out
+
+
+def calibrate(fleet: Fleet, client, trainers: Trainers, meter: CpuMeter, ns) -> dict:
+    """Steady windows with every replica, with one fewer in the file, with every replica again."""
+    n = len(fleet.pool)
+    windows = []
+    for replicas in (n, n - 1, n):
+        fleet.use(replicas)
+        wait_in_rotation(client, fleet.addresses())
+        time.sleep(ns.update_warmup)
+        windows.append(steady(client, trainers, meter, ns.update_calibration_seconds))
+        log(f"update calibration: {replicas} replicas: {windows[-1]['traj_per_s']:.1f} traj/s, collector "
+            f"{windows[-1]['cores']['collector']:.2f} cores, machine {windows[-1]['machine_cores']:.2f} cores")
+    full = statistics.fmean(w["traj_per_s"] for w in (windows[0], windows[2]))
+    return {"traj_per_s": full, "one_fewer_traj_per_s": windows[1]["traj_per_s"],
+            "one_fewer_over_all": windows[1]["traj_per_s"] / full, "expected": (n - 1) / n,
+            "collector_cores": max(windows[0]["cores"]["collector"], windows[2]["cores"]["collector"]),
+            "collector_cpu_ms_per_traj": statistics.fmean(w["cpu_ms_per_traj"]["collector"] for w in windows),
+            "loadgen_cores": statistics.fmean(w["cores"]["loadgen"] for w in windows),
+            "machine_cores": statistics.fmean(w["machine_cores"] for w in windows)}
+
+
+def update_part(fleet: Fleet, client, trainers: Trainers, state, ns) -> dict:
+    """Calibration, one unmeasured push of each strategy, then ``ns.rounds`` rounds of steady window +
+    push, alternating which strategy goes first."""
+    if fleet.pool and "--sample-seconds" not in fleet.pool[0].args:  # after the other parts
+        fresh = fleet.spawn(ns.update_replicas, update_loadgen_args(ns))
+        fleet.members = fleet.members + fresh  # in rotation (re-synced) before the others leave
+        fleet.write_members()
+        wait_in_rotation(client, fleet.addresses())
+        fleet.replace_pool(fresh)
+    meter = update_meter(fleet, trainers)
+    calibration = calibrate(fleet, client, trainers, meter, ns)
+    lengths = {}
+    for strategy in STRATEGIES:  # one-time costs out of the numbers; how long each window lasts
+        taken = push_window(fleet, client, trainers, meter, state, strategy, ns)
+        lengths[strategy] = taken["window"]["seconds"]
+        log(f"update warm-up: {strategy} push {taken['push_seconds']:.2f} s, its window {lengths[strategy]:.1f} s")
+    samples: dict[str, list[dict]] = {strategy: [] for strategy in STRATEGIES}
+    for index in range(ns.rounds):
+        for strategy in (STRATEGIES if index % 2 == 0 else STRATEGIES[::-1]):
+            before = steady(client, trainers, meter, lengths[strategy])  # the previous push's gap is over
+            taken = push_window(fleet, client, trainers, meter, state, strategy, ns)
+            taken["steady"] = before
+            taken["over_steady"] = taken["window"]["traj_per_s"] / before["traj_per_s"]
+            taken["over_calibration"] = taken["window"]["traj_per_s"] / calibration["traj_per_s"]
+            # Delivered in the gap beyond the steady rate: the window's work that reached the trainer after it
+            # (a rolling update's parked groups, when their burst outlasts the tail).
+            late = taken["window"]["gap_trajectories"] - before["traj_per_s"] * ns.update_gap
+            taken["late_trajectories"] = late
+            taken["with_late_over_steady"] = (taken["window"]["trajectories"] + max(late, 0.0)) / (
+                before["traj_per_s"] * taken["window"]["seconds"])
+            lengths[strategy] = taken["window"]["seconds"]
+            samples[strategy].append(taken)
+            extra = (f", window {taken['window_seconds']:.1f} s, switched {taken['replicas_switched']}/"
+                     f"{taken['replicas_total']}, pin violations {taken['pin_violations']}, pinned groups "
+                     f"+{taken['new_pinned_groups']}, pins retired +{taken['new_pins_retired']}"
+                     if strategy == "rolling" else "")
+            log(f"update round {index}: {strategy:<9} {taken['window']['traj_per_s']:.1f} traj/s over "
+                f"{taken['window']['seconds']:.1f} s vs steady {before['traj_per_s']:.1f}: "
+                f"{taken['over_steady']:.3f} (with what came late {taken['with_late_over_steady']:.3f}); push "
+                f"{taken['push_seconds']:.2f} s, delivered {taken['delivered_during_push']} during it + "
+                f"{taken['delivered_in_tail']} in the tail + {taken['late_trajectories']:+.0f} late, "
+                f"{taken['discarded_samples']} samples discarded, max draining {taken['max_draining']}{extra}")
+    return {"calibration": calibration, "samples": samples}
+
+
+def update_rows(part: dict) -> dict[str, dict]:
+    rows = {}
+    for strategy, taken in part["samples"].items():
+        ratios = [t["over_steady"] for t in taken]
+        row = {"over_steady": statistics.median(ratios), "per_round": ratios,
+               "over_calibration": statistics.median(t["over_calibration"] for t in taken),
+               "with_late_over_steady": statistics.median(t["with_late_over_steady"] for t in taken),
+               "update_traj_per_s": statistics.median(t["window"]["traj_per_s"] for t in taken),
+               "steady_traj_per_s": statistics.median(t["steady"]["traj_per_s"] for t in taken),
+               "push_seconds": statistics.median(t["push_seconds"] for t in taken),
+               "window_length_seconds": statistics.median(t["window"]["seconds"] for t in taken),
+               "tail_share": statistics.median(t["delivered_in_tail"] / max(t["window"]["trajectories"], 1)
+                                               for t in taken),
+               "discarded_samples": sum(t["discarded_samples"] for t in taken),
+               "max_draining": max(t["max_draining"] for t in taken)}
+        if strategy == "rolling":
+            row.update(window_seconds=statistics.median(t["window_seconds"] for t in taken),
+                       switched=[f"{t['replicas_switched']}/{t['replicas_total']}" for t in taken],
+                       pin_violations=max(t["pin_violations"] for t in taken),
+                       pins_retired=sum(t["new_pins_retired"] for t in taken),
+                       pinned_groups=sum(t["new_pinned_groups"] for t in taken))
+        rows[strategy] = row
+    return rows
+
+
+def update_report(part: dict, ns) -> dict:
+    """Print the update part's table; its RESULT keys."""
+    rows, cal = update_rows(part), part["calibration"]
+    rolling, pause = rows["rolling"], rows["pause_all"]
+    per_round = [r["over_steady"] / p["over_steady"]
+                 for r, p in zip(part["samples"]["rolling"], part["samples"]["pause_all"])]
+    n = ns.update_replicas
+    print(f"\nfleet update | {n} loadgen replicas ({ns.update_sample_seconds:g} s per Generate call, at most "
+          f"{ns.update_max_running} running each, a push applies in {ns.update_swap_seconds:g} s) behind one real "
+          f"collector (--rolling-max-unavailable 1) | groups of {ns.group_size} x {ns.max_tokens} tokens | "
+          f"{ns.rounds} rounds, tail {ns.update_tail:g} s | {psutil.cpu_count()} cores")
+    print(f"  calibration: {n} replicas {cal['traj_per_s']:.1f} traj/s, {n - 1} replicas "
+          f"{cal['one_fewer_traj_per_s']:.1f} traj/s = {cal['one_fewer_over_all']:.3f} of it (replica-bound: "
+          f"{cal['expected']:.3f}); collector {cal['collector_cores']:.2f} cores at most "
+          f"({cal['collector_cpu_ms_per_traj']:.2f} ms/traj), loadgens {cal['loadgen_cores']:.2f}, "
+          f"machine {cal['machine_cores']:.2f} cores")
+    header = (f"{'strategy':>9} | {'update/steady':>13} | {'per round':>32} | {'/calib.':>7} | {'+late':>5} | "
+              f"{'update traj/s':>13} | {'steady traj/s':>13} | {'push s':>6} | {'in tail':>7} | "
+              f"{'2-version window s':>18} | "
+              f"{'switched':>8} | {'pin viol.':>9} | {'discarded':>9}")
+    print(header)
+    print("-" * len(header))
+    for strategy, row in rows.items():
+        window = f"{row['window_seconds']:.1f}" if strategy == "rolling" else "-"
+        switched = ", ".join(sorted(set(row["switched"]))) if strategy == "rolling" else "-"
+        violations = str(row["pin_violations"]) if strategy == "rolling" else "-"
+        print(f"{strategy:>9} | {row['over_steady']:>13.3f} | {', '.join(f'{x:.2f}' for x in row['per_round']):>32} | "
+              f"{row['over_calibration']:>7.3f} | {row['with_late_over_steady']:>5.2f} | {row['update_traj_per_s']:>13.1f} | {row['steady_traj_per_s']:>13.1f} | {row['push_seconds']:>6.2f} | "
+              f"{row['tail_share']:>7.0%} | {window:>18} | {switched:>8} | {violations:>9} | "
+              f"{row['discarded_samples']:>9}")
+    print("update/steady = traj/s delivered to the trainer from the push call's start to its return + the tail, over "
+          "the steady window just before (same length), median of rounds;\n/calib. = update traj/s over the "
+          "calibration's traj/s with every replica (a steadier base); +late = update/steady counting also what was "
+          "delivered\nin the --update-gap after the window beyond the steady rate (work of the window that reached "
+          "the trainer late);\nin tail = the share of the update "
+          "window's trajectories delivered after the push returned; 2-version window = GetStatus.rolling_update."
+          "window_seconds (median);\nswitched = replicas_switched/replicas_total; pin viol. = pin_violations since "
+          "the collector started; discarded = samples discarded during the update windows (all rounds).")
+    print(f"  rolling / pause-all: {statistics.median(per_round):.3f} (median of the per-round ratios "
+          f"{', '.join(f'{x:.2f}' for x in per_round)}); pinned groups {rolling['pinned_groups']}, pins retired "
+          f"{rolling['pins_retired']}; at most {rolling['max_draining']} replica(s) draining at once")
+    if rolling["pin_violations"]:
+        print(f"  WARNING: {rolling['pin_violations']} pin violations: samples ran off their pinned version")
+    return {"rolling_over_steady": rolling["over_steady"], "pause_all_over_steady": pause["over_steady"],
+            "rolling_over_pause_all": statistics.median(per_round), "update_replicas": n,
+            "rolling_window_seconds": rolling["window_seconds"], "pin_violations": rolling["pin_violations"],
+            "rolling_push_seconds": rolling["push_seconds"], "pause_all_push_seconds": pause["push_seconds"],
+            "rolling_over_steady_per_round": rolling["per_round"],
+            "pause_all_over_steady_per_round": pause["per_round"],
+            "rolling_tail_share": rolling["tail_share"], "pause_all_tail_share": pause["tail_share"],
+            "rolling_over_calibration": rolling["over_calibration"],
+            "pause_all_over_calibration": pause["over_calibration"],
+            "rolling_with_late_over_steady": rolling["with_late_over_steady"],
+            "pause_all_with_late_over_steady": pause["with_late_over_steady"],
+            "update_steady_traj_per_s": cal["traj_per_s"],
+            "update_one_fewer_replica_over_all": cal["one_fewer_over_all"],
+            "update_collector_cores": cal["collector_cores"],
+            "update_settings": {key: getattr(ns, key) for key in (
+                "update_replicas", "update_sample_seconds", "update_max_running", "update_swap_seconds",
+                "update_tail", "update_gap", "update_warmup", "update_calibration_seconds", "rounds")}}
+
+
 # ---------------------------------------------------------------- main
 
 def parse_args() -> argparse.Namespace:
@@ -502,10 +777,38 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--replica-check-seconds", type=float, default=2.0, help="the collector's (default 2)")
     parser.add_argument("--growth", type=float, default=0.10,
                         help="traj/s 'stops growing' when the next step adds less than this fraction")
+    update = parser.add_argument_group("part 4, update: rolling vs pause-all weight updates")
+    update.add_argument("--only-update", action="store_true",
+                        help="run the update part alone (no scaling, leave or join parts)")
+    update.add_argument("--update-replicas", type=int, default=16, help="loadgens of the update part")
+    # Calibrated on a 2-core shared machine: 16 replicas x 2 running calls / 0.8 s x 4 samples = 160
+    # traj/s, about a third of what the data plane sustains here with instant loadgens, so the replicas
+    # are the ceiling (15 of them give ~15/16 of it) and the collector stays near 0.1 cores.
+    update.add_argument("--update-sample-seconds", type=float, default=0.8,
+                        help="the loadgens' --sample-seconds: service time of one Generate call")
+    update.add_argument("--update-max-running", type=int, default=2,
+                        help="the loadgens' --max-running: calls running at once per replica (the rest queue)")
+    update.add_argument("--update-swap-seconds", type=float, default=0.5,
+                        help="the loadgens' --swap-seconds: time a push takes to apply on a replica")
+    update.add_argument("--update-tail", type=float, default=1.0,
+                        help="seconds after a push returned still counted in its window (both strategies)")
+    update.add_argument("--update-gap", type=float, default=2.0,
+                        help="seconds after a push before the next steady window (the pipeline refills)")
+    update.add_argument("--update-warmup", type=float, default=3.0,
+                        help="seconds after the replicas are in rotation before a calibration window")
+    update.add_argument("--update-calibration-seconds", type=float, default=12.0,
+                        help="length of each calibration window (all replicas, one fewer, all)")
+    update.add_argument("--update-push-timeout", type=float, default=600.0,
+                        help="deadline of each push call, pause-all ones included (the SDK's default is 60 s, "
+                             "390 s for a rolling push)")
     ns = parser.parse_args()
     ns.replicas = sorted({int(n) for n in (ns.replicas or ("4" if ns.ray else "1,4,16,32")).split(",")})
     if ns.batch_size % ns.group_size or ns.replicas[0] < 1 or ns.push_every:
         parser.error("--batch-size must be a multiple of --group-size, --replicas >= 1, no --push-every here")
+    if ns.update_replicas < 2 or ns.update_sample_seconds <= 0:
+        parser.error("--update-replicas >= 2 (one is taken out to calibrate), --update-sample-seconds > 0")
+    if ns.only_update and ns.ray:
+        parser.error("--only-update and --ray are separate runs")
     return ns
 
 
@@ -526,9 +829,12 @@ def main() -> None:
     load_start = os.getloadavg()
     log(f"work directory (service logs): {workdir}; load average {load_start[0]:.1f}, "
         f"{psutil.virtual_memory().available >> 20} MiB available ({ns.replicas[-1]} loadgens take ~250 MiB each)")
-    fleet, trainers = Fleet(model_dir, workdir, ns), None
+    fleet, trainers, samples, parts = Fleet(model_dir, workdir, ns), None, None, {}
     try:
-        fleet.start(ns.replicas[-1], ns.replicas[0])
+        if ns.only_update:
+            fleet.start(ns.update_replicas, ns.update_replicas, update_loadgen_args(ns))
+        else:
+            fleet.start(ns.replicas[-1], ns.replicas[0])
         taps = multiprocessing.get_context("spawn").Queue()
         trainers = Trainers(ns.trainers, fleet.procs["collector"].address, model_dir, ns,
                             tap=PromptTap(taps, LEAVE_PREFIX)).start()
@@ -538,13 +844,21 @@ def main() -> None:
             time.sleep(ns.warmup)
             state = load_file(str(model_dir / "model.safetensors"))
             client.push_weights(state, progress=False)  # one-time setup (spool, segments) out of the numbers
-            samples = run_rounds(fleet, client, trainers, state, ns)
-            parts = {**leave(fleet, client, taps, ns), **join(fleet, client, trainers)}
+            if not ns.only_update:
+                samples = run_rounds(fleet, client, trainers, state, ns)
+                parts = {**leave(fleet, client, taps, ns), **join(fleet, client, trainers)}
+            update = update_part(fleet, client, trainers, state, ns)
     finally:
         if trainers is not None:
             trainers.close()
         fleet.close()
-    print("RESULT " + json.dumps(report(step_rows(samples), parts, (load_start, os.getloadavg()), ns)))
+    load = (load_start, os.getloadavg())
+    result = {} if ns.only_update else report(step_rows(samples), parts, load, ns)
+    result.update(update_report(update, ns))
+    if ns.only_update:
+        result.update(load_average_start_end=load, cpu_count=psutil.cpu_count())
+    log(f"load average {load[0][0]:.1f} at the start, {load[1][0]:.1f} at the end")
+    print("RESULT " + json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -127,11 +127,13 @@ def prompt_texts(count: int) -> list[str]:
 
 
 class StatusPoller:
-    """Polls the collector's GetStatus; mean groups inside each stage while running."""
+    """Polls the collector's GetStatus while running; each reply kept as ``sample(reply)`` (default: the
+    groups inside each stage)."""
 
-    def __init__(self, address: str, period: float = 0.1):
+    def __init__(self, address: str, period: float = 0.1, sample=None):
         self.address, self.period = address, period
-        self.samples: list[dict[str, int]] = []
+        self.sample = sample or (lambda reply: {s.name: s.queued + s.in_flight for s in reply.stages})
+        self.samples: list[dict] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -148,7 +150,7 @@ class StatusPoller:
             stub = collector_pb2_grpc.CollectorServiceStub(channel)
             while not self._stop.wait(self.period):
                 reply = stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=10)
-                self.samples.append({s.name: s.queued + s.in_flight for s in reply.stages})
+                self.samples.append(self.sample(reply))
 
     def mean(self) -> dict[str, float]:
         return {name: statistics.fmean(s.get(name, 0) for s in self.samples) if self.samples else 0.0

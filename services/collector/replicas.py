@@ -160,7 +160,8 @@ class ReplicaPool:
         version = replica.policy_version
 
         def drained() -> bool:
-            others = [r for r in self.replicas if r is not replica and r.healthy and r.policy_version == version]
+            others = [r for r in self.replicas if r is not replica and r.healthy and not r.draining
+                      and r.policy_version == version]  # one draining (or applying) will not serve it
             return replica.in_flight == 0 and (bool(others) or self.pins[version] == 0)
         async with self._changed:
             self._changed.notify_all()

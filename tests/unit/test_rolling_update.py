@@ -69,6 +69,24 @@ async def test_a_drain_waits_for_what_the_replica_runs_and_the_last_one_for_the_
     assert await asyncio.wait_for(drain, 5)
 
 
+async def test_replicas_drained_together_wait_for_the_groups_pinned_to_their_version():
+    """rolling_max_unavailable 2: each of the last two replicas on version 1 is draining, so neither counts
+    the other as serving it; both wait until the pinned group ends."""
+    pool = pool_of(1, 1)
+    pool.hold_pin(1)
+    log: list = []
+    update = RollingUpdate(pool, RollingSettings(max_unavailable=2, drain_seconds=30), 1, 2, 2)
+    rolling = asyncio.create_task(update.run(streams(pool, log)))
+    await asyncio.sleep(0.1)
+    assert not log, "a replica switched while a group pinned to its version still generated"
+    turn = await pool.acquire(version=1, timeout=1)  # its next turn still finds version 1
+    assert turn.policy_version == 1
+    pool.release(turn)
+    await pool.release_pin(1)
+    await asyncio.wait_for(rolling, 5)
+    assert update.switched == 2
+
+
 async def test_a_drain_that_runs_out_of_time_says_so():
     pool = pool_of(1, 1)
     busy = await pool.acquire(prefer=pool.replicas[0], timeout=1)

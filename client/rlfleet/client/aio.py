@@ -157,7 +157,10 @@ class AsyncClient:
         ``base_version`` says whether it went as a delta. ``strategy``: how the collector rolls it
         out to its replicas, "pause_all" (every replica swaps at once under ``mode``) or "rolling" (a
         few at a time, each drained first, while the others serve; ``mode`` is not used); "" leaves
-        it to the collector's ``update_strategy`` (docs/guides/weight-sync.md, Rolling updates).
+        it to the collector's ``update_strategy`` (docs/guides/weight-sync.md, Rolling updates). The
+        call returns once every replica switched: a "rolling" push's default ``timeout`` allows 330 s
+        more (the collector's default bound on a rolling update and a drain); pass ``timeout`` when its
+        ``rolling_max_seconds`` is higher, or when its own ``update_strategy`` is rolling.
         """
         collector, _ = self._stubs()
         return await push_weights(collector.PushWeights, named_tensors(weights), version=version, mode=mode,

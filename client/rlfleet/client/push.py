@@ -61,6 +61,9 @@ PROGRESS_MIN_BYTES = 8 << 20
 TRANSPORTS = ("auto", "shm", "grpc", "nccl")
 DEADLINE_BYTES_PER_SECOND = 10 << 20
 """Default push deadline: the client's timeout plus one second per 10 MiB."""
+ROLLING_DEADLINE_SECONDS = 330.0
+"""Added to a rolling push's default deadline: the replicas switch one batch at a time, for up to the
+collector's ``rolling_max_seconds`` (300 by default) plus a drain (``rolling_drain_seconds``, 30)."""
 
 
 def named_tensors(weights: Any) -> list[tuple[str, torch.Tensor]]:
@@ -222,10 +225,15 @@ def _bare_manifest(pairs, version: int | None, mode: str, base_version: int | No
                                    base_version=base_version, lora=lora, strategy=STRATEGIES[strategy]))[1]
 
 
+def _rolling_allowance(manifest: weights_pb2.WeightManifest) -> float:
+    """What a push's default deadline allows for the collector's rollout (a rolling update's bound)."""
+    return ROLLING_DEADLINE_SECONDS if manifest.strategy == weights_pb2.UPDATE_STRATEGY_ROLLING else 0.0
+
+
 def _bare_deadline(timeout: float | None, settings: ChannelSettings, manifest) -> float:
     """Default deadline of such a push: the client's timeout plus one second per 1000 MiB (100x grpc's)."""
-    return timeout if timeout is not None else settings.timeout + manifest.total_bytes / (
-        100 * DEADLINE_BYTES_PER_SECOND)
+    return timeout if timeout is not None else settings.timeout + _rolling_allowance(manifest) + \
+        manifest.total_bytes / (100 * DEADLINE_BYTES_PER_SECOND)
 
 
 async def _push_shm(call_factory, pairs, *, version, mode, timeout, settings, segments: shm.SegmentCache,
@@ -303,7 +311,8 @@ async def _push_once(call_factory, messages: Iterator[tuple[str, Any]], *, chunk
     # The checksum pass reads every byte: keep it off the event loop.
     _, manifest = await asyncio.to_thread(next, messages)
     total = manifest.total_bytes
-    deadline = timeout if timeout is not None else settings.timeout + total / DEADLINE_BYTES_PER_SECOND
+    deadline = timeout if timeout is not None else \
+        settings.timeout + _rolling_allowance(manifest) + total / DEADLINE_BYTES_PER_SECOND
     call = call_factory(timeout=deadline, metadata=settings.metadata())
     watch = StatusWatch(call)
     bar = _progress_bar(total, progress, manifest.version)
