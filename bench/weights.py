@@ -221,7 +221,9 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
     from rlfleet.services.models.tiny import build_tiny_model
     from rlfleet.services.suite import DEFAULT_MODEL_DIR, SuiteOptions, start_suite, stop_suite
 
-    gen_args = ["--model", str(model_dir), "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "512",
+    # 64 MiB, or what one 512-token sequence needs with room (K and V, float32, every layer): deep models.
+    kv_bytes = max(64 << 20, 2 * ns.layers * ns.hidden * 4 * 512 * 3 // 2)
+    gen_args = ["--model", str(model_dir), "--kv-cache-memory-bytes", str(kv_bytes), "--max-model-len", "512",
                 "--log-format", "text", "--max-lora-rank", str(max(LORA_RANKS))]
     gens = [ServiceProcess("generation", gen_args).start(workdir / f"g{i}") for i in range(3)]
     backends, collectors, clients, engine, sink = {}, [], [], None, None
