@@ -91,8 +91,7 @@ class ReplicaPool:
                 self._close(replica)
         self.replicas = [replica for replica in self.replicas if replica.address in wanted] + added
         if added or removed:
-            async with self._changed:
-                self._changed.notify_all()
+            await self._notify()
         return added, removed
 
     def _replica(self, endpoint: Endpoint) -> Replica:
@@ -124,7 +123,7 @@ class ReplicaPool:
                     serving = self._serving(version)
                     if not serving and version is not None:
                         raise VersionRetired(f"no replica in rotation serves version {version} any more")
-                    if prefer in serving and prefer.address not in exclude:
+                    if any(r is prefer for r in serving) and prefer.address not in exclude:
                         return self._take(prefer, samples)
                     candidates = [r for r in serving if r.address not in exclude]
                     if not candidates and exclude:
@@ -149,8 +148,7 @@ class ReplicaPool:
         self.pins[version] -= 1
         if self.pins[version] <= 0:
             del self.pins[version]
-            async with self._changed:
-                self._changed.notify_all()
+            await self._notify()
 
     async def drain(self, replica: Replica, deadline: float) -> bool:
         """Take ``replica`` out of new work and wait (until the monotonic ``deadline``) for what it runs
@@ -173,8 +171,7 @@ class ReplicaPool:
 
     async def undrain(self, replica: Replica) -> None:
         replica.draining = False
-        async with self._changed:
-            self._changed.notify_all()
+        await self._notify()
 
     @staticmethod
     def _take(replica: Replica, samples: int) -> Replica:
@@ -209,6 +206,7 @@ class ReplicaPool:
             task.add_done_callback(self._closing.discard)
 
     async def _notify(self) -> None:
+        """Wake whoever waits on the pool's membership or load (``acquire``, ``drain``)."""
         async with self._changed:
             self._changed.notify_all()
 
@@ -218,14 +216,12 @@ class ReplicaPool:
         replica.healthy = False
         replica.failures += 1
         replica.last_error = error
-        async with self._changed:
-            self._changed.notify_all()
+        await self._notify()
 
     async def mark_healthy(self, replica: Replica, version: int) -> None:
         replica.healthy = True
         replica.policy_version = version
-        async with self._changed:
-            self._changed.notify_all()
+        await self._notify()
 
     async def probe(self, replica: Replica, timeout: float = 5.0) -> int | None:
         """The replica's policy version if it is SERVING, else None."""

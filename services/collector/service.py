@@ -21,7 +21,6 @@ from rlfleet.services.collector.dataset import load_records
 from rlfleet.services.collector.discovery import make_discovery
 from rlfleet.services.collector.episode_runner import EpisodeBudget, EpisodeRunner
 from rlfleet.services.collector.fanout import WeightFanout
-from rlfleet.services.collector.rolling import RollingSettings
 from rlfleet.services.collector.filtering import FilterRule
 from rlfleet.services.collector.ledger import PromptLedger
 from rlfleet.services.collector.mismatch import LagMismatch, MismatchBreaker
@@ -29,6 +28,7 @@ from rlfleet.services.collector.prompt_item import PromptItem
 from rlfleet.services.collector.spool import DatabaseSpool
 from rlfleet.services.collector.replicas import ReplicaPool
 from rlfleet.services.collector.rollout import Pipeline, PipelineOptions
+from rlfleet.services.collector.rolling import RollingSettings
 from rlfleet.services.collector.servicer import CollectorServicer, TrajectoryProxyServicer
 from rlfleet.services.collector.source import PromptSource
 from rlfleet.services.collector.status_metrics import STATUS_METRICS
@@ -90,8 +90,10 @@ class CollectorService(Service[CollectorConfig]):
         self.fanout = WeightFanout(self.pool, self.gate, self.state_dir / "spool", config.max_push_bytes,
                                    on_commit=self._committed, on_fatal=self.fail, swap_mode=config.swap_mode,
                                    update_strategy=config.update_strategy,
-                                   rolling=RollingSettings(config.rolling_max_unavailable, config.rolling_drain_seconds,
-                                                           config.rolling_max_seconds, config.rolling_settle_seconds),
+                                   rolling=RollingSettings(max_unavailable=config.rolling_max_unavailable,
+                                                           drain_seconds=config.rolling_drain_seconds,
+                                                           max_seconds=config.rolling_max_seconds,
+                                                           settle_seconds=config.rolling_settle_seconds),
                                    spool=DatabaseSpool(self.ledger) if self.ledger.in_postgresql else None)
         self.pipeline = Pipeline(
             PipelineOptions(
