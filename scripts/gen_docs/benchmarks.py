@@ -18,13 +18,22 @@ front matter naming the bench and where the numbers come from::
     the table(s) the run printed and what was noticed about it (markdown)
 
 Attachments are shown on the page: a ``.png`` as a picture, a ``.txt`` as its text, anything else
-as a link. Every bench must have at least one result, and every result a bench.
+as a link. Relative links in the body are written from docs/results and rewritten to resolve from
+docs/benchmarks (see ``relink``). Every bench must have at least one result, and every result a bench.
+
+Newest first means by date, then by the measured commit's place in the history (a day holds several
+runs; the file name says nothing about their order), then by file name with its numbers read as
+numbers.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import json
+import posixpath
+import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +44,9 @@ from ._markdown import generated_banner
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
 REQUIRED = ("bench", "date", "commit", "machine", "command")
+# Where, under docs/, the result files sit and the pages that show them are written.
+RESULTS_DIR = "results"
+PAGES_DIR = "benchmarks"
 
 
 @dataclass(frozen=True)
@@ -99,9 +111,91 @@ def read_result(path: Path) -> Result:
     return Result(path, meta, body.strip())
 
 
+@functools.cache
+def commit_rank(commit: str) -> int:
+    """How many commits ``commit`` has behind it, itself included: a later commit ranks higher.
+
+    The count of ancestors does not move when history grows on top of it (unlike a position in
+    ``git log``), so the pages it orders stay put until a result changes.
+    """
+    done = subprocess.run(["git", "rev-list", "--count", f"{commit}^{{commit}}", "--"], cwd=ROOT,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ResultError(f"commit {commit} is not in this checkout's history, so its runs cannot be ordered "
+                          f"(a shallow clone? {done.stderr.strip()})")
+    return int(done.stdout)
+
+
+def _natural(name: str) -> tuple:
+    """``name`` with its digit runs as numbers: ``run-10`` after ``run-2``, ``rolling-2`` after ``rolling``."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+def newest_first(found: list[Result]) -> list[Result]:
+    """``found`` ordered latest run first: by date, then by the measured commit, then by file name."""
+    def age(result: Result) -> tuple:
+        try:
+            rank = commit_rank(result.meta["commit"])
+        except ResultError as err:
+            raise ResultError(f"{_shown(result.path)}: {err}") from None
+        return result.meta["date"], rank, _natural(result.path.stem)
+    return sorted(found, key=age, reverse=True)
+
+
 def results() -> list[Result]:
-    return sorted((read_result(p) for p in RESULTS.glob("*.md")), key=lambda r: (r.meta["date"], r.path.name),
-                  reverse=True)
+    return newest_first([read_result(p) for p in RESULTS.glob("*.md")])
+
+
+# An inline link or image target, ``](target)`` or ``](<target> "title")``, and a reference definition,
+# ``[name]: target``; group "url" is the target.
+_INLINE = re.compile(r"(?P<head>\]\(\s*<?)(?P<url>[^)\s<>]+)")
+_REFERENCE = re.compile(r"(?P<head>^ {0,3}\[[^\]]+\]:[ \t]*<?)(?P<url>[^\s<>]+)", re.MULTILINE)
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+_CODE_SPAN = re.compile(r"(`+)[^`]*?\1")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def _moved(url: str, source_dir: str, page_dir: str) -> str:
+    if not url or url.startswith(("#", "/")) or _SCHEME.match(url):
+        return url  # an anchor on the same page, a site-absolute path or a URL: not relative to a file
+    cut = re.search(r"[#?]", url)
+    path, suffix = (url[:cut.start()], url[cut.start():]) if cut else (url, "")
+    target = posixpath.normpath(posixpath.join(source_dir, path))
+    return posixpath.relpath(target, page_dir) + suffix
+
+
+def relink(markdown: str, source_dir: str, page_dir: str) -> str:
+    """``markdown`` written in docs/<source_dir>, its relative links rewritten for a page in docs/<page_dir>.
+
+    Absolute URLs, site-absolute paths and bare anchors are left alone, and so is anything inside
+    code (fenced blocks and code spans), which is text, not links.
+    """
+    def rewrite(match: re.Match) -> str:
+        return match["head"] + _moved(match["url"], source_dir, page_dir)
+
+    def outside_code_spans(text: str) -> str:
+        text = _REFERENCE.sub(rewrite, text)
+        pieces, start = [], 0
+        for span in _CODE_SPAN.finditer(text):
+            pieces += [_INLINE.sub(rewrite, text[start:span.start()]), span[0]]
+            start = span.end()
+        return "".join(pieces + [_INLINE.sub(rewrite, text[start:])])
+
+    out, prose, fence = [], [], None
+    for line in markdown.splitlines(keepends=True):
+        opening = _FENCE.match(line)
+        if fence is None and opening:
+            out.append(outside_code_spans("".join(prose)))
+            prose, fence = [], opening[1]
+            out.append(line)
+        elif fence is not None:
+            if line.strip().startswith(fence) and not line.strip().strip(fence[0]):  # a closing fence
+                fence = None
+            out.append(line)
+        else:
+            prose.append(line)
+    out.append(outside_code_spans("".join(prose)))
+    return "".join(out)
 
 
 def _result_section(result: Result) -> list[str]:
@@ -113,7 +207,7 @@ def _result_section(result: Result) -> list[str]:
         value = meta["result"] if isinstance(meta["result"], str) else json.dumps(meta["result"])
         lines += ["```text", f"RESULT {value}", "```", ""]
     if result.body:
-        lines += [result.body, ""]
+        lines += [relink(result.body, RESULTS_DIR, PAGES_DIR), ""]
     for name in meta.get("attachments", []):
         attachment = result.path.parent / name
         if attachment.suffix == ".png":

@@ -74,6 +74,68 @@ def test_a_bench_without_a_result_is_refused(monkeypatch, tmp_path, capsys):
     assert "no result file in docs/results for: codec" in capsys.readouterr().err
 
 
+def test_a_results_relative_links_are_rewritten_to_resolve_from_its_benchmark_page():
+    body = ("The run of [before](fleet-2026-11-27-rolling.md#setup), its ![plot](plot.png \"a plot\"),\n"
+            "[the guide](../guides/sdk.md), [a site](https://example.org/x.md), [here](#numbers),\n"
+            "[root](/index.md), `[code](code.md)`\n[ref]: notes.txt\n```text\n[fenced](fenced.md)\n```\n")
+    assert benchmarks.relink(body, "results", "benchmarks") == (
+        "The run of [before](../results/fleet-2026-11-27-rolling.md#setup), "
+        "its ![plot](../results/plot.png \"a plot\"),\n"
+        "[the guide](../guides/sdk.md), [a site](https://example.org/x.md), [here](#numbers),\n"
+        "[root](/index.md), `[code](code.md)`\n[ref]: ../results/notes.txt\n```text\n[fenced](fenced.md)\n```\n")
+
+
+def test_every_relative_link_on_a_benchmark_page_names_a_file():
+    missing = []
+    for relative, text in benchmarks.render().items():
+        page_dir = (ROOT / "docs" / relative).parent
+        for target in re.findall(r"\]\(([^)\s]+)", text):
+            path = target.split("#")[0]
+            if path and "://" not in path and not (page_dir / path).is_file():
+                missing.append(f"{relative}: {target}")
+    assert not missing, missing
+
+
+def _result(name: str, date: str, commit: str) -> benchmarks.Result:
+    return benchmarks.Result(Path(name), {"date": date, "commit": commit}, "")
+
+
+def test_the_latest_run_is_the_latest_date_then_the_latest_commit_then_the_name(monkeypatch):
+    ranks = {"c1": 1, "c2": 2, "c3": 3}
+    monkeypatch.setattr(benchmarks, "commit_rank", ranks.__getitem__)
+    found = [_result("fleet-2026-11-27-rolling.md", "2026-11-27", "c2"),
+             _result("fleet-2026-11-26.md", "2026-11-26", "c3"),  # a later commit, an earlier day
+             _result("fleet-2026-11-27-rolling-2.md", "2026-11-27", "c3"),
+             _result("fleet-2026-11-27-ray.md", "2026-11-27", "c1"),
+             _result("fleet-2026-11-27-run-2.md", "2026-11-27", "c1"),
+             _result("fleet-2026-11-27-run-10.md", "2026-11-27", "c1")]
+    assert [r.path.stem for r in benchmarks.newest_first(found)] == [
+        "fleet-2026-11-27-rolling-2", "fleet-2026-11-27-rolling", "fleet-2026-11-27-run-10",
+        "fleet-2026-11-27-run-2", "fleet-2026-11-27-ray", "fleet-2026-11-26"]
+
+
+def test_commits_rank_by_their_place_in_the_history():
+    assert benchmarks.commit_rank("8486d44") > benchmarks.commit_rank("d0f974f") > benchmarks.commit_rank("a122575")
+    with pytest.raises(benchmarks.ResultError, match="not in this checkout's history"):
+        benchmarks.commit_rank("0000000")
+
+
+def test_the_index_shows_the_later_commit_of_a_day_and_its_page_links_the_earlier_run(monkeypatch, tmp_path):
+    results = tmp_path / "results"
+    shutil.copytree(benchmarks.RESULTS, results)
+    head = "---\nbench: codec\ndate: 2099-01-01\nmachine: m\ncommand: python bench/codec.py\n"
+    (results / "codec-2099-01-01-rolling.md").write_text(head + "commit: a122575\n---\nfirst\n")
+    (results / "codec-2099-01-01-rolling-2.md").write_text(
+        head + "commit: 8486d44\n---\nagain, as [the first](codec-2099-01-01-rolling.md)\n")
+    monkeypatch.setattr(benchmarks, "RESULTS", results)
+    pages = benchmarks.render()
+    row = next(line for line in pages["benchmarks/index.md"].splitlines() if line.startswith("| [codec]"))
+    assert row.endswith("| 2099-01-01 | `8486d44` |")
+    page = pages["benchmarks/codec.md"]
+    assert "again, as [the first](../results/codec-2099-01-01-rolling.md)" in page
+    assert page.index("`8486d44`") < page.index("`a122575`")
+
+
 # A repository path in backticks or a link: `services/collector/admission.py`, (../batch-schema.md) aside.
 _PATH = re.compile(r"`((?:services|client|bench|examples|scripts|tests|deploy|docker|protos|docs)/[A-Za-z0-9_./-]+)`")
 
