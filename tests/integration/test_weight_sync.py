@@ -276,45 +276,55 @@ DELTA_TENSORS = ["model.layers.0.self_attn.v_proj.weight", "model.layers.1.mlp.g
 def test_a_delta_push_sends_only_what_changed_and_serves_what_a_full_push_would(suite, client, committed,
                                                                                tiny_model_dir, transport):
     before = set(shm.list_segments())
-    base = perturbed(committed[0], seed=300 + len(committed))
-    first = client.push_weights(base, transport=transport, progress=False, delta=True)
-    committed[first.version] = base
-    assert first.base_version is None and first.all_applied  # nothing kept yet: full
+    with connect(suite["collector"].address, timeout=PUSH_TIMEOUT) as pusher:  # its own delta base
+        base = perturbed(committed[0], seed=300 + len(committed))
+        first = pusher.push_weights(base, transport=transport, progress=False, delta=True)
+        committed[first.version] = base
+        assert first.base_version is None and first.all_applied  # nothing kept yet: full
 
-    after = changed_few(base, DELTA_TENSORS, seed=301)
-    delta = client.push_weights(after, transport=transport, progress=False, delta=True)
-    committed[delta.version] = after
-    assert delta.base_version == first.version and delta.tensors == len(DELTA_TENSORS)
-    assert delta.bytes == sum(after[name].numel() * 4 for name in DELTA_TENSORS)
-    assert delta.all_applied
-    assert_serving(suite, client, committed, tiny_model_dir)
-    by_delta = [sample(proc, seed=77)[:2] for proc in replicas(suite)]
+        after = changed_few(base, DELTA_TENSORS, seed=301)
+        delta = pusher.push_weights(after, transport=transport, progress=False, delta=True)
+        committed[delta.version] = after
+        assert delta.base_version == first.version and delta.tensors == len(DELTA_TENSORS)
+        assert delta.bytes == sum(after[name].numel() * 4 for name in DELTA_TENSORS)
+        assert delta.all_applied
+        assert_serving(suite, client, committed, tiny_model_dir)
+        by_delta = [sample(proc, seed=77)[:2] for proc in replicas(suite)]
 
-    # The same weights as a full push: every replica samples the very same tokens and log-probs, bit for bit.
-    full = client.push_weights(after, transport=transport, progress=False)
-    committed[full.version] = after
-    assert full.base_version is None and full.all_applied
-    for proc, (tokens, log_probs) in zip(replicas(suite), by_delta):
-        full_tokens, full_log_probs = sample(proc, seed=77)[:2]
-        assert full_tokens == tokens and torch.equal(full_log_probs, log_probs), proc.address
+        # The same weights as a full push: every replica samples the very same tokens and log-probs, bit for bit.
+        full = pusher.push_weights(after, transport=transport, progress=False)
+        committed[full.version] = after
+        assert full.base_version is None and full.all_applied
+        for proc, (tokens, log_probs) in zip(replicas(suite), by_delta):
+            full_tokens, full_log_probs = sample(proc, seed=77)[:2]
+            assert full_tokens == tokens and torch.equal(full_log_probs, log_probs), proc.address
+
+        # That plain push is the next delta's base: only the tensor changed since it goes.
+        again = changed_few(after, DELTA_TENSORS[:1], seed=302)
+        delta = pusher.push_weights(again, transport=transport, progress=False, delta=True)
+        committed[delta.version] = again
+        assert (delta.base_version, delta.tensors) == (full.version, 1) and delta.all_applied
+        assert delta.bytes == again[DELTA_TENSORS[0]].numel() * 4
+        assert_serving(suite, client, committed, tiny_model_dir)
     assert our_segments(suite, before) == set()
 
 
 def test_a_delta_on_a_version_the_collector_left_goes_full(suite, client, committed, tiny_model_dir):
     """Another pusher moved the version on: the collector refuses the delta (FAILED_PRECONDITION) and the
     client sends the whole state dict instead, in the same call."""
-    base = perturbed(committed[0], seed=310)
-    first = client.push_weights(base, progress=False, delta=True)
-    committed[first.version] = base
-    other = perturbed(committed[0], seed=311)
-    with connect(suite["collector"].address, timeout=PUSH_TIMEOUT) as other_client:
-        committed[other_client.push_weights(other, progress=False).version] = other
-    after = changed_few(base, DELTA_TENSORS, seed=312)
-    result = client.push_weights(after, progress=False, delta=True)
-    committed[result.version] = after
-    assert result.base_version is None and result.all_applied
-    assert result.bytes == sum(t.numel() * 4 for t in after.values())
-    assert_serving(suite, client, committed, tiny_model_dir)
+    with connect(suite["collector"].address, timeout=PUSH_TIMEOUT) as pusher:  # its own delta base
+        base = perturbed(committed[0], seed=310)
+        first = pusher.push_weights(base, progress=False, delta=True)
+        committed[first.version] = base
+        other = perturbed(committed[0], seed=311)
+        with connect(suite["collector"].address, timeout=PUSH_TIMEOUT) as other_client:
+            committed[other_client.push_weights(other, progress=False).version] = other
+        after = changed_few(base, DELTA_TENSORS, seed=312)
+        result = pusher.push_weights(after, progress=False, delta=True)
+        committed[result.version] = after
+        assert result.base_version is None and result.all_applied
+        assert result.bytes == sum(t.numel() * 4 for t in after.values())
+        assert_serving(suite, client, committed, tiny_model_dir)
 
 
 def test_a_malformed_delta_is_refused_naming_the_tensor(suite, client, committed, tiny_model_dir):

@@ -614,6 +614,45 @@ def test_shm_push_hands_over_a_segment_kept_for_the_next_push(client, state):
     assert set(shm.list_segments()) == before  # closing the client removes it
 
 
+def test_a_plain_push_that_commits_is_the_base_of_the_next_delta(client, state):
+    """Once a client pushed with delta=True, each full push that commits (a plain one too) is what the
+    next delta patches; a failed push and an adapter push leave nothing to patch (the next delta is full)."""
+    weights = state_dict()
+    name, other = "model.embed.weight", "model.layers.0.norm.weight"
+
+    def one_changed(key: str = name) -> dict[str, torch.Tensor]:
+        weights[key] = weights[key] + 1
+        return weights
+
+    def sent() -> tuple[int | None, list[str]]:
+        manifest = state.pushes[-1]["manifest"]
+        return (manifest.delta.base_version if manifest.HasField("delta") else None,
+                [spec.name for spec in manifest.tensors])
+
+    assert client.push_weights(weights, progress=False).base_version is None
+    first = client.push_weights(one_changed(), progress=False, delta=True)  # no delta asked before: none kept
+    assert first.base_version is None and sent() == (None, list(weights))
+    plain = client.push_weights(one_changed(other), progress=False)
+    assert plain.base_version is None and sent() == (None, list(weights))
+    # Compared with the plain push's bytes (with the first push's, `other` would go too).
+    delta = client.push_weights(one_changed(), progress=False, delta=True)
+    assert (delta.base_version, delta.tensors) == (plain.version, 1) and sent() == (plain.version, [name])
+
+    state.fail("PushWeights", grpc.StatusCode.INTERNAL, times=1)
+    with pytest.raises(InternalError):
+        client.push_weights(one_changed(), progress=False)  # may have committed: nothing is known
+    assert client.push_weights(one_changed(), progress=False, delta=True).base_version is None
+    assert client.push_weights(one_changed(), progress=False, delta=True).base_version == state.version - 1
+
+    adapter = {"base_model.model.q_proj.lora_A.weight": torch.zeros(2, 4),
+               "base_model.model.q_proj.lora_B.weight": torch.zeros(4, 2)}
+    client.push_adapter(adapter, rank=2, alpha=4, target_modules=["q_proj"], progress=False)
+    # The collector takes no delta on an adapter's version: the next delta push is full, then deltas again.
+    assert client.push_weights(one_changed(), progress=False, delta=True).base_version is None
+    assert sent() == (None, list(weights))
+    assert client.push_weights(one_changed(), progress=False, delta=True).base_version == state.version - 1
+
+
 # --- batches -------------------------------------------------------------------------------------------
 def test_batches_yield_tensordicts_and_auto_ack_the_previous_one(client, state):
     state.add_batches(3)

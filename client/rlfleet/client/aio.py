@@ -151,9 +151,10 @@ class AsyncClient:
         "nccl" (GPU trainers: CUDA tensors broadcast to every inference worker; needs
         ``rlfleet[nccl]``; ``nccl_address`` is this host's address as the replicas reach it,
         default ``$RLFLEET_NCCL_ADDRESS`` or the host name; unverified, see ``rlfleet.client.nccl``).
-        ``delta``: send only the tensors whose bytes changed since the last push this client saw
-        committed, as a delta on that version (the first push, and any after a failed one, is full;
-        keeps a host copy of the weights; not with "nccl"; see ``rlfleet.client.delta``). The result's
+        ``delta``: send only the tensors whose bytes changed since the last push of full weights this
+        client saw committed (from its first delta push on, a plain push too), as a delta on that version
+        (its first delta push, and any after a failed or adapter push, is full; keeps a host copy of the
+        weights; not with "nccl"; see ``rlfleet.client.delta``). The result's
         ``base_version`` says whether it went as a delta. ``strategy``: how the collector rolls it
         out to its replicas, "pause_all" (every replica swaps at once under ``mode``) or "rolling" (a
         few at a time, each drained first, while the others serve; ``mode`` is not used); "" leaves
@@ -187,7 +188,8 @@ class AsyncClient:
         ``push_weights`` drops it (push ``merge_and_unload()``'s weights to keep its effect). ``version``,
         ``mode``, ``chunk_bytes``, ``progress``, ``timeout``, ``checksum``, ``strategy`` and retries as in
         ``push_weights``; ``transport`` "auto", "shm" or "grpc" (not "nccl"). It forgets what a
-        ``delta=True`` push kept: the next such push is full. The replicas must be started with LoRA
+        ``delta=True`` push kept (the collector takes no delta on an adapter's version): the next such
+        push is full. The replicas must be started with LoRA
         enabled (generation setting ``max_lora_rank`` at least the adapter's rank), else
         ``FailedPreconditionError``. The result's ``adapter_rank`` is the adapter's rank.
         """

@@ -4,10 +4,16 @@
 every tensor, made once per full push and then only of the tensors a delta changes) and sends the
 next push as a delta: only the tensors whose bytes differ, naming the version they patch
 (``weights.proto``, ``rlfleet.wire.weight_delta``). Bytes are compared exactly (a NaN is the same
-NaN, -0.0 differs from 0.0). A full push is sent instead when nothing is kept yet, when the tensors'
-names, dtypes or shapes changed, or when the collector refuses the delta (FAILED_PRECONDITION: its
-committed version moved on, or its spool lacks the base). Whenever a push fails, what is kept is
-forgotten, since that push may have been committed: the next push is full.
+NaN, -0.0 differs from 0.0). From a client's first ``delta=True`` push on, every push of full
+weights that commits is kept, a plain ``push_weights`` (shm or grpc) included; a client that never
+asks for a delta keeps no copy of its weights.
+
+A full push is sent instead of a delta when nothing is kept: the client's first delta push, any push
+after a failed one (it may have been committed: what is kept is forgotten), after an adapter push or
+an nccl push (the collector takes a delta only on a committed version whose spooled push is full
+weights; an adapter's version is not, and an nccl push is not spooled); and when the tensors' names,
+dtypes or shapes changed, or the collector refuses the delta (FAILED_PRECONDITION: its committed
+version moved on, e.g. another pusher, or its spool lacks the base).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ class DeltaBase:
     """The tensors of the last committed push, by name, and its version (None: nothing kept)."""
 
     def __init__(self) -> None:
+        self.in_use = False
+        """Whether the client pushed with ``delta=True``: only then do its full pushes keep their bytes."""
         self.version: int | None = None
         self._kept: dict[str, torch.Tensor] = {}
         self._specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}

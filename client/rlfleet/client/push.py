@@ -138,15 +138,20 @@ async def push_weights(
             raise ValueError("an adapter push is whole: delta=True is for full weights")
         if transport == "nccl":
             raise ValueError("adapter pushes travel by shm or grpc, not nccl")
+    options = dict(version=version, mode=mode, chunk_bytes=chunk_bytes, progress=progress, timeout=timeout,
+                   settings=settings, checksum=checksum, transport=transport, strategy=strategy)
     if delta:
         if transport == "nccl":
             raise ValueError("delta pushes travel by shm or grpc, not nccl")
         memo = memo or TransportMemo()
-        return await _push_delta(call_factory, pairs, memo, version=version, mode=mode, chunk_bytes=chunk_bytes,
-                                 progress=progress, timeout=timeout, settings=settings, checksum=checksum,
-                                 transport=transport, strategy=strategy)
+        return await _push_delta(call_factory, pairs, memo, **options)
+    if memo is not None and memo.delta.in_use and lora is None and transport != "nccl":
+        return await _push_base(call_factory, pairs, memo, **options)  # full weights: the next delta's base
     if memo is not None:
-        memo.delta.forget()  # a full or adapter push on its own: what was kept would be stale
+        # An adapter push commits a version whose spooled push is the adapter, and an nccl push is not
+        # spooled: the collector takes no delta on either (fanout._spooled_manifests), so nothing kept
+        # would serve as a base any more.
+        memo.delta.forget()
     result = await _push(call_factory, pairs, version=version, mode=mode, chunk_bytes=chunk_bytes,
                          progress=progress, timeout=timeout, settings=settings, checksum=checksum,
                          transport=transport, memo=memo, status_call=status_call, nccl_address=nccl_address,
@@ -158,6 +163,7 @@ async def _push_delta(call_factory, pairs, memo: TransportMemo, **options) -> Pu
     """A delta on the last committed push when one is kept and the collector takes it, else a full push;
     what is kept follows every push that committed and is forgotten by one that failed."""
     base = memo.delta
+    base.in_use = True
     changed = await asyncio.to_thread(base.changed, pairs)
     if changed is not None:
         base_version = base.version
@@ -174,12 +180,17 @@ async def _push_delta(call_factory, pairs, memo: TransportMemo, **options) -> Pu
         else:
             await asyncio.to_thread(base.record, pairs, changed, result.version)
             return dataclasses.replace(result, base_version=base_version, tensors=len(changed))
+    return await _push_base(call_factory, pairs, memo, **options)
+
+
+async def _push_base(call_factory, pairs, memo: TransportMemo, **options) -> PushResult:
+    """A full push whose bytes, once committed, are what the next delta is compared with and patches."""
     try:
         result = await _push(call_factory, pairs, memo=memo, **options)
     except BaseException:
-        base.forget()
+        memo.delta.forget()  # it may have committed: nothing is known any more
         raise
-    await asyncio.to_thread(base.record, pairs, None, result.version)
+    await asyncio.to_thread(memo.delta.record, pairs, None, result.version)
     return result
 
 
