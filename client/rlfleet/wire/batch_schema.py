@@ -100,7 +100,11 @@ BATCH_FIELDS: tuple[BatchField, ...] = (
             "(std + eps) with the unbiased std, grpo_no_std (s - mean), or RLOO (leave-one-out mean).", "reward"),
     _tensor("kl_mean", "FLOAT32", "Mean of kl over the sample's sampled response tokens.", "nats per token"),
     _tensor("kl_coef", "FLOAT32", "The KL coefficient used in next/reward (the KL controller's value then)."),
-    _tensor("policy_version_start", "INT64", "Committed policy version when the sample's generation started."),
+    _tensor("policy_version_start", "INT64",
+            "Policy version of the weights that sampled the sample's first response token (an episode's: the "
+            "lowest of its turns'): the generating replica's version, which during a rolling update is the "
+            "version being rolled out, ahead of the committed one (such a group reaches the trainer only once "
+            "that version commits)."),
     _tensor("policy_version_end", "INT64",
             "Policy version of the weights that produced the sample's last token (differs from start after "
             "a keep-mode push during generation)."),
