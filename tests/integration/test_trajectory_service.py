@@ -9,6 +9,7 @@ import queue
 import grpc
 import pytest
 
+import rlfleet.client as sdk
 from rlfleet.v1 import trajectory_pb2 as pb
 from rlfleet.v1 import trajectory_pb2_grpc
 from rlfleet.wire import decode_tensordict
@@ -155,6 +156,25 @@ def test_every_ack_is_answered_and_a_late_one_does_not_end_the_stream(start_serv
     assert (answer.lease_id, answer.applied, answer.trajectories, answer.reason) == (batch.lease_id, True, 4, "")
     assert stats(stub).acked == 4  # answered after the commit
     patient.disconnect()
+    channel.close()
+
+
+def test_an_sdk_stream_ending_at_its_idle_bound_has_the_ack_of_the_batch_moved_past_applied(start_service, tmp_path,
+                                                                                          caplog):
+    """The SDK's ``batches(idle_timeout=...)``: asking for the next batch acks the last one, and when none comes
+    the stream ends the clean way, that ack answered first (not reopened as if it had broken)."""
+    proc = start_trajectory(start_service, tmp_path / "t.sqlite3")
+    stub, channel = connect(proc)
+    append(stub, groups(0, 2, 2), first_id=0)
+    with sdk.connect(proc.address, timeout=TIMEOUT) as client:  # a reader may use the service's own address
+        batches = client.batches(4, idle_timeout=1.0)  # nothing more will come
+        first = next(batches)
+        with pytest.raises(sdk.DeadlineExceededError, match="idle_timeout"):
+            next(batches)
+        assert batches.closed and (first.settled, first.confirmed) == ("ack", True)
+    current = stats(stub)
+    assert (current.acked, current.ready, current.leased) == (4, 0, 0)
+    assert "StreamBatches broke" not in caplog.text
     channel.close()
 
 

@@ -77,6 +77,7 @@ class State:
         self.failure_requests: list[tuple[int, int]] = []
         self.waiting_for = ""  # the collector's not_serving_reason
         self.expired: set[str] = set()  # leases whose ack comes too late (released for redelivery)
+        self.ack_delay = 0.0  # seconds the stream takes over each ack or nack before applying it (a loaded server)
 
     def add_batches(self, count: int, size: int = 4) -> None:
         for i in range(count):
@@ -245,6 +246,7 @@ class FakeTrajectory(trajectory_pb2_grpc.TrajectoryServiceServicer):
 
         async def pump():
             async for request in requests:
+                await asyncio.sleep(state.ack_delay)
                 kind = request.WhichOneof("kind")
                 lease_id = getattr(request, kind).lease_id
                 state.settled.append((kind, lease_id))
@@ -780,6 +782,22 @@ def test_a_stream_with_nothing_to_deliver_ends_at_its_idle_bound(client, state):
     with pytest.raises(DeadlineExceededError, match=r"no batch within 0.3 s \(idle_timeout\)"):
         next(batches)
     assert time.monotonic() - started < 30 and batches.closed
+    wait_for(lambda: state.streams_ended == 1, SERVER_TIMEOUT, "the server to see the stream end")
+
+
+def test_a_stream_ending_at_its_idle_bound_has_the_ack_of_the_batch_moved_past_applied_first(client, state, caplog):
+    """Asking for the next batch acks the last one; if none comes within idle_timeout, the stream ends the
+    clean way (half-close, the server's answers read) rather than cancelled with that ack still on its way,
+    and is not reopened as if it had broken: the batch moved past is not delivered again."""
+    state.add_batches(1)
+    state.ack_delay = 1.0  # the server applies the ack well after the idle bound (under CLOSE_TIMEOUT_SECONDS)
+    batches = client.batches(4, idle_timeout=0.3)
+    first = next(batches)
+    with pytest.raises(DeadlineExceededError, match=r"no batch within 0.3 s \(idle_timeout\)"):
+        next(batches)
+    assert batches.closed and (first.settled, first.confirmed) == ("ack", True)
+    assert state.settled == [("ack", first.lease_id)] and not state.ready  # done with, for good
+    assert state.calls["StreamBatches"] == 1 and "StreamBatches broke" not in caplog.text
     wait_for(lambda: state.streams_ended == 1, SERVER_TIMEOUT, "the server to see the stream end")
 
 

@@ -305,7 +305,8 @@ class AsyncClient:
         batches are delivered ahead of acks; ``consumer`` names the reader in server logs;
         ``auto_ack`` acks each batch when the next is requested; ``max_batches`` ends the stream.
         ``idle_timeout``: seconds to wait for a batch before ``DeadlineExceededError`` ends the stream
-        (None waits forever); a stream that breaks (UNAVAILABLE: the collector restarted, the
+        (None waits forever; the acks already sent, such as the auto-ack of the batch moved past, are
+        answered first, and it is not reopened); a stream that breaks (UNAVAILABLE: the collector restarted, the
         connection dropped) is reopened for up to ``reconnect_seconds``, with a WARNING; what the
         old stream delivered and was not acked is delivered again.
         """

@@ -15,10 +15,13 @@ A stream that breaks after its first batch (UNAVAILABLE: the collector
 restarted, the connection dropped) is reopened, with a WARNING, for up to
 ``reconnect_seconds``; batches it delivered and that were not acked are
 delivered again. ``next()`` waits at most ``idle_timeout`` for a batch, then
-raises ``DeadlineExceededError``: the SDK never blocks forever.
+raises ``DeadlineExceededError``: the SDK never blocks forever. Such an idle
+stream is not reopened: it ends as ``close(ack_last=False)`` ends it, so the
+acks already sent (with ``auto_ack``, that of the batch moved past) are
+answered before the call ends, and that batch is not delivered again.
 
 Delivery is at-least-once. With ``auto_ack`` a batch is acked when the next
-one is requested, or when the stream is closed deliberately (``close()``, or
+one is requested (whether one comes or not), or when the stream is closed deliberately (``close()``, or
 leaving its ``with`` block without an exception). A stream dropped without
 ``close()`` (``break`` out of a bare ``for``), or left by an exception, ends
 without acking: its batch goes back to the buffer and is delivered again.
@@ -203,9 +206,11 @@ class BatchStream:
         return self._last
 
     async def _next_reply(self):
-        """The next batch's reply within the idle bound, reopening a broken stream."""
+        """The next batch's reply within the idle bound, reopening a broken stream (not an idle one)."""
         try:
-            return await self._idle_bound(self._open() if self._call is None else self._receive())
+            if self._call is None:
+                return await self._idle_bound(self._open())
+            return await self._idle_bound(self._receive(), open_stream=True)
         except RlfleetClientError as error:
             if not error.retryable or self.closed or not self._delivered:
                 raise
@@ -218,16 +223,27 @@ class BatchStream:
             self._unconfirmed.clear()
             return await self._idle_bound(self._open(self._reconnect_seconds))
 
-    async def _idle_bound(self, reply):
+    async def _idle_bound(self, reading, *, open_stream: bool = False):
+        """``reading`` (the next reply) within ``idle_timeout``; past it the stream is closed, then
+        ``DeadlineExceededError`` raised. An ``open_stream`` ends as ``close()`` ends it: the acks and nacks
+        already queued (with ``auto_ack``, the batch the caller moved past) reach the server and are answered
+        first. A read timed out by cancelling it would cancel the call (grpc.aio does) under an ack still on
+        its way, and that batch would be delivered again."""
         if self._idle_timeout is None:
-            return await reply
+            return await reading
+        task = asyncio.ensure_future(reading)
         try:
-            return await asyncio.wait_for(reply, self._idle_timeout)
-        except TimeoutError:
-            raise DeadlineExceededError(
-                f"no batch within {self._idle_timeout:g} s (idle_timeout); the stream is closed. Is the "
-                "collector generating? client.status() shows its pending prompts, stages and replicas",
-                method=METHOD) from None
+            done, _ = await asyncio.wait({task}, timeout=self._idle_timeout)
+            if done:
+                return task.result()
+            self.closed = True  # idle is not broken: never reopened
+            if open_stream:
+                await self._end_cleanly(task)
+        finally:
+            task.cancel()
+        raise DeadlineExceededError(
+            f"no batch within {self._idle_timeout:g} s (idle_timeout); the stream is closed. Is the "
+            "collector generating? client.status() shows its pending prompts, stages and replicas", method=METHOD)
 
     async def _open(self, budget_seconds: float = 0.0):
         """Open the stream and read its first reply: retryable errors are retried, ``settings.retries``
@@ -302,24 +318,32 @@ class BatchStream:
         if (self._auto_ack if ack_last is None else ack_last) and self._last is not None:
             self._last.ack()
         self.closed = True
+        await self._end_cleanly()
+
+    aclose = close
+
+    async def _end_cleanly(self, reading: asyncio.Future | None = None) -> None:
+        """Half-close, and read until the server ends the stream (``CLOSE_TIMEOUT_SECONDS`` at most): its
+        answers to the last acks and nacks; ``reading``, a read in progress, first. Errors are logged."""
         call = self._call
         if call is None:
             return
         self._post(None)
         try:
-            await asyncio.wait_for(self._drain(call), CLOSE_TIMEOUT_SECONDS)
+            await asyncio.wait_for(self._drain(call, reading), CLOSE_TIMEOUT_SECONDS)
         except TimeoutError:
             log.warning("StreamBatches: the server did not end the stream within %.0f s; cancelling it",
                         CLOSE_TIMEOUT_SECONDS)
-        except grpc.RpcError as exc:
-            log.warning("StreamBatches ended with an error while closing: %s", from_rpc_error(exc, METHOD))
+        except (grpc.RpcError, RlfleetClientError) as exc:
+            log.warning("StreamBatches ended with an error while closing: %s",
+                        from_rpc_error(exc, METHOD) if isinstance(exc, grpc.RpcError) else exc)
         finally:
             if not call.done():
                 call.cancel()
 
-    aclose = close
-
-    async def _drain(self, call) -> None:
+    async def _drain(self, call, reading: asyncio.Future | None = None) -> None:
+        if reading is not None:
+            await reading  # its answers are applied; a batch it brings goes back to the buffer as the stream ends
         while (reply := await call.read()) is not grpc.aio.EOF:
             if reply.HasField("settled"):
                 self._settled(reply.settled)
