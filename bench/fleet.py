@@ -93,7 +93,7 @@ class PromptTap:
         self.out, self.prefix = out, prefix
 
     def __call__(self, batch) -> None:
-        ids = [prompt_id for prompt_id in batch["prompt_id"].tolist() if prompt_id.startswith(self.prefix)]
+        ids = [prompt_id for prompt_id in batch["prompt_id"] if prompt_id.startswith(self.prefix)]
         if ids:
             self.out.put(ids)
 

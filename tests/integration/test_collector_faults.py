@@ -69,7 +69,7 @@ def groups_read(client, prompt_ids: set[str]) -> dict[str, set[int]]:
     seen: dict[str, list[int]] = {p: [] for p in prompt_ids}
     with client.batches(batch_size=GROUP, whole_groups=True, idle_timeout=SETTLE_SECONDS) as batches:
         for batch in batches:
-            for prompt_id, group_id in zip(batch["prompt_id"].tolist(), batch["group_id"].tolist()):
+            for prompt_id, group_id in zip(batch["prompt_id"], batch["group_id"].tolist()):
                 if prompt_id in seen:
                     seen[prompt_id].append(group_id)
             if all(len(rows) >= GROUP for rows in seen.values()):
@@ -213,7 +213,7 @@ def test_a_collector_on_postgresql_killed_mid_run_resumes_on_another_node_from_t
             seen: dict[str, set[int]] = {p: set() for p in early + late}
             with client.batches(batch_size=GROUP, whole_groups=True, idle_timeout=SETTLE_SECONDS) as batches:
                 for batch in batches:
-                    for prompt_id, group_id in zip(batch["prompt_id"].tolist(), batch["group_id"].tolist()):
+                    for prompt_id, group_id in zip(batch["prompt_id"], batch["group_id"].tolist()):
                         if prompt_id in seen:
                             seen[prompt_id].add(group_id)
                     if all(seen[p] for p in late):
@@ -256,7 +256,7 @@ def _one_group(client, prompt_ids: set[str]) -> set[str]:
     """Read until one whole group of ``prompt_ids`` arrived; its prompt id."""
     with client.batches(batch_size=GROUP, whole_groups=True, idle_timeout=SETTLE_SECONDS) as batches:
         for batch in batches:
-            arrived = set(batch["prompt_id"].tolist()) & prompt_ids
+            arrived = set(batch["prompt_id"]) & prompt_ids
             if arrived:
                 return arrived
     return set()

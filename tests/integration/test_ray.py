@@ -228,13 +228,13 @@ class Trainer:
         """Ack the last batch and check the ledger: each prompt one whole group, no trajectory twice."""
         self.stream.__exit__(None, None, None)
         confirmed = collections.Counter(tid for batch in self.batches if batch.confirmed
-                                        for tid in batch["trajectory_id"].tolist())
+                                        for tid in batch["trajectory_id"])
         assert [tid for tid, count in confirmed.items() if count > 1] == []
         groups: dict[str, dict[int, set]] = collections.defaultdict(lambda: collections.defaultdict(set))
         for batch in self.batches:
             if batch.confirmed:  # (the ack of the last batch was answered when the stream closed)
-                for pid, gid, tid in zip(batch["prompt_id"].tolist(), batch["group_id"].tolist(),
-                                         batch["trajectory_id"].tolist()):
+                for pid, gid, tid in zip(batch["prompt_id"], batch["group_id"].tolist(),
+                                         batch["trajectory_id"]):
                     groups[pid][gid].add(tid)
         assert set(groups) == set(self.submitted)
         assert all(len(g) == 1 and [len(t) for t in g.values()] == [GROUP] for g in groups.values()), groups
@@ -309,7 +309,7 @@ def test_node_removed_while_a_batch_is_held_loses_and_duplicates_nothing(fleet, 
     status = wait_for(trainer.status, RECOVERY_TIMEOUT, "the collector answering")
     assert status.policy_version == committed
     again = trainer.read()  # the held batch's ack was lost with the stream: delivered again
-    assert again.redelivered and set(again["trajectory_id"].tolist()) == set(held["trajectory_id"].tolist())
+    assert again.redelivered and set(again["trajectory_id"]) == set(held["trajectory_id"])
     assert trainer.push() == committed + 1
     trainer.read()
     assert trainer.push() == committed + 2

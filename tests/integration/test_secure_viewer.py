@@ -65,7 +65,7 @@ def run(suite, tiny_model_dir):
         trainer.submit_prompts(prompts)
         with trainer.batches(4, whole_groups=True) as batches:
             for step, batch in zip(range(STEPS), batches):
-                for trajectory_id, tokens in zip(batch["trajectory_id"].tolist(), batch.ragged("tokens/full").to_list()):
+                for trajectory_id, tokens in zip(batch["trajectory_id"], batch.ragged("tokens/full").to_list()):
                     received[trajectory_id] = tokens.tolist()
                 with torch.no_grad():  # a "training step": the policy moves away from the reference
                     for parameter in model.parameters():

@@ -687,6 +687,21 @@ def test_batches_yield_tensordicts_and_auto_ack_the_previous_one(client, state):
     wait_for(lambda: state.streams_ended == 1, SERVER_TIMEOUT, "the server to see the stream end")
 
 
+def test_a_batchs_string_entries_come_as_plain_lists_of_str(client, state):
+    """``batch[key]`` of a string entry is a list of str (``batch.td`` keeps tensordict's NonTensorStack),
+    whether the strings differ or, as one group's prompt_id, repeat."""
+    state.ready.append(("lease-strings", encode_tensordict({
+        "score": torch.zeros(4), "prompt_id": ["p-7"] * 4, "trajectory_id": [f"7-{j}" for j in range(4)],
+        "query": ["say 7"] * 4}, batch_size=[4]), False))
+    with client.batches(4) as batches:
+        batch = next(batches)
+    for key, strings in (("prompt_id", ["p-7"] * 4), ("trajectory_id", ["7-0", "7-1", "7-2", "7-3"]),
+                         ("query", ["say 7"] * 4)):
+        assert type(batch[key]) is list and batch[key] == strings and all(type(s) is str for s in batch[key])
+        assert batch[(key,)] == strings
+    assert isinstance(batch["score"], torch.Tensor)
+
+
 def test_the_servers_answers_are_recorded_on_the_batches(client, state, caplog):
     state.add_batches(3)
     batches = client.batches(4, prefetch=1)  # the ack is answered before the next batch is leased

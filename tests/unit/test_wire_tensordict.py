@@ -4,10 +4,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tensordict import NonTensorStack, TensorDict
+from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from rlfleet.v1 import tensor_pb2
-from rlfleet.wire import Ragged, WireError, decode_tensordict, encode_tensordict, get_ragged
+from rlfleet.wire import Ragged, WireError, decode_tensordict, encode_tensordict, get_ragged, string_list
 from rlfleet.wire.tensordict import check_tensordict, parse_tensordict
 
 
@@ -45,6 +45,16 @@ def test_tensordict_round_trip_with_nested_keys_strings_and_ragged():
     assert_td_equal(td, decoded)
     assert list(decoded["trajectory_id"]) == ["t0", "t1", "t2"]
     assert get_ragged(decoded, ("next", "reward")).lengths.tolist() == [1, 2, 3]
+
+
+def test_a_string_entry_reads_back_as_a_plain_list_of_str():
+    for strings in (["a", "b", "c"], ["p"] * 3, ["solo"]):
+        decoded = decode_tensordict(encode_tensordict({"prompt_id": strings}, batch_size=[len(strings)]))
+        back = string_list(decoded.get("prompt_id"))
+        assert type(back) is list and back == strings and all(type(s) is str for s in back)
+    assert string_list(NonTensorData("p", batch_size=[2])) == ["p", "p"]  # equal strings, collapsed
+    assert string_list(NonTensorStack(batch_size=[0])) == []
+    assert string_list(torch.zeros(2)) is None and string_list(sample_td()) is None
 
 
 def test_plain_mapping_and_multi_dim_batch():

@@ -40,7 +40,7 @@ from rlfleet.client.channel import ChannelSettings, StatusWatch, backoff, stream
 from rlfleet.client.errors import (DeadlineExceededError, FailedPreconditionError, InternalError,
                                    RlfleetClientError, from_rpc_error)
 from rlfleet.v1 import trajectory_pb2
-from rlfleet.wire import Ragged, WireError, decode_tensordict, get_ragged
+from rlfleet.wire import Ragged, WireError, decode_tensordict, get_ragged, string_list
 
 log = logging.getLogger("rlfleet.client")
 
@@ -63,6 +63,8 @@ class Batch:
 
     Ragged entries of ``td`` (token ids, per-token log-probs, masks, rewards) are
     jagged nested tensors; ``ragged``, ``padded`` and ``nested`` convert them.
+    String entries (``prompt_id``, ``trajectory_id``, ``query``) are ``NonTensorStack``s
+    in ``td``; ``batch[key]`` gives them as a plain ``list[str]``.
     Keys may be tuples or the layout's ``"tokens/response"`` spelling.
     """
 
@@ -110,7 +112,10 @@ class Batch:
                         "delivered again", self.settled, self.lease_id, settled.reason)
 
     def __getitem__(self, key):
-        return self.td.get(_key(key))
+        """The entry at ``key``: a tensor, a jagged nested tensor (ragged), or a ``list[str]`` (strings)."""
+        value = self.td.get(_key(key))
+        strings = string_list(value)
+        return value if strings is None else strings
 
     def __len__(self) -> int:
         return int(self.td.batch_size[0])

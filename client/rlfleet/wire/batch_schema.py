@@ -168,6 +168,7 @@ def render_markdown(fields: tuple[BatchField, ...] = BATCH_FIELDS) -> str:
              "Every key of a batch delivered by `StreamBatches` (and appended by the collector). "
              "`B` = samples in the batch; a key `a/b` is entry `b` of the nested TensorDict at entry `a`. "
              "Ragged entries are `RaggedTensor`s: sample `i` owns `lengths[i]` consecutive rows of `values`. "
+             "String entries are one string per sample: the SDK's `batch[key]` gives them as a `list[str]`. "
              "Log-probabilities are natural logs. The TorchRL view of the same batch "
              "(`rlfleet.client.torchrl.to_torchrl`) is tabled in `client/rlfleet/client/torchrl/layout.py`. "
              "The trajectory service refuses an Append holding a key not listed here, or a key in another "

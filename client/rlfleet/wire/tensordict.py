@@ -1,7 +1,9 @@
 """TensorDict <-> rlfleet.v1.TensorDict: nested keys, batch size, string fields.
 
 On decode, ragged entries become jagged nested tensors (``torch.nested``,
-layout=torch.jagged) and string lists become ``NonTensorStack`` entries.
+layout=torch.jagged) and string lists become ``NonTensorStack`` entries;
+``string_list`` gives such an entry back as a plain ``list[str]`` (what the SDK's
+``Batch[key]`` returns).
 """
 
 from __future__ import annotations
@@ -155,6 +157,18 @@ def get_ragged(td: TensorDictBase, key) -> Ragged:
     if isinstance(value, torch.Tensor) and value.shape[0] == 0:
         return Ragged(value.reshape(0, *value.shape[2:]), torch.zeros(0, dtype=torch.int64))
     raise TypeError(f"entry {key!r} is not ragged")
+
+
+def string_list(value: Any) -> list[str] | None:
+    """A string entry of a decoded TensorDict (a ``NonTensorStack``, or the ``NonTensorData`` tensordict
+    may make of equal strings) as a plain ``list[str]``, one per sample; None for any other value."""
+    if not isinstance(value, (NonTensorStack, NonTensorData)):
+        return None
+    if value.batch_size.numel() == 0:
+        return []  # an empty stack's tolist() fails
+    # .tolist(): a LinkedList on tensordict 0.14, a list on 0.15; either iterates.
+    items = value.tolist()
+    return [str(item) for item in items] if isinstance(items, list) else [str(items)]
 
 
 def parse_tensordict(raw: bytes) -> tensor_pb2.TensorDict:

@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase, lazy_stack
 
+from rlfleet.wire import string_list
+
 # Ragged-form keys re-placed or re-shaped below; every other entry is carried per sample as is.
 _MOVED = {("tokens",), ("masks",), ("log_probs",), ("ref_log_probs",), ("next",), ("advantage",),
           ("query",)}
@@ -113,5 +115,4 @@ def _after(prefix: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 def _strings(td: TensorDictBase, key) -> list[str]:
-    # td[key] is a LinkedList on tensordict 0.14 and a list on 0.15; iterating works on both.
-    return [str(item) for item in td.get(key).tolist()]
+    return string_list(td.get(key))
