@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from train_grpo import connection, first_and_last, prepare_run, train, training_parser  # examples/ is sys.path[0] when run as a script
+from train_grpo import connection, first_and_last, join_run, prepare_run, train, training_parser  # examples/ is sys.path[0] when run as a script
 
 OPERANDS = (32, 99)
 """Both factors in this range: every product has four digits."""
@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     with connect(ns.collector, **connection(ns)) as client:
         client.wait_ready(timeout=300)
+        join_run(client)
         client.push_weights(model, progress=False, transport=ns.transport)  # episodes start from the warm start
         metrics = train(client, model, ns, lambda count: task_prompts(count, rng),
                         lambda batch: episode_metrics(batch, tokenizer))

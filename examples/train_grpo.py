@@ -180,15 +180,27 @@ def training_parser(description: str, *, steps: int, groups_per_step: int, group
     parser.add_argument("--prompts-ahead", type=int, default=1, metavar="STEPS",
                         help="steps of prompts kept queued at the collector beyond the step being read; async mode "
                              "can only run as many versions ahead as there are prompts (max_staleness of them reaches it)")
+    parser.add_argument("--resume", default=None, metavar="RUN_ID@VERSION",
+                        help="resume this run, --model-dir holding the weights of that version (the run printed at "
+                             "each step); default: start a new run, refused by a collector that holds one already")
     parser.add_argument("--out", type=Path, default=out)
     return parser
 
 
 def connection(ns: argparse.Namespace) -> dict:
-    """``connect`` keywords from ``--auth-token`` / ``--credentials`` (TLS, client certificate, trainer token)."""
+    """``connect`` keywords from ``--auth-token`` / ``--credentials`` (TLS, client certificate, trainer token)
+    and ``--resume`` (the run: a new one by default)."""
     from rlfleet.client import credentials_from
 
-    return {"auth_token": ns.auth_token} if ns.credentials is None else credentials_from(ns.credentials)
+    secrets = {"auth_token": ns.auth_token} if ns.credentials is None else credentials_from(ns.credentials)
+    return {**secrets, "run": ns.resume or "new"}
+
+
+def join_run(client) -> None:
+    """Join the run now: a collector holding another run refuses here, naming both, before any work."""
+    run = client.join()
+    print(f"[demo] run {run.run_id} at version {run.version} ({'resumed' if run.version else 'new'}); "
+          f"resume it with --resume RUN_ID@VERSION, the version being the last step's", file=sys.stderr)
 
 
 def prepare_run(ns) -> random.Random:
@@ -236,7 +248,7 @@ def train(client, model, ns, next_prompts: Callable[[int], list[dict]],
                 "staleness_mean": float((version_before - starts).float().mean()),
                 "tokens_per_second": stats["response_tokens"] / elapsed, "step_seconds": elapsed,
                 "push_mb_per_s": pushed.megabytes_per_second, "push_seconds": pushed.seconds,
-                "push_transport": pushed.transport, **stats, **task,
+                "push_transport": pushed.transport, "run": str(client.run), **stats, **task,
             }
             if pushed.adapter_rank:
                 record["push_kind"] = "adapter"
@@ -324,6 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     with connect(ns.collector, **connection(ns)) as client:
         client.wait_ready(timeout=300)
+        join_run(client)
         metrics = train(client, model, ns, lambda count: task_prompts(count, rng))
     (ns.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     plot(metrics, ns.out / "metrics.png")

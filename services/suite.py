@@ -49,6 +49,9 @@ class SuiteOptions:
     log_format: str = "text"
     reference_threads: int = 1
     """The reference model's torch threads: vLLM's engine owns the CPU of a small host."""
+    fresh: bool = False
+    """Start a new run: the trajectory store and the collector delete the state a previous run left in the
+    work directory (their ``fresh`` setting). Off: they resume it."""
     secure: bool = False
     """Every service serves TLS and requires client certificates (mTLS) and role tokens; the CA, the
     certificates and the tokens are made in ``WORKDIR/credentials`` (``rlfleet.services.credentials``:
@@ -92,8 +95,9 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
 
     try:
         model = str(options.model_dir)
+        fresh = ["--fresh", "true"] if options.fresh else []
         launch("trajectory", "trajectory",
-               ["--db-path", options.trajectory_db or str(workdir / "trajectory" / "trajectories.db")])
+               ["--db-path", options.trajectory_db or str(workdir / "trajectory" / "trajectories.db"), *fresh])
         launch("reference", "reference", ["--model-path", model, "--torch-threads", str(options.reference_threads)])
         launch("reward", "reward", ["--tokenizer-path", model, *options.reward_args])
         upstream = []
@@ -115,7 +119,7 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
             "--generation-addresses", json.dumps([p.address for p in replicas]),
             "--reference-address", procs["reference"].address, "--reward-address", procs["reward"].address,
             "--trajectory-address", procs["trajectory"].address, "--state-dir", str(workdir / "collector"),
-            *upstream, *(_upstream_args(credentials) if credentials else ()), *options.collector_args])
+            *fresh, *upstream, *(_upstream_args(credentials) if credentials else ()), *options.collector_args])
     except BaseException:
         stop_suite(procs)
         raise
@@ -133,6 +137,18 @@ def _own_credentials(credentials: Path, name: str):
     """The suite's health checks of service ``name`` present that service's own certificate (mTLS)."""
     return healthcheck.tls_credentials(str(credentials / "ca.pem"), str(credentials / f"{name}.pem"),
                                        str(credentials / f"{name}.key"))
+
+
+def describe_run(collector: str, workdir: Path, secure: bool) -> str:
+    """Which run the collector holds: a new one, or the one the work directory's state resumed."""
+    from rlfleet.client import connect, credentials_from
+
+    with connect(collector, **(credentials_from(workdir / "credentials") if secure else {})) as client:
+        run = client.status().run
+    if not run.resumed:
+        return f"a new run: {run.run_id}"
+    return (f"resumed run {run.run_id} at committed version {run.version} from the state in {workdir} "
+            f"(--fresh starts a new run; a trainer resumes this one with run {run})")
 
 
 def stop_suite(procs: dict[str, ServiceProcess]) -> None:
@@ -162,6 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--secure", action="store_true",
                         help="TLS, client certificates and role tokens everywhere; credentials made in "
                              "WORKDIR/credentials ({credentials} in --then)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start a new run: delete the trajectories and collector state a previous run left in "
+                             "WORKDIR (default: resume that run; a trainer starting a new run is refused by it)")
     parser.add_argument("--check", action="store_true", help="start, report health, stop")
     parser.add_argument("--then", default=None,
                         help="command to run once the suite is up ({collector}, {model_dir} and {credentials} are filled in); "
@@ -176,12 +195,13 @@ def main(argv: list[str] | None = None) -> None:
         environments = {}
     options = SuiteOptions(model_dir=ns.model_dir, generation_replicas=ns.generation_replicas,
                            collector_args=ns.collector_arg, generation_args=ns.generation_arg,
-                           environments=environments, secure=ns.secure)
+                           environments=environments, secure=ns.secure, fresh=ns.fresh)
     procs = start_suite(options, ns.workdir)
     exit_code = 0
     try:
         for key, proc in procs.items():
             print(f"{key}\t{proc.address}\tSERVING")
+        print(f"[suite] {describe_run(procs['collector'].address, ns.workdir, ns.secure)}", file=sys.stderr, flush=True)
         if ns.then:
             command = shlex.split(ns.then.format(collector=procs["collector"].address, model_dir=ns.model_dir,
                                                  credentials=ns.workdir / "credentials"))

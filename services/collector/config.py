@@ -178,6 +178,11 @@ class CollectorConfig(ServiceConfig, UpstreamConfig):
     database_schema: SchemaName = "rlfleet_collector"
     """PostgreSQL schema holding the collector's tables (created if missing); one collector owns a schema at a
     time (an advisory lock). Unused with SQLite."""
+    fresh: bool = False
+    """Start a new run: delete the durable state (the tables in ``state_dir/prompts.sqlite3`` or in the
+    PostgreSQL schema, and the weight spool) before opening it; the run gets a new id. Off: resume the run the
+    state holds (``GetStatus.run``). A start-once switch (``rlfleet-suite --fresh`` and ``rlfleet-ray up
+    --fresh`` give it to a first start only): a process restarted with it would throw its run away."""
     max_push_bytes: int | None = Field(None, gt=0)
     """Largest weight push accepted, checked on the manifest before any memory is given to it.
     ``None``: the smallest limit the replicas report (each, by default, 4 x its checkpoint's bytes)."""

@@ -43,6 +43,7 @@ from rlfleet.services.collector import state_schema
 from rlfleet.services.collector.coalescer import Coalescer
 from rlfleet.services.collector.filtering import GroupOutcome
 from rlfleet.services.collector.prompt_item import PromptItem
+from rlfleet.services.collector.run import Run, load as load_run
 from rlfleet.services.common.database import Database, DatabaseUnavailable, chunks, open_database
 
 T = TypeVar("T")
@@ -160,6 +161,17 @@ class PromptLedger:
             self._db.execute(_UPSERT_META, ("version", str(version)))
             if spool_manifest is not None:
                 self._db.execute(_UPSERT_META, ("spool_manifest", spool_manifest.hex()))
+
+    def open_run(self) -> Run:
+        """The run this state belongs to; a state without one gets a new run, recorded (at start)."""
+        return self._executor.submit(self._open_run).result()
+
+    def _open_run(self) -> Run:
+        with self._db.transaction():
+            run, record = load_run(self._meta("run"), had_state=self._meta("version") is not None)
+            if record is not None:
+                self._db.execute(_UPSERT_META, ("run", record))
+        return run
 
     async def meta(self, name: str) -> str | None:
         """The ``meta`` row ``name`` (``state_schema.META_KEYS``), None if absent."""

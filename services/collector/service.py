@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import grpc
@@ -26,14 +27,16 @@ from rlfleet.services.collector.ledger import PromptLedger
 from rlfleet.services.collector.mismatch import LagMismatch, MismatchBreaker
 from rlfleet.services.collector.prompt_item import PromptItem
 from rlfleet.services.collector.spool import DatabaseSpool
+from rlfleet.services.collector.state_schema import LEGACY_FILES
 from rlfleet.services.collector.replicas import ReplicaPool
 from rlfleet.services.collector.rollout import Pipeline, PipelineOptions
 from rlfleet.services.collector.rolling import RollingSettings
+from rlfleet.services.collector.run import check_call as check_run_call
 from rlfleet.services.collector.servicer import CollectorServicer, TrajectoryProxyServicer
 from rlfleet.services.collector.source import PromptSource
 from rlfleet.services.collector.status_metrics import STATUS_METRICS
 from rlfleet.services.common import metrics
-from rlfleet.services.common.database import DatabaseUnavailable
+from rlfleet.services.common.database import DatabaseUnavailable, purge_database
 from rlfleet.services.common.errors import InvalidArgument, StartupError, Unavailable, UpstreamError
 from rlfleet.services.common.server import Service
 from rlfleet.services.common.upstream import upstream_settings
@@ -64,11 +67,15 @@ class CollectorService(Service[CollectorConfig]):
         self.discovery = make_discovery(config.generation_addresses, config.generation_addresses_file,
                                         config.resolve_generation_addresses)
         records = load_records(config.dataset_path) if config.dataset_path else []
+        if config.fresh:
+            self._delete_state()
         # The durable state: a SQLite file in the state directory, or PostgreSQL (``ledger.py``).
         self.ledger = PromptLedger(config.database_url or self.state_dir / "prompts.sqlite3",
                                    schema=config.database_schema, max_dead_letters=config.max_dead_letters,
                                    state_dir=None if config.database_url else self.state_dir,
                                    on_lost=self._database_lost)
+        self.run = self.ledger.open_run()
+        """The run the state belongs to (``run.py``)."""
         try:
             self.source = PromptSource(self.ledger, records, prompt_field=config.prompt_field,
                                        ground_truth_field=config.ground_truth_field, shuffle=config.shuffle,
@@ -129,6 +136,20 @@ class CollectorService(Service[CollectorConfig]):
         trajectory_pb2_grpc.add_TrajectoryServiceServicer_to_server(TrajectoryProxyServicer(self), server)
 
     # --- state ----------------------------------------------------------------
+    def _delete_state(self) -> None:
+        """``fresh``: the previous run's durable state goes before the ledger opens it (a new run starts)."""
+        config = self.config
+        dropped = purge_database(config.database_url or str(self.state_dir / "prompts.sqlite3"), role="collector",
+                                 schema=config.database_schema)
+        shutil.rmtree(self.state_dir / "spool", ignore_errors=True)
+        for name in LEGACY_FILES:
+            (self.state_dir / name).unlink(missing_ok=True)
+        log.warning("fresh: the collector's state deleted, a new run starts", extra={"tables": dropped})
+
+    def run_info(self) -> collector_pb2.RunInfo:
+        return collector_pb2.RunInfo(run_id=self.run.run_id, created_at=self.run.created_at,
+                                     resumed=self.run.resumed, policy_version=self.gate.version)
+
     def _database_lost(self, lost: DatabaseUnavailable) -> None:
         """The connection to the collector's PostgreSQL database is lost: the collector stops serving
         (NOT_SERVING naming the database), as for any failed ledger write; restarted, it resumes from the
@@ -193,6 +214,8 @@ class CollectorService(Service[CollectorConfig]):
             if versions.get(replica.address) == self.gate.version:
                 await self.pool.mark_healthy(replica, self.gate.version)
         log.info("collector ready", extra={"version": self.gate.version, "replicas": versions})
+        log.warning("%s: %s", self.run.describe(self.gate.version),
+                    "resumed from the state it left" if self.run.resumed else "a new run")
         self.not_serving_reason = ""
         self.supervise(self.pipeline.run(), "the rollout loop")
         self.supervise(self._watch_replicas(), "the replica monitor")
@@ -335,7 +358,7 @@ class CollectorService(Service[CollectorConfig]):
                 filtered_groups=self.ledger.filtered_groups, filtered_samples=self.ledger.filtered_samples,
                 filter_rate=pipeline.filter_rate.rate, oversampling=1.0 / (1.0 - pipeline.filter_rate.expected_loss),
                 curriculum_skipped=self.source.curriculum_skipped, curriculum=self.config.curriculum),
-            discarded_tokens=pipeline.discarded_tokens, rolling_update=self.rolling_status(),
+            discarded_tokens=pipeline.discarded_tokens, rolling_update=self.rolling_status(), run=self.run_info(),
         )
 
     def rolling_status(self) -> collector_pb2.RollingUpdateStatus | None:
@@ -394,10 +417,12 @@ class CollectorService(Service[CollectorConfig]):
             log.error("the mismatch breaker is open since before this start: %s", self.mismatch.reason)
             await self.gate.hold(True)
 
-    def check_trainer_call(self) -> None:
-        """What a trainer's push, submission or batch stream must pass: the collector works and the
-        mismatch breaker is closed (FAILED_PRECONDITION naming the measurement otherwise)."""
+    def check_trainer_call(self, metadata=()) -> None:
+        """What a trainer's push, submission or batch stream must pass: the collector works, the call is
+        not from another run (``run.check_call`` on its ``metadata``), and the mismatch breaker is closed
+        (FAILED_PRECONDITION naming the measurement otherwise)."""
         self.check_working()
+        check_run_call(self.run, metadata)
         self.mismatch.check()
 
     @property
@@ -418,10 +443,10 @@ class CollectorService(Service[CollectorConfig]):
         if self.not_serving_reason:
             raise Unavailable(f"the collector does not serve yet: {self.not_serving_reason}")
 
-    def check_submitting(self) -> None:
+    def check_submitting(self, metadata=()) -> None:
         """Submissions are taken from the moment the prompt ledger is read (before the replicas
         answer: the prompts wait durably), until the collector fails; not while the mismatch breaker is open."""
-        self.check_trainer_call()
+        self.check_trainer_call(metadata)
         if not self.source.restored:
             raise Unavailable("the collector is starting: its prompt ledger is not read yet")
 

@@ -15,6 +15,7 @@ from rlfleet.client.errors import from_rpc_error
 from rlfleet.services.collector import prompt_item
 from rlfleet.services.collector.batch_stream import BatchRelay
 from rlfleet.services.collector.mismatch import LagMismatch
+from rlfleet.services.collector.run import check_call, check_join
 from rlfleet.services.common import metrics
 from rlfleet.services.common.errors import Aborted, InvalidArgument, RlfleetError, UpstreamError
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, trajectory_pb2_grpc
@@ -32,7 +33,7 @@ class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
 
     async def PushWeights(self, request_iterator, context):
         self.collector.check_serving()
-        self.collector.mismatch.check()
+        self.collector.check_trainer_call(context.invocation_metadata())
 
         async def messages():
             async for request in request_iterator:
@@ -49,13 +50,19 @@ class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
                                                       apply_seconds=r.apply_seconds)
                       for r in outcome.replicas])
 
+    async def JoinRun(self, request, context):
+        collector = self.collector
+        collector.check_serving()  # the committed version is agreed
+        check_join(collector.run, collector.gate.version, request.run_id, request.policy_version)
+        return collector_pb2.JoinRunResponse(run=collector.run_info())
+
     async def GetPolicyVersion(self, request, context):
         self.collector.check_serving()
         return collector_pb2.GetPolicyVersionResponse(version=self.collector.gate.version)
 
     async def SubmitPrompts(self, request, context):
         collector = self.collector
-        collector.check_submitting()
+        collector.check_submitting(context.invocation_metadata())
         config = collector.config
         items = [prompt_item.from_spec(spec, f"prompts[{i}]", max_prompt_bytes=config.max_prompt_bytes,
                                        sampling_defaults=config.sampling, group_size=config.group_size)
@@ -67,6 +74,7 @@ class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
 
     async def ReportMismatch(self, request, context):
         self.collector.check_working()
+        check_call(self.collector.run, context.invocation_metadata())
         lags = [LagMismatch(lag=m.lag, kl_k3=m.kl_k3, kl_k1=m.kl_k1, ess_token=m.ess_token, tokens=m.tokens)
                 for m in request.lags]
         await self.collector.report_mismatch(request.policy_version, lags)
@@ -102,7 +110,7 @@ class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
 
     async def StreamBatches(self, request_iterator, context):
         collector = self.collector
-        collector.check_trainer_call()
+        collector.check_trainer_call(context.invocation_metadata())
         upstream = _UpstreamBatches(collector.trajectory.StreamBatches(metadata=collector.settings.metadata()))
         waiting = TrainerWait()
         try:

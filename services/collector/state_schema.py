@@ -59,6 +59,7 @@ META_KEYS = {
     "position": "the dataset position past the last row drawn (JSON {epoch, index})",
     "filtered": "groups and samples dynamic sampling filtered, ever (JSON [groups, samples])",
     "version": "the committed policy version",
+    "run": "the run this state belongs to (JSON {run_id, created_at}; ``run.py``), made with the state",
     "mismatch_breaker": "while the mismatch breaker is open: what it opened on (JSON {reason})",
     "mismatch_measured": "the mismatch measured per lag (JSON), with mismatch_kl_target",
     "spool_manifest": "PostgreSQL: the spooled push's manifest (hex of a serialized WeightManifest)",

@@ -68,6 +68,10 @@ class StatusMetrics:
         for measured in mismatch.measured:
             by_lag.add_metric([str(measured.lag)], measured.kl_k3)
         yield by_lag
+        run = GaugeMetricFamily("rlfleet_run_info", "1, labelled with the run the collector holds (its id, and "
+                                "whether this process resumed it)", labels=["run_id", "resumed"])
+        run.add_metric([status.run.run_id, str(status.run.resumed).lower()], 1)
+        yield run
 
 
 STATUS_METRICS = StatusMetrics()

@@ -28,6 +28,7 @@ import re
 import sqlite3
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated, Any, Callable, Iterable, Iterator, Literal, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
@@ -37,7 +38,7 @@ from rlfleet.services.common.errors import Unavailable
 from rlfleet.services.common.sqlite import chunks, transaction as sqlite_transaction
 
 __all__ = ["Database", "DatabaseUnavailable", "DatabaseUrl", "SchemaName", "check_schema_name", "check_url", "chunks",
-           "open_database", "redact"]
+           "open_database", "purge_database", "redact"]
 
 log = logging.getLogger("rlfleet.database")
 
@@ -93,6 +94,19 @@ def redact(url: str) -> str:
     netloc = parts.netloc.rsplit("@", 1)
     user = netloc[0].split(":", 1)[0]
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
+
+
+def purge_database(location: str, *, role: str, schema: str = "", lock_timeout_seconds: float = 10.0) -> list[str]:
+    """Drop the tables a service keeps at ``location`` (``fresh``): opened as that service opens it, so a
+    database another instance still owns is refused (``open_database``'s lock), never emptied under it.
+    A SQLite file that does not exist is left absent. Returns the tables dropped."""
+    if "://" not in location and (location == ":memory:" or not Path(location).exists()):
+        return []
+    db = open_database(location, role=role, schema=schema, lock_timeout_seconds=lock_timeout_seconds)
+    try:
+        return db.drop_tables()
+    finally:
+        db.close()
 
 
 def open_database(location: str, *, role: str, schema: str = "", lock_timeout_seconds: float = 10.0,
@@ -193,6 +207,16 @@ class Database:
             return {row[0] for row in self.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         return {row[0] for row in self.execute(
             "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()")}
+
+    def drop_tables(self) -> list[str]:
+        """Drop every table of this database (SQLite) or of this schema (PostgreSQL), in one transaction:
+        what a service keeps goes, a new run starts (a service's ``fresh`` setting). Other schemas, and
+        SQLite's own tables, stay. Returns the tables dropped."""
+        dropped = sorted(name for name in self.tables() if not name.startswith("sqlite_"))
+        with self.transaction():
+            for name in dropped:
+                self.execute(f'DROP TABLE IF EXISTS "{name}"' + (" CASCADE" if self.dialect == "postgresql" else ""))
+        return dropped
 
     def last_id(self, table: str, column: str) -> int:
         """The highest value the AUTOINCREMENT ``column`` of ``table`` ever took (0: none), deleted rows

@@ -53,6 +53,7 @@ METHOD_ROLES: Mapping[str, frozenset[str]] = {
     # The collector: what trainers, readers and operators call.
     "/rlfleet.v1.CollectorService/PushWeights": frozenset({TRAINER}),
     "/rlfleet.v1.CollectorService/SubmitPrompts": frozenset({TRAINER}),
+    "/rlfleet.v1.CollectorService/JoinRun": frozenset({TRAINER, READER}),
     "/rlfleet.v1.CollectorService/GetPolicyVersion": _READS,
     "/rlfleet.v1.CollectorService/GetStatus": _READS,
     "/rlfleet.v1.CollectorService/ListFailures": _READS,  # dead letters: the rollout viewer shows them

@@ -78,6 +78,9 @@ class RewardServiceConfig(ServiceConfig):
     kl_state_path: str | None = None
     """JSON file the controller state is written to after every update (atomically) and
     restored from at startup, so the coefficient survives restarts. ``None``: in memory only."""
+    fresh: bool = False
+    """Start a new run: delete ``kl_state_path`` before restoring from it (the coefficient starts at
+    ``kl_coef``). A start-once switch, given with the collector's ``fresh``."""
 
     grpo_eps: float = Field(1e-6, gt=0)
     """GRPO: ``eps`` in ``(score - mean) / (std + eps)``."""

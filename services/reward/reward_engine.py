@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import Tensor
@@ -86,6 +87,10 @@ class RewardEngine:
 
             self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_path)
         self.functions.load()
+        if self.config.fresh and self.config.kl_state_path:  # a new run: its coefficient starts at the initial one
+            Path(self.config.kl_state_path).unlink(missing_ok=True)
+            log.warning("fresh: the KL controller's state deleted, a new run starts",
+                        extra={"path": self.config.kl_state_path})
         if self.config.kl_state_path and self.controller.load(self.config.kl_state_path):
             log.info("KL controller state restored", extra={
                 "path": self.config.kl_state_path, "coef": self.controller.coef,

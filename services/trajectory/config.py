@@ -29,6 +29,10 @@ class TrajectoryConfig(ServiceConfig):
     database_schema: SchemaName = "rlfleet_trajectory"
     """PostgreSQL schema holding the store's tables (created if missing), so several stores can share one
     database; one service owns a schema at a time (an advisory lock). Unused with SQLite."""
+    fresh: bool = False
+    """Start a new run: delete every trajectory, lease, sample and counter the store keeps (its tables in
+    ``db_path`` or the PostgreSQL schema) before opening it. Off: keep them (a restart resumes). A start-once
+    switch, given with the collector's ``fresh`` (``rlfleet-suite --fresh``, ``rlfleet-ray up --fresh``)."""
     capacity: int = Field(100_000, gt=0)
     """Most trajectories buffered at once (ready + leased). An Append that does not fit is
     RESOURCE_EXHAUSTED and stores nothing: backpressure on the collector."""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
 
+from rlfleet.services.common.database import purge_database
 from rlfleet.services.common.server import Service
 from rlfleet.services.trajectory.buffer import TrajectoryBuffer
 from rlfleet.services.trajectory.config import TrajectoryConfig
@@ -46,6 +48,12 @@ class TrajectoryService(Service[TrajectoryConfig]):
         trajectory_pb2_grpc.add_TrajectoryServiceServicer_to_server(TrajectoryServicer(self.buffer, self), server)
 
     async def start(self) -> None:
+        config = self.config
+        if config.fresh:  # before the store opens: once per process, never on a reopen after a lost connection
+            dropped = await asyncio.to_thread(purge_database, config.database_url or config.db_path, role="trajectory",
+                                              schema=config.database_schema,
+                                              lock_timeout_seconds=config.lock_timeout_seconds)
+            log.warning("fresh: the trajectory store's state deleted, a new run starts", extra={"tables": dropped})
         await self.buffer.start()
         log.info("trajectory store open", extra={"database": self.buffer.database, "capacity": self.config.capacity,
                                                  "capacity_bytes": self.config.capacity_bytes})

@@ -146,10 +146,13 @@ def test_agentic_demo_raises_tool_calls_and_reward(agentic_metrics):
 
 @pytest.fixture(scope="module")
 def corrected_metrics(suite, demo_metrics, tiny_model_dir, tmp_path_factory):
-    """A second run on the same suite with token-level TIS (its trainer starts from the initial weights;
-    what the replicas serve before its first push depends on the module's earlier tests)."""
+    """A second trainer on the same suite with token-level TIS. It starts from the initial weights but
+    resumes the demo's run (the collector refuses a new run there): its first batch comes from the demo's
+    last weights, a mismatch the correction's metrics must show; after its first push, none."""
+    with connect(suite["collector"].address) as client:
+        run = client.status().run
     return run_example("train_grpo.py", suite, tiny_model_dir, 4, tmp_path_factory.mktemp("corrected-out"),
-                       "--is-correction", "token_tis")
+                       "--is-correction", "token_tis", "--resume", str(run))
 
 
 def test_is_correction_metrics_show_the_mismatch_and_its_lag(corrected_metrics, suite):

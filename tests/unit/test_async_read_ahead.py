@@ -36,14 +36,14 @@ def _forwarded_open(gate: VersionGate, prefetch: int) -> trajectory_pb2.OpenBatc
     upstream = _Upstream()
     collector = SimpleNamespace(trajectory=SimpleNamespace(StreamBatches=lambda metadata: upstream),
                                 settings=SimpleNamespace(metadata=lambda: ()), gate=gate,
-                                check_trainer_call=lambda: None, failed=asyncio.Event())
+                                check_trainer_call=lambda metadata: None, failed=asyncio.Event())
 
     async def trainer():
         yield trajectory_pb2.StreamBatchesRequest(open=trajectory_pb2.OpenBatchStream(batch_size=4, prefetch=prefetch))
         await asyncio.Event().wait()  # the trainer keeps its stream open
 
     async def run():
-        responses = TrajectoryProxyServicer(collector).StreamBatches(trainer(), None)
+        responses = TrajectoryProxyServicer(collector).StreamBatches(trainer(), SimpleNamespace(invocation_metadata=tuple))
         reading = asyncio.ensure_future(anext(responses))
         await asyncio.wait_for(upstream.opened.wait(), 10)
         reading.cancel()

@@ -391,14 +391,14 @@ def test_the_batch_proxy_answers_aborted_not_internal_when_the_upstream_ends_the
     upstream = _UpstreamEndedFirst()
     collector = SimpleNamespace(trajectory=SimpleNamespace(StreamBatches=lambda metadata: upstream),
                                 settings=SimpleNamespace(metadata=lambda: ()), gate=VersionGate(),
-                                check_trainer_call=lambda: None, failed=asyncio.Event())
+                                check_trainer_call=lambda metadata: None, failed=asyncio.Event())
 
     async def trainer():
         yield trajectory_pb2.StreamBatchesRequest(nack=trajectory_pb2.NackBatch(lease_id="no-such-lease"))
         yield trajectory_pb2.StreamBatchesRequest(open=trajectory_pb2.OpenBatchStream(batch_size=1))
 
     async def stream():
-        return [r async for r in TrajectoryProxyServicer(collector).StreamBatches(trainer(), None)]
+        return [r async for r in TrajectoryProxyServicer(collector).StreamBatches(trainer(), SimpleNamespace(invocation_metadata=tuple))]
 
     with pytest.raises(Aborted, match="ended the batch stream before message 1 was forwarded"):
         asyncio.run(stream())
@@ -440,7 +440,7 @@ def test_the_batch_proxy_ends_at_once_on_a_bad_message_that_came_while_it_yielde
     upstream = _UpstreamOneBatch()
     collector = SimpleNamespace(trajectory=SimpleNamespace(StreamBatches=lambda metadata: upstream),
                                 settings=SimpleNamespace(metadata=lambda: ()), gate=VersionGate(),
-                                check_trainer_call=lambda: None, failed=asyncio.Event())
+                                check_trainer_call=lambda metadata: None, failed=asyncio.Event())
     batch_read, bad_message_read = asyncio.Event(), asyncio.Event()
 
     async def trainer():
@@ -450,7 +450,7 @@ def test_the_batch_proxy_ends_at_once_on_a_bad_message_that_came_while_it_yielde
         raise InvalidArgument("TrajectoryService/StreamBatches: the request is not a valid protobuf message")
 
     async def stream():
-        responses = TrajectoryProxyServicer(collector).StreamBatches(trainer(), None)
+        responses = TrajectoryProxyServicer(collector).StreamBatches(trainer(), SimpleNamespace(invocation_metadata=tuple))
         assert (await anext(responses)).lease_id == "lease-1"
         batch_read.set()
         await asyncio.wait_for(bad_message_read.wait(), 10)  # read while the proxy is suspended at its yield

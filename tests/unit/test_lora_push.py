@@ -289,6 +289,8 @@ def test_the_demos_lora_flags(train_grpo):
 class DemoClient:
     """What ``train`` asks of a client, over one fixed batch; records the pushes."""
 
+    run = "run-20261128-000000-000000@0"
+
     def __init__(self, batch):
         self.batch = batch
         self.pushes: list[str] = []

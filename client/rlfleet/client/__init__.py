@@ -2,7 +2,7 @@
 
     from rlfleet.client import connect
 
-    with connect("collector:50050", **credentials_from("./credentials")) as client:  # TLS, mTLS, token
+    with connect("collector:50050", run="new", **credentials_from("./credentials")) as client:  # a new run
         with client.batches(batch_size=64) as batches:
             for batch in batches:
                 tokens, mask = batch.padded("tokens/full")
@@ -27,7 +27,7 @@ from rlfleet.client.errors import (
 from rlfleet.client.prompts import to_prompt_specs
 from rlfleet.client.results import (
     BufferStats, DroppedStale, DynamicSamplingStatus, MismatchStatus, PassRate, PromptFailure, PushResult,
-    ReplicaPushResult, ReplicaStatus, RollingUpdateStatus, StageStatus, Status,
+    ReplicaPushResult, ReplicaStatus, RollingUpdateStatus, Run, StageStatus, Status,
 )
 from rlfleet.client.sync import BatchIterator, Client, connect
 from rlfleet.wire import Ragged
@@ -37,7 +37,7 @@ __all__ = [
     "ChannelSettings", "Client", "DeadlineExceededError", "DroppedStale", "DynamicSamplingStatus", "FailedPreconditionError",
     "InternalError", "MismatchStatus", "PassRate", "PromptFailure",
     "InvalidArgumentError", "NotFoundError", "PermissionDeniedError", "PushResult", "Ragged",
-    "ReplicaPushResult", "ReplicaStatus", "ResourceExhaustedError", "RlfleetClientError", "RollingUpdateStatus",
+    "ReplicaPushResult", "ReplicaStatus", "ResourceExhaustedError", "RlfleetClientError", "RollingUpdateStatus", "Run",
     "StageStatus", "Status", "UnauthenticatedError", "UnavailableError", "UnimplementedError", "aio_channel",
     "call_with_retry", "connect", "connect_async", "credentials_from", "from_rpc_error", "to_prompt_specs",
 ]

@@ -9,23 +9,26 @@ call, made at the trajectory service's own address).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import weakref
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 from rlfleet.client.batches import DEFAULT_IDLE_TIMEOUT, DEFAULT_RECONNECT_SECONDS, BatchStream
 from rlfleet.client.channel import ChannelSettings, aio_channel, call_with_retry
 from rlfleet.client.errors import FailedPreconditionError, RlfleetClientError, UnavailableError, UnimplementedError
 from rlfleet.client.lora import adapter_tensors
 from rlfleet.client.prompts import PromptInput, to_prompt_specs
-from rlfleet.client.push import DEFAULT_CHUNK_BYTES, TransportMemo, named_tensors, push_weights
+from rlfleet.client.push import DEFAULT_CHUNK_BYTES, TransportMemo, check_options, named_tensors, push_weights
 from rlfleet.client.results import (BufferStats, DroppedStale, MismatchStatus, PassRate, PromptFailure, PushResult,
-                                   Status)
+                                   Run, Status)
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc
 
 log = logging.getLogger("rlfleet.client")
 
 DEFAULT_MAX_MESSAGE_BYTES = ChannelSettings.max_message_bytes
+RunClaim = Union[str, Run, None]
+"""What a trainer says of its run at ``connect``: "new", a ``Run`` / "RUN_ID@VERSION" (resume), None (follow)."""
 
 
 def make_settings(*, auth_token: str | None, tls: bool, root_certificates: bytes | None, timeout: float,
@@ -48,7 +51,7 @@ def connect_async(address: str, *, auth_token: str | None = None, tls: bool = Fa
                   root_certificates: bytes | None = None, timeout: float = 60.0, retries: int = 4,
                   max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, backoff_seconds: float = 0.2,
                   certificate_chain: bytes | None = None, private_key: bytes | None = None,
-                  server_name: str | None = None) -> "AsyncClient":
+                  server_name: str | None = None, run: RunClaim = None) -> "AsyncClient":
     """An ``AsyncClient`` for the collector at ``address`` (``host:port`` or a gRPC target).
 
     Nothing is dialled until the first call (see ``wait_ready``). ``timeout`` is the
@@ -57,19 +60,41 @@ def connect_async(address: str, *, auth_token: str | None = None, tls: bool = Fa
     every call, streams included; ``root_certificates`` (PEM) implies ``tls``, and so does a client
     certificate (``certificate_chain`` + ``private_key``, PEM) for a collector that requires one (mTLS);
     ``server_name`` is the name the server's certificate holds when the address does not (an IP).
+
+    ``run`` says which training run this trainer belongs to (docs/concepts/runs.md): ``"new"`` (it starts
+    one: its weights are the initial ones, version 0), a ``Run`` or ``"RUN_ID@VERSION"`` (it resumes that
+    run holding the weights of that version: ``str(client.run)`` kept with a checkpoint), or None (a
+    reader or a tool: it claims nothing and follows whatever run the collector holds). The client joins at its first push,
+    submission, report or batch stream; a collector holding another run refuses with
+    ``FailedPreconditionError`` naming both, and so does every later call once the collector holds
+    another run (its state was started anew).
     """
     return AsyncClient(address, make_settings(
         auth_token=auth_token, tls=tls, root_certificates=root_certificates, timeout=timeout, retries=retries,
         max_message_bytes=max_message_bytes, backoff_seconds=backoff_seconds, certificate_chain=certificate_chain,
-        private_key=private_key, server_name=server_name))
+        private_key=private_key, server_name=server_name), run=run)
+
+
+def run_claim(run: RunClaim) -> Run | str | None:
+    """``run`` as ``connect`` takes it, checked: "new", a ``Run`` (from "RUN_ID@VERSION" too) or None."""
+    if run is None or run == "new" or isinstance(run, Run):
+        return run
+    if isinstance(run, str):
+        return Run.parse(run)
+    raise TypeError(f"run must be 'new', a Run, 'RUN_ID@VERSION' or None, got {run!r}")
 
 
 class AsyncClient:
     """Async trainer client. Every ``grpc.RpcError`` surfaces as a typed ``RlfleetClientError``."""
 
-    def __init__(self, address: str, settings: ChannelSettings = ChannelSettings()):
+    def __init__(self, address: str, settings: ChannelSettings = ChannelSettings(), run: RunClaim = None):
         self.address = address
         self.settings = settings
+        self._claim = run_claim(run)
+        self.run: Run | None = None
+        """The run joined (at the first push, submission, report or batch stream); its ``version``
+        follows this client's pushes. None before, and always when following (``run=None``)."""
+        self._joining = asyncio.Lock()
         self._transport_memo = TransportMemo()
         self._channel = None
         self._collector: collector_pb2_grpc.CollectorServiceStub | None = None
@@ -90,6 +115,37 @@ class AsyncClient:
     async def _unary(self, stub_method, request, method: str, timeout: float | None, *, idempotent: bool = True):
         return await call_with_retry(stub_method, request, method=method, settings=self.settings,
                                      timeout=timeout, idempotent=idempotent)
+
+    async def join(self) -> Run:
+        """Join the run now (as the first push, submission, report or batch stream would); the run joined.
+        ``FailedPreconditionError`` naming both runs when the collector holds another (see ``connect_async``).
+        A client following (run=None) joins nothing: the collector's run as ``status()`` shows it."""
+        await self._joined()
+        if self.run is None:
+            status = await self.status()
+            if status.run is None:
+                raise FailedPreconditionError(f"{self.address} names no run (older than run ids)", method="JoinRun")
+            return status.run
+        return self.run
+
+    async def _joined(self) -> ChannelSettings:
+        """Join the run (once, unless following: run=None claims nothing), then the settings whose calls
+        carry its id."""
+        async with self._joining:
+            if self.run is None and self._claim is not None:
+                self.run = await self._join()
+                self.settings = dataclasses.replace(self.settings, run_id=self.run.run_id)
+        return self.settings
+
+    async def _join(self) -> Run:
+        collector, _ = self._stubs()
+        claim = self._claim if isinstance(self._claim, Run) else Run("", 0)
+        reply = await self._unary(collector.JoinRun, collector_pb2.JoinRunRequest(
+            run_id=claim.run_id, policy_version=claim.version), "JoinRun", None)
+        run = Run.from_proto(reply.run)
+        log.info("joined %s run %s at version %d", "the new" if self._claim == "new" else "resumed", run.run_id,
+                 run.version)
+        return run
 
     # --- calls --------------------------------------------------------------------------------
     async def wait_ready(self, timeout: float | None = None) -> None:
@@ -163,12 +219,19 @@ class AsyncClient:
         more (the collector's default bound on a rolling update and a drain); pass ``timeout`` when its
         ``rolling_max_seconds`` is higher, or when its own ``update_strategy`` is rolling.
         """
+        check_options(transport=transport, strategy=strategy, lora=None, delta=delta)  # refused before joining
+        settings = await self._joined()
         collector, _ = self._stubs()
-        return await push_weights(collector.PushWeights, named_tensors(weights), version=version, mode=mode,
-                                  chunk_bytes=chunk_bytes, progress=progress, timeout=timeout,
-                                  settings=self.settings, checksum=checksum, transport=transport,
-                                  memo=self._transport_memo, status_call=collector.GetStatus,
-                                  nccl_address=nccl_address, delta=delta, strategy=strategy)
+        return self._pushed(await push_weights(
+            collector.PushWeights, named_tensors(weights), version=version, mode=mode, chunk_bytes=chunk_bytes,
+            progress=progress, timeout=timeout, settings=settings, checksum=checksum, transport=transport,
+            memo=self._transport_memo, status_call=collector.GetStatus, nccl_address=nccl_address, delta=delta,
+            strategy=strategy))
+
+    def _pushed(self, result: PushResult) -> PushResult:
+        if self.run is not None:
+            self.run = dataclasses.replace(self.run, version=result.version)  # the trainer now holds these weights
+        return result
 
     async def push_adapter(self, adapter: Any, version: int | None = None, *, rank: int | None = None,
                            alpha: float | None = None, target_modules: Iterable[str] | None = None,
@@ -194,10 +257,13 @@ class AsyncClient:
         ``FailedPreconditionError``. The result's ``adapter_rank`` is the adapter's rank.
         """
         pairs, lora = adapter_tensors(adapter, rank=rank, alpha=alpha, target_modules=target_modules)
+        check_options(transport=transport, strategy=strategy, lora=lora, delta=False)  # refused before joining
+        settings = await self._joined()
         collector, _ = self._stubs()
-        return await push_weights(collector.PushWeights, pairs, version=version, mode=mode, chunk_bytes=chunk_bytes,
-                                  progress=progress, timeout=timeout, settings=self.settings, checksum=checksum,
-                                  transport=transport, memo=self._transport_memo, lora=lora, strategy=strategy)
+        return self._pushed(await push_weights(
+            collector.PushWeights, pairs, version=version, mode=mode, chunk_bytes=chunk_bytes, progress=progress,
+            timeout=timeout, settings=settings, checksum=checksum, transport=transport, memo=self._transport_memo,
+            lora=lora, strategy=strategy))
 
     async def submit_prompts(self, prompts: PromptInput | Iterable[PromptInput], *,
                              timeout: float | None = None) -> list[str]:
@@ -211,8 +277,9 @@ class AsyncClient:
         harmless (an id already pending is not queued again). ``ResourceExhaustedError`` when the
         queue is full; ``InvalidArgumentError`` naming the prompt for a malformed one.
         """
-        collector, _ = self._stubs()
         request = collector_pb2.SubmitPromptsRequest(prompts=to_prompt_specs(prompts))
+        await self._joined()
+        collector, _ = self._stubs()
         reply = await self._unary(collector.SubmitPrompts, request, "SubmitPrompts", timeout)
         return list(reply.prompt_ids)
 
@@ -229,6 +296,7 @@ class AsyncClient:
         (lag -> ``kl_k3``, ``kl_k1``, ``ess_token``, ``tokens``), ``policy_version`` the version the
         trainer's weights are. The collector shows it in ``status()``; with a threshold set, reports
         over it in a row open its mismatch breaker. Returns the breaker's state after this report."""
+        await self._joined()
         collector, _ = self._stubs()
         request = collector_pb2.ReportMismatchRequest(policy_version=policy_version, lags=[
             collector_pb2.LagMismatch(lag=int(lag), kl_k3=values["kl_k3"], kl_k1=values["kl_k1"],
@@ -324,7 +392,7 @@ class AsyncClient:
             lease_seconds=lease_seconds, prefetch=prefetch, consumer=consumer)
         stream = BatchStream(trajectory.StreamBatches, self.settings, open_request,
                              auto_ack=auto_ack, max_batches=max_batches, idle_timeout=idle_timeout,
-                             reconnect_seconds=reconnect_seconds)
+                             reconnect_seconds=reconnect_seconds, prepare=self._joined)
         self._streams.add(stream)
         return stream
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import grpc
 import torch
@@ -157,9 +157,12 @@ class BatchStream:
 
     def __init__(self, call_factory: Callable, settings: ChannelSettings, open_request: trajectory_pb2.OpenBatchStream,
                  *, auto_ack: bool, max_batches: int | None, idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
-                 reconnect_seconds: float = DEFAULT_RECONNECT_SECONDS):
+                 reconnect_seconds: float = DEFAULT_RECONNECT_SECONDS,
+                 prepare: Callable[[], Awaitable[ChannelSettings]] | None = None):
         self._call_factory = call_factory
         self._settings = settings
+        self._prepare = prepare
+        """Awaited before the stream first opens: the client joins its run; the settings it returns are used."""
         self._open_request = open_request
         self._auto_ack = auto_ack
         self._max_batches = max_batches
@@ -253,6 +256,8 @@ class BatchStream:
     async def _open(self, budget_seconds: float = 0.0):
         """Open the stream and read its first reply: retryable errors are retried, ``settings.retries``
         times or for ``budget_seconds``, whichever lasts longer."""
+        if self._prepare is not None:
+            self._settings, self._prepare = await self._prepare(), None
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + budget_seconds
         attempt = 0

@@ -23,6 +23,8 @@ except ImportError:  # pragma: no cover - exercised where opentelemetry-api is n
     _otel_trace = None
 
 T = TypeVar("T")
+RUN_METADATA = "rlfleet-run-id"
+"""The call metadata a joined trainer sends its run id in (the collector checks it: ``services/collector/run.py``)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,9 @@ class ChannelSettings:
     address, a tunnel): gRPC's ``ssl_target_name_override``."""
     keepalive_seconds: float = 30.0
     """Client keepalive ping interval."""
+    run_id: str | None = None
+    """The training run a trainer joined (``JoinRun``), sent as ``rlfleet-run-id``: the collector refuses the
+    calls of another run's trainer."""
 
     def options(self) -> list[tuple[str, Any]]:
         options: list[tuple[str, Any]] = [
@@ -73,9 +78,10 @@ class ChannelSettings:
                                             certificate_chain=self.certificate_chain)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        """The metadata of a call: the token, and the current trace context (``trace_metadata``)."""
+        """The metadata of a call: the token, the run, and the current trace context (``trace_metadata``)."""
         auth = (("authorization", f"Bearer {self.auth_token}"),) if self.auth_token else ()
-        return auth + trace_metadata()
+        run = ((RUN_METADATA, self.run_id),) if self.run_id else ()
+        return auth + run + trace_metadata()
 
 
 def trace_metadata() -> tuple[tuple[str, str], ...]:

@@ -116,6 +116,21 @@ class TransportMemo:
         self.segments.close()
 
 
+def check_options(*, transport: str, strategy: str, lora: weights_pb2.LoraAdapter | None, delta: bool) -> None:
+    """ValueError for a push's options that cannot go together, before anything is sent."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
+    if lora is not None:
+        if delta:
+            raise ValueError("an adapter push is whole: delta=True is for full weights")
+        if transport == "nccl":
+            raise ValueError("adapter pushes travel by shm or grpc, not nccl")
+    if delta and transport == "nccl":
+        raise ValueError("delta pushes travel by shm or grpc, not nccl")
+
+
 async def push_weights(
     call_factory, pairs: list[tuple[str, torch.Tensor]], *, version: int | None, mode: str,
     chunk_bytes: int, progress: bool, timeout: float | None, settings: ChannelSettings,
@@ -129,20 +144,10 @@ async def push_weights(
     ``lora``: ``pairs`` are a LoRA adapter's factors (``rlfleet.client.lora``), served on top of the
     model's weights as they are. ``strategy``: how the collector rolls it out (``STRATEGIES``; "": its
     setting ``update_strategy``)."""
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
-    if lora is not None:
-        if delta:
-            raise ValueError("an adapter push is whole: delta=True is for full weights")
-        if transport == "nccl":
-            raise ValueError("adapter pushes travel by shm or grpc, not nccl")
+    check_options(transport=transport, strategy=strategy, lora=lora, delta=delta)
     options = dict(version=version, mode=mode, chunk_bytes=chunk_bytes, progress=progress, timeout=timeout,
                    settings=settings, checksum=checksum, transport=transport, strategy=strategy)
     if delta:
-        if transport == "nccl":
-            raise ValueError("delta pushes travel by shm or grpc, not nccl")
         memo = memo or TransportMemo()
         return await _push_delta(call_factory, pairs, memo, **options)
     if memo is not None and memo.delta.in_use and lora is None and transport != "nccl":

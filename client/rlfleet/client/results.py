@@ -207,6 +207,37 @@ class PassRate:
 
 
 @dataclass(frozen=True)
+class Run:
+    """A training run as a trainer holds it: the run's id and the policy version of its weights.
+
+    ``connect(..., run=Run(run_id, version))`` resumes it; ``client.run`` is the run joined, its
+    ``version`` following this client's pushes: keep ``str(client.run)`` with each checkpoint."""
+
+    run_id: str
+    version: int = 0
+    """The policy version of the weights the trainer holds (the collector's committed version when joined)."""
+    created_at: float = 0.0
+    """When the collector made the run (Unix seconds; 0 when not read from it)."""
+    resumed: bool = False
+    """The collector process found this run in its durable state (False: it created it)."""
+
+    def __str__(self) -> str:
+        return f"{self.run_id}@{self.version}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Run":
+        """``RUN_ID@VERSION`` (what ``str(run)`` gives) as a ``Run``."""
+        run_id, at, version = text.rpartition("@")
+        if not at or not run_id or not version.isdigit():
+            raise ValueError(f"a run is RUN_ID@VERSION (str(client.run)), got {text!r}")
+        return cls(run_id, int(version))
+
+    @classmethod
+    def from_proto(cls, info: collector_pb2.RunInfo) -> "Run":
+        return cls(info.run_id, info.policy_version, info.created_at, info.resumed)
+
+
+@dataclass(frozen=True)
 class Status:
     """The collector's pipeline state (``GetStatus``)."""
 
@@ -251,6 +282,8 @@ class Status:
     """Sampled tokens thrown away: of ``discarded_samples``, and of multi-turn turns aborted by a push."""
     rolling_update: RollingUpdateStatus | None = None
     """The rolling update in progress, else the last one; None before the first."""
+    run: Run | None = None
+    """The run the collector holds (None from a collector older than run ids)."""
 
     @classmethod
     def from_proto(cls, reply: collector_pb2.GetStatusResponse) -> "Status":
@@ -270,6 +303,7 @@ class Status:
             discarded_tokens=reply.discarded_tokens,
             rolling_update=RollingUpdateStatus.from_proto(reply.rolling_update)
             if reply.HasField("rolling_update") else None,
+            run=Run.from_proto(reply.run) if reply.HasField("run") else None,
         )
 
 

@@ -12,14 +12,14 @@ import os
 import threading
 from typing import Any, Coroutine, Iterable, Sequence, TypeVar
 
-from rlfleet.client.aio import DEFAULT_MAX_MESSAGE_BYTES, AsyncClient, make_settings
+from rlfleet.client.aio import DEFAULT_MAX_MESSAGE_BYTES, AsyncClient, RunClaim, make_settings
 from rlfleet.client.batches import DEFAULT_IDLE_TIMEOUT, DEFAULT_RECONNECT_SECONDS, Batch, BatchStream
 from rlfleet.client.channel import ChannelSettings
 from rlfleet.client.lora import adapter_tensors
 from rlfleet.client.prompts import PromptInput
 from rlfleet.client.push import DEFAULT_CHUNK_BYTES, named_tensors
 from rlfleet.client.results import (BufferStats, DroppedStale, MismatchStatus, PassRate, PromptFailure, PushResult,
-                                   Status)
+                                   Run, Status)
 
 T = TypeVar("T")
 
@@ -70,12 +70,12 @@ def connect(address: str, *, auth_token: str | None = None, tls: bool = False,
             root_certificates: bytes | None = None, timeout: float = 60.0, retries: int = 4,
             max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, backoff_seconds: float = 0.2,
             certificate_chain: bytes | None = None, private_key: bytes | None = None,
-            server_name: str | None = None) -> "Client":
+            server_name: str | None = None, run: RunClaim = None) -> "Client":
     """A blocking ``Client`` for the collector at ``address``; arguments as in ``connect_async``."""
     return Client(address, make_settings(
         auth_token=auth_token, tls=tls, root_certificates=root_certificates, timeout=timeout, retries=retries,
         max_message_bytes=max_message_bytes, backoff_seconds=backoff_seconds, certificate_chain=certificate_chain,
-        private_key=private_key, server_name=server_name))
+        private_key=private_key, server_name=server_name), run=run)
 
 
 class BatchIterator:
@@ -135,9 +135,9 @@ class Client:
     Every ``grpc.RpcError`` surfaces as a typed ``RlfleetClientError``.
     """
 
-    def __init__(self, address: str, settings: ChannelSettings = ChannelSettings()):
+    def __init__(self, address: str, settings: ChannelSettings = ChannelSettings(), run: RunClaim = None):
         self._runner = _LoopThread.shared()
-        self._async = AsyncClient(address, settings)
+        self._async = AsyncClient(address, settings, run=run)
         self._closed = False
         self._runner.run(self._make_channel())
 
@@ -151,6 +151,15 @@ class Client:
     @property
     def settings(self) -> ChannelSettings:
         return self._async.settings
+
+    @property
+    def run(self) -> Run | None:
+        """See ``AsyncClient.run``: the run joined, its version following this client's pushes."""
+        return self._async.run
+
+    def join(self) -> Run:
+        """Join the run now (as the first push, submission or batch stream would); the run joined."""
+        return self._runner.run(self._async.join())
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """See ``AsyncClient.wait_ready``."""

@@ -178,6 +178,32 @@ class PushWeightsResponse(_message.Message):
     seconds: float
     def __init__(self, version: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaPushResult, _Mapping]]] = ..., received_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
+class JoinRunRequest(_message.Message):
+    __slots__ = ("run_id", "policy_version")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    policy_version: int
+    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class JoinRunResponse(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: RunInfo
+    def __init__(self, run: _Optional[_Union[RunInfo, _Mapping]] = ...) -> None: ...
+
+class RunInfo(_message.Message):
+    __slots__ = ("run_id", "created_at", "resumed", "policy_version")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    created_at: float
+    resumed: bool
+    policy_version: int
+    def __init__(self, run_id: _Optional[str] = ..., created_at: _Optional[float] = ..., resumed: _Optional[bool] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
 class GetPolicyVersionRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -258,7 +284,7 @@ class ReplicaStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., policy_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., weight_transfer_world_size: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("policy_version", "mode", "max_staleness", "stages", "replicas", "staleness_histogram", "trajectories", "discarded_samples", "group_size", "groups_per_step", "pending_prompts", "failed_prompts", "serving", "not_serving_reason", "failed", "spool_error", "episodes", "episode_turns", "mismatch", "dynamic_sampling", "discarded_tokens", "rolling_update")
+    __slots__ = ("policy_version", "mode", "max_staleness", "stages", "replicas", "staleness_histogram", "trajectories", "discarded_samples", "group_size", "groups_per_step", "pending_prompts", "failed_prompts", "serving", "not_serving_reason", "failed", "spool_error", "episodes", "episode_turns", "mismatch", "dynamic_sampling", "discarded_tokens", "rolling_update", "run")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +307,7 @@ class GetStatusResponse(_message.Message):
     DYNAMIC_SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DISCARDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROLLING_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     mode: str
     max_staleness: int
@@ -303,7 +330,8 @@ class GetStatusResponse(_message.Message):
     dynamic_sampling: DynamicSamplingStatus
     discarded_tokens: int
     rolling_update: RollingUpdateStatus
-    def __init__(self, policy_version: _Optional[int] = ..., mode: _Optional[str] = ..., max_staleness: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., trajectories: _Optional[int] = ..., discarded_samples: _Optional[int] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., failed_prompts: _Optional[int] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ..., failed: _Optional[bool] = ..., spool_error: _Optional[str] = ..., episodes: _Optional[int] = ..., episode_turns: _Optional[int] = ..., mismatch: _Optional[_Union[MismatchStatus, _Mapping]] = ..., dynamic_sampling: _Optional[_Union[DynamicSamplingStatus, _Mapping]] = ..., discarded_tokens: _Optional[int] = ..., rolling_update: _Optional[_Union[RollingUpdateStatus, _Mapping]] = ...) -> None: ...
+    run: RunInfo
+    def __init__(self, policy_version: _Optional[int] = ..., mode: _Optional[str] = ..., max_staleness: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., trajectories: _Optional[int] = ..., discarded_samples: _Optional[int] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., failed_prompts: _Optional[int] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ..., failed: _Optional[bool] = ..., spool_error: _Optional[str] = ..., episodes: _Optional[int] = ..., episode_turns: _Optional[int] = ..., mismatch: _Optional[_Union[MismatchStatus, _Mapping]] = ..., dynamic_sampling: _Optional[_Union[DynamicSamplingStatus, _Mapping]] = ..., discarded_tokens: _Optional[int] = ..., rolling_update: _Optional[_Union[RollingUpdateStatus, _Mapping]] = ..., run: _Optional[_Union[RunInfo, _Mapping]] = ...) -> None: ...
 
 class RollingUpdateStatus(_message.Message):
     __slots__ = ("in_progress", "from_version", "to_version", "replicas_switched", "replicas_total", "window_seconds", "max_window_seconds", "committed", "pin_violations", "pins_retired", "pinned_groups")

@@ -70,6 +70,11 @@ class CollectorServiceStub:
                 request_serializer=rlfleet_dot_v1_dot_collector__pb2.CloseMismatchBreakerRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_collector__pb2.CloseMismatchBreakerResponse.FromString,
                 _registered_method=True)
+        self.JoinRun = channel.unary_unary(
+                '/rlfleet.v1.CollectorService/JoinRun',
+                request_serializer=rlfleet_dot_v1_dot_collector__pb2.JoinRunRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_collector__pb2.JoinRunResponse.FromString,
+                _registered_method=True)
         self.GetPassRates = channel.unary_unary(
                 '/rlfleet.v1.CollectorService/GetPassRates',
                 request_serializer=rlfleet_dot_v1_dot_collector__pb2.GetPassRatesRequest.SerializeToString,
@@ -165,6 +170,24 @@ class CollectorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinRun(self, request, context):
+        """A trainer joins the run this collector holds, saying whether it starts
+        a new run (run_id empty: its weights are the initial ones, version 0) or
+        resumes one (run_id, and the version of the weights it holds). A run has
+        an id, made with the collector's durable state (a fresh state directory
+        or database is a new run) and kept across restarts. Errors:
+        FAILED_PRECONDITION naming both runs when they differ: a trainer starting
+        a new run while the collector holds a run that committed a version, a
+        trainer resuming another run, or holding another version than the one
+        committed. After joining, the SDK sends the run id as the call metadata
+        `rlfleet-run-id` on every call; PushWeights, SubmitPrompts,
+        ReportMismatch and StreamBatches refuse another run's id with
+        FAILED_PRECONDITION (calls without it are taken: readers, older SDKs).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetPassRates(self, request, context):
         """Per-prompt pass rates: for each prompt (a dataset row's id, across
         epochs, or a submitted prompt id), its groups' samples and how many
@@ -213,6 +236,11 @@ def add_CollectorServiceServicer_to_server(servicer, server):
                     servicer.CloseMismatchBreaker,
                     request_deserializer=rlfleet_dot_v1_dot_collector__pb2.CloseMismatchBreakerRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_collector__pb2.CloseMismatchBreakerResponse.SerializeToString,
+            ),
+            'JoinRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinRun,
+                    request_deserializer=rlfleet_dot_v1_dot_collector__pb2.JoinRunRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_collector__pb2.JoinRunResponse.SerializeToString,
             ),
             'GetPassRates': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPassRates,
@@ -410,6 +438,33 @@ class CollectorService:
             '/rlfleet.v1.CollectorService/CloseMismatchBreaker',
             rlfleet_dot_v1_dot_collector__pb2.CloseMismatchBreakerRequest.SerializeToString,
             rlfleet_dot_v1_dot_collector__pb2.CloseMismatchBreakerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.CollectorService/JoinRun',
+            rlfleet_dot_v1_dot_collector__pb2.JoinRunRequest.SerializeToString,
+            rlfleet_dot_v1_dot_collector__pb2.JoinRunResponse.FromString,
             options,
             channel_credentials,
             insecure,
