@@ -214,8 +214,8 @@ class CollectorService(Service[CollectorConfig]):
             if versions.get(replica.address) == self.gate.version:
                 await self.pool.mark_healthy(replica, self.gate.version)
         log.info("collector ready", extra={"version": self.gate.version, "replicas": versions})
-        log.warning("%s: %s", self.run.describe(self.gate.version),
-                    "resumed from the state it left" if self.run.resumed else "a new run")
+        log.info("%s: %s", self.run.describe(self.gate.version),
+                 "resumed from the state it left" if self.run.resumed else "a new run")
         self.not_serving_reason = ""
         self.supervise(self.pipeline.run(), "the rollout loop")
         self.supervise(self._watch_replicas(), "the replica monitor")
