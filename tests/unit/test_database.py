@@ -148,3 +148,22 @@ def test_stores_in_different_schemas_share_a_database(url):
     assert second.append(make_trajectories(groups(0, 1, 2)), "c/0").appended == 2  # keys are per schema too
     first.close()
     second.close()
+
+
+def test_a_fresh_start_empties_its_own_schema_only_and_never_one_in_use(url):
+    kept = TrajectoryStore(url, capacity=100, lock_timeout_seconds=0.2, schema="rlfleet_trajectory_b")
+    purged = TrajectoryStore(url, capacity=100, lock_timeout_seconds=0.2)
+    for store in (kept, purged):
+        store.append(make_trajectories(groups(0, 1, 2)), "c/0")
+    with pytest.raises(RuntimeError, match="in use by another process"):  # its owner holds it: nothing dropped
+        database.purge_database(url, role="trajectory", schema="rlfleet_trajectory", lock_timeout_seconds=0.2)
+    assert purged.stats().ready == 2
+    purged.close()
+    assert "trajectories" in database.purge_database(url, role="trajectory", schema="rlfleet_trajectory",
+                                                     lock_timeout_seconds=0.2)
+    reopened = TrajectoryStore(url, capacity=100, lock_timeout_seconds=0.2)
+    assert (reopened.stats().ready, reopened.stats().appended, kept.stats().ready) == (0, 0, 2)
+    # Keys start anew: the same append is stored again in the new run.
+    assert reopened.append(make_trajectories(groups(0, 1, 2)), "c/0").appended == 2
+    reopened.close()
+    kept.close()

@@ -89,7 +89,7 @@ def test_purging_a_database_another_instance_owns_is_refused(tmp_path):
     owner = open_database(path, role="collector", lock_timeout_seconds=0.1)
     owner.execute("CREATE TABLE kept (x INTEGER)")
     try:
-        with pytest.raises(Exception):
+        with pytest.raises(RuntimeError, match="in use by another process"):
             purge_database(path, role="collector", lock_timeout_seconds=0.2)
         assert "kept" in owner.tables()
     finally:
