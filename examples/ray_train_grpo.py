@@ -7,7 +7,8 @@
 The task reads the collector's address from the fleet's registry when it starts and runs
 ``train_grpo.main`` there; its metrics come back to this driver (``--out``/metrics.json here too).
 The task imports ``train_grpo`` from this file's directory: on a multi-node cluster ship it with
-``--working-dir examples`` (Ray's runtime_env) or install it on the nodes.
+``--working-dir examples`` (the job's runtime_env: Ray takes a ``working_dir`` at ``ray.init`` or job
+submission only, never per task) or install it on the nodes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,21 @@ import sys
 from pathlib import Path
 
 EXAMPLES = str(Path(__file__).resolve().parent)
+PATH_FLAGS = ("--model-dir", "--credentials")
+"""train_grpo.py's flags naming paths: made absolute here, since the task runs elsewhere (in the shipped
+copy of --working-dir, or in Ray's working directory)."""
+
+
+def absolute_paths(argv: list[str]) -> list[str]:
+    """``argv`` with the value of every flag in ``PATH_FLAGS`` absolute (``--flag value`` or ``--flag=value``)."""
+    out = list(argv)
+    for index, arg in enumerate(out):
+        flag, equals, value = arg.partition("=")
+        if flag in PATH_FLAGS and equals:
+            out[index] = f"{flag}={Path(value).resolve()}"
+        elif arg in PATH_FLAGS and index + 1 < len(out):
+            out[index + 1] = str(Path(out[index + 1]).resolve())
+    return out
 
 
 def train(argv: list[str]) -> list[dict]:
@@ -34,7 +50,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--ray-address", default=None, help="the cluster (default: auto)")
     parser.add_argument("--num-cpus", type=float, default=1)
     parser.add_argument("--num-gpus", type=float, default=0)
-    parser.add_argument("--working-dir", default=None, help="Ray runtime_env working_dir for the task")
+    parser.add_argument("--working-dir", default=None,
+                        help="a directory holding train_grpo.py, shipped to the nodes (the job's runtime_env)")
     parser.add_argument("--out", type=Path, default=Path("runs") / "ray-demo")
     ns, rest = parser.parse_known_args(argv)
 
@@ -42,11 +59,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from rlfleet.ray import run_trainer
 
-    ray.init(address=ns.ray_address or "auto", logging_level="WARNING")
+    runtime_env = {"working_dir": ns.working_dir} if ns.working_dir else None
+    ray.init(address=ns.ray_address or "auto", logging_level="WARNING", runtime_env=runtime_env)
     options = {"num_cpus": ns.num_cpus, "num_gpus": ns.num_gpus}
-    if ns.working_dir:
-        options["runtime_env"] = {"working_dir": ns.working_dir}
-    metrics = ray.get(run_trainer(ns.fleet, train, [*rest, "--out", str(ns.out)], **options))
+    metrics = ray.get(run_trainer(ns.fleet, train, [*absolute_paths(rest), "--out", str(ns.out.resolve())],
+                                  **options))
     ns.out.mkdir(parents=True, exist_ok=True)
     (ns.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     print(f"[ray-demo] {len(metrics)} steps; metrics in {ns.out / 'metrics.json'}", file=sys.stderr)

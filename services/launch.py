@@ -40,6 +40,8 @@ class ServiceProcess:
     module: str | None = None
     """The module ``python -m`` runs, for a service outside the package (the tests' echo service,
     ``tests.echo_service``, found from the working directory); None: ``rlfleet.services.<name>``."""
+    _log_offset: int = field(default=0, init=False, repr=False)
+    """Where this start's lines begin in the log (appended across starts)."""
 
     def start(self, workdir: Path | None = None) -> "ServiceProcess":
         workdir = Path(workdir or tempfile.mkdtemp(prefix=f"rlfleet-{self.name}-"))
@@ -52,6 +54,8 @@ class ServiceProcess:
             args += ["--port", "0"]
         args += ["--port-file", str(self._port_file)]
         self._log = open(self.log_path, "ab")
+        # A restarted service keeps its history in the log: log_tail reads this start's lines only.
+        self._log_offset = self._log.tell()
         self.process = subprocess.Popen(
             [sys.executable, "-m", self.module or f"rlfleet.services.{self.name}", *args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
@@ -102,10 +106,14 @@ class ServiceProcess:
             )
 
     def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines this start wrote to the log."""
         try:
-            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_offset)
+                text = log.read().decode(errors="replace")
         except OSError:
             return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM, wait, then SIGKILL this PID (and its process group) if needed."""

@@ -4,7 +4,10 @@ fleet itself runs on a real local cluster in tests/integration/test_ray.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -13,10 +16,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlfleet.ray.actor import substitute, write_credentials
+from rlfleet.ray import node_dir, reaper, runs
+from rlfleet.ray.actor import substitute
 from rlfleet.ray.autoscale import GenerationAutoscaler, WaitPolicy
 from rlfleet.ray.config import FleetConfig, load_config
-from rlfleet.ray.fleet import read_credentials
+from rlfleet.ray.fleet import FleetError, read_credentials
+from rlfleet.ray.node_dir import NodeDirectory
+from rlfleet.ray.registry import Registry
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = {"services": {name: {} for name in ("trajectory", "reference", "reward", "generation", "collector")}}
@@ -28,11 +35,11 @@ def test_importing_rlfleet_ray_imports_no_ray():
 
 
 def test_the_guides_fleet_config_parses():
-    """docs/guides/ray.md's config file is a real one."""
+    """docs/guides/ray.md's config file is a real one (tests/integration/test_ray_guide.py runs it)."""
     text = (ROOT / "docs" / "guides" / "ray.md").read_text()
     block = re.search(r"```yaml\n(.*?)```", text, re.S).group(1)
     config = FleetConfig.from_dict(yaml.safe_load(block))
-    assert config.services["generation"].replicas >= 2 and config.services["generation"].placement == "spread"
+    assert config.services["generation"].placement == "spread"
 
 
 def test_config_file_round_trips_and_refuses_what_it_does_not_know(tmp_path):
@@ -63,12 +70,126 @@ def test_credentials_travel_without_the_ca_key_and_land_private(tmp_path):
 
     files = read_credentials(make_credentials(tmp_path / "credentials", names=("collector", "trainer")))
     assert "ca.key" not in files and {"ca.pem", "tokens", "token-service", "collector.pem", "collector.key"} <= set(files)
-    directory = write_credentials(files)
-    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    node = NodeDirectory.claim("f", "collector", base=str(tmp_path))
+    directory = node.write_credentials(files)
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700 == stat.S_IMODE(node.path.parent.stat().st_mode)
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 and p.read_bytes() == files[p.name] for p in directory.iterdir())
-    with pytest.raises(FileNotFoundError, match="tokens"):
+    with pytest.raises(FleetError, match="tokens"):
         (tmp_path / "credentials" / "tokens").unlink()
         read_credentials(tmp_path / "credentials")
+    with pytest.raises(FleetError, match="not a directory here"):
+        read_credentials(tmp_path / "elsewhere")
+
+
+def test_an_actors_node_directory_replaces_its_predecessors_and_goes_with_it(tmp_path):
+    """A replacement on the same host (its predecessor SIGKILLed: nothing removed) removes what it left;
+    the last one's removal leaves nothing of the instance."""
+    (tmp_path / "node").mkdir()
+    first = NodeDirectory.claim("f", "generation-0", base=str(tmp_path / "node"))
+    first.write_credentials({"generation.key": b"secret"})
+    first.fresh_tmp().joinpath("vllm_dist_0123").write_bytes(b"")
+    other = NodeDirectory.claim("f", "generation-1", base=str(tmp_path / "node"))  # another instance: untouched
+    second = NodeDirectory.claim("f", "generation-0", base=str(tmp_path / "node"))
+    assert not first.path.exists() and second.path.parent == first.path.parent and other.path.exists()
+    second.remove()
+    assert sorted(p.name for p in (tmp_path / "node").iterdir()) == ["rlfleet-f-generation-1"]
+    node_dir.remove(first.path)  # the predecessor's reaper, late: nothing to do, the successor's kept
+    other.remove()
+    assert list((tmp_path / "node").iterdir()) == []
+
+
+def test_a_node_directory_never_lands_in_a_path_it_does_not_own(tmp_path):
+    (tmp_path / "node").mkdir()
+    (tmp_path / "node" / "rlfleet-f-collector").symlink_to(tmp_path)  # someone's trap in a shared /tmp
+    with pytest.raises(PermissionError, match="refusing"):
+        NodeDirectory.claim("f", "collector", base=str(tmp_path / "node"))
+
+
+class FakeGcs:
+    """The GCS key-value calls the registry makes, on a dict (one GCS: every Registry shares it)."""
+
+    def __init__(self):
+        self.kv: dict[bytes, bytes] = {}
+
+    def internal_kv_put(self, key, value, overwrite, namespace):
+        self.kv[key] = value
+
+    def internal_kv_get(self, key, namespace):
+        return self.kv.get(key)
+
+    def internal_kv_del(self, key, by_prefix, namespace):
+        for name in [k for k in self.kv if (k.startswith(key) if by_prefix else k == key)]:
+            del self.kv[name]
+
+    def internal_kv_keys(self, prefix, namespace):
+        return [k for k in self.kv if k.startswith(prefix)]
+
+    def internal_kv_multi_get(self, keys, namespace):
+        return {k: self.kv[k] for k in keys if k in self.kv}
+
+
+def registry(gcs: FakeGcs) -> Registry:
+    found = Registry("gcs:1", "f")
+    found._gcs = gcs
+    return found
+
+
+def test_up_fresh_starts_the_stateful_services_fresh_once_and_restarts_resume():
+    """The marker ``up --fresh`` leaves: ``--fresh`` for the collector's and the store's starts until one
+    serves; never for a restart after that (the actor's own, or Ray's on another node: another actor)."""
+    gcs = FakeGcs()
+    driver, first_actor, restarted_actor = registry(gcs), registry(gcs), registry(gcs)
+    assert runs.request_fresh(driver, ["trajectory", "reference", "generation", "collector"]) == [
+        "trajectory", "collector"]  # (and reward, where the fleet has one: its KL controller's state)
+    assert runs.start_args(first_actor, "generation-0") == []
+    assert runs.start_args(first_actor, "trajectory") == ["--fresh", "true"]
+    # The first fresh process died before it served: its successor starts fresh (nothing of the new run yet).
+    assert runs.start_args(restarted_actor, "trajectory") == ["--fresh", "true"]
+    runs.started(restarted_actor, "trajectory")
+    assert runs.start_args(restarted_actor, "trajectory") == [] == runs.start_args(registry(gcs), "trajectory")
+    assert runs.start_args(first_actor, "collector") == ["--fresh", "true"]  # each instance consumes its own
+    runs.started(first_actor, "collector")
+    assert runs.start_args(first_actor, "collector") == []
+
+
+def test_a_plain_up_resumes_and_says_where_from():
+    gcs = FakeGcs()
+    assert all(runs.start_args(registry(gcs), key) == [] for key in runs.STATEFUL)
+    text = runs.describe_start({"collector": {"state_dir": "/w/collector/state"},
+                                "trajectory": {"database_url": "postgresql://db/x"}}, fresh=False)
+    assert "resuming" in text and "state_dir /w/collector/state" in text and "PostgreSQL" in text
+    assert "fresh run" in runs.describe_start({}, fresh=True)
+
+
+def test_starts_count_across_actors_until_the_instance_is_forgotten():
+    gcs = FakeGcs()
+    assert [registry(gcs).count_start("collector") for _ in range(3)] == [1, 2, 3]  # each a new actor
+    driver = registry(gcs)
+    driver.put("fresh", "collector", "requested")
+    driver.put("error", "collector", "refused")
+    driver.forget("collector")
+    assert gcs.kv == {} and registry(gcs).count_start("collector") == 1
+
+
+def test_config_paths_are_relative_to_the_config_file(tmp_path, monkeypatch):
+    """``scale`` or ``down`` run from another directory read the same credentials (the spec holds them absolute)."""
+    (tmp_path / "deploy").mkdir()
+    path = tmp_path / "deploy" / "fleet.yaml"
+    path.write_text(yaml.safe_dump({**MINIMAL, "credentials": "./credentials", "workdir": "state"}))
+    monkeypatch.chdir(tmp_path)
+    config = load_config("deploy/fleet.yaml")
+    assert config.credentials == str(tmp_path / "deploy" / "credentials")
+    assert config.workdir == str(tmp_path / "deploy" / "state")
+    path.write_text(yaml.safe_dump({**MINIMAL, "workdir": "/abs/w"}))
+    assert load_config(path).workdir == "/abs/w" and load_config(path).credentials is None
+
+
+def test_cli_reports_a_missing_config_or_credentials_in_one_line(tmp_path, capsys):
+    from rlfleet.ray.cli import main
+
+    assert main(["up", str(tmp_path / "missing.yaml")]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"rlfleet-ray up: error: [Errno 2] No such file or directory: '{tmp_path / 'missing.yaml'}'"]
 
 
 @pytest.mark.parametrize("waited, replicas, expected", [
@@ -106,5 +227,48 @@ def test_cli_help_names_every_command():
     from rlfleet.ray.cli import _parser
 
     text = _parser().format_help()
-    for command in ("up", "status", "scale", "down"):
+    for command in ("up", "status", "address", "scale", "down"):
         assert command in text
+
+
+HOLD_A_SEGMENT = ("import sys, time; from multiprocessing import shared_memory, resource_tracker; "
+                  "segment = shared_memory.SharedMemory(create=True, size=4096); "
+                  # as vLLM's engine SIGKILLed with its tracker: nobody unlinks it
+                  "resource_tracker.unregister(segment._name, 'shared_memory'); "
+                  "print(segment.name, flush=True); time.sleep(600)")
+
+
+def test_the_reaper_kills_the_group_once_its_actor_is_gone_and_removes_what_the_group_left(tmp_path):
+    """The group (a leader and a child, each holding a shared-memory segment, as a vLLM engine core and
+    its worker do) SIGKILLed when the pipe's write end closes; its segments and the actor's node directory
+    removed; a segment of a process outside the group kept."""
+    group = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
+                              f"{HOLD_A_SEGMENT!r}]); exec({HOLD_A_SEGMENT!r})"],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    outsider = subprocess.Popen([sys.executable, "-c", HOLD_A_SEGMENT], stdout=subprocess.PIPE, text=True)
+    segments: list[Path] = []
+    try:
+        ours = {Path("/dev/shm") / group.stdout.readline().strip() for _ in range(2)}
+        theirs = Path("/dev/shm") / outsider.stdout.readline().strip()
+        segments += [*ours, theirs]
+        assert reaper.held_segments(reaper.members(group.pid)) == ours
+        node = NodeDirectory.claim("f", "generation-0", base=str(tmp_path))
+        node.write_credentials({"generation.key": b"secret"})
+        read_end, write_end = os.pipe()
+        subprocess.run([sys.executable, "-m", "rlfleet.ray.reaper", str(read_end), str(group.pid), str(node.path)],
+                       pass_fds=(read_end,), check=True, timeout=60)
+        os.close(read_end)
+        assert group.poll() is None and node.path.exists()
+        os.close(write_end)  # the actor's process ends
+        wait_for(lambda: group.poll() is not None, 60, "the group SIGKILLed")
+        wait_for(lambda: not any(path.exists() for path in ours) and not list(tmp_path.iterdir()), 60,
+                 "the group's segments and the node directory removed")
+        assert group.returncode == -signal.SIGKILL and theirs.exists() and outsider.poll() is None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group.pid, signal.SIGKILL)
+        outsider.kill()
+        group.wait()
+        outsider.wait()
+        for path in segments:
+            path.unlink(missing_ok=True)

@@ -7,7 +7,7 @@ See docs/guides/ray.md. Importing this package imports nothing of Ray; its funct
 """
 
 from rlfleet.ray.config import FleetConfig, ServiceSpec, load_config
-from rlfleet.ray.fleet import Fleet
+from rlfleet.ray.fleet import Fleet, FleetError
 from rlfleet.ray.trainer import collector_address, run_trainer
 
-__all__ = ["Fleet", "FleetConfig", "ServiceSpec", "collector_address", "load_config", "run_trainer"]
+__all__ = ["Fleet", "FleetConfig", "FleetError", "ServiceSpec", "collector_address", "load_config", "run_trainer"]

@@ -5,10 +5,13 @@ publishes its address in the fleet's registry once it serves, and watches it:
 
 - the process dies with the actor: ``PR_SET_PDEATHSIG`` (SIGKILL) for the process itself, and a
   detached reaper (``reaper.py``) for its process group (a vLLM engine core and its workers outlive
-  their parent otherwise), so a node that goes, or an actor that Ray kills, leaves nothing behind on a
-  host that stays;
-- the process exiting on its own makes the actor exit (``os._exit``): Ray's restart policy
-  (``max_restarts``) then starts the actor again, on this node or another, and the new one republishes;
+  their parent otherwise), which then removes what the group leaves (a vLLM engine's shared memory,
+  the actor's node directory with its credentials and the process's temporary files): a node that
+  goes, or an actor that Ray kills, leaves nothing behind on a host that stays, and an actor started
+  in its place on that host removes whatever its predecessor left (``node_dir.py``);
+- the process exiting on its own makes the actor exit (``os._exit``, after the same clean-up): Ray's
+  restart policy (``max_restarts``) then starts the actor again, on this node or another, and the new
+  one republishes; its start count is kept in the registry, across actors;
 - the collector's upstreams (trajectory, reference, reward, environment) are read from the registry at
   start; when one of them is republished at another address (it restarted on another node), the
   collector's process is restarted with the new addresses (SIGTERM, same state directory): it resumes
@@ -16,13 +19,16 @@ publishes its address in the fleet's registry once it serves, and watches it:
   (``RayDiscovery``): a replica that moves is a member that leaves and one that joins, re-synced to the
   committed weights before it serves.
 
-Credentials arrive as bytes in the actor's arguments and are written to a private directory (0700,
-files 0600) on the node; the process reads them from there.
+Credentials arrive as bytes in the actor's arguments and are written to the actor's private directory
+(0700, files 0600) on the node; the process reads them from there. The stateful services get
+``--fresh true`` on their first start after ``up --fresh`` only (``runs.py``). A start that fails
+leaves its error (the service's own lines, from this start's log) in the registry for ``Fleet.up``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import getpass
 import json
 import logging
 import os
@@ -33,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlfleet.ray import reaper, runs
+from rlfleet.ray.node_dir import NodeDirectory
 from rlfleet.ray.registry import Registry
 
 log = logging.getLogger("rlfleet.ray")
@@ -58,20 +66,6 @@ def substitute(value: Any, variables: dict[str, str]) -> Any:
     return value
 
 
-def write_credentials(files: dict[str, bytes] | None) -> Path | None:
-    """The credentials directory's files in a fresh private directory on this node."""
-    if not files:
-        return None
-    directory = Path(tempfile.mkdtemp(prefix="rlfleet-credentials-"))
-    os.chmod(directory, 0o700)
-    for name, content in files.items():
-        path = directory / name
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(descriptor, "wb") as handle:
-            handle.write(content)
-    return directory
-
-
 class ServiceHost:
     """One service instance (``spec``: what ``Fleet`` builds, see ``Fleet._actor_spec``)."""
 
@@ -81,9 +75,11 @@ class ServiceHost:
         self.spec = spec
         context = ray.get_runtime_context()
         self.node_id = context.get_node_id()
-        self.node_ip = ray.util.get_node_ip_address()
         self.registry = Registry(spec["gcs_address"], spec["fleet"])
-        self.credentials = write_credentials(spec.get("credentials"))
+        # The node's address in the cluster (ray start --node-ip-address), not whatever this host routes by.
+        self.node_ip = self.registry.node_ip(self.node_id) or ray.util.get_node_ip_address()
+        self.node = NodeDirectory.claim(spec["fleet"], spec["key"])
+        self.credentials = self.node.write_credentials(spec.get("credentials"))
         self.workdir = Path(spec["workdir"]) / spec["key"]
         self.process = None
         self.upstreams: dict[str, str] = {}
@@ -92,7 +88,14 @@ class ServiceHost:
         self._lock = threading.Lock()
         self._alive_write: int | None = None
         self._alive_read: int | None = None
-        self._start()
+        try:
+            self._start()
+        except BaseException as exc:
+            # Ray shows a failed __init__ as ActorDiedError around a traceback: Fleet.up reads this instead.
+            self.registry.put("error", spec["key"], str(exc))
+            self._stop_process()
+            self.node.remove()
+            raise
         threading.Thread(target=self._watch, name=f"rlfleet-watch-{spec['key']}", daemon=True).start()
 
     # -- the process -------------------------------------------------------------------------------
@@ -109,12 +112,13 @@ class ServiceHost:
             settings_file = self.workdir / "settings.json"
             settings_file.write_text(json.dumps(spec["settings"]))
             args += ["--config", str(settings_file)]
-        args += [*spec["args"], "--host", spec["bind_host"], "--port", str(spec["port"])]
+        args += [*spec["args"], *runs.start_args(self.registry, spec["key"])]
+        args += ["--host", spec["bind_host"], "--port", str(spec["port"])]
         for setting, address in self.upstreams.items():
             args += [f"--{setting.replace('_', '-')}", address]
         if spec["service"] == "collector":
             args += ["--generation-addresses", json.dumps([f"ray+gcs://{spec['gcs_address']}/{spec['fleet']}"])]
-        process = ServiceProcess(spec["service"], args, env=dict(spec["env"]), preexec_fn=die_with_parent,
+        process = ServiceProcess(spec["service"], args, env=self._process_env(), preexec_fn=die_with_parent,
                                  module=spec.get("module"))
         if self.credentials is not None:
             process.args += self._tls_args()
@@ -122,10 +126,12 @@ class ServiceHost:
                 str(self.credentials / "ca.pem"), str(self.credentials / f"{spec['service']}.pem"),
                 str(self.credentials / f"{spec['service']}.key"))
         process.start(self.workdir)
-        self._guard(process.process.pid)
         self.process = process
+        self._guard(process.process.pid)
         process.wait_ready(spec["start_timeout_seconds"])
-        self.starts += 1
+        runs.started(self.registry, spec["key"])
+        self.starts = self.registry.count_start(spec["key"])
+        self.registry.delete("error", spec["key"])
         self.registry.publish(spec["key"], self.record())
         log.info("%s serving at %s on node %s", spec["key"], self.address(), self.node_id)
 
@@ -137,8 +143,34 @@ class ServiceHost:
         if self._alive_write is None:  # one pipe for the actor's life: only this process holds the write end
             read_end, self._alive_write = os.pipe()
             self._alive_read = read_end
-        subprocess.run([sys.executable, "-m", "rlfleet.ray.reaper", str(self._alive_read), str(pgid)],
+        subprocess.run([sys.executable, "-m", "rlfleet.ray.reaper", str(self._alive_read), str(pgid),
+                        str(self.node.path)],
                        pass_fds=(self._alive_read,), start_new_session=True, check=True, timeout=60)
+
+    def _process_env(self) -> dict[str, str]:
+        """The process's environment: the fleet's ``env`` over a ``TMPDIR`` in this actor's node directory
+        (a vLLM engine's file store and IPC sockets go with the directory, even when the engine is killed)."""
+        env = {"TMPDIR": str(self.node.fresh_tmp())}
+        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # torch's compile cache would follow TMPDIR: keep it
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+        return {**env, **self.spec["env"]}
+
+    def _stop_process(self) -> int | None:
+        """SIGTERM the process (SIGKILL after a timeout) and its group; the engine segments a killed group
+        left removed (a graceful stop removes its own)."""
+        if self.process is None or self.process.process is None:
+            return None
+        segments = reaper.held_segments(reaper.members(self.process.process.pid))
+        code = self.process.stop()
+        for path in segments:
+            path.unlink(missing_ok=True)
+        return code
+
+    def _exit(self) -> None:
+        """The actor ends for Ray to restart it: what the process left removed first."""
+        self._stop_process()
+        self.node.remove()
+        os._exit(1)
 
     def _tls_args(self) -> list[str]:
         from rlfleet.services.suite import _upstream_args, secure_args
@@ -170,17 +202,17 @@ class ServiceHost:
                 if self.process.process.poll() is not None:
                     log.error("%s exited with code %s: the actor exits for Ray to restart it; log tail:\n%s",
                               self.spec["key"], self.process.process.returncode, self.process.log_tail())
-                    os._exit(1)
+                    self._exit()
                 if self.spec.get("upstreams") and self._upstreams_moved():
                     log.warning("%s: an upstream moved (%s): restarting the process with the new addresses",
                                 self.spec["key"], self.upstreams)
-                    self.process.stop()
+                    self._stop_process()
                     try:
                         self._start()
                     except Exception:  # noqa: BLE001 - whatever stopped it, Ray's restart is the way on
                         log.exception("%s did not start again: the actor exits for Ray to restart it",
                                       self.spec["key"])
-                        os._exit(1)
+                        self._exit()
 
     def _upstreams_moved(self) -> bool:
         try:
@@ -205,8 +237,11 @@ class ServiceHost:
         return self.record()
 
     def stop(self) -> int | None:
-        """SIGTERM the process (graceful), take the record out of the registry: before ``ray.kill``."""
+        """Take the record out of the registry, SIGTERM the process (graceful), remove this actor's node
+        directory: before ``ray.kill``."""
         with self._lock:
             self._stopping = True
             self.registry.withdraw(self.spec["key"])
-            return self.process.stop() if self.process is not None else None
+            code = self._stop_process()
+            self.node.remove()
+            return code

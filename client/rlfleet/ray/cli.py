@@ -1,12 +1,15 @@
 """``rlfleet-ray``: a fleet on a running Ray cluster, from a config file.
 
-    rlfleet-ray up fleet.yaml [--ray-address HEAD:6379]     # start it; prints every service's address
+    rlfleet-ray up fleet.yaml [--fresh] [--ray-address HEAD:6379]   # start it; prints every service's address
     rlfleet-ray status [--name rlfleet]                      # every instance: address, node, starts
+    rlfleet-ray address [collector] [--name rlfleet]         # one instance's host:port
     rlfleet-ray scale generation 4 [--name rlfleet]          # replicas join (re-synced) or leave
     rlfleet-ray down [--name rlfleet]                        # stop it
 
 The fleet's actors are detached: ``up`` returns once every service serves, and the fleet runs on until
-``down``. ``status``, ``scale`` and ``down`` find it by name in the cluster.
+``down``. ``status``, ``address``, ``scale`` and ``down`` find it by name in the cluster. A plain ``up``
+resumes the durable state of the collector, the trajectory store and the reward service (the run goes
+on at its committed version); ``up --fresh`` deletes it first and starts a new run.
 """
 
 from __future__ import annotations
@@ -19,19 +22,26 @@ import sys
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlfleet-ray", formatter_class=argparse.RawDescriptionHelpFormatter,
                                      description=__doc__.strip().replace("``", "`"))
-    parser.add_argument("--ray-address", default=None,
-                        help="the Ray cluster (ray.init's address; default: auto, or RAY_ADDRESS)")
+    ray_address_help = "the Ray cluster (ray.init's address; default: auto, or RAY_ADDRESS)"
+    parser.add_argument("--ray-address", default=None, help=ray_address_help)
+    # Also after the command (`up fleet.yaml --ray-address ...`); SUPPRESS keeps one given before it.
+    cluster = argparse.ArgumentParser(add_help=False)
+    cluster.add_argument("--ray-address", default=argparse.SUPPRESS, help=ray_address_help)
+    named = argparse.ArgumentParser(add_help=False, parents=[cluster])
+    named.add_argument("--name", default="rlfleet", help="the fleet's name (its config's `name`)")
     commands = parser.add_subparsers(dest="command", required=True)
-    up = commands.add_parser("up", help="start the fleet a config file describes (docs/guides/ray.md)")
+    up = commands.add_parser("up", parents=[cluster], help="start the fleet a config file describes (docs/guides/ray.md)")
     up.add_argument("config", help="the fleet's YAML config file")
-    for name, text in (("status", "every instance's address, node and start count (JSON)"),
-                       ("down", "stop every instance of the fleet")):
-        command = commands.add_parser(name, help=text)
-        command.add_argument("--name", default="rlfleet", help="the fleet's name (its config's `name`)")
-    scale = commands.add_parser("scale", help="run N instances of a service (generation)")
+    up.add_argument("--fresh", action="store_true",
+                    help="start a new run: the collector, the trajectory store and the reward service delete "
+                         "their durable state at their first start (default: resume it)")
+    commands.add_parser("status", parents=[named], help="every instance's address, node and start count (JSON)")
+    address = commands.add_parser("address", parents=[named], help="one instance's host:port (a trainer's --collector)")
+    address.add_argument("key", nargs="?", default="collector", help="collector, trajectory, generation-0, ...")
+    scale = commands.add_parser("scale", parents=[named], help="run N instances of a service (generation)")
     scale.add_argument("service", choices=["generation"])
     scale.add_argument("replicas", type=int)
-    scale.add_argument("--name", default="rlfleet", help="the fleet's name (its config's `name`)")
+    commands.add_parser("down", parents=[named], help="stop every instance of the fleet")
     return parser
 
 
@@ -40,24 +50,49 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="[rlfleet-ray] %(message)s", stream=sys.stderr)
+    from rlfleet.ray import FleetError
+
+    try:
+        return _run(ns)
+    except (FleetError, LookupError, ValueError, OSError) as err:
+        # What a user can act on (a service's refusal, a missing file, a bad config): its message, once.
+        print(f"rlfleet-ray {ns.command}: error: {err}", file=sys.stderr)
+        return 1
+
+
+def _run(ns: argparse.Namespace) -> int:
     from rlfleet.ray import Fleet, load_config
 
     if ns.command == "up":
         config = load_config(ns.config)
         if ns.ray_address:
             config.ray_address = ns.ray_address
-        fleet = Fleet.up(config)
+        fleet = Fleet.up(config, fresh=ns.fresh)
         for key, record in fleet.status().items():
             print(f"{key}\t{record['address']}\t{record['node_id'][:12]}")
+        _say_run(fleet)
         return 0
     fleet = Fleet.attach(ns.name, ns.ray_address)
     if ns.command == "status":
         print(json.dumps(fleet.status(), indent=1))
+    elif ns.command == "address":
+        print(fleet.address(ns.key))
     elif ns.command == "scale":
         print("\n".join(fleet.scale(ns.service, ns.replicas)))
     else:
         fleet.down()
     return 0
+
+
+def _say_run(fleet) -> None:
+    """The collector's run after ``up`` (new, or resumed at which version), as its status reports it."""
+    import logging
+
+    from rlfleet.ray import runs
+
+    run = fleet.collector_run()
+    if run is not None:
+        logging.getLogger("rlfleet.ray").info("collector: %s", runs.describe_run(run))
 
 
 if __name__ == "__main__":

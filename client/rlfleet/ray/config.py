@@ -78,13 +78,13 @@ class FleetConfig:
     ray_address: str | None = None
     """What ``ray.init`` connects to when Ray is not initialised yet (None: ``auto``)."""
     workdir: str = "/tmp/rlfleet-ray"
-    """Each service's state, logs and port file in ``<workdir>/<key>``, on the node running it. Durable
-    state that must survive a node (trajectory store, collector state) needs PostgreSQL (their
-    ``database_url`` settings) or this on a shared volume."""
+    """Each service's state, logs and port file in ``<workdir>/<key>``, on the node running it (relative:
+    to the config file's directory). Durable state that must survive a node (trajectory store, collector
+    state) needs PostgreSQL (their ``database_url`` settings) or this on a shared volume."""
     credentials: str | None = None
     """A directory made by ``rlfleet.services.credentials`` (certificates must hold the nodes' IPs:
-    ``--host``); read by the driver and delivered to every actor, written there to a private directory.
-    None: plaintext."""
+    ``--host``); read by the driver (``up``, ``scale``) and delivered to every actor, written there to a
+    private directory that goes with the actor. Relative: to the config file's directory. None: plaintext."""
     bind_host: str = "0.0.0.0"
     """The interface every service binds (its address in the registry is the node's IP)."""
     services: dict[str, ServiceSpec] = field(default_factory=dict)
@@ -122,7 +122,15 @@ class FleetConfig:
 
 
 def load_config(path: str | Path) -> FleetConfig:
-    """A fleet config from a YAML (or JSON) file."""
+    """A fleet config from a YAML (or JSON) file; its relative ``credentials`` and ``workdir`` are
+    relative to the file's directory (made absolute here: the fleet's spec, which ``scale`` and ``down``
+    read from the registry wherever they run, holds them so)."""
     import yaml
 
-    return FleetConfig.from_dict(yaml.safe_load(Path(path).read_text()) or {})
+    path = Path(path)
+    config = FleetConfig.from_dict(yaml.safe_load(path.read_text()) or {})
+    base = path.resolve().parent
+    if config.credentials:
+        config.credentials = str(base / config.credentials)
+    config.workdir = str(base / config.workdir)
+    return config

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlfleet.ray import runs
 from rlfleet.ray.config import UPSTREAMS, FleetConfig, ServiceSpec
 from rlfleet.ray.registry import Registry
 
@@ -27,6 +28,11 @@ log = logging.getLogger("rlfleet.ray")
 NAMESPACE = "rlfleet"
 CREDENTIAL_FILES = ("ca.pem", "tokens")
 """Besides every ``<service>.pem/.key`` and ``token-service``: what the services read (never ``ca.key``)."""
+
+
+class FleetError(RuntimeError):
+    """A fleet operation failed for a reason its message gives (a service's own error lines, a missing
+    file): ``rlfleet-ray`` prints it without a traceback."""
 
 
 def _ray():
@@ -38,12 +44,15 @@ def _ray():
 def read_credentials(directory: str | Path) -> dict[str, bytes]:
     """The files of a credentials directory the services need (the CA's key stays behind)."""
     directory = Path(directory)
+    if not directory.is_dir():
+        raise FleetError(f"credentials: {directory} is not a directory here (the fleet's config names it; "
+                         "up and scale read it where they run)")
     wanted = {path.name for path in directory.iterdir()
               if path.suffix in (".pem", ".key") or path.name in ("tokens", "token-service")}
     wanted.discard("ca.key")
     missing = [name for name in CREDENTIAL_FILES if name not in wanted]
     if missing:
-        raise FileNotFoundError(f"credentials {directory}: {missing} missing (rlfleet.services.credentials makes them)")
+        raise FleetError(f"credentials {directory}: {missing} missing (rlfleet.services.credentials makes them)")
     return {name: (directory / name).read_bytes() for name in sorted(wanted)}
 
 
@@ -51,7 +60,10 @@ def connect(ray_address: str | None = None) -> str:
     """``ray.init`` unless this process is connected already (a driver, a task, an actor); the GCS address."""
     ray = _ray()
     if not ray.is_initialized():
-        ray.init(address=ray_address or "auto", namespace=NAMESPACE, logging_level=logging.WARNING)
+        # Not the actors' output: the services log to their own files, and a failed start is reported
+        # once, by Fleet.up, rather than again as the actor's traceback streamed here.
+        ray.init(address=ray_address or "auto", namespace=NAMESPACE, logging_level=logging.WARNING,
+                 log_to_driver=False)
     return ray.get_runtime_context().gcs_address
 
 
@@ -68,12 +80,18 @@ class Fleet:
     # -- lifecycle ----------------------------------------------------------------------------------
 
     @classmethod
-    def up(cls, config: FleetConfig) -> "Fleet":
+    def up(cls, config: FleetConfig, fresh: bool = False) -> "Fleet":
         """Start every service (all but the collector together, then the collector once they serve);
-        a fleet of the same name still running is stopped first."""
+        a fleet of the same name still running is stopped first. ``fresh``: the stateful services
+        (collector, trajectory store, reward) delete their durable state at their first start (a new
+        run); otherwise they resume it (``runs.py``). A service that refuses to start raises ``FleetError`` with its lines."""
         fleet = cls(config)
         fleet.down(quiet=True)
+        log.info("fleet %s: %s", config.name, runs.describe_start(
+            {name: spec.settings for name, spec in config.services.items()}, fresh))
         fleet.registry.put_spec(config.to_dict())
+        if fresh:
+            runs.request_fresh(fleet.registry, list(config.services))
         try:
             # Everything but the collector at once (a vLLM engine's start overlaps the others'); the
             # collector last: it reads their addresses and probes the replicas at its start.
@@ -122,6 +140,20 @@ class Fleet:
     def status_of(self, name: str) -> dict[str, dict[str, Any]]:
         """The records of ``name``'s instances (``generation``: every replica)."""
         return {key: record for key, record in self.status().items() if record.get("service") == name}
+
+    def collector_run(self):
+        """The run the collector holds (its status' ``run``, the SDK's ``Run``: new, or resumed at which
+        version); None where it cannot say (a collector older than run ids, or not reachable from here)."""
+        from rlfleet.client import connect, credentials_from
+        from rlfleet.client.errors import RlfleetClientError
+
+        secrets = credentials_from(self.config.credentials, role="reader") if self.config.credentials else {}
+        try:
+            with connect(self.address("collector"), timeout=30, **secrets) as client:
+                return getattr(client.status(), "run", None)
+        except (RlfleetClientError, LookupError) as err:
+            log.warning("the collector's run is not known here: %s", err)
+            return None
 
     def actor(self, key: str):
         return _ray().get_actor(self._actor_name(key), namespace=NAMESPACE)
@@ -220,9 +252,24 @@ class Fleet:
         started = time.monotonic()
         for key, actor in launched:
             budget = timeout if timeout is not None else self.config.services[key.split("-")[0]].start_timeout_seconds
-            record = ray.get(actor.info.remote(), timeout=max(1.0, budget - (time.monotonic() - started)))
+            try:
+                record = ray.get(actor.info.remote(), timeout=max(1.0, budget - (time.monotonic() - started)))
+            except ray.exceptions.GetTimeoutError:
+                log_path = Path(self.config.workdir) / key / f"{key.split('-')[0]}.log"
+                raise FleetError(f"{key} did not serve within {budget:.0f} s (start_timeout_seconds); its log: "
+                                 f"{log_path} on its node") from None
+            except ray.exceptions.RayActorError as err:
+                raise FleetError(self._start_failure(key, err)) from None
             log.info("%s SERVING at %s (node %s)", key, record["address"], record["node_id"][:8])
         self._chosen.clear()
+
+    def _start_failure(self, key: str, err: Exception) -> str:
+        """Why ``key``'s actor died starting: the error its start left in the registry (the service's own
+        lines), else Ray's first line (the actor died before it could say)."""
+        error = self.registry.get("error", key)
+        if error:
+            return f"{key} did not start: {error}"
+        return f"{key}'s actor died before its service served: {str(err).strip().splitlines()[0]}"
 
     def _stop(self, keys: list[str]) -> None:
         """Stop ``keys`` together: their processes SIGTERMed, their records withdrawn, the actors killed."""
@@ -241,4 +288,4 @@ class Fleet:
                 log.warning("%s did not stop gracefully (%s): killing it", key, exc)
         for key, actor in actors.items():
             ray.kill(actor, no_restart=True)
-            self.registry.withdraw(key)
+            self.registry.forget(key)

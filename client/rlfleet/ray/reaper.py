@@ -1,6 +1,7 @@
-"""Kills a service's process group once the actor that started it is gone, however it went.
+"""Kills a service's process group once the actor that started it is gone, however it went, and removes
+what the group leaves behind.
 
-    python -m rlfleet.ray.reaper FD PGID
+    python -m rlfleet.ray.reaper FD PGID [DIRECTORY]
 
 ``PR_SET_PDEATHSIG`` takes the service's own process when its actor dies, but not what the service
 started in turn: a vLLM engine core and its workers outlive a SIGKILLed parent (reparented to init,
@@ -9,42 +10,142 @@ of a pipe whose write end only the actor has: when the actor's process ends (SIG
 pipe reads EOF and the reaper SIGKILLs the service's whole process group. It detaches itself first
 (double fork), so nothing that kills the actor's direct children takes it along; it exits on its own
 when the group is gone.
+
+A graceful stop cleans up after itself; a SIGKILLed group leaves behind (``clean``):
+
+- a vLLM engine's shared memory, ``/dev/shm/psm_*`` (Python's ``SharedMemory``: random names, nothing
+  in them says whose). The group's are the segments its processes map or hold open: read from ``/proc``
+  every ``SCAN_SECONDS`` while the group lives and once more just before the kill (a member that exits on
+  its own first, an engine core on its parent's death, takes its maps along);
+- rlfleet's own weight segments (``rlfleet-w-*``, a replica's kept weights): swept by their locks
+  (``rlfleet.wire.shm.sweep_stale``: those no living process holds);
+- its temporary files (a vLLM engine's ``vllm_dist_*`` file store, its IPC sockets): the actor points the
+  process's ``TMPDIR`` into its node directory (``node_dir.py``), ``DIRECTORY`` here, removed with it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import select
 import signal
 import sys
+import time
+from pathlib import Path
 
 POLL_SECONDS = 1.0
+SCAN_SECONDS = 5.0
+"""How often the group's shared-memory segments are read while it lives."""
+EXIT_WAIT_SECONDS = 10.0
+"""How long a SIGKILLed group may take to exit (and drop its locks) before its leftovers are removed."""
+ACTOR_GRACE_SECONDS = 30.0
+"""After the group ended on its own, how long the actor may take to go too (one signal for a host's or
+a node's shutdown stops both): if it does, its directory is removed here."""
+SHM_DIR = Path("/dev/shm")
+ENGINE_SEGMENT = re.compile(r"^psm_[0-9a-f]+$")
+"""Python ``SharedMemory`` names: what a vLLM engine's message queues are."""
 
 
-def watch(fd: int, pgid: int) -> None:
+def members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def held_segments(pids: list[int]) -> set[Path]:
+    """The engine segments (``psm_*`` in ``/dev/shm``) that processes ``pids`` map or hold open."""
+    paths: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                paths.update(line.split(None, 5)[5].strip() for line in maps if str(SHM_DIR) in line)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                paths.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue  # exited meanwhile
+    return {Path(path) for path in paths
+            if Path(path).parent == SHM_DIR and ENGINE_SEGMENT.match(Path(path).name)}  # " (deleted)" fails too
+
+
+def clean(segments: set[Path], directory: str | None, killed: bool) -> None:
+    """After the group is gone: its engine segments, ``directory``, and if it was ``killed`` (no graceful
+    stop released them) the weight segments nobody holds now."""
+    for path in segments:
+        path.unlink(missing_ok=True)
+    if directory:
+        from rlfleet.ray import node_dir
+
+        node_dir.remove(directory)
+    if killed:
+        from rlfleet.wire.shm import sweep_stale  # imports torch: only once a group was killed
+
+        sweep_stale()
+
+
+def kill(pgid: int, known: set[Path]) -> set[Path]:
+    """SIGKILL the group, wait for it to exit; its segments (``known`` and what it holds now)."""
+    segments = known | held_segments(members(pgid))
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + EXIT_WAIT_SECONDS
+    while members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return segments
+
+
+def actor_gone(fd: int, timeout: float) -> bool:
+    """The pipe's write end closed (the actor never writes to it: readable means EOF)."""
+    readable, _, _ = select.select([fd], [], [], timeout)
+    return bool(readable) and not os.read(fd, 1)
+
+
+def watch(fd: int, pgid: int, directory: str | None = None) -> None:
+    known: set[Path] = set()
+    next_scan = 0.0
     while True:
-        readable, _, _ = select.select([fd], [], [], POLL_SECONDS)
-        if readable and not os.read(fd, 1):  # EOF: the actor is gone
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if time.monotonic() >= next_scan:  # (a zombie stays in the group: killpg(pgid, 0) alone never ends)
+            pids = members(pgid)
+            if not pids:
+                break
+            known |= held_segments(pids)
+            next_scan = time.monotonic() + SCAN_SECONDS
+        if actor_gone(fd, POLL_SECONDS):
+            clean(kill(pgid, known), directory, killed=True)
             return
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
-            return  # the group ended (a graceful stop): nothing left to guard
+            break
         except PermissionError:
             pass
+    # The group ended before the actor: a graceful stop (vLLM removed its segments), or a crash (it did not).
+    if actor_gone(fd, ACTOR_GRACE_SECONDS):  # the actor went too (a shutdown that signalled both)
+        clean(known, directory, killed=False)
+    else:  # the actor lives on (it restarts its process, or stops): it removes its own directory
+        for path in known:
+            path.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> None:
-    fd, pgid = (int(value) for value in (argv if argv is not None else sys.argv[1:]))
+    args = argv if argv is not None else sys.argv[1:]
+    fd, pgid = int(args[0]), int(args[1])
+    directory = args[2] if len(args) > 2 else None
     if os.fork():  # the first child returns at once (its parent reaps it); the grandchild is detached
         os._exit(0)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    watch(fd, pgid)
+    watch(fd, pgid, directory)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ import json
 from typing import Any
 
 NAMESPACE = b"rlfleet"
+KINDS = ("service", "starts", "fresh", "error")
+"""What the registry keeps per instance: its record (address...), its start count, the fresh-start marker
+(``runs.py``), the error its last start failed with."""
 
 
 class Registry:
@@ -43,7 +46,30 @@ class Registry:
         self._client().internal_kv_put(self._key("service", key), json.dumps(record).encode(), True, NAMESPACE)
 
     def withdraw(self, key: str) -> None:
-        self._client().internal_kv_del(self._key("service", key), False, NAMESPACE)
+        """``key``'s address out (it stops): nobody sends it work any more."""
+        self.delete("service", key)
+
+    def forget(self, key: str) -> None:
+        """Every record of ``key`` (it is gone from the fleet): address, start count, markers, error."""
+        for kind in KINDS:
+            self.delete(kind, key)
+
+    def put(self, kind: str, key: str, value: str) -> None:
+        self._client().internal_kv_put(self._key(kind, key), value.encode(), True, NAMESPACE)
+
+    def get(self, kind: str, key: str) -> str | None:
+        value = self._client().internal_kv_get(self._key(kind, key), NAMESPACE)
+        return value.decode() if value else None
+
+    def delete(self, kind: str, key: str) -> None:
+        self._client().internal_kv_del(self._key(kind, key), False, NAMESPACE)
+
+    def count_start(self, key: str) -> int:
+        """One more start of ``key``'s process; the starts since the fleet's ``up``. Kept here, not in the
+        actor: an actor Ray restarts (on another node) counts on from its predecessor's."""
+        count = int(self.get("starts", key) or 0) + 1
+        self.put("starts", key, str(count))  # one actor per key at a time: no concurrent writer
+        return count
 
     def clear(self) -> None:
         """Every record of the fleet (its spec included)."""
@@ -62,6 +88,12 @@ class Registry:
         """Hex ids of the nodes the GCS holds alive."""
         infos = self._client().get_all_node_info()
         return {node_id.hex() for node_id, info in infos.items() if info.state == 0}  # GcsNodeInfo.ALIVE
+
+    def node_ip(self, node_id: str) -> str | None:
+        """The IP the cluster knows node ``node_id`` (hex) by: where its services are reached, what the
+        credentials' certificates must hold."""
+        infos = self._client().get_all_node_info()
+        return next((info.node_manager_address for key, info in infos.items() if key.hex() == node_id), None)
 
     def services(self, service: str | None = None, alive_only: bool = True) -> dict[str, dict[str, Any]]:
         """The records (of ``service`` only, if given) on live nodes (``alive_only``) or all, sorted by key."""
