@@ -2,13 +2,15 @@
 
     name: rlfleet                     # actor names and registry keys
     workdir: /tmp/rlfleet-ray         # each service's state and log in <workdir>/<key>
-    credentials: ./credentials        # optional: TLS, mTLS and role tokens everywhere
+    credentials: ./credentials        # optional: TLS, mTLS and role tokens everywhere (relative: to this file)
     services:
       trajectory: {settings: {db_path: "{workdir}/trajectory/trajectories.db"}}
       reference:  {num_gpus: 1, settings: {model_path: /models/policy}}
       reward:     {settings: {tokenizer_path: /models/policy}}
       generation: {replicas: 4, placement: spread, num_gpus: 1, settings: {model: /models/policy}}
-      collector:  {port: 50050, settings: {mode: sync, group_size: 8}}
+      collector:  {port: 50050, settings: {state_dir: "{workdir}/collector/state", mode: sync, group_size: 4}}
+
+(``num_gpus: 0`` on a CPU-only cluster; docs/guides/ray.md has the whole story.)
 
 A service's ``settings`` are its own config fields (the names of its ``--config`` file, its flags
 without ``--`` and with ``_``), written to a ``--config`` file on the node that runs it; ``args`` are
