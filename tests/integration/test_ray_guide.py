@@ -149,6 +149,7 @@ def test_the_ray_guide_runs_as_written_on_a_two_node_cpu_cluster(place):
         if command is None:
             continue
         if command == "STOP":
+            check_a_plain_up_resumes_the_run(directory, env, results)
             cluster.stop()
         elif command.startswith("export "):
             name, _, value = command[len("export "):].partition("=")
@@ -169,20 +170,30 @@ def test_the_ray_guide_runs_as_written_on_a_two_node_cpu_cluster(place):
 
 
 def check_a_refused_setting_is_reported_once(directory: Path, env: dict[str, str]) -> None:
-    """The mistake the guide once made (a vLLM argument as a generation setting), twice: each `up` fails with
-    the service's own refusal, once, from that start's log only (the log is appended across starts), and
-    no traceback."""
+    """The mistake the guide once made (a vLLM argument as a generation setting): `up` fails with the
+    service's own refusal, once, and no traceback (that a start's report holds its own log lines only, not
+    a previous start's, tests/unit/test_ray.py checks)."""
     config = (directory / "fleet.yaml").read_text()
     bad = config.replace("settings: {model: ", "settings: {gpu_memory_utilization: 0.85, model: ", 1)
     assert bad != config
     (directory / "bad.yaml").write_text(bad)
-    for _ in range(2):
-        result = subprocess.run(["rlfleet-ray", "up", "bad.yaml"], cwd=directory, env=env, capture_output=True,
-                                text=True, timeout=COMMAND_TIMEOUT)
-        assert result.returncode == 1, result.stderr
-        assert "rlfleet-ray up: error: generation-0 did not start: generation exited with code 2" in result.stderr
-        assert result.stderr.count("gpu_memory_utilization\n  Extra inputs are not permitted") == 1, result.stderr
-        assert "Traceback" not in result.stderr and "ActorDiedError" not in result.stderr, result.stderr
+    result = subprocess.run(["rlfleet-ray", "up", "bad.yaml"], cwd=directory, env=env, capture_output=True,
+                            text=True, timeout=COMMAND_TIMEOUT)
+    print(result.stderr)
+    assert result.returncode == 1, result.stderr
+    assert "rlfleet-ray up: error: generation-0 did not start: generation exited with code 2" in result.stderr
+    assert result.stderr.count("gpu_memory_utilization\n  Extra inputs are not permitted") == 1, result.stderr
+    assert "Traceback" not in result.stderr and "ActorDiedError" not in result.stderr, result.stderr
+
+
+def check_a_plain_up_resumes_the_run(directory: Path, env: dict[str, str], results: dict) -> None:
+    """After the guide's `down`: `up` without --fresh says it resumes, and the collector is back in the
+    guide's run at the version its trainer reached (the fresh start was the first start's only)."""
+    fresh_up = next(result for command, result in results.items() if command.startswith("rlfleet-ray up"))
+    run_id = re.search(r"collector: run (\S+): new", fresh_up.stderr).group(1)
+    resumed = run("rlfleet-ray up fleet.yaml", directory, env).stderr
+    assert "resuming the durable state" in resumed and f"collector: run {run_id}: resumed at version 3" in resumed, resumed
+    run("rlfleet-ray down", directory, env)
 
 
 def check_what_the_commands_did(directory: Path, results: dict[str, subprocess.CompletedProcess]) -> None:

@@ -272,3 +272,15 @@ def test_the_reaper_kills_the_group_once_its_actor_is_gone_and_removes_what_the_
         outsider.wait()
         for path in segments:
             path.unlink(missing_ok=True)
+
+
+def test_a_failed_starts_log_tail_holds_that_start_only(tmp_path):
+    """The service log is appended across starts (an actor restarts its process in the same directory):
+    what a failed start reports is its own lines, never a previous start's."""
+    from rlfleet.services.launch import ServiceProcess
+
+    for _ in range(2):  # json.tool refuses the --port flags every service takes: a start that fails
+        process = ServiceProcess("refuser", module="json.tool").start(tmp_path)
+        assert process.process.wait(60) == 2
+        assert process.log_tail().count("usage:") == 1
+    assert (tmp_path / "refuser.log").read_text().count("usage:") == 2

@@ -87,8 +87,11 @@ class Fleet:
         run); otherwise they resume it (``runs.py``). A service that refuses to start raises ``FleetError`` with its lines."""
         fleet = cls(config)
         fleet.down(quiet=True)
-        log.info("fleet %s: %s", config.name, runs.describe_start(
-            {name: spec.settings for name, spec in config.services.items()}, fresh))
+        from rlfleet.ray.actor import substitute
+
+        settings = {name: substitute(spec.settings, {"workdir": config.workdir, "key": name})
+                    for name, spec in config.services.items()}
+        log.info("fleet %s: %s", config.name, runs.describe_start(settings, fresh))
         fleet.registry.put_spec(config.to_dict())
         if fresh:
             runs.request_fresh(fleet.registry, list(config.services))
