@@ -198,7 +198,12 @@ def connection(ns: argparse.Namespace) -> dict:
 
 def join_run(client) -> None:
     """Join the run now: a collector holding another run refuses here, naming both, before any work."""
-    run = client.join()
+    from rlfleet.client import FailedPreconditionError
+
+    try:
+        run = client.join()
+    except FailedPreconditionError as refused:
+        sys.exit(f"[demo] {refused}")
     print(f"[demo] run {run.run_id} at version {run.version} ({'resumed' if run.version else 'new'}); "
           f"resume it with --resume RUN_ID@VERSION, the version being the last step's", file=sys.stderr)
 

@@ -146,9 +146,9 @@ def describe_run(collector: str, workdir: Path, secure: bool) -> str:
     with connect(collector, **(credentials_from(workdir / "credentials") if secure else {})) as client:
         run = client.status().run
     if not run.resumed:
-        return f"a new run: {run.run_id}"
-    return (f"resumed run {run.run_id} at committed version {run.version} from the state in {workdir} "
-            f"(--fresh starts a new run; a trainer resumes this one with run {run})")
+        return run.describe()
+    return (f"{run.describe()}, from the state in {workdir} (--fresh starts a new run; a trainer resumes "
+            f"this one with run {run})")
 
 
 def stop_suite(procs: dict[str, ServiceProcess]) -> None:

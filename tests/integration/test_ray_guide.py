@@ -149,7 +149,7 @@ def test_the_ray_guide_runs_as_written_on_a_two_node_cpu_cluster(place):
         if command is None:
             continue
         if command == "STOP":
-            check_a_plain_up_resumes_the_run(directory, env, results)
+            check_a_plain_up_resumes_the_run(directory, env, results, values["model"])
             cluster.stop()
         elif command.startswith("export "):
             name, _, value = command[len("export "):].partition("=")
@@ -186,13 +186,19 @@ def check_a_refused_setting_is_reported_once(directory: Path, env: dict[str, str
     assert "Traceback" not in result.stderr and "ActorDiedError" not in result.stderr, result.stderr
 
 
-def check_a_plain_up_resumes_the_run(directory: Path, env: dict[str, str], results: dict) -> None:
+def check_a_plain_up_resumes_the_run(directory: Path, env: dict[str, str], results: dict, model: str) -> None:
     """After the guide's `down`: `up` without --fresh says it resumes, and the collector is back in the
-    guide's run at the version its trainer reached (the fresh start was the first start's only)."""
+    guide's run at the version its trainer reached (the fresh start was the first start's only). A freshly
+    initialised trainer (the guide's outside-the-cluster command) is refused, naming that run."""
     fresh_up = next(result for command, result in results.items() if command.startswith("rlfleet-ray up"))
     run_id = re.search(r"collector: run (\S+): new", fresh_up.stderr).group(1)
     resumed = run("rlfleet-ray up fleet.yaml", directory, env).stderr
     assert "resuming the durable state" in resumed and f"collector: run {run_id}: resumed at version 3" in resumed, resumed
+    trainer = subprocess.run(["bash", "-c", f'python examples/train_grpo.py --collector "$(rlfleet-ray address collector)" '
+                              f'--model-dir {model} --credentials ./credentials --steps 1 --out fresh-trainer'],
+                             cwd=directory, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+    assert trainer.returncode != 0 and "this trainer starts a new run" in trainer.stderr, trainer.stderr[-3000:]
+    assert f"the collector holds run {run_id} " in trainer.stderr and not (directory / "fresh-trainer" / "metrics.json").exists()
     run("rlfleet-ray down", directory, env)
 
 

@@ -54,7 +54,7 @@ def test_a_run_is_resumed_by_its_id_refused_to_a_new_trainer_and_started_anew_wi
     procs = start(fresh=True)
     with connect(procs["collector"].address, run="new") as trainer:
         first = trainer.join()
-        assert first.version == 0 and not first.resumed and "a new run" in describe_run(
+        assert first.version == 0 and not first.resumed and f"run {first.run_id}: new" == describe_run(
             procs["collector"].address, workdir, secure=False)
         for _ in range(2):
             one_step(trainer, weights)
@@ -65,7 +65,7 @@ def test_a_run_is_resumed_by_its_id_refused_to_a_new_trainer_and_started_anew_wi
     procs = start()
     address = procs["collector"].address
     said = describe_run(address, workdir, secure=False)
-    assert f"resumed run {held.run_id} at committed version 2" in said and f"run {held}" in said
+    assert f"run {held.run_id}: resumed at version 2" in said and f"run {held})" in said
     with connect(address) as reader:
         status = reader.status()
         assert status.run.run_id == held.run_id and status.run.resumed and status.policy_version == 2

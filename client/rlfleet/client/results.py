@@ -224,6 +224,10 @@ class Run:
     def __str__(self) -> str:
         return f"{self.run_id}@{self.version}"
 
+    def describe(self) -> str:
+        """In words, as the collector holds it: "run X: new", or "run X: resumed at version N"."""
+        return f"run {self.run_id}: " + (f"resumed at version {self.version}" if self.resumed else "new")
+
     @classmethod
     def parse(cls, text: str) -> "Run":
         """``RUN_ID@VERSION`` (what ``str(run)`` gives) as a ``Run``."""

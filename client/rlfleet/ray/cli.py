@@ -88,11 +88,9 @@ def _say_run(fleet) -> None:
     """The collector's run after ``up`` (new, or resumed at which version), as its status reports it."""
     import logging
 
-    from rlfleet.ray import runs
-
     run = fleet.collector_run()
     if run is not None:
-        logging.getLogger("rlfleet.ray").info("collector: %s", runs.describe_run(run))
+        logging.getLogger("rlfleet.ray").info("collector: %s", run.describe())
 
 
 if __name__ == "__main__":

@@ -60,9 +60,3 @@ def describe_start(services: dict[str, dict[str, Any]], fresh: bool) -> str:
     where = "; ".join(f"{name}: {state_location(name, services.get(name, {}))}" for name in STATEFUL)
     return f"resuming the durable state in it ({where}); `up --fresh` starts a new run instead"
 
-
-def describe_run(run) -> str:
-    """The collector's run (the SDK's ``Status.run``) in words."""
-    if run.resumed:
-        return f"run {run.run_id}: resumed at version {run.version}"
-    return f"run {run.run_id}: new"
