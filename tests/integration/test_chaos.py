@@ -126,7 +126,9 @@ def quietly(call):
 
 
 def strings(batch, key: str) -> list[str]:
-    return batch[key].tolist()
+    values = batch[key]
+    assert isinstance(values, list), type(values)  # a batch's string entry is a plain list of str
+    return values
 
 
 def generating(status) -> int:
