@@ -13,12 +13,16 @@ instead of streaming the new run's batches to it.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from dataclasses import dataclass
 
 from rlfleet.client.channel import RUN_METADATA
-from rlfleet.services.common.errors import FailedPrecondition
+from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument
+
+RUN_ID = re.compile(r"run-[0-9]{8}-[0-9]{6}-[0-9a-f]{6}")
+"""What ``new_run_id`` makes: a claimed run id of another shape was never a run's."""
 
 FRESH_HINTS = "rlfleet-suite --fresh, rlfleet-ray up --fresh, or docker compose down -v before up"
 """How each deployment starts a new run (named in refusals)."""
@@ -58,6 +62,8 @@ def load(stored: str | None, had_state: bool, now: float | None = None) -> tuple
 def check_join(run: Run, committed: int, claimed_run_id: str, claimed_version: int) -> None:
     """FAILED_PRECONDITION unless a trainer holding ``claimed_run_id`` ("": none, it starts a run) at
     ``claimed_version`` may join ``run`` at ``committed``."""
+    if claimed_run_id and not RUN_ID.fullmatch(claimed_run_id):
+        raise InvalidArgument(f"run_id: not a run id (run-YYYYMMDD-HHMMSS-xxxxxx), got {_shown(claimed_run_id)}")
     held = run.describe(committed)
     if not claimed_run_id:
         if committed != 0:
@@ -82,7 +88,13 @@ def check_call(run: Run, metadata) -> None:
     """FAILED_PRECONDITION when a call's ``rlfleet-run-id`` names another run (absent: taken)."""
     for key, value in metadata or ():
         if key == RUN_METADATA and value != run.run_id:
+            value = _shown(value)
             raise FailedPrecondition(
                 f"this trainer joined run {value}, but the collector now holds run {run.run_id} (its state was "
                 f"started anew): its batches and versions are not the trainer's run. Join run {run.run_id} "
                 f"(run='new' or resume it), or bring back run {value}'s state")
+
+
+def _shown(value: str, limit: int = 64) -> str:
+    """A caller's value in a message: bounded (an error's message travels in the call's trailers)."""
+    return value if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"

@@ -12,7 +12,7 @@ from rlfleet.client.channel import ChannelSettings
 from rlfleet.services.collector import run as runs
 from rlfleet.services.collector.ledger import PromptLedger
 from rlfleet.services.common.database import open_database, purge_database
-from rlfleet.services.common.errors import FailedPrecondition
+from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument
 
 HELD = runs.Run("run-20261128-120000-abcdef", 1_764_331_200.0, resumed=True)
 
@@ -106,3 +106,13 @@ def test_the_sdk_claim_and_its_metadata():
         run_claim(12)
     assert ("rlfleet-run-id", "run-a") in ChannelSettings(run_id="run-a").metadata()
     assert not any(key == "rlfleet-run-id" for key, _ in ChannelSettings().metadata())
+
+
+def test_a_claimed_run_id_of_another_shape_is_invalid_and_never_echoed_whole():
+    for claimed in ("nope", "run-1", "x" * 100_000, HELD.run_id + "\n"):
+        with pytest.raises(InvalidArgument, match="run_id: not a run id") as refused:
+            runs.check_join(HELD, 0, claimed, 0)
+        assert len(str(refused.value)) < 300
+    with pytest.raises(FailedPrecondition) as refused:
+        runs.check_call(HELD, [("rlfleet-run-id", "y" * 8000)])
+    assert len(str(refused.value)) < 600 and "8000 characters" in str(refused.value)

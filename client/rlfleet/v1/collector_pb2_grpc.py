@@ -179,10 +179,11 @@ class CollectorServiceServicer:
         FAILED_PRECONDITION naming both runs when they differ: a trainer starting
         a new run while the collector holds a run that committed a version, a
         trainer resuming another run, or holding another version than the one
-        committed. After joining, the SDK sends the run id as the call metadata
-        `rlfleet-run-id` on every call; PushWeights, SubmitPrompts,
-        ReportMismatch and StreamBatches refuse another run's id with
-        FAILED_PRECONDITION (calls without it are taken: readers, older SDKs).
+        committed; INVALID_ARGUMENT for a run_id of another shape than a run id's
+        ("run-YYYYMMDD-HHMMSS-xxxxxx"). After joining, the SDK sends the run id as
+        the call metadata `rlfleet-run-id` on every call; PushWeights,
+        SubmitPrompts, ReportMismatch and StreamBatches refuse another run's id
+        with FAILED_PRECONDITION (calls without it are taken: readers, older SDKs).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
