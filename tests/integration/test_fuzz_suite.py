@@ -113,6 +113,7 @@ def _own_seeds(method) -> list:
                 cp.LagMismatch(lag=0, kl_k3=0.02, kl_k1=0.01, ess_token=0.9, tokens=32),
                 cp.LagMismatch(lag=2, kl_k3=0.3, kl_k1=0.2, ess_token=0.5, tokens=8)])],
         "CloseMismatchBreaker": [cp.CloseMismatchBreakerRequest()],
+        "JoinRun": [cp.JoinRunRequest(), cp.JoinRunRequest(run_id="run-20261128-120000-abcdef", policy_version=3)],
         "GetPassRates": [cp.GetPassRatesRequest(), cp.GetPassRatesRequest(prompt_keys=["fuzz-text", "none"]),
                          cp.GetPassRatesRequest(after_key="fuzz", limit=1000)],
         "Generate": [gp.GenerateRequest(prompt=_prompt("text"), sampling=short),
