@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -142,6 +143,8 @@ def test_the_ray_guide_runs_as_written_on_a_two_node_cpu_cluster(place):
     (directory / "fleet.yaml").write_text(substitute(config, values, used))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_AUTH_MODE", None)  # the guide sets it
+    env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # Ray's token for every node: read before ~/.ray/auth_token
     leftovers = Leftovers("rlfleet")  # the guide's fleet name
     results, timings = {}, {}
     for written in commands:
