@@ -8,8 +8,10 @@ loss (detached: they scale the gradient, they are not differentiated), the token
 metrics of the mismatch overall and per version lag. Pure torch: no vLLM, no gRPC.
 
 The ratio is the trainer's over the behaviour's, as every peer has it: ``r = exp(trainer - behaviour)``
-per token (log-ratios clamped to ±20 before ``exp``, as veRL and SkyRL do). A ``Correction`` says
-at which level the ratio is taken and what is done outside its bounds:
+per token. The log-ratio at the level a ratio is taken is clamped to ±20 before ``exp``, as veRL does:
+a token's own, a sequence's sum ``Σ log r`` (never its tokens before summing: one extreme token must
+still decide its sequence), a sequence's mean. A ``Correction`` says at which level the ratio is taken
+and what is done outside its bounds:
 
 - ``level``: ``token`` (r), ``sequence`` (the product over the sequence's tokens, ``exp(Σ log r)``,
   given to each of its tokens) or ``geometric`` (the geometric mean, ``exp(mean log r)``);
@@ -38,14 +40,22 @@ preset         weight of a token (``R``: its level's ratio)  peers
                                                              (Ling team, 2025)
 =============  ===========================================  =====================================================
 
-Metrics (over the kept tokens of the input mask, before the correction acts): ``kl_k1`` =
-mean(behaviour - trainer) and ``kl_k3`` = mean(r - 1 - log r), two estimates of KL(behaviour ‖
-trainer) from the behaviour's samples; ``chi2_token`` = mean(r²) - 1 and ``chi2_sequence`` =
-mean over sequences of R² - 1; ``ess_token`` = (Σr)² / (N Σr²) and ``ess_sequence`` the same over
-the sequences' products (both in (0, 1]: 1 when every ratio is equal); ``truncated_fraction`` and
-``masked_fraction`` (of tokens), ``masked_sequence_fraction``; ``weight_mean`` / ``weight_max``
-(over the tokens kept). ``by_lag`` holds ``kl_k1``, ``kl_k3``, ``ess_token``, ``masked_fraction``
-and ``tokens`` per version lag (``trainer_version - versions``) when ``versions`` is given.
+Metrics (over the trained tokens of the input mask, before the correction acts): ``kl_k1`` =
+mean(behaviour - trainer), unclamped, and ``kl_k3`` = mean(r - 1 - log r) (as ``expm1(log r) - log r``,
+exact near 0 in float32), two estimates of KL(behaviour ‖ trainer) from the behaviour's samples;
+``chi2_token`` = mean(r²) - 1 and ``chi2_sequence`` = mean over the sequences with a trained token of
+R² - 1; ``ess_token`` = (Σr)² / (N Σr²) and ``ess_sequence`` the same over those sequences' products
+(both in (0, 1]: 1 when every ratio is equal, taken before any truncation); ``truncated_fraction``
+and ``masked_fraction`` (of tokens), ``masked_sequence_fraction`` (of the sequences with a trained
+token); ``weight_mean`` / ``weight_max`` (over the tokens kept). ``by_lag`` holds ``kl_k1``,
+``kl_k3``, ``ess_token``, ``masked_fraction`` and ``tokens`` per version lag (``trainer_version -
+versions``) when ``versions`` is given. docs/guides/off-policy.md sets each beside the peers' own.
+
+Refused with a ValueError that names the problem: tensors of different shapes or not 2-D, ``versions``
+of another shape, a mask with no trained token (no metric means anything), and a non-finite log-prob
+at a trained position (NaN would spread into every weight; a -inf behaviour log-prob is a token the
+engine could not have sampled), named by its (sequence, token) position. The weights come back in
+the log-probs' floating dtype (float32 at least).
 """
 
 from __future__ import annotations
@@ -58,7 +68,7 @@ import torch
 Level = Literal["token", "sequence", "geometric"]
 Action = Literal["truncate", "mask"]
 LOG_RATIO_CLAMP = 20.0
-"""Log-ratios are clamped to ±this before ``exp`` (veRL's and SkyRL's value): a weight stays finite."""
+"""A level's log-ratio is clamped to ±this before ``exp`` (veRL's ``SAFETY_BOUND``): a weight stays finite."""
 
 
 @dataclass(frozen=True)
@@ -142,24 +152,32 @@ def importance_weights(
         raise ValueError(f"expected [sequences, tokens] tensors, not {trainer_log_probs.dim()}-D ones")
     if (versions is None) != (trainer_version is None):
         raise ValueError("give both versions and trainer_version, or neither")
+    if versions is not None and versions.shape != mask.shape:
+        raise ValueError(f"versions {tuple(versions.shape)} must have the log-probs' shape {tuple(mask.shape)}")
     mask = mask.bool()
-    log_ratio = (trainer_log_probs.detach().float() - behaviour_log_probs.float()).clamp(-LOG_RATIO_CLAMP,
-                                                                                         LOG_RATIO_CLAMP)
-    log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
-    token_ratio = torch.exp(log_ratio)
-    sequence_log_ratio = log_ratio.sum(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if not mask.any():
+        raise ValueError("mask has no trained token: there is nothing to weigh and no mismatch to measure")
+    dtype = torch.promote_types(torch.promote_types(trainer_log_probs.dtype, behaviour_log_probs.dtype),
+                                torch.float32)
+    trainer, behaviour = trainer_log_probs.detach().to(dtype), behaviour_log_probs.detach().to(dtype)
+    _check_finite(trainer, "trainer_log_probs", mask)
+    _check_finite(behaviour, "behaviour_log_probs", mask)
+    log_ratio = torch.where(mask, trainer - behaviour, torch.zeros_like(trainer))  # unclamped: k1, the levels' sums
+    clamped = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    token_ratio = torch.exp(clamped)
     tokens_per_sequence = mask.sum(-1)
-    ratio = _level_ratio(correction.level, token_ratio, sequence_log_ratio, log_ratio, tokens_per_sequence)
+    sequence_ratio = torch.exp(log_ratio.sum(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    ratio = _level_ratio(correction.level, token_ratio, sequence_ratio, log_ratio, tokens_per_sequence)
 
     weights, kept, truncated = _apply(correction, ratio, mask)
-    metrics = _mismatch_metrics(log_ratio, token_ratio, sequence_log_ratio, mask)
-    tokens = mask.sum().clamp(min=1)
     has_tokens = tokens_per_sequence > 0
+    metrics = _mismatch_metrics(log_ratio[mask], clamped[mask], sequence_ratio[has_tokens])
+    tokens = int(mask.sum())
     sequences_masked = (has_tokens & ~(kept & mask).any(-1)).sum()
     metrics.update(
-        truncated_fraction=(truncated & mask).sum().item() / tokens.item(),
-        masked_fraction=(mask & ~kept).sum().item() / tokens.item(),
-        masked_sequence_fraction=sequences_masked.item() / max(int(has_tokens.sum()), 1),
+        truncated_fraction=(truncated & mask).sum().item() / tokens,
+        masked_fraction=(mask & ~kept).sum().item() / tokens,
+        masked_sequence_fraction=sequences_masked.item() / int(has_tokens.sum()),
         weight_mean=_masked_mean(weights, kept & mask),
         weight_max=weights[kept & mask].max().item() if (kept & mask).any() else 0.0,
     )
@@ -168,15 +186,22 @@ def importance_weights(
         lags = (trainer_version - versions.long())
         for lag in torch.unique(lags[mask]).tolist():
             at_lag = mask & (lags == lag)
-            lag_ratio = token_ratio[at_lag]
             by_lag[int(lag)] = {
                 "tokens": int(at_lag.sum()),
                 "kl_k1": (-log_ratio[at_lag]).mean().item(),
-                "kl_k3": (lag_ratio - 1 - log_ratio[at_lag]).mean().item(),
-                "ess_token": _ess(lag_ratio),
+                "kl_k3": _k3(clamped[at_lag]).mean().item(),
+                "ess_token": _ess(token_ratio[at_lag]),
                 "masked_fraction": (at_lag & ~kept).sum().item() / int(at_lag.sum()),
             }
     return Corrected(weights=weights.detach(), mask=kept & mask, metrics=metrics, by_lag=by_lag)
+
+
+def _check_finite(log_probs: torch.Tensor, name: str, mask: torch.Tensor) -> None:
+    bad = mask & ~torch.isfinite(log_probs)
+    if bad.any():
+        sequence, token = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name} is {log_probs[sequence, token].item()} at (sequence {sequence}, token {token}), "
+                         f"a trained position ({int(bad.sum())} non-finite in all): a log-prob must be finite")
 
 
 def _resolve(correction: str | Correction) -> Correction:
@@ -188,14 +213,16 @@ def _resolve(correction: str | Correction) -> Correction:
         raise ValueError(f"unknown correction {correction!r}; the presets are {', '.join(PRESETS)}") from None
 
 
-def _level_ratio(level: Level, token_ratio, sequence_log_ratio, log_ratio, tokens_per_sequence) -> torch.Tensor:
-    """The ratio each token is judged by: its own, or its sequence's (product or geometric mean)."""
+def _level_ratio(level: Level, token_ratio, sequence_ratio, log_ratio, tokens_per_sequence) -> torch.Tensor:
+    """The ratio each token is judged by: its own, or its sequence's (product or geometric mean), each
+    from the unclamped log-ratios, clamped at its own level."""
     if level == "token":
         return token_ratio
     if level == "sequence":
-        per_sequence = torch.exp(sequence_log_ratio)
+        per_sequence = sequence_ratio
     else:
-        per_sequence = torch.exp(log_ratio.sum(-1) / tokens_per_sequence.clamp(min=1))
+        mean = log_ratio.sum(-1) / tokens_per_sequence.clamp(min=1)
+        per_sequence = torch.exp(mean.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     return per_sequence[:, None].expand_as(token_ratio)
 
 
@@ -217,23 +244,24 @@ def _apply(correction: Correction, ratio: torch.Tensor, mask: torch.Tensor):
     return torch.where(kept, weights, torch.zeros_like(ratio)), kept, truncated
 
 
-def _mismatch_metrics(log_ratio, token_ratio, sequence_log_ratio, mask) -> dict[str, float]:
-    if not mask.any():
-        return {"kl_k1": 0.0, "kl_k3": 0.0, "chi2_token": 0.0, "chi2_sequence": 0.0, "ess_token": 1.0,
-                "ess_sequence": 1.0, "tokens": 0}
-    ratio = token_ratio[mask]
-    logs = log_ratio[mask]
-    has_tokens = mask.any(-1)
-    sequence_ratio = torch.exp(sequence_log_ratio[has_tokens])
+def _mismatch_metrics(log_ratio, clamped, sequence_ratio) -> dict[str, float]:
+    """Over the trained tokens (``log_ratio`` unclamped, ``clamped`` at ±20) and the sequences with one."""
+    ratio = torch.exp(clamped)
     return {
-        "kl_k1": (-logs).mean().item(),
-        "kl_k3": (ratio - 1 - logs).mean().item(),
+        "kl_k1": (-log_ratio).mean().item(),
+        "kl_k3": _k3(clamped).mean().item(),
         "chi2_token": (ratio.square().mean() - 1).item(),
         "chi2_sequence": (sequence_ratio.square().mean() - 1).item(),
         "ess_token": _ess(ratio),
         "ess_sequence": _ess(sequence_ratio),
-        "tokens": int(mask.sum()),
+        "tokens": int(log_ratio.numel()),
     }
+
+
+def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """``r - 1 - log r`` per token, as ``expm1(log r) - log r``: ``exp(x) - 1`` loses the digits k3 is
+    made of when ``x`` is near 0 (float32 gives small negative values at lag 0)."""
+    return (torch.expm1(log_ratio) - log_ratio).clamp(min=0)
 
 
 def _ess(ratio: torch.Tensor) -> float:
