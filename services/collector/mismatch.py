@@ -17,6 +17,9 @@ bound lowered no more samples of that lag are made, so the bound goes back up af
 the lag is measured again. Admission only: groups already generated are never discarded for it. The
 measurements are kept in the state directory at every report, so a restarted collector admits by them
 from its first group rather than from the ceiling.
+
+A report is taken once: a retried ``ReportMismatch`` carries the same ``report_id``, and an id among the
+last ``REMEMBERED_REPORTS`` taken (kept with the measurements across a restart) changes nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument
 log = logging.getLogger(__name__)
 
 MAX_LAGS = 1024
+MAX_REPORT_ID = 128
+REMEMBERED_REPORTS = 256
+"""Report ids remembered to take a retried report once: far more than a trainer retries across."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,8 @@ class MismatchBreaker:
     """Why the breaker is open; empty while closed."""
     measured: dict[int, tuple[LagMismatch, int]] = field(default_factory=dict)
     """Per lag, its last measurement and the report number it came in (for the horizon)."""
+    taken: list[str] = field(default_factory=list)
+    """The ids of the last ``REMEMBERED_REPORTS`` reports taken, oldest first."""
     _first_over_version: int | None = None
 
     def admission_staleness(self, ceiling: int) -> int:
@@ -76,10 +84,17 @@ class MismatchBreaker:
     def open(self) -> bool:
         return bool(self.reason)
 
-    def report(self, policy_version: int, lags: list[LagMismatch]) -> bool:
+    def report(self, policy_version: int, lags: list[LagMismatch], report_id: str = "") -> bool | None:
         """Take one batch's report (checked: ``InvalidArgument`` names the field); True when this
-        report opened the breaker."""
+        report opened the breaker, None when its ``report_id`` was taken already (nothing changes)."""
         _check(lags)
+        if len(report_id) > MAX_REPORT_ID:
+            raise InvalidArgument(f"report_id: {len(report_id)} characters, at most {MAX_REPORT_ID}")
+        if report_id:
+            if report_id in self.taken:
+                log.info("report %s was taken already (a retry): counted once", report_id)
+                return None
+            self.taken = [*self.taken[-(REMEMBERED_REPORTS - 1):], report_id]
         self.reports += 1
         self.latest = {entry.lag: entry for entry in sorted(lags, key=lambda entry: entry.lag)}
         self.measured.update((entry.lag, (entry, self.reports)) for entry in lags)
@@ -103,11 +118,12 @@ class MismatchBreaker:
 
     def measurements(self) -> dict:
         """What admission by divergence acts on, to keep across a restart (``restore_measurements``)."""
-        return {"reports": self.reports, "measured": [[dataclasses.asdict(entry), at]
-                                                      for entry, at in self.measured.values()]}
+        return {"reports": self.reports, "taken": self.taken,
+                "measured": [[dataclasses.asdict(entry), at] for entry, at in self.measured.values()]}
 
     def restore_measurements(self, state: dict) -> None:
         self.reports = int(state["reports"])
+        self.taken = [str(report_id) for report_id in state.get("taken", [])]
         self.measured = {entry["lag"]: (LagMismatch(**entry), int(at)) for entry, at in state["measured"]}
 
     def check(self) -> None:

@@ -383,11 +383,13 @@ class CollectorService(Service[CollectorConfig]):
             latest=[collector_pb2.LagMismatch(lag=m.lag, kl_k3=m.kl_k3, kl_k1=m.kl_k1, ess_token=m.ess_token,
                                               tokens=m.tokens) for m in breaker.latest.values()])
 
-    async def report_mismatch(self, policy_version: int, lags: list[LagMismatch]) -> None:
+    async def report_mismatch(self, policy_version: int, lags: list[LagMismatch], report_id: str = "") -> None:
         """A trainer's measurement: opening the breaker holds admission (durably: a restarted collector
-        keeps it open); the KL target bounds it."""
+        keeps it open); the KL target bounds it. A report whose id was taken already changes nothing."""
         saved: dict[str, str | None] = {}
-        opened = self.mismatch.report(policy_version, lags)
+        opened = self.mismatch.report(policy_version, lags, report_id)
+        if opened is None:
+            return
         if opened:
             saved["mismatch_breaker"] = json.dumps({"reason": self.mismatch.reason})
         if self.mismatch.kl_target is not None:  # what admission acts on survives a restart

@@ -77,7 +77,7 @@ class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
         check_call(self.collector.run, context.invocation_metadata())
         lags = [LagMismatch(lag=m.lag, kl_k3=m.kl_k3, kl_k1=m.kl_k1, ess_token=m.ess_token, tokens=m.tokens)
                 for m in request.lags]
-        await self.collector.report_mismatch(request.policy_version, lags)
+        await self.collector.report_mismatch(request.policy_version, lags, request.report_id)
         return collector_pb2.ReportMismatchResponse(status=self.collector.mismatch_status())
 
     async def CloseMismatchBreaker(self, request, context):

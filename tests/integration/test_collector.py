@@ -297,6 +297,83 @@ def test_an_open_mismatch_breaker_stays_open_across_a_collector_sigkill_until_an
         channel.close()
 
 
+def test_admission_by_measured_divergence_comes_down_on_genuinely_stale_batches_and_back_up_when_kl_falls(
+        backends, tmp_path, tiny_model_dir):
+    """A trainer that reads a group two versions after it was sampled, with weights that moved since
+    (perturbed at each push), measures lag 2 over the KL target: admission comes down to 1, in status and in
+    the metrics. When its weights stop moving, the next stale group measures lag 2 under the target and
+    admission goes back up to the ceiling. The trainer's log-probs are computed by its own model on the
+    batch's tokens; the retried report of each measurement counts once."""
+    from rlfleet.client import connect
+    from rlfleet.client.offpolicy import importance_weights
+    from tests.ports import free_port
+    from tests.scrape import scrape_metric
+
+    metrics_port = free_port()
+    proc, channel = start_collector(backends, tmp_path, "--mode", "async", "--max-staleness", "4",
+                                    "--groups-per-step", "1", "--mismatch-kl-target", "0.05",
+                                    "--mismatch-horizon", "2", "--metrics-port", str(metrics_port))
+    base = load_hf(tiny_model_dir).state_dict()
+    trainer = load_hf(tiny_model_dir)
+    reader = Reader(channel, batch_size=GROUP)
+    client = connect(proc.address, timeout=60)
+
+    def stale_group(tag: str, pushes: list[dict]) -> dict[int, dict[str, float]]:
+        """One group sampled at the current version, read after ``pushes``; the trainer computes with the last."""
+        appended = status(channel).trajectories
+        prompt_id, = submit(channel, 1, tag)
+        wait_for(lambda: status(channel).trajectories >= appended + GROUP, PIPELINE_TIMEOUT,
+                 f"{tag} to be generated before the pushes")
+        for weights in pushes:
+            push(channel, weights)
+        trainer.load_state_dict(pushes[-1])
+        rows = read_rows(reader, prompt_id)
+        padded = torch.nn.utils.rnn.pad_sequence
+        mine = padded([response_log_probs(trainer, r["prompt"].tolist(), r["response"].tolist()) for r in rows],
+                      batch_first=True)
+        behaviour = padded([r["log_probs"] for r in rows], batch_first=True)
+        mask = padded([torch.ones(len(r["response"]), dtype=torch.bool) for r in rows], batch_first=True)
+        versions = padded([r["versions"] for r in rows], batch_first=True)
+        return importance_weights(mine, behaviour, mask, "none", versions=versions,
+                                  trainer_version=current_version(channel)).by_lag
+
+    def report_twice(by_lag):  # the second call is a retry: the same request, the same report id
+        stub = collector_pb2_grpc.CollectorServiceStub(channel)
+        request = collector_pb2.ReportMismatchRequest(
+            policy_version=current_version(channel), report_id=f"report-{status(channel).mismatch.reports}",
+            lags=[collector_pb2.LagMismatch(lag=lag, kl_k3=v["kl_k3"], kl_k1=v["kl_k1"], ess_token=v["ess_token"],
+                                            tokens=v["tokens"]) for lag, v in sorted(by_lag.items())])
+        first, again = (stub.ReportMismatch(request, timeout=30).status for _ in range(2))
+        assert again.reports == first.reports  # counted once
+        return again
+
+    try:
+        push(channel, base)
+        moved = [perturbed(base, seed=21), perturbed(base, seed=22)]
+        over = stale_group("divergence-moving", moved)  # sampled on base, read two versions later
+        assert sorted(over) == [2] and over[2]["kl_k3"] > 0.05, over
+        mismatch = report_twice(over)
+        assert mismatch.admission_staleness == 1 and mismatch.reports == 1
+        assert status(channel).max_staleness == 4  # the ceiling stays
+        wait_for(lambda: scrape_metric(metrics_port, "rlfleet_admission_staleness") == 1, 30,
+                 "the metric to show the lowered bound")
+
+        still = [moved[-1], moved[-1]]  # the trainer's weights stop moving: versions change, the policy does not
+        under = stale_group("divergence-still", still)
+        assert sorted(under) == [2] and under[2]["kl_k3"] < 0.05 / 100, under
+        mismatch = report_twice(under)
+        assert mismatch.admission_staleness == 4 and mismatch.reports == 2
+        assert client.status().mismatch.admission_staleness == 4
+        wait_for(lambda: scrape_metric(metrics_port, "rlfleet_admission_staleness") == 4, 30,
+                 "the metric to show the bound back at the ceiling")
+    finally:
+        push(channel, base)  # the module's other tests expect the base weights served
+        client.close()
+        reader.close()
+        channel.close()
+        proc.stop()
+
+
 def read_rows(reader: "Reader", prompt_id: str) -> list[dict]:
     """The rows of ``prompt_id``'s group, read whole: tokens, behaviour log-probs and versions per sample."""
     while True:

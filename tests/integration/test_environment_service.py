@@ -10,17 +10,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import urllib.request
 
 import grpc
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.v1 import environment_pb2, environment_pb2_grpc, sampling_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
 from tests.ports import free_port
+from tests.scrape import scrape_metric
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow,
@@ -143,12 +142,7 @@ def test_tool_calling_runs_python_and_answers_with_token_exact_observations(stub
 def metric(service, name: str, **labels: str) -> float:
     """One sample of the service's Prometheus endpoint (0 when it has none yet)."""
     port = next(arg for flag, arg in zip(service.args, service.args[1:]) if flag == "--metrics-port")
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and sample.labels == labels:
-                return sample.value
-    return 0.0
+    return scrape_metric(port, name, **labels)
 
 
 def test_tool_calls_are_counted_by_outcome_and_the_isolation_is_shown(service, stub, tokenizer):

@@ -109,3 +109,31 @@ def test_the_measurements_admission_acts_on_round_trip_through_their_saved_form(
     restored.restore_measurements(json.loads(json.dumps(breaker.measurements())))
     assert (restored.measured, restored.reports) == (breaker.measured, 1)
     assert restored.admission_staleness(8) == breaker.admission_staleness(8) == 1
+
+
+def test_a_retried_report_counts_once_toward_the_breaker_and_the_horizon():
+    breaker = MismatchBreaker(threshold=0.01, trip_batches=2, kl_target=0.05, horizon=2)
+    assert breaker.report(4, [lag(0, 0.5)], report_id="a") is False
+    assert breaker.report(4, [lag(0, 0.5)], report_id="a") is None  # the retry: nothing changes
+    assert not breaker.open and breaker.consecutive_over == 1 and breaker.reports == 1
+    assert breaker.report(5, [lag(0, 0.5)], report_id="b") is True  # the second report in a row opens it
+    assert breaker.reports == 2
+
+
+def test_report_ids_survive_a_restart_bounded_and_a_long_one_is_refused():
+    import json
+
+    from rlfleet.services.collector.mismatch import REMEMBERED_REPORTS
+
+    breaker = MismatchBreaker(threshold=None, kl_target=0.05, horizon=4)
+    for number in range(REMEMBERED_REPORTS + 5):
+        breaker.report(number, [lag(1, 0.01)], report_id=f"r{number}")
+    restored = MismatchBreaker(threshold=None, kl_target=0.05, horizon=4)
+    restored.restore_measurements(json.loads(json.dumps(breaker.measurements())))
+
+    assert len(restored.taken) == REMEMBERED_REPORTS and restored.taken[-1] == f"r{REMEMBERED_REPORTS + 4}"
+    assert restored.report(99, [lag(1, 9.0)], report_id=f"r{REMEMBERED_REPORTS + 4}") is None  # taken before
+    assert restored.measured[1][0].kl_k3 == 0.01
+    with pytest.raises(InvalidArgument, match="report_id: 129 characters, at most 128"):
+        restored.report(100, [lag(1, 0.01)], report_id="x" * 129)
+    assert restored.reports == REMEMBERED_REPORTS + 5

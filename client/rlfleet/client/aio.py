@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import uuid
 import weakref
 from typing import Any, Iterable, Mapping, Sequence, Union
 
@@ -295,13 +296,15 @@ class AsyncClient:
         ``rlfleet.client.offpolicy.importance_weights(..., versions=, trainer_version=).by_lag`` gives it
         (lag -> ``kl_k3``, ``kl_k1``, ``ess_token``, ``tokens``), ``policy_version`` the version the
         trainer's weights are. The collector shows it in ``status()``; with a threshold set, reports
-        over it in a row open its mismatch breaker. Returns the breaker's state after this report."""
+        over it in a row open its mismatch breaker. Returns the breaker's state after this report.
+        A retry (the call is retried on UNAVAILABLE) carries this report's id: the collector counts it once."""
         await self._joined()
         collector, _ = self._stubs()
-        request = collector_pb2.ReportMismatchRequest(policy_version=policy_version, lags=[
-            collector_pb2.LagMismatch(lag=int(lag), kl_k3=values["kl_k3"], kl_k1=values["kl_k1"],
-                                      ess_token=values["ess_token"], tokens=int(values["tokens"]))
-            for lag, values in sorted(by_lag.items())])
+        lags = [collector_pb2.LagMismatch(lag=int(lag), kl_k3=values["kl_k3"], kl_k1=values["kl_k1"],
+                                          ess_token=values["ess_token"], tokens=int(values["tokens"]))
+                for lag, values in sorted(by_lag.items())]
+        request = collector_pb2.ReportMismatchRequest(policy_version=policy_version, lags=lags,
+                                                      report_id=uuid.uuid4().hex)
         reply = await self._unary(collector.ReportMismatch, request, "ReportMismatch", timeout)
         return MismatchStatus.from_proto(reply.status)
 

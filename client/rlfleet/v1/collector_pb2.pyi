@@ -61,12 +61,14 @@ class LagMismatch(_message.Message):
     def __init__(self, lag: _Optional[int] = ..., kl_k3: _Optional[float] = ..., kl_k1: _Optional[float] = ..., ess_token: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class ReportMismatchRequest(_message.Message):
-    __slots__ = ("policy_version", "lags")
+    __slots__ = ("policy_version", "lags", "report_id")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAGS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_ID_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     lags: _containers.RepeatedCompositeFieldContainer[LagMismatch]
-    def __init__(self, policy_version: _Optional[int] = ..., lags: _Optional[_Iterable[_Union[LagMismatch, _Mapping]]] = ...) -> None: ...
+    report_id: str
+    def __init__(self, policy_version: _Optional[int] = ..., lags: _Optional[_Iterable[_Union[LagMismatch, _Mapping]]] = ..., report_id: _Optional[str] = ...) -> None: ...
 
 class ReportMismatchResponse(_message.Message):
     __slots__ = ("status",)
