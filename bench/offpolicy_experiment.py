@@ -1,28 +1,40 @@
-"""The GRPO demo on- and off-policy, with and without importance-sampling correction.
+"""When should I run async? The GRPO demo on- and off-policy, against wall-clock time and steps.
 
-    .venv/bin/python bench/offpolicy_experiment.py [--steps 30] [--seeds 0,1,2]
-        [--arms sync,async,async+tis,async+mis] [--prompts-ahead 5]
+    .venv/bin/python bench/offpolicy_experiment.py [--steps 30] [--seeds 0,1,2] [--regimes today,realistic]
+        [--arms sync,async-1,async-2,async-4,async-kl,best+token_tis,best+icepop,best+resume]
 
 Runs the digits-only task of ``examples/train_grpo.py`` on the tiny local model against the whole suite
 (the processes ``scripts/demo`` starts, through ``rlfleet.services.suite.start_suite``), one fresh suite
-per arm and seed (its own work directory: trajectory buffer, collector state, engine), so no two runs
-share state. The collector keeps scripts/demo's settings (groups of 4, 8 groups per step, 24 tokens at
-temperature 1, reward ``char_fraction``) except the mode:
+per run (its own work directory: trajectory buffer, collector state, engine), so no two runs share state.
+The collector keeps scripts/demo's settings (groups of 4, 8 groups per step, temperature 1, reward
+``char_fraction``) except the mode; the trainer gives each prompt a response budget from a heavy tail
+(``train_grpo.py --long-tail``: median ~25 tokens, one prompt in 16 four times that or more), so a step's slowest
+group stalls a synchronous trainer and asynchronous generation has something to overlap.
 
-- ``sync``: ``--mode sync`` (on-policy);
-- ``async``: ``--mode async --max-staleness 4``, preset ``none`` (no correction; the mismatch is measured);
-- ``async+tis``: the same, preset ``token_tis`` (token ratio truncated at 2);
-- ``async+mis``: the same, preset ``seq_mis`` (a sequence whose ratio exceeds 2 is dropped).
+Arms (each with every regime and seed):
 
-Every arm runs the trainer with ``--is-correction PRESET`` (``none`` for sync and async), so every step
-records the mismatch per version lag (``offpolicy/lagN/...``); the trainer pushes its weights every step.
-``--prompts-ahead`` keeps that many steps of prompts queued at the collector (the trainer's
-``--prompts-ahead``): with the demo's one step ahead, generation could not run as far ahead as
-``max_staleness`` allows. The seed varies the trainer (``--seed``: its torch seed and its
-prompts), the generation engine's sampling seed and the collector's.
+- ``sync``: ``--mode sync``;
+- ``async-K``: ``--mode async --max-staleness K``, K = 1, 2, 4;
+- ``async-kl``: admission by measured divergence: ``--mismatch-kl-target`` (``--kl-target``) under the
+  ceiling ``--max-staleness 4``; the trainer's reports set the bound;
+- ``best+token_tis``, ``best+icepop``: the best plain async arm so far (shortest median time to the target
+  reward; the choice is recorded per run) with that correction;
+- ``best+resume``: the best arm with ``--swap-mode resume`` (the others swap with ``keep``, the default).
 
-Writes one JSON file (machine, commit, settings, every per-step metric of every run, the headline numbers)
-and one PNG, and prints ``RESULT {json}`` with the headline numbers per arm last.
+Every arm but the corrections runs the trainer with ``--is-correction none`` (decoupled PPO with unit
+weights), so every step records the mismatch per version lag and the trainer reports it (what ``async-kl``
+admits by). Regimes (``REGIMES``): ``today`` is the demo's learning rate, one optimizer step per batch
+(consecutive versions about 1 nat of k3 KL per token apart); ``realistic`` a lower one with PPO minibatches
+(the clip acts), consecutive versions 1e-3 to 1e-2 apart as in a real GRPO run. Runs are interleaved: for
+each seed, every regime's arms in an order rotated by the seed, so the machine's drift hits every arm alike.
+
+Wall-clock is the trainer's: the sum of its step times from its first step (the suite's start and the
+trainer's own imports are not the run). The target reward of a regime is ``TARGET_FRACTION`` of the way from
+the first steps' reward to the sync arm's final reward (medians over seeds); time to target is the first
+time a run's reward (mean of ``SMOOTH`` steps) reaches it.
+
+Writes one JSON file (machine, commit, settings, every per-step metric of every run, the headline numbers),
+one PNG per regime, and prints ``RESULT {json}`` last.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -40,26 +53,44 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_COLLECTOR_ARGS = ["--group-size=4", "--groups-per-step=8", '--sampling={"temperature": 1.0, "max_tokens": 24}',
                        "--reward-fn=char_fraction"]
-"""scripts/demo's collector settings, less the mode."""
-ASYNC = ["--mode=async", "--max-staleness=4"]
-ARMS: dict[str, tuple[list[str], str]] = {
-    "sync": (["--mode=sync"], "none"),
-    "async": (ASYNC, "none"),
-    "async+tis": (ASYNC, "token_tis"),
-    "async+mis": (ASYNC, "seq_mis"),
+"""scripts/demo's collector settings, less the mode (each prompt's budget overrides ``max_tokens``)."""
+PLAIN_ARMS: dict[str, list[str]] = {
+    "sync": ["--mode=sync"],
+    "async-1": ["--mode=async", "--max-staleness=1"],
+    "async-2": ["--mode=async", "--max-staleness=2"],
+    "async-4": ["--mode=async", "--max-staleness=4"],
+    "async-kl": ["--mode=async", "--max-staleness=4"],  # + --mismatch-kl-target
 }
-"""Arm name -> (collector mode flags, the trainer's ``--is-correction`` preset)."""
+"""Arm name -> collector mode flags; the trainer's preset is ``none``."""
+BEST_ARMS: dict[str, tuple[list[str], str]] = {
+    "best+token_tis": ([], "token_tis"),
+    "best+icepop": ([], "icepop"),
+    "best+resume": (["--swap-mode=resume"], "none"),
+}
+"""Arm name -> (flags added to the best plain async arm's, the trainer's preset)."""
+ARMS = [*PLAIN_ARMS, *BEST_ARMS]
+REGIMES: dict[str, list[str]] = {
+    "today": ["--lr=3e-4"],
+    "realistic": ["--lr=1.5e-5", "--minibatches=2"],
+}
+"""Regime -> the trainer's flags."""
+LONG_TAIL = 192
+"""The longest response budget (``train_grpo.py --long-tail``)."""
 FINAL_STEPS = 5
-REWARD_REACHED = 0.9
-"""The reward level whose first step is reported (the task saturates near 1)."""
+SMOOTH = 3
+TARGET_FRACTION = 0.8
 
 
-def run_arm_seed(arm: str, seed: int, ns: argparse.Namespace) -> dict:
+def run_arm_seed(regime: str, arm: str, seed: int, ns: argparse.Namespace, best: str | None) -> dict:
     """One fresh suite, one training run of ``ns.steps`` steps; its per-step metrics."""
     from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
 
-    mode_args, preset = ARMS[arm]
-    workdir = ns.workdir / f"{arm}-seed{seed}"
+    if arm in BEST_ARMS:
+        extra, preset = BEST_ARMS[arm]
+        mode_args = [*arm_collector_args(best, ns), *extra]
+    else:
+        mode_args, preset = arm_collector_args(arm, ns), "none"
+    workdir = ns.workdir / f"{regime}-{arm}-seed{seed}"
     subprocess.run(["rm", "-rf", str(workdir)], check=True)  # a fresh collector state, buffer and log
     options = SuiteOptions(model_dir=ns.model_dir, collector_args=[*DEMO_COLLECTOR_ARGS, *mode_args, f"--seed={seed}"],
                            generation_args=["--seed", str(seed)])
@@ -70,14 +101,27 @@ def run_arm_seed(arm: str, seed: int, ns: argparse.Namespace) -> dict:
         subprocess.run([sys.executable, str(ROOT / "examples" / "train_grpo.py"),
                         "--collector", procs["collector"].address, "--model-dir", str(ns.model_dir),
                         "--steps", str(ns.steps), "--seed", str(seed), "--is-correction", preset,
-                        "--prompts-ahead", str(ns.prompts_ahead), "--out", str(workdir / "train")],
+                        "--prompts-ahead", str(ns.prompts_ahead), "--long-tail", str(LONG_TAIL),
+                        *REGIMES[regime], "--out", str(workdir / "train")],
                        check=True, timeout=3600)
     finally:
         stop_suite(procs)
     records = json.loads((workdir / "train" / "metrics.json").read_text())
-    return {"arm": arm, "seed": seed, "preset": preset, "collector_args": options.collector_args,
-            "suite_start_seconds": suite_seconds, "run_seconds": time.monotonic() - started,
-            "steps": [step_record(record) for record in records]}
+    elapsed = 0.0
+    steps = []
+    for record in records:
+        elapsed += record["step_seconds"]
+        steps.append({**step_record(record), "elapsed_seconds": elapsed})
+    return {"regime": regime, "arm": arm, "seed": seed, "preset": preset, "best": best if arm in BEST_ARMS else None,
+            "collector_args": options.collector_args, "suite_start_seconds": suite_seconds,
+            "run_seconds": time.monotonic() - started, "steps": steps}
+
+
+def arm_collector_args(arm: str, ns: argparse.Namespace) -> list[str]:
+    args = list(PLAIN_ARMS[arm])
+    if arm == "async-kl":
+        args.append(f"--mismatch-kl-target={ns.kl_target}")
+    return args
 
 
 def step_record(record: dict) -> dict:
@@ -110,32 +154,126 @@ def mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def smoothed(steps: list[dict]) -> list[float]:
+    """Each step's reward as the mean of it and the ``SMOOTH - 1`` before it."""
+    rewards = [s["reward_mean"] for s in steps]
+    return [sum(rewards[max(0, i - SMOOTH + 1):i + 1]) / len(rewards[max(0, i - SMOOTH + 1):i + 1])
+            for i in range(len(rewards))]
+
+
+def final_reward(run: dict) -> float:
+    return mean([s["reward_mean"] for s in run["steps"][-FINAL_STEPS:]])
+
+
+def target_reward(runs: list[dict]) -> float | None:
+    """``TARGET_FRACTION`` of the way from the first steps' reward (every run's first ``SMOOTH`` steps, median)
+    to the sync arm's final reward (median over seeds); None without a sync run."""
+    sync = [final_reward(run) for run in runs if run["arm"] == "sync"]
+    if not sync:
+        return None
+    start = median([mean([s["reward_mean"] for s in run["steps"][:SMOOTH]]) for run in runs])
+    return start + TARGET_FRACTION * (median(sync) - start)
+
+
+def time_to(run: dict, target: float | None) -> tuple[float | None, int | None]:
+    """(seconds, step) at which the run's smoothed reward first reached ``target``; (None, None) if never."""
+    if target is None:
+        return None, None
+    for step, reward in zip(run["steps"], smoothed(run["steps"])):
+        if reward >= target:
+            return step["elapsed_seconds"], step["step"]
+    return None, None
+
+
 def headline(runs: list[dict]) -> dict[str, dict]:
-    """Per arm: the final-5-step mean reward (mean over seeds, with each seed's), the mean reward over all
-    steps, the first step whose reward reached 0.9 (mean over the seeds that reached it), k3 KL and token ESS at lag 0
-    and at lags >= 1 (token-weighted over every step of every seed), the batch's token ESS (mean over steps),
-    the fraction of tokens at lags >= 1 and the mean staleness."""
+    """Per regime: the target reward and, per arm, the time and the step to it (median over seeds, and each
+    seed's), the final-5-step reward (median, and each seed's), the trainer's wall time and throughput,
+    k3 KL and token ESS at lag 0 and at lags >= 1 (token-weighted over every step of every seed), the lag-1
+    k3 KL (one version apart: how far consecutive versions are), the fraction of tokens at lags >= 1, the mean
+    staleness and the admission bound's range (``async-kl``)."""
     out = {}
-    for arm in dict.fromkeys(run["arm"] for run in runs):
-        arm_runs = [run for run in runs if run["arm"] == arm]
-        steps = [step for run in arm_runs for step in run["steps"]]
-        finals = [mean([s["reward_mean"] for s in run["steps"][-FINAL_STEPS:]]) for run in arm_runs]
-        reached = [next((s["step"] for s in run["steps"] if s["reward_mean"] >= REWARD_REACHED), None)
-                   for run in arm_runs]
-        stale = sum(v["tokens"] for s in steps for lag, v in s["by_lag"].items() if lag != "0")
-        out[arm] = {
-            "final_reward": mean(finals), "final_reward_per_seed": finals,
-            "mean_reward_all_steps": mean([s["reward_mean"] for s in steps]),
-            "first_step_reward_ge_0.9": mean(reached), "first_step_reward_ge_0.9_per_seed": reached,
-            "kl_k3_lag0": pooled(steps, "0", "kl_k3"), "kl_k3_lag1plus": pooled(steps, "1+", "kl_k3"),
-            "ess_token": mean([s.get("offpolicy/ess_token") for s in steps]),
-            "ess_token_lag0": pooled(steps, "0", "ess_token"), "ess_token_lag1plus": pooled(steps, "1+", "ess_token"),
-            "stale_token_fraction": stale / sum(s["offpolicy/tokens"] for s in steps),
-            "staleness_mean": mean([s["staleness_mean"] for s in steps]),
-            "kl_to_reference_final": mean([mean([s["kl"] for s in run["steps"][-FINAL_STEPS:]]) for run in arm_runs]),
-            "step_seconds": mean([s["step_seconds"] for s in steps]),
-            "seeds": len(arm_runs),
+    for regime in dict.fromkeys(run["regime"] for run in runs):
+        regime_runs = [run for run in runs if run["regime"] == regime]
+        target = target_reward(regime_runs)
+        arms = {}
+        for arm in dict.fromkeys(run["arm"] for run in regime_runs):
+            arm_runs = sorted((run for run in regime_runs if run["arm"] == arm), key=lambda run: run["seed"])
+            steps = [step for run in arm_runs for step in run["steps"]]
+            reached = [time_to(run, target) for run in arm_runs]
+            stale = sum(v["tokens"] for s in steps for lag, v in s["by_lag"].items() if lag != "0")
+            wall = [run["steps"][-1]["elapsed_seconds"] for run in arm_runs]
+            arms[arm] = {
+                "seeds": [run["seed"] for run in arm_runs],
+                "time_to_target": median([seconds for seconds, _ in reached]),
+                "time_to_target_per_seed": [seconds for seconds, _ in reached],
+                "step_to_target_per_seed": [step for _, step in reached],
+                "final_reward": median([final_reward(run) for run in arm_runs]),
+                "final_reward_per_seed": [final_reward(run) for run in arm_runs],
+                "wall_seconds": median(wall),
+                "tokens_per_second": median([sum(s["response_tokens"] for s in run["steps"])
+                                             / run["steps"][-1]["elapsed_seconds"] for run in arm_runs]),
+                "kl_k3_lag0": pooled(steps, "0", "kl_k3"), "kl_k3_lag1plus": pooled(steps, "1+", "kl_k3"),
+                "kl_k3_lag1": pooled_at(steps, 1, "kl_k3"),
+                "ess_token_lag1plus": pooled(steps, "1+", "ess_token"),
+                "stale_token_fraction": stale / max(1, sum(s["offpolicy/tokens"] for s in steps)),
+                "staleness_mean": mean([s["staleness_mean"] for s in steps]),
+                "best": arm_runs[0].get("best"),
+            }
+        out[regime] = {"target_reward": target, "arms": arms}
+    return out
+
+
+def best_async(arms: dict[str, dict], among=None) -> str | None:
+    """The async arm with the shortest median time to the target (ties and never-reached: final reward)."""
+    candidates = [arm for arm in arms if arm != "sync" and (among is None or arm in among)]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda arm: (arms[arm]["time_to_target"] is None,
+                                            arms[arm]["time_to_target"] or 0.0, -(arms[arm]["final_reward"] or 0.0)))
+
+
+def result_line(runs: list[dict], numbers: dict[str, dict]) -> dict:
+    """The issue's RESULT keys (module docstring), per regime and, unprefixed, for the realistic one."""
+    out = {}
+    for regime, summary in numbers.items():
+        arms = summary["arms"]
+        best = best_async(arms)
+        ratios = []
+        if best and "sync" in arms:
+            for seed, sync_time in zip(arms["sync"]["seeds"], arms["sync"]["time_to_target_per_seed"]):
+                if seed in arms[best]["seeds"]:
+                    best_time = arms[best]["time_to_target_per_seed"][arms[best]["seeds"].index(seed)]
+                    ratios.append(None if sync_time is None or best_time is None else best_time / sync_time)
+        fixed = best_async(arms, among=[arm for arm in PLAIN_ARMS if arm.startswith("async-") and arm != "async-kl"])
+        kl_time = arms.get("async-kl", {}).get("time_to_target")
+        fixed_time = arms[fixed]["time_to_target"] if fixed else None
+        sync_finals = arms.get("sync", {}).get("final_reward_per_seed", [])
+        per_version = pooled_at([s for run in runs if run["regime"] == regime and run["arm"] != "sync"
+                                 for s in run["steps"]], 1, "kl_k3")
+        keys = {
+            "best_async": best,
+            "time_to_target_best_async_over_sync": median(ratios),
+            "time_to_target_ratio_per_seed": ratios,
+            "final_reward_best_async_minus_sync": (arms[best]["final_reward"] - arms["sync"]["final_reward"]
+                                                   if best and "sync" in arms else None),
+            "sync_final_reward_spread": (max(sync_finals) - min(sync_finals)) if sync_finals else None,
+            "divergence_bound_time_over_best_fixed": (kl_time / fixed_time if kl_time and fixed_time else None),
+            "best_fixed": fixed,
+            "per_version_k3": per_version,
+            "target_reward": summary["target_reward"],
         }
+        out[regime] = keys
+    realistic = out.get("realistic", {})
+    out.update({key: realistic.get(key) for key in ("time_to_target_best_async_over_sync",
+                                                    "final_reward_best_async_minus_sync",
+                                                    "divergence_bound_time_over_best_fixed")})
+    out["per_version_k3_realistic"] = realistic.get("per_version_k3")
+    out["per_version_k3_today"] = out.get("today", {}).get("per_version_k3")
     return out
 
 
@@ -172,55 +310,72 @@ def lag_value(step: dict, lags: str, name: str) -> float | None:
     return pooled([step], lags, name)
 
 
-def plot(runs: list[dict], path: Path, title: str) -> None:
-    """Reward and KL to the reference per step (mean over seeds, min-max band); the trained tokens' mean lag;
-    k3 KL and token ESS at lag 0 and at lags >= 1 per step; k3 KL against the lag."""
+def plot(runs: list[dict], numbers: dict, path: Path, title: str) -> None:
+    """One regime: reward against steps and against the trainer's wall-clock seconds (mean over seeds, band
+    min-max, the target dashed); the trained tokens' mean lag; k3 KL and token ESS by version lag
+    (token-weighted over all steps); trained tokens per second and time to the target per arm (bars: median,
+    dots: seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     arms = list(dict.fromkeys(run["arm"] for run in runs))
-    colors = dict(zip(ARMS, ["tab:blue", "tab:orange", "tab:green", "tab:red"]))
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
-    (ax_reward, ax_ref, ax_share), (ax_k3, ax_ess, ax_lag) = axes
+    palette = plt.get_cmap("tab10")
+    colors = {arm: palette(index) for index, arm in enumerate(ARMS)}
+    fig, axes = plt.subplots(2, 4, figsize=(21, 9))
+    (ax_step, ax_time, ax_lag, ax_k3), (ax_ess, ax_throughput, ax_target, ax_final) = axes
     for arm in arms:
         arm_runs = [run for run in runs if run["arm"] == arm]
         color = colors.get(arm)
-        for ax, key in ((ax_reward, "reward_mean"), (ax_ref, "kl")):
-            steps, means, lows, highs = per_step_across_seeds(arm_runs, lambda s, key=key: s[key])
-            ax.plot(steps, means, color=color, marker=".", label=arm)
-            ax.fill_between(steps, lows, highs, color=color, alpha=0.15)
-        for ax, name in ((ax_k3, "kl_k3"), (ax_ess, "ess_token")):
-            for lags, style in (("0", ":"), ("1+", "-")):
-                steps, means, _, _ = per_step_across_seeds(arm_runs, lambda s, n=name, l=lags: lag_value(s, l, n))
-                if all(value != value for value in means):  # no token at these lags (sync: none stale)
-                    continue
-                ax.plot(steps, means, color=color, linestyle=style, marker=".", label=f"{arm}, lag {lags}")
+        steps, means, lows, highs = per_step_across_seeds(arm_runs, lambda s: s["reward_mean"])
+        ax_step.plot(steps, means, color=color, marker=".", label=arm)
+        ax_step.fill_between(steps, lows, highs, color=color, alpha=0.12)
+        for run in arm_runs:  # each seed against its own clock
+            ax_time.plot([s["elapsed_seconds"] for s in run["steps"]], smoothed(run["steps"]), color=color,
+                         alpha=0.8, label=arm if run is arm_runs[0] else None)
         steps, means, lows, highs = per_step_across_seeds(
             arm_runs, lambda s: sum(int(lag) * v["fraction"] for lag, v in s["by_lag"].items()))
-        ax_share.plot(steps, means, color=color, marker=".", label=arm)
-        ax_share.fill_between(steps, lows, highs, color=color, alpha=0.15)
+        ax_lag.plot(steps, means, color=color, marker=".", label=arm)
         all_steps = [s for run in arm_runs for s in run["steps"]]
         lags = sorted({int(lag) for s in all_steps for lag in s["by_lag"]})
-        k3 = [pooled_at(all_steps, lag, "kl_k3") for lag in lags]
-        ax_lag.plot(lags, k3, color=color, marker="o", label=arm)
-    ax_reward.set(title="mean reward (mean over seeds, band: min-max)", ylabel="reward (digit fraction)")
-    ax_ref.set(title="KL(trainer || reference), k3 (mean, min-max)", ylabel="KL")
-    ax_share.set(title="mean version lag of trained tokens (min-max)", ylabel="lag (versions)")
-    ax_k3.set(title="k3 KL(behaviour || trainer): lag 0 dotted, lag >= 1 solid", ylabel="k3 KL", yscale="log")
-    ax_ess.set(title="token ESS: lag 0 dotted, lag >= 1 solid", ylabel="ESS (normalised)")
-    ax_lag.set(title="k3 KL by version lag (token-weighted over all steps)", xlabel="lag (versions)",
-               ylabel="k3 KL", yscale="log")
-    ax_lag.xaxis.get_major_locator().set_params(integer=True)
+        for ax, name in ((ax_k3, "kl_k3"), (ax_ess, "ess_token")):
+            ax.plot(lags, [pooled_at(all_steps, lag, name) for lag in lags], color=color, marker="o", label=arm)
+    summary = numbers["arms"]
+    for ax, key, per_seed in ((ax_throughput, "tokens_per_second", None),
+                              (ax_target, "time_to_target", "time_to_target_per_seed"),
+                              (ax_final, "final_reward", "final_reward_per_seed")):
+        for index, arm in enumerate(arms):
+            value = summary[arm][key]
+            ax.bar(index, value if value is not None else 0.0, color=colors.get(arm), alpha=0.7)
+            if value is None:
+                ax.text(index, 0, "never", ha="center", va="bottom", fontsize=8)
+            if per_seed:
+                ax.plot([index] * len(summary[arm][per_seed]), [v for v in summary[arm][per_seed]],
+                        "k.", markersize=6)
+        ax.set_xticks(range(len(arms)), arms, rotation=30, ha="right", fontsize=8)
+    target = numbers["target_reward"]
+    if target is not None:
+        for ax in (ax_step, ax_time):
+            ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:.2f}")
+    ax_step.set(title="reward by step (mean over seeds, band: min-max)", xlabel="step", ylabel="reward")
+    ax_time.set(title=f"reward ({SMOOTH}-step mean) by the trainer's wall-clock, each seed", xlabel="seconds",
+                ylabel="reward")
+    ax_lag.set(title="mean version lag of the trained tokens", xlabel="step", ylabel="lag (versions)")
+    ax_k3.set(title="k3 KL(behaviour || trainer) by lag", xlabel="lag (versions)", ylabel="k3 KL", yscale="log")
+    ax_ess.set(title="token ESS by lag", xlabel="lag (versions)", ylabel="ESS (normalised)")
+    ax_throughput.set(title="trained tokens per second of the trainer's clock (median)", ylabel="tokens/s")
+    ax_target.set(title="seconds to the target reward (median; dots: seeds)", ylabel="seconds")
+    ax_final.set(title=f"final reward (last {FINAL_STEPS} steps; dots: seeds)", ylabel="reward")
+    for ax in (ax_k3, ax_ess):
+        ax.xaxis.get_major_locator().set_params(integer=True)
     for ax in axes.flat:
         ax.grid(alpha=0.3)
+    for ax in (ax_step, ax_time, ax_lag, ax_k3, ax_ess):
         ax.legend(fontsize=7)
-        if ax is not ax_lag:
-            ax.set_xlabel("step")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
@@ -231,52 +386,102 @@ def pooled_at(steps: list[dict], lag: int, name: str) -> float | None:
     return sum(v * t for v, t in pairs) / tokens if tokens else None
 
 
+def run_order(arms: list[str], seed: int) -> list[str]:
+    """The plain arms, then the best-arm variants (they need a best), each rotated by the seed."""
+    plain = [arm for arm in arms if arm in PLAIN_ARMS]
+    best = [arm for arm in arms if arm in BEST_ARMS]
+
+    def rotated(items):
+        return items[seed % len(items):] + items[:seed % len(items)] if items else items
+    return rotated(plain) + rotated(best)
+
+
 def main(argv: list[str] | None = None) -> None:
     today = datetime.date.today().isoformat()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="trainer steps per run (the same for every arm)")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    parser.add_argument("--regimes", default=",".join(REGIMES), help=f"comma-separated, of {', '.join(REGIMES)}")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    parser.add_argument("--kl-target", type=float, default=0.05,
+                        help="async-kl's mismatch_kl_target: the k3 KL admission keeps every lag >= 1 under")
     parser.add_argument("--prompts-ahead", type=int, default=5,
                         help="steps of prompts the trainer keeps queued (>= max_staleness lets async reach it)")
     parser.add_argument("--model-dir", type=Path, default=None, help="default: the suite's tiny model")
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "offpolicy-experiment")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / f"offpolicy-experiment-{today}.json",
-                        help="the result file; the plot goes next to it (.png)")
+                        help="the result file; the plots go next to it (-REGIME.png)")
+    parser.add_argument("--continue", dest="resume", action="store_true",
+                        help="keep the runs --out holds (a cut-short experiment, the same settings) and run the rest")
     ns = parser.parse_args(argv)
-    arms = ns.arms.split(",")
-    unknown = set(arms) - set(ARMS)
-    if unknown:
-        parser.error(f"unknown arms {sorted(unknown)}; known: {', '.join(ARMS)}")
+    arms, regimes = ns.arms.split(","), ns.regimes.split(",")
+    for name, chosen, known in (("arms", arms, ARMS), ("regimes", regimes, REGIMES)):
+        if set(chosen) - set(known):
+            parser.error(f"unknown {name} {sorted(set(chosen) - set(known))}; known: {', '.join(known)}")
+    if any(arm in BEST_ARMS for arm in arms) and not any(arm.startswith("async-") for arm in arms):
+        parser.error("the best+ arms need at least one async-K or async-kl arm to choose the best of")
     seeds = [int(seed) for seed in ns.seeds.split(",")]
 
-    from rlfleet.services.suite import DEFAULT_MODEL_DIR
     from rlfleet.services.models.tiny import build_tiny_model
+    from rlfleet.services.suite import DEFAULT_MODEL_DIR
 
     ns.model_dir = build_tiny_model(ns.model_dir or DEFAULT_MODEL_DIR)
     started = time.monotonic()
     result = {"machine": machine(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
-              "settings": {"steps": ns.steps, "seeds": seeds, "arms": {arm: {"collector": [*DEMO_COLLECTOR_ARGS,
-                           *ARMS[arm][0]], "is_correction": ARMS[arm][1]} for arm in arms},
-                           "prompts_ahead": ns.prompts_ahead, "final_steps": FINAL_STEPS},
+              "settings": {"steps": ns.steps, "seeds": seeds, "regimes": {r: REGIMES[r] for r in regimes},
+                           "arms": arms, "kl_target": ns.kl_target, "collector": DEMO_COLLECTOR_ARGS,
+                           "long_tail": LONG_TAIL, "prompts_ahead": ns.prompts_ahead, "final_steps": FINAL_STEPS,
+                           "smooth": SMOOTH, "target_fraction": TARGET_FRACTION},
               "runs": []}
+    if ns.resume and ns.out.exists():
+        kept = json.loads(ns.out.read_text())
+        if kept["settings"] != result["settings"]:
+            parser.error(f"--continue: {ns.out} was run with other settings: {kept['settings']}")
+        result["runs"], result["machines"] = kept["runs"], [*kept.get("machines", [kept["machine"]])]
+        result["machines"].append(result["machine"])
+        started -= kept.get("wall_seconds", 0.0)
+        print(f"[offpolicy] continuing {ns.out}: {len(result['runs'])} runs kept", file=sys.stderr, flush=True)
+    total = len(seeds) * len(regimes) * len(arms)
     for seed in seeds:  # seed-major: a cut-short experiment still has every arm at the first seeds
-        for arm in arms:
-            print(f"[offpolicy] {arm} seed {seed}: {ns.steps} steps", file=sys.stderr, flush=True)
-            run = run_arm_seed(arm, seed, ns)
-            print(f"[offpolicy] {arm} seed {seed}: {run['run_seconds']:.0f} s (suite start "
-                  f"{run['suite_start_seconds']:.0f} s)", file=sys.stderr, flush=True)
-            result["runs"].append(run)
-            result["headline"] = headline(result["runs"])
-            result["wall_seconds"] = time.monotonic() - started
-            ns.out.parent.mkdir(parents=True, exist_ok=True)
-            ns.out.write_text(json.dumps(result, indent=1))  # after every run: a cut-short one keeps its results
-    plot(result["runs"], ns.out.with_suffix(".png"),
-         f"GRPO digits task, tiny model, {ns.steps} steps x seeds {ns.seeds} ({result['machine']['date'][:10]}, "
-         f"{result['machine']['git_commit']})")
-    print("RESULT " + json.dumps({arm: {key: (float(f"{value:.4g}") if isinstance(value, float) else value)
-                                        for key, value in numbers.items() if key != "final_reward_per_seed"}
-                                  for arm, numbers in result["headline"].items()}), flush=True)
+        for regime in regimes:
+            for arm in run_order(arms, seed):
+                regime_runs = [run for run in result["runs"] if run["regime"] == regime]
+                if any(run["arm"] == arm and run["seed"] == seed for run in regime_runs):
+                    continue  # kept (--continue)
+                best = best_async(headline(regime_runs)[regime]["arms"], among=PLAIN_ARMS) if regime_runs else None
+                if arm in BEST_ARMS and best is None:
+                    best = next(a for a in arms if a in PLAIN_ARMS and a != "sync")
+                done = len(result["runs"])
+                print(f"[offpolicy] {done + 1}/{total} {regime} {arm} seed {seed}"
+                      + (f" (best: {best})" if arm in BEST_ARMS else ""), file=sys.stderr, flush=True)
+                run = run_arm_seed(regime, arm, seed, ns, best)
+                last = run["steps"][-1]
+                print(f"[offpolicy] {regime} {arm} seed {seed}: reward {final_reward(run):.3f} after "
+                      f"{last['elapsed_seconds']:.0f} s of training ({run['run_seconds']:.0f} s with the suite's "
+                      f"start)", file=sys.stderr, flush=True)
+                result["runs"].append(run)
+                result["headline"] = headline(result["runs"])
+                result["result"] = result_line(result["runs"], result["headline"])
+                result["wall_seconds"] = time.monotonic() - started
+                ns.out.parent.mkdir(parents=True, exist_ok=True)
+                ns.out.write_text(json.dumps(result, indent=1))  # after every run: a cut-short one keeps its results
+    for regime in regimes:
+        plot([run for run in result["runs"] if run["regime"] == regime], result["headline"][regime],
+             ns.out.with_name(f"{ns.out.stem}-{regime}.png"),
+             f"GRPO digits task, long-tailed responses, tiny model: {regime} regime ({' '.join(REGIMES[regime])}), "
+             f"{ns.steps} steps x seeds {ns.seeds} ({result['machine']['date'][:10]}, "
+             f"{result['machine']['git_commit']})")
+    print("RESULT " + json.dumps(rounded(result["result"])), flush=True)
+
+
+def rounded(value):
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, dict):
+        return {key: rounded(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [rounded(item) for item in value]
+    return value
 
 
 if __name__ == "__main__":

@@ -34,14 +34,25 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 """``--lora``: every linear projection of a Qwen2/Llama decoder layer."""
 
 
-def task_prompts(count: int, rng: random.Random) -> list[dict]:
-    """Prompts of the digits-only task (the reward function needs no ground truth)."""
+def task_prompts(count: int, rng: random.Random, long_tail: int | None = None) -> list[dict]:
+    """Prompts of the digits-only task (the reward function needs no ground truth). With ``long_tail`` each
+    prompt's response budget is drawn from ``response_budget``: a long tail of response lengths."""
     prompts = []
     for _ in range(count):
         words = " ".join(rng.choice(TASK_WORDS) for _ in range(rng.randint(2, 4)))
-        prompts.append({"prompt": [{"role": "user", "content": f"answer in digits: {words}"}],
-                        "reward_fn": "char_fraction", "reward_args": {"pattern": "[0-9]"}})
+        prompt = {"prompt": [{"role": "user", "content": f"answer in digits: {words}"}],
+                  "reward_fn": "char_fraction", "reward_args": {"pattern": "[0-9]"}}
+        if long_tail:
+            prompt["sampling"] = {"max_tokens": response_budget(rng, long_tail)}
+        prompts.append(prompt)
     return prompts
+
+
+def response_budget(rng: random.Random, longest: int, shortest: int = 16) -> int:
+    """A response budget with a heavy tail, as reasoning lengths have: Pareto with shape 1.5 from ``shortest``
+    tokens, capped at ``longest`` (median ~25 tokens; about 1 prompt in 16 gets 4x that or more). The tiny
+    model rarely samples EOS, so its responses run to their budget: a step's slowest group is its straggler."""
+    return min(longest, int(shortest * rng.paretovariate(1.5)))
 
 
 def response_log_probs(model, batch, temperature: torch.Tensor) -> torch.Tensor:
@@ -64,12 +75,31 @@ def sampled_response_mask(batch) -> torch.Tensor:
 
 
 def grpo_step(model, optimizer, batch, *, clip_eps: float, kl_coef: float, is_correction: str | None = None,
-              trainer_version: int = 0) -> dict[str, float]:
-    """One clipped policy-gradient step on ``batch``. Without ``is_correction`` the behaviour log-probs are
-    the old policy (PPO's ratio is trainer over behaviour, clipped: stale tokens mostly fall outside the
-    clip). With a preset of ``rlfleet.client.offpolicy`` it is decoupled PPO: the ratio is taken to the
-    trainer's own weights before the step (one step per batch, so it starts at 1), and the mismatch
-    between trainer and behaviour is corrected by the preset's importance weights instead."""
+              trainer_version: int = 0, minibatches: int = 1) -> dict[str, float]:
+    """Clipped policy-gradient steps on ``batch``: ``minibatches`` optimizer steps, each on its share of the
+    batch's samples (PPO's minibatches: from the second on the weights have moved, so the clip acts). Without
+    ``is_correction`` the behaviour log-probs are the old policy (PPO's ratio is trainer over behaviour,
+    clipped: stale tokens mostly fall outside the clip). With a preset of ``rlfleet.client.offpolicy`` it is
+    decoupled PPO: the ratio is taken to the trainer's own weights before the step (the proximal policy, 1
+    at the first minibatch), and the mismatch between the proximal policy and the behaviour is corrected by
+    the preset's importance weights instead. Metrics are the first minibatch's (the weights before the step)."""
+    parts = []
+    proximal = None
+    for index in range(minibatches):
+        part = _policy_step(model, optimizer, batch, clip_eps=clip_eps, kl_coef=kl_coef, is_correction=is_correction,
+                            trainer_version=trainer_version, proximal=proximal, share=(index, minibatches))
+        proximal = part.pop("proximal")
+        parts.append(part)
+    budgets = batch["sampling", "max_tokens"]
+    return {**parts[0], "clip_fraction": sum(part["clip_fraction"] for part in parts) / len(parts),
+            "minibatches": minibatches, "response_budget_min": int(budgets.min()),
+            "response_budget_max": int(budgets.max())}
+
+
+def _policy_step(model, optimizer, batch, *, clip_eps, kl_coef, is_correction, trainer_version, proximal,
+                 share: tuple[int, int]) -> dict:
+    """One optimizer step on the samples ``share`` = (k, K) selects (sample i when i % K == k); its
+    ``clip_fraction`` is of its own tokens."""
     sampled = sampled_response_mask(batch)
     behavior = batch.ragged("log_probs/response").values[sampled]
     reference = batch.ragged("ref_log_probs/response").values[sampled]
@@ -79,24 +109,30 @@ def grpo_step(model, optimizer, batch, *, clip_eps: float, kl_coef: float, is_co
     temperature = batch["sampling", "temperature"].float()
 
     new = response_log_probs(model, batch, temperature)
-    mismatch = (new.detach() - behavior).abs()
+    proximal = new.detach() if proximal is None else proximal  # the trainer's weights before the step
+    mismatch = (proximal - behavior).abs()
     weights, offpolicy, by_lag = torch.ones_like(new), {}, None
     if is_correction is None:
         ratio = torch.exp(new - behavior)
     else:
-        ratio = torch.exp(new - new.detach())
-        weights, offpolicy, by_lag = correction_weights(new, behavior, sample_of_token, len(lengths), is_correction,
-                                                        token_versions(batch)[sampled], trainer_version)
+        ratio = torch.exp(new - proximal)
+        weights, offpolicy, by_lag = correction_weights(proximal, behavior, sample_of_token, len(lengths),
+                                                        is_correction, token_versions(batch)[sampled], trainer_version)
     surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages) * weights
     log_ratio_ref = reference - new
     kl = torch.expm1(log_ratio_ref) - log_ratio_ref  # k3 estimator of KL(policy || reference)
-    loss = -(surrogate.mean()) + kl_coef * kl.mean()
+    index, count = share
+    mine = (sample_of_token % count == index).float()  # this minibatch's tokens; 1 everywhere when count is 1
+    tokens = mine.sum().clamp(min=1)
+    loss = -(surrogate * mine).sum() / tokens + kl_coef * (kl * mine).sum() / tokens
+    clipped = ((ratio - 1).abs() > clip_eps).float()
     optimizer.zero_grad()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     return {"loss": loss.item(), "kl": kl.mean().item(), "logprob_mismatch_max": mismatch.max().item(),
             "logprob_mismatch_mean": mismatch.mean().item(), "response_tokens": int(sampled.sum()),
+            "clip_fraction": ((clipped * mine).sum() / tokens).item(), "proximal": proximal,
             "by_lag": by_lag, **offpolicy}
 
 
@@ -238,7 +274,8 @@ def train(client, model, ns, next_prompts: Callable[[int], list[dict]],
             batch = next(iterator)
             version_before = client.policy_version
             stats = grpo_step(model, optimizer, batch, clip_eps=ns.clip_eps, kl_coef=ns.kl_coef,
-                              is_correction=ns.is_correction, trainer_version=version_before)
+                              is_correction=ns.is_correction, trainer_version=version_before,
+                              minibatches=getattr(ns, "minibatches", 1))
             by_lag = stats.pop("by_lag")
             if by_lag:  # the collector shows it, and its mismatch breaker acts on it
                 client.report_mismatch(by_lag, version_before)
@@ -296,6 +333,12 @@ def demo_parser() -> argparse.ArgumentParser:
                              "the adapter each step; the generation replicas need max_lora_rank >= RANK")
     parser.add_argument("--lora-alpha", type=float, default=None, metavar="ALPHA",
                         help="the adapter's lora_alpha (its update is scaled by alpha / rank); default 2 x RANK")
+    parser.add_argument("--minibatches", type=int, default=1, metavar="K",
+                        help="optimizer steps per batch, each on 1/K of its samples (PPO minibatches: the clip acts "
+                             "from the second on)")
+    parser.add_argument("--long-tail", type=int, default=None, metavar="TOKENS",
+                        help="draw each prompt's response budget from a heavy-tailed distribution capped at TOKENS "
+                             "(a long tail of response lengths, as reasoning has); default: the collector's")
     return parser
 
 
@@ -311,6 +354,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--lora-alpha must be > 0, got {ns.lora_alpha}")
     if ns.lora is not None and ns.lora_alpha is None:
         ns.lora_alpha = 2.0 * ns.lora
+    if ns.minibatches < 1:
+        parser.error(f"--minibatches must be >= 1, got {ns.minibatches}")
+    if ns.long_tail is not None and ns.long_tail < 16:
+        parser.error(f"--long-tail must be at least 16 tokens, got {ns.long_tail}")
     return ns
 
 
@@ -342,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict:
     with connect(ns.collector, **connection(ns)) as client:
         client.wait_ready(timeout=300)
         join_run(client)
-        metrics = train(client, model, ns, lambda count: task_prompts(count, rng))
+        metrics = train(client, model, ns, lambda count: task_prompts(count, rng, ns.long_tail))
     (ns.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     plot(metrics, ns.out / "metrics.png")
     first, last = first_and_last(metrics, "reward_mean")

@@ -146,13 +146,15 @@ def test_agentic_demo_raises_tool_calls_and_reward(agentic_metrics):
 
 @pytest.fixture(scope="module")
 def corrected_metrics(suite, demo_metrics, tiny_model_dir, tmp_path_factory):
-    """A second trainer on the same suite with token-level TIS. It starts from the initial weights but
-    resumes the demo's run (the collector refuses a new run there): its first batch comes from the demo's
-    last weights, a mismatch the correction's metrics must show; after its first push, none."""
+    """A second trainer on the same suite with token-level TIS, two PPO minibatches per batch and
+    long-tailed response budgets (at most 48 tokens). It starts from the initial weights but resumes the
+    demo's run (the collector refuses a new run there): its first batch comes from the demo's last weights,
+    a mismatch the correction's metrics must show; after its first push, none."""
     with connect(suite["collector"].address) as client:
         run = client.status().run
     return run_example("train_grpo.py", suite, tiny_model_dir, 4, tmp_path_factory.mktemp("corrected-out"),
-                       "--is-correction", "token_tis", "--resume", str(run))
+                       "--is-correction", "token_tis", "--resume", str(run), "--minibatches", "2",
+                       "--long-tail", "48")
 
 
 def test_is_correction_metrics_show_the_mismatch_and_its_lag(corrected_metrics, suite):
@@ -168,3 +170,14 @@ def test_is_correction_metrics_show_the_mismatch_and_its_lag(corrected_metrics, 
         mismatch = client.status().mismatch
     assert mismatch.reports == len(corrected_metrics) and not mismatch.breaker_open
     assert mismatch.latest[0]["kl_k3"] == pytest.approx(corrected_metrics[-1]["offpolicy/lag0/kl_k3"])
+
+
+def test_minibatches_move_the_policy_within_a_batch_and_budgets_follow_the_long_tail(corrected_metrics):
+    """The second minibatch's ratio is to the weights before the step, which the first moved: the clip acts
+    (the first minibatch's ratio is exactly 1, so every clipped token is the second's). Each prompt's budget
+    is its own draw, capped at 48, overriding the collector's 24."""
+    assert all(m["minibatches"] == 2 for m in corrected_metrics)
+    assert max(m["clip_fraction"] for m in corrected_metrics) > 0, corrected_metrics
+    assert all(16 <= m["response_budget_min"] <= m["response_budget_max"] <= 48 for m in corrected_metrics)
+    assert any(m["response_budget_max"] > 24 for m in corrected_metrics)
+    assert any(m["response_budget_min"] < m["response_budget_max"] for m in corrected_metrics)
