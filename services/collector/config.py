@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from rlfleet.choices import AdvantageModeName, KLEstimatorName
+from rlfleet.choices import AdvantageModeName, KLEstimatorName, SwapModeName, UpdateStrategyName
 from rlfleet.services.common.config import ServiceConfig
 from rlfleet.services.common.database import DatabaseUrl, SchemaName
 from rlfleet.services.common.upstream import UpstreamConfig
@@ -111,12 +111,12 @@ class CollectorConfig(ServiceConfig, UpstreamConfig):
     mismatch_horizon: int = Field(8, ge=1)
     """Reports a lag's measured KL is kept after it was last measured (``mismatch_kl_target``)."""
 
-    swap_mode: Literal["", "wait", "abort", "keep", "resume"] = ""
+    swap_mode: Literal["", SwapModeName] = ""
     """What every push does to the requests in flight on the replicas, for the whole run: ``wait`` (they
     finish on the old weights first), ``abort`` (thrown away, their prompts generated again), ``keep``
     (continued on the new weights, re-prefilled), ``resume`` (continued as new requests on the new
     weights); docs/guides/off-policy.md compares them. "": each push's own mode (the SDK's default is keep)."""
-    update_strategy: Literal["pause_all", "rolling"] = "pause_all"
+    update_strategy: UpdateStrategyName = "pause_all"
     """How a push that names no strategy (``WeightManifest.strategy``; the SDK's ``strategy=``) reaches the
     replicas: ``pause_all`` (every replica swaps at once under the push's mode, no group admitted meanwhile)
     or ``rolling`` (``rolling_max_unavailable`` replicas at a time, each drained first, while the others

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable
 
-from rlfleet.client.push import MODES
+from rlfleet.choices import SWAP_MODES
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.replicas import Replica, ReplicaPool
 from rlfleet.services.collector.rolling import RollingSettings, RollingUpdate
@@ -150,7 +150,7 @@ class WeightFanout:
             # generated again), never continued on the new weights.
             manifest.mode = weights_pb2.UPDATE_MODE_ABORT
         elif self.swap_mode:
-            manifest.mode = MODES[self.swap_mode]  # the SDK's names: docs/guides/off-policy.md, Weight-swap modes
+            manifest.mode = SWAP_MODES[self.swap_mode]  # the SDK's names: docs/guides/off-policy.md, Weight-swap modes
         if manifest.version == 0:
             if self.gate.version >= MAX_POLICY_VERSION:
                 raise OutOfRange(f"manifest.version: no version is left after {self.gate.version} "

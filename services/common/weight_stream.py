@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlfleet.choices import SWAP_MODE_NAMES
 from rlfleet.services.common.errors import Aborted, FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import WireError, shm
@@ -26,13 +27,6 @@ from rlfleet.wire.tensor import check_shape
 MAX_POLICY_VERSION = 2**63 - 1
 """The largest policy version: batches carry versions in int64 columns."""
 
-UPDATE_MODES = {
-    weights_pb2.UPDATE_MODE_UNSPECIFIED: "keep",
-    weights_pb2.UPDATE_MODE_KEEP: "keep",
-    weights_pb2.UPDATE_MODE_WAIT: "wait",
-    weights_pb2.UPDATE_MODE_ABORT: "abort",
-    weights_pb2.UPDATE_MODE_RESUME: "resume",
-}
 
 
 class _Checksum:
@@ -106,7 +100,7 @@ class WeightPush:
                 f"manifest.total_bytes is {manifest.total_bytes} but the tensors add up to {total}")
         if total > max_bytes:
             raise ResourceExhausted(f"weight push of {total} bytes exceeds the limit of {max_bytes}")
-        mode = UPDATE_MODES.get(manifest.mode)
+        mode = SWAP_MODE_NAMES.get(manifest.mode)
         if mode is None:
             raise InvalidArgument(f"manifest.mode: unknown update mode {manifest.mode}")
         push = cls(version=manifest.version, mode=mode, names=names, dtypes=dtypes, shapes=shapes,

@@ -7,6 +7,7 @@ import uuid
 
 import torch
 
+from rlfleet.choices import WEIGHT_TRANSPORTS
 from rlfleet.services.common.errors import Aborted, InvalidArgument
 from rlfleet.services.common.sampling_spec import sampling_from_proto, sampling_to_proto
 from rlfleet.services.common.server import Service
@@ -17,7 +18,6 @@ from rlfleet.wire import decode_tensor
 from rlfleet.wire.dtypes import TOKEN_ID_DTYPES
 from rlfleet.wire.tensor import encode_values
 
-WEIGHT_TRANSPORTS = ("grpc", "shm", "nccl")
 _FINISH = {
     "stop": sampling_pb2.FINISH_REASON_STOP,
     "length": sampling_pb2.FINISH_REASON_LENGTH,

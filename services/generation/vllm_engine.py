@@ -12,8 +12,9 @@ import logging
 import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any
 
+from rlfleet.choices import SWAP_MODES, SwapModeName
 from rlfleet.services.common.errors import (
     Aborted,
     FailedPrecondition,
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SwapMode = Literal["wait", "abort", "keep", "resume"]
+SwapMode = SwapModeName
 
 
 class GenerationEngine:
@@ -527,14 +528,13 @@ class GenerationEngine:
         """Stage ``(name, tensor)`` pairs in a segment and apply them (in-process callers and tests);
         ``base_version`` set: a delta push on that version (only the tensors that changed); ``lora``: an
         adapter push (the pairs are its factors)."""
-        if mode not in get_args(SwapMode):
-            raise InvalidArgument(f"mode must be one of {', '.join(get_args(SwapMode))}, got {mode!r}")
-        from rlfleet.client.push import MODES
+        if mode not in SWAP_MODES:
+            raise InvalidArgument(f"mode must be one of {', '.join(SWAP_MODES)}, got {mode!r}")
         from rlfleet.wire.push_messages import iter_push_messages
 
         pairs = list(named_tensors)
         _, manifest = next(iter_push_messages(pairs, version=version, checksum_algo=None,
-                                              mode=MODES[mode]))
+                                              mode=SWAP_MODES[mode]))
         if base_version is not None:
             manifest.delta.base_version = base_version
         if lora is not None:

@@ -67,16 +67,21 @@ def test_spans_are_stitched_across_requests():
 
 
 def test_every_swap_mode_is_spelled_alike_on_the_wire_in_the_sdk_and_the_engine():
+    """One table (rlfleet.choices, from the proto's enum) that the SDK, the collector's settings, the weight
+    stream and the engine all read."""
     from typing import get_args
 
+    from rlfleet.choices import SWAP_MODE_NAMES, SWAP_MODES
     from rlfleet.client.push import MODES
-    from rlfleet.services.common.weight_stream import UPDATE_MODES
+    from rlfleet.services.collector.config import CollectorConfig
     from rlfleet.services.generation.vllm_engine import SwapMode
     from rlfleet.v1 import weights_pb2
 
-    assert set(MODES) == set(get_args(SwapMode)) == {"wait", "abort", "keep", "resume"}
-    assert {UPDATE_MODES[value]: value for value in MODES.values()} == MODES
-    assert set(UPDATE_MODES) == set(weights_pb2.UpdateMode.values())
+    assert MODES is SWAP_MODES and set(get_args(SwapMode)) == {"wait", "abort", "keep", "resume"} == set(MODES)
+    assert set(get_args(CollectorConfig.model_fields["swap_mode"].annotation)) == {"", *MODES}
+    assert {SWAP_MODE_NAMES[value]: value for value in MODES.values()} == MODES
+    assert set(SWAP_MODE_NAMES) == set(weights_pb2.UpdateMode.values())
+    assert SWAP_MODE_NAMES[weights_pb2.UPDATE_MODE_UNSPECIFIED] == "keep"
     assert MODES["resume"] == weights_pb2.UPDATE_MODE_RESUME
 
 

@@ -41,6 +41,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import grpc
 import torch
 
+from rlfleet.choices import SWAP_MODES, UPDATE_STRATEGIES, WEIGHT_TRANSPORTS
 from rlfleet.client.channel import STREAM_WRITE_ERRORS, ChannelSettings, StatusWatch, backoff, stream_error
 from rlfleet.client.delta import DeltaBase
 from rlfleet.client.errors import FailedPreconditionError, UnavailableError
@@ -51,14 +52,12 @@ from rlfleet.wire.dtypes import SUPPORTED_DTYPES
 from rlfleet.wire.push_messages import DEFAULT_CHUNK_BYTES, iter_push_messages
 
 METHOD = "PushWeights"
-MODES = {"keep": weights_pb2.UPDATE_MODE_KEEP, "wait": weights_pb2.UPDATE_MODE_WAIT,
-         "abort": weights_pb2.UPDATE_MODE_ABORT, "resume": weights_pb2.UPDATE_MODE_RESUME}
-STRATEGIES = {"": weights_pb2.UPDATE_STRATEGY_UNSPECIFIED, "pause_all": weights_pb2.UPDATE_STRATEGY_PAUSE_ALL,
-              "rolling": weights_pb2.UPDATE_STRATEGY_ROLLING}
+MODES = SWAP_MODES
+STRATEGIES = {"": weights_pb2.UPDATE_STRATEGY_UNSPECIFIED, **UPDATE_STRATEGIES}
 """How the collector rolls a push out (``WeightManifest.strategy``): "" leaves it to its ``update_strategy``."""
 PROGRESS_MIN_BYTES = 8 << 20
 """Pushes smaller than this never show a progress bar."""
-TRANSPORTS = ("auto", "shm", "grpc", "nccl")
+TRANSPORTS = ("auto", *WEIGHT_TRANSPORTS)
 DEADLINE_BYTES_PER_SECOND = 10 << 20
 """Default push deadline: the client's timeout plus one second per 10 MiB."""
 ROLLING_DEADLINE_SECONDS = 330.0
