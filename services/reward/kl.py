@@ -1,24 +1,9 @@
-"""Per-token KL estimators between the sampling policy and the reference model.
+"""Per-token KL estimators between the sampling policy and the reference model: the reward's KL penalty.
 
-Convention (Schulman, "Approximating KL divergence", 2020):
-
-* ``p`` is the policy the tokens were **sampled from** (the behaviour policy, or
-  the current policy when it is re-scored), ``q`` the frozen reference model.
-* ``log_ratio = log p(x) - log q(x)``, evaluated on the sampled token ``x ~ p``.
-* The target quantity is ``KL(p || q) = E_{x~p}[log p(x) - log q(x)]``.
-
-The three estimators, all functions of ``log_ratio`` only:
-
-==== ============================================ ========= =========
-name per-token value                               unbiased  always >= 0
-==== ============================================ ========= =========
-k1   ``log_ratio``                                 yes       no
-k2   ``0.5 * log_ratio**2``                        no        yes
-k3   ``q/p - 1 - log(q/p) = exp(-r) - 1 + r``      yes       yes
-==== ============================================ ========= =========
-
-k3 is unbiased because ``E_p[q/p] = 1``; it is non-negative because
-``exp(y) >= 1 + y`` with ``y = -r``.
+``p`` is the policy the tokens were **sampled from** (the behaviour policy, or the current policy when it
+is re-scored), ``q`` the frozen reference model; ``log_ratio = log p(x) - log q(x)`` on the sampled token,
+and the target is ``KL(p || q)``. The estimators k1, k2 and k3 and their properties are
+``rlfleet.client.kl``'s (one home for the formulas, shared with the SDK's mismatch metrics).
 
 ``per_token_kl`` takes ``[B, T]`` tensors with a bool ``mask`` of the tokens that
 count. The reward pipeline (``pipeline.py``) passes a whole batch as one row: the
@@ -35,31 +20,24 @@ import torch
 from torch import Tensor
 
 from rlfleet.choices import KL_ESTIMATORS, KLEstimatorName
+from rlfleet.client import kl as estimators
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.services.reward import validation
 
 
-def _log_ratio(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
-    # Half-precision log-probs lose the small differences KL is made of.
-    dtype = torch.promote_types(torch.promote_types(log_probs.dtype, ref_log_probs.dtype), torch.float32)
-    return log_probs.to(dtype) - ref_log_probs.to(dtype)
-
-
 def kl_k1(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
     """``log p - log q``: unbiased, high variance, can be negative per token."""
-    return _log_ratio(log_probs, ref_log_probs)
+    return estimators.k1(estimators.log_ratio(log_probs, ref_log_probs))
 
 
 def kl_k2(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
     """``0.5 * (log p - log q)**2``: biased, low variance, non-negative."""
-    return 0.5 * _log_ratio(log_probs, ref_log_probs).square()
+    return estimators.k2(estimators.log_ratio(log_probs, ref_log_probs))
 
 
 def kl_k3(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
     """``q/p - 1 - log(q/p)``: unbiased and non-negative."""
-    log_ratio = _log_ratio(log_probs, ref_log_probs)
-    # expm1 keeps precision near r = 0, where exp(-r) - 1 would cancel.
-    return torch.expm1(-log_ratio) + log_ratio
+    return estimators.k3(estimators.log_ratio(log_probs, ref_log_probs))
 
 
 # The formulas in the order of the names' table (k1, k2, k3): a name added there without its

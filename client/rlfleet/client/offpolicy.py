@@ -65,6 +65,8 @@ from typing import Literal
 
 import torch
 
+from rlfleet.client import kl
+
 Level = Literal["token", "sequence", "geometric"]
 Action = Literal["truncate", "mask"]
 LOG_RATIO_CLAMP = 20.0
@@ -259,9 +261,9 @@ def _mismatch_metrics(log_ratio, clamped, sequence_ratio) -> dict[str, float]:
 
 
 def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
-    """``r - 1 - log r`` per token, as ``expm1(log r) - log r``: ``exp(x) - 1`` loses the digits k3 is
-    made of when ``x`` is near 0 (float32 gives small negative values at lag 0)."""
-    return (torch.expm1(log_ratio) - log_ratio).clamp(min=0)
+    """``r - 1 - log r`` per token of the trainer-over-behaviour log-ratio: ``rlfleet.client.kl``'s k3 of
+    KL(behaviour || trainer), whose log-ratio is the negated one (``expm1``: exact near 0 in float32)."""
+    return kl.k3(-log_ratio)
 
 
 def _ess(ratio: torch.Tensor) -> float:
