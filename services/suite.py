@@ -119,14 +119,17 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
             "--generation-addresses", json.dumps([p.address for p in replicas]),
             "--reference-address", procs["reference"].address, "--reward-address", procs["reward"].address,
             "--trajectory-address", procs["trajectory"].address, "--state-dir", str(workdir / "collector"),
-            *fresh, *upstream, *(_upstream_args(credentials) if credentials else ()), *options.collector_args])
+            *fresh, *upstream, *(upstream_args(credentials) if credentials else ()), *options.collector_args])
     except BaseException:
         stop_suite(procs)
         raise
     return procs
 
 
-def _upstream_args(credentials: Path) -> list[str]:
+def upstream_args(credentials: Path) -> list[str]:
+    """The collector's flags for calling its upstream services with a credentials directory's files
+    (``rlfleet.services.credentials``): mTLS as ``collector`` and the services' token. The suite and the
+    Ray fleet's actors start the collector with them."""
     return ["--upstream-tls-ca-file", str(credentials / "ca.pem"),
             "--upstream-tls-cert-file", str(credentials / "collector.pem"),
             "--upstream-tls-key-file", str(credentials / "collector.key"),

@@ -173,11 +173,11 @@ class ServiceHost:
         os._exit(1)
 
     def _tls_args(self) -> list[str]:
-        from rlfleet.services.suite import _upstream_args, secure_args
+        from rlfleet.services.suite import upstream_args, secure_args
 
         args = secure_args(self.credentials, self.spec["service"])
         if self.spec["service"] == "collector":
-            args += _upstream_args(self.credentials)
+            args += upstream_args(self.credentials)
         return args
 
     def _resolve_upstreams(self, timeout: float) -> dict[str, str]:
