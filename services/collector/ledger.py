@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from rlfleet.client.results import PassRate
+from rlfleet.client.results import PassRate, PromptFailure
 from rlfleet.services.collector import state_schema
 from rlfleet.services.collector.coalescer import Coalescer
 from rlfleet.services.collector.filtering import GroupOutcome
@@ -51,17 +51,8 @@ _UPSERT_META = ("INSERT INTO meta (name, value) VALUES (?, ?) "
                 "ON CONFLICT (name) DO UPDATE SET value = excluded.value")
 
 
-@dataclass(frozen=True)
-class DeadLetter:
-    """A prompt that failed for good (``PromptFailure`` on the wire)."""
-
-    seq: int
-    prompt_id: str
-    stage: str
-    code: str
-    error: str
-    attempts: int
-    failed_at: float
+DeadLetter = PromptFailure
+"""A prompt that failed for good: the SDK's record, ``PromptFailure`` on the wire."""
 
 
 _STORED_FIELDS = tuple(f.name for f in dataclasses.fields(PromptItem) if f.name not in ("ledger_seq", "attempts"))

@@ -12,6 +12,7 @@ import grpc
 
 from rlfleet.client.channel import is_core_write_failure
 from rlfleet.client.errors import from_rpc_error
+from rlfleet.client.results import to_message
 from rlfleet.services.collector import prompt_item
 from rlfleet.services.collector.batch_stream import BatchRelay
 from rlfleet.services.collector.mismatch import LagMismatch
@@ -98,8 +99,7 @@ class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
         limit = min(request.limit or 100, 1000)
         failures, total = await self.collector.ledger.failures(request.after_seq, limit)
         return collector_pb2.ListFailuresResponse(total=total, failures=[
-            collector_pb2.PromptFailure(seq=f.seq, prompt_id=f.prompt_id, stage=f.stage, code=f.code, error=f.error,
-                                        attempts=f.attempts, failed_at=f.failed_at) for f in failures])
+            to_message(failure, collector_pb2.PromptFailure) for failure in failures])
 
 
 class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import AsyncIterator
 
+from rlfleet.client.results import to_message
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.services.common.server import Service
 from rlfleet.services.trajectory.buffer import Command, ReaderOptions, Settlement, TrajectoryBuffer
@@ -60,20 +61,13 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
     async def GetStats(self, request: trajectory_pb2.GetStatsRequest, context) -> trajectory_pb2.GetStatsResponse:
         self._service.check_working()
         stats = await self._buffer.stats()
-        return trajectory_pb2.GetStatsResponse(
-            ready=stats.ready, leased=stats.leased, acked=stats.acked, capacity=stats.capacity,
-            appended=stats.appended, redelivered_batches=stats.redelivered_batches,
-            dropped_stale=stats.dropped_stale, buffered_bytes=stats.buffered_bytes,
-            capacity_bytes=stats.capacity_bytes, filtered_groups=stats.filtered_groups,
-            filtered_trajectories=stats.filtered_trajectories,
-        )
+        return to_message(stats, trajectory_pb2.GetStatsResponse)
 
     async def DropStale(self, request: trajectory_pb2.DropStaleRequest,
                         context) -> trajectory_pb2.DropStaleResponse:
         self._service.check_working()
         dropped = await self._buffer.drop_stale(request.below_policy_version)
-        return trajectory_pb2.DropStaleResponse(dropped=dropped.trajectories, group_ids=dropped.group_ids,
-                                                prompt_ids=dropped.prompt_ids)
+        return to_message(dropped, trajectory_pb2.DropStaleResponse)
 
 
     async def GetVersionStats(self, request: trajectory_pb2.GetVersionStatsRequest,

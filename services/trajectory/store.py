@@ -50,6 +50,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence, TypeVar
 
+from rlfleet.client.results import BufferStats, DroppedStale
 from rlfleet.services.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from rlfleet.services.common.database import chunks, open_database
 from rlfleet.services.trajectory import rows as rowcodec
@@ -94,32 +95,10 @@ class Delivery:
     size: int
 
 
-@dataclass(frozen=True)
-class Dropped:
-    """What ``drop_stale`` deleted."""
-
-    trajectories: int
-    group_ids: tuple[int, ...]
-    """Distinct, in delivery order."""
-    prompt_ids: tuple[str, ...]
-    """Distinct values of the rows' ``prompt_id`` string column; empty when the rows have none."""
-
-
-@dataclass(frozen=True)
-class Stats:
-    ready: int
-    leased: int
-    acked: int
-    capacity: int
-    appended: int
-    redelivered_batches: int
-    dropped_stale: int
-    """Trajectories deleted by ``drop_stale`` only: a reader's ``min_policy_version`` deletes nothing."""
-    buffered_bytes: int
-    capacity_bytes: int
-    filtered_groups: int = 0
-    """Groups stored as filtered, ever (durable)."""
-    filtered_trajectories: int = 0
+Dropped = DroppedStale
+"""What ``drop_stale`` deleted: the SDK's record (``DropStaleResponse``)."""
+Stats = BufferStats
+"""The buffer's occupancy and counters: the SDK's record (``GetStatsResponse``)."""
 
 
 @dataclass
@@ -481,7 +460,7 @@ class TrajectoryStore:
         units = [self._units[unit_id] for unit_id in self._ready_units[:stop]]
         rows = [row for unit in units for row in unit.ready]
         if not rows:
-            return Dropped(0, (), ())
+            return Dropped(dropped=0, group_ids=(), prompt_ids=())
         with self._db.transaction():
             prompt_ids = self._prompt_ids(rows)
             self._delete_rows([row.seq for row in rows], [unit.id for unit in units if not unit.leased])
@@ -497,7 +476,7 @@ class TrajectoryStore:
         group_ids = tuple(dict.fromkeys(unit.group_id for unit in units))
         log.info("dropped stale trajectories", extra={
             "dropped": len(rows), "groups": len(group_ids), "below_policy_version": below_policy_version})
-        return Dropped(len(rows), group_ids, tuple(dict.fromkeys(prompt_ids)))
+        return Dropped(dropped=len(rows), group_ids=group_ids, prompt_ids=tuple(dict.fromkeys(prompt_ids)))
 
     def _prompt_ids(self, rows: Sequence[_Row]) -> list[str]:
         """The rows' prompt ids in order; none unless the buffered schema has the column."""

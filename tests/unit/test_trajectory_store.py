@@ -165,12 +165,12 @@ def test_drop_stale_deletes_ready_groups_below_the_version_and_says_which(db, cl
     assert decode_tensordict(leased.batch)["group_id"].tolist() == [1, 1]
 
     dropped = store.drop_stale(3)
-    assert dropped == Dropped(6, (2, 3), ("prompt-2", "prompt-3"))  # distinct, oldest first
+    assert dropped == Dropped(dropped=6, group_ids=(2, 3), prompt_ids=("prompt-2", "prompt-3"))  # distinct, oldest first
     stats = store.stats()
     assert (stats.ready, stats.leased, stats.dropped_stale, stats.acked) == (2, 2, 6, 0)
     assert stats.buffered_bytes == payload_bytes(appends[0]) + payload_bytes(appends[3])  # groups 1 and 4 left
-    assert store.drop_stale(3) == Dropped(0, (), ())  # again: nothing more
-    assert store.drop_stale(0) == Dropped(0, (), ())
+    assert store.drop_stale(3) == Dropped(dropped=0, group_ids=(), prompt_ids=())  # again: nothing more
+    assert store.drop_stale(0) == Dropped(dropped=0, group_ids=(), prompt_ids=())
     assert store._db.execute("SELECT count(*) FROM trajectories").fetchone()[0] == 4
     store.close()
 
@@ -178,7 +178,7 @@ def test_drop_stale_deletes_ready_groups_below_the_version_and_says_which(db, cl
     stats = store.stats()
     assert (stats.ready, stats.leased) == (4, 0)
     assert stats.buffered_bytes == payload_bytes(appends[0]) + payload_bytes(appends[3])
-    assert store.drop_stale(2**64 - 1) == Dropped(4, (1, 4), ("prompt-1", "prompt-4"))
+    assert store.drop_stale(2**64 - 1) == Dropped(dropped=4, group_ids=(1, 4), prompt_ids=("prompt-1", "prompt-4"))
     assert store.stats().buffered_bytes == 0 and store.lease("a", 1, lease_seconds=60) is None
     store.close()
 
@@ -186,11 +186,11 @@ def test_drop_stale_deletes_ready_groups_below_the_version_and_says_which(db, cl
 def test_drop_stale_leaves_leased_rows_and_reports_no_prompts_without_the_column(store):
     store.append(make_trajectories([1, 1, 1], policy_version=1))
     partly = store.lease("rows", 1, lease_seconds=60)  # one row of group 1 is out
-    assert store.drop_stale(2) == Dropped(2, (1,), ())
+    assert store.drop_stale(2) == Dropped(dropped=2, group_ids=(1,), prompt_ids=())
     assert store.stats().ready == 0
     store.nack("rows", partly.lease_id)  # back, and still stale
     assert store.lease("fresh", 1, lease_seconds=60, min_policy_version=2) is None
-    assert store.drop_stale(2) == Dropped(1, (1,), ())
+    assert store.drop_stale(2) == Dropped(dropped=1, group_ids=(1,), prompt_ids=())
     assert store.stats().dropped_stale == 3
     store.append(make_trajectories([2, 2], first_id=3, policy_version=2))  # the buffer works on
     assert trajectory_ids(store.lease("fresh", 2, lease_seconds=60, min_policy_version=2).batch) == ["traj-3", "traj-4"]
@@ -567,7 +567,7 @@ def test_a_group_is_stored_once_and_its_payload_goes_with_its_last_row(db, clock
     store.ack("a", first.lease_id)
     assert [unit for (unit,) in store._db.execute("SELECT unit FROM units ORDER BY unit")] == [4, 6]
     dropped = store.drop_stale(1)  # group 1's other row and group 2: nothing is leased
-    assert dropped.trajectories == 5
+    assert dropped.dropped == 5
     assert store._db.execute("SELECT count(*) FROM units").fetchone()[0] == 0
     assert store.stats().buffered_bytes == 0
     store.close()

@@ -361,7 +361,7 @@ class AsyncClient:
             raise UnimplementedError(
                 f"{exc.details} ({self.address} does not serve DropStale: the collector does not forward it; "
                 "connect a client to the trajectory service's own address)", method=exc.method) from None
-        return DroppedStale(reply.dropped, tuple(reply.group_ids), tuple(reply.prompt_ids))
+        return DroppedStale.from_proto(reply)
 
     def batches(self, batch_size: int, *, whole_groups: bool = True, min_policy_version: int = 0,
                 lease_seconds: float = 0.0, prefetch: int = 1, consumer: str = "", auto_ack: bool = True,

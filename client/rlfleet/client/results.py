@@ -1,10 +1,37 @@
-"""Plain, immutable views of the services' replies (no protobuf types leak to callers)."""
+"""Plain, immutable views of the services' replies (no protobuf types leak to callers).
+
+A record whose fields are its message's, by name, is defined once, here: the services build it and send
+it with ``to_message``, the SDK reads it back with ``from_message``. Reading by name, never by position, a
+field reordered or added in the proto cannot land in the wrong attribute.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from rlfleet.v1 import collector_pb2, trajectory_pb2
+
+R = TypeVar("R")
+
+
+def from_message(cls: type[R], message: Any, **given: Any) -> R:
+    """``cls`` with each field read from ``message``'s field of the same name (a repeated one as a tuple),
+    except those ``given``."""
+    values = {}
+    for item in dataclasses.fields(cls):
+        if item.name in given:
+            values[item.name] = given[item.name]
+            continue
+        value = getattr(message, item.name)
+        values[item.name] = tuple(value) if not isinstance(value, (str, bytes, int, float, bool)) else value
+    return cls(**values)
+
+
+def to_message(record: Any, message_cls: type, **extra: Any):
+    """``record``'s fields as the message ``message_cls`` of the same field names (plus ``extra``)."""
+    return message_cls(**{item.name: getattr(record, item.name) for item in dataclasses.fields(record)}, **extra)
 
 
 @dataclass(frozen=True)
@@ -149,8 +176,7 @@ class DynamicSamplingStatus:
 
     @classmethod
     def from_proto(cls, status: collector_pb2.DynamicSamplingStatus) -> "DynamicSamplingStatus":
-        return cls(status.enabled, status.min_score_range, status.filtered_groups, status.filtered_samples,
-                   status.filter_rate, status.oversampling or 1.0, status.curriculum_skipped, status.curriculum)
+        return from_message(cls, status, oversampling=status.oversampling or 1.0)
 
 
 @dataclass(frozen=True)
@@ -176,9 +202,7 @@ class RollingUpdateStatus:
 
     @classmethod
     def from_proto(cls, status: collector_pb2.RollingUpdateStatus) -> "RollingUpdateStatus":
-        return cls(status.in_progress, status.from_version, status.to_version, status.replicas_switched,
-                   status.replicas_total, status.window_seconds, status.max_window_seconds, status.committed,
-                   status.pinned_groups, status.pin_violations, status.pins_retired)
+        return from_message(cls, status)
 
 
 @dataclass(frozen=True)
@@ -331,16 +355,12 @@ class BufferStats:
 
     @classmethod
     def from_proto(cls, reply: trajectory_pb2.GetStatsResponse) -> "BufferStats":
-        return cls(ready=reply.ready, leased=reply.leased, acked=reply.acked, capacity=reply.capacity,
-                   appended=reply.appended, redelivered_batches=reply.redelivered_batches,
-                   dropped_stale=reply.dropped_stale, buffered_bytes=reply.buffered_bytes,
-                   capacity_bytes=reply.capacity_bytes, filtered_groups=reply.filtered_groups,
-                   filtered_trajectories=reply.filtered_trajectories)
+        return from_message(cls, reply)
 
 
 @dataclass(frozen=True)
 class DroppedStale:
-    """What ``drop_stale`` deleted (``DropStaleResponse``)."""
+    """What ``drop_stale`` deleted (``DropStaleResponse``; the trajectory store's record too)."""
 
     dropped: int
     """Trajectories deleted."""
@@ -349,10 +369,14 @@ class DroppedStale:
     prompt_ids: tuple[str, ...]
     """Their distinct ``prompt_id`` values; empty when the trajectories carry none."""
 
+    @classmethod
+    def from_proto(cls, reply: trajectory_pb2.DropStaleResponse) -> "DroppedStale":
+        return from_message(cls, reply)
+
 
 @dataclass(frozen=True)
 class PromptFailure:
-    """A prompt that failed for good: a dead letter (``ListFailures``)."""
+    """A prompt that failed for good: a dead letter (``ListFailures``; the collector's ledger records it so)."""
 
     seq: int
     """Increasing number (pass the last one seen as ``after_seq``)."""
@@ -368,5 +392,4 @@ class PromptFailure:
 
     @classmethod
     def from_proto(cls, failure: collector_pb2.PromptFailure) -> "PromptFailure":
-        return cls(failure.seq, failure.prompt_id, failure.stage, failure.code, failure.error, failure.attempts,
-                   failure.failed_at)
+        return from_message(cls, failure)
