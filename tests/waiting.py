@@ -30,3 +30,13 @@ async def wait_for_async(condition: Callable[[], T], timeout: float, what: str, 
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
         await asyncio.sleep(interval)
     return result
+
+
+async def settle(rounds: int = 100) -> None:
+    """Let every task of this event loop run until none can advance without a timer or I/O: what a test
+    asserts did *not* happen (a task still waiting) then holds whatever the machine's speed, where a short
+    sleep only guesses. For in-process logic only (no sockets, no threads)."""
+    import asyncio
+
+    for _ in range(rounds):
+        await asyncio.sleep(0)

@@ -10,6 +10,7 @@ import pytest
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.mismatch import LagMismatch, MismatchBreaker
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument
+from tests.waiting import settle
 
 
 def lag(lag: int, kl_k3: float, tokens: int = 10) -> LagMismatch:
@@ -61,7 +62,7 @@ def test_a_held_gate_admits_nothing_until_released():
         gate = VersionGate(groups_per_step=1, max_staleness=10)
         await gate.hold(True)
         waiting = asyncio.ensure_future(gate.admit())
-        await asyncio.sleep(0.05)
+        await settle()
         held = waiting.done()
         await gate.hold(False)
         return held, await asyncio.wait_for(waiting, 5)
@@ -91,7 +92,7 @@ def test_a_lowered_admission_bound_paces_new_groups_and_never_exceeds_the_ceilin
         await gate.bound_admission(0)
         first = await asyncio.wait_for(gate.admit(), 5)  # step 0 at version 0
         second = asyncio.ensure_future(gate.admit())  # step 1 needs version >= 1 under a bound of 0
-        await asyncio.sleep(0.05)
+        await settle()
         paced = not second.done()
         await gate.bound_admission(7)
         return first, paced, await asyncio.wait_for(second, 5), gate.admission_staleness

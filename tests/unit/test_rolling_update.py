@@ -15,6 +15,7 @@ from rlfleet.services.collector.replicas import Replica, ReplicaPool, VersionRet
 from rlfleet.services.collector.rollout import off_pin
 from rlfleet.services.collector.rolling import RollingSettings, RollingUpdate
 from rlfleet.v1 import generation_pb2, sampling_pb2
+from tests.waiting import settle
 
 
 
@@ -54,7 +55,7 @@ async def test_a_drain_waits_for_what_the_replica_runs_and_the_last_one_for_the_
     first, second = pool.replicas
     busy = await pool.acquire(prefer=first, samples=4, timeout=1)
     drain = asyncio.create_task(pool.drain(first, time.monotonic() + 30))
-    await asyncio.sleep(0.05)
+    await settle()
     assert first.draining and not drain.done()
     pool.release(busy, 4)
     assert await asyncio.wait_for(drain, 5)
@@ -63,7 +64,7 @@ async def test_a_drain_waits_for_what_the_replica_runs_and_the_last_one_for_the_
     second.policy_version = 2  # the other switched: the first is the last on version 1
     await pool.undrain(first)
     drain = asyncio.create_task(pool.drain(first, time.monotonic() + 30))
-    await asyncio.sleep(0.05)
+    await settle()
     assert not drain.done(), "drained while a group pinned to its version still generates"
     await pool.release_pin(1)
     assert await asyncio.wait_for(drain, 5)
@@ -77,7 +78,7 @@ async def test_replicas_drained_together_wait_for_the_groups_pinned_to_their_ver
     log: list = []
     update = RollingUpdate(pool, RollingSettings(max_unavailable=2, drain_seconds=30), 1, 2, 2)
     rolling = asyncio.create_task(update.run(streams(pool, log)))
-    await asyncio.sleep(0.1)
+    await settle()
     assert not log, "a replica switched while a group pinned to its version still generated"
     turn = await pool.acquire(version=1, timeout=1)  # its next turn still finds version 1
     assert turn.policy_version == 1
@@ -99,14 +100,14 @@ async def test_a_rolling_update_keeps_admission_open_and_groups_wait_for_its_com
     await gate.begin_rolling()
     assert gate.may_start() and gate.rolling
     waiting = asyncio.create_task(gate.committed(2))
-    await asyncio.sleep(0.05)
+    await settle()
     assert not waiting.done()
     await gate.end_rolling(2)
     assert await waiting and gate.version == 2 and not gate.rolling
 
     await gate.begin_rolling()
     waiting = asyncio.create_task(gate.committed(3))
-    await asyncio.sleep(0.05)
+    await settle()
     await gate.end_rolling(None)  # no replica applied it, or it could not be recorded
     assert not await waiting and gate.version == 2
     assert not await gate.committed(3)  # no push in flight: known at once
