@@ -4,8 +4,12 @@
         [--arms sync,async-1,async-2,async-4,async-kl,best+token_tis,best+icepop,best+resume]
 
 Runs the digits-only task of ``examples/train_grpo.py`` on the tiny local model against the whole suite
-(the processes ``scripts/demo`` starts, through ``rlfleet.services.suite.start_suite``), one fresh suite
-per run (its own work directory: trajectory buffer, collector state, engine), so no two runs share state.
+(the processes ``scripts/demo`` starts, through ``rlfleet.services.suite.start_suite``). Each run has its
+own trajectory service and collector, started fresh (a new buffer and collector state: no two runs share
+either); the generation engine, the reference and the reward service (stateless with the constant KL
+controller) are started once per seed and shared by its runs, and each trainer pushes its starting weights
+before its first step (``train_grpo.py --push-first``), so the engine samples from that run's policy from
+its first batch on (a swap clears vLLM's prefix cache).
 The collector keeps scripts/demo's settings (groups of 4, 8 groups per step, temperature 1, reward
 ``char_fraction``) except the mode; the trainer gives each prompt a response budget from a heavy tail
 (``train_grpo.py --long-tail``: median ~25 tokens, one prompt in 16 four times that or more), so a step's slowest
@@ -81,9 +85,23 @@ SMOOTH = 3
 TARGET_FRACTION = 0.8
 
 
-def run_arm_seed(regime: str, arm: str, seed: int, ns: argparse.Namespace, best: str | None) -> dict:
-    """One fresh suite, one training run of ``ns.steps`` steps; its per-step metrics."""
-    from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
+def start_backends(seed: int, ns: argparse.Namespace) -> dict:
+    """The seed's generation engine (its sampling seed), reference and reward services."""
+    from rlfleet.services.suite import SuiteOptions, start_suite
+
+    workdir = ns.workdir / f"backends-seed{seed}"
+    subprocess.run(["rm", "-rf", str(workdir)], check=True)
+    procs = start_suite(SuiteOptions(model_dir=ns.model_dir, generation_args=["--seed", str(seed)]), workdir,
+                        without_collector=True)
+    procs.pop("trajectory").stop()  # each run gets a fresh one
+    return procs
+
+
+def run_arm_seed(regime: str, arm: str, seed: int, ns: argparse.Namespace, best: str | None,
+                 backends: dict) -> dict:
+    """A fresh trajectory service and collector on the seed's backends, one training run of ``ns.steps``
+    steps; its per-step metrics."""
+    from rlfleet.services.launch import ServiceProcess
 
     if arm in BEST_ARMS:
         extra, preset = BEST_ARMS[arm]
@@ -92,20 +110,27 @@ def run_arm_seed(regime: str, arm: str, seed: int, ns: argparse.Namespace, best:
         mode_args, preset = arm_collector_args(arm, ns), "none"
     workdir = ns.workdir / f"{regime}-{arm}-seed{seed}"
     subprocess.run(["rm", "-rf", str(workdir)], check=True)  # a fresh collector state, buffer and log
-    options = SuiteOptions(model_dir=ns.model_dir, collector_args=[*DEMO_COLLECTOR_ARGS, *mode_args, f"--seed={seed}"],
-                           generation_args=["--seed", str(seed)])
+    collector_args = [*DEMO_COLLECTOR_ARGS, *mode_args, f"--seed={seed}"]
     started = time.monotonic()
-    procs = start_suite(options, workdir / "suite")
-    suite_seconds = time.monotonic() - started
+    trajectory = ServiceProcess("trajectory", ["--db-path", str(workdir / "trajectories.db"), "--log-format", "text"])
+    trajectory.start(workdir / "trajectory").wait_ready(300)
+    collector = ServiceProcess("collector", [
+        "--generation-addresses", json.dumps([p.address for k, p in backends.items() if k.startswith("generation")]),
+        "--reference-address", backends["reference"].address, "--reward-address", backends["reward"].address,
+        "--trajectory-address", trajectory.address, "--state-dir", str(workdir / "collector"), "--log-format", "text",
+        *collector_args])
     try:
+        collector.start(workdir / "collector-proc").wait_ready(300)
+        suite_seconds = time.monotonic() - started
         subprocess.run([sys.executable, str(ROOT / "examples" / "train_grpo.py"),
-                        "--collector", procs["collector"].address, "--model-dir", str(ns.model_dir),
+                        "--collector", collector.address, "--model-dir", str(ns.model_dir),
                         "--steps", str(ns.steps), "--seed", str(seed), "--is-correction", preset,
-                        "--prompts-ahead", str(ns.prompts_ahead), "--long-tail", str(LONG_TAIL),
-                        *REGIMES[regime], "--out", str(workdir / "train")],
+                        "--prompts-ahead", str(ns.prompts_ahead), "--long-tail", str(LONG_TAIL), "--push-first",
+                        *joined_run(collector.address), *REGIMES[regime], "--out", str(workdir / "train")],
                        check=True, timeout=3600)
     finally:
-        stop_suite(procs)
+        collector.stop()
+        trajectory.stop()
     records = json.loads((workdir / "train" / "metrics.json").read_text())
     elapsed = 0.0
     steps = []
@@ -113,8 +138,20 @@ def run_arm_seed(regime: str, arm: str, seed: int, ns: argparse.Namespace, best:
         elapsed += record["step_seconds"]
         steps.append({**step_record(record), "elapsed_seconds": elapsed})
     return {"regime": regime, "arm": arm, "seed": seed, "preset": preset, "best": best if arm in BEST_ARMS else None,
-            "collector_args": options.collector_args, "suite_start_seconds": suite_seconds,
+            "collector_args": collector_args, "suite_start_seconds": suite_seconds,
             "run_seconds": time.monotonic() - started, "steps": steps}
+
+
+def joined_run(collector: str) -> list[str]:
+    """The trainer's ``--resume`` for a fresh collector over the seed's shared engine: the collector adopts the
+    version the engine serves from the previous run (``docs/limits.md``) and would refuse a new run, so the
+    trainer joins the collector's run at that version, then replaces the weights at once (``--push-first``,
+    before any prompt is submitted: no batch comes from the previous run's weights)."""
+    from rlfleet.client import connect
+
+    with connect(collector) as client:
+        run = client.status().run
+    return ["--resume", str(run)] if run is not None and run.version > 0 else []
 
 
 def arm_collector_args(arm: str, ns: argparse.Namespace) -> list[str]:
@@ -423,7 +460,7 @@ def main(argv: list[str] | None = None) -> None:
     seeds = [int(seed) for seed in ns.seeds.split(",")]
 
     from rlfleet.services.models.tiny import build_tiny_model
-    from rlfleet.services.suite import DEFAULT_MODEL_DIR
+    from rlfleet.services.suite import DEFAULT_MODEL_DIR, stop_suite
 
     ns.model_dir = build_tiny_model(ns.model_dir or DEFAULT_MODEL_DIR)
     started = time.monotonic()
@@ -443,28 +480,32 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[offpolicy] continuing {ns.out}: {len(result['runs'])} runs kept", file=sys.stderr, flush=True)
     total = len(seeds) * len(regimes) * len(arms)
     for seed in seeds:  # seed-major: a cut-short experiment still has every arm at the first seeds
-        for regime in regimes:
-            for arm in run_order(arms, seed):
+        todo = [(regime, arm) for regime in regimes for arm in run_order(arms, seed)
+                if not any(run["regime"] == regime and run["arm"] == arm and run["seed"] == seed
+                           for run in result["runs"])]  # --continue keeps the runs done
+        if not todo:
+            continue
+        backends = start_backends(seed, ns)
+        try:
+            for regime, arm in todo:
                 regime_runs = [run for run in result["runs"] if run["regime"] == regime]
-                if any(run["arm"] == arm and run["seed"] == seed for run in regime_runs):
-                    continue  # kept (--continue)
                 best = best_async(headline(regime_runs)[regime]["arms"], among=PLAIN_ARMS) if regime_runs else None
                 if arm in BEST_ARMS and best is None:
                     best = next(a for a in arms if a in PLAIN_ARMS and a != "sync")
-                done = len(result["runs"])
-                print(f"[offpolicy] {done + 1}/{total} {regime} {arm} seed {seed}"
+                print(f"[offpolicy] {len(result['runs']) + 1}/{total} {regime} {arm} seed {seed}"
                       + (f" (best: {best})" if arm in BEST_ARMS else ""), file=sys.stderr, flush=True)
-                run = run_arm_seed(regime, arm, seed, ns, best)
-                last = run["steps"][-1]
+                run = run_arm_seed(regime, arm, seed, ns, best, backends)
                 print(f"[offpolicy] {regime} {arm} seed {seed}: reward {final_reward(run):.3f} after "
-                      f"{last['elapsed_seconds']:.0f} s of training ({run['run_seconds']:.0f} s with the suite's "
-                      f"start)", file=sys.stderr, flush=True)
+                      f"{run['steps'][-1]['elapsed_seconds']:.0f} s of training ({run['run_seconds']:.0f} s with "
+                      f"its collector's start)", file=sys.stderr, flush=True)
                 result["runs"].append(run)
                 result["headline"] = headline(result["runs"])
                 result["result"] = result_line(result["runs"], result["headline"])
                 result["wall_seconds"] = time.monotonic() - started
                 ns.out.parent.mkdir(parents=True, exist_ok=True)
                 ns.out.write_text(json.dumps(result, indent=1))  # after every run: a cut-short one keeps its results
+        finally:
+            stop_suite(backends)
     for regime in regimes:
         plot([run for run in result["runs"] if run["regime"] == regime], result["headline"][regime],
              ns.out.with_name(f"{ns.out.stem}-{regime}.png"),

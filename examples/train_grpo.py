@@ -264,6 +264,9 @@ def train(client, model, ns, next_prompts: Callable[[int], list[dict]],
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=ns.lr, weight_decay=0.0)
     batch_size = ns.groups_per_step * ns.group_size
     metrics: list[dict] = []
+    if getattr(ns, "push_first", False):  # replicas that served another run's weights start on the trainer's
+        first = push_policy(client, model, ns)
+        print(f"[demo] pushed the starting weights first: version {first.version}", file=sys.stderr)
     client.submit_prompts(next_prompts((1 + ns.prompts_ahead) * ns.groups_per_step))
     with client.batches(batch_size=batch_size, whole_groups=True) as batches:
         progress = tqdm(range(ns.steps), desc="GRPO", unit="step", file=sys.stderr)
@@ -336,6 +339,9 @@ def demo_parser() -> argparse.ArgumentParser:
     parser.add_argument("--minibatches", type=int, default=1, metavar="K",
                         help="optimizer steps per batch, each on 1/K of its samples (PPO minibatches: the clip acts "
                              "from the second on)")
+    parser.add_argument("--push-first", action="store_true",
+                        help="push the starting weights before the first step (replicas that served another run "
+                             "then sample from this trainer's policy from the first batch on)")
     parser.add_argument("--long-tail", type=int, default=None, metavar="TOKENS",
                         help="draw each prompt's response budget from a heavy-tailed distribution capped at TOKENS "
                              "(a long tail of response lengths, as reasoning has); default: the collector's")

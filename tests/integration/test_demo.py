@@ -23,7 +23,8 @@ suite = suite_fixture(DEMO_COLLECTOR_ARGS, "demo-suite")
 
 @pytest.fixture(scope="module")
 def demo_metrics(suite, tiny_model_dir, tmp_path_factory):
-    return run_example("train_grpo.py", suite, tiny_model_dir, STEPS, tmp_path_factory.mktemp("demo-out"))
+    return run_example("train_grpo.py", suite, tiny_model_dir, STEPS, tmp_path_factory.mktemp("demo-out"),
+                       "--push-first")
 
 
 def test_reward_rises_beyond_noise(demo_metrics):
@@ -40,6 +41,8 @@ def test_reward_rises_beyond_noise(demo_metrics):
 
 
 def test_versions_increase_by_one_per_push_and_batches_are_on_policy(demo_metrics):
+    """``--push-first`` pushed the starting weights as version 1 before the first batch was sampled."""
+    assert demo_metrics[0]["version_before"] == demo_metrics[0]["batch_policy_version_min"] == 1
     versions = [m["policy_version"] for m in demo_metrics]
     assert versions == list(range(versions[0], versions[0] + STEPS))
     for m in demo_metrics:
