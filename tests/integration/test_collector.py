@@ -191,7 +191,6 @@ def test_a_trainer_computing_with_other_weights_than_it_pushed_trips_the_mismatc
     breaker; trainer calls are refused naming the measurement until an operator closes it, then the run
     resumes. Before the bad push the same reports measure nothing."""
     from rlfleet.client import FailedPreconditionError, connect
-    from rlfleet.client.offpolicy import importance_weights
 
     proc, channel = start_collector(backends, tmp_path, "--mode", "async", "--max-staleness", "1000",
                                     "--groups-per-step", "1", "--mismatch-kl-threshold", "0.01",
@@ -206,14 +205,8 @@ def test_a_trainer_computing_with_other_weights_than_it_pushed_trips_the_mismatc
         prompt_id, = submit(channel, 1, tag)
         rows = read_rows(reader, prompt_id)
         version = current_version(channel)
-        padded = torch.nn.utils.rnn.pad_sequence
-        mine = padded([response_log_probs(trainer, r["prompt"].tolist(), r["response"].tolist()) for r in rows],
-                      batch_first=True)
-        behaviour = padded([r["log_probs"] for r in rows], batch_first=True)
-        mask = padded([torch.ones(len(r["response"]), dtype=torch.bool) for r in rows], batch_first=True)
-        versions = padded([r["versions"] for r in rows], batch_first=True)
-        corrected = importance_weights(mine, behaviour, mask, "none", versions=versions, trainer_version=version)
-        return corrected.by_lag, client.report_mismatch(corrected.by_lag, version)
+        by_lag = mismatch_by_lag(trainer, rows, version)
+        return by_lag, client.report_mismatch(by_lag, version)
 
     try:
         push(channel, base)
@@ -305,7 +298,6 @@ def test_admission_by_measured_divergence_comes_down_on_genuinely_stale_batches_
     admission goes back up to the ceiling. The trainer's log-probs are computed by its own model on the
     batch's tokens; the retried report of each measurement counts once."""
     from rlfleet.client import connect
-    from rlfleet.client.offpolicy import importance_weights
     from tests.ports import free_port
     from tests.scrape import scrape_metric
 
@@ -327,15 +319,7 @@ def test_admission_by_measured_divergence_comes_down_on_genuinely_stale_batches_
         for weights in pushes:
             push(channel, weights)
         trainer.load_state_dict(pushes[-1])
-        rows = read_rows(reader, prompt_id)
-        padded = torch.nn.utils.rnn.pad_sequence
-        mine = padded([response_log_probs(trainer, r["prompt"].tolist(), r["response"].tolist()) for r in rows],
-                      batch_first=True)
-        behaviour = padded([r["log_probs"] for r in rows], batch_first=True)
-        mask = padded([torch.ones(len(r["response"]), dtype=torch.bool) for r in rows], batch_first=True)
-        versions = padded([r["versions"] for r in rows], batch_first=True)
-        return importance_weights(mine, behaviour, mask, "none", versions=versions,
-                                  trainer_version=current_version(channel)).by_lag
+        return mismatch_by_lag(trainer, read_rows(reader, prompt_id), current_version(channel))
 
     def report_twice(by_lag):  # the second call is a retry: the same request, the same report id
         stub = collector_pb2_grpc.CollectorServiceStub(channel)
@@ -372,6 +356,21 @@ def test_admission_by_measured_divergence_comes_down_on_genuinely_stale_batches_
         reader.close()
         channel.close()
         proc.stop()
+
+
+def mismatch_by_lag(trainer, rows: list[dict], trainer_version: int) -> dict[int, dict[str, float]]:
+    """What a trainer computing with ``trainer`` measures of ``rows`` (``read_rows``) per version lag: its own
+    log-probs of the sampled tokens against the behaviour's (``rlfleet.client.offpolicy``, no correction)."""
+    from rlfleet.client.offpolicy import importance_weights
+
+    padded = torch.nn.utils.rnn.pad_sequence
+    mine = padded([response_log_probs(trainer, r["prompt"].tolist(), r["response"].tolist()) for r in rows],
+                  batch_first=True)
+    behaviour = padded([r["log_probs"] for r in rows], batch_first=True)
+    mask = padded([torch.ones(len(r["response"]), dtype=torch.bool) for r in rows], batch_first=True)
+    versions = padded([r["versions"] for r in rows], batch_first=True)
+    return importance_weights(mine, behaviour, mask, "none", versions=versions,
+                              trainer_version=trainer_version).by_lag
 
 
 def read_rows(reader: "Reader", prompt_id: str) -> list[dict]:
