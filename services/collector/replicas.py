@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rlfleet.client.channel import ChannelSettings, aio_channel
 from rlfleet.services.collector.discovery import Endpoint
 from rlfleet.services.common import metrics
+from rlfleet.services.common.background import BackgroundTasks
 from rlfleet.services.common.errors import Unavailable
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc
 
@@ -72,7 +73,7 @@ class ReplicaPool:
         self.settings = settings
         self.replicas: list[Replica] = []
         self._changed = asyncio.Condition()
-        self._closing: set[asyncio.Task] = set()
+        self._closing = BackgroundTasks()
         self._turn = 0
         self.pins: collections.Counter[int] = collections.Counter()
         """Groups pinned to each version and still generating (``hold_pin``)."""
@@ -103,9 +104,7 @@ class ReplicaPool:
         return Replica(endpoint.address, channel, generation_pb2_grpc.GenerationServiceStub(channel))
 
     def _close(self, replica: Replica) -> None:
-        task = asyncio.get_running_loop().create_task(replica.channel.close())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        self._closing.start(replica.channel.close(), f"close-channel-{replica.address}")
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]
@@ -201,9 +200,7 @@ class ReplicaPool:
             return
         metrics.REPLICA_OUTSTANDING.labels(replica.address).set(replica.in_flight)
         if replica.draining and replica.in_flight == 0:
-            task = asyncio.get_running_loop().create_task(self._notify())  # a drain waits for this
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._closing.start(self._notify(), "notify-drained")  # a drain waits for this
 
     async def _notify(self) -> None:
         """Wake whoever waits on the pool's membership or load (``acquire``, ``drain``)."""
@@ -254,4 +251,4 @@ class ReplicaPool:
         return healthy
 
     async def close(self) -> None:
-        await asyncio.gather(*(r.channel.close() for r in self.replicas), *self._closing, return_exceptions=True)
+        await asyncio.gather(*(r.channel.close() for r in self.replicas), self._closing.wait(), return_exceptions=True)

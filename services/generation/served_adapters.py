@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlfleet.services.common.background import BackgroundTasks
 from rlfleet.services.generation.lora_adapter import LoraAdapterConfig, lora_request, remove_adapter_dir, write_adapter_dir
 from rlfleet.wire import shm
 
@@ -41,7 +42,7 @@ class AdapterSet:
     _serial: int = 0
     _root: Path | None = None
     _retiring: set[ServedAdapter] = field(default_factory=set)
-    _tasks: set[asyncio.Task] = field(default_factory=set)
+    _tasks: BackgroundTasks = field(default_factory=BackgroundTasks)
 
     async def load(self, engine, version: int, config: LoraAdapterConfig, names, dtypes, shapes,
                    buffer) -> ServedAdapter:
@@ -80,9 +81,7 @@ class AdapterSet:
     def _retire_unused(self, engine) -> None:
         for adapter in [a for a in self._retiring if a.users == 0]:
             self._retiring.discard(adapter)
-            task = asyncio.ensure_future(self._remove(engine, adapter))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks.start(self._remove(engine, adapter), f"retire-adapter-{adapter.request.lora_name}")
 
     @staticmethod
     async def _remove(engine, adapter: ServedAdapter) -> None:
