@@ -250,5 +250,9 @@ class ReplicaPool:
             raise Unavailable("no generation replica is healthy")
         return healthy
 
+    async def settled(self) -> None:
+        """Until the side work started so far (a gone replica's channel closing, a drain's wake-up) ended."""
+        await self._closing.wait()
+
     async def close(self) -> None:
         await asyncio.gather(*(r.channel.close() for r in self.replicas), self._closing.wait(), return_exceptions=True)

@@ -104,7 +104,7 @@ def test_pool_membership_new_replicas_wait_out_of_rotation_and_gone_ones_close_w
         assert pool.replicas == [first] and pool.healthy() == [first]
         assert second.channel.get_state() is not None  # still open: 4 samples in flight there
         pool.release(second, 4)
-        await asyncio.gather(*pool._closing)
+        await pool.settled()
         assert second.in_flight == 0
         # Back again later: a new member (new channel), re-synced like any other.
         added, _ = await pool.update([Endpoint("127.0.0.1:1"), Endpoint("10.0.0.9:2", "generation")])
