@@ -74,7 +74,6 @@ try:
 except ImportError as exc:  # the extra is not installed
     raise ImportError(f"the verifiers adapter needs verifiers: pip install 'rlfleet[verifiers]' ({exc})") from exc
 
-from rlfleet.services.common.background import BackgroundTasks
 from rlfleet.services.environment.chat_endpoint import (  # noqa: E402 - after the extra's check
     SESSION_HEADER, Call, ChatEndpoint, ConversationDiverged, Exchange, acquire_endpoint, answer_turn,
     chat_completion, completion_events, continuation, release_endpoint, requested_sampling, rlfleet_messages,
@@ -115,7 +114,7 @@ class _Host:
         self._serving: asyncio.Task | None = None
         self._stop = asyncio.Event()
         self._linger: asyncio.TimerHandle | None = None
-        self._stopper = BackgroundTasks()  # a lingering host's stop, once idle
+        self._stopper: asyncio.Task | None = None
 
     async def started(self) -> None:
         if self._started is None:
@@ -170,7 +169,7 @@ class _Host:
             self._linger = asyncio.get_running_loop().call_later(self.cls.idle_shutdown_seconds, self._stop_later)
 
     def _stop_later(self) -> None:
-        self._stopper.start(self.stop(), f"stop-idle-{self.cls.__name__}")
+        self._stopper = asyncio.ensure_future(self.stop())
 
     async def stop(self) -> None:
         """Leave ``Env.serving()`` (a start in progress finishes first) and release the endpoint."""
