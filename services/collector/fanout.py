@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable
 
-from rlfleet.choices import SWAP_MODES
+from rlfleet.choices import SWAP_MODES, UPDATE_STRATEGIES
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.replicas import Replica, ReplicaPool
 from rlfleet.services.collector.rolling import RollingSettings, RollingUpdate
@@ -52,9 +52,10 @@ from rlfleet.services.collector.spool import DatabaseSpool, FileSpool
 from rlfleet.services.collector.transports import ReplicaOutcome, ReplicaPush
 from rlfleet.services.common import tracing
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted, Unavailable
-from rlfleet.services.common.weight_stream import MAX_POLICY_VERSION, WeightPush, open_offered_segment
+from rlfleet.services.common.weight_stream import MAX_POLICY_VERSION, PushReceiver, WeightPush, open_offered_segment
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import WireError, shm, weight_delta
+from rlfleet.wire.push_rules import check_manifest, is_rolling
 
 log = logging.getLogger("rlfleet.collector.fanout")
 PROBE_SECONDS = 2.0
@@ -130,22 +131,11 @@ class WeightFanout:
 
     async def _push(self, messages: AsyncIterator[tuple[str, object]]) -> PushOutcome:
         started = time.monotonic()
-        iterator = messages.__aiter__()
-        try:
-            kind, manifest = await iterator.__anext__()
-        except StopAsyncIteration:
-            raise InvalidArgument("empty push: the first message must be the manifest") from None
-        if kind != "manifest":
-            raise InvalidArgument("the first message of a push must be the manifest")
-        manifest = weights_pb2.WeightManifest.FromString(manifest.SerializeToString())
-        if manifest.resync or manifest.two_phase:
-            raise InvalidArgument("manifest.resync and manifest.two_phase are set by the collector, not the trainer")
-        rolling = manifest.strategy == weights_pb2.UPDATE_STRATEGY_ROLLING or (
-            manifest.strategy == weights_pb2.UPDATE_STRATEGY_UNSPECIFIED and self.update_strategy == "rolling")
+        receiver = PushReceiver(messages)
+        manifest = await receiver.manifest()
+        check_manifest(manifest, "trainer", UPDATE_STRATEGIES[self.update_strategy])
+        rolling = is_rolling(manifest, UPDATE_STRATEGIES[self.update_strategy])
         if rolling:
-            if manifest.WhichOneof("source") == "nccl":
-                raise InvalidArgument("manifest.strategy: an nccl push is one collective across every replica; it "
-                                      "cannot roll out a few replicas at a time (push it by shm or grpc)")
             # Each replica is drained before it switches: what is left running there is aborted (and
             # generated again), never continued on the new weights.
             manifest.mode = weights_pb2.UPDATE_MODE_ABORT
@@ -163,9 +153,6 @@ class WeightFanout:
         tracing.set_attributes({"rlfleet.policy_version": manifest.version, "rlfleet.bytes": push.total_bytes,
                                 "rlfleet.source": manifest.WhichOneof("source") or "grpc",
                                 "rlfleet.delta": weight_delta.is_delta(manifest)})
-        if manifest.HasField("lora") and (weight_delta.is_delta(manifest) or manifest.WhichOneof("source") == "nccl"):
-            raise InvalidArgument("manifest.lora: an adapter push is whole (no manifest.delta) and travels by shm "
-                                  "or grpc, not nccl")
         spooled = await self._spooled_manifests(manifest)
         source = manifest.WhichOneof("source")
         if source == "nccl":
@@ -186,14 +173,11 @@ class WeightFanout:
             try:
                 if source == "shm":
                     await asyncio.to_thread(push.add_all, segment.buffer)
+                    push.finish()
                 else:
-                    async for kind, message in iterator:
-                        if kind != "chunk":
-                            raise InvalidArgument("manifest sent twice: it must be the first message only")
-                        push.add_chunk(message)
-                        if remote:
-                            await asyncio.gather(*(s.send_chunk(message) for s in remote))
-                push.finish()
+                    await receiver.chunks(push, forward=(lambda chunk: asyncio.gather(
+                        *(s.send_chunk(chunk) for s in remote))) if remote else None)
+                    await receiver.end()
             except BaseException:
                 for s in remote:
                     s.cancel()
@@ -218,8 +202,6 @@ class WeightFanout:
             except Unavailable:
                 return []  # the database is away: this push's spool write fails too
         base = manifest.delta.base_version
-        if manifest.WhichOneof("source") == "nccl":
-            raise InvalidArgument("manifest.delta: a delta push travels by shm or grpc, not nccl")
         if base != self.gate.version:
             raise FailedPrecondition(f"delta push on version {base}: the committed version is {self.gate.version}; "
                                      f"send a full push")
@@ -378,8 +360,6 @@ class WeightFanout:
         pass here, so an nccl push is not spooled (replicas that were down rejoin after the next
         shm or grpc push). The push is decided once every replica staged it."""
         rendezvous = manifest.nccl
-        if not rendezvous.master_address or not rendezvous.master_port:
-            raise InvalidArgument("manifest.nccl: master_address and master_port are required")
         replicas = self.pool.require_any()
         offsets, world_size = nccl_rank_offsets(replicas)
         if rendezvous.world_size != world_size:

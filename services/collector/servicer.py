@@ -19,6 +19,7 @@ from rlfleet.services.collector.mismatch import LagMismatch
 from rlfleet.services.collector.run import check_call, check_join
 from rlfleet.services.common import metrics
 from rlfleet.services.common.errors import Aborted, InvalidArgument, RlfleetError, UpstreamError
+from rlfleet.services.common.weight_stream import payloads
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, trajectory_pb2_grpc
 
 
@@ -36,14 +37,7 @@ class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
         self.collector.check_serving()
         self.collector.check_trainer_call(context.invocation_metadata())
 
-        async def messages():
-            async for request in request_iterator:
-                kind = request.WhichOneof("payload")
-                if kind is None:
-                    raise InvalidArgument("empty PushWeightsRequest: set manifest or chunk")
-                yield kind, getattr(request, kind)
-
-        outcome = await self.collector.fanout.push(messages())
+        outcome = await self.collector.fanout.push(payloads(request_iterator))
         return collector_pb2.PushWeightsResponse(
             version=outcome.version, received_bytes=outcome.received_bytes, seconds=outcome.seconds,
             replicas=[collector_pb2.ReplicaPushResult(address=r.address, applied=r.applied, error=r.error,

@@ -1,7 +1,9 @@
-"""Receiving a streamed weight push: manifest first, then ordered chunks.
+"""Receiving a streamed weight push: manifest first, then ordered chunks (then, two-phase, the commit).
 
 Shared by the generation service (which applies the push) and the collector
-(which fans it out). Bytes land in a sink (the generation service's
+(which fans it out): ``PushReceiver`` reads a push's messages in the protocol's
+order (``rlfleet.wire.push_rules`` says what a manifest may be), ``WeightPush``
+checks and places the bytes. Bytes land in a sink (the generation service's
 shared-memory segment, which its vLLM worker maps) or nowhere (a relay only
 validates); the checksum is updated as chunks arrive; nothing is applied
 until the stream is complete and verified, so a cut-off or corrupted push
@@ -14,6 +16,8 @@ import hashlib
 import time
 import zlib
 from dataclasses import dataclass, field
+
+from typing import AsyncIterable, AsyncIterator, Awaitable, Callable
 
 import torch
 
@@ -151,6 +155,74 @@ class WeightPush:
             raise InvalidArgument(
                 f"manifest.checksum mismatch: stream has {self._checksum.algo}:{self._checksum.hexdigest()}, "
                 f"manifest says {self.checksum_spec}; nothing applied")
+
+
+async def payloads(requests: AsyncIterable) -> AsyncIterator[tuple[str, object]]:
+    """A push's requests (``PushWeightsRequest``, ``UpdateWeightsRequest``: a ``payload`` oneof) as
+    ``(kind, message)`` pairs."""
+    async for request in requests:
+        kind = request.WhichOneof("payload")
+        if kind is None:
+            raise InvalidArgument(f"empty {type(request).__name__}: set manifest or chunk")
+        yield kind, getattr(request, kind)
+
+
+class PushReceiver:
+    """The receiving end of one push, in the protocol's order: ``manifest``, then ``chunks`` (grpc),
+    then ``end`` (the collector: nothing may follow the last byte) or ``commit`` (a two-phase push at a
+    replica). A message out of order is INVALID_ARGUMENT; a stream that ends before its last byte or its
+    commit is ABORTED, nothing applied."""
+
+    def __init__(self, messages: AsyncIterable[tuple[str, object]]):
+        self._messages = messages.__aiter__()
+
+    async def _next(self, where: str) -> tuple[str, object]:
+        try:
+            return await self._messages.__anext__()
+        except StopAsyncIteration:
+            raise Aborted(f"weight stream ended {where}; nothing applied") from None
+
+    async def manifest(self) -> weights_pb2.WeightManifest:
+        """The first message, the manifest, as a copy the receiver may change; whether the sender may send
+        it is ``push_rules.check_manifest``'s (the collector's fan-out and a replica's stage check it)."""
+        try:
+            kind, message = await self._messages.__anext__()
+        except StopAsyncIteration:
+            raise InvalidArgument("empty push: the first message must be the manifest") from None
+        if kind != "manifest":
+            raise InvalidArgument("the first message of a push must be the manifest")
+        manifest = weights_pb2.WeightManifest()
+        manifest.CopyFrom(message)
+        return manifest
+
+    async def chunks(self, push: WeightPush, forward: Callable[[weights_pb2.WeightChunk], Awaitable[None]] | None
+                     = None) -> None:
+        """Every chunk of a grpc push into ``push`` (``forward``: awaited with each once it was checked),
+        then ``push.finish()``: every byte is here and verified."""
+        while not push.complete:
+            kind, message = await self._next(f"after {push.received} of {push.total_bytes} bytes")
+            if kind != "chunk":
+                raise InvalidArgument(f"expected a chunk at byte {push.received}, got "
+                                      + ("the manifest again: it must be the first message only"
+                                         if kind == "manifest" else kind))
+            push.add_chunk(message)
+            if forward is not None:
+                await forward(message)
+        push.finish()
+
+    async def end(self) -> None:
+        """INVALID_ARGUMENT if anything follows the push's last byte."""
+        try:
+            kind, _ = await self._messages.__anext__()
+        except StopAsyncIteration:
+            return
+        raise InvalidArgument(f"a {kind} after the push's last byte: a push is its manifest and its chunks")
+
+    async def commit(self, version: int) -> None:
+        """A two-phase push's commit, of the ``version`` staged."""
+        kind, message = await self._next("before the commit")
+        if kind != "commit" or message.version != version:
+            raise InvalidArgument(f"expected the commit of version {version}; staged push discarded")
 
 
 def open_offered_segment(manifest: weights_pb2.WeightManifest, total_bytes: int, where: str) -> shm.Segment:

@@ -8,9 +8,10 @@ import uuid
 import torch
 
 from rlfleet.choices import WEIGHT_TRANSPORTS
-from rlfleet.services.common.errors import Aborted, InvalidArgument
+from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.services.common.sampling_spec import sampling_from_proto, sampling_to_proto
 from rlfleet.services.common.server import Service
+from rlfleet.services.common.weight_stream import PushReceiver, payloads
 from rlfleet.services.generation.vllm_engine import GenerationEngine
 from rlfleet.services.generation.sampling import SampleResult
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, weights_pb2
@@ -71,33 +72,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """Stage (receive and verify), then apply on commit; see generation.proto."""
         self.service.check_working()
         started = time.monotonic()
-        requests = request_iterator.__aiter__()
-        first = await _next_request(requests, "before the manifest")
-        if first.WhichOneof("payload") != "manifest":
-            raise InvalidArgument("the first message of a push must be the manifest")
-        manifest = first.manifest
-        if manifest.version == 0:
-            raise InvalidArgument("manifest.version must be set (> current version)")
-        staged = self.engine.stage(manifest)
+        receiver = PushReceiver(payloads(request_iterator))
+        staged = self.engine.stage(await receiver.manifest())
         try:
             if staged.nccl is not None:
                 await self.engine.receive_nccl(staged)  # the bytes come over NCCL, into the segment
-            while not staged.push.complete:
-                message = await _next_request(requests, f"after {staged.push.received} of "
-                                                        f"{staged.push.total_bytes} bytes")
-                kind = message.WhichOneof("payload")
-                if kind != "chunk":
-                    raise InvalidArgument(f"expected a chunk at byte {staged.push.received}, got {kind or 'nothing'}")
-                staged.push.add_chunk(message.chunk)
-            staged.push.finish()
+            await receiver.chunks(staged.push)
             received = time.monotonic()
-            if manifest.two_phase:
+            if staged.manifest.two_phase:
                 yield generation_pb2.UpdateWeightsResponse(
                     version=staged.version, received_bytes=staged.push.received,
                     receive_seconds=received - started, phase=weights_pb2.WEIGHT_PHASE_STAGED)
-                message = await _next_request(requests, "before the commit")
-                if message.WhichOneof("payload") != "commit" or message.commit.version != staged.version:
-                    raise InvalidArgument(f"expected the commit of version {staged.version}; staged push discarded")
+                await receiver.commit(staged.version)
             committed = time.monotonic()
             aborted = self.engine.status().requests_in_flight if staged.mode == "abort" else 0
             await self.engine.apply(staged)
@@ -121,14 +107,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             max_push_bytes=self.engine.max_push_bytes,
             resumed_samples=status.resumed_samples, resumed_tokens=status.resumed_tokens,
         )
-
-
-async def _next_request(requests, where: str):
-    """The next message of a push stream; ABORTED if the stream ends first."""
-    try:
-        return await requests.__anext__()
-    except StopAsyncIteration:
-        raise Aborted(f"weight stream ended {where}; nothing applied") from None
 
 
 def _sample_to_proto(sample: SampleResult, template: generation_pb2.GenerateResponse) -> generation_pb2.GenerateResponse:

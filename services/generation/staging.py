@@ -50,7 +50,7 @@ class StagedPush:
     @classmethod
     def begin(cls, manifest: weights_pb2.WeightManifest, checkpoint: dict[str, TensorSpec],
               max_bytes: int, kept: weights_pb2.WeightManifest | None = None) -> "StagedPush":
-        """Validate ``manifest`` against the checkpoint (a delta: against ``kept``, the full manifest of
+        """Validate ``manifest`` (one ``push_rules.check_manifest`` passed) against the checkpoint (a delta: against ``kept``, the full manifest of
         the weights it patches; an adapter: as an adapter of the checkpoint's linear layers) and prepare
         where its bytes go.
 
@@ -58,8 +58,6 @@ class StagedPush:
         the size against ``max_bytes``: only a push that passes both is given memory."""
         delta, adapter = None, None
         if manifest.HasField("lora"):
-            if weight_delta.is_delta(manifest):
-                raise InvalidArgument("manifest.lora: an adapter push is whole, never a delta (manifest.delta)")
             config = LoraAdapterConfig(rank=manifest.lora.rank, alpha=manifest.lora.alpha,
                                        target_modules=tuple(manifest.lora.target_modules))
             push = WeightPush.from_manifest(manifest, max_bytes)
@@ -82,10 +80,6 @@ class StagedPush:
             return staged
         if source == "nccl":
             rendezvous = manifest.nccl
-            if not rendezvous.master_address or not rendezvous.master_port or rendezvous.world_size < 2 \
-                    or not 1 <= rendezvous.rank_offset < rendezvous.world_size:
-                raise InvalidArgument("manifest.nccl: master_address, master_port, world_size >= 2 and "
-                                      "1 <= rank_offset < world_size are required")
             staged.nccl = dict(master_address=rendezvous.master_address, master_port=rendezvous.master_port,
                                world_size=rendezvous.world_size, rank_offset=rendezvous.rank_offset,
                                packed=rendezvous.packed)

@@ -36,6 +36,7 @@ from rlfleet.services.generation.transfer import WEIGHT_TRANSFER_CONFIG
 from rlfleet.services.generation.push_validation import TensorSpec, checkpoint_bytes, read_checkpoint_specs
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm, weight_delta
+from rlfleet.wire.push_rules import check_manifest
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -378,6 +379,7 @@ class GenerationEngine:
         (default ``max_push_bytes``) before any memory is given to it. Nothing
         touches the engine; the caller fills a grpc push's segment, then
         ``apply``s or ``close``s the staged push."""
+        check_manifest(manifest, "collector")
         if self._engine is None or self._state in (EngineState.STOPPED, EngineState.STARTING):
             raise Unavailable(f"generation engine is {self._state.value}")
         if not manifest.resync:
@@ -392,9 +394,7 @@ class GenerationEngine:
 
     def _check_adapter(self, manifest: weights_pb2.WeightManifest) -> None:
         """FAILED_PRECONDITION for an adapter push this replica cannot serve (started without LoRA, or
-        with a smaller ``max_lora_rank``); INVALID_ARGUMENT over nccl."""
-        if manifest.WhichOneof("source") == "nccl":
-            raise InvalidArgument("manifest.lora: an adapter push travels by shm or grpc, not nccl")
+        with a smaller ``max_lora_rank``)."""
         if self.config.max_lora_rank is None:
             raise FailedPrecondition("adapter push refused: this replica serves no LoRA adapters (start it with "
                                      "max_lora_rank)")
@@ -406,8 +406,6 @@ class GenerationEngine:
         """The full manifest of the kept weights a delta push patches; FAILED_PRECONDITION (the
         collector then re-syncs this replica with a full push) unless they are its base version's."""
         base = manifest.delta.base_version
-        if manifest.WhichOneof("source") == "nccl":
-            raise InvalidArgument("manifest.delta: a delta push travels by shm or grpc, not nccl")
         if not self.config.delta_pushes:
             raise FailedPrecondition(f"delta push on version {base} refused: this replica keeps no weights to "
                                      f"patch (delta_pushes is off); it takes full pushes")

@@ -145,8 +145,8 @@ def test_push_adapter_refuses_nccl_and_a_delta_before_sending_anything():
     def never_called(**_):
         raise AssertionError("no call may start")
 
-    for options, match in ((dict(transport="nccl"), "adapter pushes travel by shm or grpc"),
-                           (dict(delta=True), "delta=True")):
+    for options, match in ((dict(transport="nccl"), "an adapter push travels by shm or grpc"),
+                           (dict(delta=True), "an adapter push is whole, never a delta")):
         with pytest.raises(ValueError, match=match):
             asyncio.run(push_weights(never_called, pairs, version=None, mode="keep", chunk_bytes=1 << 20,
                                      progress=False, timeout=1.0, settings=ChannelSettings(), lora=lora, **options))

@@ -10,12 +10,13 @@ import torch
 from rlfleet.client.nccl import send_broadcast, world_size
 from rlfleet.services.collector.fanout import nccl_rank_offsets
 from rlfleet.services.collector.replicas import Replica
-from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument
+from rlfleet.services.common.errors import FailedPrecondition
 from rlfleet.services.generation.staging import StagedPush
 from rlfleet.services.generation.transfer import RlfleetUpdateInfo, SegmentSink, receive_broadcast
 from rlfleet.services.generation.push_validation import TensorSpec
 from rlfleet.v1 import collector_pb2
-from rlfleet.wire import shm
+from rlfleet.wire import WireError, shm
+from rlfleet.wire.push_rules import check_manifest
 from rlfleet.wire.push_messages import iter_push_messages
 
 PAIRS = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64)), ("c", torch.randn(4).to(torch.bfloat16))]
@@ -105,9 +106,10 @@ def test_a_replica_checks_the_rendezvous_and_stages_into_a_segment_of_its_own():
     _, manifest = next(iter_push_messages(PAIRS, version=3, checksum_algo=None))
     manifest.nccl.master_address, manifest.nccl.master_port = "10.0.0.1", 29500
     manifest.nccl.world_size, manifest.nccl.rank_offset = 3, 0  # rank 0 is the trainer's
-    with pytest.raises(InvalidArgument, match="rank_offset < world_size"):
-        StagedPush.begin(manifest, checkpoint, 1 << 20)
+    with pytest.raises(WireError, match="rank_offset < world_size"):
+        check_manifest(manifest, "collector")  # GenerationEngine.stage's first check
     manifest.nccl.rank_offset = 1
+    check_manifest(manifest, "collector")
     staged = StagedPush.begin(manifest, checkpoint, 1 << 20)
     try:
         assert staged.transport == "nccl" and staged.nccl["rank_offset"] == 1

@@ -49,6 +49,7 @@ from rlfleet.client.results import PushResult
 from rlfleet.v1 import collector_pb2, weights_pb2
 from rlfleet.wire import shm
 from rlfleet.wire.dtypes import SUPPORTED_DTYPES
+from rlfleet.wire.push_rules import check_kind
 from rlfleet.wire.push_messages import DEFAULT_CHUNK_BYTES, iter_push_messages
 
 METHOD = "PushWeights"
@@ -121,13 +122,8 @@ def check_options(*, transport: str, strategy: str, lora: weights_pb2.LoraAdapte
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
-    if lora is not None:
-        if delta:
-            raise ValueError("an adapter push is whole: delta=True is for full weights")
-        if transport == "nccl":
-            raise ValueError("adapter pushes travel by shm or grpc, not nccl")
-    if delta and transport == "nccl":
-        raise ValueError("delta pushes travel by shm or grpc, not nccl")
+    check_kind(source="nccl" if transport == "nccl" else None, delta=delta, adapter=lora is not None,
+               rolling=strategy == "rolling")  # the rules the collector and the replicas check again
 
 
 async def push_weights(
