@@ -32,6 +32,11 @@ admits by). Regimes (``REGIMES``): ``today`` is the demo's learning rate, one op
 (the clip acts), consecutive versions 1e-3 to 1e-2 apart as in a real GRPO run. Runs are interleaved: for
 each seed, every regime's arms in an order rotated by the seed, so the machine's drift hits every arm alike.
 
+``--split-cpus`` gives the trainer CPU 0 and every service the others (the driver sets its own affinity before it
+starts anything, and the trainer's at its start): generation then has hardware of its own, as a GPU trainer and
+generation replicas on other GPUs have, so what async overlaps is no longer taken from the trainer. Without it
+the trainer and the services share every core, as the test machine's jobs do.
+
 Wall-clock is the trainer's: the sum of its step times from its first step (the suite's start and the
 trainer's own imports are not the run). The target reward of a regime is ``TARGET_FRACTION`` of the way from
 the first steps' reward to the sync arm's final reward (medians over seeds); time to target is the first
@@ -127,7 +132,7 @@ def run_arm_seed(regime: str, arm: str, seed: int, ns: argparse.Namespace, best:
                         "--steps", str(ns.steps), "--seed", str(seed), "--is-correction", preset,
                         "--prompts-ahead", str(ns.prompts_ahead), "--long-tail", str(LONG_TAIL), "--push-first",
                         *joined_run(collector.address), *REGIMES[regime], "--out", str(workdir / "train")],
-                       check=True, timeout=3600)
+                       check=True, timeout=3600, preexec_fn=trainer_affinity(ns))
     finally:
         collector.stop()
         trajectory.stop()
@@ -140,6 +145,21 @@ def run_arm_seed(regime: str, arm: str, seed: int, ns: argparse.Namespace, best:
     return {"regime": regime, "arm": arm, "seed": seed, "preset": preset, "best": best if arm in BEST_ARMS else None,
             "collector_args": collector_args, "suite_start_seconds": suite_seconds,
             "run_seconds": time.monotonic() - started, "steps": steps}
+
+
+TRAINER_CPUS = {0}
+"""``--split-cpus``: the trainer's CPUs; every other CPU is the services'."""
+
+
+def service_cpus() -> set[int]:
+    return set(os.sched_getaffinity(0)) - TRAINER_CPUS
+
+
+def trainer_affinity(ns: argparse.Namespace):
+    """``preexec_fn`` of the trainer's process: on ``TRAINER_CPUS`` alone with ``--split-cpus``."""
+    if not ns.split_cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, TRAINER_CPUS)
 
 
 def joined_run(collector: str) -> list[str]:
@@ -448,6 +468,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "offpolicy-experiment")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / f"offpolicy-experiment-{today}.json",
                         help="the result file; the plots go next to it (-REGIME.png)")
+    parser.add_argument("--split-cpus", action="store_true",
+                        help="the trainer on CPU 0, every service on the others (generation with hardware of its own)")
     parser.add_argument("--continue", dest="resume", action="store_true",
                         help="keep the runs --out holds (a cut-short experiment, the same settings) and run the rest")
     ns = parser.parse_args(argv)
@@ -458,6 +480,10 @@ def main(argv: list[str] | None = None) -> None:
     if any(arm in BEST_ARMS for arm in arms) and not any(arm.startswith("async-") for arm in arms):
         parser.error("the best+ arms need at least one async-K or async-kl arm to choose the best of")
     seeds = [int(seed) for seed in ns.seeds.split(",")]
+    if ns.split_cpus:
+        if not service_cpus() or not TRAINER_CPUS <= set(os.sched_getaffinity(0)):
+            parser.error(f"--split-cpus needs CPU 0 and another one; this process may use {sorted(os.sched_getaffinity(0))}")
+        os.sched_setaffinity(0, service_cpus())  # before any service (or thread) starts: they inherit it
 
     from rlfleet.services.models.tiny import build_tiny_model
     from rlfleet.services.suite import DEFAULT_MODEL_DIR, stop_suite
@@ -468,7 +494,9 @@ def main(argv: list[str] | None = None) -> None:
               "settings": {"steps": ns.steps, "seeds": seeds, "regimes": {r: REGIMES[r] for r in regimes},
                            "arms": arms, "kl_target": ns.kl_target, "collector": DEMO_COLLECTOR_ARGS,
                            "long_tail": LONG_TAIL, "prompts_ahead": ns.prompts_ahead, "final_steps": FINAL_STEPS,
-                           "smooth": SMOOTH, "target_fraction": TARGET_FRACTION},
+                           "smooth": SMOOTH, "target_fraction": TARGET_FRACTION,
+                           "cpus": ({"trainer": sorted(TRAINER_CPUS), "services": sorted(service_cpus())}
+                                    if ns.split_cpus else "shared")},
               "runs": []}
     if ns.resume and ns.out.exists():
         kept = json.loads(ns.out.read_text())
@@ -509,7 +537,8 @@ def main(argv: list[str] | None = None) -> None:
     for regime in regimes:
         plot([run for run in result["runs"] if run["regime"] == regime], result["headline"][regime],
              ns.out.with_name(f"{ns.out.stem}-{regime}.png"),
-             f"GRPO digits task, long-tailed responses, tiny model: {regime} regime ({' '.join(REGIMES[regime])}), "
+             f"GRPO digits task, long-tailed responses, tiny model: {regime} regime ({' '.join(REGIMES[regime])}"
+             + (", trainer on CPU 0, services on the others" if ns.split_cpus else "") + "), "
              f"{ns.steps} steps x seeds {ns.seeds} ({result['machine']['date'][:10]}, "
              f"{result['machine']['git_commit']})")
     print("RESULT " + json.dumps(rounded(result["result"])), flush=True)
