@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -216,6 +217,16 @@ def median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
+def median_time(values: list) -> float | None:
+    """The median of times to the target (or of their ratios), a seed that never reached it (None, or an
+    ``inf`` ratio) counting as slower than every one that did: left out, it would make an arm that sometimes
+    never gets there look fast. None (never) when the median falls on such a seed."""
+    if not values:
+        return None
+    middle = statistics.median([math.inf if v is None else v for v in values])
+    return None if math.isinf(middle) else middle
+
+
 def smoothed(steps: list[dict]) -> list[float]:
     """Each step's reward as the mean of it and the ``SMOOTH - 1`` before it."""
     rewards = [s["reward_mean"] for s in steps]
@@ -266,7 +277,7 @@ def headline(runs: list[dict]) -> dict[str, dict]:
             wall = [run["steps"][-1]["elapsed_seconds"] for run in arm_runs]
             arms[arm] = {
                 "seeds": [run["seed"] for run in arm_runs],
-                "time_to_target": median([seconds for seconds, _ in reached]),
+                "time_to_target": median_time([seconds for seconds, _ in reached]),
                 "time_to_target_per_seed": [seconds for seconds, _ in reached],
                 "step_to_target_per_seed": [step for _, step in reached],
                 "final_reward": median([final_reward(run) for run in arm_runs]),
@@ -294,6 +305,19 @@ def best_async(arms: dict[str, dict], among=None) -> str | None:
                                             arms[arm]["time_to_target"] or 0.0, -(arms[arm]["final_reward"] or 0.0)))
 
 
+def time_ratio(time: float | None, base: float | None) -> float | None:
+    """``time / base`` of two times to the target (None: never reached): ``inf`` when only ``base`` got there,
+    0 when only ``time`` did, None when neither did (the seed tells nothing)."""
+    if base is None:
+        return None if time is None else 0.0
+    return math.inf if time is None else time / base
+
+
+def shown(ratio: float | None) -> float | str | None:
+    """A ratio as the JSON keeps it: "never" for ``inf`` (JSON has no infinity)."""
+    return "never" if ratio is not None and math.isinf(ratio) else ratio
+
+
 def result_line(runs: list[dict], numbers: dict[str, dict]) -> dict:
     """The issue's RESULT keys (module docstring), per regime and, unprefixed, for the realistic one."""
     out = {}
@@ -305,7 +329,7 @@ def result_line(runs: list[dict], numbers: dict[str, dict]) -> dict:
             for seed, sync_time in zip(arms["sync"]["seeds"], arms["sync"]["time_to_target_per_seed"]):
                 if seed in arms[best]["seeds"]:
                     best_time = arms[best]["time_to_target_per_seed"][arms[best]["seeds"].index(seed)]
-                    ratios.append(None if sync_time is None or best_time is None else best_time / sync_time)
+                    ratios.append(time_ratio(best_time, sync_time))
         fixed = best_async(arms, among=[arm for arm in PLAIN_ARMS if arm.startswith("async-") and arm != "async-kl"])
         kl_time = arms.get("async-kl", {}).get("time_to_target")
         fixed_time = arms[fixed]["time_to_target"] if fixed else None
@@ -314,12 +338,13 @@ def result_line(runs: list[dict], numbers: dict[str, dict]) -> dict:
                                  for s in run["steps"]], 1, "kl_k3")
         keys = {
             "best_async": best,
-            "time_to_target_best_async_over_sync": median(ratios),
-            "time_to_target_ratio_per_seed": ratios,
+            "time_to_target_best_async_over_sync": median_time([r for r in ratios if r is not None]),
+            "time_to_target_ratio_per_seed": [shown(r) for r in ratios],
             "final_reward_best_async_minus_sync": (arms[best]["final_reward"] - arms["sync"]["final_reward"]
                                                    if best and "sync" in arms else None),
             "sync_final_reward_spread": (max(sync_finals) - min(sync_finals)) if sync_finals else None,
-            "divergence_bound_time_over_best_fixed": (kl_time / fixed_time if kl_time and fixed_time else None),
+            "divergence_bound_time_over_best_fixed": shown(time_ratio(kl_time, fixed_time) if "async-kl" in arms and fixed
+                                                           else None),
             "best_fixed": fixed,
             "per_version_k3": per_version,
             "target_reward": summary["target_reward"],

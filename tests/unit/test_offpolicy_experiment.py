@@ -81,3 +81,29 @@ def test_response_budgets_have_the_documented_heavy_tail():
     prompts = train_grpo.task_prompts(8, random.Random(1), long_tail=48)
     assert all(16 <= p["sampling"]["max_tokens"] <= 48 for p in prompts)
     assert "sampling" not in train_grpo.task_prompts(1, random.Random(1))[0]
+
+def test_a_seed_that_never_reaches_the_target_counts_as_slowest_not_as_absent(experiment):
+    ramp, flat = [0.2, 0.2, 0.2, 0.4, 0.6, 0.8, 1.0, 1.0, 1.0, 1.0], [0.2] * 10
+    runs = []
+    for seed in (0, 1, 2):
+        runs.append(run("sync", seed, ramp, 2.0))  # reaches it at 16 s
+    # async-1 is fast when it learns (8 s) but never gets there at 2 of 3 seeds: its median is "never",
+    # where leaving those seeds out would have made it the fastest arm.
+    runs += [run("async-1", 0, ramp, 1.0, lag1_k3=0.002), run("async-1", 1, flat, 1.0, lag1_k3=0.002),
+             run("async-1", 2, flat, 1.0, lag1_k3=0.002)]
+    # async-2 never gets there at 1 seed of 3: its median is the slower of the two that did.
+    runs += [run("async-2", 0, ramp, 1.5, lag1_k3=0.004), run("async-2", 1, ramp, 3.0, lag1_k3=0.004),
+             run("async-2", 2, flat, 1.5, lag1_k3=0.004)]
+    runs += [run("async-kl", seed, flat, 1.0, lag1_k3=0.003) for seed in (0, 1, 2)]
+    arms = experiment.headline(runs)["realistic"]["arms"]
+    assert arms["async-1"]["time_to_target_per_seed"] == [8.0, None, None]
+    assert arms["async-1"]["time_to_target"] is None
+    assert arms["async-2"]["time_to_target"] == pytest.approx(24.0)  # of 12, 24 and never
+    assert experiment.best_async(arms) == "async-2"
+
+    result = experiment.result_line(runs, experiment.headline(runs))["realistic"]
+    assert result["time_to_target_ratio_per_seed"] == [pytest.approx(0.75), pytest.approx(1.5), "never"]
+    assert result["time_to_target_best_async_over_sync"] == pytest.approx(1.5)
+    assert result["divergence_bound_time_over_best_fixed"] == "never"  # async-kl never; async-2 did
+    assert experiment.time_ratio(None, None) is None and experiment.time_ratio(4.0, None) == 0.0
+    assert experiment.median_time([1.0, None]) is None and experiment.median_time([]) is None
