@@ -136,12 +136,12 @@ RAY_SCHEME = "ray+gcs://"
 
 class RayDiscovery(Discovery):
     """The ``service`` records of fleet ``fleet`` in the registry of the Ray cluster whose GCS is at
-    ``gcs_address`` (``rlfleet.ray.registry``: read from the GCS directly, no Ray driver attached).
+    ``gcs_address`` (``rlfleet.registry``: read from the GCS directly, no Ray driver attached).
     Imports ray only when built: the collector needs the ``ray`` extra only with this source."""
 
     def __init__(self, gcs_address: str, fleet: str, service: str = "generation", registry=None):
         if registry is None:
-            from rlfleet.ray.registry import Registry
+            from rlfleet.registry import Registry
 
             registry = Registry(gcs_address, fleet)
         self.registry = registry

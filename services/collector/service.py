@@ -183,7 +183,7 @@ class CollectorService(Service[CollectorConfig]):
         """Generate again the prompts of stale groups that were deleted unread (counted as discarded)."""
         if not samples:
             return
-        self.pipeline.discarded_samples += samples
+        self.pipeline.discards.add(samples)
         missing = await self.source.regenerate(prompt_ids)
         await self.gate.reopen(len(prompt_ids))  # one group per prompt: its slot goes to a regenerated one
         log.info("stale groups deleted unread, prompts generated again",
@@ -346,29 +346,29 @@ class CollectorService(Service[CollectorConfig]):
                                                   weight_transfer_world_size=r.transfer_world_size,
                                                   draining=r.draining)
                       for r in self.pool.replicas],
-            staleness_histogram=pipeline.staleness_histogram(), trajectories=pipeline.appended,
-            discarded_samples=pipeline.discarded_samples, group_size=self.config.group_size,
+            staleness_histogram=pipeline.append.staleness_histogram(), trajectories=pipeline.append.appended,
+            discarded_samples=pipeline.discards.samples, group_size=self.config.group_size,
             groups_per_step=self.config.groups_per_step, pending_prompts=self.source.pending,
             failed_prompts=pipeline.failed_prompts + self.source.bad_rows, serving=not self.serving_problem,
             not_serving_reason=self.serving_problem, failed=bool(self.failure),
-            spool_error=self.fanout.spool_error, episodes=pipeline.episodes_appended,
-            episode_turns=pipeline.episode_turns, mismatch=self.mismatch_status(),
+            spool_error=self.fanout.spool_error, episodes=pipeline.append.episodes_appended,
+            episode_turns=pipeline.append.episode_turns, mismatch=self.mismatch_status(),
             dynamic_sampling=collector_pb2.DynamicSamplingStatus(
                 enabled=self.config.dynamic_sampling, min_score_range=self.config.dynamic_sampling_min_score_range,
                 filtered_groups=self.ledger.filtered_groups, filtered_samples=self.ledger.filtered_samples,
                 filter_rate=pipeline.filter_rate.rate, oversampling=1.0 / (1.0 - pipeline.filter_rate.expected_loss),
                 curriculum_skipped=self.source.curriculum_skipped, curriculum=self.config.curriculum),
-            discarded_tokens=pipeline.discarded_tokens, rolling_update=self.rolling_status(), run=self.run_info(),
+            discarded_tokens=pipeline.discards.tokens, rolling_update=self.rolling_status(), run=self.run_info(),
         )
 
     def rolling_status(self) -> collector_pb2.RollingUpdateStatus | None:
         """The rolling update in progress, else the last one (None before the first), with the pin counters."""
-        update, pipeline = self.fanout.rolling, self.pipeline
-        if update is None and not pipeline.pinned_groups:
+        update, generate = self.fanout.rolling, self.pipeline.generate
+        if update is None and not generate.pinned_groups:
             return None
         status = update.status() if update is not None else collector_pb2.RollingUpdateStatus()
-        status.pinned_groups = pipeline.pinned_groups
-        status.pin_violations, status.pins_retired = pipeline.pin_violations, pipeline.pins_retired
+        status.pinned_groups = generate.pinned_groups
+        status.pin_violations, status.pins_retired = generate.pin_violations, generate.pins_retired
         return status
 
     def mismatch_status(self) -> collector_pb2.MismatchStatus:
@@ -484,7 +484,7 @@ class CollectorService(Service[CollectorConfig]):
             first.setdefault(key, index)
         tasks = [reward_pb2.Task(reward_fn=fn, ground_truth=truth, args=dict(args)) for fn, truth, args in first]
         try:
-            await call_with_retry(self.pipeline.reward.CheckTasks, reward_pb2.CheckTasksRequest(tasks=tasks),
+            await call_with_retry(self.pipeline.score.reward.CheckTasks, reward_pb2.CheckTasksRequest(tasks=tasks),
                                   method="CheckTasks", settings=self.settings, timeout=30)
         except RlfleetClientError as error:
             if error.code not in ("INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED"):

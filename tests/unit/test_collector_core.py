@@ -627,7 +627,7 @@ def test_sampling_fields_are_checked_by_the_generation_rules():
 
 def test_a_stage_counts_groups_waiting_for_its_limit_as_queued_and_forgets_old_completions():
     """GetStatus showed nothing queued ever: groups waiting for the scoring limit counted as in flight."""
-    from rlfleet.services.collector.rollout import StageStats
+    from rlfleet.services.collector.stage_stats import StageStats
 
     async def scenario():
         stage, limit = StageStats("reference"), asyncio.Semaphore(1)

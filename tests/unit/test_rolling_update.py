@@ -12,7 +12,7 @@ import pytest
 from rlfleet.client.channel import ChannelSettings
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.replicas import Replica, ReplicaPool, VersionRetired
-from rlfleet.services.collector.rollout import off_pin
+from rlfleet.services.collector.generate_stage import off_pin
 from rlfleet.services.collector.rolling import RollingSettings, RollingUpdate
 from rlfleet.v1 import generation_pb2, sampling_pb2
 from tests.waiting import settle
