@@ -226,7 +226,7 @@ class FakeGcs:
 
 
 def fake_registry(fleet="f"):
-    from rlfleet.ray.registry import Registry
+    from rlfleet.registry import Registry
 
     registry = Registry("10.0.0.9:6379", fleet)
     registry._gcs = FakeGcs()

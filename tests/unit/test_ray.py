@@ -22,7 +22,7 @@ from rlfleet.ray.autoscale import GenerationAutoscaler, WaitPolicy
 from rlfleet.ray.config import FleetConfig, load_config
 from rlfleet.ray.fleet import FleetError, read_credentials
 from rlfleet.ray.node_dir import NodeDirectory
-from rlfleet.ray.registry import Registry
+from rlfleet.registry import Registry
 from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -41,7 +41,7 @@ from typing import Any
 
 from rlfleet.ray import reaper, runs
 from rlfleet.ray.node_dir import NodeDirectory
-from rlfleet.ray.registry import Registry
+from rlfleet.registry import Registry
 
 log = logging.getLogger("rlfleet.ray")
 WATCH_SECONDS = 0.5

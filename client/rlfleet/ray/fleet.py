@@ -22,7 +22,7 @@ from typing import Any
 
 from rlfleet.ray import runs
 from rlfleet.ray.config import UPSTREAMS, FleetConfig, ServiceSpec
-from rlfleet.ray.registry import Registry
+from rlfleet.registry import Registry
 
 log = logging.getLogger("rlfleet.ray")
 NAMESPACE = "rlfleet"

@@ -18,7 +18,7 @@ from typing import Any, Callable
 def collector_address(fleet: str = "rlfleet") -> str:
     """The collector's ``host:port`` now, from inside the cluster (a task, an actor, a driver)."""
     from rlfleet.ray.fleet import connect
-    from rlfleet.ray.registry import Registry
+    from rlfleet.registry import Registry
 
     address = Registry(connect(), fleet).address("collector")
     if address is None:

@@ -10,6 +10,9 @@ records on dead nodes unless asked for all).
 
 Uses Ray's GCS client (``ray._raylet.GcsClient``, the object behind ``ray.experimental.internal_kv``),
 which is not a public API: the ``ray`` extra pins the major version, and this module is its one user.
+It lives outside ``rlfleet.ray`` (the fleet's actors, CLI and trainer helpers, which write it) because the
+collector reads it too: a service imports this module and nothing of the fleet's, and Ray only when it
+reads (``ray`` is imported by the first call).
 """
 
 from __future__ import annotations
