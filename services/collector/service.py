@@ -1,5 +1,5 @@
-"""The collector service: wires prompt source, version gate, replicas, fan-out and rollout, and
-supervises their background tasks (one that dies takes the service to NOT_SERVING, and every
+"""The collector service: serves the parts ``build.py`` wires (prompt source, version gate, replicas,
+fan-out and rollout) and supervises their background tasks (one that dies takes the service to NOT_SERVING, and every
 trainer call then answers FAILED_PRECONDITION with the reason)."""
 
 from __future__ import annotations
@@ -7,42 +7,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import shutil
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rlfleet.choices import ADVANTAGE_MODES, KL_ESTIMATORS
-from rlfleet.client.channel import aio_channel, call_with_retry
+from rlfleet.client.channel import call_with_retry
 from rlfleet.client.errors import RlfleetClientError
-from rlfleet.services.collector.admission import VersionGate
+from rlfleet.services.collector.build import build
 from rlfleet.services.collector.config import CollectorConfig
-from rlfleet.services.collector.dataset import load_records
-from rlfleet.services.collector.discovery import make_discovery
-from rlfleet.services.collector.episode_runner import EpisodeBudget, EpisodeRunner
-from rlfleet.services.collector.fanout import WeightFanout
-from rlfleet.services.collector.filtering import FilterRule
-from rlfleet.services.collector.ledger import PromptLedger
-from rlfleet.services.collector.mismatch import LagMismatch, MismatchBreaker
+from rlfleet.services.collector.mismatch import LagMismatch
 from rlfleet.services.collector.prompt_item import PromptItem
-from rlfleet.services.collector.spool import DatabaseSpool
-from rlfleet.services.collector.state_schema import LEGACY_FILES
-from rlfleet.services.collector.replicas import ReplicaPool
-from rlfleet.services.collector.rollout import Pipeline, PipelineOptions
-from rlfleet.services.collector.rolling import RollingSettings
 from rlfleet.services.collector.run import check_call as check_run_call
 from rlfleet.services.collector.servicer import CollectorServicer, TrajectoryProxyServicer
-from rlfleet.services.collector.source import PromptSource
 from rlfleet.services.collector.status_metrics import STATUS_METRICS
 from rlfleet.services.common import metrics
-from rlfleet.services.common.database import DatabaseUnavailable, purge_database
-from rlfleet.services.common.errors import InvalidArgument, StartupError, Unavailable, UpstreamError
+from rlfleet.services.common.database import DatabaseUnavailable
+from rlfleet.services.common.errors import InvalidArgument, Unavailable, UpstreamError
 from rlfleet.services.common.server import Service
-from rlfleet.services.common.upstream import upstream_settings
 from rlfleet.wire import shm
-from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, environment_pb2_grpc, reference_pb2_grpc, reward_pb2,
-                        reward_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc, weights_pb2)
+from rlfleet.v1 import collector_pb2, collector_pb2_grpc, reward_pb2, trajectory_pb2, trajectory_pb2_grpc, weights_pb2
 
 log = logging.getLogger("rlfleet.collector")
 
@@ -55,73 +38,12 @@ class CollectorService(Service[CollectorConfig]):
 
     def __init__(self, config: CollectorConfig):
         super().__init__(config)
-        self.settings = upstream_settings(config, config.max_message_bytes)
-        self.state_dir = Path(config.state_dir)
-        if not config.database_url:
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.gate = VersionGate(groups_per_step=config.groups_per_step, max_staleness=config.max_staleness,
-                                sync=config.mode == "sync")
-        self.mismatch = MismatchBreaker(config.mismatch_kl_threshold, config.mismatch_trip_batches,
-                                        config.mismatch_kl_target, config.mismatch_horizon)
-        self.pool = ReplicaPool(self.settings)
-        self.discovery = make_discovery(config.generation_addresses, config.generation_addresses_file,
-                                        config.resolve_generation_addresses)
-        records = load_records(config.dataset_path) if config.dataset_path else []
-        if config.fresh:
-            self._delete_state()
-        # The durable state: a SQLite file in the state directory, or PostgreSQL (``ledger.py``).
-        self.ledger = PromptLedger(config.database_url or self.state_dir / "prompts.sqlite3",
-                                   schema=config.database_schema, max_dead_letters=config.max_dead_letters,
-                                   state_dir=None if config.database_url else self.state_dir,
-                                   on_lost=self._database_lost)
-        self.run = self.ledger.open_run()
-        """The run the state belongs to (``run.py``)."""
-        try:
-            self.source = PromptSource(self.ledger, records, prompt_field=config.prompt_field,
-                                       ground_truth_field=config.ground_truth_field, shuffle=config.shuffle,
-                                       seed=config.seed, epochs=config.epochs,
-                                       max_submitted=config.max_submitted_prompts,
-                                       curriculum_revisit=config.curriculum_revisit_fraction if config.curriculum
-                                       else None)
-        except InvalidArgument as exc:
-            self.ledger.close()
-            raise StartupError(f"dataset_path: {config.dataset_path}: {exc}") from None
-        self._addresses = {"reference": config.reference_address, "reward": config.reward_address,
-                           "trajectory": config.trajectory_address}
-        if config.environment_address:
-            self._addresses["environment"] = config.environment_address
-        """The upstream services (not the replicas) by name."""
-        self._channels = {name: aio_channel(address, self.settings) for name, address in self._addresses.items()}
-        self.trajectory = trajectory_pb2_grpc.TrajectoryServiceStub(self._channels["trajectory"])
-        # The spool beside the state: files in the state directory, or the PostgreSQL database's rows.
-        self.fanout = WeightFanout(self.pool, self.gate, self.state_dir / "spool", config.max_push_bytes,
-                                   on_commit=self._committed, on_fatal=self.fail, swap_mode=config.swap_mode,
-                                   update_strategy=config.update_strategy,
-                                   rolling=RollingSettings(max_unavailable=config.rolling_max_unavailable,
-                                                           drain_seconds=config.rolling_drain_seconds,
-                                                           max_seconds=config.rolling_max_seconds,
-                                                           settle_seconds=config.rolling_settle_seconds),
-                                   spool=DatabaseSpool(self.ledger) if self.ledger.in_postgresql else None)
-        self.pipeline = Pipeline(
-            PipelineOptions(
-                group_size=config.group_size, sampling=dict(config.sampling),
-                default_reward_fn=config.reward_fn, kl_estimator=KL_ESTIMATORS[config.kl_estimator],
-                advantage_mode=ADVANTAGE_MODES[config.advantage_mode], update_kl_controller=config.update_kl_controller,
-                max_groups_in_flight=config.max_groups_in_flight,
-                max_generations_in_flight=config.max_generations_in_flight,
-                max_scoring_in_flight=config.max_scoring_in_flight, max_groups_per_call=config.max_groups_per_call,
-                default_environment=config.environment, prompt_attempts=config.prompt_attempts,
-                retry_backoff_seconds=config.retry_backoff_seconds,
-                filter_rule=FilterRule(config.dynamic_sampling, config.dynamic_sampling_min_score_range,
-                                       config.pass_score),
-                max_oversampling=config.max_oversampling, filter_window=max(32, 4 * config.groups_per_step)),
-            self.gate, self.pool, self.source,
-            reference_pb2_grpc.ReferenceServiceStub(self._channels["reference"]),
-            reward_pb2_grpc.RewardServiceStub(self._channels["reward"]),
-            self.trajectory, self.settings, on_fatal=self.fail,
-            episodes=EpisodeRunner(environment_pb2_grpc.EnvironmentServiceStub(self._channels["environment"]),
-                                   self.settings, EpisodeBudget(config.max_turns, config.max_episode_tokens))
-            if "environment" in self._channels else None)
+        parts = build(config, on_commit=self._committed, on_fatal=self.fail, on_lost=self._database_lost)
+        self.settings, self.state_dir, self.run = parts.settings, parts.state_dir, parts.run
+        self.gate, self.mismatch, self.pool, self.discovery = parts.gate, parts.mismatch, parts.pool, parts.discovery
+        self.ledger, self.source, self.fanout, self.pipeline = parts.ledger, parts.source, parts.fanout, parts.pipeline
+        self._addresses, self._channels, self.trajectory = parts.addresses, parts.channels, parts.trajectory
+        """The upstream services (not the replicas) by name: their addresses and channels."""
         self.not_serving_reason = "starting"
         """Why the collector does not serve yet ("" once it does)."""
         self.outages: dict[str, str] = {}
@@ -136,16 +58,6 @@ class CollectorService(Service[CollectorConfig]):
         trajectory_pb2_grpc.add_TrajectoryServiceServicer_to_server(TrajectoryProxyServicer(self), server)
 
     # --- state ----------------------------------------------------------------
-    def _delete_state(self) -> None:
-        """``fresh``: the previous run's durable state goes before the ledger opens it (a new run starts)."""
-        config = self.config
-        dropped = purge_database(config.database_url or str(self.state_dir / "prompts.sqlite3"), role="collector",
-                                 schema=config.database_schema)
-        shutil.rmtree(self.state_dir / "spool", ignore_errors=True)
-        for name in LEGACY_FILES:
-            (self.state_dir / name).unlink(missing_ok=True)
-        log.warning("fresh: the collector's state deleted, a new run starts", extra={"tables": dropped})
-
     def run_info(self) -> collector_pb2.RunInfo:
         return collector_pb2.RunInfo(run_id=self.run.run_id, created_at=self.run.created_at,
                                      resumed=self.run.resumed, policy_version=self.gate.version)
