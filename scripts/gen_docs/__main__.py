@@ -7,10 +7,11 @@ import difflib
 import sys
 from pathlib import Path
 
-from . import api, benchmarks, cli, settings
+from . import api, benchmarks, cli, modules, settings
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-GENERATORS = {"settings": settings.render, "api": api.render, "cli": cli.render, "benchmarks": benchmarks.render}
+GENERATORS = {"settings": settings.render, "api": api.render, "cli": cli.render, "benchmarks": benchmarks.render,
+              "modules": modules.render}
 
 
 def main(argv: list[str] | None = None) -> int:
