@@ -149,7 +149,7 @@ class WeightFanout:
         if manifest.version <= self.gate.version:
             raise FailedPrecondition(
                 f"weights version {manifest.version} is not newer than current {self.gate.version}")
-        push = WeightPush.from_manifest(manifest, self._push_limit())
+        push = WeightPush.from_manifest(manifest, self.push_limit())
         tracing.set_attributes({"rlfleet.policy_version": manifest.version, "rlfleet.bytes": push.total_bytes,
                                 "rlfleet.source": manifest.WhichOneof("source") or "grpc",
                                 "rlfleet.delta": weight_delta.is_delta(manifest)})
@@ -415,7 +415,7 @@ class WeightFanout:
         self.spool.close()
 
     # --- re-sync -------------------------------------------------------------
-    def _push_limit(self) -> int:
+    def push_limit(self) -> int:
         """``max_push_bytes``, or the smallest limit the replicas reported (a replica would refuse more)."""
         if self.max_push_bytes is not None:
             return self.max_push_bytes

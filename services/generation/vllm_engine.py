@@ -190,6 +190,12 @@ class GenerationEngine:
     def policy_version(self) -> int:
         return self._policy_version
 
+    @property
+    def vllm(self) -> AsyncLLM:
+        """The vLLM engine itself, for what only vLLM can say (its unfinished requests, its LoRA adapters,
+        its prefix cache); Unavailable unless this engine serves."""
+        return self._require_engine()
+
     def _require_engine(self) -> AsyncLLM:
         self._check_engine_alive()
         if self._engine is None or not self.ready:

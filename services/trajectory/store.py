@@ -52,7 +52,7 @@ from typing import Callable, Literal, Sequence, TypeVar
 
 from rlfleet.client.results import BufferStats, DroppedStale
 from rlfleet.services.common.errors import InvalidArgument, NotFound, ResourceExhausted
-from rlfleet.services.common.database import chunks, open_database
+from rlfleet.services.common.database import Database, chunks, open_database
 from rlfleet.services.trajectory import rows as rowcodec
 from rlfleet.services.trajectory import samples as sample_log
 from rlfleet.services.trajectory import schema as tables
@@ -220,6 +220,12 @@ class TrajectoryStore:
         self.reconnects += 1
         log.warning("trajectory store reconnected: index rebuilt from the database, leases dropped",
                     extra={"database": self._db.name, "ready": self._ready})
+
+    @property
+    def database(self) -> Database:
+        """The database the rows are kept in, for what only it can say (row counts, the schema version); a
+        write through it bypasses the store's index."""
+        return self._db
 
     def close(self) -> None:
         """Close the database. Leases are dropped: their rows are ready again on reopen."""

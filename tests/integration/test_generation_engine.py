@@ -164,7 +164,7 @@ async def test_a_turn_from_a_cached_history_samples_exactly_what_a_cold_one_does
     spec = SamplingSpec(n=1, temperature=1.0, max_tokens=24, ignore_eos=True, seed=5)
     warm, = await collect(engine, spec, "turn-2-warm", prompt=history)
     # Private on purpose: the service resets the cache only with a weight swap.
-    assert await engine._engine.reset_prefix_cache()
+    assert await engine.vllm.reset_prefix_cache()
     cold, = await collect(engine, spec, "turn-2-cold", prompt=history)
 
     assert warm.cached_prompt_tokens == 64  # the prompt and turn 1's KV, up to its last full block
@@ -290,7 +290,7 @@ async def test_admission_bound_and_cancellation(engine):
     await asyncio.gather(*flood, return_exceptions=True)
     assert engine.status().requests_in_flight == 0
     # Cancelling the consumers aborted the vLLM requests too.
-    await wait_for_async(lambda: engine._engine.get_num_unfinished_requests() == 0, ABORT_TIMEOUT,
+    await wait_for_async(lambda: engine.vllm.get_num_unfinished_requests() == 0, ABORT_TIMEOUT,
                          "the cancelled requests to leave vLLM")
     (sample,) = await collect(engine, SamplingSpec(max_tokens=4), "after-flood")
     assert sample.finish_reason in ("stop", "length")
@@ -353,7 +353,7 @@ async def test_resume_mode_resumes_each_sample_of_a_group_and_again_at_a_second_
     versions.append(await serve(engine, weights[1], mode="resume"))
     # The three continuations are inside vLLM (a continuation reaches it at its first read) ...
     await wait_for_async(lambda: engine.status().resumed_samples - resumed_before == 3
-                         and engine._engine.get_num_unfinished_requests() == 3, ENGINE_STEP_TIMEOUT,
+                         and engine.vllm.get_num_unfinished_requests() == 3, ENGINE_STEP_TIMEOUT,
                          "the continuations submitted")
     # ... so the second swap aborts them too, and they are continued again.
     versions.append(await serve(engine, weights[2], mode="resume"))
@@ -540,7 +540,7 @@ async def test_a_request_runs_to_its_end_on_the_adapter_it_started_on(engine, mo
     await wait_for_async(lambda: engine.status().requests_running == 1, ENGINE_STEP_TIMEOUT, "the request running")
     await push_adapter(engine, second, first_version + 1)
     assert engine.status().requests_running == 1 and not long.done()
-    assert len(await engine._require_engine().list_loras()) == 2
+    assert len(await engine.vllm.list_loras()) == 2
 
     (fresh,) = await collect(engine, SamplingSpec(temperature=1.0, max_tokens=16, seed=32), "adapter-2")
     assert fresh.policy_version_spans == [(first_version + 1, 0, len(fresh.response_token_ids))]
@@ -548,7 +548,7 @@ async def test_a_request_runs_to_its_end_on_the_adapter_it_started_on(engine, mo
     (sample,) = await long
     assert sample.policy_version_spans == [(first_version, 0, LONG_RESPONSE_TOKENS)]
     assert max_abs_diff(sample, response_log_probs(first, PROMPT, sample.response_token_ids)) <= LOG_PROB_TOLERANCE
-    loras = engine._require_engine().list_loras
+    loras = engine.vllm.list_loras
 
     async def one_left():
         return len(await loras()) == 1

@@ -53,7 +53,7 @@ def url(postgres):
 
 def cut_at(store, postgres, url, statement, after=False):
     """Cut the store's connection just before (or just after) it runs ``statement``, once."""
-    execute = store._db.execute
+    execute = store.database.execute
     cut = []
 
     def cutting(sql, params=()):
@@ -68,7 +68,7 @@ def cut_at(store, postgres, url, statement, after=False):
             return result
         return execute(sql, params)
 
-    store._db.execute = cutting
+    store.database.execute = cutting
     return cut
 
 

@@ -136,7 +136,7 @@ def test_min_policy_version_filters_one_reader_and_deletes_nothing(store):
         assert store.lease("b", 1, lease_seconds=10, whole_groups=whole_groups, min_policy_version=2**64 - 1) is None
     stats = store.stats()
     assert (stats.dropped_stale, stats.ready, stats.leased) == (0, 4, 2)
-    assert store._db.execute("SELECT count(*) FROM trajectories").fetchone()[0] == 6
+    assert store.database.execute("SELECT count(*) FROM trajectories").fetchone()[0] == 6
     rest = store.lease("c", 4, lease_seconds=10)  # another reader, no filter: the skipped rows are all there
     assert trajectory_ids(rest.batch) == ["traj-0", "traj-1", "traj-2", "traj-3"]
 
@@ -171,7 +171,7 @@ def test_drop_stale_deletes_ready_groups_below_the_version_and_says_which(db, cl
     assert stats.buffered_bytes == payload_bytes(appends[0]) + payload_bytes(appends[3])  # groups 1 and 4 left
     assert store.drop_stale(3) == Dropped(dropped=0, group_ids=(), prompt_ids=())  # again: nothing more
     assert store.drop_stale(0) == Dropped(dropped=0, group_ids=(), prompt_ids=())
-    assert store._db.execute("SELECT count(*) FROM trajectories").fetchone()[0] == 4
+    assert store.database.execute("SELECT count(*) FROM trajectories").fetchone()[0] == 4
     store.close()
 
     store = TrajectoryStore(path, capacity=100, documented=row_schema(), clock=clock)  # durable, and the lease is back
@@ -263,7 +263,7 @@ def test_capacity_backpressure_is_all_or_nothing(clock, fresh_db):
         store.append(make_trajectories([3, 3], first_id=4), "k2")
     stats = store.stats()
     assert (stats.ready, stats.appended) == (4, 4)
-    assert store._db.execute("SELECT count(*) FROM trajectories").fetchone()[0] == 4
+    assert store.database.execute("SELECT count(*) FROM trajectories").fetchone()[0] == 4
     leased = store.lease("a", 4, lease_seconds=60)  # leased rows still count against capacity
     with pytest.raises(ResourceExhausted):
         store.append(make_trajectories([3, 3], first_id=4), "k2")
@@ -368,7 +368,7 @@ def test_filtered_groups_are_logged_counted_and_never_delivered_and_a_retry_lear
 
     store = TrajectoryStore(path, capacity=4, max_filtered_groups=2, clock=clock)
     assert (store.stats().filtered_groups, store.stats().filtered_trajectories) == (4, 8)  # counted for ever
-    logged = store._db.execute("SELECT key, group_size FROM filtered ORDER BY seq").fetchall()  # the file is locked
+    logged = store.database.execute("SELECT key, group_size FROM filtered ORDER BY seq").fetchall()  # the file is locked
     assert logged == [("f/4", 2), ("f/5", 2)]  # the newest two kept
     # A retry (a collector restarted after its Append) is told how each group was stored, whatever it asks now.
     again = store.append(make_trajectories(groups(0, 3, 2)), group_keys=["f/0", "f/1", "f/2"],
@@ -395,14 +395,14 @@ def test_a_file_written_before_filtered_groups_opens_and_its_keys_read_as_not_fi
     store = TrajectoryStore(path, capacity=10, clock=clock)
     result = store.append(make_trajectories([0, 0]), group_keys=["old/0"], filtered_groups=[True])
     assert (result.duplicate_groups, result.filtered_groups, store.stats().filtered_groups) == ((True,), (False,), 0)
-    assert store._db.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()[0] == "2"
+    assert store.database.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()[0] == "2"
     store.close()
 
 
 def test_a_database_of_a_newer_schema_version_is_refused(db):
     TrajectoryStore(db, capacity=10).close()
     store = TrajectoryStore(db, capacity=10)
-    store._db.execute("UPDATE meta SET value = '99' WHERE name = 'schema_version'")
+    store.database.execute("UPDATE meta SET value = '99' WHERE name = 'schema_version'")
     store.close()
     with pytest.raises(RuntimeError, match="schema version 99, written by a newer rlfleet; this one knows versions up to 2"):
         TrajectoryStore(db, capacity=10)
@@ -560,15 +560,15 @@ def test_a_group_is_stored_once_and_its_payload_goes_with_its_last_row(db, clock
     path = db
     store = TrajectoryStore(path, capacity=100, clock=clock)
     store.append(make_trajectories([0, 0, 0, 1, 1, 2, 2, 2, 2]), group_keys=["g/0", "g/1", "g/2"])
-    assert store._db.execute("SELECT count(*) FROM units").fetchone()[0] == 3
+    assert store.database.execute("SELECT count(*) FROM units").fetchone()[0] == 3
     first = store.lease("a", 4, lease_seconds=60)  # group 0 and one row of group 1
     assert trajectory_ids(first.batch) == [f"traj-{i}" for i in range(4)]
     check_rows(first.batch)
     store.ack("a", first.lease_id)
-    assert [unit for (unit,) in store._db.execute("SELECT unit FROM units ORDER BY unit")] == [4, 6]
+    assert [unit for (unit,) in store.database.execute("SELECT unit FROM units ORDER BY unit")] == [4, 6]
     dropped = store.drop_stale(1)  # group 1's other row and group 2: nothing is leased
     assert dropped.dropped == 5
-    assert store._db.execute("SELECT count(*) FROM units").fetchone()[0] == 0
+    assert store.database.execute("SELECT count(*) FROM units").fetchone()[0] == 0
     assert store.stats().buffered_bytes == 0
     store.close()
 
@@ -580,10 +580,10 @@ def test_a_file_written_before_groups_were_stored_whole_is_read_as_it_is(db, clo
     store = TrajectoryStore(path, capacity=100, clock=clock)
     old = make_trajectories([0, 0, 1, 1], prompt_ids=True)
     store.append(old, "old")
-    with store._db.transaction():  # what the previous code wrote: rows with their data, no units table rows
+    with store.database.transaction():  # what the previous code wrote: rows with their data, no units table rows
         for seq, row in enumerate(split_rows(old), start=1):
-            store._db.execute("UPDATE trajectories SET data = ? WHERE seq = ?", (row, seq))
-        store._db.execute("DELETE FROM units")
+            store.database.execute("UPDATE trajectories SET data = ? WHERE seq = ?", (row, seq))
+        store.database.execute("DELETE FROM units")
     store.close()
 
     store = TrajectoryStore(path, capacity=100, clock=clock)
@@ -596,7 +596,7 @@ def test_a_file_written_before_groups_were_stored_whole_is_read_as_it_is(db, clo
     check_rows(mixed.batch)
     store.nack("a", mixed.lease_id)
     assert store.drop_stale(1).prompt_ids == ("prompt-0", "prompt-1", "prompt-2")
-    assert store.stats().buffered_bytes == 0 and store._db.execute("SELECT count(*) FROM trajectories").fetchone()[0] == 0
+    assert store.stats().buffered_bytes == 0 and store.database.execute("SELECT count(*) FROM trajectories").fetchone()[0] == 0
     store.close()
 
 

@@ -118,10 +118,10 @@ async def test_the_collector_takes_no_push_larger_than_its_smallest_replica_take
             yield kind, msg
 
     fanout = WeightFanout(pool=Pool(), gate=VersionGate(), spool_dir=tmp_path, max_push_bytes=None)
-    assert fanout._push_limit() == 60
+    assert fanout.push_limit() == 60
     with pytest.raises(ResourceExhausted):  # the state is bigger than 60 bytes: refused before any allocation
         await fanout.push(push())
     Pool.replicas = [type("R", (), {"max_push_bytes": 0})()]
     with pytest.raises(Unavailable, match="no generation replica has reported"):
-        fanout._push_limit()
-    assert WeightFanout(pool=Pool(), gate=VersionGate(), spool_dir=tmp_path, max_push_bytes=123)._push_limit() == 123
+        fanout.push_limit()
+    assert WeightFanout(pool=Pool(), gate=VersionGate(), spool_dir=tmp_path, max_push_bytes=123).push_limit() == 123
