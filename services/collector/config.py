@@ -104,10 +104,12 @@ class CollectorConfig(ServiceConfig, UpstreamConfig):
     trainer calls until an operator closes it (``mismatch.py``). None: reports are shown, never acted on."""
     mismatch_trip_batches: int = Field(3, ge=1)
     """Reports over ``mismatch_kl_threshold`` in a row that open the mismatch breaker."""
-    mismatch_kl_target: float | None = Field(None, gt=0)
+    mismatch_kl_target: float | None = Field(0.005, gt=0)
     """async: admission by measured divergence. Groups start at most as many steps ahead as keeps the k3
     KL trainers report (ReportMismatch) at every lag >= 1 under this; ``max_staleness`` is then the
-    ceiling, and finished groups are never discarded for it (``mismatch.py``). None: max_staleness alone."""
+    ceiling, and finished groups are never discarded for it (``mismatch.py``). It acts only on reports:
+    a trainer that reports none runs at ``max_staleness``. The default comes from the off-policy experiment
+    (docs/guides/off-policy.md, "Which mode when"). None (``null``): max_staleness alone."""
     mismatch_horizon: int = Field(8, ge=1)
     """Reports a lag's measured KL is kept after it was last measured (``mismatch_kl_target``)."""
 

@@ -214,7 +214,7 @@ def suite(tiny_model_dir, tmp_path_factory):
         model_dir=tiny_model_dir, generation_replicas=1, max_model_len=MAX_MODEL_LEN, kv_cache_bytes=128 << 20,
         generation_args=["--max-num-seqs", "16", "--max-n", str(MAX_N), *quick],
         collector_args=["--group-size", str(GROUP), "--sampling", json.dumps({"temperature": 1.0, "max_tokens": 8}),
-                        "--max-staleness", "1000000", "--max-submitted-prompts", "32",
+                        "--max-staleness", "1000000", "--mismatch-kl-target", "null", "--max-submitted-prompts", "32",
                         "--replica-check-seconds", "0.5", *quick])
     procs = start_suite(options, tmp_path_factory.mktemp("fuzz-suite"))
     fuzzed = {"collector": Fuzzed(procs["collector"]), "generation": Fuzzed(procs["generation-0"])}
