@@ -133,7 +133,10 @@ class WeightFanout:
         started = time.monotonic()
         receiver = PushReceiver(messages)
         manifest = await receiver.manifest()
-        check_manifest(manifest, "trainer", UPDATE_STRATEGIES[self.update_strategy])
+        try:
+            check_manifest(manifest, "trainer", UPDATE_STRATEGIES[self.update_strategy])
+        except WireError as err:
+            raise InvalidArgument(str(err)) from None
         rolling = is_rolling(manifest, UPDATE_STRATEGIES[self.update_strategy])
         if rolling:
             # Each replica is drained before it switches: what is left running there is aborted (and

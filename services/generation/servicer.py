@@ -17,6 +17,7 @@ from rlfleet.services.generation.sampling import SampleResult
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, weights_pb2
 from rlfleet.wire import decode_tensor
 from rlfleet.wire.dtypes import TOKEN_ID_DTYPES
+from rlfleet.wire.push_rules import check_manifest
 from rlfleet.wire.tensor import encode_values
 
 _FINISH = {
@@ -73,7 +74,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.service.check_working()
         started = time.monotonic()
         receiver = PushReceiver(payloads(request_iterator))
-        staged = self.engine.stage(await receiver.manifest())
+        manifest = await receiver.manifest()
+        check_manifest(manifest, "collector")  # before the version: a manifest without one is malformed
+        staged = self.engine.stage(manifest)
         try:
             if staged.nccl is not None:
                 await self.engine.receive_nccl(staged)  # the bytes come over NCCL, into the segment

@@ -35,7 +35,7 @@ from rlfleet.services.generation.staging import StagedPush
 from rlfleet.services.generation.transfer import WEIGHT_TRANSFER_CONFIG
 from rlfleet.services.generation.push_validation import TensorSpec, checkpoint_bytes, read_checkpoint_specs
 from rlfleet.v1 import weights_pb2
-from rlfleet.wire import shm, weight_delta
+from rlfleet.wire import WireError, shm, weight_delta
 from rlfleet.wire.push_rules import check_manifest
 
 if TYPE_CHECKING:
@@ -385,11 +385,14 @@ class GenerationEngine:
         (default ``max_push_bytes``) before any memory is given to it. Nothing
         touches the engine; the caller fills a grpc push's segment, then
         ``apply``s or ``close``s the staged push."""
-        check_manifest(manifest, "collector")
         if self._engine is None or self._state in (EngineState.STOPPED, EngineState.STARTING):
             raise Unavailable(f"generation engine is {self._state.value}")
         if not manifest.resync:
             self.check_version(manifest.version)
+        try:
+            check_manifest(manifest, "collector")
+        except WireError as err:
+            raise InvalidArgument(str(err)) from None
         kept = None
         if manifest.HasField("lora"):
             self._check_adapter(manifest)
