@@ -133,11 +133,12 @@ class WeightFanout:
         started = time.monotonic()
         receiver = PushReceiver(messages)
         manifest = await receiver.manifest()
+        default_strategy = UPDATE_STRATEGIES[self.update_strategy]
         try:
-            check_manifest(manifest, "trainer", UPDATE_STRATEGIES[self.update_strategy])
+            check_manifest(manifest, "trainer", default_strategy)
         except WireError as err:
             raise InvalidArgument(str(err)) from None
-        rolling = is_rolling(manifest, UPDATE_STRATEGIES[self.update_strategy])
+        rolling = is_rolling(manifest, default_strategy)
         if rolling:
             # Each replica is drained before it switches: what is left running there is aborted (and
             # generated again), never continued on the new weights.

@@ -16,7 +16,6 @@ import hashlib
 import time
 import zlib
 from dataclasses import dataclass, field
-
 from typing import AsyncIterable, AsyncIterator, Awaitable, Callable
 
 import torch

@@ -50,9 +50,9 @@ class StagedPush:
     @classmethod
     def begin(cls, manifest: weights_pb2.WeightManifest, checkpoint: dict[str, TensorSpec],
               max_bytes: int, kept: weights_pb2.WeightManifest | None = None) -> "StagedPush":
-        """Validate ``manifest`` (one ``push_rules.check_manifest`` passed) against the checkpoint (a delta: against ``kept``, the full manifest of
-        the weights it patches; an adapter: as an adapter of the checkpoint's linear layers) and prepare
-        where its bytes go.
+        """Validate ``manifest`` (which ``push_rules.check_manifest`` passed) against the checkpoint (a delta:
+        against ``kept``, the full manifest of the weights it patches; an adapter: as an adapter of the
+        checkpoint's linear layers) and prepare where its bytes go.
 
         Names, dtypes and shapes are checked against the served model first, then
         the size against ``max_bytes``: only a push that passes both is given memory."""
