@@ -29,10 +29,12 @@ KINDS = ("service", "starts", "fresh", "error")
 class Registry:
     """The records of fleet ``fleet`` in the cluster whose GCS listens at ``gcs_address`` (``host:port``)."""
 
-    def __init__(self, gcs_address: str, fleet: str):
+    def __init__(self, gcs_address: str, fleet: str, gcs=None):
+        """``gcs``: a ``ray._raylet.GcsClient`` (or anything with its kv and node calls); None connects to
+        ``gcs_address`` on first use."""
         self.gcs_address = gcs_address
         self.fleet = fleet
-        self._gcs = None
+        self._gcs = gcs
 
     def _client(self):
         if self._gcs is None:

@@ -116,7 +116,7 @@ class WeightFanout:
         if self._spooling is not None:
             await asyncio.wait({self._spooling})
 
-    async def _targets(self, manifest: weights_pb2.WeightManifest) -> list[Replica]:
+    async def targets(self, manifest: weights_pb2.WeightManifest) -> list[Replica]:
         """The replicas a push goes to: those in rotation, and those out of rotation that answer now
         (a push is the way back for a replica the spool cannot re-sync; it takes the push as a
         re-sync, whatever version it serves). Never refused while one of them answers."""
@@ -168,7 +168,7 @@ class WeightFanout:
             push.attach_sink(segment.buffer)
         handed_off = False
         try:
-            replicas = await self._targets(manifest)
+            replicas = await self.targets(manifest)
             spool = self.spool.begin(manifest, spooled)
             # Replicas known to live elsewhere get a grpc push's chunks as they arrive; the others
             # are offered the segment once it holds every verified byte (shm: right away).

@@ -74,6 +74,7 @@ try:
 except ImportError as exc:  # the extra is not installed
     raise ImportError(f"the verifiers adapter needs verifiers: pip install 'rlfleet[verifiers]' ({exc})") from exc
 
+from rlfleet.services.common.background import BackgroundTasks  # noqa: E402 - after the extra's check
 from rlfleet.services.environment.chat_endpoint import (  # noqa: E402 - after the extra's check
     SESSION_HEADER, Call, ChatEndpoint, ConversationDiverged, Exchange, acquire_endpoint, answer_turn,
     chat_completion, completion_events, continuation, release_endpoint, requested_sampling, rlfleet_messages,
@@ -114,7 +115,7 @@ class _Host:
         self._serving: asyncio.Task | None = None
         self._stop = asyncio.Event()
         self._linger: asyncio.TimerHandle | None = None
-        self._stopper: asyncio.Task | None = None
+        self._stopper = BackgroundTasks()  # a lingering host's stop, once idle: a failure is logged by name
 
     async def started(self) -> None:
         if self._started is None:
@@ -169,7 +170,7 @@ class _Host:
             self._linger = asyncio.get_running_loop().call_later(self.cls.idle_shutdown_seconds, self._stop_later)
 
     def _stop_later(self) -> None:
-        self._stopper = asyncio.ensure_future(self.stop())
+        self._stopper.start(self.stop(), f"stop-idle-{self.cls.__name__}")
 
     async def stop(self) -> None:
         """Leave ``Env.serving()`` (a start in progress finishes first) and release the endpoint."""
@@ -277,6 +278,11 @@ class VerifiersEnvironment(Environment):
             fields["system_prompt"] = system
         opening: Any = prompt[0]["content"] if len(prompt) == 1 and prompt[0]["role"] == "user" else prompt
         return task_type(data_type(prompt=opening or None, **fields), taskset.config.task)
+
+    @classmethod
+    def is_serving(cls) -> bool:
+        """Whether this environment's verifiers env is being served now (on any event loop of this process)."""
+        return any(key[0] is cls for key in _hosts)
 
     @classmethod
     async def stop_serving(cls) -> None:

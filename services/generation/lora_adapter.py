@@ -29,20 +29,18 @@ import torch
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.services.common.files import fsync_directory
 from rlfleet.services.generation.push_validation import TensorSpec
-from rlfleet.wire.dtypes import BY_TORCH, SUPPORTED_DTYPES, dtype_name
+from rlfleet.wire.dtypes import BY_TORCH
+from rlfleet.wire.errors import WireError
+from rlfleet.wire.lora_factors import LAYOUTS, check_factors, check_hyper_parameters, peft_name
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
 
-PEFT_PREFIX = "base_model.model."
-"""peft's prefix of adapter tensor names; vLLM strips it to find the module."""
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_NAME_PREFIX = "rlfleet-v"
-_FACTORS = {"lora_A": "lora_A.weight", "lora_B": "lora_B.weight"}
 # vLLM serves LoRA on linear layers; embeddings would need peft's lora_embedding_A/B tensors.
 _NOT_LINEAR = frozenset({"embed_tokens", "lm_head"})
-_ADAPTER_DTYPES = tuple(dtype for dtype in SUPPORTED_DTYPES if dtype.is_floating_point)
 
 
 @dataclass(frozen=True)
@@ -57,21 +55,11 @@ class LoraAdapterConfig:
     """Module names (``q_proj``, ``down_proj``, ...) the adapter may hold factors for."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise InvalidArgument(f"lora adapter: rank must be a positive integer, got {self.rank!r}")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) \
-                or not math.isfinite(self.alpha) or self.alpha <= 0:
-            raise InvalidArgument(f"lora adapter: lora_alpha must be a positive number, got {self.alpha!r}")
-        if isinstance(self.target_modules, str) or not self.target_modules:
-            raise InvalidArgument("lora adapter: target_modules must be a non-empty list of module names")
-        for module in self.target_modules:
-            if not isinstance(module, str) or not module.isidentifier():
-                raise InvalidArgument(
-                    f"lora adapter: target module {module!r} is not a module name (like 'q_proj')"
-                )
-        if len(set(self.target_modules)) != len(self.target_modules):
-            raise InvalidArgument(f"lora adapter: target_modules {list(self.target_modules)} repeat a name")
-        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        try:
+            rank, alpha, target_modules = check_hyper_parameters(self.rank, self.alpha, self.target_modules)
+        except WireError as err:
+            raise InvalidArgument(f"lora adapter: {err}") from None
+        object.__setattr__(self, "target_modules", target_modules)
 
     def check_served(self, checkpoint_specs: dict[str, TensorSpec], max_lora_rank: int) -> None:
         """InvalidArgument unless the engine (``max_lora_rank``) and model (its checkpoint) can serve it."""
@@ -131,76 +119,35 @@ def _linear_module_names(checkpoint_specs: dict[str, TensorSpec]) -> set[str]:
     return names
 
 
-def peft_tensor_name(name: str) -> str:
-    """``name`` with peft's ``base_model.model.`` prefix, the form written into the adapter file."""
-    return name if name.startswith(PEFT_PREFIX) else PEFT_PREFIX + name
-
-
-def _split_factor(name: str) -> tuple[str, str]:
-    """(module path in the checkpoint, "lora_A" | "lora_B") of an adapter tensor name."""
-    body = name.removeprefix(PEFT_PREFIX)
-    for factor, suffix in _FACTORS.items():
-        if body.endswith("." + suffix):
-            return body[: -len(suffix) - 1], factor
-    raise InvalidArgument(
-        f"lora adapter: tensor {name!r} is not a LoRA factor (names end in .lora_A.weight or .lora_B.weight)"
-    )
-
-
 def validate_adapter(names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]],
                      checkpoint_specs: dict[str, TensorSpec], config: LoraAdapterConfig) -> list[str]:
     """Raise InvalidArgument, naming the tensor, unless the tensors form a well-shaped adapter of the model.
 
-    Each tensor is a factor of a ``config.target_modules`` module whose base weight
-    ``<module>.weight`` [out, in] is in ``checkpoint_specs``: lora_A is [rank, in],
-    lora_B [out, rank], floating, each once, each with its partner. Names may come
-    with or without ``base_model.model.``; returns them in the prefixed form.
+    The factors are checked as the SDK checks them (``lora_factors.check_factors``), then against the
+    model: each factor's module has a linear base weight ``<module path>.weight`` [out, in] in
+    ``checkpoint_specs``, and lora_A is [rank, in], lora_B [out, rank]. Names may come with or without
+    ``base_model.model.``; returns them in the prefixed form.
     """
     if not len(names) == len(dtypes) == len(shapes):
         raise InvalidArgument(
             f"lora adapter: {len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes differ in count"
         )
-    if not names:
-        raise InvalidArgument("lora adapter: no tensors")
-    normalized: list[str] = []
-    factors: dict[str, set[str]] = {}
-    for name, dtype, shape in zip(names, dtypes, shapes):
-        module_path, factor = _split_factor(name)
-        if factor in factors.get(module_path, ()):
-            # With and without the prefix is the same tensor too.
-            raise InvalidArgument(f"lora adapter: tensor {name!r} sent twice")
-        normalized.append(peft_tensor_name(name))
-        module = module_path.rsplit(".", 1)[-1]
-        if module not in config.target_modules:
-            raise InvalidArgument(
-                f"lora adapter: tensor {name!r} is for module {module!r}, not in target_modules "
-                f"{list(config.target_modules)}"
-            )
+
+    def in_the_model(name: str, module_path: str, factor: str, shape: Sequence[int]) -> None:
         base = checkpoint_specs.get(module_path + ".weight")
-        if base is None or len(base.shape) != 2 or module in _NOT_LINEAR:
-            raise InvalidArgument(
-                f"lora adapter: tensor {name!r} names unknown module {module_path!r} (no linear weight "
-                f"{module_path + '.weight'!r} in the model checkpoint)"
-            )
-        if dtype not in _ADAPTER_DTYPES:
-            raise InvalidArgument(
-                f"lora adapter: tensor {name!r} has dtype {dtype_name(dtype)}, not a floating dtype "
-                f"({', '.join(dtype_name(d) for d in _ADAPTER_DTYPES)})"
-            )
+        if base is None or len(base.shape) != 2 or module_path.rsplit(".", 1)[-1] in _NOT_LINEAR:
+            raise WireError(f"adapter[{name}]", f"names unknown module {module_path!r} (no linear weight "
+                                                f"{module_path + '.weight'!r} in the model checkpoint)")
         out_features, in_features = base.shape
-        expected = (config.rank, in_features) if factor == "lora_A" else (out_features, config.rank)
-        if len(shape) != 2 or tuple(shape) != expected:
-            shown = f"shape {list(shape)}" if len(shape) <= 8 else f"{len(shape)} dimensions"
-            layout = "[r, in_features]" if factor == "lora_A" else "[out_features, r]"
-            raise InvalidArgument(
-                f"lora adapter: tensor {name!r} has {shown}; {factor} must be {layout} = {list(expected)}"
-            )
-        factors.setdefault(module_path, set()).add(factor)
-    for name in normalized:
-        module_path, factor = _split_factor(name)
-        if len(factors[module_path]) < 2:
-            partner = "lora_B" if factor == "lora_A" else "lora_A"
-            raise InvalidArgument(f"lora adapter: tensor {name!r} has no {partner} partner")
+        expected = [config.rank, in_features] if factor == "lora_A" else [out_features, config.rank]
+        if list(shape) != expected:
+            raise WireError(f"adapter[{name}]", f"shape {list(shape)} is not {factor}'s {LAYOUTS[factor]} = "
+                                                f"{expected} for {module_path}.weight {list(base.shape)}")
+
+    try:
+        normalized = check_factors(zip(names, dtypes, shapes), config.rank, config.target_modules, in_the_model)
+    except WireError as err:
+        raise InvalidArgument(f"lora adapter: {err}") from None
     return normalized
 
 
@@ -216,9 +163,9 @@ def _safetensors_header(names: Sequence[str], dtypes: Sequence[torch.dtype],
         if any(isinstance(dim, bool) or not isinstance(dim, int) or dim < 0 for dim in shape):
             raise InvalidArgument(f"lora adapter: tensor {name!r} has shape {list(shape)}")
         size = math.prod(shape) * info.itemsize
-        if peft_tensor_name(name) in header:
+        if peft_name(name) in header:
             raise InvalidArgument(f"lora adapter: tensor {name!r} sent twice")
-        header[peft_tensor_name(name)] = {
+        header[peft_name(name)] = {
             "dtype": info.safetensors, "shape": list(shape), "data_offsets": [offset, offset + size],
         }
         offset += size

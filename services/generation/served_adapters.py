@@ -95,6 +95,11 @@ class AdapterSet:
         """An adapter loaded but never made current (its swap failed)."""
         await self._remove(engine, adapter)
 
+    @property
+    def directory(self) -> Path | None:
+        """Where the adapters' directories are (in /dev/shm; None before the first adapter)."""
+        return self._root
+
     def close(self) -> None:
         """Every directory goes (the engine is shut down)."""
         self.current = None

@@ -76,10 +76,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         receiver = PushReceiver(payloads(request_iterator))
         manifest = await receiver.manifest()
         check_manifest(manifest, "collector")  # before the version: a manifest without one is malformed
-        staged = self.engine.stage(manifest)
+        staged = self.engine.weights.stage(manifest)
         try:
             if staged.nccl is not None:
-                await self.engine.receive_nccl(staged)  # the bytes come over NCCL, into the segment
+                await self.engine.weights.receive_nccl(staged)  # the bytes come over NCCL, into the segment
             await receiver.chunks(staged.push)
             received = time.monotonic()
             if staged.manifest.two_phase:
@@ -89,12 +89,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 await receiver.commit(staged.version)
             committed = time.monotonic()
             aborted = self.engine.status().requests_in_flight if staged.mode == "abort" else 0
-            await self.engine.apply(staged)
+            await self.engine.weights.apply(staged)
             yield generation_pb2.UpdateWeightsResponse(
                 version=self.engine.policy_version, received_bytes=staged.push.received,
                 receive_seconds=received - started, apply_seconds=time.monotonic() - committed,
                 aborted_requests=aborted, phase=weights_pb2.WEIGHT_PHASE_APPLIED,
-                engine_weight_version=await self.engine.engine_weight_version())
+                engine_weight_version=await self.engine.weights.vllm_version())
         finally:
             staged.close()
 
@@ -106,8 +106,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             running_requests=status.requests_running, waiting_requests=status.requests_waiting,
             tokens_per_second=status.tokens_per_second, swapping=self.engine.swapping,
             max_queued_requests=status.max_queued_requests,
-            weight_transports=list(WEIGHT_TRANSPORTS), weight_transfer_world_size=self.engine.transfer_world_size,
-            max_push_bytes=self.engine.max_push_bytes,
+            weight_transports=list(WEIGHT_TRANSPORTS),
+            weight_transfer_world_size=self.engine.weights.transfer_world_size,
+            max_push_bytes=self.engine.weights.max_push_bytes,
             resumed_samples=status.resumed_samples, resumed_tokens=status.resumed_tokens,
         )
 

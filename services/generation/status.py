@@ -1,11 +1,22 @@
-"""Engine state and status snapshot (what health and GetStatus report)."""
+"""A replica's shared state (its vLLM engine, lifecycle, served version, admission) and the status snapshot
+health and GetStatus report."""
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rlfleet.services.common.errors import FailedPrecondition, Unavailable
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
 
 
 class EngineState(str, enum.Enum):
@@ -18,6 +29,53 @@ class EngineState(str, enum.Enum):
     """A wait/abort swap: new requests are held until it completes (keep/resume swaps hold them too, SERVING)."""
     FAILED = "failed"
     """A weight swap failed inside vLLM (the weights are undefined), or the engine core died."""
+
+
+class ReplicaState:
+    """What the parts of a replica share: the vLLM engine, its lifecycle state, the policy version it
+    serves, and whether new requests may enter vLLM (cleared for the whole of a weight swap).
+    ``GenerationEngine`` starts and stops it and admits requests; ``WeightSwaps`` moves the version."""
+
+    def __init__(self, policy_version: int, max_model_len: int) -> None:
+        self.vllm: AsyncLLM | None = None
+        self.vocab_size = 0
+        """The model's vocabulary, and ``max_model_len``, as vLLM reports them once started."""
+        self.max_model_len = max_model_len
+        self.state = EngineState.STOPPED
+        self.policy_version = policy_version
+        self.admission_open = asyncio.Event()
+        self.version_bound_requests = 0
+        """Calls in flight with a ``required_version``: a ``keep`` swap runs as ``resume`` (which ends them)."""
+
+    @property
+    def ready(self) -> bool:
+        """The engine is up and its weights are well-defined."""
+        return self.state in (EngineState.SERVING, EngineState.SWAPPING)
+
+    def check_alive(self) -> None:
+        """An engine core that died (crash, OOM kill) fails the engine for good: health goes NOT_SERVING."""
+        if self.vllm is not None and self.ready and self.vllm.errored:
+            logger.error("vLLM engine core is dead; this replica stops serving")
+            self.state = EngineState.FAILED
+
+    def require(self) -> AsyncLLM:
+        """The vLLM engine; Unavailable unless it serves."""
+        self.check_alive()
+        if self.vllm is None or not self.ready:
+            raise Unavailable(f"generation engine is {self.state.value}")
+        return self.vllm
+
+    def takes_pushes(self) -> AsyncLLM:
+        """The vLLM engine, once started; a FAILED one takes pushes too (one that applies makes the
+        weights well-defined again). Unavailable while stopped or starting."""
+        if self.vllm is None or self.state in (EngineState.STOPPED, EngineState.STARTING):
+            raise Unavailable(f"generation engine is {self.state.value}")
+        return self.vllm
+
+    def check_version(self, version: int) -> None:
+        """FailedPrecondition unless ``version`` is newer than the serving one."""
+        if version <= self.policy_version:
+            raise FailedPrecondition(f"weights version {version} is not newer than current {self.policy_version}")
 
 
 @dataclass(frozen=True)

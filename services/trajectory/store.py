@@ -25,6 +25,9 @@ delivered, no capacity taken, the newest ``max_filtered_groups`` kept, counted f
 their dedup keys remember that they were filtered, so a caller retrying after a crash learns how its
 group was stored.
 
+Which rows are ready, in what order, and which are leased to whom is the in-memory index
+(``index.py``); this module keeps it and the database in step, the database first.
+
 Rows leave only by an ack or by ``drop_stale`` (an operator's call). A
 reader's ``min_policy_version`` filters what that reader is given and deletes
 nothing: readers cannot delete data they were not given.
@@ -41,22 +44,20 @@ Nothing here knows about gRPC.
 
 from __future__ import annotations
 
-import bisect
-import collections
 import json
 import logging
 import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Literal, Sequence, TypeVar
 
 from rlfleet.client.results import BufferStats, DroppedStale
-from rlfleet.services.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from rlfleet.services.common.database import Database, chunks, open_database
+from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
 from rlfleet.services.trajectory import rows as rowcodec
 from rlfleet.services.trajectory import samples as sample_log
 from rlfleet.services.trajectory import schema as tables
 from rlfleet.services.trajectory.appends import dedup_keys, filtered_flags, validate_append
+from rlfleet.services.trajectory.index import BufferIndex, Row, Unit, rows_of, share
 from rlfleet.v1 import tensor_pb2
 from rlfleet.wire.rows import concat_tensordicts
 
@@ -101,38 +102,6 @@ Stats = BufferStats
 """The buffer's occupancy and counters: the SDK's record (``GetStatsResponse``)."""
 
 
-@dataclass
-class _Row:
-    seq: int
-    unit: int
-    policy_version_start: int
-    deliveries: int
-    nbytes: int
-    """Its share of its group's stored (serialized) payload: what ``capacity_bytes`` bounds."""
-    own_payload: bool = False
-    """Stored with its own payload in the trajectories table (files written before units), not in its unit's."""
-
-
-@dataclass
-class _Unit:
-    """One group: the rows one append call carried under one group_id."""
-
-    id: int
-    group_id: int
-    size: int
-    min_version: int
-    ready: list[_Row] = field(default_factory=list)  # sorted by seq
-    leased: int = 0
-
-
-@dataclass
-class _Lease:
-    id: str
-    owner: str
-    rows: list[_Row]
-    expires_at: float
-
-
 class TrajectoryStore:
     """Bounded, durable buffer of trajectories with leased batch delivery."""
 
@@ -167,6 +136,8 @@ class TrajectoryStore:
         self.samples = sample_log.SampleLog(self._db, groups_per_version=sample_groups_per_version,
                                             max_groups=max_sample_groups, clock=clock)
         """The sample log (``samples.py``): read it on the store's thread."""
+        self.index = BufferIndex()
+        """Which rows are ready and which leased (``index.py``): rebuilt from the database by ``_load``."""
         self._appended = self._acked = self._redelivered_batches = self._dropped_stale = 0
         self.reconnects = 0
         """Times the index was rebuilt after a lost connection (leases dropped, rows ready again)."""
@@ -176,12 +147,7 @@ class TrajectoryStore:
     # --- lifecycle ----------------------------------------------------------------
     def _load(self) -> None:
         """(Re)build the index from the database: every stored row ready, no leases."""
-        self._units: dict[int, _Unit] = {}
-        self._ready_units: list[int] = []  # unit ids with ready rows, in delivery order (see _order)
-        self._leases: dict[str, _Lease] = {}
-        self._ready = 0
-        self._leased = 0
-        self._bytes = 0  # payload bytes of the ready + leased rows
+        self.index = index = BufferIndex()
         self._last_seq = self._db.last_id("trajectories", "seq")
         row = self._db.execute("SELECT value FROM meta WHERE name = 'schema'").fetchone()
         self._schema = json.loads(row[0]) if row else None
@@ -195,21 +161,14 @@ class TrajectoryStore:
         for seq, unit_id, group_id, group_size, version, deliveries, nbytes in cursor:
             own_payload = nbytes > 0  # else the row is in its unit's payload
             if not own_payload:
-                nbytes = _share(unit_bytes.get(unit_id, 0), group_size, seq - unit_id)
-            unit = self._units.get(unit_id)
-            if unit is None:
-                unit = self._units[unit_id] = _Unit(unit_id, group_id, group_size, version)
-                self._ready_units.append(unit_id)
-            unit.ready.append(_Row(seq, unit_id, version, deliveries, nbytes, own_payload))
-            unit.min_version = min(unit.min_version, version)
-            self._ready += 1
-            self._bytes += nbytes
-        self._ready_units.sort(key=self._order)
-        if set(unit_bytes) - set(self._units):  # not left behind by this code: a payload goes with its last row
+                nbytes = share(unit_bytes.get(unit_id, 0), group_size, seq - unit_id)
+            index.load(Row(seq, unit_id, version, deliveries, nbytes, own_payload), group_id, group_size)
+        index.loaded()
+        if set(unit_bytes) - set(index.units):  # not left behind by this code: a payload goes with its last row
             with self._db.transaction():
                 self._db.execute("DELETE FROM units WHERE unit NOT IN (SELECT unit FROM trajectories)")
-        if self._ready:
-            log.info("reopened trajectory store", extra={"path": self._db.name, "ready": self._ready})
+        if index.ready:
+            log.info("reopened trajectory store", extra={"path": self._db.name, "ready": index.ready})
 
     def _ensure_open(self) -> None:
         """After a lost connection: reconnect and rebuild the index (``DatabaseUnavailable`` if not yet)."""
@@ -219,7 +178,7 @@ class TrajectoryStore:
         self._load()
         self.reconnects += 1
         log.warning("trajectory store reconnected: index rebuilt from the database, leases dropped",
-                    extra={"database": self._db.name, "ready": self._ready})
+                    extra={"database": self._db.name, "ready": self.index.ready})
 
     @property
     def database(self) -> Database:
@@ -270,9 +229,9 @@ class TrajectoryStore:
         if size > self.capacity_bytes:
             raise InvalidArgument(f"trajectories: {size} bytes of trajectories can never fit the buffer's "
                                   f"capacity_bytes of {self.capacity_bytes}")
-        if self._bytes + size > self.capacity_bytes:
+        if self.index.bytes + size > self.capacity_bytes:
             raise ResourceExhausted(
-                f"trajectory buffer full: {self._bytes} of {self.capacity_bytes} bytes buffered, {size} more "
+                f"trajectory buffer full: {self.index.bytes} of {self.capacity_bytes} bytes buffered, {size} more "
                 "do not fit; retry after trainers ack batches")
         filtered_total = (self._filtered[0] + len(dropped), self._filtered[1] + sum(len(units[i]) for i in dropped))
         with self._db.transaction():
@@ -297,11 +256,7 @@ class TrajectoryStore:
         self._last_seq = records[-1][0] if records else self._last_seq
         self._schema = schema
         self._filtered = filtered_total
-        for unit in new_units:
-            self._units[unit.id] = unit
-            bisect.insort(self._ready_units, unit.id, key=self._order)
-        self._ready += count
-        self._bytes += size
+        self.index.add(new_units)
         self._appended += count
         return AppendResult(count, self.buffered, reported, fates)
 
@@ -356,16 +311,16 @@ class TrajectoryStore:
         return schema
 
     def _new_units(self, units: Sequence[Sequence[int]], group_ids: Sequence[int], versions: Sequence[int],
-                   payloads: Sequence[bytes]) -> tuple[list[_Unit], list[tuple], int]:
+                   payloads: Sequence[bytes]) -> tuple[list[Unit], list[tuple], int]:
         """The groups ``units`` (row indices; ``payloads``: one per group) as index entries and the
         trajectories table's records, numbered from the next seq, and their payloads' size."""
         next_seq = self._next_seq()
-        new_units: list[_Unit] = []
+        new_units: list[Unit] = []
         records = []
         for indices, payload in zip(units, payloads):
-            unit = _Unit(next_seq, group_ids[indices[0]], len(indices), min(versions[i] for i in indices))
+            unit = Unit(next_seq, group_ids[indices[0]], len(indices), min(versions[i] for i in indices))
             for position, i in enumerate(indices):
-                unit.ready.append(_Row(next_seq, unit.id, versions[i], 0, _share(len(payload), unit.size, position)))
+                unit.ready.append(Row(next_seq, unit.id, versions[i], 0, share(len(payload), unit.size, position)))
                 records.append((next_seq, unit.id, unit.group_id, unit.size, versions[i], b""))
                 next_seq += 1
             new_units.append(unit)
@@ -392,69 +347,20 @@ class TrajectoryStore:
         if batch_size <= 0:
             raise InvalidArgument(f"open.batch_size: must be > 0, got {batch_size}")
         self._ensure_open()
-        start = self._first_ready_at(min_policy_version)
-        if whole_groups:
-            plan = self._plan_whole_groups(batch_size, start)  # scans even when short: bad group sizes fail fast
-        else:
-            plan = self._plan_rows(batch_size, start) if self._ready >= batch_size else None
+        plan = self.index.plan(batch_size, min_policy_version, whole_groups)
         if plan is None:
             return None
-        rows = [row for unit, count in plan for row in unit.ready[:count]]
+        rows = rows_of(plan)
         with self._db.transaction():
             for chunk in chunks([row.seq for row in rows]):
                 self._db.execute("UPDATE trajectories SET deliveries = deliveries + 1 "
                                  f"WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
             parts = self._parts(rows)
         batch = concat_tensordicts(parts)
-
         redelivered = any(row.deliveries for row in rows)
-        for unit, count in plan:
-            del unit.ready[:count]
-            unit.leased += count
-            if not unit.ready:
-                self._remove_ready_unit(unit.id)
-        for row in rows:
-            row.deliveries += 1
-        lease = _Lease(uuid.uuid4().hex, owner, rows, self._clock() + lease_seconds)
-        self._leases[lease.id] = lease
-        self._ready -= len(rows)
-        self._leased += len(rows)
+        lease = self.index.lease(plan, owner, self._clock() + lease_seconds)
         self._redelivered_batches += redelivered
         return Delivery(lease.id, batch, lease.expires_at, redelivered, len(rows))
-
-    def _plan_rows(self, batch_size: int, start: int) -> list[tuple[_Unit, int]] | None:
-        plan, need = [], batch_size
-        for index in range(start, len(self._ready_units)):
-            unit = self._units[self._ready_units[index]]
-            take = min(need, len(unit.ready))
-            plan.append((unit, take))
-            need -= take
-            if not need:
-                return plan
-        return None  # the filter skipped too much
-
-    def _plan_whole_groups(self, batch_size: int, start: int) -> list[tuple[_Unit, int]] | None:
-        plan, need = [], batch_size
-        for index in range(start, len(self._ready_units)):
-            unit = self._units[self._ready_units[index]]
-            if unit.leased:
-                continue  # part of this group is out with another reader
-            if batch_size % unit.size:
-                raise InvalidArgument(
-                    f"open.batch_size: {batch_size} is not a multiple of the size {unit.size} of "
-                    f"group {unit.group_id}; with whole_groups it could never be delivered")
-            if len(unit.ready) <= need:
-                plan.append((unit, len(unit.ready)))
-                need -= len(unit.ready)
-                if not need:
-                    return plan
-        return None
-
-    def _first_ready_at(self, policy_version: int) -> int:
-        """Index in ``_ready_units`` of the first group whose policy_version_start is >= ``policy_version``."""
-        if not policy_version:
-            return 0
-        return bisect.bisect_left(self._ready_units, (policy_version,), key=self._order)
 
     # --- drop stale -------------------------------------------------------------------------
     def drop_stale(self, below_policy_version: int) -> Dropped:
@@ -462,8 +368,7 @@ class TrajectoryStore:
         ``below_policy_version`` (durable once this returns). Leased rows are left alone: acked,
         they are gone; released, the next call drops them."""
         self._ensure_open()
-        stop = self._first_ready_at(below_policy_version)
-        units = [self._units[unit_id] for unit_id in self._ready_units[:stop]]
+        units = self.index.ready_below(below_policy_version)
         rows = [row for unit in units for row in unit.ready]
         if not rows:
             return Dropped(dropped=0, group_ids=(), prompt_ids=())
@@ -471,26 +376,20 @@ class TrajectoryStore:
             prompt_ids = self._prompt_ids(rows)
             self._delete_rows([row.seq for row in rows], [unit.id for unit in units if not unit.leased])
         # Committed: only now does the in-memory index change.
-        del self._ready_units[:stop]
-        for unit in units:
-            unit.ready = []
-            if not unit.leased:
-                del self._units[unit.id]
-        self._ready -= len(rows)
-        self._bytes -= sum(row.nbytes for row in rows)
+        self.index.drop_ready(units)
         self._dropped_stale += len(rows)
         group_ids = tuple(dict.fromkeys(unit.group_id for unit in units))
         log.info("dropped stale trajectories", extra={
             "dropped": len(rows), "groups": len(group_ids), "below_policy_version": below_policy_version})
         return Dropped(dropped=len(rows), group_ids=group_ids, prompt_ids=tuple(dict.fromkeys(prompt_ids)))
 
-    def _prompt_ids(self, rows: Sequence[_Row]) -> list[str]:
+    def _prompt_ids(self, rows: Sequence[Row]) -> list[str]:
         """The rows' prompt ids in order; none unless the buffered schema has the column."""
         if not self._schema or self._schema.get(PROMPT_ID_KEY) != ["strings"]:
             return []
         return list(concat_tensordicts(self._parts(rows)).entries[PROMPT_ID_KEY].strings.values)
 
-    def _parts(self, rows: Sequence[_Row]) -> list[tensor_pb2.TensorDict]:
+    def _parts(self, rows: Sequence[Row]) -> list[tensor_pb2.TensorDict]:
         """Messages whose concatenation is ``rows``, in order: each group's payload read once, and
         whole when all its rows are taken; call inside ``self._db.transaction()``."""
         own: dict[int, bytes] = {}  # rows stored one by one (files written before units)
@@ -521,70 +420,39 @@ class TrajectoryStore:
     def ack(self, owner: str, lease_id: str) -> int:
         """Delete a leased batch for good; returns its size."""
         self._ensure_open()
-        lease = self._owned_lease(owner, lease_id)
-        acked = collections.Counter(row.unit for row in lease.rows)
-        emptied = [unit_id for unit_id, count in acked.items()
-                   if self._units[unit_id].leased == count and not self._units[unit_id].ready]
+        lease = self.index.owned(owner, lease_id)
         with self._db.transaction():
-            self._delete_rows([row.seq for row in lease.rows], emptied)
-        del self._leases[lease_id]
-        for row in lease.rows:
-            unit = self._units[row.unit]
-            unit.leased -= 1
-            if not unit.leased and not unit.ready:
-                del self._units[unit.id]
-        self._leased -= len(lease.rows)
-        self._bytes -= sum(row.nbytes for row in lease.rows)
+            self._delete_rows([row.seq for row in lease.rows], self.index.emptied_by(lease))
+        self.index.acked(lease)
         self._acked += len(lease.rows)
         return len(lease.rows)
 
     def nack(self, owner: str, lease_id: str) -> int:
         """Release a leased batch for immediate redelivery; returns its size."""
-        return self._release(self._owned_lease(owner, lease_id))
+        return self.index.release(self.index.owned(owner, lease_id))
 
     def release_owner(self, owner: str) -> int:
         """Release every batch ``owner`` holds (its stream ended); returns the rows released."""
-        return sum(self._release(lease) for lease in list(self._leases.values()) if lease.owner == owner)
+        return sum(self.index.release(lease) for lease in list(self.index.leases.values()) if lease.owner == owner)
 
     def expire(self) -> tuple[list[tuple[str, str]], float | None]:
         """Release leases past their expiry: ([(lease_id, owner)], next expiry or None)."""
-        now = self._clock()
-        expired = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        expired = self.index.expired(self._clock())
         for lease in expired:
-            self._release(lease)
-        next_expiry = min((lease.expires_at for lease in self._leases.values()), default=None)
-        return [(lease.id, lease.owner) for lease in expired], next_expiry
-
-    def _owned_lease(self, owner: str, lease_id: str) -> _Lease:
-        lease = self._leases.get(lease_id)
-        if lease is None or lease.owner != owner:
-            raise NotFound(f"lease_id: {lease_id!r} is not a live lease of this stream (unknown, already "
-                           "acked, or expired and released for redelivery)")
-        return lease
-
-    def _release(self, lease: _Lease) -> int:
-        del self._leases[lease.id]
-        for row in lease.rows:
-            unit = self._units[row.unit]
-            unit.leased -= 1
-            if not unit.ready:
-                bisect.insort(self._ready_units, unit.id, key=self._order)
-            bisect.insort(unit.ready, row, key=lambda r: r.seq)
-        self._leased -= len(lease.rows)
-        self._ready += len(lease.rows)
-        return len(lease.rows)
+            self.index.release(lease)
+        return [(lease.id, lease.owner) for lease in expired], self.index.next_expiry()
 
     # --- stats ---------------------------------------------------------------------------
     @property
     def buffered(self) -> int:
         """Ready + leased trajectories (what ``capacity`` bounds)."""
-        return self._ready + self._leased
+        return self.index.buffered
 
     def stats(self) -> Stats:
         self._ensure_open()  # counts of a lost connection's index would be a guess
-        return Stats(ready=self._ready, leased=self._leased, acked=self._acked, capacity=self.capacity,
+        return Stats(ready=self.index.ready, leased=self.index.leased, acked=self._acked, capacity=self.capacity,
                      appended=self._appended, redelivered_batches=self._redelivered_batches,
-                     dropped_stale=self._dropped_stale, buffered_bytes=self._bytes,
+                     dropped_stale=self._dropped_stale, buffered_bytes=self.index.bytes,
                      capacity_bytes=self.capacity_bytes, filtered_groups=self._filtered[0],
                      filtered_trajectories=self._filtered[1])
 
@@ -593,20 +461,7 @@ class TrajectoryStore:
         self._ensure_open()
         return read(self.samples)
 
-    # --- index helpers ----------------------------------------------------------------
-    def _order(self, unit_id: int) -> tuple[int, int]:
-        """Delivery order: oldest policy version first, then append order.
-
-        Serving the stalest group first keeps what a trainer consumes as close
-        to on-policy as the buffer allows (a late-finishing old group is not
-        overtaken indefinitely by newer ones).
-        """
-        return self._units[unit_id].min_version, unit_id
-
-    def _remove_ready_unit(self, unit_id: int) -> None:
-        index = bisect.bisect_left(self._ready_units, self._order(unit_id), key=self._order)
-        del self._ready_units[index]
-
+    # --- database helpers -------------------------------------------------------------
     def _delete_rows(self, seqs: Sequence[int], emptied_units: Sequence[int]) -> None:
         """Delete rows, and the payloads of the groups they leave empty; call inside
         ``self._db.transaction()``."""
@@ -615,9 +470,3 @@ class TrajectoryStore:
         for chunk in chunks(emptied_units):
             self._db.execute(f"DELETE FROM units WHERE unit IN ({','.join('?' * len(chunk))})", chunk)
 
-
-def _share(unit_bytes: int, unit_size: int, position: int) -> int:
-    """The bytes of its group's payload that row ``position`` of ``unit_size`` counts (the first row
-    takes the remainder, so a group's rows count exactly its payload)."""
-    share = unit_bytes // unit_size
-    return share + (unit_bytes - share * unit_size if position == 0 else 0)

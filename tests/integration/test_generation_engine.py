@@ -177,7 +177,7 @@ async def test_a_turn_from_a_cached_history_samples_exactly_what_a_cold_one_does
 
 async def test_weight_push_changes_log_probs(engine, model_dir, base_state_dict):
     new_weights = perturbed(base_state_dict, seed=1)
-    await engine.update_weights(1, as_push(new_weights), mode="wait")
+    await engine.weights.update(1, as_push(new_weights), mode="wait")
     assert engine.policy_version == 1
 
     spec = SamplingSpec(n=2, temperature=1.0, max_tokens=32, seed=3)
@@ -199,14 +199,14 @@ async def test_rejected_push_leaves_engine_untouched(engine, base_state_dict):
     name, tensor = wrong_shape[0]
     wrong_shape[0] = (name, tensor[:-1])
     with pytest.raises(InvalidArgument, match=name):
-        await engine.update_weights(2, wrong_shape)
+        await engine.weights.update(2, wrong_shape)
 
     unknown = [*good, ("model.layers.7.mlp.up_proj.weight", torch.zeros(2, 2))]
     with pytest.raises(InvalidArgument, match="model.layers.7.mlp.up_proj.weight"):
-        await engine.update_weights(2, unknown)
+        await engine.weights.update(2, unknown)
 
     with pytest.raises(InvalidArgument, match="missing"):
-        await engine.update_weights(2, good[1:])
+        await engine.weights.update(2, good[1:])
 
     assert engine.policy_version == 1
     after = await collect(engine, spec, "after-bad-push")
@@ -220,7 +220,7 @@ async def test_stale_version_is_refused(engine, base_state_dict):
     push = as_push(base_state_dict)
     for stale_version in (0, 1):
         with pytest.raises(FailedPrecondition):
-            await engine.update_weights(stale_version, push)
+            await engine.weights.update(stale_version, push)
     assert engine.policy_version == 1
 
 
@@ -228,7 +228,7 @@ async def test_keep_mode_sample_spans_two_versions(engine, model_dir, base_state
     old_weights, new_weights = perturbed(base_state_dict, seed=1), perturbed(base_state_dict, seed=2)
     generation = asyncio.create_task(collect(engine, long_spec(), "keep-in-flight"))
     await wait_for_async(lambda: engine.status().requests_running == 1, ENGINE_STEP_TIMEOUT, "the request running")
-    await engine.update_weights(2, as_push(new_weights), mode="keep")
+    await engine.weights.update(2, as_push(new_weights), mode="keep")
     (sample,) = await generation
 
     assert sample.finish_reason == "length"
@@ -248,7 +248,7 @@ async def test_keep_mode_sample_spans_two_versions(engine, model_dir, base_state
 async def test_abort_mode_ends_in_flight_samples(engine, base_state_dict):
     generation = asyncio.create_task(collect(engine, long_spec(), "abort-in-flight"))
     await wait_for_async(lambda: engine.status().requests_running == 1, ENGINE_STEP_TIMEOUT, "the request running")
-    await engine.update_weights(3, as_push(perturbed(base_state_dict, seed=3)), mode="abort")
+    await engine.weights.update(3, as_push(perturbed(base_state_dict, seed=3)), mode="abort")
     (sample,) = await generation
 
     assert sample.finish_reason == "abort"
@@ -263,7 +263,7 @@ async def test_wait_mode_drains_then_swaps(engine, base_state_dict):
     generation = asyncio.create_task(collect(engine, long_spec(), "wait-in-flight"))
     await wait_for_async(lambda: engine.status().requests_running == 1, ENGINE_STEP_TIMEOUT, "the request running")
     push = asyncio.create_task(
-        engine.update_weights(4, as_push(perturbed(base_state_dict, seed=4)), mode="wait")
+        engine.weights.update(4, as_push(perturbed(base_state_dict, seed=4)), mode="wait")
     )
     await wait_for_async(lambda: engine.swapping, ENGINE_STEP_TIMEOUT, "the swap to wait for the drain")
     assert not engine.serving
@@ -303,7 +303,7 @@ async def test_admission_bound_and_cancellation(engine):
 async def serve(engine: GenerationEngine, weights: dict[str, torch.Tensor], mode: str = "wait") -> int:
     """Push ``weights`` as the next policy version; returns that version."""
     version = engine.policy_version + 1
-    await engine.update_weights(version, as_push(weights), mode=mode)
+    await engine.weights.update(version, as_push(weights), mode=mode)
     return version
 
 
@@ -436,7 +436,7 @@ async def test_a_delta_push_reloads_what_changed_and_keeps_the_rest(engine, mode
     full = perturbed(base_state_dict, seed=20)
     base_version = await serve(engine, full)
     after = changed_few(full, DELTA_TENSORS, seed=21)
-    await engine.update_weights(base_version + 1, [(name, after[name]) for name in DELTA_TENSORS],
+    await engine.weights.update(base_version + 1, [(name, after[name]) for name in DELTA_TENSORS],
                                 base_version=base_version)
     assert engine.policy_version == base_version + 1
 
@@ -453,7 +453,7 @@ async def test_an_empty_delta_moves_the_version_and_changes_nothing(engine):
     spec = SamplingSpec(n=2, temperature=1.0, max_tokens=32, seed=23)
     before = await collect(engine, spec, "before-empty-delta")
     version = engine.policy_version
-    await engine.update_weights(version + 1, [], base_version=version)
+    await engine.weights.update(version + 1, [], base_version=version)
     assert engine.policy_version == version + 1
     after = {s.index: s for s in await collect(engine, spec, "after-empty-delta")}
     for sample in before:
@@ -467,11 +467,11 @@ async def test_a_delta_on_another_base_or_reshaping_a_tensor_is_refused_untouche
     tensor = base_state_dict[name]
     with pytest.raises(FailedPrecondition, match=f"delta push on version {version - 1}: this replica serves "
                                                  f"version {version}"):
-        await engine.update_weights(version + 1, [(name, tensor)], base_version=version - 1)
+        await engine.weights.update(version + 1, [(name, tensor)], base_version=version - 1)
     with pytest.raises(InvalidArgument, match=name):
-        await engine.update_weights(version + 1, [(name, tensor[:-1])], base_version=version)
+        await engine.weights.update(version + 1, [(name, tensor[:-1])], base_version=version)
     with pytest.raises(InvalidArgument, match="model.layers.7.mlp.up_proj.weight"):
-        await engine.update_weights(version + 1, [("model.layers.7.mlp.up_proj.weight", torch.zeros(2, 2))],
+        await engine.weights.update(version + 1, [("model.layers.7.mlp.up_proj.weight", torch.zeros(2, 2))],
                                     base_version=version)
     assert engine.policy_version == version
 
@@ -504,7 +504,7 @@ async def push_adapter(engine, model, version: int, mode: str = "keep", pairs=No
     pairs = pairs if pairs is not None else list(get_peft_model_state_dict(model).items())
     lora = weights_pb2.LoraAdapter(rank=rank or config.r, alpha=config.lora_alpha,
                                    target_modules=sorted(config.target_modules))
-    await engine.update_weights(version, pairs, mode=mode, lora=lora, base_version=version - 1 if delta else None)
+    await engine.weights.update(version, pairs, mode=mode, lora=lora, base_version=version - 1 if delta else None)
 
 
 def test_the_allowed_ranks_are_vllms():
@@ -556,7 +556,7 @@ async def test_a_request_runs_to_its_end_on_the_adapter_it_started_on(engine, mo
     while not await one_left():
         assert asyncio.get_running_loop().time() < deadline, "the previous adapter never left vLLM"
         await asyncio.sleep(0.05)
-    await wait_for_async(lambda: len(list(engine._adapters._root.iterdir())) == 1, ABORT_TIMEOUT,
+    await wait_for_async(lambda: len(list(engine.weights.adapters.directory.iterdir())) == 1, ABORT_TIMEOUT,
                          "the previous adapter's directory to go")
 
 
@@ -583,4 +583,4 @@ async def test_a_full_push_drops_the_adapter(engine, model_dir, base_state_dict)
     assert sample.policy_version_spans == [(version, 0, len(sample.response_token_ids))]
     expected = hf_log_probs(hf_model(model_dir, weights), PROMPT, sample.response_token_ids, 1.0)
     assert max_abs_diff(sample, expected) <= LOG_PROB_TOLERANCE
-    await wait_for_async(lambda: not list(engine._adapters._root.iterdir()), ABORT_TIMEOUT, "adapters removed")
+    await wait_for_async(lambda: not list(engine.weights.adapters.directory.iterdir()), ABORT_TIMEOUT, "adapters removed")

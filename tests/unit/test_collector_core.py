@@ -400,13 +400,13 @@ def test_a_push_goes_to_replicas_out_of_rotation_that_answer_as_a_resync():
     fanout = WeightFanout.__new__(WeightFanout)
     fanout.pool = _Pool([up, back, gone], {"gen:1": 4, "gen:2": 5})
     manifest = weights_pb2.WeightManifest(version=5)
-    targets = asyncio.run(fanout._targets(manifest))
+    targets = asyncio.run(fanout.targets(manifest))
     assert [r.address for r in targets] == ["gen:1", "gen:2"]
     assert not _offered(manifest, up).resync and _offered(manifest, back).resync
     assert not manifest.resync  # the trainer's manifest is not changed
     fanout.pool = _Pool([gone], {})
     with pytest.raises(Unavailable, match="no generation replica answers.*gen:3: connection refused"):
-        asyncio.run(fanout._targets(manifest))
+        asyncio.run(fanout.targets(manifest))
 
 
 def _spooling_fanout(spool):

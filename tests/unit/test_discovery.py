@@ -225,19 +225,17 @@ class FakeGcs:
         return {bytes.fromhex(node): type("Info", (), {"state": state}) for node, state in self.nodes.items()}
 
 
-def fake_registry(fleet="f"):
+def fake_registry(fleet="f", gcs=None):
     from rlfleet.registry import Registry
 
-    registry = Registry("10.0.0.9:6379", fleet)
-    registry._gcs = FakeGcs()
-    return registry
+    return Registry("10.0.0.9:6379", fleet, gcs=gcs or FakeGcs())
 
 
 def test_ray_discovery_lists_the_fleets_replicas_until_they_republish_and_keeps_the_last_answer(caplog):
     from rlfleet.services.collector.discovery import RayDiscovery
 
-    registry = fake_registry()
-    gcs = registry._gcs
+    gcs = FakeGcs()
+    registry = fake_registry(gcs=gcs)
     gcs.nodes = {"aa": 0, "bb": 0}
     for key, address, node in [("generation-10", "10.0.0.3:1", "bb"), ("generation-9", "10.0.0.2:1", "aa"),
                                ("reference", "10.0.0.4:1", "aa")]:

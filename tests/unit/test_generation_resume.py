@@ -69,15 +69,16 @@ def test_spans_are_stitched_across_requests():
 def test_every_swap_mode_is_spelled_alike_on_the_wire_in_the_sdk_and_the_engine():
     """One table (rlfleet.choices, from the proto's enum) that the SDK, the collector's settings, the weight
     stream and the engine all read."""
-    from typing import get_args
+    from typing import get_args, get_type_hints
 
     from rlfleet.choices import SWAP_MODE_NAMES, SWAP_MODES
     from rlfleet.client.push import MODES
     from rlfleet.services.collector.config import CollectorConfig
-    from rlfleet.services.generation.vllm_engine import SwapMode
+    from rlfleet.services.generation.weight_swaps import WeightSwaps
     from rlfleet.v1 import weights_pb2
 
-    assert MODES is SWAP_MODES and set(get_args(SwapMode)) == {"wait", "abort", "keep", "resume"} == set(MODES)
+    engine_modes = get_args(get_type_hints(WeightSwaps.update)["mode"])
+    assert MODES is SWAP_MODES and set(engine_modes) == {"wait", "abort", "keep", "resume"} == set(MODES)
     assert set(get_args(CollectorConfig.model_fields["swap_mode"].annotation)) == {"", *MODES}
     assert {SWAP_MODE_NAMES[value]: value for value in MODES.values()} == MODES
     assert set(SWAP_MODE_NAMES) == set(weights_pb2.UpdateMode.values())
@@ -92,7 +93,8 @@ async def test_engine_status_reports_resumed_samples_and_tokens():
     status = EngineStatus(model="/m", state=EngineState.SERVING, policy_version=3, requests_in_flight=0,
                           requests_waiting=0, requests_running=0, max_queued_requests=4, tokens_per_second=0.0,
                           resumed_samples=5, resumed_tokens=120)
-    engine = SimpleNamespace(status=lambda: status, swapping=False, transfer_world_size=1, max_push_bytes=1)
+    engine = SimpleNamespace(status=lambda: status, swapping=False,
+                             weights=SimpleNamespace(transfer_world_size=1, max_push_bytes=1))
     reply = await GenerationServicer(engine, SimpleNamespace(check_working=lambda: None)).GetEngineStatus(None, None)
     assert (reply.resumed_samples, reply.resumed_tokens) == (5, 120)
 

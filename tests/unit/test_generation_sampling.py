@@ -154,10 +154,10 @@ def engine(monkeypatch):
     monkeypatch.setattr("rlfleet.services.generation.rollout.to_vllm",
                         lambda spec: SimpleNamespace(n=spec.computed_samples))
     engine = GenerationEngine(GenerationEngineConfig(model="/m", max_n=8, max_model_len=64))
-    engine._engine = FakeVLLM()
-    engine._state = EngineState.SERVING
-    engine._vocab_size = 100
-    engine._admission_open.set()
+    engine.replica.vllm = FakeVLLM()
+    engine.replica.state = EngineState.SERVING
+    engine.replica.vocab_size = 100
+    engine.replica.admission_open.set()
     return engine
 
 
@@ -167,11 +167,11 @@ async def collect(engine, spec, prompt=(1, 2, 3), request_id="r"):
 
 async def test_greedy_group_is_one_computed_sample_sent_n_times(engine):
     samples = await collect(engine, SamplingSpec(n=4, temperature=0.0, max_tokens=8))
-    assert [p.n for p in engine._engine.params] == [1]
+    assert [p.n for p in engine.replica.vllm.params] == [1]
     assert [s.index for s in samples] == [0, 1, 2, 3]
     assert all(s.response_token_ids == [10, 11] and s.behavior_log_probs == [-0.5, -0.5] for s in samples)
     sampled = await collect(engine, SamplingSpec(n=3, temperature=1.0, max_tokens=8), request_id="s")
-    assert engine._engine.params[-1].n == 3
+    assert engine.replica.vllm.params[-1].n == 3
     assert [s.response_token_ids for s in sampled] == [[10, 11], [11, 12], [12, 13]]
 
 
@@ -189,7 +189,7 @@ async def test_sampling_bounds_are_checked_before_anything_is_built(engine, spec
         engine.check_sampling(spec)
     with pytest.raises(InvalidArgument, match=message):
         await collect(engine, spec)
-    assert engine._engine.params == []  # nothing reached vLLM
+    assert engine.replica.vllm.params == []  # nothing reached vLLM
 
 
 async def test_prompt_bounds(engine):
@@ -212,7 +212,7 @@ async def test_a_request_vllm_refuses_is_invalid_argument_not_internal(engine, m
         pass
 
     monkeypatch.setattr("rlfleet.services.generation.vllm_engine._vllm_validation_error", lambda: Refused)
-    engine._engine = FakeVLLM(fail_with=Refused("n must be 1 when using greedy sampling"))
+    engine.replica.vllm = FakeVLLM(fail_with=Refused("n must be 1 when using greedy sampling"))
     with pytest.raises(InvalidArgument, match="vLLM refused request r: n must be 1"):
         await collect(engine, SamplingSpec(n=2, max_tokens=4))
     assert engine.status().requests_in_flight == 0

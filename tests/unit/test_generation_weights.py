@@ -151,10 +151,9 @@ def test_engine_push_limit_is_a_multiple_of_the_served_checkpoint():
     from rlfleet.services.generation.config import GenerationEngineConfig
     from rlfleet.services.generation.vllm_engine import GenerationEngine
 
-    engine = GenerationEngine(GenerationEngineConfig(model="/m"))
-    engine._checkpoint_specs = CHECKPOINT
-    assert engine.max_push_bytes == 4 * checkpoint_bytes(CHECKPOINT)  # max_push_factor's default
-    engine.config = GenerationEngineConfig(model="/m", max_push_factor=2.0)
-    assert engine.max_push_bytes == 2 * checkpoint_bytes(CHECKPOINT)
-    engine.config = GenerationEngineConfig(model="/m", max_push_bytes=1000)
-    assert engine.max_push_bytes == 1000
+    for settings, limit in ((dict(), 4 * checkpoint_bytes(CHECKPOINT)),  # max_push_factor's default
+                            (dict(max_push_factor=2.0), 2 * checkpoint_bytes(CHECKPOINT)),
+                            (dict(max_push_bytes=1000), 1000)):
+        engine = GenerationEngine(GenerationEngineConfig(model="/m", **settings))
+        engine.weights.checkpoint_specs = CHECKPOINT
+        assert engine.weights.max_push_bytes == limit

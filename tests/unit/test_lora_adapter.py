@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from rlfleet.client.lora import adapter_tensors
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.services.generation.lora_adapter import (
     CONFIG_FILE,
@@ -75,15 +76,17 @@ BAD_ADAPTERS = {
                       "model.layers.9.self_attn.k_proj.lora_A.weight", "unknown module"),
     "module not targeted": (
         _replace(0, name=factor("self_attn.v_proj", "lora_A")), "v_proj.lora_A", "not in target_modules"),
-    "not a factor": (_replace(0, name=f"{LAYER}.self_attn.k_proj.weight"), "k_proj.weight'", "not a LoRA factor"),
+    "not a factor": (_replace(0, name=f"{LAYER}.self_attn.k_proj.weight"), "k_proj.weight]", "not a LoRA factor"),
     "peft adapter suffix": (_replace(0, name=f"{LAYER}.self_attn.k_proj.lora_A.default.weight"),
                             "lora_A.default.weight", "not a LoRA factor"),
-    "lora_A transposed": (_replace(0, shape=(128, RANK)), "k_proj.lora_A", "lora_A must be [r, in_features]"),
-    "lora_B transposed": (_replace(1, shape=(RANK, 64)), "k_proj.lora_B", "lora_B must be [out_features, r]"),
-    "lora_A of another rank": (_replace(2, shape=(8, 256)), "down_proj.lora_A", "[4, 256]"),
+    "lora_A transposed": (_replace(0, shape=(128, RANK)), "k_proj.lora_A", "lora_A's [rank, in_features] with rank 4"),
+    "lora_B transposed": (_replace(1, shape=(RANK, 64)), "k_proj.lora_B", "lora_B's [out_features, rank] with rank 4"),
+    "lora_A of another rank": (_replace(2, shape=(8, 256)), "down_proj.lora_A", "shape [8, 256]"),
+    "lora_A of another layer's width": (_replace(0, shape=(RANK, 100)), "k_proj.lora_A",
+                                        "[rank, in_features] = [4, 128]"),
     "three dimensions": (_replace(3, shape=(128, RANK, 1)), "down_proj.lora_B", "shape [128, 4, 1]"),
-    "integer dtype": (_replace(1, dtype=torch.int32), "k_proj.lora_B", "not a floating dtype"),
-    "bool dtype": (_replace(1, dtype=torch.bool), "k_proj.lora_B", "not a floating dtype"),
+    "integer dtype": (_replace(1, dtype=torch.int32), "k_proj.lora_B", "dtype int32 is not floating point"),
+    "bool dtype": (_replace(1, dtype=torch.bool), "k_proj.lora_B", "dtype bool is not floating point"),
 }
 
 
@@ -95,25 +98,42 @@ def test_a_bad_tensor_is_invalid_argument_naming_it(case):
     assert named in str(err.value) and reason in str(err.value)
 
 
+SHARED_RULES = ["module not targeted", "not a factor", "lora_A transposed", "lora_B transposed", "lora_A of another rank",
+                "three dimensions", "integer dtype"]
+
+
+@pytest.mark.parametrize("case", SHARED_RULES)
+def test_the_sdk_refuses_what_the_replica_refuses_in_the_same_words(case):
+    """One set of rules (rlfleet.wire.lora_factors): what the SDK refuses before sending, a replica
+    refuses on arrival, with the same message."""
+    (names, dtypes, shapes), _, _ = BAD_ADAPTERS[case]
+    with pytest.raises(InvalidArgument) as replica:
+        validate_adapter(names, dtypes, shapes, CHECKPOINT, CONFIG)
+    tensors = {name: torch.zeros(shape, dtype=dtype) for name, dtype, shape in zip(names, dtypes, shapes)}
+    with pytest.raises(ValueError) as sdk:
+        adapter_tensors(tensors, rank=RANK, alpha=8, target_modules=list(CONFIG.target_modules))
+    assert str(replica.value) == f"lora adapter: {sdk.value}"
+
+
 def test_a_factor_sent_twice_is_refused_with_or_without_the_prefix():
     names, dtypes, shapes = good_adapter()
     for again in (names[2], names[2].removeprefix("base_model.model.")):
-        with pytest.raises(InvalidArgument, match="down_proj.lora_A.weight' sent twice"):
+        with pytest.raises(InvalidArgument, match=r"down_proj.lora_A.weight\]: given twice"):
             validate_adapter(names + [again], dtypes + [torch.float32], shapes + [(RANK, 256)], CHECKPOINT, CONFIG)
 
 
 def test_a_factor_without_its_partner_is_refused():
     names, dtypes, shapes = good_adapter()
-    with pytest.raises(InvalidArgument, match=r"k_proj.lora_A.weight' has no lora_B partner"):
+    with pytest.raises(InvalidArgument, match=r"k_proj.lora_A.weight\]: has no lora_B partner"):
         validate_adapter(names[:1] + names[2:], dtypes[1:], shapes[:1] + shapes[2:], CHECKPOINT, CONFIG)
-    with pytest.raises(InvalidArgument, match=r"down_proj.lora_B.weight' has no lora_A partner"):
+    with pytest.raises(InvalidArgument, match=r"down_proj.lora_B.weight\]: has no lora_A partner"):
         validate_adapter(names[:2] + names[3:], dtypes[1:], shapes[:2] + shapes[3:], CHECKPOINT, CONFIG)
 
 
 def test_embeddings_are_not_lora_linear_modules():
     config = LoraAdapterConfig(rank=RANK, alpha=8, target_modules=("embed_tokens",))
     names = ["model.embed_tokens.lora_A.weight", "model.embed_tokens.lora_B.weight"]
-    with pytest.raises(InvalidArgument, match="embed_tokens.lora_A.weight' names unknown module"):
+    with pytest.raises(InvalidArgument, match=r"embed_tokens.lora_A.weight\]: names unknown module"):
         validate_adapter(names, [torch.float32] * 2, [(RANK, 128), (512, RANK)], CHECKPOINT, config)
 
 
@@ -129,10 +149,10 @@ def test_counts_must_agree_and_an_adapter_has_tensors():
 
 
 @pytest.mark.parametrize("fields, reason", [
-    (dict(rank=0), "rank must be a positive integer"),
-    (dict(rank=8.0), "rank must be a positive integer"),
-    (dict(alpha=0), "lora_alpha must be a positive number"),
-    (dict(alpha=float("nan")), "lora_alpha must be a positive number"),
+    (dict(rank=0), "lora.rank: must be a positive integer"),
+    (dict(rank=8.0), "lora.rank: must be a positive integer"),
+    (dict(alpha=0), "lora.alpha: must be a positive number"),
+    (dict(alpha=float("nan")), "lora.alpha: must be a positive number"),
     (dict(target_modules=()), "non-empty list"),
     (dict(target_modules="q_proj"), "non-empty list"),
     (dict(target_modules=("self_attn.q_proj",)), "'self_attn.q_proj' is not a module name"),

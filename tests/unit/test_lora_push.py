@@ -103,15 +103,15 @@ def test_adapter_tensors_given_as_a_mapping_get_the_prefix_and_stay_the_callers_
 @pytest.mark.parametrize("tensors, options, match", [
     (factors(), dict(alpha=4, target_modules=["q_proj"]), "need rank"),
     (factors(), dict(rank=2), "need alpha, target_modules"),
-    (factors(), dict(rank=0, alpha=4, target_modules=["q_proj"]), "rank must be a positive integer"),
-    (factors(), dict(rank=2, alpha=float("nan"), target_modules=["q_proj"]), "alpha must be a positive number"),
+    (factors(), dict(rank=0, alpha=4, target_modules=["q_proj"]), "lora.rank: must be a positive integer"),
+    (factors(), dict(rank=2, alpha=float("nan"), target_modules=["q_proj"]), "lora.alpha: must be a positive number"),
     (factors(), dict(rank=2, alpha=4, target_modules=["self_attn.q_proj"]), "not a module name"),
     (factors(), dict(rank=3, alpha=4, target_modules=["q_proj"]), r"lora_A.weight\]: shape \[2, 5\]"),
     (factors(), dict(rank=2, alpha=4, target_modules=["v_proj"]), "'q_proj' is not in target_modules"),
     ({"model.embed_tokens.lora_embedding_A": torch.ones(2, 8)}, dict(rank=2, alpha=4, target_modules=["q_proj"]),
      "not a LoRA factor"),
     ({"model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 5)},
-     dict(rank=2, alpha=4, target_modules=["q_proj"]), "lora_A without its partner"),
+     dict(rank=2, alpha=4, target_modules=["q_proj"]), r"lora_A.weight\]: has no lora_B partner"),
     ({**factors(), PREFIX + "model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 5)},
      dict(rank=2, alpha=4, target_modules=["q_proj"]), "given twice"),
     ({"model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 5, dtype=torch.int32),
@@ -263,7 +263,7 @@ def test_a_peft_policy_pushes_its_adapter_and_a_plain_one_its_weights():
     sender.register_collector(collector)
     assert sender.update_weights() == 4 and client.pushes[-1] == ("adapter", lora)
     assert client.strategies == ["rolling"] * 4
-    assert collector._unacknowledged_pushes == 0
+    assert collector.unacknowledged_pushes == 0
 
 
 # --- the demo's --lora ------------------------------------------------------------------------------------

@@ -107,7 +107,7 @@ def test_a_replica_checks_the_rendezvous_and_stages_into_a_segment_of_its_own():
     manifest.nccl.master_address, manifest.nccl.master_port = "10.0.0.1", 29500
     manifest.nccl.world_size, manifest.nccl.rank_offset = 3, 0  # rank 0 is the trainer's
     with pytest.raises(WireError, match="rank_offset < world_size"):
-        check_manifest(manifest, "collector")  # GenerationEngine.stage's first check
+        check_manifest(manifest, "collector")  # WeightSwaps.stage's first check
     manifest.nccl.rank_offset = 1
     check_manifest(manifest, "collector")
     staged = StagedPush.begin(manifest, checkpoint, 1 << 20)

@@ -129,9 +129,7 @@ class FakeGcs:
 
 
 def registry(gcs: FakeGcs) -> Registry:
-    found = Registry("gcs:1", "f")
-    found._gcs = gcs
-    return found
+    return Registry("gcs:1", "f", gcs=gcs)
 
 
 def test_up_fresh_starts_the_stateful_services_fresh_once_and_restarts_resume():

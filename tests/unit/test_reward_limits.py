@@ -267,7 +267,7 @@ def test_the_service_answers_at_the_time_limit_and_its_event_loop_keeps_running(
             call.result()
         assert ticks > 5
     finally:
-        service._executor.shutdown(wait=False, cancel_futures=True)
+        asyncio.run(service.stop())
 
 
 def test_the_wait_for_a_free_worker_counts_in_the_time_limit(user_module):
@@ -293,7 +293,7 @@ def test_the_wait_for_a_free_worker_counts_in_the_time_limit(user_module):
         assert isinstance(first, ResourceExhausted) and "running reward function 'hold'" in str(first)
         assert isinstance(second, ResourceExhausted) and "waiting for a free worker thread" in str(second)
     finally:
-        service._executor.shutdown(wait=False, cancel_futures=True)
+        asyncio.run(service.stop())
 
 
 # ------------------------------------------------------------ 3. size bounds

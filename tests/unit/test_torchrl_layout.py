@@ -233,7 +233,7 @@ def test_sender_pushes_once_then_runs_the_collectors_increment():
     for step in range(1, 4):
         assert sender.update_weights() == step
     assert len(client.pushes) == 3 and calls == [1, 2, 3]
-    assert collector._unacknowledged_pushes == 0  # every push was matched by its increment
+    assert collector.unacknowledged_pushes == 0  # every push was matched by its increment
     with pytest.raises(ValueError, match="register_model"):
         RlfleetWeightSyncScheme(collector).create_sender().update_weights()
 

@@ -22,7 +22,7 @@ import verifiers.v1 as vf
 from verifiers.v1.clients.client import SESSION_ID_HEADER
 
 from rlfleet.env import AssistantTurn, Task
-from rlfleet.services.environment import chat_endpoint, verifiers_adapter
+from rlfleet.services.environment import chat_endpoint
 from rlfleet.services.environment.open_episodes import EnvironmentFailed, Episodes, OpenEpisodeLimits, StepTurn
 from rlfleet.services.environment.rendering import ChatRenderer
 from rlfleet.services.environment.verifiers_adapter import (
@@ -171,7 +171,7 @@ async def test_an_environment_that_cannot_start_fails_its_episode_and_the_next_o
         with pytest.raises(ModuleNotFoundError, match="taskset 'no_such_verifiers_taskset' not found"):
             await env.reset(TASK)
         await env.close()
-        assert [key for key in verifiers_adapter._hosts if key[0] is missing] == []
+        assert not missing.is_serving()
     assert chat_endpoint._endpoints == {}
 
 
@@ -292,7 +292,7 @@ async def test_close_cancels_a_rollout_waiting_on_the_model_and_the_environment_
     assert verifiers_children("runtimes/scripts")  # the chat program waits for its answer
     await asyncio.wait_for(env.close(), 30)
     assert verifiers_children("runtimes/scripts") == []
-    assert [key for key in verifiers_adapter._hosts if key[0] is type(env)] == []
+    assert not type(env).is_serving()
     with pytest.raises(RuntimeError, match="step before reset, or after the rollout ended"):
         await env.step(AssistantTurn(text="too late"))
 

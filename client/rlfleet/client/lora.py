@@ -9,7 +9,6 @@ given a ``PeftModel`` (if peft was never imported, nothing can be one), so the S
 
 from __future__ import annotations
 
-import math
 import sys
 from typing import Any, Iterable
 
@@ -17,10 +16,7 @@ import torch
 
 from rlfleet.client.push import named_tensors
 from rlfleet.v1 import weights_pb2
-
-PEFT_PREFIX = "base_model.model."
-"""peft's prefix of adapter tensor names (its PeftModel + LoraModel wrappers)."""
-FACTOR_SUFFIXES = {".lora_A.weight": "lora_A", ".lora_B.weight": "lora_B"}
+from rlfleet.wire.lora_factors import PEFT_PREFIX, check_factors, check_hyper_parameters, peft_name, split_factor
 
 # LoraConfig options (any truthy value is refused) that vLLM cannot serve or a push cannot carry, with what each needs.
 _UNSERVABLE = (
@@ -58,7 +54,7 @@ def adapter_tensors(adapter: Any, *, rank: int | None = None, alpha: float | Non
             raise ValueError("rank, alpha and target_modules come from the PeftModel's LoraConfig: "
                              "pass them only with adapter tensors")
         pairs, rank, alpha = _peft_adapter(adapter)
-        modules = list(dict.fromkeys(_split_factor(name)[1] for name, _ in pairs))
+        modules = list(dict.fromkeys(split_factor(name)[1] for name, _ in pairs))
     elif isinstance(adapter, torch.nn.Module):
         raise TypeError(f"push_adapter takes a peft.PeftModel or adapter tensors, got {type(adapter).__name__} "
                         f"(a whole model's weights go by push_weights)")
@@ -68,11 +64,11 @@ def adapter_tensors(adapter: Any, *, rank: int | None = None, alpha: float | Non
         if missing:
             raise ValueError(f"adapter tensors need {', '.join(missing)} (peft's r, lora_alpha, target_modules); "
                              f"a PeftModel brings its own")
-        pairs = [(_with_prefix(name), tensor) for name, tensor in named_tensors(adapter)]
+        pairs = [(peft_name(name), tensor) for name, tensor in named_tensors(adapter)]
         modules = _module_names(target_modules)
-    lora = weights_pb2.LoraAdapter(rank=_checked_rank(rank), alpha=_checked_alpha(alpha), target_modules=modules)
-    _check_factors(pairs, lora)
-    return pairs, lora
+    rank, alpha, modules = check_hyper_parameters(rank, alpha, modules)
+    check_factors(((name, tensor.dtype, tuple(tensor.shape)) for name, tensor in pairs), rank, modules)
+    return pairs, weights_pb2.LoraAdapter(rank=rank, alpha=alpha, target_modules=modules)
 
 
 def is_peft_model(adapter: Any) -> bool:
@@ -103,65 +99,15 @@ def _peft_adapter(model: Any) -> tuple[list[tuple[str, torch.Tensor]], int, floa
     # config.json (or ask the Hub) on every push, and vLLM takes no embedding rows from an adapter anyway.
     state = get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=False)
     pairs = named_tensors(state.items())
-    return [(_with_prefix(key), tensor) for key, tensor in pairs], config.r, config.lora_alpha
-
-
-def _with_prefix(name: str) -> str:
-    return name if name.startswith(PEFT_PREFIX) else PEFT_PREFIX + name
-
-
-def _split_factor(name: str) -> tuple[str, str, str]:
-    """(module path, module name, "lora_A" | "lora_B") of an adapter tensor's (prefixed) name."""
-    for suffix, factor in FACTOR_SUFFIXES.items():
-        if name.endswith(suffix):
-            path = name[len(PEFT_PREFIX):-len(suffix)]
-            if path:
-                return path, path.rsplit(".", 1)[-1], factor
-    raise ValueError(f"adapter[{name}]: not a LoRA factor of a linear layer (names end in .lora_A.weight or "
-                     f".lora_B.weight, as peft.get_peft_model_state_dict gives them)")
+    return [(peft_name(key), tensor) for key, tensor in pairs], config.r, config.lora_alpha
 
 
 def _module_names(target_modules: Iterable[str]) -> list[str]:
+    """The SDK's convenience over the wire's strict list: one module name as a string, repeats dropped."""
     modules = [target_modules] if isinstance(target_modules, str) else list(target_modules)
-    if not modules:
-        raise ValueError("target_modules must name at least one module")
-    for module in modules:
-        if not isinstance(module, str) or not module.isidentifier():
-            raise ValueError(f"target_modules: {module!r} is not a module name (like 'q_proj')")
-    return list(dict.fromkeys(modules))
-
-
-def _checked_rank(rank: Any) -> int:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"rank must be a positive integer, got {rank!r}")
-    return rank
-
-
-def _checked_alpha(alpha: Any) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
-        raise ValueError(f"alpha must be a positive number, got {alpha!r}")
-    return float(alpha)
-
-
-def _check_factors(pairs: list[tuple[str, torch.Tensor]], lora: weights_pb2.LoraAdapter) -> None:
-    """Each tensor a floating, 2-D factor of a target module, at the adapter's rank, with its partner."""
-    factors: dict[str, set[str]] = {}
-    for name, tensor in pairs:
-        path, module, factor = _split_factor(name)
-        if factor in factors.get(path, ()):
-            raise ValueError(f"adapter[{name}]: given twice (with and without the {PEFT_PREFIX} prefix)")
-        factors.setdefault(path, set()).add(factor)
-        if module not in lora.target_modules:
-            raise ValueError(f"adapter[{name}]: module {module!r} is not in target_modules {list(lora.target_modules)}")
-        if not tensor.is_floating_point():
-            raise ValueError(f"adapter[{name}]: dtype {tensor.dtype} is not floating point")
-        at = 0 if factor == "lora_A" else 1
-        if tensor.dim() != 2 or tensor.shape[at] != lora.rank:
-            layout = "[rank, in_features]" if factor == "lora_A" else "[out_features, rank]"
-            raise ValueError(f"adapter[{name}]: shape {list(tensor.shape)} is not {layout} with rank {lora.rank}")
-    for path, present in factors.items():
-        if len(present) < 2:
-            raise ValueError(f"adapter: module {path!r} has {next(iter(present))} without its partner")
+    if all(isinstance(module, str) for module in modules):
+        modules = list(dict.fromkeys(modules))
+    return modules
 
 
 __all__ = ["PEFT_PREFIX", "adapter_tensors", "is_peft_model"]

@@ -204,6 +204,11 @@ class RlfleetLLMCollector:
         self._unacknowledged_pushes += 1
         return self.last_push.version
 
+    @property
+    def unacknowledged_pushes(self) -> int:
+        """Weight pushes not yet matched by an ``increment_version`` (see the module doc)."""
+        return self._unacknowledged_pushes
+
     def increment_version(self) -> int:
         """Acknowledge the last push (see the module doc); returns the current version."""
         if self._unacknowledged_pushes:

@@ -1,0 +1,300 @@
+"""WeightSwaps: a replica's weight pushes, staged then swapped into vLLM as a new policy version.
+
+A push is staged first (``stage``: version, manifest and the served model checked, memory
+given only to a push that passes), its bytes arrive (grpc chunks or an shm segment by the
+servicer, an NCCL broadcast by ``receive_nccl``), then ``apply`` swaps it in under the swap
+lock: full weights and deltas are loaded by vLLM's weight transfer, a LoRA adapter is added and
+made current. Deltas patch the weights this replica keeps (``kept_weights``); adapters are
+served by ``served_adapters``. Knows nothing of gRPC; errors are domain exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from rlfleet.choices import SWAP_MODES, SwapModeName
+from rlfleet.services.common.errors import Aborted, FailedPrecondition, InvalidArgument
+from rlfleet.services.generation.config import GenerationEngineConfig
+from rlfleet.services.generation.kept_weights import WeightKeeper
+from rlfleet.services.generation.push_validation import TensorSpec, checkpoint_bytes
+from rlfleet.services.generation.served_adapters import AdapterSet
+from rlfleet.services.generation.staging import StagedPush
+from rlfleet.services.generation.status import EngineState, ReplicaState
+from rlfleet.v1 import weights_pb2
+from rlfleet.wire import WireError, shm, weight_delta
+from rlfleet.wire.push_rules import check_manifest
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+
+class WeightSwaps:
+    """Stages weight pushes and swaps them into the replica's vLLM engine, one at a time."""
+
+    def __init__(self, config: GenerationEngineConfig, replica: ReplicaState) -> None:
+        self.config = config
+        self.replica = replica
+        self.checkpoint_specs: dict[str, TensorSpec] = {}
+        """The served checkpoint's tensors, read at start: what a full push must match."""
+        self.adapters = AdapterSet()  # LoRA adapters served (max_lora_rank)
+        self._kept = WeightKeeper(config.delta_pushes)  # the served weights, for delta pushes
+        self._lock = asyncio.Lock()
+        self.serial = 0
+        """Swaps started; with ``mode``, the latest's, tells a resume swap's aborts from others (``resumes``)."""
+        self.mode: SwapModeName | None = None
+
+    def close(self) -> None:
+        """Let go of the kept weights and the adapters' directories (the engine is stopping)."""
+        self._kept.drop()
+        self.adapters.close()
+
+    def resumes(self, swap_serial: int) -> bool:
+        """Whether an abort of a vLLM request opened at ``swap_serial`` is a ``resume`` swap's (one
+        started since, and it is the latest swap; should an ``abort`` swap start before the abort is
+        read, the sample finishes with "abort"): its unfinished samples are continued."""
+        return self.serial > swap_serial and self.mode == "resume"
+
+    @property
+    def max_push_bytes(self) -> int:
+        """Largest weight push accepted: ``max_push_bytes``, or ``max_push_factor`` x the checkpoint's bytes."""
+        if self.config.max_push_bytes is not None:
+            return self.config.max_push_bytes
+        return int(self.config.max_push_factor * checkpoint_bytes(self.checkpoint_specs))
+
+    @property
+    def transfer_world_size(self) -> int:
+        """Inference workers of this engine (NCCL ranks it takes in an nccl push)."""
+        if self.replica.vllm is None:
+            return 0
+        parallel = self.replica.vllm.vllm_config.parallel_config
+        return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+
+    async def vllm_version(self) -> str:
+        """The weight version vLLM itself reports (``get_weight_version``)."""
+        return await self.replica.require().get_weight_version()
+
+    # ------------------------------------------------------------------ staging
+
+    def stage(self, manifest: weights_pb2.WeightManifest, max_bytes: int | None = None) -> StagedPush:
+        """First phase of a push: check version and manifest, prepare where the bytes go.
+
+        The manifest is checked against the served model and ``max_bytes``
+        (default ``max_push_bytes``) before any memory is given to it. Nothing
+        touches the engine; the caller fills a grpc push's segment, then
+        ``apply``s or ``close``s the staged push."""
+        self.replica.takes_pushes()
+        if not manifest.resync:
+            self.replica.check_version(manifest.version)
+        try:
+            check_manifest(manifest, "collector")
+        except WireError as err:
+            raise InvalidArgument(str(err)) from None
+        kept = None
+        if manifest.HasField("lora"):
+            self._check_adapter(manifest)
+        elif weight_delta.is_delta(manifest):
+            kept = self._delta_base(manifest)
+        return StagedPush.begin(manifest, self.checkpoint_specs,
+                                self.max_push_bytes if max_bytes is None else max_bytes, kept)
+
+    def _check_adapter(self, manifest: weights_pb2.WeightManifest) -> None:
+        """FAILED_PRECONDITION for an adapter push this replica cannot serve (started without LoRA, or
+        with a smaller ``max_lora_rank``)."""
+        if self.config.max_lora_rank is None:
+            raise FailedPrecondition("adapter push refused: this replica serves no LoRA adapters (start it with "
+                                     "max_lora_rank)")
+        if manifest.lora.rank > self.config.max_lora_rank:
+            raise FailedPrecondition(f"adapter push refused: its rank {manifest.lora.rank} is above this replica's "
+                                     f"max_lora_rank {self.config.max_lora_rank}")
+
+    def _delta_base(self, manifest: weights_pb2.WeightManifest) -> weights_pb2.WeightManifest:
+        """The full manifest of the kept weights a delta push patches; FAILED_PRECONDITION (the
+        collector then re-syncs this replica with a full push) unless they are its base version's."""
+        base = manifest.delta.base_version
+        if not self.config.delta_pushes:
+            raise FailedPrecondition(f"delta push on version {base} refused: this replica keeps no weights to "
+                                     f"patch (delta_pushes is off); it takes full pushes")
+        kept = self._kept.manifest
+        if base != self.replica.policy_version or kept is None or kept.version != base:
+            held = f"keeps the weights of version {kept.version}" if kept is not None else "keeps no weights"
+            raise FailedPrecondition(f"delta push on version {base}: this replica serves version "
+                                     f"{self.replica.policy_version} and {held}; it needs a full push")
+        return kept
+
+    async def receive_nccl(self, staged: StagedPush) -> None:
+        """Stage an nccl push: join the trainer's NCCL group (a collective: the trainer and every
+        other replica join at the same time), receive its broadcast into the staged segment, leave.
+
+        One group per push: a replica that went away never wedges the next one. Unverified: no
+        GPU vLLM runs where this was written (see docs/guides/weight-sync.md)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        from rlfleet.services.generation.transfer import stage_nccl_push
+
+        engine = self.replica.require()
+        await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={"nccl": staged.nccl}))
+        try:
+            written = await engine.collective_rpc(stage_nccl_push, args=(staged.update_info(),))
+        finally:
+            await engine.shutdown_weight_transfer_engine()
+        if max(written, default=0) != staged.push.total_bytes:
+            raise Aborted(f"nccl push: {max(written, default=0)} of {staged.push.total_bytes} bytes staged; "
+                          f"nothing applied")
+        staged.push.received = staged.push.total_bytes
+
+    # ------------------------------------------------------------------ swapping
+
+    async def apply(self, staged: StagedPush) -> None:
+        """Second phase: swap the staged weights in as policy ``staged.version``.
+
+        - ``wait``: hold new requests, let in-flight ones finish, swap, resume.
+        - ``abort``: abort in-flight requests (they finish with "abort"), swap.
+        - ``keep``: freeze in-flight requests, swap, resume them; their KV is
+          recomputed with the new weights (vLLM preempts them:
+          ``clear_cache=True``) and their samples report
+          ``policy_version_start != policy_version_end``.
+        - ``resume``: abort in-flight requests, swap, and let each ``generate``
+          call continue its unfinished samples as new requests (prompt + the
+          tokens sampled so far, the budget left) on the new weights; callers
+          see them finish normally with spans split at the swap. Requests with
+          stop strings finish with "abort" instead (see ``resume.py``).
+
+        ``keep`` and ``resume`` swaps leave the engine SERVING (new requests
+        wait for the swap); ``wait`` and ``abort`` ones report SWAPPING.
+
+        Once started the swap runs to completion even if the caller goes away
+        (a half-done pause/load/resume would wedge the engine). The version
+        moves only after vLLM loaded the weights and reports their version; if
+        loading fails inside vLLM the engine turns FAILED (not serving) until
+        a later push succeeds.
+        """
+        engine = self.replica.takes_pushes()
+        staged.push.finish()
+        async with self._lock:
+            if not staged.resync:
+                self.replica.check_version(staged.version)
+            if staged.adapter is not None:
+                await asyncio.shield(self._apply_adapter(engine, staged))
+                return
+            if staged.delta is not None:
+                await self._patch_kept(staged)
+            # Requests pinned to an adapter cannot go on with other weights under it: "keep" resumes them;
+            # requests bound to a version are never continued (resume ends them with "abort").
+            bound = self.adapters.current is not None or self.replica.version_bound_requests
+            mode = "resume" if staged.mode == "keep" and bound else staged.mode
+            await asyncio.shield(self._swap(engine, staged.version, mode, staged.transport,
+                                            lambda: self._load_weights(engine, staged)))
+            if staged.delta is None:
+                segment, staged.segment = staged.segment, None
+                self._kept.keep(staged.version, staged.manifest, segment)
+
+    async def update(self, version: int, named_tensors, mode: SwapModeName = "wait",
+                     base_version: int | None = None, lora: weights_pb2.LoraAdapter | None = None) -> None:
+        """Stage ``(name, tensor)`` pairs in a segment and apply them (in-process callers and tests);
+        ``base_version`` set: a delta push on that version (only the tensors that changed); ``lora``: an
+        adapter push (the pairs are its factors)."""
+        if mode not in SWAP_MODES:
+            raise InvalidArgument(f"mode must be one of {', '.join(SWAP_MODES)}, got {mode!r}")
+        from rlfleet.wire.push_messages import iter_push_messages
+
+        pairs = list(named_tensors)
+        _, manifest = next(iter_push_messages(pairs, version=version, checksum_algo=None,
+                                              mode=SWAP_MODES[mode]))
+        if base_version is not None:
+            manifest.delta.base_version = base_version
+        if lora is not None:
+            manifest.lora.CopyFrom(lora)
+        staged = self.stage(manifest)
+        try:
+            shm.write_tensors(staged.segment, [tensor for _, tensor in pairs])
+            staged.push.received = staged.push.total_bytes
+            await self.apply(staged)
+        finally:
+            staged.close()
+
+    async def _apply_adapter(self, engine: AsyncLLM, staged: StagedPush) -> None:
+        """An adapter push's commit: added to vLLM, then current. ``keep``: nothing pauses (requests
+        running go on with the adapter they started on); other modes as for weights."""
+        config, names = staged.adapter
+        try:
+            adapter = await self.adapters.load(engine, staged.version, config, names, staged.push.dtypes,
+                                               staged.push.shapes, staged.segment.buffer)
+        except (InvalidArgument, FailedPrecondition):
+            raise
+        except Exception as err:  # vLLM refused it: nothing changed, the replica serves on
+            raise InvalidArgument(f"vLLM refused the adapter of version {staged.version}: {err}") from None
+        if staged.mode == "keep":
+            self.adapters.switch(engine, adapter)
+            self.replica.policy_version = staged.version
+            logger.info("serving adapter version %d (rank %d, keep: nothing paused)", staged.version, config.rank)
+            return
+
+        async def switch() -> None:
+            self.adapters.switch(engine, adapter)
+        try:
+            await self._swap(engine, staged.version, staged.mode, staged.transport, switch)
+        except BaseException:
+            if self.adapters.current is not adapter:
+                await self.adapters.discard(adapter, engine)
+            raise
+
+    async def _patch_kept(self, staged: StagedPush) -> None:
+        """A delta's commit: its bytes into the kept weights, which the swap then loads from."""
+        kept = await self._kept.current()
+        base = staged.manifest.delta.base_version
+        if kept is None or kept.version != base or self.replica.policy_version != base:
+            raise FailedPrecondition(f"delta push on version {base}: this replica now serves version "
+                                     f"{self.replica.policy_version}; it needs a full push")
+        await asyncio.to_thread(self._kept.patch, kept, staged.version, staged.delta, staged.segment.buffer)
+        staged.loads_from = kept
+
+    async def _load_weights(self, engine: AsyncLLM, staged: StagedPush) -> None:
+        """A weight push's part of a swap: vLLM loads it, and reports its version; any adapter goes."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        version = staged.version
+        await engine.start_weight_update()
+        await engine.update_weights(WeightTransferUpdateRequest(update_info=staged.update_info()))
+        await engine.finish_weight_update(weight_version=str(version))
+        if not await engine.reset_prefix_cache():
+            raise RuntimeError("prefix cache reset failed after the swap")
+        engine_version = await engine.get_weight_version()
+        if engine_version != str(version):
+            raise RuntimeError(f"engine reports weight version {engine_version!r} after applying {version}")
+        self.adapters.switch(engine, None)
+
+    async def _swap(self, engine: AsyncLLM, version: int, mode: SwapModeName, transport: str,
+                    load: Callable[[], Awaitable[None]]) -> None:
+        """Pause, ``load()`` (weights or an adapter), move the version, resume (see ``apply``)."""
+        replica = self.replica
+        replica.admission_open.clear()
+        self.serial += 1
+        self.mode = mode
+        if mode not in ("keep", "resume"):
+            replica.state = EngineState.SWAPPING
+        started = time.monotonic()
+        try:
+            # clear_cache=True also preempts kept requests so their KV is
+            # rebuilt with the new weights when they resume. A resume swap
+            # aborts in vLLM; the generate calls continue their samples.
+            await engine.pause_generation(mode="abort" if mode == "resume" else mode, clear_cache=True)
+            await load()
+            replica.policy_version = version
+            await engine.resume_generation()
+        except BaseException:
+            # The weights may be half-written: never serve from them (nor patch what was kept).
+            self._kept.drop()
+            replica.state = EngineState.FAILED
+            logger.exception("weight swap to version %d failed; engine marked failed", version)
+            raise
+        finally:
+            replica.admission_open.set()
+        replica.state = EngineState.SERVING
+        logger.info("swapped to policy version %d (%s, %s) in %.3fs",
+                    version, mode, transport, time.monotonic() - started)
