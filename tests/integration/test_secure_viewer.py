@@ -5,18 +5,15 @@ A trainer trains for a few steps on known prompts (some delivered, one group fil
 sampling, one prompt dead-lettered); the viewer process reads the trajectory service and the
 collector with a ``reader`` token over mTLS; Chromium, driven by Playwright, opens the page and the
 test checks what it shows against the services' own answers and the batches the trainer received.
-``RLFLEET_VIEWER_SCREENSHOTS=DIR`` also writes the page's screenshots there (the docs' pictures).
+``RLFLEET_SCREENSHOTS=DIR`` also writes the page's screenshots there (the docs' pictures).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import grpc
 import pytest
@@ -25,13 +22,11 @@ import torch
 from rlfleet.client import connect, credentials_from
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.v1 import trajectory_pb2, trajectory_pb2_grpc
+from tests.browser import chromium, screenshot
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 TIMEOUT = 300.0
 """Bound on the pipeline's work (a few groups through generation, reference, reward, on 2 loaded cores)."""
 PAGE_TIMEOUT_MS = 60_000
@@ -112,25 +107,12 @@ def truth(suite, run):
 
 @pytest.fixture(scope="module")
 def page(viewer):
-    from playwright.sync_api import sync_playwright
-
-    assert Path(CHROMIUM).exists(), "chromium is not installed (scripts/bootstrap installs it: apt-get install chromium)"
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    with chromium(viewport={"width": 1400, "height": 1000}) as context:
         page = context.new_page()
         page.set_default_timeout(PAGE_TIMEOUT_MS)
         page.goto(f"{viewer}/?token=browser-token-0123456789")
         page.wait_for_selector("body[data-ready=true]")
         yield page
-        browser.close()
-
-
-def screenshot(page, name: str) -> None:
-    out = os.environ.get("RLFLEET_VIEWER_SCREENSHOTS")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(Path(out) / f"viewer-{name}.png"), full_page=True)
 
 
 def test_without_its_token_the_viewer_answers_nothing(viewer):
@@ -157,7 +139,7 @@ def test_the_version_charts_and_table_show_every_version_the_store_counted(page,
         assert page.locator(f"#chart-{chart}").get_attribute("data-points") == str(len(versions))
         assert page.locator(f"#chart-{chart} canvas").count() == 1
     assert "policy version" in page.locator("#run").inner_text()
-    screenshot(page, "versions")
+    screenshot(page, "viewer-versions")
 
 
 def test_the_samples_table_lists_the_log_and_filters_it(page, truth):
@@ -213,7 +195,7 @@ def test_one_trajectory_shows_its_tokens_parts_and_log_probs(page, truth, run, t
     assert f"id {tokens[prompt_length]}" in info and f"version {sample.policy_version_start}" in info
     assert re.search(r"behaviour -?\d+\.\d{4} · reference -?\d+\.\d{4}", info), info
     assert sample.trajectory_id in page.locator("#detail-title").inner_text()
-    screenshot(page, "trajectory")
+    screenshot(page, "viewer-trajectory")
 
 
 def test_the_dead_letters_show_the_refused_prompt_and_why(page):
@@ -223,4 +205,4 @@ def test_the_dead_letters_show_the_refused_prompt_and_why(page):
     texts = [rows.nth(i).inner_text() for i in range(rows.count())]
     refused = [text for text in texts if "too-long" in text]
     assert len(refused) == 1 and "generation" in refused[0] and "INVALID_ARGUMENT" in refused[0]
-    screenshot(page, "dead-letters")
+    screenshot(page, "viewer-dead-letters")

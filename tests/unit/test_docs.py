@@ -159,3 +159,22 @@ def test_every_repository_path_a_page_names_exists(page):
         if not (ROOT / name).exists():
             missing.append(name)
     assert not missing, f"{page.relative_to(ROOT)} names paths that do not exist: {sorted(set(missing))}"
+
+
+def test_the_vendored_scripts_are_the_pinned_packages_files():
+    """docs/assets/vendor holds what scripts/vendor-docs-assets fetched and hashed, nothing edited or missing."""
+    import hashlib
+
+    vendor = ROOT / "docs" / "assets" / "vendor"
+    listed = {}
+    for line in (vendor / "SHA256SUMS").read_text().splitlines():
+        if line and not line.startswith("#"):
+            digest, name = line.split(maxsplit=1)
+            listed[name.removeprefix("./")] = digest
+    present = {str(path.relative_to(vendor)) for path in vendor.rglob("*") if path.is_file()} - {"SHA256SUMS"}
+    assert present == set(listed) and "mermaid/mermaid.min.js" in listed and "katex/katex.min.js" in listed
+    for name, digest in listed.items():
+        assert hashlib.sha256((vendor / name).read_bytes()).hexdigest() == digest, f"{name} differs from its pin"
+    mkdocs = (ROOT / "mkdocs.yml").read_text()
+    assert all(f"assets/vendor/{name}" in mkdocs for name in ("mermaid/mermaid.min.js", "katex/katex.min.js",
+                                                               "katex/auto-render.min.js", "katex/katex.min.css"))
