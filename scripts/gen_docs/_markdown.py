@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
+_CODE_SPAN = re.compile(r"(`+).+?\1")
+
 
 def generated_banner(generator: str, source: str) -> list[str]:
     """A comment at the top of a generated page, so nobody edits it by hand."""
@@ -9,6 +13,12 @@ def generated_banner(generator: str, source: str) -> list[str]:
 
 
 def cell(text: str) -> str:
-    """Text fit for one markdown table cell: one line, pipes escaped, paragraphs kept as breaks."""
+    """Text fit for one markdown table cell: one line, paragraphs kept as breaks, pipes escaped outside code
+    spans (inside one a pipe splits no cell, and a backslash would show)."""
     paragraphs = [" ".join(p.split()) for p in text.strip().split("\n\n")]
-    return "<br>".join(p for p in paragraphs if p).replace("|", "\\|")
+    joined = "<br>".join(p for p in paragraphs if p)
+    out, end = [], 0
+    for span in _CODE_SPAN.finditer(joined):
+        out += [joined[end:span.start()].replace("|", "\\|"), span.group()]
+        end = span.end()
+    return "".join(out) + joined[end:].replace("|", "\\|")

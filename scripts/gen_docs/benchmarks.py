@@ -1,13 +1,13 @@
 """docs/benchmarks/*.md: one page per bench, built from the result files under docs/results.
 
 A bench is a script of ``bench/`` (not starting with ``_``, and not a ``loadgen_`` load generator other
-benches start) or ``scripts/compose-smoke``; its page
+benches start) or one of the ``SCRIPTS`` (``scripts/compose-smoke``, the test command ``scripts/test``); its page
 opens with the script's own description (the module docstring, or the leading comment of a shell
 script) and lists its results newest first. A result file is ``docs/results/<anything>.md`` with a
 front matter naming the bench and where the numbers come from::
 
     ---
-    bench: fleet                 # the script's stem (compose-smoke for scripts/compose-smoke)
+    bench: fleet                 # the script's stem (compose-smoke for scripts/compose-smoke, test for scripts/test)
     date: 2026-11-27             # when it ran
     commit: 0c4d2a9              # the code it measured
     machine: 2 cores, 24 GiB, no GPU (shared)
@@ -64,6 +64,10 @@ class Result:
     body: str
 
 
+SCRIPTS = {"compose-smoke": "docker compose, end to end", "test": "the test command, from a clean clone"}
+"""Scripts measured like benches (their page is made from their header comment and their results)."""
+
+
 def benches() -> list[Bench]:
     found = []
     for path in sorted((ROOT / "bench").glob("*.py")):
@@ -72,14 +76,13 @@ def benches() -> list[Bench]:
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         title, _, rest = doc.partition("\n")
         found.append(Bench(path.stem, f"bench/{path.name}", title.strip().rstrip("."), rest.strip()))
-    smoke = ROOT / "scripts" / "compose-smoke"
-    comment = []
-    for line in smoke.read_text().splitlines()[1:]:
-        if not line.startswith("#"):
-            break
-        comment.append(line[1:].strip())
-    text = " ".join(comment)
-    found.append(Bench("compose-smoke", "scripts/compose-smoke", "docker compose, end to end", text))
+    for name, title in SCRIPTS.items():
+        comment = []
+        for line in (ROOT / "scripts" / name).read_text().splitlines()[1:]:
+            if not line.startswith("#"):
+                break
+            comment.append(line[1:].strip())
+        found.append(Bench(name, f"scripts/{name}", title, " ".join(comment)))
     return found
 
 
