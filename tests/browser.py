@@ -40,5 +40,5 @@ def screenshot(page, name: str, *, full_page: bool = True) -> Path | None:
         return None
     path = Path(out) / f"{name}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(path), full_page=full_page)
+    page.screenshot(path=str(path), full_page=full_page, animations="disabled")
     return path

@@ -26,9 +26,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE_TIMEOUT_MS = 60_000
-PICTURED = {"index.html": "docs-home", "concepts/sample-walk/index.html": "docs-sample-walk",
-            "guides/off-policy/index.html": "docs-off-policy"}
-"""Pages whose screenshots go into the docs' results (with ``RLFLEET_SCREENSHOTS``)."""
+PICTURED = {"index.html": ("docs-home", ".mermaid"),
+            "concepts/sample-walk/index.html": ("docs-sample-walk", ".mermaid"),
+            "guides/off-policy/index.html": ("docs-off-policy", ".arithmatex")}
+"""Pages whose screenshots go into the docs' results (with ``RLFLEET_SCREENSHOTS``): a screen's worth from
+the first diagram or formula."""
 
 # Text of the page outside code, as the reader sees it; TeX or mermaid source left in it was not rendered.
 LEFT_OVER_SOURCE = """() => {
@@ -119,7 +121,10 @@ def test_every_page_renders_offline_with_nothing_left_raw_broken_or_failing(site
             if left:
                 problems.setdefault(current, []).extend(left)
             if current in PICTURED:
-                screenshot(page, PICTURED[current])
+                name, shown = PICTURED[current]
+                page.eval_on_selector(shown, "el => window.scrollTo(0, el.getBoundingClientRect().top + "
+                                             "window.scrollY - 120)")
+                screenshot(page, name, full_page=False)
     assert not problems, "\n".join(f"{page}: {problem}" for page, found in problems.items() for problem in found)
 
 
