@@ -23,6 +23,15 @@ from grpc_health.v1 import health_pb2
 from rlfleet.services import healthcheck
 
 
+def written_address(workdir: Path, name: str) -> str | None:
+    """The loopback address service ``name`` wrote in ``workdir`` when it listened (``ServiceProcess.start``:
+    ``<workdir>/<name>.port``), or None if it never did. It may have stopped since."""
+    try:
+        return f"127.0.0.1:{int((Path(workdir) / f'{name}.port').read_text())}"
+    except (FileNotFoundError, ValueError):
+        return None
+
+
 @dataclass
 class ServiceProcess:
     """One service process: ``python -m rlfleet.services.<name> <args>`` (or ``python -m <module>``)."""

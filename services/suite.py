@@ -2,6 +2,7 @@
 
     rlfleet-suite --model-dir ~/.cache/rlfleet/tiny-model            # run until Ctrl-C
     rlfleet-suite --check                                            # start, report health, stop
+    rlfleet-suite --view                                             # the rollout viewer on the last run
     rlfleet-suite --secure --then "python train.py --credentials {credentials} ..."   # TLS, mTLS, roles
 
 Builds the tiny local model when ``--model-dir`` holds none. Services are
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlfleet.services import healthcheck
-from rlfleet.services.launch import ServiceProcess
+from rlfleet.services.launch import ServiceProcess, written_address
 
 DEFAULT_MODEL_DIR = Path(os.environ.get("RLFLEET_HOME", Path.home() / ".cache" / "rlfleet")) / "tiny-model"
 
@@ -66,8 +67,9 @@ def secure_args(credentials: Path, name: str) -> list[str]:
 
 
 def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
-                without_collector: bool = False) -> dict[str, ServiceProcess]:
-    """Start every service in dependency order, each SERVING before the next (all stopped on failure)."""
+                without_collector: bool = False, store_only: bool = False) -> dict[str, ServiceProcess]:
+    """Start every service in dependency order, each SERVING before the next (all stopped on failure);
+    ``store_only``: the trajectory service alone (on the work directory's store, for looking at a run)."""
     workdir = Path(workdir)
     common = ["--log-format", options.log_format]
     procs: dict[str, ServiceProcess] = {}
@@ -98,6 +100,8 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
         fresh = ["--fresh", "true"] if options.fresh else []
         launch("trajectory", "trajectory",
                ["--db-path", options.trajectory_db or str(workdir / "trajectory" / "trajectories.db"), *fresh])
+        if store_only:
+            return procs
         launch("reference", "reference", ["--model-path", model, "--torch-threads", str(options.reference_threads)])
         launch("reward", "reward", ["--tokenizer-path", model, *options.reward_args])
         upstream = []
@@ -154,6 +158,44 @@ def describe_run(collector: str, workdir: Path, secure: bool) -> str:
             f"this one with run {run})")
 
 
+def start_view(workdir: Path, model_dir: Path, port: int = 8265, timeout: float = 300.0
+               ) -> dict[str, ServiceProcess]:
+    """The rollout viewer on the run in ``workdir``: the suite's trajectory service if it still answers,
+    else one started on the work directory's store; then ``rlfleet-viewer --suite-dir WORKDIR``, which
+    finds the services (and a secure suite's credentials) there."""
+    workdir = Path(workdir)
+    credentials = workdir / "credentials"
+    secure = (credentials / "ca.pem").exists()
+    procs: dict[str, ServiceProcess] = {}
+    running = written_address(workdir / "trajectory", "trajectory")
+    health = _own_credentials(credentials, "trajectory") if secure else None
+    if running is None or not _serving(running, health):
+        if not (workdir / "trajectory").is_dir():
+            raise SystemExit(f"rlfleet-suite --view: {workdir} holds no run (no trajectory/); run the suite or "
+                             f"scripts/demo first, or give its --workdir")
+        procs = start_suite(SuiteOptions(model_dir=model_dir, secure=secure), workdir, timeout, store_only=True)
+    viewer = ServiceProcess("viewer", ["--suite-dir", str(workdir), "--tokenizer", str(model_dir), "--port", str(port),
+                                       "--log-format", "text"])
+    try:
+        viewer.start(workdir / "viewer")
+        viewer.wait_listening(timeout)
+    except BaseException:
+        viewer.stop()
+        stop_suite(procs)
+        raise
+    procs["viewer"] = viewer
+    return procs
+
+
+def _serving(address: str, credentials) -> bool:
+    import grpc
+
+    try:
+        return healthcheck.check(address, timeout=2.0, credentials=credentials) == "SERVING"
+    except grpc.RpcError:  # nothing listens there any more
+        return False
+
+
 def stop_suite(procs: dict[str, ServiceProcess]) -> None:
     """SIGTERM every service, collector first (the reverse of the start order)."""
     for key, proc in reversed(list(procs.items())):
@@ -185,6 +227,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="start a new run: delete the trajectories and collector state a previous run left in "
                              "WORKDIR (default: resume that run; a trainer starting a new run is refused by it)")
     parser.add_argument("--check", action="store_true", help="start, report health, stop")
+    parser.add_argument("--view", action="store_true",
+                        help="look at the run in WORKDIR: the rollout viewer, with the trajectory service on its "
+                             "store if the suite is not running; Ctrl-C stops it")
+    parser.add_argument("--viewer-port", type=int, default=8265, help="the viewer's port with --view (0: a free one)")
     parser.add_argument("--then", default=None,
                         help="command to run once the suite is up ({collector}, {model_dir} and {credentials} are filled in); "
                              "the suite stops when it exits and its exit code is returned")
@@ -193,6 +239,15 @@ def main(argv: list[str] | None = None) -> None:
     from rlfleet.services.models.tiny import build_tiny_model
 
     print(f"[suite] model: {build_tiny_model(ns.model_dir)}", file=sys.stderr, flush=True)
+    if ns.view:
+        procs = start_view(ns.workdir, ns.model_dir, ns.viewer_port)
+        try:
+            print(f"[suite] rollout viewer of the run in {ns.workdir}: http://127.0.0.1:{procs['viewer'].port} "
+                  f"(Ctrl-C stops it)", file=sys.stderr, flush=True)
+            _wait_for_a_signal()
+        finally:
+            stop_suite(procs)
+        return
     environments = dict(spec.split("=", 1) for spec in ns.environment) if ns.environment else None
     if ns.with_environment and environments is None:
         environments = {}
@@ -211,15 +266,19 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[suite] running: {' '.join(command)}", file=sys.stderr, flush=True)
             exit_code = subprocess.call(command)
         elif not ns.check:
-            stop = threading.Event()
-            signal.signal(signal.SIGTERM, lambda *_: stop.set())
-            signal.signal(signal.SIGINT, lambda *_: stop.set())
             print(f"[suite] running; collector at {procs['collector'].address}; Ctrl-C stops it",
                   file=sys.stderr, flush=True)
-            stop.wait()
+            _wait_for_a_signal()
     finally:
         stop_suite(procs)
     sys.exit(exit_code)
+
+
+def _wait_for_a_signal() -> None:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
 
 
 if __name__ == "__main__":

@@ -117,6 +117,8 @@ class Page:
     samples: list[Summary]
     next_cursor: int
     logged: int
+    matching: int = 0
+    """Trajectories the filters match, every page (``before_cursor`` aside)."""
 
 
 class SampleLog:
@@ -210,17 +212,20 @@ class SampleLog:
                 raise InvalidArgument(f"{name}: NaN bounds nothing (leave it unset)")
         where, args = ["version_start >= ?"], [min_version]
         for clause, value in (("version_start <= ?", max_version), ("score >= ?", min_score),
-                              ("score <= ?", max_score), ("cursor < ?", before_cursor or None),
-                              ("filtered = ?", None if filtered is None else int(filtered))):
+                              ("score <= ?", max_score), ("filtered = ?", None if filtered is None else int(filtered))):
             if value is not None:
                 where.append(clause)
                 args.append(value)
+        matching = self._db.execute(f"SELECT count(*) FROM samples WHERE {' AND '.join(where)}", args).fetchone()[0]
+        if before_cursor:
+            where.append("cursor < ?")
+            args.append(before_cursor)
         count = limit or 100
         found = self._db.execute(f"SELECT {_SUMMARY_COLUMNS} FROM samples WHERE {' AND '.join(where)} "
                                  "ORDER BY cursor DESC LIMIT ?", (*args, count + 1)).fetchall()
         samples = [_summary(row) for row in found[:count]]
         logged = self._db.execute("SELECT count(*) FROM samples").fetchone()[0]
-        return Page(samples, samples[-1].cursor if len(found) > count else 0, logged)
+        return Page(samples, samples[-1].cursor if len(found) > count else 0, logged, matching)
 
     def get(self, cursor: int) -> tuple[Summary, tensor_pb2.TensorDict]:
         found = self._db.execute(f"SELECT {_SUMMARY_COLUMNS}, sample_group, row FROM samples WHERE cursor = ?",

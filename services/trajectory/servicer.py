@@ -90,7 +90,8 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
             max_score=request.max_score if request.HasField("max_score") else None,
             filtered=filtered, limit=request.limit, before_cursor=request.before_cursor))
         return trajectory_pb2.ListSamplesResponse(samples=[_summary(s) for s in page.samples],
-                                                  next_cursor=page.next_cursor, logged=page.logged)
+                                                  next_cursor=page.next_cursor, logged=page.logged,
+                                                  matching=page.matching)
 
     async def GetSample(self, request: trajectory_pb2.GetSampleRequest, context) -> trajectory_pb2.GetSampleResponse:
         self._service.check_working()

@@ -23,6 +23,11 @@ class ViewerConfig(Settings, UpstreamConfig):
     """HTTP(S) port; 0 picks a free port (written to ``port_file``)."""
     port_file: str | None = None
     """If set, the bound port is written here once the server listens (for launchers and tests)."""
+    suite_dir: str | None = None
+    """An ``rlfleet-suite`` work directory (``runs/suite``): the trajectory service's and the collector's
+    addresses are read from the port files the suite's services wrote there, over ``trajectory_address``
+    and ``collector_address`` (a collector that has stopped is shown as not answering); for a suite started
+    with ``--secure``, the reader's token and the trainer's certificate come from its ``credentials``."""
     trajectory_address: str = "127.0.0.1:50054"
     """The trajectory service: its sample log, per-version statistics and buffer counts."""
     collector_address: str | None = "127.0.0.1:50050"

@@ -23,6 +23,9 @@ _FILTERS = {"": trajectory_pb2.SAMPLE_FILTER_UNSPECIFIED, "delivered": trajector
 _TOOL_CALL = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
 
 
+NO_COLLECTOR = "no collector (collector_address is unset): showing what the trajectory store holds"
+
+
 class BadQuery(ValueError):
     """A query parameter the viewer cannot use (names it)."""
 
@@ -35,6 +38,7 @@ class Reader:
         self._settings = settings
         self._trajectory_channel = aio_channel(trajectory_address, settings)
         self._trajectory = trajectory_pb2_grpc.TrajectoryServiceStub(self._trajectory_channel)
+        self.collector_address = collector_address
         self._collector_channel = aio_channel(collector_address, settings) if collector_address else None
         self._collector = collector_pb2_grpc.CollectorServiceStub(self._collector_channel) \
             if self._collector_channel else None
@@ -68,7 +72,7 @@ class Reader:
         request.filter = _FILTERS[which]
         reply = await self._call(self._trajectory.ListSamples, request)
         return {"samples": [_message(s) for s in reply.samples], "next_cursor": reply.next_cursor,
-                "logged": reply.logged}
+                "logged": reply.logged, "matching": reply.matching}
 
     async def sample(self, cursor: int) -> dict[str, Any]:
         reply = await self._call(self._trajectory.GetSample, trajectory_pb2.GetSampleRequest(cursor=cursor))
@@ -77,22 +81,39 @@ class Reader:
     async def stats(self) -> dict[str, Any]:
         return _message(await self._call(self._trajectory.GetStats, trajectory_pb2.GetStatsRequest()))
 
-    async def status(self) -> dict[str, Any] | None:
+    async def status(self) -> dict[str, Any]:
+        """The collector's status, or ``{"unavailable": why}`` when there is none or it does not answer
+        (the page then shows the store alone, and says so)."""
         if self._collector is None:
-            return None
-        return _message(await self._call(self._collector.GetStatus, collector_pb2.GetStatusRequest()))
+            return {"unavailable": NO_COLLECTOR}
+        try:
+            return _message(await self._call(self._collector.GetStatus, collector_pb2.GetStatusRequest()))
+        except grpc.RpcError as exc:
+            if is_refusal(exc):
+                raise
+            return {"unavailable": self._unreachable(exc)}
 
-    async def failures(self) -> dict[str, Any] | None:
+    async def failures(self) -> dict[str, Any]:
+        """The collector's dead letters, newest first, or ``{"unavailable": why}`` as for ``status``."""
         if self._collector is None:
-            return None
+            return {"failures": [], "unavailable": NO_COLLECTOR}
         found, after = [], 0
         while True:  # the collector keeps a bounded list; read all of it, a page at a time
-            reply = await self._call(self._collector.ListFailures,
-                                     collector_pb2.ListFailuresRequest(after_seq=after, limit=1000))
+            try:
+                reply = await self._call(self._collector.ListFailures,
+                                         collector_pb2.ListFailuresRequest(after_seq=after, limit=1000))
+            except grpc.RpcError as exc:
+                if is_refusal(exc):
+                    raise
+                return {"failures": [], "unavailable": self._unreachable(exc)}
             found += [_message(failure) for failure in reply.failures]
             if len(reply.failures) < 1000:
                 return {"failures": found[::-1]}
             after = reply.failures[-1].seq
+
+    def _unreachable(self, error: grpc.RpcError) -> str:
+        return (f"the collector at {self.collector_address} does not answer ({error.code().name}: "
+                f"{error.details()}): showing what the trajectory store holds")
 
 
 def render_tokens(trajectory: tensor_pb2.TensorDict, tokenizer) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from rlfleet.services.common import security
 from rlfleet.services.common.errors import StartupError
 from rlfleet.services.common.logs import setup_logging
 from rlfleet.services.common.upstream import upstream_settings
+from rlfleet.services.launch import written_address
 from rlfleet.services.viewer.config import ViewerConfig
 from rlfleet.services.viewer.reader import BadQuery, Reader, is_refusal
 
@@ -129,7 +130,29 @@ def load_tokenizer(path: str | None):
         raise StartupError(f"tokenizer {path}: cannot load it ({exc})") from None
 
 
+def in_suite(config: ViewerConfig) -> ViewerConfig:
+    """``config`` with the addresses (and, for a secure suite, the credentials) of the ``rlfleet-suite``
+    work directory ``suite_dir``; StartupError if no trajectory service ever ran there."""
+    suite = Path(config.suite_dir)
+    trajectory = written_address(suite / "trajectory", "trajectory")
+    if trajectory is None:
+        raise StartupError(f"suite_dir {suite}: no trajectory service has run there (no "
+                           f"{suite / 'trajectory' / 'trajectory.port'}); start the suite, or rlfleet-suite --view")
+    found = {"trajectory_address": trajectory, "collector_address": written_address(suite / "collector", "collector")}
+    credentials = suite / "credentials"
+    if (credentials / "ca.pem").exists():
+        found.update(upstream_tls_ca_file=str(credentials / "ca.pem"),
+                     upstream_tls_cert_file=str(credentials / "trainer.pem"),
+                     upstream_tls_key_file=str(credentials / "trainer.key"),
+                     upstream_auth_token_file=str(credentials / "token-reader"))
+    return config.model_copy(update=found)
+
+
 async def serve(config: ViewerConfig) -> None:
+    if config.suite_dir:
+        config = in_suite(config)
+        log.info("suite %s: trajectory service at %s, collector at %s", config.suite_dir,
+                 config.trajectory_address, config.collector_address or "(none has run)")
     settings = upstream_settings(config, config.max_message_bytes)
     tokens = security.read_tokens_file(config.access_tokens_file, "access_tokens_file") \
         if config.access_tokens_file else None

@@ -73,17 +73,14 @@ def run(suite, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def viewer(suite, run, tiny_model_dir, tmp_path_factory):
-    procs, credentials = suite
+    _, credentials = suite
     workdir = tmp_path_factory.mktemp("viewer")
     access = workdir / "access-tokens"
     access.write_text("reader browser-token-0123456789\n")
+    # The suite's own directory: the viewer finds the services' addresses and the reader's credentials there.
     proc = ServiceProcess("viewer", [
-        "--trajectory-address", procs["trajectory"].address, "--collector-address", procs["collector"].address,
-        "--tokenizer", str(tiny_model_dir), "--access-tokens-file", str(access),
-        "--upstream-tls-ca-file", str(credentials / "ca.pem"),
-        "--upstream-tls-cert-file", str(credentials / "trainer.pem"),
-        "--upstream-tls-key-file", str(credentials / "trainer.key"),
-        "--upstream-auth-token-file", str(credentials / "token-reader"), "--log-format", "text"])
+        "--suite-dir", str(credentials.parent), "--tokenizer", str(tiny_model_dir),
+        "--access-tokens-file", str(access), "--log-format", "text"])
     proc.start(workdir)
     proc.wait_listening(60)
     yield f"http://127.0.0.1:{proc.port}"

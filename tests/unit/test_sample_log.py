@@ -99,6 +99,12 @@ def test_listing_filters_by_version_score_and_filtered_groups_and_pages_newest_f
     assert len(first.samples) == 4 and first.next_cursor == first.samples[-1].cursor
     rest = store.samples.list(limit=4, before_cursor=first.next_cursor)
     assert ids(rest) == ["traj-1", "traj-0"] and rest.next_cursor == 0
+    # What the filters match is counted on every page, the log's total beside it.
+    assert (first.matching, rest.matching, rest.logged) == (6, 6, 6)
+    scored = store.samples.list(min_score=1, max_score=4, limit=2)
+    assert (len(scored.samples), scored.matching) == (2, 4)
+    later = store.samples.list(min_score=1, max_score=4, limit=2, before_cursor=scored.next_cursor)
+    assert later.matching == 4 and store.samples.list(filtered=True).matching == 2
     store.close()
 
 

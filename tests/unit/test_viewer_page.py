@@ -78,10 +78,10 @@ class FakeReader:
         raise _RpcError(grpc.StatusCode.PERMISSION_DENIED, "GetStats needs one of the roles reader")
 
     async def status(self):
-        return None
+        return {"unavailable": "no collector"}
 
     async def failures(self):
-        return None
+        return {"failures": [], "unavailable": "no collector"}
 
 
 class _RpcError(grpc.RpcError):
@@ -132,3 +132,47 @@ async def test_with_access_tokens_every_request_needs_one():
         assert bearer.status == 200
     finally:
         await test_client.close()
+
+
+async def test_without_a_collector_the_reader_says_so_instead_of_failing():
+    """No collector configured, or one that does not answer (a real channel to a port nothing listens on):
+    status and dead letters say why, and the page shows the store alone."""
+    from rlfleet.client.channel import ChannelSettings
+    from rlfleet.services.viewer.reader import NO_COLLECTOR, Reader
+
+    from tests.ports import free_port
+
+    settings = ChannelSettings(timeout=5.0, retries=0)
+    alone = Reader(f"127.0.0.1:{free_port()}", None, settings)
+    assert await alone.status() == {"unavailable": NO_COLLECTOR}
+    assert await alone.failures() == {"failures": [], "unavailable": NO_COLLECTOR}
+    await alone.close()
+    address = f"127.0.0.1:{free_port()}"
+    gone = Reader(f"127.0.0.1:{free_port()}", address, settings)
+    status = await gone.status()
+    assert status["unavailable"].startswith(f"the collector at {address} does not answer (UNAVAILABLE")
+    assert (await gone.failures())["unavailable"].startswith(f"the collector at {address} does not answer")
+    await gone.close()
+
+
+def test_suite_dir_reads_the_suites_port_files_and_credentials(tmp_path):
+    from rlfleet.services.common.errors import StartupError
+    from rlfleet.services.viewer.config import ViewerConfig
+    from rlfleet.services.viewer.web import in_suite
+
+    config = ViewerConfig(suite_dir=str(tmp_path))
+    with pytest.raises(StartupError, match=r"no trajectory service has run there \(no .*trajectory.port\)"):
+        in_suite(config)
+    (tmp_path / "trajectory").mkdir()
+    (tmp_path / "trajectory" / "trajectory.port").write_text("41001")
+    found = in_suite(config)
+    assert (found.trajectory_address, found.collector_address) == ("127.0.0.1:41001", None)  # no collector ran
+    assert found.upstream_tls_ca_file is None
+    (tmp_path / "collector").mkdir()
+    (tmp_path / "collector" / "collector.port").write_text("41002")
+    (tmp_path / "credentials").mkdir()
+    (tmp_path / "credentials" / "ca.pem").write_text("a CA")
+    found = in_suite(config)
+    assert found.collector_address == "127.0.0.1:41002"
+    assert (found.upstream_tls_ca_file, found.upstream_auth_token_file) == (
+        str(tmp_path / "credentials" / "ca.pem"), str(tmp_path / "credentials" / "token-reader"))

@@ -246,14 +246,16 @@ class SampleSummary(_message.Message):
     def __init__(self, trajectory_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., group_id: _Optional[int] = ..., sample_index: _Optional[int] = ..., policy_version_start: _Optional[int] = ..., policy_version_end: _Optional[int] = ..., score: _Optional[float] = ..., advantage: _Optional[float] = ..., kl_mean: _Optional[float] = ..., response_tokens: _Optional[int] = ..., filtered: _Optional[bool] = ..., staleness: _Optional[int] = ..., appended_at: _Optional[float] = ..., cursor: _Optional[int] = ..., turns: _Optional[int] = ...) -> None: ...
 
 class ListSamplesResponse(_message.Message):
-    __slots__ = ("samples", "next_cursor", "logged")
+    __slots__ = ("samples", "next_cursor", "logged", "matching")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     NEXT_CURSOR_FIELD_NUMBER: _ClassVar[int]
     LOGGED_FIELD_NUMBER: _ClassVar[int]
+    MATCHING_FIELD_NUMBER: _ClassVar[int]
     samples: _containers.RepeatedCompositeFieldContainer[SampleSummary]
     next_cursor: int
     logged: int
-    def __init__(self, samples: _Optional[_Iterable[_Union[SampleSummary, _Mapping]]] = ..., next_cursor: _Optional[int] = ..., logged: _Optional[int] = ...) -> None: ...
+    matching: int
+    def __init__(self, samples: _Optional[_Iterable[_Union[SampleSummary, _Mapping]]] = ..., next_cursor: _Optional[int] = ..., logged: _Optional[int] = ..., matching: _Optional[int] = ...) -> None: ...
 
 class GetSampleRequest(_message.Message):
     __slots__ = ("cursor",)

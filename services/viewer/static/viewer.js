@@ -22,6 +22,36 @@ function cell(row, text, className) {
   return td;
 }
 
+// --- sortable tables: a click on a column's header sorts by it, a second click reverses ---------
+function sortKey(row, column) {
+  const text = row.cells[column] ? row.cells[column].textContent : "";
+  const number = Number(text);
+  return text === "" || text === "–" ? null : Number.isNaN(number) ? text : number;
+}
+function compareKeys(a, b) {
+  if (a === null || b === null) return a === b ? 0 : a === null ? 1 : -1;   // missing values last
+  if (typeof a !== typeof b) return typeof a === "number" ? -1 : 1;
+  return a < b ? -1 : a > b ? 1 : 0;
+}
+function sortTable(table) {
+  const th = table.querySelector("th[aria-sort]");
+  if (!th) return;
+  const column = th.cellIndex, sign = th.getAttribute("aria-sort") === "ascending" ? 1 : -1;
+  const body = table.tBodies[0];
+  const rows = [...body.rows].sort((a, b) => sign * compareKeys(sortKey(a, column), sortKey(b, column)));
+  for (const row of rows) body.appendChild(row);
+}
+for (const table of document.querySelectorAll("table.sortable")) {
+  for (const th of table.tHead.rows[0].cells) {
+    th.addEventListener("click", () => {
+      const ascending = th.getAttribute("aria-sort") !== "ascending";
+      for (const other of table.tHead.rows[0].cells) other.removeAttribute("aria-sort");
+      th.setAttribute("aria-sort", ascending ? "ascending" : "descending");
+      sortTable(table);
+    });
+  }
+}
+
 // --- tabs ---------------------------------------------------------------------------------------
 for (const button of document.querySelectorAll("nav button")) {
   button.addEventListener("click", () => showTab(button.dataset.tab));
@@ -43,12 +73,20 @@ async function loadRun() {
   } catch (error) { parts.push(`trajectory service: ${error.message}`); }
   try {
     const status = await getJSON("/api/status");
-    if (status) {
+    if (status.unavailable) {
+      showNotice(status.unavailable);
+    } else {
       parts.unshift(`policy version ${status.policy_version} · ${status.serving ? "serving" : "NOT serving: " +
                      status.not_serving_reason} · mode ${status.mode}`);
     }
   } catch (error) { parts.unshift(`collector: ${error.message}`); }
   $("#run").textContent = parts.join(" · ");
+}
+
+function showNotice(text) {
+  const notice = $("#notice");
+  notice.textContent = text;
+  notice.hidden = false;
 }
 
 // --- versions -----------------------------------------------------------------------------------
@@ -69,6 +107,14 @@ function drawChart(id, title, versions, series) {
   charts[id] = new uPlot(options, data, element);
   element.dataset.points = String(versions.length);
 }
+
+let resizing = null;
+window.addEventListener("resize", () => {   // charts follow their boxes' width, never overlap
+  clearTimeout(resizing);
+  resizing = setTimeout(() => {
+    for (const [id, chart] of Object.entries(charts)) chart.setSize({width: Math.max($(id).clientWidth, 320), height: 220});
+  }, 100);
+});
 
 async function loadVersions() {
   const {versions} = await getJSON("/api/versions");
@@ -91,6 +137,7 @@ async function loadVersions() {
                         "mean_response_tokens", "mean_staleness"]) cell(row, fmt(v[name]));
     cell(row, Number(v.max_staleness) < 0 ? "–" : fmt(v.max_staleness));
   }
+  sortTable($("#version-table"));
 }
 
 // --- samples ------------------------------------------------------------------------------------
@@ -129,7 +176,9 @@ async function loadSamples(more) {
   }
   nextCursor = Number(page.next_cursor);
   $("#more-samples").hidden = !nextCursor;
-  $("#sample-count").textContent = `${body.rows.length} shown of ${page.logged} in the sample log`;
+  sortTable($("#sample-table"));
+  $("#sample-count").textContent = `${body.rows.length} shown of ${page.matching} matching ` +
+    `(${page.logged} in the sample log)`;
 }
 
 // --- one trajectory -----------------------------------------------------------------------------
@@ -150,35 +199,78 @@ async function showSample(cursor, row) {
     `version ${s.policy_version_start} · score ${fmt(s.score)} · ${shown.turns} turn(s) · ` +
     `${shown.prompt_tokens} prompt + ${shown.response_tokens} response tokens`;
   $("#sample-detail").hidden = false;
+  $(".sample-view").classList.add("with-detail");   // beside the table, where the click was
   renderTokens(shown);
 }
+
+// Colour strength of a difference of ``nats``: logarithmic, full at 8 nats, so 1, 2 and 4 nats stay
+// apart (0.33, 0.5, 0.73) where a linear scale would be saturated.
+const FULL_AT_NATS = 8;
+const strength = (nats) => Math.min(Math.log1p(Math.abs(nats)) / Math.log1p(FULL_AT_NATS), 1);
+const RED = "220,50,40", BLUE = "40,90,220";
 
 function colour(token, by) {
   if (token.part !== "assistant" && token.part !== "tool_call") return "";
   if (token.logprob === null) return "";
-  if (by === "logprob") {
-    const alpha = Math.min(-token.logprob / 4, 1);   // 4 nats of surprise: full colour
-    return `rgba(220,50,40,${alpha.toFixed(3)})`;
-  }
+  if (by === "logprob") return `rgba(${RED},${strength(token.logprob).toFixed(3)})`;   // surprise, in nats
   if (token.ref_logprob === null) return "";
   const diff = token.logprob - token.ref_logprob;
-  const alpha = Math.min(Math.abs(diff) / 2, 1);     // 2 nats apart: full colour
-  return diff >= 0 ? `rgba(220,50,40,${alpha.toFixed(3)})` : `rgba(40,90,220,${alpha.toFixed(3)})`;
+  return `rgba(${diff >= 0 ? RED : BLUE},${strength(diff).toFixed(3)})`;
 }
+
+function drawScale() {   // the legend: the colour of 1, 2, 4 and 8+ nats each way, for the chosen colouring
+  const scale = $("#scale");
+  scale.textContent = "";
+  const steps = [1, 2, 4, FULL_AT_NATS];
+  const swatch = (rgb, nats, text) => {
+    const span = document.createElement("span");
+    span.style.background = `rgba(${rgb},${strength(nats).toFixed(3)})`;
+    span.textContent = text;
+    scale.appendChild(span);
+  };
+  if ($("#colour-by").value === "logprob") {
+    scale.append("behaviour log-prob: ");
+    for (const nats of steps) swatch(RED, nats, `−${nats}${nats === FULL_AT_NATS ? "+" : ""}`);
+    scale.append(" nats");
+    return;
+  }
+  scale.append("reference likelier by ");
+  for (const nats of [...steps].reverse()) swatch(BLUE, nats, `${nats}${nats === FULL_AT_NATS ? "+" : ""}`);
+  scale.append(" · policy likelier by ");
+  for (const nats of steps) swatch(RED, nats, `${nats}${nats === FULL_AT_NATS ? "+" : ""}`);
+  scale.append(" nats");
+}
+$("#colour-by").addEventListener("change", drawScale);
+drawScale();
+
+const PROMPT_SHOWN = 48;   // a longer prompt (a system prompt, a task) is folded: the turns come first
 
 function renderTokens(sample) {
   const box = $("#tokens");
   box.textContent = "";
   const by = $("#colour-by").value;
   let turn = 0;
+  let into = box;
+  if (sample.prompt_tokens > PROMPT_SHOWN) {
+    const fold = document.createElement("details");
+    fold.className = "prompt-fold";
+    fold.dataset.testid = "prompt-fold";
+    const summary = document.createElement("summary");
+    const text = sample.tokens.slice(0, sample.prompt_tokens).map((t) => t.text).join("");
+    summary.textContent = `prompt · ${sample.prompt_tokens} tokens · ${text.slice(0, 80).replace(/\s+/g, " ")}…`;
+    fold.appendChild(summary);
+    box.appendChild(fold);
+    into = fold;
+  }
   sample.tokens.forEach((token, index) => {
+    if (index === sample.prompt_tokens) into = box;
     if (token.turn !== turn && token.part !== "observation") {
       turn = token.turn;
       const marker = document.createElement("span");
       marker.className = "turn";
       marker.dataset.testid = "turn-marker";
       marker.textContent = `turn ${turn}`;
-      box.appendChild(marker);
+      into.appendChild(marker);
     }
     const span = document.createElement("span");
     span.className = `t part-${token.part}`;
@@ -190,9 +282,11 @@ function renderTokens(sample) {
     span.addEventListener("mouseenter", () => {
       $("#token-info").textContent = `#${index} id ${token.id} ${JSON.stringify(token.text)} · ${token.part}` +
         ` · behaviour ${fmt(token.logprob, 4)} · reference ${fmt(token.ref_logprob, 4)}` +
+        (token.logprob !== null && token.ref_logprob !== null
+          ? ` (${fmt(token.logprob - token.ref_logprob, 2)} nats)` : "") +
         ` · version ${token.version === null ? "–" : token.version}`;
     });
-    box.appendChild(span);
+    into.appendChild(span);
   });
   box.dataset.tokens = String(sample.tokens.length);
 }
@@ -209,7 +303,8 @@ async function loadFailures() {
     return;
   }
   body.textContent = "";
-  for (const f of (reply ? reply.failures : [])) {
+  if (reply.unavailable) cell(body.insertRow(), reply.unavailable, "text notice").colSpan = 6;
+  for (const f of reply.failures) {
     const row = body.insertRow();
     cell(row, f.seq); cell(row, f.prompt_id, "text"); cell(row, f.stage, "text"); cell(row, f.code, "text");
     cell(row, f.attempts); cell(row, f.error, "text");
