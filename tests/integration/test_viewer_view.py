@@ -119,8 +119,12 @@ def test_view_opens_the_viewer_on_a_finished_run_and_says_the_collector_is_gone(
         command.send_signal(signal.SIGINT)
         assert command.wait(60) == 0, "".join(said)
     finally:
-        if command.poll() is None:
-            command.kill()
+        if command.poll() is None:  # a failed check: stop it as a user would, so it stops what it started
+            command.send_signal(signal.SIGINT)
+            try:
+                command.wait(60)
+            except subprocess.TimeoutExpired:
+                command.kill()
     with pytest.raises(urllib.error.URLError):  # the viewer stopped with it
         urllib.request.urlopen(url, timeout=10)
     from rlfleet.services import healthcheck
