@@ -4,6 +4,7 @@ enough); nothing here knows about HTTP."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 from typing import Any
@@ -21,6 +22,11 @@ from rlfleet.wire.tensordict import entry_at
 _FILTERS = {"": trajectory_pb2.SAMPLE_FILTER_UNSPECIFIED, "delivered": trajectory_pb2.SAMPLE_FILTER_DELIVERED,
             "filtered": trajectory_pb2.SAMPLE_FILTER_FILTERED}
 _TOOL_CALL = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
+TEXT_CHARS = 300
+"""Characters of a listed trajectory's prompt (its end: the question after any system prompt) and of its
+completion (its start) shown in the samples table."""
+TEXT_READS = 16
+"""Trajectories read at once to show a page's texts."""
 
 
 NO_COLLECTOR = "no collector (collector_address is unset): showing what the trajectory store holds"
@@ -71,8 +77,28 @@ class Reader:
             raise BadQuery(f"filter: {which!r} is not one of {', '.join(repr(k) for k in _FILTERS)}")
         request.filter = _FILTERS[which]
         reply = await self._call(self._trajectory.ListSamples, request)
-        return {"samples": [_message(s) for s in reply.samples], "next_cursor": reply.next_cursor,
-                "logged": reply.logged, "matching": reply.matching}
+        samples = [_message(s) for s in reply.samples]
+        if self._tokenizer is not None:
+            await self._add_texts(samples)
+        return {"samples": samples, "next_cursor": reply.next_cursor, "logged": reply.logged,
+                "matching": reply.matching}
+
+    async def _add_texts(self, samples: list[dict[str, Any]]) -> None:
+        """Each listed trajectory's prompt and completion as text (``summary_texts``), read from the log."""
+        limit = asyncio.Semaphore(TEXT_READS)
+
+        async def add(sample: dict[str, Any]) -> None:
+            async with limit:
+                try:
+                    reply = await self._call(self._trajectory.GetSample,
+                                             trajectory_pb2.GetSampleRequest(cursor=int(sample["cursor"])))
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.NOT_FOUND:  # gone from the log since the listing: no text
+                        raise
+                    return
+            sample.update(summary_texts(reply.trajectory, self._tokenizer))
+
+        await asyncio.gather(*(add(sample) for sample in samples))
 
     async def sample(self, cursor: int) -> dict[str, Any]:
         reply = await self._call(self._trajectory.GetSample, trajectory_pb2.GetSampleRequest(cursor=cursor))
@@ -149,6 +175,31 @@ def render_tokens(trajectory: tensor_pb2.TensorDict, tokenizer) -> dict[str, Any
         })
     return {"tokens": tokens, "turns": turn, "prompt_tokens": prompt_length, "response_tokens": response_length,
             "text": tokenizer.decode(ids) if tokenizer is not None else None}
+
+
+def summary_texts(trajectory: tensor_pb2.TensorDict, tokenizer) -> dict[str, str]:
+    """A trajectory's prompt (its last ``TEXT_CHARS`` characters) and completion (its first), the completion's
+    tool calls in ⟦ ⟧ and the observations between turns in ⟨ ⟩: what the samples table shows."""
+    rendered = render_tokens(trajectory, tokenizer)
+    tokens, prompt_length = rendered["tokens"], rendered["prompt_tokens"]
+    # Each run of one part decoded whole: a character split across tokens comes out whole.
+    decode = tokenizer.decode if tokenizer is not None else lambda ids: "".join(f"[{i}]" for i in ids)
+    prompt = decode([token["id"] for token in tokens[:prompt_length]])
+    completion, run, part = [], [], None
+    for token in [*tokens[prompt_length:], {"part": None, "id": None}]:
+        if token["part"] != part and run:
+            opening, closing = {"tool_call": "⟦⟧", "observation": "⟨⟩"}.get(part, "  ")
+            completion.append(f"{opening.strip()}{decode(run)}{closing.strip()}")
+            run = []
+        part = token["part"]
+        if token["id"] is not None:
+            run.append(token["id"])
+    text = "".join(completion)
+    return {"prompt_text": _squeeze(prompt)[-TEXT_CHARS:], "completion_text": _squeeze(text)[:TEXT_CHARS]}
+
+
+def _squeeze(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _mark_tool_calls(parts: list[str], pieces: list[str]) -> None:

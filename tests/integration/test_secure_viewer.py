@@ -149,7 +149,7 @@ def test_the_samples_table_lists_the_log_and_filters_it(page, truth):
     page.select_option("select[name=filter]", "filtered")
     page.click("#sample-filters button[type=submit]")
     page.wait_for_function(f"document.querySelectorAll('#sample-table tbody tr').length === {len(filtered)}")
-    shown = page.locator("#sample-table tbody tr td:nth-child(10)").all_inner_texts()
+    shown = page.eval_on_selector_all("#sample-table tbody tr", "rows => rows.map(r => r.dataset.promptId)")
     assert sorted(shown) == sorted(s.prompt_id for s in filtered)
     page.select_option("select[name=filter]", "")
     page.fill("input[name=min_score]", "0.5")

@@ -113,6 +113,7 @@ def test_view_opens_the_viewer_on_a_finished_run_and_says_the_collector_is_gone(
             screenshot(page, "viewer-finished-run")
             charts_follow_the_window(page)
             samples_sort_count_and_open_beside_the_table(page)
+            texts_and_search(page, tiny_model_dir)
             page.click("nav button[data-tab=failures]")
             page.wait_for_selector("#failure-table tbody td.notice")
             assert "does not answer" in page.locator("#failure-table tbody").inner_text()
@@ -165,7 +166,7 @@ def samples_sort_count_and_open_beside_the_table(page) -> None:
     row.click()
     page.wait_for_selector("#sample-detail:not([hidden])")
     page.wait_for_function("document.querySelector('#tokens').dataset.tokens === String(%d)" % (LONG_PROMPT + 4))
-    table, detail = page.locator("#sample-table").bounding_box(), page.locator("#sample-detail").bounding_box()
+    table, detail = page.locator(".sample-list").bounding_box(), page.locator("#sample-detail").bounding_box()
     assert detail["x"] >= table["x"] + table["width"] - 1 and detail["y"] < 1000
     fold = page.locator("#tokens details.prompt-fold")
     assert fold.locator("summary").inner_text().startswith(f"prompt · {LONG_PROMPT} tokens")
@@ -179,6 +180,27 @@ def samples_sort_count_and_open_beside_the_table(page) -> None:
     assert "reference -5 (4 nats)" in page.locator("#token-info").inner_text()
     assert "8+" in page.locator("#scale").inner_text()
     screenshot(page, "viewer-samples")
+
+
+def texts_and_search(page, tiny_model_dir) -> None:
+    """The table shows each trajectory's prompt and completion as text; the search keeps the rows that
+    hold it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = lambda ids: " ".join("".join(tokenizer.decode([i]) for i in ids).split())  # noqa: E731
+    rows = "#sample-table tbody tr"
+    completions = page.eval_on_selector_all(f"{rows} td.completion", "cells => cells.map(c => c.title)")
+    second = text(range(61, 65))  # sample 1 of every group: tokens 61..64 (sample 0: 60..63)
+    assert sorted(set(completions)) == sorted({text(range(60, 64)), second})
+    prompts = page.eval_on_selector_all(f"{rows} td.prompt", "cells => cells.map(c => c.title)")
+    assert all(title.split("\n", 1)[0].startswith("prompt-") for title in prompts)
+    assert any(title.endswith(text([(i % 50) + 10 for i in range(LONG_PROMPT)])[-40:]) for title in prompts)
+    page.fill("#sample-search", second)
+    page.wait_for_function(f"[...document.querySelectorAll('{rows}')].filter(r => !r.hidden).length === 6")
+    assert page.locator("#search-count").inner_text() == f'6 of the 12 rows shown hold "{second.lower()}"'
+    page.fill("#sample-search", "")
+    page.wait_for_function(f"[...document.querySelectorAll('{rows}')].filter(r => !r.hidden).length === 12")
 
 
 def test_view_refuses_a_directory_that_holds_no_run(tmp_path, tiny_model_dir):

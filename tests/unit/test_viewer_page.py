@@ -7,7 +7,7 @@ import pytest
 import torch
 from aiohttp.test_utils import TestClient, TestServer
 
-from rlfleet.services.viewer.reader import BadQuery, render_tokens
+from rlfleet.services.viewer.reader import TEXT_CHARS, BadQuery, render_tokens, summary_texts
 from rlfleet.services.viewer.web import TOKEN_COOKIE, make_app
 from rlfleet.wire import Ragged, encode_tensordict
 
@@ -55,6 +55,18 @@ def test_an_episode_renders_prompt_turns_tool_call_and_observation():
     assert (observed["logprob"], observed["version"]) == (None, None)  # not sampled
     assert (last["text"], last["logprob"], last["version"]) == ("k", -1.0, 4)
     assert shown["text"] == "Hi<tool_call>x</tool_call>=1ok"
+
+
+def test_the_table_shows_the_prompts_end_and_the_completion_with_tool_calls_and_observations_marked():
+    row, *_ = episode()
+    assert summary_texts(row, Letters()) == {"prompt_text": "Hi", "completion_text": "⟦<tool_call>x</tool_call>⟧⟨=1⟩ok"}
+    long = encode_tensordict({"tokens": {
+        "prompt": Ragged.from_list([torch.tensor([ord("s")] * 500 + [ord("?")])]),
+        "response": Ragged.from_list([torch.tensor([ord("a")] * 500)]),
+        "full": Ragged.from_list([torch.tensor([ord("s")] * 500 + [ord("?")] + [ord("a")] * 500)])}}, batch_size=[1])
+    texts = summary_texts(long, Letters())
+    assert texts["prompt_text"].endswith("s?") and len(texts["prompt_text"]) == TEXT_CHARS  # the question's end
+    assert texts["completion_text"] == "a" * TEXT_CHARS
 
 
 def test_without_a_tokenizer_tokens_show_their_ids():

@@ -170,15 +170,36 @@ async function loadSamples(more) {
     cell(row, s.response_tokens); cell(row, s.turns);
     cell(row, Number(s.staleness) < 0 ? "–" : s.staleness);
     cell(row, s.group_id);
-    cell(row, s.prompt_id, "text");
+    row.dataset.promptId = s.prompt_id;
+    // The prompt's end (the question, after any system prompt) and the completion's start, when the viewer
+    // has the tokenizer; the prompt's id otherwise. Tool calls are in ⟦ ⟧, observations in ⟨ ⟩.
+    cell(row, s.prompt_text === undefined ? s.prompt_id : `…${s.prompt_text.slice(-60)}`, "text prompt")
+      .title = `${s.prompt_id}\n${s.prompt_text || ""}`;
+    cell(row, s.completion_text === undefined ? "" : s.completion_text.slice(0, 80), "text completion")
+      .title = s.completion_text || "";
     cell(row, s.filtered ? "filtered" : "", "text");
     row.addEventListener("click", () => showSample(s.cursor, row));
   }
   nextCursor = Number(page.next_cursor);
   $("#more-samples").hidden = !nextCursor;
   sortTable($("#sample-table"));
+  search();
   $("#sample-count").textContent = `${body.rows.length} shown of ${page.matching} matching ` +
     `(${page.logged} in the sample log)`;
+}
+
+// Search: the rows shown whose prompt or completion holds the text (case aside); the others are hidden.
+$("#sample-search").addEventListener("input", search);
+function search() {
+  const term = $("#sample-search").value.trim().toLowerCase();
+  const rows = [...$("#sample-table tbody").rows];
+  let found = 0;
+  for (const row of rows) {
+    const text = `${row.cells[9].title}\n${row.cells[10].title}`.toLowerCase();
+    row.hidden = term !== "" && !text.includes(term);
+    found += !row.hidden;
+  }
+  $("#search-count").textContent = term ? `${found} of the ${rows.length} rows shown hold "${term}"` : "";
 }
 
 // --- one trajectory -----------------------------------------------------------------------------
