@@ -36,6 +36,16 @@ DEFAULT_NAMES = ("generation", "reference", "reward", "trajectory", "environment
 CA_NAME = "rlfleet local CA"
 
 
+def upstream_files(directory: str | Path, name: str, role: str) -> dict[str, str]:
+    """The ``upstream_*`` settings (``services/common/upstream.py``) of a caller using this directory's
+    files: the CA, the certificate and key of ``name``, and the token of ``role``."""
+    directory = Path(directory)
+    return {"upstream_tls_ca_file": str(directory / "ca.pem"),
+            "upstream_tls_cert_file": str(directory / f"{name}.pem"),
+            "upstream_tls_key_file": str(directory / f"{name}.key"),
+            "upstream_auth_token_file": str(directory / f"token-{role}")}
+
+
 def make_credentials(directory: str | Path, names: tuple[str, ...] | list[str] = DEFAULT_NAMES,
                      hosts: tuple[str, ...] | list[str] = (), days: int = 365,
                      owner: tuple[int, int] | None = None, force: bool = False,

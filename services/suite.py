@@ -134,10 +134,10 @@ def upstream_args(credentials: Path) -> list[str]:
     """The collector's flags for calling its upstream services with a credentials directory's files
     (``rlfleet.services.credentials``): mTLS as ``collector`` and the services' token. The suite and the
     Ray fleet's actors start the collector with them."""
-    return ["--upstream-tls-ca-file", str(credentials / "ca.pem"),
-            "--upstream-tls-cert-file", str(credentials / "collector.pem"),
-            "--upstream-tls-key-file", str(credentials / "collector.key"),
-            "--upstream-auth-token-file", str(credentials / "token-service")]
+    from rlfleet.services.credentials import upstream_files
+
+    return [arg for setting, path in upstream_files(credentials, "collector", "service").items()
+            for arg in (f"--{setting.replace('_', '-')}", path)]
 
 
 def _own_credentials(credentials: Path, name: str):

@@ -188,14 +188,18 @@ def summary_texts(trajectory: tensor_pb2.TensorDict, tokenizer) -> dict[str, str
     completion, run, part = [], [], None
     for token in [*tokens[prompt_length:], {"part": None, "id": None}]:
         if token["part"] != part and run:
-            opening, closing = {"tool_call": "⟦⟧", "observation": "⟨⟩"}.get(part, "  ")
-            completion.append(f"{opening.strip()}{decode(run)}{closing.strip()}")
+            opening, closing = _MARKS.get(part, ("", ""))
+            completion.append(f"{opening}{decode(run)}{closing}")
             run = []
         part = token["part"]
         if token["id"] is not None:
             run.append(token["id"])
     text = "".join(completion)
     return {"prompt_text": _squeeze(prompt)[-TEXT_CHARS:], "completion_text": _squeeze(text)[:TEXT_CHARS]}
+
+
+_MARKS = {"tool_call": ("⟦", "⟧"), "observation": ("⟨", "⟩")}
+"""How the samples table marks a completion's parts other than plain sampled text."""
 
 
 def _squeeze(text: str) -> str:

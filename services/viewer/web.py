@@ -24,6 +24,7 @@ from rlfleet.services.common import security
 from rlfleet.services.common.errors import StartupError
 from rlfleet.services.common.logs import setup_logging
 from rlfleet.services.common.upstream import upstream_settings
+from rlfleet.services.credentials import upstream_files
 from rlfleet.services.launch import written_address
 from rlfleet.services.viewer.config import ViewerConfig
 from rlfleet.services.viewer.reader import BadQuery, Reader, is_refusal
@@ -141,10 +142,7 @@ def in_suite(config: ViewerConfig) -> ViewerConfig:
     found = {"trajectory_address": trajectory, "collector_address": written_address(suite / "collector", "collector")}
     credentials = suite / "credentials"
     if (credentials / "ca.pem").exists():
-        found.update(upstream_tls_ca_file=str(credentials / "ca.pem"),
-                     upstream_tls_cert_file=str(credentials / "trainer.pem"),
-                     upstream_tls_key_file=str(credentials / "trainer.key"),
-                     upstream_auth_token_file=str(credentials / "token-reader"))
+        found.update(upstream_files(credentials, "trainer", "reader"))
     return config.model_copy(update=found)
 
 
