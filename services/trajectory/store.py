@@ -136,7 +136,7 @@ class TrajectoryStore:
         self.samples = sample_log.SampleLog(self._db, groups_per_version=sample_groups_per_version,
                                             max_groups=max_sample_groups, clock=clock)
         """The sample log (``samples.py``): read it on the store's thread."""
-        self.index = BufferIndex()
+        self.index: BufferIndex  # set by _load
         """Which rows are ready and which leased (``index.py``): rebuilt from the database by ``_load``."""
         self._appended = self._acked = self._redelivered_batches = self._dropped_stale = 0
         self.reconnects = 0
