@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,13 @@ def written_address(workdir: Path, name: str) -> str | None:
         return None
 
 
+def free_port() -> int:
+    """A free loopback port (bound, read, released: the server that is given it binds it next)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @dataclass
 class ServiceProcess:
     """One service process: ``python -m rlfleet.services.<name> <args>`` (or ``python -m <module>``)."""
@@ -41,6 +49,8 @@ class ServiceProcess:
     env: dict[str, str] = field(default_factory=dict)
     log_path: Path | None = None
     port: int | None = None
+    metrics_port: int | None = None
+    """Where it serves Prometheus metrics (``--metrics-port``), when the launcher chose one."""
     process: subprocess.Popen | None = None
     preexec_fn: Callable[[], None] | None = None
     """Run in the child before it starts (e.g. resource limits a fault test sets)."""

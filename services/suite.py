@@ -3,6 +3,7 @@
     rlfleet-suite --model-dir ~/.cache/rlfleet/tiny-model            # run until Ctrl-C
     rlfleet-suite --check                                            # start, report health, stop
     rlfleet-suite --view                                             # the rollout viewer on the last run
+    rlfleet-suite --prometheus                                       # and a Prometheus scraping every service
     rlfleet-suite --secure --then "python train.py --credentials {credentials} ..."   # TLS, mTLS, roles
 
 Builds the tiny local model when ``--model-dir`` holds none. Services are
@@ -24,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlfleet.services import healthcheck
-from rlfleet.services.launch import ServiceProcess, written_address
+from rlfleet.services.launch import ServiceProcess, free_port, written_address
+from rlfleet.services.prometheus import Prometheus, write_targets
 
 DEFAULT_MODEL_DIR = Path(os.environ.get("RLFLEET_HOME", Path.home() / ".cache" / "rlfleet")) / "tiny-model"
 
@@ -38,6 +40,7 @@ class SuiteOptions:
     kv_cache_bytes: int = 256 << 20
     max_model_len: int = 1024
     trajectory_db: str | None = None
+    trajectory_args: list[str] = field(default_factory=list)
     collector_args: list[str] = field(default_factory=list)
     reward_args: list[str] = field(default_factory=list)
     generation_args: list[str] = field(default_factory=list)
@@ -53,6 +56,10 @@ class SuiteOptions:
     fresh: bool = False
     """Start a new run: the trajectory store and the collector delete the state a previous run left in the
     work directory (their ``fresh`` setting). Off: they resume it."""
+    metrics: bool = False
+    """Every service serves Prometheus metrics on a free loopback port (``ServiceProcess.metrics_port``),
+    listed for Prometheus's file discovery in ``WORKDIR/prometheus/targets.json`` (``rlfleet.services.prometheus``).
+    Off: no metrics endpoint."""
     secure: bool = False
     """Every service serves TLS and requires client certificates (mTLS) and role tokens; the CA, the
     certificates and the tokens are made in ``WORKDIR/credentials`` (``rlfleet.services.credentials``:
@@ -73,6 +80,7 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
     workdir = Path(workdir)
     common = ["--log-format", options.log_format]
     procs: dict[str, ServiceProcess] = {}
+    scraped: dict[str, tuple[str, int]] = {}  # suite key -> (service, metrics port)
     credentials = None
     if options.secure:
         from rlfleet.services.credentials import make_credentials
@@ -87,6 +95,11 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
         if credentials is not None:
             proc.args += secure_args(credentials, name)
             proc.health_credentials = _own_credentials(credentials, name)
+        if options.metrics:
+            proc.metrics_port = free_port()
+            proc.args += ["--metrics-port", str(proc.metrics_port)]
+            scraped[key] = (name, proc.metrics_port)
+            write_targets(workdir / "prometheus", scraped)
         proc.start(workdir / key)
         procs[key] = proc
         if wait:
@@ -99,7 +112,8 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
         model = str(options.model_dir)
         fresh = ["--fresh", "true"] if options.fresh else []
         launch("trajectory", "trajectory",
-               ["--db-path", options.trajectory_db or str(workdir / "trajectory" / "trajectories.db"), *fresh])
+               ["--db-path", options.trajectory_db or str(workdir / "trajectory" / "trajectories.db"), *fresh,
+                *options.trajectory_args])
         if store_only:
             return procs
         launch("reference", "reference", ["--model-path", model, "--torch-threads", str(options.reference_threads)])
@@ -226,6 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fresh", action="store_true",
                         help="start a new run: delete the trajectories and collector state a previous run left in "
                              "WORKDIR (default: resume that run; a trainer starting a new run is refused by it)")
+    parser.add_argument("--prometheus", action="store_true",
+                        help="every service serves metrics, and a Prometheus (Debian's package; scripts/bootstrap "
+                             "installs it) scrapes them on --prometheus-port, its data in WORKDIR/prometheus")
+    parser.add_argument("--prometheus-port", type=int, default=9090, help="Prometheus's port with --prometheus")
     parser.add_argument("--check", action="store_true", help="start, report health, stop")
     parser.add_argument("--view", action="store_true",
                         help="look at the run in WORKDIR: the rollout viewer, with the trajectory service on its "
@@ -253,12 +271,17 @@ def main(argv: list[str] | None = None) -> None:
         environments = {}
     options = SuiteOptions(model_dir=ns.model_dir, generation_replicas=ns.generation_replicas,
                            collector_args=ns.collector_arg, generation_args=ns.generation_arg,
-                           environments=environments, secure=ns.secure, fresh=ns.fresh)
+                           environments=environments, secure=ns.secure, fresh=ns.fresh, metrics=ns.prometheus)
     procs = start_suite(options, ns.workdir)
+    prometheus = None
     exit_code = 0
     try:
         for key, proc in procs.items():
             print(f"{key}\t{proc.address}\tSERVING")
+        if ns.prometheus:
+            prometheus = Prometheus(ns.workdir / "prometheus", ns.prometheus_port).start()
+            print(f"[suite] Prometheus scraping every service: {prometheus.url} (deploy/grafana/rlfleet.json is "
+                  f"the dashboard)", file=sys.stderr, flush=True)
         print(f"[suite] {describe_run(procs['collector'].address, ns.workdir, ns.secure)}", file=sys.stderr, flush=True)
         if ns.then:
             command = shlex.split(ns.then.format(collector=procs["collector"].address, model_dir=ns.model_dir,
@@ -270,6 +293,8 @@ def main(argv: list[str] | None = None) -> None:
                   file=sys.stderr, flush=True)
             _wait_for_a_signal()
     finally:
+        if prometheus is not None:
+            prometheus.stop()
         stop_suite(procs)
     sys.exit(exit_code)
 

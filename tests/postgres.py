@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from tests.ports import free_port
+from rlfleet.services.launch import free_port
 from tests.waiting import wait_for
 
 START_TIMEOUT = 120.0

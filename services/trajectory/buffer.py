@@ -30,6 +30,7 @@ from typing import Any, AsyncIterator, Callable, Coroutine, Literal, Sequence, T
 
 from rlfleet.services.common import tracing
 from rlfleet.services.common.errors import InvalidArgument, NotFound, Unavailable
+from rlfleet.services.trajectory.buffer_metrics import Occupancy
 from rlfleet.services.trajectory.samples import SampleLog
 from rlfleet.services.trajectory.store import AppendResult, Delivery, Dropped, Stats, TrajectoryStore
 from rlfleet.services.trajectory.traces import GroupTraces
@@ -191,6 +192,17 @@ class TrajectoryBuffer:
 
     async def stats(self) -> Stats:
         return await self._call(TrajectoryStore.stats)
+
+    def occupancy(self) -> Occupancy | None:
+        """What the buffer holds now, against its capacities (None while the store is not open). Read
+        off the store thread, for a scrape that must not queue behind appends: each count is one int
+        the store thread writes whole, so a read may mix two moments but never tears a value."""
+        store = self._store
+        if store is None:
+            return None
+        index = store.index
+        return Occupancy(ready=index.ready, leased=index.leased, capacity=store.capacity, bytes=index.bytes,
+                         capacity_bytes=store.capacity_bytes)
 
     async def read_samples(self, read: Callable[[SampleLog], T]) -> T:
         """``read(store.samples)`` on the store's thread, after the trainers' calls and the appends

@@ -10,6 +10,7 @@ import grpc
 from rlfleet.services.common.database import purge_database
 from rlfleet.services.common.server import Service
 from rlfleet.services.trajectory.buffer import TrajectoryBuffer
+from rlfleet.services.trajectory.buffer_metrics import BUFFER_METRICS
 from rlfleet.services.trajectory.config import TrajectoryConfig
 from rlfleet.services.trajectory.servicer import TrajectoryServicer
 from rlfleet.services.trajectory.store import TrajectoryStore
@@ -28,6 +29,7 @@ class TrajectoryService(Service[TrajectoryConfig]):
     def __init__(self, config: TrajectoryConfig):
         super().__init__(config)
         self.buffer = TrajectoryBuffer(self._open_store, config.default_lease_seconds, spawn=self.supervise)
+        BUFFER_METRICS.occupancy = self.buffer.occupancy  # /metrics shows what the buffer holds
 
     def _open_store(self) -> TrajectoryStore:
         config = self.config

@@ -298,7 +298,7 @@ def test_admission_by_measured_divergence_comes_down_on_genuinely_stale_batches_
     admission goes back up to the ceiling. The trainer's log-probs are computed by its own model on the
     batch's tokens; the retried report of each measurement counts once."""
     from rlfleet.client import connect
-    from tests.ports import free_port
+    from rlfleet.services.launch import free_port
     from tests.scrape import scrape_metric
 
     metrics_port = free_port()

@@ -1,15 +1,26 @@
 """The main job, shortened: a GRPO run through the real suite, plus the SDK against real errors; and the
-agentic demo (scripts/demo --agentic), shortened."""
+agentic demo (scripts/demo --agentic), shortened, with a real Prometheus scraping its suite: every query
+of the Grafana dashboard evaluated there."""
 
 from __future__ import annotations
 
+import json
 import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
 
+import grpc
 import pytest
 import torch
 
 from rlfleet.client import FailedPreconditionError, InvalidArgumentError, connect
+from rlfleet.services.launch import free_port
+from rlfleet.services.prometheus import Prometheus
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
+from rlfleet.v1 import trajectory_pb2, trajectory_pb2_grpc
+from tests.dashboard import DASHBOARD, as_grafana_runs_it, queries
 from tests.hf_reference import load_hf
 from tests.integration.suites import AGENTIC_COLLECTOR_ARGS, DEMO_COLLECTOR_ARGS, run_example, suite_fixture
 
@@ -107,17 +118,139 @@ def test_torchrl_collector_adapter_counts_increments_without_pushing_again(suite
         assert collector.increment_version() == before + 1 == collector.policy_version
 
 
+AGENTIC_CAPACITY = 64
+"""The agentic suite's trajectory buffer holds two steps of 32 episodes: the batch a trainer holds while
+it pushes, and the step the push starts. The test then fills it to the brim (``fill_the_buffer``)."""
+
+
+@dataclass
+class AgenticRun:
+    metrics: list[dict]
+    """The example's metrics.json."""
+    refused: grpc.RpcError
+    """The append the full buffer refused."""
+    buffered: float
+    """The trajectories buffered then, as Prometheus scraped them (``rlfleet_buffer_trajectories``)."""
+    series: dict[str, list[dict]]
+    """Each dashboard query (``tests.dashboard.queries``: where -> result) as Prometheus evaluated it."""
+
+
 @pytest.fixture(scope="module")
-def agentic_metrics(tiny_model_dir, tmp_path_factory):
-    """scripts/demo --agentic for AGENTIC_STEPS steps; its suite (with the environment service) lives
-    only while the example runs."""
-    options = SuiteOptions(model_dir=tiny_model_dir, collector_args=AGENTIC_COLLECTOR_ARGS, environments={})
-    procs = start_suite(options, tmp_path_factory.mktemp("agentic-suite"))
+def agentic_run(tiny_model_dir, tmp_path_factory):
+    """scripts/demo --agentic for AGENTIC_STEPS steps on a suite whose services serve metrics, which a
+    real Prometheus scrapes every second; then the trajectory buffer filled until an append is refused,
+    and every query of the Grafana dashboard evaluated in that Prometheus. The suite lives only while
+    this fixture runs."""
+    workdir = tmp_path_factory.mktemp("agentic-suite")
+    options = SuiteOptions(model_dir=tiny_model_dir, collector_args=AGENTIC_COLLECTOR_ARGS, environments={},
+                           metrics=True, trajectory_args=["--capacity", str(AGENTIC_CAPACITY)])
+    procs = start_suite(options, workdir)
+    prometheus = Prometheus(workdir / "prometheus", free_port(), scrape_interval=1.0)
     try:
-        return run_example("train_agentic.py", procs, tiny_model_dir, AGENTIC_STEPS,
-                           tmp_path_factory.mktemp("agentic-out"))
+        prometheus.start()
+        metrics = run_example("train_agentic.py", procs, tiny_model_dir, AGENTIC_STEPS,
+                              tmp_path_factory.mktemp("agentic-out"))
+        refused = fill_the_buffer(procs["trajectory"].address)
+        report_a_mismatch(procs["collector"].address)
+        fail_a_tool_call(procs["environment"].address, tiny_model_dir)
+        buffered = scraped(prometheus, "sum(rlfleet_buffer_trajectories)", AGENTIC_CAPACITY)
+        return AgenticRun(metrics, refused, buffered, dashboard_series(prometheus))
     finally:
+        prometheus.stop()
         stop_suite(procs)
+
+
+@pytest.fixture(scope="module")
+def agentic_metrics(agentic_run):
+    return agentic_run.metrics
+
+
+def fill_the_buffer(trajectory: str) -> grpc.RpcError:
+    """Append copies of a group the collector stored until the trajectory service refuses one: a trainer
+    that falls behind, as Append's backpressure and the occupancy metrics show it. The group is leased
+    (as a trainer would) and appended again under new idempotency keys; the error the full buffer
+    answered is returned."""
+    done = threading.Event()
+
+    def requests():
+        yield trajectory_pb2.StreamBatchesRequest(open=trajectory_pb2.OpenBatchStream(batch_size=8,
+                                                                                     whole_groups=True))
+        done.wait()  # the stream stays open (a trainer's would) until the group is read
+
+    with grpc.insecure_channel(trajectory) as channel:
+        stub = trajectory_pb2_grpc.TrajectoryServiceStub(channel)
+        stream = stub.StreamBatches(requests(), timeout=600)  # the step the last push started
+        group = next(stream).batch
+        done.set()
+        stream.cancel()  # its lease is released: the group is ready again
+        for _ in range(AGENTIC_CAPACITY // 8 + 1):
+            try:
+                stub.Append(trajectory_pb2.AppendRequest(trajectories=group, idempotency_key=uuid.uuid4().hex),
+                            timeout=60)
+            except grpc.RpcError as error:
+                return error
+    raise AssertionError(f"the buffer of {AGENTIC_CAPACITY} took every copy")
+
+
+REPORTED_KL = 0.0125
+"""The k3 KL ``report_a_mismatch`` reports for lag 1."""
+
+
+def report_a_mismatch(collector: str) -> None:
+    """What a trainer that corrects off-policy samples reports (the demo's sync trainer has no lag to
+    report): a k3 KL at lag 1, which the collector's status and /metrics show."""
+    with connect(collector) as client:
+        client.report_mismatch({1: {"kl_k3": REPORTED_KL, "kl_k1": 0.01, "ess_token": 0.98, "tokens": 100}},
+                               client.policy_version)
+
+
+def fail_a_tool_call(environment: str, model_dir) -> None:
+    """An episode whose python tool call raises (the warm-started model's calls are right): the
+    environment service counts it as an error."""
+    from transformers import AutoTokenizer
+
+    from rlfleet.v1 import environment_pb2, environment_pb2_grpc, sampling_pb2
+    from rlfleet.wire import encode_tensor
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "1 / 0"}}\n</tool_call>'
+    with grpc.insecure_channel(environment) as channel:
+        stub = environment_pb2_grpc.EnvironmentServiceStub(channel)
+        stub.OpenEpisode(environment_pb2.OpenEpisodeRequest(
+            environment="tool_calling", episode_id="dashboard-error",
+            prompt=[sampling_pb2.ChatMessage(role="user", content="divide one by zero")]), timeout=60)
+        step = environment_pb2.StepRequest(episode_id="dashboard-error", finish_reason="stop", text=call)
+        token_ids = tokenizer(call, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        encode_tensor(torch.as_tensor(token_ids, dtype=torch.int64), out=step.token_ids)
+        answer = stub.Step(step, timeout=60)
+        assert "ZeroDivisionError" in answer.observation[0].content, answer
+        stub.CloseEpisode(environment_pb2.CloseEpisodeRequest(episode_id="dashboard-error"), timeout=60)
+
+
+def scraped(prometheus: Prometheus, expr: str, expected: float, deadline_seconds: float = 60.0) -> float:
+    """``expr``'s one value once it is ``expected`` (a scrape after the change), or the last seen at the
+    deadline (NaN: no series)."""
+    deadline = time.monotonic() + deadline_seconds
+    while True:
+        result = prometheus.query(expr)
+        value = float(result[0]["value"][1]) if result else float("nan")
+        if value == expected or time.monotonic() > deadline:
+            return value
+        time.sleep(0.5)
+
+
+def dashboard_series(prometheus: Prometheus, deadline_seconds: float = 120.0) -> dict[str, list[dict]]:
+    """Every dashboard query as Grafana runs it with all jobs and instances selected, evaluated now; a
+    query with no series is asked again until the deadline (a scrape or two may not have come in)."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    series: dict[str, list[dict]] = {}
+    deadline = time.monotonic() + deadline_seconds
+    for where, expr in queries(dashboard):
+        promql = as_grafana_runs_it(expr, rate_interval="5m")  # the run's last minutes
+        while not (result := prometheus.query(promql)) and time.monotonic() < deadline:
+            time.sleep(1)
+        series[f"{where}: {promql}"] = result
+    return series
 
 
 @needs_root
@@ -145,6 +278,28 @@ def test_agentic_demo_raises_tool_calls_and_reward(agentic_metrics):
     for key in ("tool_call_rate", "reward_mean"):
         values = [m[key] for m in agentic_metrics]
         assert sum(values[-3:]) / 3 - sum(values[:3]) / 3 >= 0.2, (key, values)
+
+
+def test_every_query_of_the_dashboard_returns_series_from_a_real_prometheus(agentic_run):
+    """The whole dashboard (deploy/grafana/rlfleet.json) against what a run exports: every panel's and
+    variable's PromQL, with the run's metric names, labels and methods, returns series (the rare events
+    among them provoked for real: a full buffer, a reported mismatch, a failing tool call)."""
+    assert [query for query, result in agentic_run.series.items() if not result] == []
+    mismatch = next(result for query, result in agentic_run.series.items() if "rlfleet_mismatch_kl_k3" in query)
+    assert [(s["metric"]["lag"], float(s["value"][1])) for s in mismatch] == [("1", REPORTED_KL)]
+    jobs = next(result for query, result in agentic_run.series.items() if query.startswith("variable 'job'"))
+    assert sorted(s["metric"]["job"] for s in jobs) == ["collector", "environment", "generation", "reference",
+                                                        "reward", "trajectory"]
+
+
+def test_a_full_buffer_refuses_appends_and_its_occupancy_is_scraped(agentic_run):
+    assert agentic_run.refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, agentic_run.refused
+    assert f"of {AGENTIC_CAPACITY} buffered" in agentic_run.refused.details()
+    assert agentic_run.buffered == AGENTIC_CAPACITY
+    occupancy = next(result for query, result in agentic_run.series.items()
+                     if "'Trajectory buffer occupancy'" in query and "rlfleet_buffer_trajectories" in query)
+    assert sum(float(s["value"][1]) for s in occupancy) == pytest.approx(1.0)  # ready + leased, of capacity
+    assert {s["metric"]["state"] for s in occupancy} == {"ready", "leased"}
 
 
 @pytest.fixture(scope="module")

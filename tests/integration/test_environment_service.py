@@ -15,10 +15,9 @@ import grpc
 import pytest
 import torch
 
-from rlfleet.services.launch import ServiceProcess
+from rlfleet.services.launch import ServiceProcess, free_port
 from rlfleet.v1 import environment_pb2, environment_pb2_grpc, sampling_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
-from tests.ports import free_port
 from tests.scrape import scrape_metric
 from tests.waiting import wait_for
 

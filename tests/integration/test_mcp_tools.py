@@ -25,7 +25,7 @@ from rlfleet.services.environment.mcp_tools import (
     ToolOutput,
     _result_text,
 )
-from tests.ports import free_port
+from rlfleet.services.launch import free_port
 from tests.waiting import wait_for
 
 EXAMPLE_SERVER = Path(__file__).resolve().parents[2] / "examples" / "mcp_server.py"

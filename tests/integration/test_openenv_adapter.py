@@ -20,11 +20,10 @@ import torch
 
 from rlfleet.env import AssistantTurn, Task
 from rlfleet.services.environment.openenv_adapter import OpenEnvConnectionError, OpenEnvEnvironment
-from rlfleet.services.launch import ServiceProcess
+from rlfleet.services.launch import ServiceProcess, free_port
 from rlfleet.v1 import environment_pb2, environment_pb2_grpc, sampling_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
 from tests.example_modules import import_example
-from tests.ports import free_port
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow

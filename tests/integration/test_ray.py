@@ -35,9 +35,9 @@ from rlfleet.client import connect, credentials_from
 from rlfleet.client.errors import RlfleetClientError
 from rlfleet.ray import Fleet, FleetConfig
 from rlfleet.services.credentials import make_credentials
+from rlfleet.services.launch import free_port
 from tests.hf_reference import load_hf
 from tests.leftovers import Leftovers
-from tests.ports import free_port
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

@@ -27,8 +27,8 @@ import psutil
 import pytest
 import ray
 
+from rlfleet.services.launch import free_port
 from tests.leftovers import Leftovers
-from tests.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from rlfleet.client import FailedPreconditionError, Run, connect
+from rlfleet.services.launch import free_port
 from rlfleet.services.suite import SuiteOptions, describe_run, start_suite, stop_suite
 from tests.hf_reference import load_hf
-from tests.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 COLLECTOR_ARGS = ["--mode=sync", "--group-size=2", "--groups-per-step=2",

@@ -7,9 +7,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
+from rlfleet.services.launch import free_port
 from rlfleet.v1 import diagnostics_pb2, diagnostics_pb2_grpc, tensor_pb2
 from rlfleet.wire import Ragged, decode_tensordict, encode_tensordict, get_ragged
-from tests.ports import free_port
 
 
 def echo_stub(address: str, metadata=None):

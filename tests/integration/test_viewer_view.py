@@ -22,10 +22,9 @@ import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from rlfleet.services.launch import written_address
+from rlfleet.services.launch import free_port, written_address
 from rlfleet.services.trajectory.store import TrajectoryStore
 from tests.browser import chromium, screenshot
-from tests.ports import free_port
 from rlfleet.wire import Ragged, encode_tensordict
 from tests.waiting import wait_for
 

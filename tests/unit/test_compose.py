@@ -30,6 +30,8 @@ CONFIGS: dict[str, type[ServiceConfig]] = {
                 EnvironmentServiceConfig)
 }
 ONE_SHOT = {"model-init", "credentials"}
+OBSERVABILITY = "prometheus"
+"""The one service of the optional `observability` profile (not an rlfleet image)."""
 INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 
 
@@ -91,14 +93,19 @@ def test_every_service_has_a_healthcheck_or_is_the_one_shot_init(variant, name, 
         assert body.get("healthcheck") == {"disable": True} and body.get("restart") == "no"
         return
     test = body["healthcheck"]["test"]
-    assert test[:4] == ["CMD", "python", "-m", "rlfleet.services.healthcheck"], test
+    if name == OBSERVABILITY:  # prom/prometheus has busybox's wget; make-base-image's has Debian's
+        assert test == ["CMD", "wget", "-q", "-O", "/dev/null", "http://127.0.0.1:9090/-/ready"], test
+    else:
+        assert test[:4] == ["CMD", "python", "-m", "rlfleet.services.healthcheck"], test
     assert body.get("restart") in ("unless-stopped", "always", "on-failure")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_only_the_collector_publishes_a_port(variant):
+    """And the observability profile's Prometheus, on the host's loopback only."""
     publishing = {name for name, body in VARIANTS[variant].items() if body.get("ports")}
-    assert publishing == {"collector"}
+    assert publishing == {"collector", OBSERVABILITY}
+    assert all(interpolate(mapping).startswith("127.0.0.1:") for mapping in VARIANTS[variant][OBSERVABILITY]["ports"])
     assert all("network_mode" not in body for body in VARIANTS[variant].values())
 
 
@@ -193,7 +200,7 @@ def test_gpu_reservation_only_by_default_and_cpu_variant_uses_the_tiny_model():
     devices = gpu["generation"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["capabilities"] == ["gpu"]
     assert all("deploy" not in body for body in cpu.values())
-    assert all(body["build"]["args"]["TARGET"] == "cpu" for body in cpu.values())
+    assert all(body["build"]["args"]["TARGET"] == "cpu" for name, body in cpu.items() if name != OBSERVABILITY)
     init = cpu["model-init"]
     assert init["command"][0] == "tiny-model"
     model_dir = init["command"][1]
@@ -239,7 +246,8 @@ def test_environment_sandbox_gets_bwrap_and_nothing_more(variant):
             continue
         assert not other.get("security_opt") and not other.get("cap_add") and not other.get("privileged"), name
         # The credentials init is root only to hand the keys to uid 10001 and keep the CA key to itself.
-        assert other.get("user") in ((None, "rlfleet", "0:0") if name == "credentials" else (None, "rlfleet")), name
+        allowed = {"credentials": (None, "rlfleet", "0:0"), OBSERVABILITY: ("65534:65534",)}  # nobody
+        assert other.get("user") in allowed.get(name, (None, "rlfleet")), name
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -252,3 +260,31 @@ def test_environment_tokenizer_is_the_policys_cached_by_reward(variant):
     policy = rlfleet_env(services["generation"])["RLFLEET_GENERATION_MODEL"]
     assert environment.tokenizer_path == reward.tokenizer_path == policy
     assert services["environment"]["depends_on"]["reward"]["condition"] == "service_healthy"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_observability_profile_scrapes_every_service_on_its_metrics_port(variant):
+    """`--profile observability` adds a Prometheus (and nothing else) whose configuration lists every
+    rlfleet service at the metrics port that service serves on the compose network, with the service's
+    name as ``job``, the label the Grafana dashboard's Job drop-down lists."""
+    services = VARIANTS[variant]
+    assert {name: body.get("profiles") for name, body in services.items() if body.get("profiles")} == {
+        OBSERVABILITY: ["observability"]}
+    body = services[OBSERVABILITY]
+    mounts = dict(volume.split(":")[:2] for volume in body["volumes"])
+    config_file = next(source for source, target in mounts.items() if source.startswith("./"))
+    assert f"--config.file={mounts[config_file]}" in body["command"] and body["volumes"][0].endswith(":ro")
+    config = yaml.safe_load((ROOT / config_file).read_text())
+    (job,) = config["scrape_configs"]
+    targets = {target for group in job["static_configs"] for target in group["targets"]}
+    expected = set()
+    for name, service in services.items():
+        if kind := service_kind(service):
+            settings = CONFIGS[kind].load([], environ=rlfleet_env(service))
+            assert settings.metrics_host == "0.0.0.0" and settings.metrics_port not in (0, settings.port), name
+            expected.add(f"{name}:{settings.metrics_port}")
+    assert targets == expected
+    relabel = job["relabel_configs"][0]
+    assert relabel["source_labels"] == ["__address__"] and relabel["target_label"] == "job"
+    assert {re.sub(relabel["regex"], "\\1", target) for target in targets} == {
+        name for name, service in services.items() if service_kind(service)}

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.dashboard import DASHBOARD, panels, queries
+
 ROOT = Path(__file__).resolve().parents[2]
-DASHBOARD = ROOT / "deploy" / "grafana" / "rlfleet.json"
 DOCS_PAGE = ROOT / "docs" / "guides" / "dashboards.md"
 SERVICES = ROOT / "services"
 
@@ -67,27 +68,6 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
-def _panels(panels: list[dict]):
-    for panel in panels:
-        yield panel
-        yield from _panels(panel.get("panels", []))  # a collapsed row holds its panels
-
-
-def queries(dashboard: dict) -> list[tuple[str, str]]:
-    """(where, PromQL) for every panel target and every query variable's ``label_values``/query."""
-    found = [(f"panel {panel.get('id')} {panel.get('title')!r}", target["expr"])
-             for panel in _panels(dashboard.get("panels", []))
-             for target in panel.get("targets", []) if target.get("expr")]
-    for variable in dashboard.get("templating", {}).get("list", []):
-        if variable.get("type") != "query":
-            continue
-        query = variable.get("query")
-        query = query.get("query", "") if isinstance(query, dict) else query or ""
-        selector = re.fullmatch(r"\s*label_values\((.*),\s*\w+\s*\)\s*", query)
-        found.append((f"variable {variable.get('name')!r}", selector.group(1) if selector else query))
-    return found
-
-
 def unknown_metrics(dashboard: dict, exported: set[str]) -> dict[str, list[str]]:
     """Where each query names a metric not in ``exported``: {where: [names]}; empty when all exist."""
     unknown: dict[str, list[str]] = {}
@@ -102,7 +82,7 @@ def structure_problems(dashboard: dict) -> list[str]:
     """What keeps the dashboard from loading as intended: duplicate panel ids, a panel without a
     datasource or without a target, a target without a query."""
     problems, seen = [], set()
-    for panel in _panels(dashboard.get("panels", [])):
+    for panel in panels(dashboard.get("panels", [])):
         name = f"panel {panel.get('id')} {panel.get('title')!r}"
         if panel.get("id") in seen or not isinstance(panel.get("id"), int):
             problems.append(f"{name}: id missing or not unique")
@@ -129,18 +109,21 @@ def service_families() -> list:
     from prometheus_client import REGISTRY
 
     from rlfleet.services.collector.status_metrics import STATUS_METRICS
+    from rlfleet.services.trajectory.buffer_metrics import BUFFER_METRICS, Occupancy
     from rlfleet.v1 import collector_pb2
 
     for path in sorted(SERVICES.rglob("*.py")):
         if path.name != "__main__.py" and "prometheus_client" in path.read_text():
             parts = path.relative_to(SERVICES).with_suffix("").parts
             importlib.import_module(".".join(("rlfleet", "services", *parts)).removesuffix(".__init__"))
-    # The status-derived families exist only while the collector service lends its status.
-    previous, STATUS_METRICS.status = STATUS_METRICS.status, collector_pb2.GetStatusResponse
+    # The status- and buffer-derived families exist only while the collector (trajectory) service
+    # lends its status (occupancy).
+    previous = STATUS_METRICS.status, BUFFER_METRICS.occupancy
+    STATUS_METRICS.status, BUFFER_METRICS.occupancy = collector_pb2.GetStatusResponse, lambda: Occupancy(0, 0, 1, 0, 1)
     try:
         return [family for family in REGISTRY.collect() if not family.name.startswith("vllm:")]
     finally:
-        STATUS_METRICS.status = previous
+        STATUS_METRICS.status, BUFFER_METRICS.occupancy = previous
 
 
 def vllm_families(model_dir: Path) -> list:
@@ -182,7 +165,7 @@ def exported(services, tiny_model_dir) -> set[str]:
 def test_the_dashboard_is_json_with_unique_ids_and_every_panel_has_a_datasource_and_a_query(dashboard):
     assert structure_problems(dashboard) == []
     assert any(v["type"] == "datasource" and v["name"] == "datasource" for v in dashboard["templating"]["list"])
-    for panel in _panels(dashboard["panels"]):
+    for panel in panels(dashboard["panels"]):
         if panel["type"] != "row":  # the datasource is the dashboard's variable, not a fixed uid
             assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
             assert all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"]), panel["title"]
@@ -198,7 +181,7 @@ def test_every_query_names_a_metric_the_services_export(dashboard, exported):
 
 def test_a_panel_naming_a_metric_that_does_not_exist_is_reported(dashboard, exported):
     broken = copy.deepcopy(dashboard)
-    panel = next(p for p in _panels(broken["panels"]) if p["type"] != "row")
+    panel = next(p for p in panels(broken["panels"]) if p["type"] != "row")
     panel["targets"].append({"refId": "Z", "datasource": panel["datasource"],
                              "expr": 'sum by (method) (rate(rlfleet_bogus_total{method="x"}[5m]))'
                                      " / rlfleet_tool_calls"})  # a counter's family name, not its series
@@ -208,7 +191,7 @@ def test_a_panel_naming_a_metric_that_does_not_exist_is_reported(dashboard, expo
 
 def test_structural_faults_are_reported(dashboard):
     broken = copy.deepcopy(dashboard)
-    first, second = [p for p in _panels(broken["panels"]) if p["type"] != "row"][:2]
+    first, second = [p for p in panels(broken["panels"]) if p["type"] != "row"][:2]
     second["id"] = first["id"]
     del first["datasource"]
     second["targets"] = []

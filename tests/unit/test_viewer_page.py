@@ -152,7 +152,7 @@ async def test_without_a_collector_the_reader_says_so_instead_of_failing():
     from rlfleet.client.channel import ChannelSettings
     from rlfleet.services.viewer.reader import NO_COLLECTOR, Reader
 
-    from tests.ports import free_port
+    from rlfleet.services.launch import free_port
 
     settings = ChannelSettings(timeout=5.0, retries=0)
     alone = Reader(f"127.0.0.1:{free_port()}", None, settings)
