@@ -39,9 +39,10 @@ def as_grafana_runs_it(expr: str, rate_interval: str) -> str:
 
 
 EVENT_PANELS = ("Trajectory buffer full", "RPC errors per second by code", "RPC error ratio by method",
-                "Tool call error fraction")
-"""Panels of events a healthy run may never have (a full buffer, failed RPCs, failed tool calls): no
-series until one happens. The integration test provokes them; scripts/compose-smoke lets them be empty."""
+                "Tool call error fraction", "Train/inference mismatch")
+"""Panels of what a healthy run may never have (a full buffer, failed RPCs, failed tool calls) or a
+trainer may never report (its measured mismatch: the demo's on-policy trainer has no lag to report): no
+series until one happens. The integration test provokes each; scripts/compose-smoke lets them be empty."""
 
 
 def main(argv: list[str] | None = None) -> int:

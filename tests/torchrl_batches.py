@@ -47,7 +47,8 @@ def ragged_batch(*, groups: int = 2, group_size: int = 3, vocab: int = 100, seed
             kl_mean=encode_tensor(torch.full((group_size,), 0.05)), kl_coef=0.1)
         parts.append(group_message(group=GroupSamples.decode(samples), ref_log_probs=encode_ragged(refs),
                                    rewards=reply, group_id=100 + group, prompt_id=f"p{group}",
-                                   query=f"question {group}"))
+                                   query=f"question {group}",
+                                   task=reward_pb2.Task(reward_fn="numeric_match", ground_truth=str(group))))
     # As the trajectory service does: rows stored one by one, a batch concatenated from them.
     rows = [row for message in parts for row in split_rows(message)]
     return decode_tensordict(tensor_pb2.TensorDict.FromString(concat_rows(rows).SerializeToString()))

@@ -50,7 +50,8 @@ class AppendStage:
                                   concurrency=2 if max_groups_per_call > 1 else max_groups_in_flight,
                                   name="Append call")
 
-    async def append(self, item: PromptItem, group: GroupSamples, ref_log_probs: tensor_pb2.RaggedTensor,
+    async def append(self, item: PromptItem, task: reward_pb2.Task, group: GroupSamples,
+                     ref_log_probs: tensor_pb2.RaggedTensor,
                      rewards: reward_pb2.ComputeRewardsResponse, group_id: int, filtered: bool) -> tuple[int, bool]:
         """Append the group, or store it as ``filtered`` (or find it stored before a restart); returns its
         start version and whether it is stored as filtered (as it was then, for one stored before)."""
@@ -62,7 +63,7 @@ class AppendStage:
             raise Discard(f"too stale: started at v{start_version}, now v{now}, "
                           f"max_staleness {self.gate.max_staleness}")
         rows = group_message(group=group, ref_log_probs=ref_log_probs, rewards=rewards, group_id=group_id,
-                             prompt_id=item.prompt_id, query=item.query)
+                             prompt_id=item.prompt_id, query=item.query, task=task)
         trace = tracing.traceparent()  # the group's: the trajectory service puts lease and ack spans in it
         async with self.stats.track():
             attempt = 0

@@ -177,8 +177,8 @@ class Pipeline:
                 holds_slot = False
                 self._groups.release()
                 await self._until_committed(group)
-            version, filtered = await self.append.append(item, group, ref_log_probs, rewards, group_id,
-                                                         outcome.filtered)
+            version, filtered = await self.append.append(item, self.score.task_of(item), group, ref_log_probs,
+                                                         rewards, group_id, outcome.filtered)
             await self._confirm(item, outcome, version, filtered)
         except Discard as reason:
             tracing.set_attributes({"rlfleet.discarded": str(reason)})

@@ -72,6 +72,12 @@ class ScoreStage:
                                       settings=self.settings)
         return batched_calls.split_reference_response(reply, [len(r.response_starts) for r in requests])
 
+    def task_of(self, item: PromptItem) -> reward_pb2.Task:
+        """What ``item``'s samples are scored against: its reward function (else the collector's default),
+        ground truth and arguments; the batch records the first two with each sample."""
+        return reward_pb2.Task(reward_fn=item.reward_fn or self.default_reward_fn, ground_truth=item.ground_truth,
+                               args=item.reward_args)
+
     async def rewards(self, item: PromptItem, group: GroupSamples, ref_log_probs: tensor_pb2.RaggedTensor,
                       group_id: int) -> reward_pb2.ComputeRewardsResponse:
         """The group's scores, advantages and KL penalties."""
@@ -83,8 +89,7 @@ class ScoreStage:
             response_mask=group.response_mask_message,
             environment_rewards=group.environment_rewards,
             prompt_texts=[item.prompt_text()] * n,
-            tasks=[reward_pb2.Task(reward_fn=item.reward_fn or self.default_reward_fn,
-                                   ground_truth=item.ground_truth, args=item.reward_args)],
+            tasks=[self.task_of(item)],
             group_ids=[group_id] * n,
             kl_estimator=self.kl_estimator,
             advantage_mode=self.advantage_mode,

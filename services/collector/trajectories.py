@@ -126,7 +126,7 @@ def response_versions(sample: generation_pb2.GenerateResponse, length: int) -> t
 
 def group_message(*, group: GroupSamples, ref_log_probs: tensor_pb2.RaggedTensor,
                   rewards: reward_pb2.ComputeRewardsResponse, group_id: int, prompt_id: str,
-                  query: str = "") -> tensor_pb2.TensorDict:
+                  query: str = "", task: reward_pb2.Task | None = None) -> tensor_pb2.TensorDict:
     """The group's rows as one TensorDict message (batch size = group size)."""
     n = len(group)
     msg = tensor_pb2.TensorDict(batch_size=[n])
@@ -181,6 +181,9 @@ def group_message(*, group: GroupSamples, ref_log_probs: tensor_pb2.RaggedTensor
     entries["trajectory_id"].strings.values[:] = [f"{group_id:x}-{i}" for i in group.sample_index]
     entries["prompt_id"].strings.values[:] = [prompt_id] * n
     entries["query"].strings.values[:] = [query] * n
+    task = task or reward_pb2.Task()
+    entries["reward_fn"].strings.values[:] = [task.reward_fn] * n
+    entries["ground_truth"].strings.values[:] = [task.ground_truth] * n
     return msg
 
 

@@ -102,7 +102,8 @@ class Reader:
 
     async def sample(self, cursor: int) -> dict[str, Any]:
         reply = await self._call(self._trajectory.GetSample, trajectory_pb2.GetSampleRequest(cursor=cursor))
-        return {"summary": _message(reply.summary), **render_tokens(reply.trajectory, self._tokenizer)}
+        return {"summary": _message(reply.summary), **render_tokens(reply.trajectory, self._tokenizer),
+                **task_of(reply.trajectory)}
 
     async def stats(self) -> dict[str, Any]:
         return _message(await self._call(self._trajectory.GetStats, trajectory_pb2.GetStatsRequest()))
@@ -195,7 +196,15 @@ def summary_texts(trajectory: tensor_pb2.TensorDict, tokenizer) -> dict[str, str
         if token["id"] is not None:
             run.append(token["id"])
     text = "".join(completion)
-    return {"prompt_text": _squeeze(prompt)[-TEXT_CHARS:], "completion_text": _squeeze(text)[:TEXT_CHARS]}
+    return {"prompt_text": _squeeze(prompt)[-TEXT_CHARS:], "completion_text": _squeeze(text)[:TEXT_CHARS],
+            **task_of(trajectory)}
+
+
+def task_of(trajectory: tensor_pb2.TensorDict) -> dict[str, str]:
+    """What the trajectory was scored against: its ``reward_fn`` and ``ground_truth`` (those it carries;
+    a trajectory logged before the batch had them carries neither)."""
+    return {key: trajectory.entries[key].strings.values[0] for key in ("reward_fn", "ground_truth")
+            if key in trajectory.entries and trajectory.entries[key].strings.values}
 
 
 _MARKS = {"tool_call": ("⟦", "⟧"), "observation": ("⟨", "⟩")}

@@ -19,7 +19,7 @@ from rlfleet.client import FailedPreconditionError, InvalidArgumentError, connec
 from rlfleet.services.launch import free_port
 from rlfleet.services.prometheus import Prometheus
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
-from rlfleet.v1 import trajectory_pb2, trajectory_pb2_grpc
+from rlfleet.v1 import tensor_pb2, trajectory_pb2, trajectory_pb2_grpc
 from tests.dashboard import DASHBOARD, as_grafana_runs_it, queries
 from tests.hf_reference import load_hf
 from tests.integration.suites import AGENTIC_COLLECTOR_ARGS, DEMO_COLLECTOR_ARGS, run_example, suite_fixture
@@ -129,6 +129,8 @@ class AgenticRun:
     """The example's metrics.json."""
     refused: grpc.RpcError
     """The append the full buffer refused."""
+    scored_against: list[tuple[str, str, str]]
+    """Each row of a group the collector appended: its query, reward function and ground truth."""
     buffered: float
     """The trajectories buffered then, as Prometheus scraped them (``rlfleet_buffer_trajectories``)."""
     series: dict[str, list[dict]]
@@ -150,11 +152,13 @@ def agentic_run(tiny_model_dir, tmp_path_factory):
         prometheus.start()
         metrics = run_example("train_agentic.py", procs, tiny_model_dir, AGENTIC_STEPS,
                               tmp_path_factory.mktemp("agentic-out"))
-        refused = fill_the_buffer(procs["trajectory"].address)
+        refused, group = fill_the_buffer(procs["trajectory"].address)
         report_a_mismatch(procs["collector"].address)
         fail_a_tool_call(procs["environment"].address, tiny_model_dir)
         buffered = scraped(prometheus, "sum(rlfleet_buffer_trajectories)", AGENTIC_CAPACITY)
-        return AgenticRun(metrics, refused, buffered, dashboard_series(prometheus))
+        scored_against = list(zip(*(group.entries[key].strings.values for key in ("query", "reward_fn",
+                                                                                  "ground_truth"))))
+        return AgenticRun(metrics, refused, scored_against, buffered, dashboard_series(prometheus))
     finally:
         prometheus.stop()
         stop_suite(procs)
@@ -165,11 +169,11 @@ def agentic_metrics(agentic_run):
     return agentic_run.metrics
 
 
-def fill_the_buffer(trajectory: str) -> grpc.RpcError:
+def fill_the_buffer(trajectory: str) -> tuple[grpc.RpcError, tensor_pb2.TensorDict]:
     """Append copies of a group the collector stored until the trajectory service refuses one: a trainer
     that falls behind, as Append's backpressure and the occupancy metrics show it. The group is leased
     (as a trainer would) and appended again under new idempotency keys; the error the full buffer
-    answered is returned."""
+    answered is returned, with the group."""
     done = threading.Event()
 
     def requests():
@@ -188,7 +192,7 @@ def fill_the_buffer(trajectory: str) -> grpc.RpcError:
                 stub.Append(trajectory_pb2.AppendRequest(trajectories=group, idempotency_key=uuid.uuid4().hex),
                             timeout=60)
             except grpc.RpcError as error:
-                return error
+                return error, group
     raise AssertionError(f"the buffer of {AGENTIC_CAPACITY} took every copy")
 
 
@@ -265,6 +269,15 @@ def test_agentic_demo_records_the_grpo_keys_plus_turns_and_tool_calls_per_step(a
         assert m["logprob_mismatch_max"] <= 1e-3, m
         assert 1 <= m["turns_per_episode"] <= 3 and m["tool_calls_per_episode"] >= 0, m  # --max-turns=3
         assert 0 <= m["tool_call_rate"] <= 1 and 0 <= m["reward_mean"] <= 1, m
+
+
+def test_each_trajectory_carries_the_reward_function_and_ground_truth_it_was_scored_against(agentic_run):
+    """The agentic demo's prompts name numeric_match and the product as ground truth: the collector's
+    rows record both (what the viewer shows beside the score)."""
+    assert len(agentic_run.scored_against) == 8  # one group
+    for query, reward_fn, ground_truth in agentic_run.scored_against:
+        a, b = (int(word) for word in query.split() if word.isdigit())
+        assert (reward_fn, ground_truth) == ("numeric_match", str(a * b)), query
 
 
 @needs_root

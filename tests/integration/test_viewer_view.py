@@ -63,6 +63,8 @@ def scored_group(version: int, group: int, prompt_length: int):
     }, batch_size=[2])
     td["trajectory_id"] = NonTensorStack.from_list([f"traj-{group}-{sample}" for sample in range(2)])
     td["prompt_id"] = NonTensorStack.from_list([f"prompt-{group}"] * 2)
+    td["reward_fn"] = NonTensorStack.from_list(["numeric_match"] * 2)
+    td["ground_truth"] = NonTensorStack.from_list([f"answer-{group % 10}"] * 2)
     return encode_tensordict(td)
 
 
@@ -113,6 +115,7 @@ def test_view_opens_the_viewer_on_a_finished_run_and_says_the_collector_is_gone(
             charts_follow_the_window(page)
             samples_sort_count_and_open_beside_the_table(page)
             texts_and_search(page, tiny_model_dir)
+            ground_truth_reward_and_a_comparison(page)
             page.click("nav button[data-tab=failures]")
             page.wait_for_selector("#failure-table tbody td.notice")
             assert "does not answer" in page.locator("#failure-table tbody").inner_text()
@@ -207,3 +210,29 @@ def test_view_refuses_a_directory_that_holds_no_run(tmp_path, tiny_model_dir):
                            str(tmp_path / "nothing"), "--model-dir", str(tiny_model_dir)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and f"{tmp_path / 'nothing'} holds no run" in done.stderr
+
+
+def ground_truth_reward_and_a_comparison(page) -> None:
+    """Each row shows its ground truth and reward function, as does the trajectory's detail; the detail
+    offers the same prompt's trajectories of other versions, and opens the chosen one beside it."""
+    rows = "#sample-table tbody tr"
+    page.fill("#sample-search", "")
+    truths = page.locator(f"{rows} td.truth").all_inner_texts()
+    assert sorted(set(truths)) == ["answer-0", "answer-1"] and len(truths) == 12
+    assert set(page.locator(f"{rows} td.reward-fn").all_inner_texts()) == {"numeric_match"}
+    # Version 0's first group (score 0): a 6-token prompt, the same text as every group's but version 2's first.
+    page.locator(f"{rows}:has(td:nth-child(3):text-is('0'))").click()
+    page.wait_for_function("document.querySelector('#detail-title').textContent.includes('version 0')")
+    assert "reward fn numeric_match · ground truth answer-0" in page.locator("#detail-title").inner_text()
+    options = page.locator("#compare-with option:not([value=''])").all_inner_texts()
+    assert len(options) == 6 and all(o.startswith(("version 1 ", "version 2 ")) for o in options), options
+    page.select_option("#compare-with", label=next(o for o in options if o.startswith("version 2 ")))
+    page.wait_for_selector("#compare:not([hidden])")
+    page.wait_for_function("document.querySelector('#compare-tokens').dataset.tokens === '10'")
+    assert "version 2" in page.locator("#compare-title").inner_text()
+    assert "ground truth answer-1" in page.locator("#compare-title").inner_text()  # version 2's 6-token group: 21
+    first, second = page.locator("#tokens").bounding_box(), page.locator("#compare-tokens").bounding_box()
+    assert second["x"] >= first["x"] + first["width"] - 1 and abs(second["y"] - first["y"]) < 5  # side by side
+    screenshot(page, "viewer-compare")
+    page.select_option("#compare-with", value="")
+    page.wait_for_selector("#compare[hidden]", state="attached")

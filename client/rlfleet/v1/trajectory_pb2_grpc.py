@@ -61,6 +61,8 @@ class TrajectoryServiceStub:
     trajectory_id             strings
     prompt_id                 strings
     query                     strings
+    reward_fn                 strings
+    ground_truth              strings
     End of the batch schema.
 
     """
@@ -144,6 +146,8 @@ class TrajectoryServiceServicer:
     trajectory_id             strings
     prompt_id                 strings
     query                     strings
+    reward_fn                 strings
+    ground_truth              strings
     End of the batch schema.
 
     """
@@ -309,6 +313,8 @@ class TrajectoryService:
     trajectory_id             strings
     prompt_id                 strings
     query                     strings
+    reward_fn                 strings
+    ground_truth              strings
     End of the batch schema.
 
     """

@@ -129,6 +129,9 @@ BATCH_FIELDS: tuple[BatchField, ...] = (
     _strings("trajectory_id", "Unique id of the sample: '<group_id in hex>-<sample_index>'."),
     _strings("prompt_id", "Id of the prompt (as submitted, or assigned by SubmitPrompts)."),
     _strings("query", "The prompt as text: the raw text, or a chat's last user message; '' for token-id prompts."),
+    _strings("reward_fn", "The reward function that scored the sample: the prompt's, else the collector's reward_fn "
+             "('none': the environment's rewards only)."),
+    _strings("ground_truth", "The ground truth the reward function was given (the prompt's; '' when it has none)."),
 )
 
 

@@ -177,7 +177,12 @@ async function loadSamples(more) {
       .title = `${s.prompt_id}\n${s.prompt_text || ""}`;
     cell(row, s.completion_text === undefined ? "" : s.completion_text.slice(0, 80), "text completion")
       .title = s.completion_text || "";
+    cell(row, s.ground_truth === undefined ? "" : s.ground_truth.slice(0, 40), "text truth").title = s.ground_truth || "";
+    cell(row, s.reward_fn || "", "text reward-fn");
     cell(row, s.filtered ? "filtered" : "", "text");
+    row.dataset.promptText = s.prompt_text === undefined ? s.prompt_id : s.prompt_text;
+    row.dataset.version = s.policy_version_start;
+    row.dataset.score = fmt(s.score);
     row.addEventListener("click", () => showSample(s.cursor, row));
   }
   nextCursor = Number(page.next_cursor);
@@ -204,7 +209,10 @@ function search() {
 
 // --- one trajectory -----------------------------------------------------------------------------
 let shown = null;
-$("#colour-by").addEventListener("change", () => shown && renderTokens(shown));
+$("#colour-by").addEventListener("change", () => {
+  if (shown) renderTokens(shown, $("#tokens"));
+  if (compared) renderTokens(compared, $("#compare-tokens"));
+});
 
 async function showSample(cursor, row) {
   for (const r of document.querySelectorAll("#sample-table tr.selected")) r.classList.remove("selected");
@@ -215,13 +223,67 @@ async function showSample(cursor, row) {
     $("#sample-error").textContent = error.message;
     return;
   }
-  const s = shown.summary;
-  $("#detail-title").textContent = `trajectory ${s.trajectory_id || s.cursor} · prompt ${s.prompt_id} · ` +
-    `version ${s.policy_version_start} · score ${fmt(s.score)} · ${shown.turns} turn(s) · ` +
-    `${shown.prompt_tokens} prompt + ${shown.response_tokens} response tokens`;
+  $("#detail-title").textContent = describe(shown);
   $("#sample-detail").hidden = false;
   $(".sample-view").classList.add("with-detail");   // beside the table, where the click was
-  renderTokens(shown);
+  renderTokens(shown, $("#tokens"));
+  offerComparisons(row);
+}
+
+function describe(sample) {
+  const s = sample.summary;
+  return `trajectory ${s.trajectory_id || s.cursor} · prompt ${s.prompt_id} · version ${s.policy_version_start} · ` +
+    `score ${fmt(s.score)}` + (sample.reward_fn ? ` · reward fn ${sample.reward_fn}` : "") +
+    (sample.ground_truth ? ` · ground truth ${sample.ground_truth}` : "") + ` · ${sample.turns} turn(s) · ` +
+    `${sample.prompt_tokens} prompt + ${sample.response_tokens} response tokens`;
+}
+
+function headline(sample) {   // one line over each of two panes side by side
+  const s = sample.summary;
+  return `version ${s.policy_version_start} · score ${fmt(s.score)}` +
+    (sample.ground_truth ? ` · ground truth ${sample.ground_truth}` : "") + ` · #${s.cursor}`;
+}
+
+// --- the same prompt in another version, side by side ----------------------------------------------
+let compared = null;
+function offerComparisons(row) {
+  const select = $("#compare-with");
+  select.length = 1;   // "–" only
+  closeComparison();
+  if (!row) return;
+  // The rows loaded with the same prompt text and another version, the nearest versions first.
+  const version = Number(row.dataset.version);
+  const same = [...$("#sample-table tbody").rows].filter((other) =>
+    other.dataset.promptText === row.dataset.promptText && Number(other.dataset.version) !== version);
+  same.sort((a, b) => Math.abs(Number(a.dataset.version) - version) - Math.abs(Number(b.dataset.version) - version) ||
+                      Number(a.dataset.version) - Number(b.dataset.version));
+  for (const other of same) {
+    select.add(new Option(`version ${other.dataset.version} · score ${other.dataset.score} · #${other.dataset.cursor}`,
+                          other.dataset.cursor));
+  }
+  select.disabled = same.length === 0;
+}
+$("#compare-with").addEventListener("change", async (event) => {
+  const cursor = event.target.value;
+  if (!cursor) { closeComparison(); return; }
+  try {
+    compared = await getJSON(`/api/samples/${cursor}`);
+  } catch (error) {
+    $("#sample-error").textContent = error.message;
+    return;
+  }
+  for (const [id, sample] of [["#primary-title", shown], ["#compare-title", compared]]) {
+    $(id).textContent = headline(sample);
+    $(id).title = describe(sample);
+  }
+  $("#primary-title").hidden = $("#compare").hidden = false;
+  $(".panes").classList.add("comparing");
+  renderTokens(compared, $("#compare-tokens"));
+});
+function closeComparison() {
+  compared = null;
+  $("#primary-title").hidden = $("#compare").hidden = true;
+  $(".panes").classList.remove("comparing");
 }
 
 // Colour strength of a difference of ``nats``: logarithmic, full at 8 nats, so 1, 2 and 4 nats stay
@@ -266,8 +328,7 @@ drawScale();
 
 const PROMPT_SHOWN = 48;   // a longer prompt (a system prompt, a task) is folded: the turns come first
 
-function renderTokens(sample) {
-  const box = $("#tokens");
+function renderTokens(sample, box) {
   box.textContent = "";
   const by = $("#colour-by").value;
   let turn = 0;
