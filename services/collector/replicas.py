@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlfleet.client.channel import ChannelSettings, aio_channel
 from rlfleet.services.collector.discovery import Endpoint
-from rlfleet.services.common import metrics
+from rlfleet.services.collector import metrics
 from rlfleet.services.common.background import BackgroundTasks
 from rlfleet.services.common.errors import Unavailable
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc

@@ -20,7 +20,7 @@ from rlfleet.services.collector.prompt_item import PromptItem
 from rlfleet.services.collector.run import check_call as check_run_call
 from rlfleet.services.collector.servicer import CollectorServicer, TrajectoryProxyServicer
 from rlfleet.services.collector.status_metrics import STATUS_METRICS
-from rlfleet.services.common import metrics
+from rlfleet.services.collector import metrics
 from rlfleet.services.common.database import DatabaseUnavailable
 from rlfleet.services.common.errors import InvalidArgument, Unavailable, UpstreamError
 from rlfleet.services.common.server import Service

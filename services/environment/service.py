@@ -11,7 +11,7 @@ import grpc
 
 from rlfleet.env import Environment
 from rlfleet.services.common.errors import StartupError, Unavailable
-from rlfleet.services.common.metrics import SANDBOX_ISOLATION
+from rlfleet.services.environment.metrics import SANDBOX_ISOLATION
 from rlfleet.services.common.server import Service
 from rlfleet.services.environment.config import TOOL_CALLING, EnvironmentServiceConfig
 from rlfleet.services.environment.episode_sandbox import EpisodeSandboxes

@@ -24,7 +24,7 @@ from typing import Any
 from rlfleet.env import AssistantTurn, Environment, StepResult, Task, ToolCall, check_messages
 from rlfleet.env.tool_calls import MAX_TEXT_CHARS, parse_tool_calls, render_tool_result
 from rlfleet.services.common.errors import FailedPrecondition
-from rlfleet.services.common.metrics import TOOL_CALLS
+from rlfleet.services.environment.metrics import TOOL_CALLS
 from rlfleet.services.environment.episode_sandbox import EpisodeSandbox
 from rlfleet.services.environment.mcp_tools import MCPTools, ToolNameCollision
 from rlfleet.services.environment.sandbox import PythonSandbox, ToolResult

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from rlfleet.services.common import security
 from rlfleet.services.common.errors import StartupError
+from rlfleet.services.common.files import write_atomically
 from rlfleet.services.common.logs import setup_logging
 from rlfleet.services.common.upstream import upstream_settings
 from rlfleet.services.credentials import upstream_files
@@ -166,7 +167,7 @@ async def serve(config: ViewerConfig) -> None:
     await site.start()
     port = runner.addresses[0][1]
     if config.port_file:
-        Path(config.port_file).write_text(str(port))
+        write_atomically(config.port_file, str(port), mode=0o644)  # whole or absent: a launcher polls for it
     log.info("viewer serving on %s://%s:%d", "https" if context else "http", config.host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

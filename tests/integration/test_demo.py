@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 import uuid
@@ -135,6 +136,8 @@ class AgenticRun:
     """The trajectories buffered then, as Prometheus scraped them (``rlfleet_buffer_trajectories``)."""
     series: dict[str, list[dict]]
     """Each dashboard query (``tests.dashboard.queries``: where -> result) as Prometheus evaluated it."""
+    episode: dict
+    """One episode with a tool call as the rollout viewer's page showed it (``view_an_episode``)."""
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +161,9 @@ def agentic_run(tiny_model_dir, tmp_path_factory):
         buffered = scraped(prometheus, "sum(rlfleet_buffer_trajectories)", AGENTIC_CAPACITY)
         scored_against = list(zip(*(group.entries[key].strings.values for key in ("query", "reward_fn",
                                                                                   "ground_truth"))))
-        return AgenticRun(metrics, refused, scored_against, buffered, dashboard_series(prometheus))
+        series = dashboard_series(prometheus)
+        return AgenticRun(metrics, refused, scored_against, buffered, series,
+                          view_an_episode(workdir, tiny_model_dir))
     finally:
         prometheus.stop()
         stop_suite(procs)
@@ -231,6 +236,36 @@ def fail_a_tool_call(environment: str, model_dir) -> None:
         stub.CloseEpisode(environment_pb2.CloseEpisodeRequest(episode_id="dashboard-error"), timeout=60)
 
 
+def view_an_episode(workdir, model_dir) -> dict:
+    """The rollout viewer on the run (``--suite-dir``, as ``rlfleet-suite --view`` starts it), in a real
+    browser: the newest logged episode whose completion holds a tool call, opened; what its tokens show."""
+    from rlfleet.services.launch import ServiceProcess
+    from tests.browser import chromium, screenshot
+
+    viewer = ServiceProcess("viewer", ["--suite-dir", str(workdir), "--tokenizer", str(model_dir), "--port", "0",
+                                       "--log-format", "text"]).start(workdir / "viewer")
+    try:
+        viewer.wait_listening(120)
+        with chromium(viewport={"width": 1500, "height": 1000}) as context:
+            page = context.new_page()
+            page.set_default_timeout(120_000)
+            page.goto(f"http://127.0.0.1:{viewer.port}")
+            page.wait_for_selector("body[data-ready=true]")
+            page.click("nav button[data-tab=samples]")
+            page.wait_for_selector("#sample-table tbody tr td.completion")
+            page.locator("#sample-table tbody tr:has(td.completion:has-text('⟦'))").first.click()
+            page.wait_for_function("Number(document.querySelector('#tokens').dataset.tokens) > 0")
+            page.locator("#tokens span.t[data-part=observation]").filter(has_text=re.compile(r"\S")).first.hover()
+            shown = {"parts": page.eval_on_selector_all("#tokens span.t", "spans => spans.map(s => s.dataset.part)"),
+                     "turns": page.locator("#tokens .turn").count(),
+                     "title": page.locator("#detail-title").inner_text(),
+                     "hovered": page.locator("#token-info").inner_text()}
+            screenshot(page, "viewer-episode", full_page=False)
+            return shown
+    finally:
+        viewer.stop()
+
+
 def scraped(prometheus: Prometheus, expr: str, expected: float, deadline_seconds: float = 60.0) -> float:
     """``expr``'s one value once it is ``expected`` (a scrape after the change), or the last seen at the
     deadline (NaN: no series)."""
@@ -280,6 +315,16 @@ def test_each_trajectory_carries_the_reward_function_and_ground_truth_it_was_sco
         assert (reward_fn, ground_truth) == ("numeric_match", str(a * b)), query
 
 
+def test_the_viewer_shows_an_episodes_turns_tool_call_and_observation(agentic_run):
+    """A real episode of the run in the rollout viewer: the prompt, a sampled turn with its tool call,
+    the tool's observation (not sampled: no version), then the next turn."""
+    parts, shown = agentic_run.episode["parts"], agentic_run.episode
+    assert parts[0] == "prompt" and {"tool_call", "observation"} <= set(parts)
+    assert parts.index("tool_call") < parts.index("observation"), parts
+    assert shown["turns"] >= 1 and "reward fn numeric_match · ground truth " in shown["title"]
+    assert "· observation ·" in shown["hovered"] and shown["hovered"].endswith("version –"), shown["hovered"]
+
+
 @needs_root
 def test_agentic_demo_raises_tool_calls_and_reward(agentic_metrics):
     """The warm start leaves the model calling the tool in about 30% of the episodes (0.25-0.34 at
@@ -298,6 +343,8 @@ def test_every_query_of_the_dashboard_returns_series_from_a_real_prometheus(agen
     variable's PromQL, with the run's metric names, labels and methods, returns series (the rare events
     among them provoked for real: a full buffer, a reported mismatch, a failing tool call)."""
     assert [query for query, result in agentic_run.series.items() if not result] == []
+    replicas = next(result for query, result in agentic_run.series.items() if ": rlfleet_replicas{" in query)
+    assert [s["metric"]["job"] for s in replicas] == ["collector"]  # each process exports its own service's
     mismatch = next(result for query, result in agentic_run.series.items() if "rlfleet_mismatch_kl_k3" in query)
     assert [(s["metric"]["lag"], float(s["value"][1])) for s in mismatch] == [("1", REPORTED_KL)]
     jobs = next(result for query, result in agentic_run.series.items() if query.startswith("variable 'job'"))

@@ -155,8 +155,7 @@ def test_work_goes_to_the_replica_with_the_fewest_samples_outstanding(loads, sam
 
 def test_trainer_wait_counts_only_the_time_a_stream_holds_no_unsettled_batch(monkeypatch):
     """The autoscaling signal: a trainer training on a batch is not waiting; one that settled all it got is."""
-    from rlfleet.services.collector import servicer
-    from rlfleet.services.common import metrics
+    from rlfleet.services.collector import metrics, servicer
 
     clock = [100.0]
     monkeypatch.setattr(servicer.time, "monotonic", lambda: clock[0])
