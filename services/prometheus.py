@@ -20,6 +20,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from rlfleet.services.common.files import write_atomically
+
 TARGETS = "targets.json"
 
 
@@ -34,9 +36,7 @@ def write_targets(directory: Path, targets: dict[str, tuple[str, int]]) -> Path:
     groups = [{"targets": [f"127.0.0.1:{port}"], "labels": {"job": name, "service": key}}
               for key, (name, port) in targets.items()]
     path = directory / TARGETS
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(groups, indent=1) + "\n")
-    partial.replace(path)
+    write_atomically(path, json.dumps(groups, indent=1) + "\n", mode=0o644)
     return path
 
 

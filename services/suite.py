@@ -80,7 +80,6 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
     workdir = Path(workdir)
     common = ["--log-format", options.log_format]
     procs: dict[str, ServiceProcess] = {}
-    scraped: dict[str, tuple[str, int]] = {}  # suite key -> (service, metrics port)
     credentials = None
     if options.secure:
         from rlfleet.services.credentials import make_credentials
@@ -98,10 +97,10 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
         if options.metrics:
             proc.metrics_port = free_port()
             proc.args += ["--metrics-port", str(proc.metrics_port)]
-            scraped[key] = (name, proc.metrics_port)
-            write_targets(workdir / "prometheus", scraped)
         proc.start(workdir / key)
         procs[key] = proc
+        if options.metrics:
+            write_targets(workdir / "prometheus", {k: (p.name, p.metrics_port) for k, p in procs.items()})
         if wait:
             proc.wait_ready(timeout)
             print(f"[suite] {key:<13} SERVING on {proc.address} ({time.monotonic() - started:.1f}s)",

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlfleet.client.channel import call_with_retry
 from rlfleet.client.errors import RlfleetClientError
+from rlfleet.services.collector import metrics
 from rlfleet.services.collector.build import build
 from rlfleet.services.collector.config import CollectorConfig
 from rlfleet.services.collector.mismatch import LagMismatch
@@ -20,7 +21,6 @@ from rlfleet.services.collector.prompt_item import PromptItem
 from rlfleet.services.collector.run import check_call as check_run_call
 from rlfleet.services.collector.servicer import CollectorServicer, TrajectoryProxyServicer
 from rlfleet.services.collector.status_metrics import STATUS_METRICS
-from rlfleet.services.collector import metrics
 from rlfleet.services.common.database import DatabaseUnavailable
 from rlfleet.services.common.errors import InvalidArgument, Unavailable, UpstreamError
 from rlfleet.services.common.server import Service

@@ -13,11 +13,10 @@ import grpc
 from rlfleet.client.channel import is_core_write_failure
 from rlfleet.client.errors import from_rpc_error
 from rlfleet.client.results import to_message
-from rlfleet.services.collector import prompt_item
+from rlfleet.services.collector import metrics, prompt_item
 from rlfleet.services.collector.batch_stream import BatchRelay
 from rlfleet.services.collector.mismatch import LagMismatch
 from rlfleet.services.collector.run import check_call, check_join
-from rlfleet.services.collector import metrics
 from rlfleet.services.common.errors import Aborted, InvalidArgument, RlfleetError, UpstreamError
 from rlfleet.services.common.weight_stream import payloads
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, trajectory_pb2_grpc

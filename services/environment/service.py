@@ -11,10 +11,10 @@ import grpc
 
 from rlfleet.env import Environment
 from rlfleet.services.common.errors import StartupError, Unavailable
-from rlfleet.services.environment.metrics import SANDBOX_ISOLATION
 from rlfleet.services.common.server import Service
 from rlfleet.services.environment.config import TOOL_CALLING, EnvironmentServiceConfig
 from rlfleet.services.environment.episode_sandbox import EpisodeSandboxes
+from rlfleet.services.environment.metrics import SANDBOX_ISOLATION
 from rlfleet.services.environment.open_episodes import Episodes, OpenEpisodeLimits
 from rlfleet.services.environment.mcp_tools import MCPTools, ToolNameCollision
 from rlfleet.services.environment.rendering import ChatRenderer
