@@ -6,8 +6,8 @@
     rlfleet-suite --prometheus                                       # and a Prometheus scraping every service
     rlfleet-suite --secure --then "python train.py --credentials {credentials} ..."   # TLS, mTLS, roles
 
-Builds the tiny local model when ``--model-dir`` holds none. Services are
-started in dependency order and each must report SERVING before the next.
+Builds the tiny local model when ``--model-dir`` holds none. The services the collector calls start
+at once (none calls another); the collector starts once every one of them reports SERVING.
 """
 
 from __future__ import annotations
@@ -75,20 +75,21 @@ def secure_args(credentials: Path, name: str) -> list[str]:
 
 def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
                 without_collector: bool = False, store_only: bool = False) -> dict[str, ServiceProcess]:
-    """Start every service in dependency order, each SERVING before the next (all stopped on failure);
-    ``store_only``: the trajectory service alone (on the work directory's store, for looking at a run)."""
+    """Start every service: the collector's upstream services at once, then, once all of them report
+    SERVING, the collector (all stopped on failure); ``store_only``: the trajectory service alone (on the
+    work directory's store, for looking at a run)."""
     workdir = Path(workdir)
     common = ["--log-format", options.log_format]
     procs: dict[str, ServiceProcess] = {}
+    started: dict[str, float] = {}
     credentials = None
     if options.secure:
         from rlfleet.services.credentials import make_credentials
 
         credentials = make_credentials(workdir / "credentials")
 
-    def launch(key: str, name: str, args: list[str], wait: bool = True, env: dict[str, str] | None = None
-               ) -> ServiceProcess:
-        started = time.monotonic()
+    def launch(key: str, name: str, args: list[str], env: dict[str, str] | None = None) -> ServiceProcess:
+        started[key] = time.monotonic()
         print(f"[suite] starting {key} ...", file=sys.stderr, flush=True)
         proc = ServiceProcess(name, [*args, *common], env=env or {})
         if credentials is not None:
@@ -101,11 +102,13 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
         procs[key] = proc
         if options.metrics:
             write_targets(workdir / "prometheus", {k: (p.name, p.metrics_port) for k, p in procs.items()})
-        if wait:
-            proc.wait_ready(timeout)
-            print(f"[suite] {key:<13} SERVING on {proc.address} ({time.monotonic() - started:.1f}s)",
-                  file=sys.stderr, flush=True)
         return proc
+
+    def wait_all() -> None:
+        for key, proc in procs.items():
+            proc.wait_ready(max(1.0, timeout - (time.monotonic() - started[key])))
+            print(f"[suite] {key:<13} SERVING on {proc.address} ({time.monotonic() - started[key]:.1f}s)",
+                  file=sys.stderr, flush=True)
 
     try:
         model = str(options.model_dir)
@@ -113,30 +116,30 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
         launch("trajectory", "trajectory",
                ["--db-path", options.trajectory_db or str(workdir / "trajectory" / "trajectories.db"), *fresh,
                 *options.trajectory_args])
-        if store_only:
+        if not store_only:
+            # vLLM's engines take longest to start: first, so the small services start beside them.
+            replicas = [launch(f"generation-{i}", "generation",
+                               ["--model", model, "--kv-cache-memory-bytes", str(options.kv_cache_bytes),
+                                "--max-model-len", str(options.max_model_len), *options.generation_args])
+                        for i in range(options.generation_replicas)]
+            launch("reference", "reference", ["--model-path", model, "--torch-threads", str(options.reference_threads)])
+            launch("reward", "reward", ["--tokenizer-path", model, *options.reward_args])
+            if options.environments is not None:
+                launch("environment", "environment", ["--tokenizer-path", model, *options.environment_args],
+                       env={"RLFLEET_ENVIRONMENT_ENVIRONMENTS": json.dumps(options.environments),
+                            **options.environment_env})
+        wait_all()
+        if store_only or without_collector:
             return procs
-        launch("reference", "reference", ["--model-path", model, "--torch-threads", str(options.reference_threads)])
-        launch("reward", "reward", ["--tokenizer-path", model, *options.reward_args])
-        upstream = []
-        if options.environments is not None:
-            launch("environment", "environment", ["--tokenizer-path", model, *options.environment_args],
-                   env={"RLFLEET_ENVIRONMENT_ENVIRONMENTS": json.dumps(options.environments),
-                        **options.environment_env})
-            upstream = ["--environment-address", procs["environment"].address]
-        replicas = [launch(f"generation-{i}", "generation",
-                           ["--model", model, "--kv-cache-memory-bytes", str(options.kv_cache_bytes),
-                            "--max-model-len", str(options.max_model_len), *options.generation_args], wait=False)
-                    for i in range(options.generation_replicas)]
-        for proc in replicas:  # engines start in parallel; wait for all
-            proc.wait_ready(timeout)
-            print(f"[suite] generation    SERVING on {proc.address}", file=sys.stderr, flush=True)
-        if without_collector:
-            return procs
+        upstream = ["--environment-address", procs["environment"].address] if "environment" in procs else []
         launch("collector", "collector", [
             "--generation-addresses", json.dumps([p.address for p in replicas]),
             "--reference-address", procs["reference"].address, "--reward-address", procs["reward"].address,
             "--trajectory-address", procs["trajectory"].address, "--state-dir", str(workdir / "collector"),
             *fresh, *upstream, *(upstream_args(credentials) if credentials else ()), *options.collector_args])
+        procs["collector"].wait_ready(timeout)
+        print(f"[suite] {'collector':<13} SERVING on {procs['collector'].address} "
+              f"({time.monotonic() - started['collector']:.1f}s)", file=sys.stderr, flush=True)
     except BaseException:
         stop_suite(procs)
         raise
@@ -210,10 +213,18 @@ def _serving(address: str, credentials) -> bool:
 
 
 def stop_suite(procs: dict[str, ServiceProcess]) -> None:
-    """SIGTERM every service, collector first (the reverse of the start order)."""
-    for key, proc in reversed(list(procs.items())):
+    """SIGTERM the collector and wait for it, then every other service at once."""
+    def stop(key: str, proc: ServiceProcess) -> None:
         code = proc.stop()
         print(f"[suite] {key:<13} stopped (exit code {code})", file=sys.stderr, flush=True)
+
+    if "collector" in procs:
+        stop("collector", procs["collector"])
+    threads = [threading.Thread(target=stop, args=item, daemon=True) for item in procs.items() if item[0] != "collector"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def main(argv: list[str] | None = None) -> None:

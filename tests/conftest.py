@@ -1,11 +1,74 @@
-"""Session-wide fixtures shared by unit and integration tests."""
+"""Session-wide fixtures shared by unit and integration tests, and how the test command's parallel
+workers (pytest-xdist, ``--dist loadgroup``: scripts/test) share out the modules."""
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 
-from rlfleet.services.models.tiny import build_tiny_model
-from tests.postgres import PostgresServer
+if "PYTEST_XDIST_WORKER" in os.environ and "RLFLEET_SHM_DIR" not in os.environ:
+    # Each parallel worker its own shm directory, inherited by the services it starts (as two hosts have
+    # two): tests count the weight segments a push leaves, which another worker's pushes must not add to.
+    WORKER_SHM_DIR = Path("/dev/shm") / f"rlfleet-tests-{os.environ['PYTEST_XDIST_WORKER']}-{os.getpid()}"
+    WORKER_SHM_DIR.mkdir()
+    os.environ["RLFLEET_SHM_DIR"] = str(WORKER_SHM_DIR)
+else:
+    WORKER_SHM_DIR = None
+
+from rlfleet.services.models.tiny import build_tiny_model  # noqa: E402 - after RLFLEET_SHM_DIR is set
+from tests.postgres import PostgresServer  # noqa: E402
+
+SHARED_WORKER = {
+    "ray": ("tests/integration/test_ray_guide.py", "tests/integration/test_ray.py", "tests/integration/test_torchrl.py"),
+    "secure": ("tests/integration/test_secure_suite.py", "tests/integration/test_secure_viewer.py"),
+}
+"""Modules that run one after another on one worker: those that start a Ray cluster (one at a time: each
+cluster counts the host's cores as its own), and those sharing the ``secure_suite`` fixture."""
+LONGEST_FIRST = ("ray", "tests/integration/test_demo.py", "tests/integration/test_runs.py",
+                 "tests/integration/test_docs_site.py", "tests/integration/test_collector.py",
+                 "tests/integration/test_chaos.py", "tests/integration/test_weight_sync.py")
+"""The groups that take minutes (durations of the last clean-clone run), handed out first so that no
+worker starts one while the other is finishing: the rest follow in collection order."""
+
+
+def worker_group(path: str) -> str:
+    """The unit of work a parallel worker takes whole: a module (its module-scoped suite starts once), or
+    the group of ``SHARED_WORKER`` it belongs to."""
+    return next((group for group, modules in SHARED_WORKER.items() if path in modules), path)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    """The groups of ``LONGEST_FIRST`` first, each group's tests together, in collection order otherwise."""
+    groups = {}
+    for item in items:
+        groups.setdefault(worker_group(item.nodeid.split("::")[0]), []).append(item)
+    first = [group for group in LONGEST_FIRST if group in groups]
+    items[:] = [item for group in [*first, *(g for g in groups if g not in first)] for item in groups[group]]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if WORKER_SHM_DIR is not None:
+        shutil.rmtree(WORKER_SHM_DIR, ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)  # defined by xdist: without it (-p no:xdist), nothing to schedule
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup``: each worker takes a whole ``worker_group`` at a time, in collection order.
+    (xdist's own loadgroup reads ``xdist_group`` marks through a node id it rewrites, which pytest 9.2's
+    node ids no longer allow.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkerGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid.split("::")[0])
+
+    return ByWorkerGroup(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ vLLM's CPU attention accepts.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import random
@@ -116,9 +117,6 @@ def build_tiny_model(
     Skips the work when ``out_dir`` already holds a model built with the same
     arguments (a fingerprint file records them).
     """
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     out = Path(out_dir)
     args = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
@@ -128,9 +126,21 @@ def build_tiny_model(
     )
     fingerprint = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()
     stamp = out / "rlfleet-tiny.json"
-    if stamp.exists() and json.loads(stamp.read_text()).get("fingerprint") == fingerprint:
-        return out
     out.mkdir(parents=True, exist_ok=True)
+    # Processes building into one directory at once (parallel test workers) take turns: the first builds,
+    # the others find its stamp; none reads files another is writing.
+    with open(out / ".rlfleet-tiny.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (stamp.exists() and json.loads(stamp.read_text()).get("fingerprint") == fingerprint):
+            _build(out, args, fingerprint, vocab_size, hidden_size, num_layers, num_heads, intermediate_size,
+                   max_position_embeddings, seed)
+    return out
+
+
+def _build(out: Path, args: dict, fingerprint: str, vocab_size: int, hidden_size: int, num_layers: int,
+           num_heads: int, intermediate_size: int, max_position_embeddings: int, seed: int) -> None:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_tokenizer(vocab_size, seed)
     config = Qwen2Config(
@@ -157,8 +167,7 @@ def build_tiny_model(
     model.generation_config.pad_token_id = config.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    stamp.write_text(json.dumps({"fingerprint": fingerprint, "args": args}, indent=2))
-    return out
+    (out / "rlfleet-tiny.json").write_text(json.dumps({"fingerprint": fingerprint, "args": args}, indent=2))
 
 
 def main(argv: list[str] | None = None) -> None:
