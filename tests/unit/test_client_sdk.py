@@ -48,6 +48,8 @@ CODES = {
     grpc.StatusCode.INTERNAL: InternalError,
 }
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+REOPENED = (*RETRYABLE, grpc.StatusCode.CANCELLED)
+"""What a batch stream is reopened after: the retryable codes, and CANCELLED (a stopping server's open streams)."""
 RETRIES = 2
 SERVER_TIMEOUT = 10.0
 """Until the fake server (its own thread and loop) has handled what the client sent or ended: milliseconds;
@@ -764,7 +766,7 @@ def test_leaving_with_by_exception_does_not_ack(client, state):
     assert state.settled == []
 
 
-@pytest.mark.parametrize("code", [c for c in CODES if c not in RETRYABLE], ids=lambda c: c.name)
+@pytest.mark.parametrize("code", [c for c in CODES if c not in REOPENED], ids=lambda c: c.name)
 def test_errors_mid_stream_are_typed_and_end_the_stream(client, state, code):
     state.add_batches(3)
     state.stream_error = (1, code)
@@ -778,7 +780,7 @@ def test_errors_mid_stream_are_typed_and_end_the_stream(client, state, code):
         next(batches)
 
 
-@pytest.mark.parametrize("code", sorted(RETRYABLE, key=lambda c: c.name), ids=lambda c: c.name)
+@pytest.mark.parametrize("code", sorted(REOPENED, key=lambda c: c.name), ids=lambda c: c.name)
 def test_a_stream_broken_mid_way_is_reopened_and_unacked_batches_come_again(client, state, code, caplog):
     state.add_batches(3)
     state.stream_error = (1, code)  # every stream breaks after its first delivery

@@ -37,7 +37,7 @@ import grpc
 import torch
 
 from rlfleet.client.channel import ChannelSettings, StatusWatch, backoff, stream_error
-from rlfleet.client.errors import (DeadlineExceededError, FailedPreconditionError, InternalError,
+from rlfleet.client.errors import (CancelledError, DeadlineExceededError, FailedPreconditionError, InternalError,
                                    RlfleetClientError, from_rpc_error)
 from rlfleet.v1 import trajectory_pb2
 from rlfleet.wire import Ragged, WireError, decode_tensordict, get_ragged, string_list
@@ -51,6 +51,13 @@ DEFAULT_IDLE_TIMEOUT = 1800.0
 """How long ``next()`` waits for a batch before ``DeadlineExceededError`` (the SDK never blocks forever)."""
 DEFAULT_RECONNECT_SECONDS = 300.0
 """How long a broken stream is reopened for (a collector restart takes seconds to a minute)."""
+
+
+def broken(error: RlfleetClientError) -> bool:
+    """The stream ended without the server refusing it, so it is reopened: a retryable error, or CANCELLED:
+    a server that stops cancels the streams still open after its grace (a collector restarting, on a new
+    node or with an upstream's new address), and its successor serves them."""
+    return error.retryable or isinstance(error, CancelledError)
 
 
 def _key(key: Any) -> Any:
@@ -220,7 +227,7 @@ class BatchStream:
                 return await self._idle_bound(self._open())
             return await self._idle_bound(self._receive(), open_stream=True)
         except RlfleetClientError as error:
-            if not error.retryable or self.closed or not self._delivered:
+            if not broken(error) or self.closed or not self._delivered:
                 raise
             log.warning("StreamBatches broke (%s); reopening for up to %.0f s (batches delivered and not acked "
                         "are delivered again)", error, self._reconnect_seconds)
@@ -272,7 +279,7 @@ class BatchStream:
                 return await self._receive()
             except RlfleetClientError as error:
                 self._end_call()
-                if not error.retryable or (attempt >= self._settings.retries and loop.time() >= give_up_at):
+                if not broken(error) or (attempt >= self._settings.retries and loop.time() >= give_up_at):
                     raise
             await asyncio.sleep(min(backoff(attempt, self._settings.backoff_seconds), 5.0))
             attempt += 1
