@@ -24,10 +24,15 @@ from tests.postgres import PostgresServer  # noqa: E402
 SHARED_WORKER = {
     "ray": ("tests/integration/test_ray_guide.py", "tests/integration/test_ray.py", "tests/integration/test_torchrl.py"),
     "secure": ("tests/integration/test_secure_suite.py", "tests/integration/test_secure_viewer.py"),
+    "sandbox": tuple(f"tests/integration/test_{name}.py" for name in (
+        "demo", "environment_service", "episode_sandbox", "episodes", "fuzz", "openenv_adapter", "sandbox",
+        "sandbox_in_a_container", "tool_env", "verifiers_adapter")),
 }
 """Modules that run one after another on one worker: those that start a Ray cluster (one at a time: each
-cluster counts the host's cores as its own), and those sharing the ``secure_suite`` fixture."""
-LONGEST_FIRST = ("ray", "tests/integration/test_demo.py", "tests/integration/test_runs.py",
+cluster counts the host's cores as its own); those sharing the ``secure_suite`` fixture; and those whose
+sandboxes run processes as uid 65534, because the sandbox tests count every such process on the host, and
+RLIMIT_NPROC counts them all against one sandbox's bound."""
+LONGEST_FIRST = ("ray", "sandbox", "tests/integration/test_runs.py",
                  "tests/integration/test_docs_site.py", "tests/integration/test_collector.py",
                  "tests/integration/test_chaos.py", "tests/integration/test_weight_sync.py")
 """The groups that take minutes (durations of the last clean-clone run), handed out first so that no
