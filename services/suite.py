@@ -104,8 +104,9 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
             write_targets(workdir / "prometheus", {k: (p.name, p.metrics_port) for k, p in procs.items()})
         return proc
 
-    def wait_all() -> None:
-        for key, proc in procs.items():
+    def wait(keys: list[str]) -> None:
+        for key in keys:
+            proc = procs[key]
             proc.wait_ready(max(1.0, timeout - (time.monotonic() - started[key])))
             print(f"[suite] {key:<13} SERVING on {proc.address} ({time.monotonic() - started[key]:.1f}s)",
                   file=sys.stderr, flush=True)
@@ -128,7 +129,7 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
                 launch("environment", "environment", ["--tokenizer-path", model, *options.environment_args],
                        env={"RLFLEET_ENVIRONMENT_ENVIRONMENTS": json.dumps(options.environments),
                             **options.environment_env})
-        wait_all()
+        wait(list(procs))
         if store_only or without_collector:
             return procs
         upstream = ["--environment-address", procs["environment"].address] if "environment" in procs else []
@@ -137,9 +138,7 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
             "--reference-address", procs["reference"].address, "--reward-address", procs["reward"].address,
             "--trajectory-address", procs["trajectory"].address, "--state-dir", str(workdir / "collector"),
             *fresh, *upstream, *(upstream_args(credentials) if credentials else ()), *options.collector_args])
-        procs["collector"].wait_ready(timeout)
-        print(f"[suite] {'collector':<13} SERVING on {procs['collector'].address} "
-              f"({time.monotonic() - started['collector']:.1f}s)", file=sys.stderr, flush=True)
+        wait(["collector"])
     except BaseException:
         stop_suite(procs)
         raise

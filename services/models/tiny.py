@@ -132,13 +132,14 @@ def build_tiny_model(
     with open(out / ".rlfleet-tiny.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (stamp.exists() and json.loads(stamp.read_text()).get("fingerprint") == fingerprint):
-            _build(out, args, fingerprint, vocab_size, hidden_size, num_layers, num_heads, intermediate_size,
-                   max_position_embeddings, seed)
+            _build(out, **{k: v for k, v in args.items() if k != "builder_version"})
+            stamp.write_text(json.dumps({"fingerprint": fingerprint, "args": args}, indent=2))
     return out
 
 
-def _build(out: Path, args: dict, fingerprint: str, vocab_size: int, hidden_size: int, num_layers: int,
-           num_heads: int, intermediate_size: int, max_position_embeddings: int, seed: int) -> None:
+def _build(out: Path, *, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
+           intermediate_size: int, max_position_embeddings: int, seed: int) -> None:
+    """The model and tokenizer files (the caller writes the stamp after them)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -167,7 +168,6 @@ def _build(out: Path, args: dict, fingerprint: str, vocab_size: int, hidden_size
     model.generation_config.pad_token_id = config.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    (out / "rlfleet-tiny.json").write_text(json.dumps({"fingerprint": fingerprint, "args": args}, indent=2))
 
 
 def main(argv: list[str] | None = None) -> None:
