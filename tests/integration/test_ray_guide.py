@@ -29,6 +29,7 @@ import ray
 
 from rlfleet.services.launch import free_port
 from tests.leftovers import Leftovers
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,6 +96,8 @@ class LocalRayCluster:
         self.marks = (str(ray_dir), f":{gcs_port} ")  # its nodes' directories, its GCS address
 
     def processes(self) -> list[psutil.Process]:
+        """Its live processes. A zombie has ended: it holds no port, memory or file, and reaping it is
+        its parent's business (``init`` in a container, which may do so late or never)."""
         found = {}
         for process in psutil.process_iter(["cmdline"]):
             command = " ".join(process.info["cmdline"] or ()) + " "
@@ -102,17 +105,25 @@ class LocalRayCluster:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     for member in (process, *process.children(recursive=True)):
                         found[member.pid] = member
-        return list(found.values())
+        return [process for process in found.values() if alive(process)]
 
     def stop(self) -> None:
         processes = self.processes()
         for process in processes:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.terminate()
-        _, alive = psutil.wait_procs(processes, timeout=30)
-        for process in alive:
+        with contextlib.suppress(TimeoutError):  # (psutil.wait_procs waits out a zombie that is not ours)
+            wait_for(lambda: not any(map(alive, processes)), timeout=30, what="the cluster's processes to exit")
+        for process in filter(alive, processes):
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
+
+
+def alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def run(command: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -168,6 +179,8 @@ def test_the_ray_guide_runs_as_written_on_a_two_node_cpu_cluster(place):
     print("the guide's commands, seconds each:", json.dumps(timings, indent=1))
     assert used == {written for written, _ in SUBSTITUTIONS}, "a substitution the guide no longer needs"
     check_what_the_commands_did(directory, results)
+    with contextlib.suppress(TimeoutError):  # `ray stop` returns once it has signalled; exits follow
+        wait_for(lambda: not cluster.processes(), timeout=60, what="the cluster's processes to exit")
     assert not cluster.processes(), "the cluster's processes outlived its `ray stop`"
     leftovers.assert_none_within(60)
 
