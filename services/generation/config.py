@@ -84,7 +84,9 @@ class GenerationEngineConfig(BaseModel):
     a full core per process while generating: on a CPU host that core is taken from the model's
     own worker and from the services beside it (the effect on a 2-core host: see the pipeline
     benchmark page, docs/benchmarks/pipeline.md, part (c)). ``None``: 20 when the engine runs on
-    CPU, vLLM's spin on a GPU host; 0: vLLM's spin. See ``rlfleet.services.generation.queue_poll``."""
+    CPU, vLLM's spin on a GPU host; 0: vLLM's spin. On a CPU host of at most 2 CPUs the model runs in
+    the engine core, with no worker process and no such queue between them. See
+    ``rlfleet.services.generation.queue_poll``."""
 
     kv_cache_memory_bytes: int | None = None
     """Explicit KV-cache size in bytes; ``None`` lets vLLM size it."""

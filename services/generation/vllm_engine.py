@@ -64,6 +64,7 @@ class GenerationEngine:
             self.weights.checkpoint_specs = await asyncio.to_thread(read_checkpoint_specs, self.config.model)
             await asyncio.to_thread(self.prompts.load)
             self._install_queue_poll()
+            self._worker_in_engine_core()
             engine_args = AsyncEngineArgs(**self._engine_kwargs())
             # Construction blocks until the engine process is up; a thread keeps
             # the event loop (and a health endpoint on it) responsive meanwhile.
@@ -98,6 +99,29 @@ class GenerationEngine:
         os.environ[queue_poll.ENV] = str(micros)
         queue_poll.install()
         logger.info("vLLM queue readers: %s", f"sleep {micros} us between checks" if micros else "vLLM's spin")
+
+    def _worker_in_engine_core(self) -> None:
+        """On a CPU host of at most 2 CPUs, the model runs in the engine-core process, as it does on a
+        GPU host with one device, instead of in a worker process of its own.
+
+        vLLM's CPU platform turns a one-worker engine's in-process executor ("uni") into a worker
+        process ("mp") whenever ``VLLM_ENABLE_V1_MULTIPROCESSING`` is 1, its default
+        (``vllm/platforms/cpu.py``), so that the worker can own a team of OpenMP threads bound to the
+        host's cores, one core kept for the engine core. With 2 CPUs that team is one thread on CPU 0:
+        the worker buys nothing, and costs a third vLLM import (~8 s of CPU) per replica start, its
+        memory, a shared-memory queue that every step crosses twice, and the pinning (two replicas
+        of the host share CPU 0). In the engine core (a spawned process of the service's own, where
+        nothing has run OpenMP before the model loads) the model runs one torch thread, unpinned.
+        ``AsyncLLM`` runs its engine core as a process whatever the variable says. A larger host, a
+        variable already set, an explicit ``VLLM_CPU_OMP_THREADS_BIND`` or a tensor- or pipeline-parallel engine
+        keep vLLM's own layout."""
+        from vllm.platforms import current_platform
+
+        if (current_platform.is_cpu() and len(os.sched_getaffinity(0)) <= 2
+                and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto"
+                and all(self.config.engine_kwargs.get(f"{kind}_parallel_size", 1) == 1
+                        for kind in ("tensor", "pipeline"))):
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
     def _engine_kwargs(self) -> dict[str, Any]:
         cfg = self.config
