@@ -27,6 +27,12 @@ The two sides alternate ``--rounds`` times after a warm-up of each; the ratio
 service / in-process is taken per round from two adjacent phases, so load from
 other processes on a shared machine hits both alike. Target: median >= 0.9.
 
+``--worker-process-side`` adds a third side: a second service whose engine runs the
+model in a vLLM worker process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, vLLM's own CPU
+layout) where the first runs it in the engine core (the service's layout on a host of
+at most 2 CPUs, ``GenerationEngine._worker_in_engine_core``); ratio = engine core /
+worker process per round, and the RESULT line.
+
 Weight pushes are measured by ``bench/weights.py``.
 """
 
@@ -105,7 +111,8 @@ async def service_tokens(stub, requests, tag: str) -> tuple[int, float]:
     return sum(counts), time.perf_counter() - started
 
 
-async def measure_tokens(ns, engine, address: str, vocab_size: int, meter: CpuMeter) -> dict:
+async def measure_tokens(ns, engine, address: str, vocab_size: int, meter: CpuMeter,
+                         worker_address: str | None = None) -> dict:
     from rlfleet.services.common.sampling_spec import sampling_from_proto
 
     prompts = make_prompts(ns.prompts, tuple(ns.prompt_len), vocab_size, seed=0)
@@ -121,7 +128,7 @@ async def measure_tokens(ns, engine, address: str, vocab_size: int, meter: CpuMe
         encode_tensor(torch.tensor(ids, dtype=torch.int64), out=request.prompt.token_ids)
         requests.append(request)
     expected = ns.prompts * ns.n * ns.max_tokens
-    local, remote = [], []
+    local, remote, worker = [], [], []
     cpu = {side: dict.fromkeys(CPU_KEYS, 0.0) for side in ("in-process", "service")}
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
@@ -134,6 +141,17 @@ async def measure_tokens(ns, engine, address: str, vocab_size: int, meter: CpuMe
             before_r = meter.snapshot()
             tokens_r, seconds_r = await service_tokens(stub, requests, f"r{round_index}")
             after_r = meter.snapshot()
+            if worker_address is not None:
+                async with grpc.aio.insecure_channel(worker_address) as worker_channel:
+                    await asyncio.sleep(ns.settle_seconds)
+                    tokens_w, seconds_w = await service_tokens(
+                        generation_pb2_grpc.GenerationServiceStub(worker_channel), requests, f"w{round_index}")
+                if tokens_w != expected:
+                    raise RuntimeError(f"token counts differ: worker-process service {tokens_w}, expected {expected}")
+                if round_index >= 0:
+                    worker.append(tokens_w / seconds_w)
+                    print(f"  round {round_index}: service with a vLLM worker process {worker[-1]:.0f} tok/s",
+                          file=sys.stderr, flush=True)
             if round_index >= 0:
                 for side, delta in (("in-process", CpuMeter.delta(before, after_l)),
                                     ("service", CpuMeter.delta(before_r, after_r))):
@@ -148,6 +166,8 @@ async def measure_tokens(ns, engine, address: str, vocab_size: int, meter: CpuMe
                 print(f"  round {round_index}: in-process {local[-1]:.0f} tok/s, "
                       f"service {remote[-1]:.0f} tok/s", file=sys.stderr, flush=True)
     out = summarize(local, remote)
+    if worker:
+        out["worker_process"] = summarize(worker, remote)
     # CPU milliseconds per 1000 generated tokens, per side.
     out["cpu"] = {side: {key: 1e6 * value / (expected * ns.rounds) for key, value in by_key.items()}
                   for side, by_key in cpu.items()}
@@ -165,18 +185,25 @@ async def run(ns, service_args: list[str], model_dir: Path) -> tuple:
                                               for name in GenerationEngineConfig.model_fields})
     workdir = Path(tempfile.mkdtemp(prefix="rlfleet-bench-generation-"))
     service = ServiceProcess("generation", service_args).start(workdir / "service")
+    second = (ServiceProcess("generation", service_args, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+              .start(workdir / "service-worker-process") if ns.worker_process_side else None)
     engine = GenerationEngine(engine_config)
     try:
         # Everything starts together; nothing is measured until all are up.
         await engine.start()
         await asyncio.to_thread(service.wait_ready, 600)
+        if second is not None:
+            await asyncio.to_thread(second.wait_ready, 600)
         vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        meter = cpu_meter(service, exclude=[])
-        tokens = await measure_tokens(ns, engine, service.address, vocab_size, meter)
+        meter = cpu_meter(service, exclude=[second.process.pid] if second is not None else [])
+        tokens = await measure_tokens(ns, engine, service.address, vocab_size, meter,
+                                      second.address if second is not None else None)
     finally:
         if engine is not None:
             await engine.shutdown()
         service.stop()
+        if second is not None:
+            second.stop()
     return config, tokens
 
 
@@ -195,6 +222,9 @@ def main() -> None:
                         help="pause before each phase: an idle vLLM worker busy-spins ~1 s after its last step, "
                              "which would steal a core from the next phase (two engines share this machine)")
     parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
+    parser.add_argument("--worker-process-side", action="store_true",
+                        help="also measure a service whose vLLM runs the model in a worker process "
+                             "(VLLM_ENABLE_V1_MULTIPROCESSING=1) against the service as configured")
     parser.add_argument("--service-arg", action="append", default=[],
                         help="extra generation flag for both sides, e.g. --service-arg=--max-num-seqs=128")
     ns = parser.parse_args()
@@ -224,6 +254,15 @@ def main() -> None:
     for side, by_key in tokens["cpu"].items():
         print(f"  {side:>10} | " + " | ".join(f"{by_key[key]:>17.0f}" for key in CPU_KEYS)
               + f" | {sum(by_key.values()):>6.0f}")
+    if "worker_process" in tokens:
+        layout = tokens["worker_process"]
+        print(f"  service, model in the engine core / in a vLLM worker process: {layout['ratio']:.2f} "
+              f"(IQR {layout['low']:.2f}-{layout['high']:.2f}; {layout['base']:.0f} against "
+              f"{layout['measured']:.0f} tok/s)")
+        print("RESULT " + json.dumps({"engine_core_over_worker_process": round(layout["ratio"], 3),
+                                      "engine_core_tok_s": round(layout["measured"]),
+                                      "worker_process_tok_s": round(layout["base"]),
+                                      "rounds": ns.rounds, "cpus": len(os.sched_getaffinity(0))}))
     print("""
 How to read: ratios are medians of per-round ratios from phases adjacent in time (a noisy machine shifts both).
 ratio = service tok/s / in-process tok/s: same engine config, prompts and sampling, equal token counts

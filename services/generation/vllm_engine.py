@@ -110,18 +110,26 @@ class GenerationEngine:
         host's cores, one core kept for the engine core. With 2 CPUs that team is one thread on CPU 0:
         the worker buys nothing, and costs a third vLLM import (~8 s of CPU) per replica start, its
         memory, a shared-memory queue that every step crosses twice, and the pinning (two replicas
-        of the host share CPU 0). In the engine core (a spawned process of the service's own, where
-        nothing has run OpenMP before the model loads) the model runs one torch thread, unpinned.
-        ``AsyncLLM`` runs its engine core as a process whatever the variable says. A larger host, a
-        variable already set, an explicit ``VLLM_CPU_OMP_THREADS_BIND`` or a tensor- or pipeline-parallel engine
-        keep vLLM's own layout."""
+        of the host share CPU 0). ``AsyncLLM`` runs its engine core as a process whatever the
+        variable says.
+
+        In the engine core (spawned: nothing has run OpenMP in it before the model loads) the model
+        runs the same one torch thread, unpinned: ``OMP_NUM_THREADS=1``, read by the spawned process
+        when it imports torch. vLLM does not get there by itself: its CPU worker disables
+        ``torch.set_num_threads`` before vLLM's runtime setting of one thread, which leaves torch's
+        default of a thread per CPU, spin-waiting between parallel regions (under load from the
+        services beside it, generation took several times as long).
+
+        A larger host, a variable already set, an explicit ``VLLM_CPU_OMP_THREADS_BIND`` or a tensor-
+        or pipeline-parallel engine keep vLLM's own layout."""
         from vllm.platforms import current_platform
 
         if (current_platform.is_cpu() and len(os.sched_getaffinity(0)) <= 2
                 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto"
                 and all(self.config.engine_kwargs.get(f"{kind}_parallel_size", 1) == 1
-                        for kind in ("tensor", "pipeline"))):
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+                        for kind in ("tensor", "pipeline"))
+                and os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") == "0"):
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     def _engine_kwargs(self) -> dict[str, Any]:
         cfg = self.config

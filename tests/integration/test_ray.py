@@ -69,7 +69,10 @@ def fleet_config(model: Path, workdir: Path, credentials: Path, collector_port: 
         "reward": {"num_cpus": 0.5, "settings": {"tokenizer_path": str(model)}},
         "generation": {"replicas": 1, "placement": "spread", "num_cpus": 0.5, "resources": {"gpu_node": 1},
                        "settings": {"model": str(model), "kv_cache_memory_bytes": 128 << 20, "max_model_len": 1024,
-                                    "max_num_seqs": 32}},
+                                    "max_num_seqs": 32},
+                       # vLLM's worker-process layout, a larger host's: its shared-memory queues (psm_*) and
+                       # file store (vllm_dist_*) are what a reaper must clean up after a SIGKILLed engine.
+                       "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}},
         "collector": {"num_cpus": 0.5, "resources": {"collector_node": 1}, "port": collector_port,
                       "settings": {"database_url": database_url, "mode": "sync",
                                    "group_size": GROUP, "groups_per_step": GROUPS_PER_STEP,
