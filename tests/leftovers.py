@@ -20,6 +20,15 @@ from tests.waiting import wait_for
 SHM = Path("/dev/shm")
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs. A zombie has ended: it holds no port, memory or file, and
+    reaping it is its parent's business (``init`` in a container, which may do so late or never)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def process_tree(pid: int) -> list[int]:
     """``pid`` and its descendants (a service process, its vLLM engine core and workers)."""
     try:

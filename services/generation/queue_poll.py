@@ -10,11 +10,11 @@ time). On a GPU host that core buys latency. On a CPU host the worker *is* the m
 spinning engine core lands on the worker's core and on the cores the rest of the
 pipeline needs (reference, reward, collector), and sched_yield gives way to them
 only by turns. (On a host of at most 2 CPUs the service runs the model in the engine
-core itself, with no worker and no such queue: ``GenerationEngine._worker_in_engine_core``.) The sleep lifts end to end / plain in-process vLLM
-(``bench/pipeline.py --parts c``) and async / sync (``--parts b``) on a 2-core host,
-and costs a lone engine (one with a spare core to spin on) some throughput, less at
-20 µs than at 100 µs — hence the default of 20. The measurements: see the pipeline
-benchmark page (docs/benchmarks/pipeline.md, the 2026-11-26 runs of parts b and c).
+core itself, with no worker and no such queue: ``GenerationEngine._worker_in_engine_core``.)
+The sleep lifts end to end / plain in-process vLLM (``bench/pipeline.py --parts c``) and
+async / sync (``--parts b``) on a 2-core host, and costs a lone engine (one with a spare core
+to spin on) some throughput, less at 20 µs than at 100 µs — hence the default of 20. The
+measurements: see the pipeline benchmark page (docs/benchmarks/pipeline.md, the 2026-11-26 runs of parts b and c).
 
 :func:`install`, a ``vllm.general_plugins`` entry point (so it runs in every vLLM
 process, the spawned engine core and workers included), replaces that yield with a

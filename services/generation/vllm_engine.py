@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+ENGINE_CORE_MAX_CPUS = 2
+"""On a CPU host of at most this many CPUs the model runs in vLLM's engine-core process
+(``GenerationEngine._worker_in_engine_core``)."""
+
 
 class GenerationEngine:
     """One vLLM engine serving GRPO groups and accepting weight pushes."""
@@ -124,7 +128,7 @@ class GenerationEngine:
         or pipeline-parallel engine keep vLLM's own layout."""
         from vllm.platforms import current_platform
 
-        if (current_platform.is_cpu() and len(os.sched_getaffinity(0)) <= 2
+        if (current_platform.is_cpu() and len(os.sched_getaffinity(0)) <= ENGINE_CORE_MAX_CPUS
                 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto"
                 and all(self.config.engine_kwargs.get(f"{kind}_parallel_size", 1) == 1
                         for kind in ("tensor", "pipeline"))

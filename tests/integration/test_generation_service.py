@@ -12,6 +12,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from rlfleet.services.generation import queue_poll
+from rlfleet.services.generation.vllm_engine import ENGINE_CORE_MAX_CPUS
 from rlfleet.services.launch import ServiceProcess
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, tensor_pb2, weights_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
@@ -300,7 +301,7 @@ def test_engine_processes_sleep_on_their_queues(stub, generation):
     children = psutil.Process(generation.process.pid).children(recursive=True)
     engine = {child.pid: " ".join(child.cmdline()).strip() for child in children
               if "VLLM::" in " ".join(child.cmdline())}
-    in_core = len(os.sched_getaffinity(0)) <= 2
+    in_core = len(os.sched_getaffinity(0)) <= ENGINE_CORE_MAX_CPUS
     assert sorted(engine.values()) == ["VLLM::EngineCore", *([] if in_core else ["VLLM::Worker"])], engine
     log = Path(generation.log_path).read_text(errors="replace")
     for pid, name in engine.items():

@@ -37,7 +37,7 @@ from rlfleet.ray import Fleet, FleetConfig
 from rlfleet.services.credentials import make_credentials
 from rlfleet.services.launch import free_port
 from tests.hf_reference import load_hf
-from tests.leftovers import Leftovers
+from tests.leftovers import Leftovers, alive
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -140,13 +140,6 @@ def fleet(cluster, leftovers, credentials, tiny_model_dir, tmp_path_factory, pos
     fleet = Fleet.up(config)
     yield fleet
     fleet.down()
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_fleet_places_services_by_their_resources(fleet, cluster):

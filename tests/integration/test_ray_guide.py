@@ -28,7 +28,7 @@ import pytest
 import ray
 
 from rlfleet.services.launch import free_port
-from tests.leftovers import Leftovers
+from tests.leftovers import Leftovers, alive
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -96,8 +96,7 @@ class LocalRayCluster:
         self.marks = (str(ray_dir), f":{gcs_port} ")  # its nodes' directories, its GCS address
 
     def processes(self) -> list[psutil.Process]:
-        """Its live processes. A zombie has ended: it holds no port, memory or file, and reaping it is
-        its parent's business (``init`` in a container, which may do so late or never)."""
+        """Its live processes (``alive``: zombies aside)."""
         found = {}
         for process in psutil.process_iter(["cmdline"]):
             command = " ".join(process.info["cmdline"] or ()) + " "
@@ -105,7 +104,7 @@ class LocalRayCluster:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     for member in (process, *process.children(recursive=True)):
                         found[member.pid] = member
-        return [process for process in found.values() if alive(process)]
+        return [process for process in found.values() if alive(process.pid)]
 
     def stop(self) -> None:
         processes = self.processes()
@@ -113,17 +112,11 @@ class LocalRayCluster:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.terminate()
         with contextlib.suppress(TimeoutError):  # (psutil.wait_procs waits out a zombie that is not ours)
-            wait_for(lambda: not any(map(alive, processes)), timeout=30, what="the cluster's processes to exit")
-        for process in filter(alive, processes):
+            wait_for(lambda: not any(alive(p.pid) for p in processes), timeout=30,
+                     what="the cluster's processes to exit")
+        for process in [p for p in processes if alive(p.pid)]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
-
-
-def alive(process: psutil.Process) -> bool:
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def run(command: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
