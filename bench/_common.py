@@ -55,6 +55,53 @@ class CpuMeter:
         return {key: after[key] - before.get(key, 0.0) for key in after}
 
 
+class TreeCpu:
+    """CPU seconds of processes and of all their descendants, reaped ones included (their time added to
+    their parent's ``children_*`` times when waited for: a sandbox's processes count in the environment
+    service's), per name; ``host()`` is the busy CPU seconds of the whole machine (``/proc/stat``: what the
+    kernel does for them too, e.g. namespace teardown in kernel threads, and whatever else runs)."""
+
+    def __init__(self, pids: dict[str, int]):
+        self.pids = pids
+
+    def snapshot(self) -> dict[str, float]:
+        out = {}
+        for name, pid in self.pids.items():
+            total = 0.0
+            try:
+                root = psutil.Process(pid)
+                procs = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                procs = []
+            for proc in procs:
+                try:
+                    times = proc.cpu_times()
+                    total += times.user + times.system + times.children_user + times.children_system
+                except psutil.NoSuchProcess:
+                    pass
+            out[name] = total
+        out["host"] = self.host()
+        return out
+
+    @staticmethod
+    def host() -> float:
+        with open("/proc/stat") as stat:
+            fields = [int(x) for x in stat.readline().split()[1:]]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def scrape(port: int, name: str) -> dict[tuple, float]:
+    """The samples named ``name`` at ``http://127.0.0.1:PORT/metrics``: {label values sorted by label: value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {tuple(sorted(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples if sample.name == name}
+
+
 # ---------------------------------------------------------------- raw gRPC byte sink (the floor of a gRPC push)
 
 def sink_server(max_bytes: int) -> None:

@@ -40,6 +40,11 @@ TOOL_SECONDS_FILE = "RLFLEET_BENCH_TOOL_SECONDS_FILE"
 EPISODE_SECONDS_SUFFIX = ".episode"
 """``EpisodeToolTurns`` logs its calls' seconds to ``RLFLEET_BENCH_TOOL_SECONDS_FILE`` + this."""
 
+EPISODE_SANDBOXES = 256
+"""Per-episode sandboxes alive at once: more than the episodes part (d) opens at once (its 32 groups of 4),
+so that every episode of that side runs its calls in its own (with the service's default of 64, half of
+them ran each call in a fresh sandbox: the side then cost as much as fresh sandboxes)."""
+
 _sandbox: PythonSandbox | None = None
 _episode_sandboxes: EpisodeSandboxes | None = None
 
@@ -57,7 +62,7 @@ def episode_sandboxes() -> EpisodeSandboxes:
     """The per-episode sandboxes of every ``EpisodeToolTurns`` of this process (the shared sandbox's limits)."""
     global _episode_sandboxes
     if _episode_sandboxes is None:
-        _episode_sandboxes = EpisodeSandboxes(shared_sandbox())
+        _episode_sandboxes = EpisodeSandboxes(shared_sandbox(), max_live=EPISODE_SANDBOXES)
     return _episode_sandboxes
 
 

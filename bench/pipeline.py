@@ -78,7 +78,16 @@ runs them on ``bench_episode_tools``: the same tool calls in a sandbox of the ep
 (``EpisodeSandbox``), started when the episode opens. The sides alternate ``--multiturn-rounds`` times
 after a warm-up, their order reversed every other round; ratio = multi-turn traj/s / single-turn
 traj/s per round, median (goal >= 0.7). The environment logs each tool call's seconds to a file the
-bench reads: the mean tool-call time, and the calls per trajectory.
+bench reads: the mean tool-call time, and the calls per trajectory. Every service serves its metrics, and
+per side (summed over its rounds, divided by its trajectories) the bench counts: the gRPC calls each
+service answered (``rlfleet_rpc_seconds_count`` by method; health checks and this bench's GetStatus poll
+left out): ``calls_per_trajectory``; the CPU of each service process with all its descendants, reaped
+ones included (the sandboxes count in the environment service's), and the busy CPU of the whole host
+(``/proc/stat``: the kernel's share of starting and ending sandboxes too); and the later turns' prefix-cache
+hit rate (``rlfleet_episode_cached_prompt_tokens_total`` / ``rlfleet_episode_prompt_tokens_total`` of
+``turn="later"``, from the collector): ``prefix_cache_hit_rate``. The column "CPU bound" is the single
+turn's host CPU per trajectory over the side's: on a host whose cores are all busy, the ratio that CPU
+alone allows.
 
 (e) the weight-swap modes under a push every few seconds, with dynamic sampling: see ``bench/_swap_modes.py``.
 Trajectories/s per mode, sampled tokens thrown away per push, tokens carried over, staleness histograms, the
@@ -107,10 +116,10 @@ from typing import Callable
 import grpc
 import psutil
 
-from _common import CpuMeter, summarize
+from _common import CpuMeter, TreeCpu, scrape, summarize
 from _swap_modes import measure_swap_modes, report_swap_modes, swap_result
 from rlfleet.client import Batch, connect
-from rlfleet.services.launch import ServiceProcess
+from rlfleet.services.launch import ServiceProcess, free_port
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, generation_pb2, generation_pb2_grpc, sampling_pb2
 
@@ -531,9 +540,14 @@ def measure_multiturn(backends, workdir: Path, ns) -> dict:
     knows the environment service."""
     from _environments import EPISODE_SECONDS_SUFFIX, TOOL_SECONDS_FILE, TURNS
 
+    metrics_port = free_port()
     collector = start_collector(backends, workdir, "multiturn", ns, "--mode", "async", "--max-staleness", "1000000",
                                 "--groups-per-step", str(ns.groups_per_step),
-                                "--environment-address", backends["environment"].address)
+                                "--environment-address", backends["environment"].address,
+                                "--metrics-port", str(metrics_port))
+    collector.metrics_port = metrics_port
+    services = {**{key: proc for key, proc in backends.items()}, "collector": collector}
+    meter = SideMeter(services)
     tokens = TURNS * ns.max_tokens
     per_turn = {"sampling": {"max_tokens": ns.max_tokens}}
     sides = {"multiturn": ({"environment": "bench_tools", **per_turn}, TURNS),
@@ -556,10 +570,12 @@ def measure_multiturn(backends, workdir: Path, ns) -> dict:
             for side in order:
                 spec, turns = sides[side]
                 lengths = full_lengths[side] if round_index >= 0 else []
+                before = meter.snapshot()
                 seconds, _ = end_to_end(collector.address, prompts, f"d-{side}-r{round_index}", ns, spec=spec,
                                         on_batch=sampled_check(tokens, turns, lengths))
                 if round_index >= 0:
                     rates[side].append(count * ns.group_size / seconds)
+                    meter.add(side, before, meter.snapshot(), count * ns.group_size)
             calls = new_tool_seconds(tool_file, all_tool_seconds)
             episode_calls = new_tool_seconds(episode_tool_file, all_episode_seconds)
             if round_index < 0:
@@ -584,7 +600,51 @@ def measure_multiturn(backends, workdir: Path, ns) -> dict:
             "episode_tool_seconds_mean": statistics.fmean(episode_seconds),
             "tool_seconds_mean": statistics.fmean(tool_seconds),
             "tool_calls_per_trajectory": len(tool_seconds) / trajectories,
-            "full_tokens": {side: statistics.fmean(lengths) for side, lengths in full_lengths.items()}}
+            "full_tokens": {side: statistics.fmean(lengths) for side, lengths in full_lengths.items()},
+            "sides": meter.per_trajectory()}
+
+
+class SideMeter:
+    """What each side of (d) costs per trajectory, summed over its rounds: the gRPC calls every service
+    answered (``rlfleet_rpc_seconds_count`` by method: the collector's calls to the others, the trainer's
+    to the collector), the CPU of every service process (children included: the sandboxes in the
+    environment's, vLLM's engine core in generation's) and of the whole host, and the later turns' prompt
+    tokens and prefix-cache hits (the collector's ``rlfleet_episode_*prompt_tokens_total``)."""
+
+    def __init__(self, services: dict[str, ServiceProcess]):
+        self.ports = {key.split("-")[0]: proc.metrics_port for key, proc in services.items()}
+        self.cpu = TreeCpu({key.split("-")[0]: proc.process.pid for key, proc in services.items()})
+        self.collector_port = services["collector"].metrics_port
+        self.totals: dict[str, dict] = {}
+
+    def snapshot(self) -> dict:
+        calls = {}
+        for service, port in self.ports.items():
+            for labels, value in scrape(port, "rlfleet_rpc_seconds_count").items():
+                method = dict(labels)["method"].rsplit("/", 1)[-1]
+                if method not in ("Check", "Watch", "GetStatus"):  # health probes, and this bench's poller
+                    calls[f"{service}.{method}"] = value
+        tokens = {name: scrape(self.collector_port, f"rlfleet_episode_{name}_total").get((("turn", "later"),), 0.0)
+                  for name in ("prompt_tokens", "cached_prompt_tokens")}
+        return {"calls": calls, "cpu": self.cpu.snapshot(), "tokens": tokens}
+
+    def add(self, side: str, before: dict, after: dict, trajectories: int) -> None:
+        total = self.totals.setdefault(side, {"trajectories": 0, "calls": {}, "cpu": {}, "tokens": {}})
+        total["trajectories"] += trajectories
+        for kind in ("calls", "cpu", "tokens"):
+            for key, value in after[kind].items():
+                total[kind][key] = total[kind].get(key, 0.0) + value - before[kind].get(key, 0.0)
+
+    def per_trajectory(self) -> dict[str, dict]:
+        out = {}
+        for side, total in self.totals.items():
+            n = total["trajectories"]
+            calls = {key: value / n for key, value in sorted(total["calls"].items()) if value > 0}
+            prompt, cached = total["tokens"]["prompt_tokens"], total["tokens"]["cached_prompt_tokens"]
+            out[side] = {"calls_per_trajectory": sum(calls.values()), "calls": calls,
+                         "cpu_ms_per_trajectory": {key: 1000 * value / n for key, value in total["cpu"].items()},
+                         "later_turn_prefix_cache_hit_rate": cached / prompt if prompt else None}
+        return out
 
 
 def report_multiturn(row: dict, ns) -> None:
@@ -605,11 +665,37 @@ def report_multiturn(row: dict, ns) -> None:
           f"{episode['low']:>5.2f}-{episode['high']:<5.2f} | >= {MULTITURN_GOAL} {met}")
     print(f"  per-round ratios (with tool calls): {' '.join(f'{r:.2f}' for r in row['ratios_per_round'])}; "
           f"a sandbox per episode: {' '.join(f'{r:.2f}' for r in row['episode_ratios_per_round'])}")
+    print_side_costs(row["sides"])
     print(f"  tool calls: {row['tool_calls_per_trajectory']:.2f} per trajectory, {1000 * row['tool_seconds_mean']:.1f} "
           f"ms each (mean, the sandbox's run as the environment awaits it; a sandbox per episode "
           f"{1000 * row['episode_tool_seconds_mean']:.1f} ms); tokens per trajectory (prompt + sampled "
           f"+ observations): multi-turn {row['full_tokens']['multiturn']:.0f}, single-turn "
           f"{row['full_tokens']['singleturn']:.0f}")
+
+
+SIDE_NAMES = {"singleturn": "single turn", "multiturn": "tool calls", "canned": "canned tools",
+              "episode": "sandbox per episode"}
+
+
+def print_side_costs(sides: dict[str, dict]) -> None:
+    """Per side: gRPC calls, CPU by process and of the host (ms per trajectory), the later turns' cache hits;
+    and the ratio the host's CPU alone allows: single-turn host CPU / the side's (on a host whose cores are
+    all busy, throughput follows CPU per trajectory)."""
+    processes = sorted({key for side in sides.values() for key in side["cpu_ms_per_trajectory"]} - {"host"})
+    base = sides["singleturn"]["cpu_ms_per_trajectory"]["host"]
+    print(f"  per trajectory | {'side':<19} | calls | " + " | ".join(f"{p[:10]:>10}" for p in processes)
+          + " |  host CPU ms | CPU bound | later-turn cache hits")
+    for side, costs in sides.items():
+        cpu = costs["cpu_ms_per_trajectory"]
+        hits = costs["later_turn_prefix_cache_hit_rate"]
+        print(f"                 | {SIDE_NAMES.get(side, side):<19} | {costs['calls_per_trajectory']:>5.2f} | "
+              + " | ".join(f"{cpu.get(p, 0):>10.1f}" for p in processes)
+              + f" | {cpu['host']:>12.1f} | {base / cpu['host']:>9.2f} | "
+              + (f"{hits:.2f}" if hits is not None else "-"))
+    for side in ("singleturn", "multiturn"):
+        calls = sides[side]["calls"]
+        print(f"  calls per trajectory, {SIDE_NAMES[side]}: "
+              + ", ".join(f"{method} {count:.2f}" for method, count in sorted(calls.items(), key=lambda kv: -kv[1])))
 
 
 # ---------------------------------------------------------------- main
@@ -668,7 +754,7 @@ def main() -> None:
     max_model_len = ns.max_model_len or (max(1024, ns.long_tokens + 128) if "c" in ns.parts else 1024)
     options = SuiteOptions(model_dir=model_dir, generation_replicas=1, kv_cache_bytes=256 << 20,
                            max_model_len=max_model_len, reference_threads=ns.reference_threads,
-                           **(environment_options(workdir) if "d" in ns.parts else {}))
+                           metrics="d" in ns.parts, **(environment_options(workdir) if "d" in ns.parts else {}))
     backends = start_suite(options, workdir, without_collector=True)
     try:
         meter = CpuMeter()
@@ -728,7 +814,12 @@ def result_json(e2e: dict | None, sync: dict | None, inprocess: dict | None, mul
                    multiturn_episode_sandbox_ratio=multiturn["episode"]["ratio"],
                    multiturn_episode_sandbox_ratio_per_round=multiturn["episode_ratios_per_round"],
                    multiturn_episode_sandbox_traj_per_s=multiturn["episode"]["measured"],
-                   multiturn_episode_sandbox_tool_call_ms=1000 * multiturn["episode_tool_seconds_mean"])
+                   multiturn_episode_sandbox_tool_call_ms=1000 * multiturn["episode_tool_seconds_mean"],
+                   prefix_cache_hit_rate=multiturn["sides"]["multiturn"]["later_turn_prefix_cache_hit_rate"],
+                   calls_per_trajectory={side: round(costs["calls_per_trajectory"], 2)
+                                         for side, costs in multiturn["sides"].items()},
+                   host_cpu_ms_per_trajectory={side: round(costs["cpu_ms_per_trajectory"]["host"], 1)
+                                               for side, costs in multiturn["sides"].items()})
     return out
 
 

@@ -32,6 +32,7 @@ import torch
 from rlfleet.client.channel import ChannelSettings, call_with_retry
 from rlfleet.client.errors import NotFoundError
 from rlfleet.services.collector.failures import EpisodeLost
+from rlfleet.services.collector.metrics import EPISODE_CACHED_TOKENS, EPISODE_PROMPT_TOKENS
 from rlfleet.services.collector.prompt_item import PromptItem
 from rlfleet.services.collector.trajectories import NOT_SAMPLED, GroupSamples, response_versions
 from rlfleet.services.common import tracing
@@ -143,10 +144,13 @@ class EpisodeRunner:
                                   f"max_episode_tokens ({limits.max_episode_tokens}) leaves none to sample")
         while length < limits.max_episode_tokens:
             room = limits.max_episode_tokens - length
+            turn_label = "later" if episode.turns else "first"
             if episode.turns:
                 sample, = await generate(episode.history(), room, 1)
             else:
                 sample = await first_turns.sample(index, episode.prompt, room, generate)
+            EPISODE_PROMPT_TOKENS.labels(turn_label).inc(length)
+            EPISODE_CACHED_TOKENS.labels(turn_label).inc(sample.cached_prompt_tokens)
             token_ids = decode_tensor(sample.response_token_ids, "response_token_ids").to(torch.int64)
             log_probs = decode_tensor(sample.behavior_log_probs, "behavior_log_probs").to(torch.float32)
             turn = SampledTurn(token_ids, log_probs, response_versions(sample, len(token_ids)), sample.policy_version_start,

@@ -13,3 +13,11 @@ REPLICA_MEMBERS = Gauge("rlfleet_replicas", "Generation replicas discovery lists
 TRAINER_WAIT_SECONDS = Counter("rlfleet_trainer_wait_seconds_total",
                                "Seconds trainers' batch requests waited for a batch (collector): trainers idle "
                                "for want of rollouts; its rate over time is the fraction of time they wait")
+EPISODE_PROMPT_TOKENS = Counter("rlfleet_episode_prompt_tokens_total",
+                                "Tokens an episode's turns were sampled from (collector), by turn: first (the "
+                                "opening prompt) or later (the history: prompt, earlier turns, observations)",
+                                ["turn"])
+EPISODE_CACHED_TOKENS = Counter("rlfleet_episode_cached_prompt_tokens_total",
+                                "Of rlfleet_episode_prompt_tokens_total, those whose KV the replica took from its "
+                                "prefix cache (collector), by turn; cached / prompt tokens of the later turns is "
+                                "the history's prefix-cache hit rate", ["turn"])

@@ -51,6 +51,13 @@ class EnvironmentServiceConfig(ServiceConfig):
     """``sandbox_per_episode``: most per-episode sandboxes alive at once (each holds a bwrap and an
     idle interpreter, ~8 MB); the episodes past it run each call in a fresh sandbox."""
 
+    max_tool_calls_in_flight: int | None = Field(None, ge=1)
+    """Sandboxed python calls (``tool_calling``'s and every environment's in this process) that run at once;
+    past it a call waits for one to end (``sandbox.CallGate``), so that the episodes that end a turn
+    together do not start hundreds of sandboxes at once. None: ``sandbox.CALLS_PER_CPU`` (8) per CPU this
+    process may run on. The wait does not count against a call's ``sandbox.wall_seconds``; it does count against
+    ``step_timeout_seconds``."""
+
     allow_rlimits_only: bool = False
     """``tool_calling``: when the host has no bwrap sandbox, run snippets with rlimits and an
     unprivileged uid only (they see the host's files and network). False: refuse to start instead."""

@@ -46,6 +46,7 @@ from typing import BinaryIO
 
 from rlfleet.services.environment import sandboxed
 from rlfleet.services.environment.sandbox import (
+    GATE,
     SANDBOX_WORKDIR,
     PythonSandbox,
     SandboxUnavailable,
@@ -116,7 +117,8 @@ class EpisodeSandbox:
         async with self._lock:
             if not await self._start_if_needed():
                 return await self.pool.sandbox.run(code, stdin)
-            return await self._call(code, stdin)
+            async with GATE.held():
+                return await self._call(code, stdin)
 
     async def close(self) -> None:
         """End the sandbox (if one is up) and give its slot back; later calls are refused."""

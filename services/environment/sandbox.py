@@ -26,6 +26,7 @@ threads are inside gRPC and dies with SIGSEGV before it can exec.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import logging
@@ -136,8 +137,65 @@ def find_bwrap() -> str | None:
         return None
 
 
+def host_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's cpuset, not the machine's count)."""
+    return len(os.sched_getaffinity(0))
+
+
+CALLS_PER_CPU = 8
+"""The default bound on sandboxed calls in flight, per CPU. Not lower: on a host whose cores the engine
+keeps busy, the calls' CPU is what costs throughput, and a tighter gate only makes episodes wait with
+their CPU cost unchanged (at 2 per 2 CPUs, part (d) of the pipeline benchmark lost throughput); the bound
+is against a burst of hundreds of calls (each may map ``memory_bytes`` and fill its tmpfs)."""
+
+
+def default_calls_in_flight() -> int:
+    return CALLS_PER_CPU * host_cpus()
+
+
+class CallGate:
+    """Bounds the sandboxed calls that run at once in this process, per-call and per-episode sandboxes
+    together: the calls past ``limit`` wait for one to end. The episodes of a step end their turns
+    together; without a bound, a thousand open episodes would start a thousand sandboxes at once. ``GATE``
+    is the process's gate; the environment service sets its limit from ``max_tool_calls_in_flight``
+    (default ``CALLS_PER_CPU`` per CPU). A call's wall-clock limit starts when it leaves the gate."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit or default_calls_in_flight()
+        self.waiting = 0
+        """Calls waiting for the gate now."""
+        self._semaphores: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+
+    def configure(self, limit: int | None) -> None:
+        """Set the bound (None: ``default_calls_in_flight()``); for calls that start from now on."""
+        self.limit = limit or default_calls_in_flight()
+        self._semaphores.clear()
+
+    @contextlib.asynccontextmanager
+    async def held(self):
+        loop = asyncio.get_running_loop()
+        semaphore = self._semaphores.get(loop)
+        if semaphore is None:  # one per event loop (a semaphore binds to the loop it first waits on)
+            self._semaphores = {k: v for k, v in self._semaphores.items() if not k.is_closed()}
+            semaphore = self._semaphores[loop] = asyncio.Semaphore(self.limit)
+        self.waiting += 1
+        try:
+            await semaphore.acquire()
+        finally:
+            self.waiting -= 1
+        try:
+            yield
+        finally:
+            semaphore.release()
+
+
+GATE = CallGate()
+"""The bound on this process's sandboxed calls in flight (``CallGate``)."""
+
+
 class PythonSandbox:
-    """Runs snippets, each in a fresh sandbox; calls may run concurrently."""
+    """Runs snippets, each in a fresh sandbox; calls may run concurrently, at most ``GATE.limit`` at once
+    (per process)."""
 
     def __init__(
         self,
@@ -173,7 +231,9 @@ class PythonSandbox:
     async def run(self, code: str, stdin: str = "") -> ToolResult:
         """Run ``code`` as a script fed ``stdin``. Whatever the snippet does is in the result;
         ``SandboxUnavailable`` only means the host could not start a sandbox."""
-        return await self._execute(await self.probe(), code, stdin)
+        isolation = await self.probe()
+        async with GATE.held():
+            return await self._execute(isolation, code, stdin)
 
     async def _find_isolation(self) -> Isolation:
         if os.geteuid() != 0:

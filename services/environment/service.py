@@ -18,7 +18,7 @@ from rlfleet.services.environment.metrics import SANDBOX_ISOLATION
 from rlfleet.services.environment.open_episodes import Episodes, OpenEpisodeLimits
 from rlfleet.services.environment.mcp_tools import MCPTools, ToolNameCollision
 from rlfleet.services.environment.rendering import ChatRenderer
-from rlfleet.services.environment.sandbox import PythonSandbox, SandboxUnavailable
+from rlfleet.services.environment.sandbox import GATE, PythonSandbox, SandboxUnavailable
 from rlfleet.services.environment.servicer import EnvironmentServicer
 from rlfleet.services.environment.tool_env import ToolCallingEnv
 from rlfleet.v1 import environment_pb2, environment_pb2_grpc
@@ -35,6 +35,7 @@ class EnvironmentService(Service[EnvironmentServiceConfig]):
     def __init__(self, config: EnvironmentServiceConfig):
         super().__init__(config)
         self.sandbox = PythonSandbox(config.sandbox, allow_rlimits_only=config.allow_rlimits_only)
+        GATE.configure(config.max_tool_calls_in_flight)
         self.episode_sandboxes = EpisodeSandboxes(self.sandbox, config.max_episode_sandboxes)
         self.mcp_tools: MCPTools | None = None
         self._episodes: Episodes | None = None

@@ -125,6 +125,7 @@ def _sample_to_proto(sample: SampleResult, template: generation_pb2.GenerateResp
     response.policy_version_end = sample.policy_version_end
     for version, start, end in sample.policy_version_spans:
         response.policy_version_spans.add(version=version, start=start, end=end)
+    response.cached_prompt_tokens = sample.cached_prompt_tokens
     timing = response.timing
     timing.queued_seconds = sample.timing.queue_seconds
     timing.first_token_seconds = sample.timing.first_token_seconds or 0.0

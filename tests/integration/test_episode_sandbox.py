@@ -306,3 +306,30 @@ async def test_a_nested_user_namespace_is_refused(episode):
 
     assert result.ok and result.stdout == NESTED_USER_NAMESPACE_REFUSED, result
     await check_untouched(episode)
+
+
+async def test_calls_past_the_gate_wait_for_one_to_end(scratch_root):
+    """At ``max_tool_calls_in_flight`` 2, four calls at once (two episodes' sandboxes, two fresh ones) run
+    two at a time: the snippets' own clocks show no three of them inside at once."""
+    from rlfleet.services.environment.sandbox import GATE
+
+    sandbox = PythonSandbox(LIMITS, scratch_root=scratch_root)
+    sandboxes = EpisodeSandboxes(sandbox)
+    episodes = [sandboxes.episode(), sandboxes.episode()]
+    timed = "import time\nstart = time.time()\ntime.sleep(0.5)\nprint(start, time.time())\n"
+    saved = GATE.limit
+    GATE.configure(2)
+    try:
+        for episode in episodes:  # started, so that the clocks below time the calls, not the sandboxes' start
+            assert (await episode.run("pass")).ok
+        results = await asyncio.gather(*(runner.run(timed) for runner in [*episodes, sandbox, sandbox]))
+    finally:
+        GATE.configure(saved)
+        for episode in episodes:
+            await episode.close()
+    assert all(result.ok for result in results), results
+    spans = [tuple(map(float, result.stdout.split())) for result in results]
+    for start, _ in spans:
+        inside = sum(1 for other_start, other_end in spans if other_start <= start < other_end)
+        assert inside <= 2, spans
+    assert GATE.waiting == 0

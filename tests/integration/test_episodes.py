@@ -26,6 +26,7 @@ from tests.hf_reference import load_hf, response_log_probs
 from tests.integration.readers import Reader, runs
 from tests.integration.suites import episode_collector_args
 from tests.integration.pushes import push
+from tests.scrape import scrape_metric
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm,
@@ -53,7 +54,7 @@ def suite(tiny_model_dir, tmp_path_factory, gate):
         model_dir=tiny_model_dir, environments=ENVIRONMENTS,
         environment_env={"PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
                          "RLFLEET_TEST_GATE_DIR": str(gate)},
-        collector_args=episode_collector_args("counter", GROUP, max_episode_tokens=512))
+        collector_args=episode_collector_args("counter", GROUP, max_episode_tokens=512), metrics=True)
     procs = start_suite(options, tmp_path_factory.mktemp("episodes"))
     yield procs
     stop_suite(procs)
@@ -127,6 +128,24 @@ def test_a_three_turn_episode_is_token_exact_with_engine_and_reference_log_probs
         assert sample["next", "terminated"].item() and not sample["next", "truncated"].item()
     status = collector_pb2_grpc.CollectorServiceStub(channel).GetStatus(collector_pb2.GetStatusRequest(), timeout=30)
     assert status.episodes >= GROUP and status.episode_turns == 3 * status.episodes
+
+
+def test_later_turns_find_their_history_in_the_prefix_cache(suite, channel):
+    """Every later turn's history (prompt, earlier turns, observations: > 32 tokens) starts with a full KV
+    block the replica computed for the episode's earlier turns; the collector counts the hit
+    (rlfleet_episode_cached_prompt_tokens_total, from the samples' cached_prompt_tokens)."""
+    port = suite["collector"].metrics_port
+    before = {turn: (scrape_metric(port, "rlfleet_episode_prompt_tokens_total", turn=turn),
+                     scrape_metric(port, "rlfleet_episode_cached_prompt_tokens_total", turn=turn))
+              for turn in ("first", "later")}
+    submit(channel, [chat("cached-0", "what is 4 plus 5")])
+    assert len(samples_of(channel, {"cached-0"})) == GROUP
+    later_prompt = scrape_metric(port, "rlfleet_episode_prompt_tokens_total", turn="later") - before["later"][0]
+    later_cached = scrape_metric(port, "rlfleet_episode_cached_prompt_tokens_total", turn="later") - before["later"][1]
+    first_prompt = scrape_metric(port, "rlfleet_episode_prompt_tokens_total", turn="first") - before["first"][0]
+    assert first_prompt > 0 and later_prompt > first_prompt
+    assert later_cached >= 32 * 2 * GROUP  # turns 2 and 3 of each episode: at least one 32-token block each
+    assert later_cached < later_prompt
 
 
 def test_a_weight_push_between_turns_is_recorded_per_turn(channel, tiny_model_dir, gate):

@@ -32,7 +32,7 @@ class SampleTiming(_message.Message):
     def __init__(self, queued_seconds: _Optional[float] = ..., first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "sample_index", "prompt_token_ids", "response_token_ids", "behavior_log_probs", "finish_reason", "stop_reason", "policy_version_start", "policy_version_end", "sampling", "timing", "policy_version_spans")
+    __slots__ = ("request_id", "sample_index", "prompt_token_ids", "response_token_ids", "behavior_log_probs", "finish_reason", "stop_reason", "policy_version_start", "policy_version_end", "sampling", "timing", "policy_version_spans", "cached_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class GenerateResponse(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sample_index: int
     prompt_token_ids: _tensor_pb2.Tensor
@@ -57,7 +58,8 @@ class GenerateResponse(_message.Message):
     sampling: _sampling_pb2.SamplingParams
     timing: SampleTiming
     policy_version_spans: _containers.RepeatedCompositeFieldContainer[VersionSpan]
-    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., response_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., behavior_log_probs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., finish_reason: _Optional[_Union[_sampling_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., policy_version_start: _Optional[int] = ..., policy_version_end: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., timing: _Optional[_Union[SampleTiming, _Mapping]] = ..., policy_version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., response_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., behavior_log_probs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., finish_reason: _Optional[_Union[_sampling_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., policy_version_start: _Optional[int] = ..., policy_version_end: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., timing: _Optional[_Union[SampleTiming, _Mapping]] = ..., policy_version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class VersionSpan(_message.Message):
     __slots__ = ("version", "start", "end")
