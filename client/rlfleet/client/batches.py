@@ -40,7 +40,8 @@ from rlfleet.client.channel import ChannelSettings, StatusWatch, backoff, stream
 from rlfleet.client.errors import (CancelledError, DeadlineExceededError, FailedPreconditionError, InternalError,
                                    RlfleetClientError, from_rpc_error)
 from rlfleet.v1 import trajectory_pb2
-from rlfleet.wire import Ragged, WireError, decode_tensordict, get_ragged, string_list
+from rlfleet import wire  # its TensorDict codec (tensordict) loads on a batch's first use, not on import
+from rlfleet.wire import Ragged, WireError
 
 log = logging.getLogger("rlfleet.client")
 
@@ -121,7 +122,7 @@ class Batch:
     def __getitem__(self, key):
         """The entry at ``key``: a tensor, a jagged nested tensor (ragged), or a ``list[str]`` (strings)."""
         value = self.td.get(_key(key))
-        strings = string_list(value)
+        strings = wire.string_list(value)
         return value if strings is None else strings
 
     def __len__(self) -> int:
@@ -129,7 +130,7 @@ class Batch:
 
     def ragged(self, key) -> Ragged:
         """A ragged entry as ``Ragged`` (flat values + lengths; ``to_list()`` gives per-sample views)."""
-        return get_ragged(self.td, _key(key))
+        return wire.get_ragged(self.td, _key(key))
 
     def padded(self, key, pad_value=0, side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
         """A ragged entry as ``(padded [B, T, ...], bool mask [B, T])``; the mask comes from lengths."""
@@ -212,7 +213,7 @@ class BatchStream:
             self._finish()
             return None
         try:
-            td = decode_tensordict(reply.batch, "batch")
+            td = wire.decode_tensordict(reply.batch, "batch")
         except WireError as err:
             self._post(trajectory_pb2.StreamBatchesRequest(nack=trajectory_pb2.NackBatch(lease_id=reply.lease_id)))
             raise InternalError(f"malformed batch (lease {reply.lease_id}, nacked): {err}", method=METHOD) from None
