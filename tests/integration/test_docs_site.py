@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import json
 import os
 import re
 import subprocess
@@ -63,6 +64,17 @@ RENDERED = """() => [...document.querySelectorAll(".mermaid")].every(
   && [...document.querySelectorAll(".arithmatex")].every(el => el.querySelector(".katex"))"""
 
 
+SEARCH_INDEX = "search/search_index.json"
+"""The site's search index (~1 MB): every page's search worker loads and indexes it, which took half the
+CPU of opening every page. The sweep below gives each page an empty index instead (the same config, no
+documents); ``test_search_finds_pages_offline`` checks the real one on one page."""
+
+
+def empty_search_index(site_dir: Path) -> str:
+    index = json.loads((site_dir / SEARCH_INDEX).read_text())
+    return json.dumps({**index, "docs": []})
+
+
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args) -> None:
         pass
@@ -92,9 +104,12 @@ def test_every_page_renders_offline_with_nothing_left_raw_broken_or_failing(site
     pages = _pages(site_dir)
     assert len(pages) > 40 and "guides/off-policy/index.html" in pages
     problems: dict[str, list[str]] = {}
+    search_index = empty_search_index(site_dir)
     with chromium(viewport={"width": 1280, "height": 900}, service_workers="block") as context:
         def offline(route) -> None:
-            if route.request.url.startswith(url):
+            if route.request.url == f"{url}/{SEARCH_INDEX}":
+                route.fulfill(status=200, content_type="application/json", body=search_index)
+            elif route.request.url.startswith(url):
                 route.continue_()
             else:
                 problems.setdefault(current, []).append(f"request off the site: {route.request.url}")
@@ -150,3 +165,21 @@ def test_the_diagrams_and_the_formula_are_drawn_by_the_sites_own_scripts(site):
     assert counts["guides/off-policy/index.html"][1] >= 1
     html = (site_dir / "index.html").read_text()
     assert re.search(r'src="[./]*assets/vendor/mermaid/mermaid.min.js"', html), "mermaid is not the site's own"
+
+
+def test_search_finds_pages_offline(site):
+    """The real search index, on the home page: a query typed into the search box lists pages."""
+    _, url = site
+    errors: list[str] = []
+    with chromium(viewport={"width": 1280, "height": 900}, service_workers="block") as context:
+        context.route("**/*", lambda route: route.continue_() if route.request.url.startswith(url) else route.abort())
+        page = context.new_page()
+        page.on("console", lambda message: message.type == "error" and errors.append(message.text))
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto(f"{url}/index.html", wait_until="load")
+        page.click(".md-search__input", timeout=PAGE_TIMEOUT_MS)
+        page.fill(".md-search__input", "rolling update")
+        page.wait_for_selector(".md-search-result__item", state="attached", timeout=PAGE_TIMEOUT_MS)
+        titles = page.eval_on_selector_all(".md-search-result__item", "items => items.map(i => i.textContent)")
+    assert titles and any("rolling" in title.lower() for title in titles), titles
+    assert not errors, errors
