@@ -27,61 +27,53 @@ def summarize(base: list[float], measured: list[float]) -> dict:
 
 
 class CpuMeter:
-    """CPU seconds (user + system) of named groups of processes; "bench" is this process."""
+    """CPU seconds (user + system) of named groups of processes; "bench" is this process.
 
-    def __init__(self, trees: dict[str, list[psutil.Process]] | None = None):
+    A group added with ``follow`` is the process tree under a pid as it is at each snapshot, reaped
+    descendants included (their times are added to their parent's ``children_*`` when waited for: a
+    sandbox's processes count in the environment service's). With ``host=True`` a snapshot also has
+    "host": the busy CPU seconds of the whole machine (``/proc/stat``: what the kernel does for the
+    processes too, e.g. namespace teardown in kernel threads, and whatever else runs)."""
+
+    def __init__(self, trees: dict[str, list[psutil.Process]] | None = None, host: bool = False):
         self.trees: dict[str, list[psutil.Process]] = trees if trees is not None else {"bench": [psutil.Process()]}
+        self.followed: dict[str, int] = {}
+        self.with_host = host
 
     def add(self, key: str, pid: int) -> None:
-        """Count the process ``pid`` and all its descendants under ``key``."""
+        """Count the process ``pid`` and all its descendants (those alive now) under ``key``."""
         root = psutil.Process(pid)
         self.trees[key] = [root, *root.children(recursive=True)]
 
-    def snapshot(self) -> dict[str, float]:
-        out = {}
-        for key, procs in self.trees.items():
-            total = 0.0
-            for proc in procs:
-                try:
-                    times = proc.cpu_times()
-                    total += times.user + times.system
-                except psutil.NoSuchProcess:
-                    pass
-            out[key] = total
-        return out
-
-    @staticmethod
-    def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-        return {key: after[key] - before.get(key, 0.0) for key in after}
-
-
-class TreeCpu:
-    """CPU seconds of processes and of all their descendants, reaped ones included (their time added to
-    their parent's ``children_*`` times when waited for: a sandbox's processes count in the environment
-    service's), per name; ``host()`` is the busy CPU seconds of the whole machine (``/proc/stat``: what the
-    kernel does for them too, e.g. namespace teardown in kernel threads, and whatever else runs)."""
-
-    def __init__(self, pids: dict[str, int]):
-        self.pids = pids
+    def follow(self, key: str, pid: int) -> None:
+        """Count the process tree under ``pid`` as it is at each snapshot, reaped descendants included."""
+        self.followed[key] = pid
 
     def snapshot(self) -> dict[str, float]:
-        out = {}
-        for name, pid in self.pids.items():
-            total = 0.0
+        out = {key: self.seconds(procs) for key, procs in self.trees.items()}
+        for key, pid in self.followed.items():
             try:
                 root = psutil.Process(pid)
                 procs = [root, *root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 procs = []
-            for proc in procs:
-                try:
-                    times = proc.cpu_times()
-                    total += times.user + times.system + times.children_user + times.children_system
-                except psutil.NoSuchProcess:
-                    pass
-            out[name] = total
-        out["host"] = self.host()
+            out[key] = self.seconds(procs, reaped=True)
+        if self.with_host:
+            out["host"] = self.host()
         return out
+
+    @staticmethod
+    def seconds(procs: list[psutil.Process], reaped: bool = False) -> float:
+        total = 0.0
+        for proc in procs:
+            try:
+                times = proc.cpu_times()
+                total += times.user + times.system
+                if reaped:
+                    total += times.children_user + times.children_system
+            except psutil.NoSuchProcess:
+                pass
+        return total
 
     @staticmethod
     def host() -> float:
@@ -89,6 +81,10 @@ class TreeCpu:
             fields = [int(x) for x in stat.readline().split()[1:]]
         user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
         return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+        return {key: after[key] - before.get(key, 0.0) for key in after}
 
 
 def scrape(port: int, name: str) -> dict[tuple, float]:

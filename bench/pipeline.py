@@ -116,7 +116,7 @@ from typing import Callable
 import grpc
 import psutil
 
-from _common import CpuMeter, TreeCpu, scrape, summarize
+from _common import CpuMeter, scrape, summarize
 from _swap_modes import measure_swap_modes, report_swap_modes, swap_result
 from rlfleet.client import Batch, connect
 from rlfleet.services.launch import ServiceProcess, free_port
@@ -613,7 +613,9 @@ class SideMeter:
 
     def __init__(self, services: dict[str, ServiceProcess]):
         self.ports = {key.split("-")[0]: proc.metrics_port for key, proc in services.items()}
-        self.cpu = TreeCpu({key.split("-")[0]: proc.process.pid for key, proc in services.items()})
+        self.cpu = CpuMeter({}, host=True)
+        for key, proc in services.items():
+            self.cpu.follow(key.split("-")[0], proc.process.pid)
         self.collector_port = services["collector"].metrics_port
         self.totals: dict[str, dict] = {}
 

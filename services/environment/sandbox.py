@@ -42,6 +42,7 @@ from typing import BinaryIO, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlfleet.services.common import host
 from rlfleet.services.common.errors import Unavailable
 from rlfleet.services.environment import sandboxed
 from rlfleet.services.environment.sandbox_diagnosis import explain
@@ -137,11 +138,6 @@ def find_bwrap() -> str | None:
         return None
 
 
-def host_cpus() -> int:
-    """The CPUs this process may run on (its affinity: a container's cpuset, not the machine's count)."""
-    return len(os.sched_getaffinity(0))
-
-
 CALLS_PER_CPU = 8
 """The default bound on sandboxed calls in flight, per CPU. Not lower: on a host whose cores the engine
 keeps busy, the calls' CPU is what costs throughput, and a tighter gate only makes episodes wait with
@@ -150,7 +146,7 @@ is against a burst of hundreds of calls (each may map ``memory_bytes`` and fill 
 
 
 def default_calls_in_flight() -> int:
-    return CALLS_PER_CPU * host_cpus()
+    return CALLS_PER_CPU * host.cpus()
 
 
 class CallGate:

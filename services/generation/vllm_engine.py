@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from rlfleet.services.common import host
 from rlfleet.services.common.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
 from rlfleet.services.common.sampling_spec import SamplingSpec
 from rlfleet.services.generation import queue_poll
@@ -128,7 +129,7 @@ class GenerationEngine:
         or pipeline-parallel engine keep vLLM's own layout."""
         from vllm.platforms import current_platform
 
-        if (current_platform.is_cpu() and len(os.sched_getaffinity(0)) <= ENGINE_CORE_MAX_CPUS
+        if (current_platform.is_cpu() and host.cpus() <= ENGINE_CORE_MAX_CPUS
                 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto"
                 and all(self.config.engine_kwargs.get(f"{kind}_parallel_size", 1) == 1
                         for kind in ("tensor", "pipeline"))

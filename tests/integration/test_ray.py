@@ -215,6 +215,22 @@ class Trainer:
             [{"prompt": f"answer in digits: {wave} {i}", "prompt_id": f"{self.name}-{wave}-{i}"}
              for i in range(GROUPS_PER_STEP)])
 
+    def submit_until_busy(self, address: str, what: str, waves: int = 5) -> None:
+        """Submit waves until the replica at ``address`` shows samples in flight. A wave can end between two
+        polls (16 tokens a sample): it is then read and pushed like any step, and ``finish`` accounts for it."""
+        def busy_or_done():
+            if any(r.address == address and r.in_flight > 0 for r in self.client.status().replicas):
+                return "busy"
+            return self.client.buffer_stats().ready >= GROUP * GROUPS_PER_STEP and "done"
+
+        for _ in range(waves):
+            self.submit()
+            if wait_for(busy_or_done, RECOVERY_TIMEOUT, f"{what} busy, or the wave done") == "busy":
+                return
+            self.read()
+            self.push()
+        raise AssertionError(f"{what} never seen with samples in flight in {waves} waves")
+
     def read(self):
         batch = next(self.iterator)
         self.batches.append(batch)
@@ -264,10 +280,7 @@ def test_generation_node_removed_mid_run_replica_restarts_elsewhere_resynced(fle
     # The replica whose node the reference does not share: only generation moves.
     key, victim = next((key, record) for key, record in fleet.status_of("generation").items()
                        if record["node_id"] != status["reference"]["node_id"])
-    trainer.submit()
-    # Mid-run: the replica has samples in flight when its node goes.
-    wait_for(lambda: any(r.address == victim["address"] and r.in_flight > 0 for r in trainer.client.status().replicas),
-             RECOVERY_TIMEOUT, f"{key} busy")
+    trainer.submit_until_busy(victim["address"], key)  # mid-run: the replica has samples in flight
     processes = [victim["pid"], *(child.pid for child in psutil.Process(victim["pid"]).children(recursive=True))]
     leftovers.sample({key: victim})  # its vLLM engine's segments: only the reaper can remove them now
     cluster.remove(victim["node_id"], replace=False)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from rlfleet.services.environment.sandbox import CALLS_PER_CPU, CallGate, host_cpus
+from rlfleet.services.common import host
+from rlfleet.services.environment.sandbox import CALLS_PER_CPU, CallGate
 
 
 async def test_at_most_limit_inside_the_rest_counted_waiting():
@@ -43,7 +44,7 @@ async def test_a_cancelled_waiter_is_no_longer_counted_and_takes_no_slot():
 
 def test_the_default_is_per_cpu_and_each_event_loop_gets_its_own_semaphore():
     gate = CallGate()
-    assert gate.limit == CALLS_PER_CPU * host_cpus()
+    assert gate.limit == CALLS_PER_CPU * host.cpus()
 
     async def once() -> None:
         async with gate.held():
