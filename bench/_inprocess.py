@@ -21,8 +21,13 @@ import uuid
 from typing import Any
 
 
-def engine_kwargs(service_args: list[str]) -> dict[str, Any]:
-    """The ``AsyncEngineArgs`` kwargs the generation service builds from ``service_args``."""
+def engine_kwargs(service_args: list[str], layout: str = "plain") -> dict[str, Any]:
+    """The ``AsyncEngineArgs`` kwargs the generation service builds from ``service_args``.
+
+    ``layout="service"`` also gives this process's engine the service's process layout and queue
+    readers (set in the environment its engine core is spawned with, and in this process's vLLM
+    modules): on a host of at most 2 CPUs the model in the engine-core process, one torch thread, and
+    readers that sleep between checks. ``"plain"`` leaves vLLM's own: a worker process, spinning readers."""
     from rlfleet.services.generation.config import GenerationConfig, GenerationEngineConfig
     from rlfleet.services.generation.vllm_engine import GenerationEngine
 
@@ -31,7 +36,11 @@ def engine_kwargs(service_args: list[str]) -> dict[str, Any]:
                                               for name in GenerationEngineConfig.model_fields})
     # Private on purpose: the baseline must build exactly what the service builds, today and after
     # the service's settings change.
-    kwargs = GenerationEngine(engine_config)._engine_kwargs()
+    engine = GenerationEngine(engine_config)
+    if layout == "service":
+        engine._install_queue_poll()
+        engine._worker_in_engine_core()
+    kwargs = engine._engine_kwargs()
     kwargs.pop("weight_transfer_config", None)
     return kwargs
 

@@ -61,7 +61,14 @@ alternate (rlfleet, in-process, rlfleet, ...) ``--inprocess-rounds`` times after
 phase ``--settle-seconds`` after the previous one (an idle engine spins a core for ~1 s), for a
 ``--max-tokens`` row (``--groups`` groups) and a ``--long-tokens`` row (``--long-groups`` groups);
 ratio = end-to-end / in-process per round, median. Both engines live at once (the tiny model's
-KV cache is 256 MiB each).
+KV cache is 256 MiB each). ``--inprocess-engine plain`` (the default) runs vLLM's own process layout
+and queue readers in-process, as a user who calls ``AsyncLLM`` gets them; ``service`` runs the
+generation service's (``GenerationEngine``: on a host of at most 2 CPUs the model in the engine-core
+process, and readers that sleep between checks): the ratio then leaves out what those choices buy.
+Each phase's CPU is counted (``CpuMeter``): per trajectory, every service's process tree, this process
+(the trainer of one side, the in-process engine of the other) and the whole host; the CPU bound is
+the in-process side's host CPU over the end-to-end side's, the ratio the host allows when both
+saturate it.
 
 (d) multi-turn episodes vs single turns of the same sampled tokens, end to end. The suite also runs
 the environment service with ``bench_tools`` (``bench/_environments.py``), where every assistant turn is
@@ -416,8 +423,37 @@ def inprocess_rows(options: SuiteOptions, ns) -> dict[int, tuple[list[str], list
     return rows
 
 
-async def inprocess_round(address: str, engine, rows: dict, round_index: int, ns) -> dict[int, tuple[float, float]]:
-    """One round of (c): per row, end to end then in-process, each after ``--settle-seconds``; seconds each."""
+class PhaseCpu:
+    """CPU seconds of (c)'s phases, per row and side: every service's process tree, this process (the
+    trainer of the end-to-end side; the in-process engine, with its engine core, of the other) and the
+    whole host (``CpuMeter``)."""
+
+    def __init__(self, services: dict[str, ServiceProcess]):
+        self.meter = CpuMeter({}, host=True)
+        for key, proc in services.items():
+            self.meter.follow(key, proc.process.pid)
+        self.meter.follow("bench", os.getpid())  # its tree holds the services: they are taken out below
+        self.totals: dict[tuple[int, str], dict[str, float]] = {}
+
+    def snapshot(self) -> dict[str, float]:
+        cpu = self.meter.snapshot()
+        cpu["bench"] -= sum(value for key, value in cpu.items() if key not in ("bench", "host"))
+        return cpu
+
+    def add(self, tokens: int, side: str, before: dict[str, float], after: dict[str, float]) -> None:
+        total = self.totals.setdefault((tokens, side), {})
+        for key, value in CpuMeter.delta(before, after).items():
+            total[key] = total.get(key, 0.0) + value
+
+    def per_trajectory(self, tokens: int, side: str, trajectories: int) -> dict[str, float]:
+        """Milliseconds per trajectory, by process and for the host."""
+        return {key: round(1000 * value / trajectories, 2) for key, value in self.totals[(tokens, side)].items()}
+
+
+async def inprocess_round(address: str, engine, rows: dict, round_index: int, ns,
+                          cpu: PhaseCpu | None = None) -> dict[int, tuple[float, float]]:
+    """One round of (c): per row, end to end then in-process, each after ``--settle-seconds``; seconds
+    each, and each phase's CPU added to ``cpu``."""
     out = {}
     for tokens, (texts, token_ids) in rows.items():
         groups_per_batch = math.gcd(ns.groups_per_step, len(texts))
@@ -425,12 +461,18 @@ async def inprocess_round(address: str, engine, rows: dict, round_index: int, ns
             texts, token_ids = texts[:groups_per_batch], token_ids[:groups_per_batch]
         seen: set = set()
         await asyncio.sleep(ns.settle_seconds)  # an idle vLLM worker spins ~1 s: let the other engine settle
+        before = cpu.snapshot() if cpu else None
         seconds_e2e, _ = await asyncio.to_thread(
             end_to_end, address, texts, f"c{tokens}r{round_index}", ns, groups_per_batch=groups_per_batch,
             spec={"sampling": {"max_tokens": tokens}},
             on_batch=lambda batch: seen.update(tuple(ids.tolist()) for ids in batch.ragged("tokens/prompt").to_list()))
+        if cpu:
+            cpu.add(tokens, "e2e", before, cpu.snapshot())
         await asyncio.sleep(ns.settle_seconds)
+        before = cpu.snapshot() if cpu else None
         seconds_local, samples = await engine.generate_groups(token_ids, ns.group_size, tokens)
+        if cpu:
+            cpu.add(tokens, "inprocess", before, cpu.snapshot())
         if samples != len(token_ids) * ns.group_size:
             raise RuntimeError(f"in-process: {samples} full samples of {tokens} tokens, "
                                f"expected {len(token_ids) * ns.group_size}")
@@ -440,7 +482,8 @@ async def inprocess_round(address: str, engine, rows: dict, round_index: int, ns
     return out
 
 
-async def alternate_inprocess(address: str, kwargs: dict, rows: dict, ns) -> dict[int, dict[str, list[float]]]:
+async def alternate_inprocess(address: str, kwargs: dict, rows: dict, ns,
+                              cpu: PhaseCpu) -> dict[int, dict[str, list[float]]]:
     """(c) rounds: rlfleet end to end, then in-process vLLM, per row; trajectories/s of each side."""
     from _inprocess import InProcessEngine
 
@@ -449,7 +492,7 @@ async def alternate_inprocess(address: str, kwargs: dict, rows: dict, ns) -> dic
     engine = await InProcessEngine(kwargs).start()
     try:
         for round_index in range(-1, ns.inprocess_rounds):  # round -1: warm-up of both sides
-            seconds = await inprocess_round(address, engine, rows, round_index, ns)
+            seconds = await inprocess_round(address, engine, rows, round_index, ns, cpu if round_index >= 0 else None)
             if round_index < 0:
                 continue
             for tokens, (seconds_e2e, seconds_local) in seconds.items():
@@ -468,22 +511,29 @@ def measure_inprocess(backends, workdir: Path, options: SuiteOptions, ns) -> dic
     """(c) end to end (a fresh async collector, as in (a)) vs plain vLLM in this process, same engine settings."""
     from _inprocess import engine_kwargs
 
-    kwargs = engine_kwargs(generation_service_args(options))
+    kwargs = engine_kwargs(generation_service_args(options), ns.inprocess_engine)
     rows = inprocess_rows(options, ns)
     collector = start_collector(backends, workdir, "inproc", ns, "--mode", "async", "--max-staleness", "1000000",
                                 "--groups-per-step", str(ns.groups_per_step))
+    cpu = PhaseCpu({**backends, "collector": collector})
     try:
-        rates = asyncio.run(alternate_inprocess(collector.address, kwargs, rows, ns))
+        rates = asyncio.run(alternate_inprocess(collector.address, kwargs, rows, ns, cpu))
     finally:
         collector.stop()
-    return {tokens: {**summarize(sides["inprocess"], sides["e2e"]), "groups": len(rows[tokens][0]),
-                     "e2e_per_round": sides["e2e"], "inprocess_per_round": sides["inprocess"],
-                     "ratios_per_round": [e / i for e, i in zip(sides["e2e"], sides["inprocess"])]}
-            for tokens, sides in rates.items()}
+    out = {}
+    for tokens, sides in rates.items():
+        trajectories = len(rows[tokens][0]) * ns.group_size * ns.inprocess_rounds
+        costs = {side: cpu.per_trajectory(tokens, side, trajectories) for side in ("e2e", "inprocess")}
+        out[tokens] = {**summarize(sides["inprocess"], sides["e2e"]), "groups": len(rows[tokens][0]),
+                       "e2e_per_round": sides["e2e"], "inprocess_per_round": sides["inprocess"],
+                       "ratios_per_round": [e / i for e, i in zip(sides["e2e"], sides["inprocess"])],
+                       "cpu_ms_per_trajectory": costs,
+                       "cpu_bound": costs["inprocess"]["host"] / costs["e2e"]["host"]}
+    return out
 
 
 def report_inprocess(rows: dict, options: SuiteOptions, ns) -> None:
-    print(f"\n(c) trajectories/s end to end vs plain vLLM in-process | same engine settings (kv cache "
+    print(f"\n(c) trajectories/s end to end vs {ns.inprocess_engine} vLLM in-process | same engine settings (kv cache "
           f"{options.kv_cache_bytes >> 20} MiB, max_model_len {options.max_model_len}, the service's max_num_seqs "
           f"and dtype) | groups of {ns.group_size} | {ns.inprocess_rounds} alternating rounds "
           f"(rlfleet, in-process, ...), {ns.settle_seconds:g} s apart")
@@ -494,6 +544,18 @@ def report_inprocess(rows: dict, options: SuiteOptions, ns) -> None:
         print(f"{tokens:>15} | {row['groups']:>6} | {row['base']:>18.1f} | {row['measured']:>17.1f} | "
               f"{row['ratio']:>5.2f} | {row['low']:>5.2f}-{row['high']:<5.2f} | "
               + " ".join(f"{r:.2f}" for r in row["ratios_per_round"]))
+    print("\nCPU ms per trajectory over the rounds, by process tree (bench: the trainer of the end-to-end side, "
+          "the in-process engine and its engine core of the other), and of the whole host; CPU bound = "
+          "in-process host CPU / end-to-end host CPU (the ratio the host's CPU allows when both saturate it)")
+    keys = sorted({key for row in rows.values() for side in row["cpu_ms_per_trajectory"].values() for key in side
+                   if key != "host"})
+    print(f"{'response tokens':>15} | {'side':>10} | " + " | ".join(f"{key:>12}" for key in keys)
+          + f" | {'host':>8} | CPU bound")
+    for tokens, row in rows.items():
+        for side, costs in row["cpu_ms_per_trajectory"].items():
+            bound = f"{row['cpu_bound']:.2f}" if side == "e2e" else ""
+            print(f"{tokens:>15} | {side:>10} | " + " | ".join(f"{costs.get(key, 0.0):>12.2f}" for key in keys)
+                  + f" | {costs['host']:>8.2f} | {bound}")
 
 
 # ---------------------------------------------------------------- (d) multi-turn vs single turn, same tokens
@@ -722,6 +784,9 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=None,
                         help="(b) the trainer's batches(prefetch=N), both modes (default: the SDK's default)")
     parser.add_argument("--inprocess-rounds", type=int, default=3, help="(c) alternating end-to-end/in-process rounds")
+    parser.add_argument("--inprocess-engine", choices=["plain", "service"], default="plain",
+                        help="(c) the in-process engine's process layout and queue readers: vLLM's own, or the "
+                             "generation service's (the model in the engine core on <= 2 CPUs, readers that sleep)")
     parser.add_argument("--long-tokens", type=int, default=1024, help="(c) response length of the long row")
     parser.add_argument("--long-groups", type=int, default=4, help="(c) groups of the long row")
     parser.add_argument("--settle-seconds", type=float, default=1.5,
@@ -801,11 +866,15 @@ def result_json(e2e: dict | None, sync: dict | None, inprocess: dict | None, mul
                    step_seconds=ns.step_seconds, prefetch=ns.prefetch,
                    batch_generation_seconds=round(sync["generation_seconds"], 4),
                    batch_rollout_seconds=round(sync["rollout_seconds"], 4))
+    if inprocess is not None:
+        out["inprocess_engine"] = ns.inprocess_engine
     for tokens, row in (inprocess or {}).items():
         out[f"e2e_over_inprocess_{tokens}"] = row["ratio"]
         out[f"e2e_over_inprocess_{tokens}_per_round"] = row["ratios_per_round"]
         out[f"e2e_traj_per_s_{tokens}_per_round"] = row["e2e_per_round"]
         out[f"inprocess_traj_per_s_{tokens}_per_round"] = row["inprocess_per_round"]
+        out[f"cpu_ms_per_trajectory_{tokens}"] = row["cpu_ms_per_trajectory"]
+        out[f"cpu_bound_{tokens}"] = row["cpu_bound"]
     if multiturn is not None:
         out.update(multiturn_ratio=multiturn["ratio"], multiturn_ratio_per_round=multiturn["ratios_per_round"],
                    multiturn_goal_met=multiturn["ratio"] >= MULTITURN_GOAL,
