@@ -148,6 +148,7 @@ class GenerationEngine:
             enforce_eager=cfg.enforce_eager,
             enable_prefix_caching=cfg.enable_prefix_caching,
             kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+            stream_interval=cfg.stream_interval,
         )
         if cfg.block_size is not None:
             kwargs["block_size"] = cfg.block_size

@@ -154,6 +154,19 @@ async def test_behavior_log_probs_match_hf(engine, model_dir, temperature):
     assert len({tuple(s.response_token_ids) for s in samples}) > 1
 
 
+async def test_vllm_hands_each_sample_over_every_stream_interval_tokens(engine):
+    """The engine's ``stream_interval`` (16 by default) reaches vLLM: a 64-token sample arrives as its first
+    token, then 16 tokens at a time, then the rest at its end, not as an output per token. (The samples
+    the engine assembles from such deltas keep every token's log-prob: test_behavior_log_probs_match_hf.)"""
+    from rlfleet.services.generation.sampling import to_vllm
+
+    assert engine.config.stream_interval == 16
+    spec = SamplingSpec(n=1, temperature=1.0, max_tokens=64, ignore_eos=True)
+    sizes = [len(output.outputs[0].token_ids) async for output in
+             engine.vllm.generate({"prompt_token_ids": PROMPT}, to_vllm(spec), "stream-interval")]
+    assert sizes == [1, 16, 16, 16, 15]
+
+
 async def test_a_turn_from_a_cached_history_samples_exactly_what_a_cold_one_does(engine, model_dir):
     """A multi-turn episode's next turn reuses the KV its history left in the prefix cache (blocks of
     ``block_size`` tokens, 32 by default): same tokens and log-probs as from a cold cache, and as HF's."""
