@@ -9,6 +9,14 @@ from pathlib import Path
 
 import pytest
 
+# Before anything imports grpc. grpcio's fork support (on by default) runs gRPC's atfork handlers in a
+# child forked with a ``preexec_fn`` (not vforked) while other threads are inside gRPC, and such a child
+# can die before it execs (tests/unit/test_fork_while_grpc_is_busy.py). Ray starts its GCS server and
+# raylets so: test_torchrl's ``ray.init`` once waited 30 s for a GCS server that had died before exec.
+# The test processes never use gRPC in a forked child; the services they start inherit the setting (the
+# environment service sets it itself).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
 if "PYTEST_XDIST_WORKER" in os.environ and "RLFLEET_SHM_DIR" not in os.environ:
     # Each parallel worker its own shm directory, inherited by the services it starts (as two hosts have
     # two): tests count the weight segments a push leaves, which another worker's pushes must not add to.
