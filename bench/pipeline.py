@@ -108,6 +108,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -440,9 +441,13 @@ class PhaseCpu:
         cpu["bench"] -= sum(value for key, value in cpu.items() if key not in ("bench", "host"))
         return cpu
 
-    def add(self, tokens: int, side: str, before: dict[str, float], after: dict[str, float]) -> None:
+    @contextlib.contextmanager
+    def measure(self, tokens: int, side: str):
+        """Adds the CPU of the ``with`` block's phase to ``side``'s total for ``tokens``."""
+        before = self.snapshot()
+        yield
         total = self.totals.setdefault((tokens, side), {})
-        for key, value in CpuMeter.delta(before, after).items():
+        for key, value in CpuMeter.delta(before, self.snapshot()).items():
             total[key] = total.get(key, 0.0) + value
 
     def per_trajectory(self, tokens: int, side: str, trajectories: int) -> dict[str, float]:
@@ -454,6 +459,7 @@ async def inprocess_round(address: str, engine, rows: dict, round_index: int, ns
                           cpu: PhaseCpu | None = None) -> dict[int, tuple[float, float]]:
     """One round of (c): per row, end to end then in-process, each after ``--settle-seconds``; seconds
     each, and each phase's CPU added to ``cpu``."""
+    measure = cpu.measure if cpu else lambda tokens, side: contextlib.nullcontext()
     out = {}
     for tokens, (texts, token_ids) in rows.items():
         groups_per_batch = math.gcd(ns.groups_per_step, len(texts))
@@ -461,18 +467,15 @@ async def inprocess_round(address: str, engine, rows: dict, round_index: int, ns
             texts, token_ids = texts[:groups_per_batch], token_ids[:groups_per_batch]
         seen: set = set()
         await asyncio.sleep(ns.settle_seconds)  # an idle vLLM worker spins ~1 s: let the other engine settle
-        before = cpu.snapshot() if cpu else None
-        seconds_e2e, _ = await asyncio.to_thread(
-            end_to_end, address, texts, f"c{tokens}r{round_index}", ns, groups_per_batch=groups_per_batch,
-            spec={"sampling": {"max_tokens": tokens}},
-            on_batch=lambda batch: seen.update(tuple(ids.tolist()) for ids in batch.ragged("tokens/prompt").to_list()))
-        if cpu:
-            cpu.add(tokens, "e2e", before, cpu.snapshot())
+        with measure(tokens, "e2e"):
+            seconds_e2e, _ = await asyncio.to_thread(
+                end_to_end, address, texts, f"c{tokens}r{round_index}", ns, groups_per_batch=groups_per_batch,
+                spec={"sampling": {"max_tokens": tokens}},
+                on_batch=lambda batch: seen.update(tuple(ids.tolist())
+                                                   for ids in batch.ragged("tokens/prompt").to_list()))
         await asyncio.sleep(ns.settle_seconds)
-        before = cpu.snapshot() if cpu else None
-        seconds_local, samples = await engine.generate_groups(token_ids, ns.group_size, tokens)
-        if cpu:
-            cpu.add(tokens, "inprocess", before, cpu.snapshot())
+        with measure(tokens, "inprocess"):
+            seconds_local, samples = await engine.generate_groups(token_ids, ns.group_size, tokens)
         if samples != len(token_ids) * ns.group_size:
             raise RuntimeError(f"in-process: {samples} full samples of {tokens} tokens, "
                                f"expected {len(token_ids) * ns.group_size}")

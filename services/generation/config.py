@@ -93,9 +93,8 @@ class GenerationEngineConfig(BaseModel):
     ``stream_interval``); a sample's first token and its end are handed over at once whatever this
     says. The service reads each sample's tokens as deltas (to report a sample the moment it ends,
     not when its group does); at 1, vLLM's default, every engine step builds, queues and hands over an
-    output per sequence, CPU per sampled token taken from the engine's host (measured in the pipeline
-    benchmark's part (c), the service's CPU against an in-process engine's). 1: every token as it is
-    sampled."""
+    output per sequence, CPU per sampled token taken from the engine's host (the generation benchmark's
+    page has the measurement). 1: every token as it is sampled."""
 
     kv_cache_memory_bytes: int | None = None
     """Explicit KV-cache size in bytes; ``None`` lets vLLM size it."""
