@@ -7,11 +7,11 @@ import difflib
 import sys
 from pathlib import Path
 
-from . import api, benchmarks, cli, modules, settings
+from . import api, benchmarks, cli, modules, rewards, settings
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 GENERATORS = {"settings": settings.render, "api": api.render, "cli": cli.render, "benchmarks": benchmarks.render,
-              "modules": modules.render}
+              "modules": modules.render, "rewards": rewards.render}
 
 
 def main(argv: list[str] | None = None) -> int:

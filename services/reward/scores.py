@@ -60,13 +60,15 @@ class ScoreInput:
     """What a reward function sees of one sample."""
 
     prompt: str
-    """The prompt text."""
+    """The prompt text: from the collector, the prompt's raw text or its chat's last message ('' for a
+    prompt given as token ids)."""
     response: str
-    """The decoded response text."""
+    """The response text, decoded from the sampled token ids with special tokens skipped (in a multi-turn
+    episode: everything after the prompt, the assistant turns and the observations between them)."""
     ground_truth: str | None = None
-    """The reference answer from the task metadata, if the task has one."""
+    """The task's ground truth (``ground_truth`` of the prompt), if it has one."""
     response_length: int | None = None
-    """Number of response tokens (the reward service knows it from the token ids)."""
+    """Number of response tokens (the reward service counts them from the token ids)."""
 
 
 Scorer = Callable[[Sequence[ScoreInput]], list[float]]
@@ -268,19 +270,41 @@ def _needs_ground_truth(name: str, sample: ScoreInput) -> str:
 
 @register("numeric_match")
 def _numeric_match(tolerance: NonNegativeFloat = 1e-6) -> Scorer:
+    """1.0 if the last number written in the response equals the last number in the ground truth, within
+    ``tolerance``; else 0.0 (also when the response holds no number).
+
+    A number may have a sign, thousands separators, decimals and an exponent: ``-1,234.5e3``. Needs a
+    ground truth that holds a number (INVALID_ARGUMENT otherwise).
+
+    Args:
+        tolerance: the relative and the absolute tolerance of the comparison (``math.isclose``).
+    """
     return _each_sample("numeric_match", lambda sample: numeric_match_score(
         sample.response, _needs_ground_truth("numeric_match", sample), tolerance=tolerance))
 
 
 @register("exact_match")
 def _exact_match(strip: bool = True, ignore_case: bool = False) -> Scorer:
+    """1.0 if the response equals the ground truth, else 0.0. Needs a ground truth.
+
+    Args:
+        strip: compare both with their leading and trailing whitespace removed.
+        ignore_case: compare both case-folded (``str.casefold``).
+    """
     return _each_sample("exact_match", lambda sample: exact_match_score(
         sample.response, _needs_ground_truth("exact_match", sample), strip=strip, ignore_case=ignore_case))
 
 
 @register("regex_match")
 def _regex_match(pattern: str | None = None) -> Scorer:
-    """1.0 if ``pattern`` (default: each sample's ground truth, as a regex) is found in the response."""
+    """1.0 if ``pattern`` (default: each sample's ground truth, as a regex) is found in the response, else 0.0.
+
+    Found anywhere in the response (a search: anchor the pattern with ``^`` and ``$`` to match it whole).
+    Without ``pattern`` it needs a ground truth.
+
+    Args:
+        pattern: the RE2 regex to search for; none: each sample's ground truth, compiled as a regex.
+    """
     fixed = None if pattern is None else compile_pattern(pattern, "reward function 'regex_match': argument pattern")
 
     def score_one(sample: ScoreInput) -> float:
@@ -293,7 +317,13 @@ def _regex_match(pattern: str | None = None) -> Scorer:
 
 @register("format_check")
 def _format_check(pattern: str, reward: FiniteFloat = 1.0, penalty: FiniteFloat = 0.0) -> Scorer:
-    """``reward`` if the whole response matches ``pattern``, else ``penalty``."""
+    """``reward`` if the whole response matches ``pattern``, else ``penalty``.
+
+    Args:
+        pattern: the RE2 regex the whole response must match.
+        reward: the score of a response that matches.
+        penalty: the score of a response that does not.
+    """
     regex = compile_pattern(pattern, "reward function 'format_check': argument pattern")
     return _each_sample("format_check", lambda sample: reward if regex.fullmatch(sample.response) else penalty)
 
@@ -304,8 +334,13 @@ _CHAR_CACHE_SIZE = 1 << 16
 
 @register("char_fraction")
 def _char_fraction(pattern: str = "[0-9]", ignore_space: bool = True) -> Scorer:
-    """Fraction of the response's characters matching the one-character ``pattern``
-    (whitespace skipped by default); 0 for an empty response. A dense format reward."""
+    """Fraction of the response's characters matching the one-character ``pattern`` (whitespace skipped
+    by default); 0.0 for an empty response. A dense format reward.
+
+    Args:
+        pattern: the RE2 regex each character must match whole (the default: an ASCII digit).
+        ignore_space: leave whitespace characters (``str.isspace``) out of the count.
+    """
     regex = compile_pattern(pattern, "reward function 'char_fraction': argument pattern")
     # Whether each character matches, kept across responses: a vocabulary's texts share few characters.
     matching: dict[str, bool] = {}
@@ -322,7 +357,13 @@ def _char_fraction(pattern: str = "[0-9]", ignore_space: bool = True) -> Scorer:
 
 @register("length_penalty")
 def _length_penalty(max_length: NonNegativeInt, coef: NonNegativeFloat = 0.01) -> Scorer:
-    """``-coef * max(0, response_length - max_length)``, on response tokens."""
+    """``-coef * max(0, response_length - max_length)``: a penalty on the response tokens past
+    ``max_length``, 0.0 up to it.
+
+    Args:
+        max_length: the response tokens allowed before the penalty starts.
+        coef: the penalty per token past ``max_length``.
+    """
 
     def score_one(sample: ScoreInput) -> float:
         if sample.response_length is None:
@@ -334,12 +375,21 @@ def _length_penalty(max_length: NonNegativeInt, coef: NonNegativeFloat = 0.01) -
 
 @register("none")
 def _none() -> Scorer:
-    """0 for every sample: the task score is then the sample's environment reward alone."""
+    """0.0 for every sample: the task score is then the sample's environment reward alone."""
     return lambda samples: [0.0] * len(samples)
 
 
 @register("reward_model")
 def _reward_model(path: str, **options: Any) -> Scorer:
+    """A learned reward model's score of ``prompt + response``: a Hugging Face
+    ``AutoModelForSequenceClassification`` (one label), loaded when the service starts (NOT_SERVING until
+    it is in memory) and run in length-sorted batches.
+
+    Args:
+        path: the model directory (or hub name) ``from_pretrained`` loads.
+        options: keyword options of ``RewardModelScorer`` (``services/reward/reward_model.py``):
+            ``batch_size``, ``device``, ``dtype``, ``max_length``, ``label_index``.
+    """
     from rlfleet.services.reward.reward_model import RewardModelScorer
 
     return RewardModelScorer(path, **options)

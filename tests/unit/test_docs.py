@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import gen_docs.__main__ as gen_docs  # noqa: E402
-from gen_docs import api, benchmarks, cli  # noqa: E402
+from gen_docs import api, benchmarks, cli, rewards  # noqa: E402
 
 
 def test_every_generated_page_matches_its_source(capsys):
@@ -51,6 +51,23 @@ def test_a_new_console_script_makes_the_cli_page_stale(monkeypatch, capsys):
     monkeypatch.setattr(cli, "console_scripts", lambda: scripts)
     assert gen_docs.main(["--check", "--only", "cli"]) == 1
     assert "reference/cli.md" in capsys.readouterr().err
+
+
+def test_a_reward_function_whose_doc_changed_makes_the_rewards_page_stale(monkeypatch, capsys):
+    from rlfleet.services.reward import scores
+
+    monkeypatch.setattr(scores._REGISTRY["numeric_match"], "__doc__",
+                        "A changed meaning.\n\nArgs:\n    tolerance: a changed tolerance.")
+    assert gen_docs.main(["--check", "--only", "rewards"]) == 1
+    assert "reference/rewards.md" in capsys.readouterr().err
+
+
+def test_a_reward_function_whose_parameter_is_not_described_is_refused(monkeypatch):
+    from rlfleet.services.reward import scores
+
+    monkeypatch.setattr(scores._REGISTRY["exact_match"], "__doc__", "1.0 if the response equals the ground truth.")
+    with pytest.raises(RuntimeError, match=r"'exact_match'.*does not describe \['strip', 'ignore_case'\]"):
+        rewards.render()
 
 
 def test_a_result_without_its_commit_is_refused(monkeypatch, tmp_path, capsys):
