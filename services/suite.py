@@ -13,6 +13,7 @@ at once (none calls another); the collector starts once every one of them report
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shlex
@@ -163,14 +164,24 @@ def _own_credentials(credentials: Path, name: str):
 
 def describe_run(collector: str, workdir: Path, secure: bool) -> str:
     """Which run the collector holds: a new one, or the one the work directory's state resumed."""
-    from rlfleet.client import connect, credentials_from
-
-    with connect(collector, **(credentials_from(workdir / "credentials") if secure else {})) as client:
-        run = client.status().run
+    run = asyncio.run(_collector_run(collector, workdir / "credentials" if secure else None))
     if not run.resumed:
         return run.describe()
     return (f"{run.describe()}, from the state in {workdir} (--fresh starts a new run; a trainer resumes "
             f"this one with run {run})")
+
+
+async def _collector_run(collector: str, credentials: Path | None):
+    """The run the collector holds, from its ``GetStatus`` (with the suite's trainer credentials if secure)."""
+    from rlfleet.rpc.channel import ChannelSettings, aio_channel, call_with_retry, credentials_from
+    from rlfleet.rpc.records import Run
+    from rlfleet.v1 import collector_pb2, collector_pb2_grpc
+
+    settings = ChannelSettings(tls=True, **credentials_from(credentials)) if credentials else ChannelSettings()
+    async with aio_channel(collector, settings) as channel:
+        reply = await call_with_retry(collector_pb2_grpc.CollectorServiceStub(channel).GetStatus,
+                                      collector_pb2.GetStatusRequest(), method="GetStatus", settings=settings)
+    return Run.from_proto(reply.run)
 
 
 def start_view(workdir: Path, model_dir: Path, port: int = 8265, timeout: float = 300.0

@@ -14,8 +14,8 @@ import asyncio
 import logging
 from collections import Counter
 
-from rlfleet.client.channel import ChannelSettings, call_with_retry
-from rlfleet.client.errors import ResourceExhaustedError
+from rlfleet.rpc.channel import ChannelSettings, call_with_retry
+from rlfleet.rpc.errors import ResourceExhaustedError
 from rlfleet.services.collector import batched_calls
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.coalescer import Coalescer

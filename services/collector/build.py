@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 import grpc
 
 from rlfleet.choices import ADVANTAGE_MODES, KL_ESTIMATORS
-from rlfleet.client.channel import ChannelSettings, aio_channel
+from rlfleet.rpc.channel import ChannelSettings, aio_channel
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.config import CollectorConfig
 from rlfleet.services.collector.dataset import load_records

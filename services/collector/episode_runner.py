@@ -29,8 +29,8 @@ from typing import Awaitable, Callable
 
 import torch
 
-from rlfleet.client.channel import ChannelSettings, call_with_retry
-from rlfleet.client.errors import NotFoundError
+from rlfleet.rpc.channel import ChannelSettings, call_with_retry
+from rlfleet.rpc.errors import NotFoundError
 from rlfleet.services.collector.failures import EpisodeLost
 from rlfleet.services.collector.metrics import EPISODE_CACHED_TOKENS, EPISODE_PROMPT_TOKENS
 from rlfleet.services.collector.prompt_item import PromptItem

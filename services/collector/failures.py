@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from rlfleet.client.errors import InvalidArgumentError, NotFoundError, RlfleetClientError, UnavailableError
+from rlfleet.rpc.errors import InvalidArgumentError, NotFoundError, RlfleetClientError, UnavailableError
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.wire import WireError
 

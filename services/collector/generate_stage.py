@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from rlfleet.client.channel import ChannelSettings, backoff
-from rlfleet.client.errors import (AbortedError, InvalidArgumentError, NotFoundError, ResourceExhaustedError,
+from rlfleet.rpc.channel import ChannelSettings, backoff
+from rlfleet.rpc.errors import (AbortedError, InvalidArgumentError, NotFoundError, ResourceExhaustedError,
                                    from_rpc_error)
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.episode_runner import EpisodeRunner, GenerateTurns, GroupSlot, group_of_episodes

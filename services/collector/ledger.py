@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from rlfleet.client.results import PassRate, PromptFailure
+from rlfleet.rpc.records import PassRate, PromptFailure
 from rlfleet.services.collector import state_schema
 from rlfleet.services.collector.coalescer import Coalescer
 from rlfleet.services.collector.filtering import GroupOutcome

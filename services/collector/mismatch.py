@@ -1,6 +1,6 @@
 """What trainers measured of the train/inference mismatch, and the circuit breaker on it.
 
-A trainer reports, per batch, the mismatch ``rlfleet.client.offpolicy`` measured per version lag
+A trainer reports, per batch, the mismatch the SDK (``rlfleet.client.offpolicy``) measured per version lag
 (``ReportMismatch``). Lag 0 is the tokens sampled by the very weights the trainer holds: there the
 mismatch is the engine's numerics against the trainer's, which staleness cannot explain. A broken
 push (weights the replicas did not get, a dtype mix-up, a quantization bug) shows there first. With a

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rlfleet.client.channel import ChannelSettings, aio_channel
+from rlfleet.rpc.channel import ChannelSettings, aio_channel
 from rlfleet.services.collector.discovery import Endpoint
 from rlfleet.services.collector import metrics
 from rlfleet.services.common.background import BackgroundTasks

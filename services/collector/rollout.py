@@ -29,7 +29,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from rlfleet.client.channel import ChannelSettings, backoff
+from rlfleet.rpc.channel import ChannelSettings, backoff
 from rlfleet.services.collector import failures
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.append_stage import AppendStage

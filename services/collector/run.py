@@ -18,7 +18,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from rlfleet.client.channel import RUN_METADATA
+from rlfleet.rpc.channel import RUN_METADATA
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument
 
 RUN_ID = re.compile(r"run-[0-9]{8}-[0-9]{6}-[0-9a-f]{6}")

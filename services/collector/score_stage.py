@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
-from rlfleet.client.channel import ChannelSettings, call_with_retry
-from rlfleet.client.errors import ResourceExhaustedError
+from rlfleet.rpc.channel import ChannelSettings, call_with_retry
+from rlfleet.rpc.errors import ResourceExhaustedError
 from rlfleet.services.collector import batched_calls, failures
 from rlfleet.services.collector.coalescer import Coalescer
 from rlfleet.services.collector.prompt_item import PromptItem

@@ -11,8 +11,8 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rlfleet.client.channel import call_with_retry
-from rlfleet.client.errors import RlfleetClientError
+from rlfleet.rpc.channel import call_with_retry
+from rlfleet.rpc.errors import RlfleetClientError
 from rlfleet.services.collector import metrics
 from rlfleet.services.collector.build import build
 from rlfleet.services.collector.config import CollectorConfig

@@ -10,9 +10,9 @@ import time
 
 import grpc
 
-from rlfleet.client.channel import is_core_write_failure
-from rlfleet.client.errors import from_rpc_error
-from rlfleet.client.results import to_message
+from rlfleet.rpc.channel import is_core_write_failure
+from rlfleet.rpc.errors import from_rpc_error
+from rlfleet.rpc.records import to_message
 from rlfleet.services.collector import metrics, prompt_item
 from rlfleet.services.collector.batch_stream import BatchRelay
 from rlfleet.services.collector.mismatch import LagMismatch

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from rlfleet.client.channel import ChannelSettings, StatusWatch, stream_error
+from rlfleet.rpc.channel import ChannelSettings, StatusWatch, stream_error
 from rlfleet.services.collector.replicas import Replica
 from rlfleet.services.common import tracing
 from rlfleet.v1 import generation_pb2, weights_pb2

@@ -4,7 +4,7 @@
 to an OTLP/gRPC endpoint (an OpenTelemetry Collector, Jaeger), resource ``service.name=rlfleet-<service>``;
 ``shutdown`` flushes it when the service stops. W3C trace context travels in gRPC metadata
 (``traceparent``): the server side is the shared interceptor (``rpc_span``: one SERVER span per RPC,
-named like the method), the client side ``rlfleet.client.channel.ChannelSettings.metadata``, which
+named like the method), the client side ``rlfleet.rpc.channel.ChannelSettings.metadata``, which
 injects the current span's context into every call a service (or a traced trainer) makes.
 
 Off (no endpoint), every helper here returns at once (``span`` yields None, ``traceparent`` is "") and

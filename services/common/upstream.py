@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:  # configs import this module, and configs load without torch (the SDK's channel imports it)
-    from rlfleet.client.channel import ChannelSettings
+    from rlfleet.rpc.channel import ChannelSettings
 
 
 class UpstreamConfig(BaseModel):
@@ -38,7 +38,7 @@ class UpstreamConfig(BaseModel):
 def upstream_settings(config: UpstreamConfig, max_message_bytes: int) -> "ChannelSettings":
     """The channel settings of ``config``'s upstream fields: token and TLS files read and checked now
     (a bad one refuses the start, naming the setting), deadlines and message sizes."""
-    from rlfleet.client.channel import ChannelSettings
+    from rlfleet.rpc.channel import ChannelSettings
     from rlfleet.services.common import security
 
     token = config.upstream_auth_token

@@ -3,7 +3,7 @@
 ``p`` is the policy the tokens were **sampled from** (the behaviour policy, or the current policy when it
 is re-scored), ``q`` the frozen reference model; ``log_ratio = log p(x) - log q(x)`` on the sampled token,
 and the target is ``KL(p || q)``. The estimators k1, k2 and k3 and their properties are
-``rlfleet.client.kl``'s (one home for the formulas, shared with the SDK's mismatch metrics).
+``rlfleet.kl``'s (one home for the formulas, shared with the SDK's mismatch metrics).
 
 ``per_token_kl`` takes ``[B, T]`` tensors with a bool ``mask`` of the tokens that
 count. The reward pipeline (``pipeline.py``) passes a whole batch as one row: the
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from rlfleet.choices import KL_ESTIMATORS, KLEstimatorName
-from rlfleet.client import kl as estimators
+from rlfleet import kl as estimators
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.services.reward import validation
 

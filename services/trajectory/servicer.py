@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import AsyncIterator
 
-from rlfleet.client.results import to_message
+from rlfleet.rpc.records import to_message
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.services.common.server import Service
 from rlfleet.services.trajectory.buffer import Command, ReaderOptions, Settlement, TrajectoryBuffer

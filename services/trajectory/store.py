@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence, TypeVar
 
-from rlfleet.client.results import BufferStats, DroppedStale
+from rlfleet.rpc.records import BufferStats, DroppedStale
 from rlfleet.services.common.database import Database, chunks, open_database
 from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
 from rlfleet.services.trajectory import rows as rowcodec

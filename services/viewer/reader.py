@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from rlfleet.client.channel import ChannelSettings, aio_channel
+from rlfleet.rpc.channel import ChannelSettings, aio_channel
 from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, tensor_pb2, trajectory_pb2,
                         trajectory_pb2_grpc)
 from rlfleet.wire.tensor import numpy_view

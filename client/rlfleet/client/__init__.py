@@ -18,14 +18,14 @@ times. The building blocks (channels, retries, errors) are shared with the servi
 
 from rlfleet.client.aio import AsyncClient, connect_async
 from rlfleet.client.batches import Batch, BatchStream
-from rlfleet.client.channel import ChannelSettings, aio_channel, call_with_retry, credentials_from
-from rlfleet.client.errors import (
+from rlfleet.rpc.channel import ChannelSettings, aio_channel, call_with_retry, credentials_from
+from rlfleet.rpc.errors import (
     AbortedError, CancelledError, DeadlineExceededError, FailedPreconditionError, InternalError,
     InvalidArgumentError, NotFoundError, PermissionDeniedError, ResourceExhaustedError, RlfleetClientError,
     UnauthenticatedError, UnavailableError, UnimplementedError, from_rpc_error,
 )
 from rlfleet.client.prompts import to_prompt_specs
-from rlfleet.client.results import (
+from rlfleet.rpc.records import (
     BufferStats, DroppedStale, DynamicSamplingStatus, MismatchStatus, PassRate, PromptFailure, PushResult,
     ReplicaPushResult, ReplicaStatus, RollingUpdateStatus, Run, StageStatus, Status,
 )

@@ -16,12 +16,12 @@ import weakref
 from typing import Any, Iterable, Mapping, Sequence, Union
 
 from rlfleet.client.batches import DEFAULT_IDLE_TIMEOUT, DEFAULT_RECONNECT_SECONDS, BatchStream
-from rlfleet.client.channel import ChannelSettings, aio_channel, call_with_retry
-from rlfleet.client.errors import FailedPreconditionError, RlfleetClientError, UnavailableError, UnimplementedError
+from rlfleet.rpc.channel import ChannelSettings, aio_channel, call_with_retry
+from rlfleet.rpc.errors import FailedPreconditionError, RlfleetClientError, UnavailableError, UnimplementedError
 from rlfleet.client.lora import adapter_tensors
 from rlfleet.client.prompts import PromptInput, to_prompt_specs
 from rlfleet.client.push import DEFAULT_CHUNK_BYTES, TransportMemo, check_options, named_tensors, push_weights
-from rlfleet.client.results import (BufferStats, DroppedStale, MismatchStatus, PassRate, PromptFailure, PushResult,
+from rlfleet.rpc.records import (BufferStats, DroppedStale, MismatchStatus, PassRate, PromptFailure, PushResult,
                                    Run, Status)
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, trajectory_pb2, trajectory_pb2_grpc
 

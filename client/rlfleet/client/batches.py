@@ -36,8 +36,8 @@ from typing import Any, Awaitable, Callable
 import grpc
 import torch
 
-from rlfleet.client.channel import ChannelSettings, StatusWatch, backoff, stream_error
-from rlfleet.client.errors import (CancelledError, DeadlineExceededError, FailedPreconditionError, InternalError,
+from rlfleet.rpc.channel import ChannelSettings, StatusWatch, backoff, stream_error
+from rlfleet.rpc.errors import (CancelledError, DeadlineExceededError, FailedPreconditionError, InternalError,
                                    RlfleetClientError, from_rpc_error)
 from rlfleet.v1 import trajectory_pb2
 from rlfleet import wire  # its TensorDict codec (tensordict) loads on a batch's first use, not on import

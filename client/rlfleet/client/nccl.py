@@ -35,8 +35,8 @@ from typing import Any
 import grpc
 import torch
 
-from rlfleet.client.channel import STREAM_WRITE_ERRORS, ChannelSettings, StatusWatch, stream_error
-from rlfleet.client.results import PushResult
+from rlfleet.rpc.channel import STREAM_WRITE_ERRORS, ChannelSettings, StatusWatch, stream_error
+from rlfleet.rpc.records import PushResult
 from rlfleet.v1 import collector_pb2
 
 NCCL_ADDRESS_ENV = "RLFLEET_NCCL_ADDRESS"

@@ -261,7 +261,7 @@ def _mismatch_metrics(log_ratio, clamped, sequence_ratio) -> dict[str, float]:
 
 
 def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
-    """``r - 1 - log r`` per token of the trainer-over-behaviour log-ratio: ``rlfleet.client.kl``'s k3 of
+    """``r - 1 - log r`` per token of the trainer-over-behaviour log-ratio: ``rlfleet.kl``'s k3 of
     KL(behaviour || trainer), whose log-ratio is the negated one (``expm1``: exact near 0 in float32)."""
     return kl.k3(-log_ratio)
 

@@ -42,10 +42,10 @@ import grpc
 import torch
 
 from rlfleet.choices import SWAP_MODES, UPDATE_STRATEGIES, WEIGHT_TRANSPORTS
-from rlfleet.client.channel import STREAM_WRITE_ERRORS, ChannelSettings, StatusWatch, backoff, stream_error
+from rlfleet.rpc.channel import STREAM_WRITE_ERRORS, ChannelSettings, StatusWatch, backoff, stream_error
 from rlfleet.client.delta import DeltaBase
-from rlfleet.client.errors import FailedPreconditionError, UnavailableError
-from rlfleet.client.results import PushResult
+from rlfleet.rpc.errors import FailedPreconditionError, UnavailableError
+from rlfleet.rpc.records import PushResult
 from rlfleet.v1 import collector_pb2, weights_pb2
 from rlfleet.wire import shm
 from rlfleet.wire.dtypes import SUPPORTED_DTYPES

@@ -14,11 +14,11 @@ from typing import Any, Coroutine, Iterable, Sequence, TypeVar
 
 from rlfleet.client.aio import DEFAULT_MAX_MESSAGE_BYTES, AsyncClient, RunClaim, make_settings
 from rlfleet.client.batches import DEFAULT_IDLE_TIMEOUT, DEFAULT_RECONNECT_SECONDS, Batch, BatchStream
-from rlfleet.client.channel import ChannelSettings
+from rlfleet.rpc.channel import ChannelSettings
 from rlfleet.client.lora import adapter_tensors
 from rlfleet.client.prompts import PromptInput
 from rlfleet.client.push import DEFAULT_CHUNK_BYTES, named_tensors
-from rlfleet.client.results import (BufferStats, DroppedStale, MismatchStatus, PassRate, PromptFailure, PushResult,
+from rlfleet.rpc.records import (BufferStats, DroppedStale, MismatchStatus, PassRate, PromptFailure, PushResult,
                                    Run, Status)
 
 T = TypeVar("T")

@@ -148,7 +148,7 @@ class Fleet:
         """The run the collector holds (its status' ``run``, the SDK's ``Run``: new, or resumed at which
         version); None where it cannot say (a collector older than run ids, or not reachable from here)."""
         from rlfleet.client import connect, credentials_from
-        from rlfleet.client.errors import RlfleetClientError
+        from rlfleet.rpc.errors import RlfleetClientError
 
         secrets = credentials_from(self.config.credentials, role="reader") if self.config.credentials else {}
         try:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from tensordict import TensorDictBase
 
-from rlfleet.client.results import PushResult
+from rlfleet.rpc.records import PushResult
 from rlfleet.client.sync import Client, connect
 from rlfleet.client.torchrl.layout import to_torchrl
 from rlfleet.client.torchrl.prompts import prompt_items, to_spec

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Literal, Mapping
 
 from tensordict import TensorDictBase
 
-from rlfleet.client.results import PushResult
+from rlfleet.rpc.records import PushResult
 from rlfleet.client.sync import Client, connect
 from rlfleet.client.torchrl.collector import RlfleetLLMCollector
 
