@@ -6,6 +6,8 @@ fails when a setting, an RPC, a console script or a result file changes without 
 
 from __future__ import annotations
 
+import json
+import posixpath
 import re
 import shutil
 import sys
@@ -102,15 +104,103 @@ def test_a_results_relative_links_are_rewritten_to_resolve_from_its_benchmark_pa
         "[root](/index.md), `[code](code.md)`\n[ref]: ../results/notes.txt\n```text\n[fenced](fenced.md)\n```\n")
 
 
-def test_every_relative_link_on_a_benchmark_page_names_a_file():
+def test_every_relative_link_on_a_benchmark_page_names_a_file_and_every_anchor_a_run_or_heading():
+    pages = benchmarks.render()
     missing = []
-    for relative, text in benchmarks.render().items():
+    for relative, text in pages.items():
         page_dir = (ROOT / "docs" / relative).parent
         for target in re.findall(r"\]\(([^)\s]+)", text):
-            path = target.split("#")[0]
-            if path and "://" not in path and not (page_dir / path).is_file():
+            path, _, anchor = target.partition("#")
+            if "://" in path:
+                continue
+            if path and not (page_dir / path).is_file():
                 missing.append(f"{relative}: {target}")
+            elif anchor and anchor not in _anchors(pages[posixpath.normpath(posixpath.join(page_dir.name, path))]
+                                                   if path else text):
+                missing.append(f"{relative}: {target} (no such anchor)")
     assert not missing, missing
+
+
+def _anchors(page: str) -> set[str]:
+    """The ids of a generated page: its runs' rows and its headings (as the toc names them)."""
+    headings = re.findall(r"^#+ (.+)$", page, re.MULTILINE)
+    return set(re.findall(r'<span id="([^"]+)">', page)) | {
+        re.sub(r"[\s-]+", "-", re.sub(r"[^\w\s-]", "", h.lower())).strip("-") for h in headings}
+
+
+# What a page written for users does not say: who ran what, in which session, for which issue or step of a plan.
+_NOT_FOR_USERS = re.compile(r"\b(?:issues?\b(?:'s)?|(?:this|that|the|an earlier|other|same) sessions?\b|sessions'|"
+                            r"stop \d+|I (?:ran|measured)|we (?:ran|measured))|(?<![\w&])#\d+\b", re.IGNORECASE)
+
+
+def test_the_benchmark_pages_speak_of_no_issue_session_or_who_ran_what():
+    found = [f"{relative}: {match[0]!r} in {text[max(0, match.start() - 60):match.end() + 20]!r}"
+             for relative, text in benchmarks.render().items() for match in _NOT_FOR_USERS.finditer(text)]
+    assert not found, found
+
+
+def test_the_result_records_are_data_files_left_out_of_the_site():
+    import yaml
+
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text().split("\nnav:")[0].replace("!!python/name:", ""))
+    assert "/results/*.md" in config["exclude_docs"].split()
+    # So a page never links to a record (it would be a broken link on the site): it names it, and links its row.
+    for relative, text in benchmarks.render().items():
+        assert not re.search(r"\]\([^)]*results/[^)]*\.md", text), relative
+
+
+def test_each_page_opens_with_its_latest_result_then_its_history_of_every_run():
+    pages = benchmarks.render()
+    for result in benchmarks.results():
+        page = pages[f"benchmarks/{result.meta['bench']}.md"]
+        assert f'<span id="{result.anchor}"></span>`docs/results/{result.path.name}`' in page, result.path.name
+    test = pages["benchmarks/test.md"]
+    assert test.index("### Latest result: ") < test.index("### History") < test.index("## What the bench does")
+    codec = pages["benchmarks/codec.md"]
+    assert codec.index("## Latest result: 2026-11-22, `a122575`") < codec.index("## History")
+    row = next(line for line in codec.splitlines() if line.startswith("| 2026-11-22 | `a122575` |"))
+    assert "| 0.02 | 0.13 | 0.01 |" in row  # the key figures, from the record's front matter
+
+
+def test_a_new_result_file_becomes_its_pages_latest_result_and_a_row_of_its_history(monkeypatch, tmp_path):
+    results = tmp_path / "results"
+    shutil.copytree(benchmarks.RESULTS, results)
+    result = {"ceiling_traj_per_s": 812.4, "services_cpu_ms_per_traj": 0.81, "saturates_first": "collector",
+              "cpu_ms_per_traj": {"collector": 0.4, "reward": 0.2, "trajectory": 0.21, "reference": 1.1}}
+    (results / "dataplane-2099-01-01.md").write_text(
+        "---\nbench: dataplane\ndate: 2099-01-01\ncommit: 8486d44\nmachine: m\n"
+        "command: .venv/bin/python bench/dataplane.py\n"
+        f"result: '{json.dumps(result)}'\n---\nThe table it printed.\n")
+    runs_before = sum("bench: dataplane\n" in p.read_text() for p in benchmarks.RESULTS.glob("*.md"))
+    monkeypatch.setattr(benchmarks, "RESULTS", results)
+    page = benchmarks.render()["benchmarks/dataplane.md"]
+    assert page.index("## Latest result: 2099-01-01, `8486d44`") < page.index("The table it printed.") \
+        < page.index("## History")
+    rows = [line for line in page.splitlines() if line.startswith("| 20")]
+    assert rows[0] == ('| 2099-01-01 | `8486d44` | 812 | 0.81 | 1.10 | collector | '
+                       '<span id="dataplane-2099-01-01"></span>`docs/results/dataplane-2099-01-01.md` |')
+    assert len(rows) == 1 + runs_before
+
+
+def test_a_run_of_several_parts_is_the_latest_of_each_and_a_bench_without_a_layout_gets_its_plain_values(
+        monkeypatch, tmp_path):
+    results = tmp_path / "results"
+    shutil.copytree(benchmarks.RESULTS, results)
+    both = {"parts": "cd", "e2e_over_inprocess_64": 0.83, "multiturn_ratio": 0.71}
+    (results / "pipeline-2099-01-01.md").write_text(
+        "---\nbench: pipeline\ndate: 2099-01-01\ncommit: 8486d44\nmachine: m\n"
+        f"command: .venv/bin/python bench/pipeline.py --parts cd\nresult: '{json.dumps(both)}'\n---\n")
+    monkeypatch.setattr(benchmarks, "RESULTS", results)
+    monkeypatch.delitem(benchmarks.LAYOUTS, "codec")
+    pages = benchmarks.render()
+    sections = pages["benchmarks/pipeline.md"].split("\n## ")
+    for part in ("(c) ", "(d) "):
+        section = next(s for s in sections if s.startswith(part))
+        assert "### Latest result: 2099-01-01, `8486d44`" in section
+    (a,) = [s for s in sections if s.startswith("(a) ")]
+    assert "2099-01-01" not in a
+    codec = pages["benchmarks/codec.md"]
+    assert "| date | commit | encode over memcpy 16mib | decode over memcpy 16mib |" in codec
 
 
 def _result(name: str, date: str, commit: str) -> benchmarks.Result:
@@ -149,8 +239,11 @@ def test_the_index_shows_the_later_commit_of_a_day_and_its_page_links_the_earlie
     row = next(line for line in pages["benchmarks/index.md"].splitlines() if line.startswith("| [codec]"))
     assert row.endswith("| 2099-01-01 | `8486d44` |")
     page = pages["benchmarks/codec.md"]
-    assert "again, as [the first](../results/codec-2099-01-01-rolling.md)" in page
+    # The latest run's link to the earlier one's record goes to that run's row of the history.
+    assert "again, as [the first](#codec-2099-01-01-rolling)" in page
+    assert '<span id="codec-2099-01-01-rolling"></span>`docs/results/codec-2099-01-01-rolling.md`' in page
     assert page.index("`8486d44`") < page.index("`a122575`")
+    assert "first\n" not in page  # an earlier run's body stays in its record
 
 
 # A repository path in backticks or a link: `services/collector/admission.py`, (../batch-schema.md) aside.
