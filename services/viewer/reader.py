@@ -118,7 +118,7 @@ class Reader:
         except grpc.RpcError as exc:
             if is_refusal(exc):
                 raise
-            return {"unavailable": self._unreachable(exc)}
+            return self._unreachable(exc)
 
     async def failures(self) -> dict[str, Any]:
         """The collector's dead letters, newest first, or ``{"unavailable": why}`` as for ``status``."""
@@ -132,15 +132,19 @@ class Reader:
             except grpc.RpcError as exc:
                 if is_refusal(exc):
                     raise
-                return {"failures": [], "unavailable": self._unreachable(exc)}
+                return {"failures": [], **self._unreachable(exc)}
             found += [_message(failure) for failure in reply.failures]
             if len(reply.failures) < 1000:
                 return {"failures": found[::-1]}
             after = reply.failures[-1].seq
 
-    def _unreachable(self, error: grpc.RpcError) -> str:
-        return (f"the collector at {self.collector_address} does not answer ({error.code().name}: "
-                f"{error.details()}): showing what the trajectory store holds")
+    def _unreachable(self, error: grpc.RpcError) -> dict[str, str]:
+        """The page's notice: which address does not answer and the status code's name. gRPC's own message
+        (``failed to connect to all addresses; last error: ... Connection refused (111)``, a TLS failure) is
+        no sentence for a user: it goes to ``unavailable_details``, the notice's tooltip."""
+        return {"unavailable": f"the collector at {self.collector_address} does not answer ({error.code().name}): "
+                               f"showing what the trajectory store holds",
+                "unavailable_details": error.details() or ""}
 
 
 def render_tokens(trajectory: tensor_pb2.TensorDict, tokenizer) -> dict[str, Any]:

@@ -10,6 +10,7 @@ not answer; Ctrl-C stops both.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
@@ -34,26 +35,33 @@ START_TIMEOUT = 300.0
 VERSIONS = 3
 LONG_PROMPT = 100
 """Tokens of the prompt of version 2's first group: longer than the page shows unfolded."""
+LONG_LINE = 300
+"""Tokens of a response without a space: 300 characters, wider than the window."""
 DIFFS = [[0.5, 1.0, 2.0, 4.0], [-1.0, -3.0, 6.0, 0.0]]
 """Behaviour minus reference log-probability of each response token of a group's two samples."""
 
 
-def scored_group(version: int, group: int, prompt_length: int):
+def scored_group(version: int, group: int, prompt_length: int, response: list[int] | None = None):
     """One group of 2 as the collector appends it: tokens, behaviour and reference log-probs (``DIFFS``
-    apart), per-token versions, score (``10 * version + group % 10 + sample``) and advantage."""
+    apart), per-token versions, score (``10 * version + group % 10 + sample``) and advantage; ``response``:
+    both samples' response tokens instead, at the reference's log-probs."""
     def nested(rows):
         return Ragged.from_list(rows).to_nested()
 
     prompts = [torch.arange(prompt_length, dtype=torch.int64) % 50 + 10 for _ in range(2)]
-    responses = [torch.arange(4, dtype=torch.int64) + 60 + sample for sample in range(2)]
-    behaviour = [torch.full((4,), -1.0) for _ in range(2)]
+    if response is None:
+        responses, diffs = [torch.arange(4, dtype=torch.int64) + 60 + sample for sample in range(2)], DIFFS
+    else:
+        responses, diffs = [torch.tensor(response, dtype=torch.int64)] * 2, [[0.0] * len(response)] * 2
+    behaviour = [torch.full((len(r),), -1.0) for r in responses]
     td = TensorDict({
         "tokens": TensorDict({"prompt": nested(prompts), "response": nested(responses),
                               "full": nested([torch.cat(pair) for pair in zip(prompts, responses)])}, batch_size=[2]),
         "log_probs": TensorDict({"response": nested(behaviour)}, batch_size=[2]),
-        "ref_log_probs": TensorDict({"response": nested([b - torch.tensor(d) for b, d in zip(behaviour, DIFFS)])},
+        "ref_log_probs": TensorDict({"response": nested([b - torch.tensor(d) for b, d in zip(behaviour, diffs)])},
                                     batch_size=[2]),
-        "versions": TensorDict({"response": nested([torch.full((4,), version) for _ in range(2)])}, batch_size=[2]),
+        "versions": TensorDict({"response": nested([torch.full((len(r),), version) for r in responses])},
+                               batch_size=[2]),
         "score": torch.tensor([10.0 * version + group % 10 + sample for sample in range(2)]),
         "advantage": torch.tensor([-0.5, 0.5]),
         "group_id": torch.full((2,), group, dtype=torch.int64),
@@ -104,9 +112,12 @@ def test_view_opens_the_viewer_on_a_finished_run_and_says_the_collector_is_gone(
             page.goto(url)
             page.wait_for_selector("body[data-ready=true]")
             page.wait_for_selector("#notice:not([hidden])")
-            assert page.locator("#notice").inner_text().startswith(
-                f"the collector at 127.0.0.1:{collector_port} does not answer (UNAVAILABLE")
-            assert "what the trajectory store holds" in page.locator("#notice").inner_text()
+            # A sentence, not gRPC's error: its message (connection refused ...) is the tooltip.
+            notice = page.locator("#notice").inner_text()
+            assert notice == (f"the collector at 127.0.0.1:{collector_port} does not answer (UNAVAILABLE): "
+                              f"showing what the trajectory store holds")
+            assert not any(raw in notice for raw in ("_InactiveRpcError", "AioRpcError", "StatusCode.", "failed to"))
+            assert "failed to connect" in page.locator("#notice").get_attribute("title")
             assert page.locator("#version-table tbody tr").count() == VERSIONS
             assert "12 ready" in page.locator("#run").inner_text()
             page.click("#version-table th:nth-child(1)")  # sorted by version, ascending
@@ -203,6 +214,53 @@ def texts_and_search(page, tiny_model_dir) -> None:
     assert page.locator("#search-count").inner_text() == f'6 of the 12 rows shown hold "{second.lower()}"'
     page.fill("#sample-search", "")
     page.wait_for_function(f"[...document.querySelectorAll('{rows}')].filter(r => !r.hidden).length === 12")
+
+
+def test_a_token_line_without_a_space_wraps_in_its_box(tmp_path, tiny_model_dir):
+    """A response without a space (digits, a tiny model's babble) is a line of tokens with no place to break
+    it: the token box wraps it anyway (viewer.css, ``overflow-wrap``) instead of running it off its right
+    edge."""
+    workdir = tmp_path / "suite"
+    (workdir / "trajectory").mkdir(parents=True)
+    store = TrajectoryStore(str(workdir / "trajectory" / "trajectories.db"), 1000)
+    letters = [35 + i % 25 for i in range(LONG_LINE)]  # "ABC...XY" over and over: the tiny tokenizer's letters
+    store.append(scored_group(0, 0, 6, response=letters), committed_version=0)
+    store.close()
+    with viewing(workdir, tiny_model_dir) as url, chromium(viewport={"width": 1400, "height": 1000}) as context:
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(url)
+        page.wait_for_selector("body[data-ready=true]")
+        page.click("nav button[data-tab=samples]")
+        page.locator("#sample-table tbody tr").first.click()
+        page.wait_for_function("document.querySelector('#tokens').dataset.tokens === '%d'" % (6 + LONG_LINE))
+        scroll_width, client_width, line = page.eval_on_selector(
+            "#tokens", "box => [box.scrollWidth, box.clientWidth, box.querySelector('span.t:last-child').offsetHeight]")
+        assert scroll_width <= client_width
+        assert page.eval_on_selector("#tokens", "box => box.scrollHeight") > 4 * line  # wrapped onto lines
+        screenshot(page, "viewer-long-line")
+
+
+@contextlib.contextmanager
+def viewing(workdir, model_dir):
+    """``rlfleet-suite --view`` on ``workdir``: the viewer's address; stopped by SIGINT (a Ctrl-C) at exit."""
+    command = subprocess.Popen(
+        [sys.executable, "-m", "rlfleet.services.suite", "--view", "--workdir", str(workdir),
+         "--model-dir", str(model_dir), "--viewer-port", "0"], stderr=subprocess.PIPE, text=True)
+    said: list[str] = []
+    threading.Thread(target=lambda: said.extend(iter(command.stderr.readline, "")), daemon=True).start()
+    try:
+        wait_for(lambda: command.poll() is not None or any("rollout viewer of the run" in line for line in said),
+                 START_TIMEOUT, "the viewer to serve")
+        assert command.poll() is None, "".join(said)
+        yield re.search(r"(http://127\.0\.0\.1:\d+)", next(line for line in said if "rollout viewer" in line))[1]
+    finally:
+        command.send_signal(signal.SIGINT)
+        try:
+            command.wait(60)
+        except subprocess.TimeoutExpired:
+            command.kill()
+            command.wait()
 
 
 def test_view_refuses_a_directory_that_holds_no_run(tmp_path, tiny_model_dir):

@@ -162,7 +162,9 @@ async def test_without_a_collector_the_reader_says_so_instead_of_failing():
     address = f"127.0.0.1:{free_port()}"
     gone = Reader(f"127.0.0.1:{free_port()}", address, settings)
     status = await gone.status()
-    assert status["unavailable"].startswith(f"the collector at {address} does not answer (UNAVAILABLE")
+    assert status["unavailable"] == (f"the collector at {address} does not answer (UNAVAILABLE): showing what the "
+                                     f"trajectory store holds")
+    assert "failed to connect" in status["unavailable_details"]  # gRPC's own message: the notice's tooltip
     assert (await gone.failures())["unavailable"].startswith(f"the collector at {address} does not answer")
     await gone.close()
 

@@ -74,7 +74,7 @@ async function loadRun() {
   try {
     const status = await getJSON("/api/status");
     if (status.unavailable) {
-      showNotice(status.unavailable);
+      showNotice(status.unavailable, status.unavailable_details);
     } else {
       parts.unshift(`policy version ${status.policy_version} · ${status.serving ? "serving" : "NOT serving: " +
                      status.not_serving_reason} · mode ${status.mode}`);
@@ -83,9 +83,10 @@ async function loadRun() {
   $("#run").textContent = parts.join(" · ");
 }
 
-function showNotice(text) {
+function showNotice(text, details) {
   const notice = $("#notice");
   notice.textContent = text;
+  notice.title = details || "";  // gRPC's own message, on hover
   notice.hidden = false;
 }
 
@@ -385,7 +386,11 @@ async function loadFailures() {
     return;
   }
   body.textContent = "";
-  if (reply.unavailable) cell(body.insertRow(), reply.unavailable, "text notice").colSpan = 6;
+  if (reply.unavailable) {
+    const notice = cell(body.insertRow(), reply.unavailable, "text notice");
+    notice.colSpan = 6;
+    notice.title = reply.unavailable_details || "";
+  }
   for (const f of reply.failures) {
     const row = body.insertRow();
     cell(row, f.seq); cell(row, f.prompt_id, "text"); cell(row, f.stage, "text"); cell(row, f.code, "text");
