@@ -102,10 +102,57 @@ def loaded_with(names: list[str], changed: list[str], packed_modules: dict[str, 
     return {name for name in names if layer_of(name, packed_modules) in layers}
 
 
+class _NothingToLoadFilter(logging.Filter):
+    """Drops layerwise reload's "<layer class>: Failed to load weights" for the layers no checkpoint can
+    load, and only for them.
+
+    vLLM (0.32, ``reload/layerwise.py``) warns for each layer that received no weight during a reload
+    and counts every tensor of a layer as loadable, non-persistent buffers included. A rotary embedding
+    holds nothing but such a buffer (``cos_sin_cache``, computed from the config at construction, never
+    in a checkpoint, not in ``state_dict``), so every push warned "RotaryEmbedding: Failed to load
+    weights" although nothing failed: vLLM puts the layer's own tensors back (``_place_kernel_tensors``),
+    the cache unchanged. A layer holding a parameter or a persistent buffer that a push left unloaded
+    still warns (a full push carries every checkpoint tensor: ``push_validation``), and so does a rotary
+    embedding with learnable parameters (``FourierRotaryEmbedding``)."""
+
+    MESSAGE = "%s: Failed to load weights"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer_classes: set[str] = set()
+        """Class names of the layers whose only tensors are non-persistent buffers."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == self.MESSAGE and record.args and record.args[0] in self.layer_classes)
+
+    def learn(self, model: torch.nn.Module) -> None:
+        computed, loadable = set(), set()
+        for layer in model.modules():
+            params = [p for p in layer._parameters.values() if p is not None]
+            buffers = {name for name, b in layer._buffers.items() if b is not None}
+            if params or buffers - layer._non_persistent_buffers_set:
+                loadable.add(type(layer).__name__)
+            elif buffers:
+                computed.add(type(layer).__name__)
+        self.layer_classes |= computed - loadable
+
+
+_NOTHING_TO_LOAD = _NothingToLoadFilter()
+_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def quiet_layers_with_nothing_to_load(model: torch.nn.Module) -> None:
+    """Install ``_NothingToLoadFilter`` on layerwise reload's logger for ``model``'s layers (once per process)."""
+    _NOTHING_TO_LOAD.learn(model)
+    layerwise = logging.getLogger(_LAYERWISE_LOGGER)
+    if _NOTHING_TO_LOAD not in layerwise.filters:
+        layerwise.addFilter(_NOTHING_TO_LOAD)
+
+
 @contextmanager
 def _quiet_reload():
     """Layerwise reload warns for each layer that loaded nothing, which is every layer a delta leaves."""
-    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    layerwise = logging.getLogger(_LAYERWISE_LOGGER)
     level = layerwise.level
     layerwise.setLevel(logging.ERROR)
     try:
@@ -196,6 +243,7 @@ class RlfleetWeightTransferEngine(_engine_base()):  # type: ignore[misc]
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
+        quiet_layers_with_nothing_to_load(model)
         self._nccl = None
         self._partial = False  # the update being loaded is a delta
 

@@ -265,6 +265,19 @@ def test_weight_push_changes_log_probs_and_bad_pushes_change_nothing(stub, tiny_
     assert after[0] == before[0] and torch.equal(after[1], before[1]) and after[2] == current
 
 
+def test_a_push_logs_no_failed_load_warning(stub, generation, tiny_model_dir):
+    """vLLM's reload warned "RotaryEmbedding: Failed to load weights" at every push, read as a failed push:
+    the rotary embedding holds only a cache computed from the config, which no checkpoint carries, and
+    keeps it (``transfer._NothingToLoadFilter``). A push applies and logs no such warning."""
+    state = load_hf(tiny_model_dir).state_dict()
+    log = Path(generation.log_path)
+    start = log.stat().st_size
+    pushed = push(stub, state, version(stub) + 1).version
+    said = log.read_bytes()[start:].decode(errors="replace")
+    assert f"swapped to policy version {pushed}" in said  # the log of this push
+    assert "Failed to load weights" not in said, said
+
+
 def test_admission_control_and_health(stub, generation):
     assert generation.health() == health_pb2.HealthCheckResponse.SERVING
     request = generation_pb2.GenerateRequest(
