@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rlfleet.services.common import host
 from rlfleet.services.common.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -32,10 +33,35 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ENGINE_CORE_MAX_CPUS = 2
 """On a CPU host of at most this many CPUs the model runs in vLLM's engine-core process
 (``GenerationEngine._worker_in_engine_core``)."""
+
+
+def without_sigint(build: Callable[..., T], *args: Any) -> T:
+    """``build(*args)`` with SIGINT blocked in the calling thread, so that the processes it starts (vLLM's
+    engine core, its workers, their compilers) start with SIGINT blocked, and keep it so.
+
+    A terminal's Ctrl-C signals the whole foreground process group, the engine core included, and vLLM's
+    engine core exits on SIGINT (``EngineCoreProc.run_engine_core`` installs its own handler: a disposition
+    of SIG_IGN set here would be overridden, a blocked signal is not). It then died before the service
+    shut it down, and the service logged an EngineDeadError traceback for a plain Ctrl-C. With SIGINT
+    blocked there, the service's own handler (graceful stop) is the only one that acts, and it stops the
+    engine as SIGTERM does; vLLM still stops its engine core with SIGTERM, and any other death still
+    logs. Signal handlers run in the main thread: blocking SIGINT in this one changes nothing here.
+
+    multiprocessing's resource tracker is started first: the thread that starts it has SIGINT unblocked
+    afterwards (``resource_tracker.ensure_running``), and vLLM's spawn would start it here."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return build(*args)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 class GenerationEngine:
@@ -73,7 +99,7 @@ class GenerationEngine:
             engine_args = AsyncEngineArgs(**self._engine_kwargs())
             # Construction blocks until the engine process is up; a thread keeps
             # the event loop (and a health endpoint on it) responsive meanwhile.
-            replica.vllm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args)
+            replica.vllm = await asyncio.to_thread(without_sigint, AsyncLLM.from_engine_args, engine_args)
             replica.vocab_size = replica.vllm.model_config.get_vocab_size()
             replica.max_model_len = replica.vllm.model_config.max_model_len
             # vLLM labels every output token with the engine's weight version;
@@ -171,6 +197,13 @@ class GenerationEngine:
         self.prompts.close()
         self.weights.close()
         if engine is not None:
+            # vLLM's shutdown, run in a thread, closes its output queue and then cancels its output
+            # handler from there: a handler that reads the closed queue first logs "AsyncLLM
+            # output_handler failed" with an EngineDeadError traceback, as if the engine had crashed.
+            # Cancelled here first, it reads nothing; a real engine death (no shutdown of ours) still logs.
+            handler = getattr(engine, "output_handler", None)
+            if handler is not None:
+                handler.cancel()
             await asyncio.to_thread(engine.shutdown)
 
     @property

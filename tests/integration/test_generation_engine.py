@@ -28,7 +28,7 @@ from rlfleet.services.generation.sampling import SampleResult
 from rlfleet.services.models.tiny import build_tiny_model
 from rlfleet.v1 import weights_pb2
 from tests.hf_reference import load_hf, perturbed, response_log_probs
-from tests.waiting import wait_for_async
+from tests.waiting import wait_for, wait_for_async
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -597,3 +597,25 @@ async def test_a_full_push_drops_the_adapter(engine, model_dir, base_state_dict)
     expected = hf_log_probs(hf_model(model_dir, weights), PROMPT, sample.response_token_ids, 1.0)
     assert max_abs_diff(sample, expected) <= LOG_PROB_TOLERANCE
     await wait_for_async(lambda: not list(engine.weights.adapters.directory.iterdir()), ABORT_TIMEOUT, "adapters removed")
+
+
+async def test_shutdown_ends_vllms_output_handler_before_it_reads_the_closed_queue(engine, monkeypatch):
+    """Runs last: it stops the module's engine. vLLM's shutdown, run in a thread, closes its output queue and
+    then cancels its output handler from that thread; a handler that read the closed queue in between
+    logged an EngineDeadError traceback at a plain stop. Here vLLM's cancel comes only once the handler has
+    ended, the worst order: the handler still ends cancelled (``GenerationEngine.shutdown`` cancels it
+    first), having read nothing and logged nothing."""
+    from vllm.v1.engine import async_llm
+
+    handler = engine.vllm.output_handler
+    assert handler is not None and not handler.done()
+    cancel = async_llm.cancel_task_threadsafe
+
+    def cancel_once_ended(task):
+        if task is handler:
+            wait_for(handler.done, ABORT_TIMEOUT, "vLLM's output handler to end")
+        cancel(task)
+
+    monkeypatch.setattr(async_llm, "cancel_task_threadsafe", cancel_once_ended)
+    await engine.shutdown()
+    assert handler.cancelled()

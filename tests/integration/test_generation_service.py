@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import threading
 from pathlib import Path
 
 import grpc
@@ -322,6 +324,44 @@ def test_engine_processes_sleep_on_their_queues(stub, generation):
         assert said in log, f"{name} (pid {pid}) did not install the queue poll; log: {generation.log_tail()}"
 
 
+def test_ctrl_c_stops_a_busy_service_quietly(start_service, tiny_model_dir):
+    """A terminal's Ctrl-C signals the whole process group: the service and vLLM's engine core. The engine
+    core exited on it before the service shut it down, and the service logged an EngineDeadError
+    traceback. Now only the service acts on it (``vllm_engine.without_sigint``): it stops as on SIGTERM,
+    exit code 0, no traceback, while requests run."""
+    proc = start_service("generation", "--model", str(tiny_model_dir), "--max-model-len", "1024",
+                         "--kv-cache-memory-bytes", str(256 << 20), "--log-format", "text")
+    proc.wait_ready(600)
+    channel = grpc.insecure_channel(proc.address)
+    stub = generation_pb2_grpc.GenerationServiceStub(channel)
+    ended: list[grpc.StatusCode | None] = []
+
+    def long_call():
+        try:
+            generate(stub, max_tokens=1000, ignore_eos=True, n=2)
+            ended.append(None)
+        except grpc.RpcError as err:
+            ended.append(err.code())
+
+    calls = [threading.Thread(target=long_call, daemon=True) for _ in range(3)]
+    for call in calls:
+        call.start()
+    wait_for(lambda: stub.GetEngineStatus(generation_pb2.GetEngineStatusRequest(), timeout=30).running_requests,
+             SCHEDULE_TIMEOUT, "the calls to run", interval=0.2)
+    os.killpg(proc.process.pid, signal.SIGINT)  # the service leads its own process group (ServiceProcess)
+    assert proc.process.wait(DRAIN_TIMEOUT + 30) == 0, proc.log_tail()
+    for call in calls:
+        call.join(DRAIN_TIMEOUT)
+    channel.close()
+    assert len(ended) == len(calls)
+    log = proc.log_tail(100_000)
+    for said in ("EngineDeadError", "Traceback", "output_handler failed"):
+        assert said not in log, log
+    # The cause, however the race went: vLLM's engine core acting on the SIGINT ("... trigger received signal=SIGINT").
+    assert "signal=SIGINT" not in log, log
+    assert "rlfleet.server: stopped" in log
+
+
 def test_dead_engine_core_turns_health_not_serving(stub, generation):
     """Runs last in this module: it kills the module's engine. A replica whose vLLM engine core died
     must leave rotation (health NOT_SERVING, calls UNAVAILABLE), not keep answering SERVING."""
@@ -340,3 +380,6 @@ def test_dead_engine_core_turns_health_not_serving(stub, generation):
         generate(stub, max_tokens=4)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
     assert generation.process.poll() is None  # the service itself keeps answering health and status
+    # A real death is still told, by vLLM and by the service (a Ctrl-C no longer kills the engine core).
+    log = generation.log_tail(100_000)
+    assert "engine core exited unexpectedly" in log and "vLLM engine core is dead" in log, log
