@@ -116,27 +116,33 @@ def common_args(ns) -> list[str]:
     return ["--log-format", "text", "--log-level", ns.log_level]
 
 
-def start_upstream(model_dir: Path, workdir: Path, ns, procs: dict[str, ServiceProcess]) -> None:
-    """Start trajectory, reference and reward into ``procs`` (not waited for: they load in parallel)."""
+def start_upstream(model_dir: Path, workdir: Path, ns, procs: dict[str, ServiceProcess],
+                   env: dict[str, str] | None = None) -> None:
+    """Start trajectory, reference and reward into ``procs`` (not waited for: they load in parallel),
+    each with ``env`` added to its environment."""
     plan = [("trajectory", ["--db-path", str(workdir / "trajectory" / "trajectories.db")]),
             ("reference", ["--model-path", str(model_dir), "--torch-threads", str(ns.reference_threads)]),
             ("reward", ["--tokenizer-path", str(model_dir)])]
     for name, args in plan:
-        procs[name] = ServiceProcess(name, [*args, *common_args(ns), *extra_args(ns, name)]).start(workdir / name)
+        procs[name] = ServiceProcess(name, [*args, *common_args(ns), *extra_args(ns, name)],
+                                     env=dict(env or {})).start(workdir / name)
 
 
 def start_services(model_dir: Path, workdir: Path, ns) -> dict[str, ServiceProcess]:
     """trajectory, reference, reward, loadgen, then the collector; each SERVING before the next."""
     procs: dict[str, ServiceProcess] = {}
     common = common_args(ns)
+    # Only the services run another checkout's code: the harness, loadgen and trainers stay this tree's.
+    env = {"PYTHONPATH": str(ns.services_code)} if ns.services_code else {}
     try:
-        start_upstream(model_dir, workdir, ns, procs)
+        start_upstream(model_dir, workdir, ns, procs, env)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         procs["loadgen"] = LoadgenProcess("loadgen", ["--vocab-size", str(vocab)]).start(workdir / "loadgen")
         for proc in procs.values():  # all start in parallel; the collector needs them SERVING
             proc.wait_ready(STARTUP_TIMEOUT_SECONDS)
         procs["collector"] = ServiceProcess("collector", [*collector_args(ns, procs, workdir), *common,
-                                                          *extra_args(ns, "collector")]).start(workdir / "collector")
+                                                          *extra_args(ns, "collector")],
+                                            env=env).start(workdir / "collector")
         procs["collector"].wait_ready(STARTUP_TIMEOUT_SECONDS)
     except BaseException:
         stop_services(procs)
@@ -400,6 +406,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
+    parser.add_argument("--services-code", type=Path, default=None, metavar="DIR",
+                        help="run the services with DIR first on their PYTHONPATH (a directory holding another "
+                             "checkout's rlfleet package, as bench/dataplane_versus.py makes); the harness, the "
+                             "load generator and the trainers stay this tree's")
     ns = parser.parse_args()
     if ns.batch_size % ns.group_size:
         parser.error("--batch-size must be a multiple of --group-size")

@@ -2,23 +2,25 @@
 
 ``bench/dataplane.py`` on this tree and on an older commit, alternated: per-service CPU before and after.
 
-    .venv/bin/python bench/dataplane_versus.py BASE_COMMIT [--pairs 3] [-- DATAPLANE FLAGS...]
+    .venv/bin/python bench/dataplane_versus.py BASE_COMMIT [--new COMMIT] [--pairs 3] [-- DATAPLANE FLAGS...]
 
 (default flags: ``--rounds 2 --seconds 15 --warmup 5``)
 
-The older commit is checked out in a temporary git worktree and imported instead of this tree
-(``PYTHONPATH`` holds an ``rlfleet`` package whose modules are that worktree's ``client/rlfleet``
-and ``services``), so every service process runs its code; the harness (``bench/dataplane.py``,
-its load generator) is this tree's on both sides. ``--pairs`` pairs of runs, the order alternating
-within each pair; for each measure the medians of both sides and of the per-pair ratios
-(new / base), which a shared machine's load hits alike. The last line is ``RESULT {json}``.
+The older commit is checked out in a temporary git worktree and imported instead of this tree by
+every service process (``bench/dataplane.py --services-code``: the services' ``PYTHONPATH`` holds an
+``rlfleet`` package whose modules are that worktree's ``client/rlfleet`` and ``services``), so they
+run its code; so is ``--new``'s commit, else the new side runs the working tree as it is. The
+harness (``bench/dataplane.py``, its load generator, the SDK trainers) is this tree's on both
+sides, with this tree's ``rlfleet``: an older commit need not have the harness's imports.
+``--pairs`` pairs of runs, the order alternating within each pair; for each measure the medians
+of both sides and of the per-pair ratios (new / base), which a shared machine's load hits alike.
+The last line is ``RESULT {json}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -30,7 +32,8 @@ MEASURES = ("collector", "reward", "trajectory", "reference", "c+r+t", "traj/s")
 
 
 def shadow_package(commit: str, workdir: Path) -> Path:
-    """A directory to put on PYTHONPATH whose ``rlfleet`` package is ``commit``'s code."""
+    """A directory to put on PYTHONPATH whose ``rlfleet`` package is ``commit``'s code (its worktree:
+    ``workdir/tree``)."""
     tree = workdir / "tree"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(tree), commit],
                    check=True, capture_output=True)
@@ -43,11 +46,9 @@ def shadow_package(commit: str, workdir: Path) -> Path:
 
 
 def run(pythonpath: Path | None, flags: list[str]) -> dict[str, float]:
-    env = dict(os.environ)
-    if pythonpath is not None:
-        env["PYTHONPATH"] = str(pythonpath)
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "dataplane.py"), *flags],
-                          cwd=ROOT, env=env, capture_output=True, text=True)
+    code = ["--services-code", str(pythonpath)] if pythonpath is not None else []
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "dataplane.py"), *flags, *code],
+                          cwd=ROOT, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
         sys.exit(f"bench/dataplane.py failed:\n{done.stderr[-3000:]}")
@@ -61,24 +62,31 @@ def run(pythonpath: Path | None, flags: list[str]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("base", help="the commit to compare with (e.g. a landed one)")
+    parser.add_argument("--new", default=None, metavar="COMMIT",
+                        help="measure this commit's code instead of the working tree's (which may hold "
+                             "uncommitted edits)")
     parser.add_argument("--pairs", type=int, default=3)
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     ns = parser.parse_args(argv[:split])
     ns.flags = argv[split + 1:] or ["--rounds", "2", "--seconds", "15", "--warmup", "5"]
     with tempfile.TemporaryDirectory(prefix="rlfleet-versus-") as tmp:
-        base_path = shadow_package(ns.base, Path(tmp))
+        workdirs = {"base": Path(tmp) / "base", "new": Path(tmp) / "new"}
         try:
+            paths = {"base": shadow_package(ns.base, workdirs["base"]),
+                     "new": shadow_package(ns.new, workdirs["new"]) if ns.new else None}
             sides: dict[str, list[dict[str, float]]] = {"base": [], "new": []}
             for pair in range(ns.pairs):
                 for side in ("base", "new") if pair % 2 == 0 else ("new", "base"):
-                    row = run(base_path if side == "base" else None, ns.flags)
+                    row = run(paths[side], ns.flags)
                     sides[side].append(row)
                     print(f"pair {pair} {side:4s} " + "  ".join(f"{k} {row[k]:.3f}" for k in MEASURES), flush=True)
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(Path(tmp) / "tree")],
-                           capture_output=True)
-    result: dict[str, object] = {"base": ns.base, "pairs": ns.pairs}
+            for workdir in workdirs.values():
+                if (workdir / "tree").exists():
+                    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(workdir / "tree")],
+                                   capture_output=True)
+    result: dict[str, object] = {"base": ns.base, "new": ns.new or "working tree", "pairs": ns.pairs}
     print(f"\n{'measure':>10} | {'base':>8} | {'new':>8} | new/base (per pair)")
     for key in MEASURES:
         ratios = [n[key] / b[key] for b, n in zip(sides["base"], sides["new"])]
