@@ -74,76 +74,96 @@ def secure_args(credentials: Path, name: str) -> list[str]:
             "--tls-client-ca-file", str(credentials / "ca.pem"), "--auth-tokens-file", str(credentials / "tokens")]
 
 
+class _Launcher:
+    """Starts the suite's services one by one into ``procs`` (each in ``WORKDIR/<key>``, with the suite's
+    log format, TLS and metrics flags) and waits for them to serve."""
+
+    def __init__(self, options: SuiteOptions, workdir: Path, timeout: float):
+        self.options, self.workdir, self.timeout = options, workdir, timeout
+        self.procs: dict[str, ServiceProcess] = {}
+        self.started: dict[str, float] = {}
+        self.credentials: Path | None = None
+        if options.secure:
+            from rlfleet.services.credentials import make_credentials
+
+            self.credentials = make_credentials(workdir / "credentials")
+
+    def launch(self, key: str, name: str, args: list[str], env: dict[str, str] | None = None) -> ServiceProcess:
+        self.started[key] = time.monotonic()
+        print(f"[suite] starting {key} ...", file=sys.stderr, flush=True)
+        proc = ServiceProcess(name, [*args, "--log-format", self.options.log_format], env=env or {})
+        if self.credentials is not None:
+            proc.args += secure_args(self.credentials, name)
+            proc.health_credentials = _own_credentials(self.credentials, name)
+        if self.options.metrics:
+            proc.metrics_port = free_port()
+            proc.args += ["--metrics-port", str(proc.metrics_port)]
+        proc.start(self.workdir / key)
+        self.procs[key] = proc
+        if self.options.metrics:
+            write_targets(self.workdir / "prometheus", {k: (p.name, p.metrics_port) for k, p in self.procs.items()})
+        return proc
+
+    def wait(self, keys: list[str]) -> None:
+        for key in keys:
+            proc = self.procs[key]
+            proc.wait_ready(max(1.0, self.timeout - (time.monotonic() - self.started[key])))
+            print(f"[suite] {key:<13} SERVING on {proc.address} ({time.monotonic() - self.started[key]:.1f}s)",
+                  file=sys.stderr, flush=True)
+
+
 def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
                 without_collector: bool = False, store_only: bool = False) -> dict[str, ServiceProcess]:
     """Start every service: the collector's upstream services at once, then, once all of them report
     SERVING, the collector (all stopped on failure); ``store_only``: the trajectory service alone (on the
     work directory's store, for looking at a run)."""
-    workdir = Path(workdir)
-    common = ["--log-format", options.log_format]
-    procs: dict[str, ServiceProcess] = {}
-    started: dict[str, float] = {}
-    credentials = None
-    if options.secure:
-        from rlfleet.services.credentials import make_credentials
-
-        credentials = make_credentials(workdir / "credentials")
-
-    def launch(key: str, name: str, args: list[str], env: dict[str, str] | None = None) -> ServiceProcess:
-        started[key] = time.monotonic()
-        print(f"[suite] starting {key} ...", file=sys.stderr, flush=True)
-        proc = ServiceProcess(name, [*args, *common], env=env or {})
-        if credentials is not None:
-            proc.args += secure_args(credentials, name)
-            proc.health_credentials = _own_credentials(credentials, name)
-        if options.metrics:
-            proc.metrics_port = free_port()
-            proc.args += ["--metrics-port", str(proc.metrics_port)]
-        proc.start(workdir / key)
-        procs[key] = proc
-        if options.metrics:
-            write_targets(workdir / "prometheus", {k: (p.name, p.metrics_port) for k, p in procs.items()})
-        return proc
-
-    def wait(keys: list[str]) -> None:
-        for key in keys:
-            proc = procs[key]
-            proc.wait_ready(max(1.0, timeout - (time.monotonic() - started[key])))
-            print(f"[suite] {key:<13} SERVING on {proc.address} ({time.monotonic() - started[key]:.1f}s)",
-                  file=sys.stderr, flush=True)
-
+    launcher = _Launcher(options, Path(workdir), timeout)
     try:
-        model = str(options.model_dir)
-        fresh = ["--fresh", "true"] if options.fresh else []
-        launch("trajectory", "trajectory",
-               ["--db-path", options.trajectory_db or str(workdir / "trajectory" / "trajectories.db"), *fresh,
-                *options.trajectory_args])
-        if not store_only:
-            # vLLM's engines take longest to start: first, so the small services start beside them.
-            replicas = [launch(f"generation-{i}", "generation",
-                               ["--model", model, "--kv-cache-memory-bytes", str(options.kv_cache_bytes),
-                                "--max-model-len", str(options.max_model_len), *options.generation_args])
-                        for i in range(options.generation_replicas)]
-            launch("reference", "reference", ["--model-path", model, "--torch-threads", str(options.reference_threads)])
-            launch("reward", "reward", ["--tokenizer-path", model, *options.reward_args])
-            if options.environments is not None:
-                launch("environment", "environment", ["--tokenizer-path", model, *options.environment_args],
-                       env={"RLFLEET_ENVIRONMENT_ENVIRONMENTS": json.dumps(options.environments),
-                            **options.environment_env})
-        wait(list(procs))
-        if store_only or without_collector:
-            return procs
-        upstream = ["--environment-address", procs["environment"].address] if "environment" in procs else []
-        launch("collector", "collector", [
-            "--generation-addresses", json.dumps([p.address for p in replicas]),
-            "--reference-address", procs["reference"].address, "--reward-address", procs["reward"].address,
-            "--trajectory-address", procs["trajectory"].address, "--state-dir", str(workdir / "collector"),
-            *fresh, *upstream, *(upstream_args(credentials) if credentials else ()), *options.collector_args])
-        wait(["collector"])
+        _launch_upstream(launcher, store_only)
+        launcher.wait(list(launcher.procs))
+        if not (store_only or without_collector):
+            _launch_collector(launcher)
+            launcher.wait(["collector"])
     except BaseException:
-        stop_suite(procs)
+        stop_suite(launcher.procs)
         raise
-    return procs
+    return launcher.procs
+
+
+def _launch_upstream(launcher: _Launcher, store_only: bool) -> None:
+    """The trajectory service, then (unless ``store_only``) the generation replicas, reference, reward and
+    environment services, without waiting for them."""
+    options, workdir = launcher.options, launcher.workdir
+    model, fresh = str(options.model_dir), (["--fresh", "true"] if options.fresh else [])
+    launcher.launch("trajectory", "trajectory",
+                    ["--db-path", options.trajectory_db or str(workdir / "trajectory" / "trajectories.db"), *fresh,
+                     *options.trajectory_args])
+    if store_only:
+        return
+    # vLLM's engines take longest to start: first, so the small services start beside them.
+    for i in range(options.generation_replicas):
+        launcher.launch(f"generation-{i}", "generation",
+                        ["--model", model, "--kv-cache-memory-bytes", str(options.kv_cache_bytes),
+                         "--max-model-len", str(options.max_model_len), *options.generation_args])
+    launcher.launch("reference", "reference", ["--model-path", model, "--torch-threads", str(options.reference_threads)])
+    launcher.launch("reward", "reward", ["--tokenizer-path", model, *options.reward_args])
+    if options.environments is not None:
+        launcher.launch("environment", "environment", ["--tokenizer-path", model, *options.environment_args],
+                        env={"RLFLEET_ENVIRONMENT_ENVIRONMENTS": json.dumps(options.environments),
+                             **options.environment_env})
+
+
+def _launch_collector(launcher: _Launcher) -> None:
+    """The collector, on the upstream services' addresses."""
+    options, procs, credentials = launcher.options, launcher.procs, launcher.credentials
+    replicas = [procs[f"generation-{i}"].address for i in range(options.generation_replicas)]
+    upstream = ["--environment-address", procs["environment"].address] if "environment" in procs else []
+    launcher.launch("collector", "collector", [
+        "--generation-addresses", json.dumps(replicas),
+        "--reference-address", procs["reference"].address, "--reward-address", procs["reward"].address,
+        "--trajectory-address", procs["trajectory"].address, "--state-dir", str(launcher.workdir / "collector"),
+        *(["--fresh", "true"] if options.fresh else []), *upstream,
+        *(upstream_args(credentials) if credentials else ()), *options.collector_args])
 
 
 def upstream_args(credentials: Path) -> list[str]:
@@ -237,7 +257,7 @@ def stop_suite(procs: dict[str, ServiceProcess]) -> None:
         thread.join()
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Start the rlfleet suite locally as processes.")
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR,
                         help="model directory; the tiny local model is built here if missing")
@@ -272,19 +292,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--then", default=None,
                         help="command to run once the suite is up ({collector}, {model_dir} and {credentials} are filled in); "
                              "the suite stops when it exits and its exit code is returned")
-    ns = parser.parse_args(argv)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> None:
+    ns = _parser().parse_args(argv)
     from rlfleet.services.models.tiny import build_tiny_model
 
     print(f"[suite] model: {build_tiny_model(ns.model_dir)}", file=sys.stderr, flush=True)
     if ns.view:
-        procs = start_view(ns.workdir, ns.model_dir, ns.viewer_port)
-        try:
-            print(f"[suite] rollout viewer of the run in {ns.workdir}: http://127.0.0.1:{procs['viewer'].port} "
-                  f"(Ctrl-C stops it)", file=sys.stderr, flush=True)
-            _wait_for_a_signal()
-        finally:
-            stop_suite(procs)
+        _view(ns)
         return
     environments = dict(spec.split("=", 1) for spec in ns.environment) if ns.environment else None
     if ns.with_environment and environments is None:
@@ -294,7 +311,6 @@ def main(argv: list[str] | None = None) -> None:
                            environments=environments, secure=ns.secure, fresh=ns.fresh, metrics=ns.prometheus)
     procs = start_suite(options, ns.workdir)
     prometheus = None
-    exit_code = 0
     try:
         for key, proc in procs.items():
             print(f"{key}\t{proc.address}\tSERVING")
@@ -303,20 +319,37 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[suite] Prometheus scraping every service: {prometheus.url} (deploy/grafana/rlfleet.json is "
                   f"the dashboard)", file=sys.stderr, flush=True)
         print(f"[suite] {describe_run(procs['collector'].address, ns.workdir, ns.secure)}", file=sys.stderr, flush=True)
-        if ns.then:
-            command = shlex.split(ns.then.format(collector=procs["collector"].address, model_dir=ns.model_dir,
-                                                 credentials=ns.workdir / "credentials"))
-            print(f"[suite] running: {' '.join(command)}", file=sys.stderr, flush=True)
-            exit_code = subprocess.call(command)
-        elif not ns.check:
-            print(f"[suite] running; collector at {procs['collector'].address}; Ctrl-C stops it",
-                  file=sys.stderr, flush=True)
-            _wait_for_a_signal()
+        exit_code = _serve(ns, procs["collector"].address)
     finally:
         if prometheus is not None:
             prometheus.stop()
         stop_suite(procs)
     sys.exit(exit_code)
+
+
+def _view(ns: argparse.Namespace) -> None:
+    """``--view``: the rollout viewer on the run in the work directory, until Ctrl-C."""
+    procs = start_view(ns.workdir, ns.model_dir, ns.viewer_port)
+    try:
+        print(f"[suite] rollout viewer of the run in {ns.workdir}: http://127.0.0.1:{procs['viewer'].port} "
+              f"(Ctrl-C stops it)", file=sys.stderr, flush=True)
+        _wait_for_a_signal()
+    finally:
+        stop_suite(procs)
+
+
+def _serve(ns: argparse.Namespace, collector: str) -> int:
+    """Once the suite serves: run ``--then`` (its exit code), or return at once (``--check``), or wait for
+    Ctrl-C (0)."""
+    if ns.then:
+        command = shlex.split(ns.then.format(collector=collector, model_dir=ns.model_dir,
+                                             credentials=ns.workdir / "credentials"))
+        print(f"[suite] running: {' '.join(command)}", file=sys.stderr, flush=True)
+        return subprocess.call(command)
+    if not ns.check:
+        print(f"[suite] running; collector at {collector}; Ctrl-C stops it", file=sys.stderr, flush=True)
+        _wait_for_a_signal()
+    return 0
 
 
 def _wait_for_a_signal() -> None:

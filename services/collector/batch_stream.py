@@ -19,6 +19,7 @@ import asyncio
 from typing import AsyncIterable, AsyncIterator, Protocol
 
 from rlfleet.services.collector.admission import VersionGate
+from rlfleet.services.common.server import Service
 from rlfleet.v1 import trajectory_pb2
 from rlfleet.wire import decode_tensor
 
@@ -40,18 +41,23 @@ class UpstreamStream(Protocol):
         """End the call (the trainer's stream ended)."""
 
 
+class StaleGroups(Protocol):
+    async def regenerate(self, prompt_ids: list[str], samples: int, why: str) -> None:
+        """Generate again the prompts of stale groups deleted unread (``samples`` counted as discarded)."""
+
+
 class BatchRelay:
     """One trainer's batch stream: the trainer's messages go upstream (its open rewritten in sync mode),
     the responses come back less stale batches and the answers to the relay's own acks."""
 
-    def __init__(self, collector, upstream: UpstreamStream):
-        self.collector = collector
+    def __init__(self, upstream: UpstreamStream, gate: VersionGate, stale: StaleGroups, service: Service):
         self.upstream = upstream
+        self.gate = gate
+        self.stale = stale
+        """Where a stale batch's prompts are generated again (``Commits.regenerate``)."""
+        self.service = service
+        """The collector: a trainer's stream ends with the collector's failure."""
         self._own_acks: set[str] = set()  # lease ids the relay acked itself (stale batches)
-
-    @property
-    def gate(self) -> VersionGate:
-        return self.collector.gate
 
     async def responses(self, requests: AsyncIterable[trajectory_pb2.StreamBatchesRequest],
                         ) -> AsyncIterator[trajectory_pb2.StreamBatchesResponse]:
@@ -59,7 +65,7 @@ class BatchRelay:
         upstream ends the stream; raises the error that ends it first (the upstream's status, the
         trainer's bad message, the collector's failure)."""
         pumping = asyncio.create_task(self._pump(requests))
-        failing = asyncio.ensure_future(self.collector.failed.wait())
+        failing = asyncio.ensure_future(self.service.failed.wait())
         try:
             while (response := await self._next(pumping, failing)) is not None:
                 if await self._for_trainer(response):
@@ -97,7 +103,7 @@ class BatchRelay:
             await asyncio.wait({reading, failing}, return_when=asyncio.FIRST_COMPLETED)
         if failing.done():  # the collector failed: the trainer must hear why, not wait forever
             reading.cancel()
-            self.collector.check_working()
+            self.service.check_working()
         return await reading
 
     async def _for_trainer(self, response: trajectory_pb2.StreamBatchesResponse) -> bool:
@@ -128,7 +134,7 @@ class BatchRelay:
         Regenerated first: a crash in between leaves the batch buffered, not the prompts lost."""
         entry = response.batch.entries.get("prompt_id")
         prompt_ids = list(dict.fromkeys(entry.strings.values)) if entry is not None else []
-        await self.collector.regenerate(prompt_ids, response.batch.batch_size[0], "stale batch at the proxy")
+        await self.stale.regenerate(prompt_ids, response.batch.batch_size[0], "stale batch at the proxy")
         self._own_acks.add(response.lease_id)
         await self.upstream.write(trajectory_pb2.StreamBatchesRequest(
             ack=trajectory_pb2.AckBatch(lease_id=response.lease_id)))

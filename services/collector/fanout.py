@@ -48,13 +48,14 @@ from rlfleet.choices import SWAP_MODES, UPDATE_STRATEGIES
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.replicas import Replica, ReplicaPool
 from rlfleet.services.collector.rolling import RollingSettings, RollingUpdate
-from rlfleet.services.collector.spool import DatabaseSpool, FileSpool
+from rlfleet.services.collector.spool import DatabaseSpool, DatabaseSpoolWrite, FileSpool, FileSpoolWrite
+from rlfleet.services.collector.spool_writer import SpoolWriter
 from rlfleet.services.collector.transports import ReplicaOutcome, ReplicaPush
 from rlfleet.services.common import tracing
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted, Unavailable
 from rlfleet.services.common.weight_stream import MAX_POLICY_VERSION, PushReceiver, WeightPush, open_offered_segment
 from rlfleet.v1 import weights_pb2
-from rlfleet.wire import WireError, shm, weight_delta
+from rlfleet.wire import shm, weight_delta
 from rlfleet.wire.push_rules import check_manifest, is_rolling
 
 log = logging.getLogger("rlfleet.collector.fanout")
@@ -68,6 +69,35 @@ class PushOutcome:
     replicas: list[ReplicaOutcome]
     received_bytes: int
     seconds: float
+
+
+@dataclass(frozen=True)
+class SpoolWrite:
+    """A push's spool write, beside its staging: the spool's handle for this version and whether it copied
+    every byte (``copied``, set by the writer)."""
+
+    spool: FileSpoolWrite | DatabaseSpoolWrite
+    copied: asyncio.Future
+
+    async def manifest(self) -> weights_pb2.WeightManifest | None:
+        """The manifest a database spool switches to with the version, once every byte is there; None while it
+        could not copy them (the spool keeps the version it has)."""
+        return self.spool.manifest if await self.copied else None
+
+
+@dataclass
+class PushCommit:
+    """What a push brings to its commit: the replica calls (``streams``), those that staged it, the push,
+    when it started, the decision the spool writer waits for (none without a spool write), the spool write
+    (a database spool commits with the version), and whether it rolls out a few replicas at a time."""
+
+    streams: list[ReplicaPush]
+    staged: list[ReplicaPush]
+    push: WeightPush
+    started: float
+    decision: asyncio.Future | None = None
+    spool_write: SpoolWrite | None = None
+    rolling: bool = False
 
 
 class WeightFanout:
@@ -93,28 +123,26 @@ class WeightFanout:
         """Makes a version the committed one, durably (with the spool's manifest when the spool commits with
         the version); raises OSError or Unavailable when it could not."""
         self.on_fatal = on_fatal
-        self.spool_error = ""
-        """Why the spool does not hold the committed version (``Status.spool_error``); "" when current."""
         """Told of a background part of a push that raised what nobody expected: the service fails."""
         self._lock = asyncio.Lock()  # one push (or re-sync) at a time: versions are monotone
         self.pushes = 0  # pushes and re-syncs begun: a probe that straddled one is not trusted
-        self._spooling: asyncio.Task | None = None  # the last push's spool write (off the commit path)
         self._staging = shm.SegmentCache()  # where grpc pushes land, kept between pushes
+        self.spool_writer = SpoolWriter(self.spool, self._release, on_fatal)
+        """Each push's bytes spooled beside its staging (off the commit's path for files)."""
+
+    @property
+    def spool_error(self) -> str:
+        """Why the spool does not hold the committed version (``Status.spool_error``); "" when current."""
+        return self.spool_writer.error
 
     async def push(self, messages: AsyncIterator[tuple[str, object]]) -> PushOutcome:
         """``messages`` yields ("manifest", WeightManifest) then, for grpc pushes, ("chunk", WeightChunk)."""
         async with self._lock:
             self.pushes += 1
-            await self._spooled()
+            await self.spool_writer.done()
             # Traced: one span per push, with a stage and a commit span per replica under it.
             with tracing.span("push weights"):
                 return await self._push(messages)
-
-    async def _spooled(self) -> None:
-        """Wait for the previous push's spool write (pushes and re-syncs need it done; how it ended
-        was reported by it)."""
-        if self._spooling is not None:
-            await asyncio.wait({self._spooling})
 
     async def targets(self, manifest: weights_pb2.WeightManifest) -> list[Replica]:
         """The replicas a push goes to: those in rotation, and those out of rotation that answer now
@@ -129,15 +157,11 @@ class WeightFanout:
                               + "; ".join(f"{r.address}: {r.last_error or 'not serving'}" for r in others) + ")")
         return targets
 
-    async def _push(self, messages: AsyncIterator[tuple[str, object]]) -> PushOutcome:
-        started = time.monotonic()
-        receiver = PushReceiver(messages)
-        manifest = await receiver.manifest()
+    def _settle(self, manifest: weights_pb2.WeightManifest) -> bool:
+        """The trainer's manifest checked (a WireError is INVALID_ARGUMENT, by the interceptor), its swap mode
+        and version settled; whether it rolls out a few replicas at a time."""
         default_strategy = UPDATE_STRATEGIES[self.update_strategy]
-        try:
-            check_manifest(manifest, "trainer", default_strategy)
-        except WireError as err:
-            raise InvalidArgument(str(err)) from None
+        check_manifest(manifest, "trainer", default_strategy)
         rolling = is_rolling(manifest, default_strategy)
         if rolling:
             # Each replica is drained before it switches: what is left running there is aborted (and
@@ -153,6 +177,13 @@ class WeightFanout:
         if manifest.version <= self.gate.version:
             raise FailedPrecondition(
                 f"weights version {manifest.version} is not newer than current {self.gate.version}")
+        return rolling
+
+    async def _push(self, messages: AsyncIterator[tuple[str, object]]) -> PushOutcome:
+        started = time.monotonic()
+        receiver = PushReceiver(messages)
+        manifest = await receiver.manifest()
+        rolling = self._settle(manifest)
         push = WeightPush.from_manifest(manifest, self.push_limit())
         tracing.set_attributes({"rlfleet.policy_version": manifest.version, "rlfleet.bytes": push.total_bytes,
                                 "rlfleet.source": manifest.WhichOneof("source") or "grpc",
@@ -216,69 +247,21 @@ class WeightFanout:
                 self.spool_error or "never spooled"
             raise FailedPrecondition(f"delta push on version {base}: the collector's spool does not hold that "
                                      f"version's weights ({held}); send a full push")
-        try:
-            weight_delta.spans(manifest, head)
-        except WireError as err:
-            raise InvalidArgument(str(err)) from None
+        weight_delta.spans(manifest, head)  # the delta fits the spooled base, or a WireError names what does not
         return spooled
-
-    async def _spool(self, spool, segment: shm.Segment, decision: asyncio.Future,
-                     copied: asyncio.Future | None = None) -> None:
-        """Spool the push beside the staging (``copied``: whether every byte is), commit it once the
-        version committed.
-
-        A file spool is not on the commit's path: a replica that is up applies from the transport, the
-        spool only serves later re-syncs, which wait for it (``_spooled``). A collector that dies between
-        the commit and the end of this write restarts without the bytes of that version; its replicas
-        that were down then rejoin at the next push. The database's spool is (``_commit`` waits for
-        ``copied``): its manifest switches in the version's own transaction."""
-        version, failure, every_byte = spool.manifest.version, "", False
-        try:
-            await spool.copy(segment)
-            every_byte = True
-        except (OSError, Unavailable) as err:
-            failure = f"spooling version {version} failed: {err}"
-        finally:
-            if copied is not None and not copied.done():
-                copied.set_result(every_byte)
-        committed = await decision
-        self._release(segment)  # only now: replicas falling back to grpc read from it until staged
-        if committed and not failure:
-            try:
-                await spool.commit()
-                self.spool_error = ""
-                return
-            except (OSError, Unavailable) as err:
-                if self.spool.commits_with_version:
-                    # The version and its manifest committed together: only older bytes stayed behind.
-                    log.warning("deleting the spooled versions before %d failed: %s", version, err)
-                    self.spool_error = ""
-                    return
-                failure = f"committing version {version} to the spool failed: {err}"
-        try:
-            await spool.discard()
-        except (OSError, Unavailable) as err:
-            log.warning("discarding the spooled bytes of version %d failed: %s", version, err)
-        if committed:  # an aborted push leaves the spool as current as it was
-            self.spool_error = failure
-            log.error("%s: replicas that restart cannot be re-synced to it until a later push spools", failure)
 
     async def _decide(self, streams: list[ReplicaPush], push: WeightPush, spool, started: float,
                       segment: shm.Segment, rolling: bool) -> PushOutcome:
         decision = asyncio.get_running_loop().create_future()
         copied = asyncio.get_running_loop().create_future()
-        self._spooling = asyncio.ensure_future(self._spool(spool, segment, decision, copied))
-        self._spooling.add_done_callback(self._spool_done)
+        self.spool_writer.start(spool, segment, decision, copied)
         try:
             staged = await self._stage(streams, push.version)
-            return await self._commit(streams, staged, push, decision, started, (spool, copied), rolling)
+            return await self._commit(PushCommit(streams, staged, push, started, decision, SpoolWrite(spool, copied),
+                                                 rolling))
         finally:
             if not decision.done():
                 decision.set_result(False)
-
-    def _spool_done(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None and self.on_fatal is not None:
-            self.on_fatal("the weight spool writer", task.exception())  # not an I/O error: a bug
 
     async def _stage(self, streams: list[ReplicaPush], version: int) -> list[ReplicaPush]:
         """The replicas that staged the push (a cancel discards it on every replica)."""
@@ -293,53 +276,34 @@ class WeightFanout:
             await self._raise_nothing_staged(version, streams)
         return staged
 
-    async def _commit(self, streams: list[ReplicaPush], staged: list[ReplicaPush], push: WeightPush,
-                      decision: asyncio.Future | None, started: float,
-                      spooling: tuple[object, asyncio.Future] | None = None, rolling: bool = False) -> PushOutcome:
+    async def _commit(self, commit: PushCommit) -> PushOutcome:
         """Every staged replica applies (all at once behind a closed admission gate, or ``rolling``: a few
         at a time, admission open), then the version commits."""
-        version = push.version
-        update = None
-        if rolling:
+        version, update = commit.push.version, None
+        if commit.rolling:
             update = self.rolling = RollingUpdate(self.pool, self.rolling_settings, self.gate.version, version,
-                                                  len(staged))
+                                                  len(commit.staged))
             await self.gate.begin_rolling()
         else:
             await self.gate.begin_push()
         committed = None
         try:
             if update is None:
-                await asyncio.gather(*(s.commit() for s in staged))
+                await asyncio.gather(*(s.commit() for s in commit.staged))
             else:
-                await update.run(staged)
-            outcomes = [s.outcome() for s in streams]
-            for stream, outcome in zip(streams, outcomes):
+                await update.run(commit.staged)
+            outcomes = [s.outcome() for s in commit.streams]
+            for stream, outcome in zip(commit.streams, outcomes):
                 if not outcome.applied:
                     await self.pool.mark_failed(stream.replica, outcome.error)
             if not any(o.applied for o in outcomes):
                 errors = "; ".join(f"{o.address}: {o.error}" for o in outcomes)
                 raise Unavailable(f"no replica applied version {version}: {errors}")
-            if self.on_commit is not None:
-                try:
-                    # Durable before the trainer (or a file spool) hears of it; a database spool's manifest
-                    # switches with it, once every byte is there (else the spool keeps the version it has).
-                    manifest = None
-                    if spooling is not None and self.spool.commits_with_version and await spooling[1]:
-                        manifest = spooling[0].manifest
-                    await self.on_commit(version, manifest)
-                except (OSError, Unavailable) as err:
-                    # The replicas that applied run ahead of the committed version: out of rotation,
-                    # rolled back from the spool (it still holds the previous version) by the monitor.
-                    for stream, outcome in zip(streams, outcomes):
-                        if outcome.applied:
-                            await self.pool.mark_failed(stream.replica, f"applied version {version}, which "
-                                                        f"could not be made durable")
-                    raise Unavailable(f"version {version} was applied but could not be recorded durably at the "
-                                      f"collector ({err}); it stays at {self.gate.version}") from None
-            if decision is not None:
-                decision.set_result(True)
+            await self._record(commit, outcomes)
+            if commit.decision is not None:
+                commit.decision.set_result(True)
             committed = version
-            for stream, outcome in zip(streams, outcomes):
+            for stream, outcome in zip(commit.streams, outcomes):
                 if outcome.applied and not stream.replica.healthy:
                     await self.pool.mark_healthy(stream.replica, version)  # a push brought it back
                     log.info("replica %s back in rotation with version %d", stream.replica.address, version)
@@ -350,10 +314,31 @@ class WeightFanout:
                 update.finish(committed is not None)
                 await self.gate.end_rolling(committed)
         transports = sorted({o.transport for o in outcomes if o.applied})
-        log.info("weights committed", extra={"version": committed, "bytes": push.total_bytes,
+        log.info("weights committed", extra={"version": committed, "bytes": commit.push.total_bytes,
                                              "applied": sum(o.applied for o in outcomes),
                                              "transports": transports})
-        return PushOutcome(committed, outcomes, push.total_bytes, time.monotonic() - started)
+        return PushOutcome(committed, outcomes, commit.push.total_bytes, time.monotonic() - commit.started)
+
+    async def _record(self, commit: PushCommit, outcomes: list[ReplicaOutcome]) -> None:
+        """The applied version made durable (``on_commit``) before the trainer (or a file spool) hears of it;
+        a database spool's manifest switches with it, once every byte is there. Unavailable when it could not
+        be: the replicas that applied run ahead of the committed version, out of rotation, rolled back from
+        the spool (it still holds the previous version) by the monitor."""
+        if self.on_commit is None:
+            return
+        version = commit.push.version
+        try:
+            manifest = None
+            if commit.spool_write is not None and self.spool.commits_with_version:
+                manifest = await commit.spool_write.manifest()
+            await self.on_commit(version, manifest)
+        except (OSError, Unavailable) as err:
+            for stream, outcome in zip(commit.streams, outcomes):
+                if outcome.applied:
+                    await self.pool.mark_failed(stream.replica, f"applied version {version}, which "
+                                                f"could not be made durable")
+            raise Unavailable(f"version {version} was applied but could not be recorded durably at the "
+                              f"collector ({err}); it stays at {self.gate.version}") from None
 
     async def _push_nccl(self, manifest: weights_pb2.WeightManifest, push: WeightPush,
                          started: float) -> PushOutcome:
@@ -379,7 +364,7 @@ class WeightFanout:
             streams.append(ReplicaPush.start(replica, offered, self.pool.settings, None))
         staged = await self._stage(streams, push.version)
         push.received = push.total_bytes  # every staged replica holds every byte
-        return await _finish_shielded(self._commit(streams, staged, push, None, started))
+        return await _finish_shielded(self._commit(PushCommit(streams, staged, push, started)))
 
     async def _raise_nothing_staged(self, version: int, streams: list[ReplicaPush]) -> None:
         outcomes = [s.outcome() for s in streams]
@@ -432,7 +417,7 @@ class WeightFanout:
         """Bring a replica that fell behind (or ran ahead) to the committed version, from the spool."""
         async with self._lock:
             self.pushes += 1
-            await self._spooled()
+            await self.spool_writer.done()
             try:
                 manifests = await self.spool.manifests()
             except Unavailable as err:

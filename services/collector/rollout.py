@@ -75,6 +75,27 @@ class PipelineOptions:
     retry_backoff_seconds: float = 1.0
 
 
+@dataclass(frozen=True)
+class PipelineStatus:
+    """What the pipeline's stages counted, for GetStatus: each stage's queue and rate, the trajectories
+    appended (and episodes, turns), their staleness, the work thrown away, dead letters, the filter rate,
+    and the groups pinned to a version during rolling updates."""
+
+    stages: tuple[StageStats, ...]
+    staleness_histogram: list[int]
+    trajectories: int
+    episodes: int
+    episode_turns: int
+    discarded_samples: int
+    discarded_tokens: int
+    failed_prompts: int
+    filter_rate: float
+    expected_filter_loss: float
+    pinned_groups: int
+    pin_violations: int
+    pins_retired: int
+
+
 class Pipeline:
     def __init__(self, options: PipelineOptions, gate: VersionGate, pool: ReplicaPool, source: PromptSource,
                  reference: reference_pb2_grpc.ReferenceServiceStub, reward: reward_pb2_grpc.RewardServiceStub,
@@ -114,6 +135,20 @@ class Pipeline:
         costs a prompt at most the attempt it was in. Cleared by a stage found UNAVAILABLE, set again by
         the collector's upstream watch once every one answers its health check."""
         self.upstream_up.set()
+
+    def status(self) -> PipelineStatus:
+        append, generate = self.append, self.generate
+        return PipelineStatus(
+            stages=tuple(self.stages.values()), staleness_histogram=append.staleness_histogram(),
+            trajectories=append.appended, episodes=append.episodes_appended, episode_turns=append.episode_turns,
+            discarded_samples=self.discards.samples, discarded_tokens=self.discards.tokens,
+            failed_prompts=self.failed_prompts, filter_rate=self.filter_rate.rate,
+            expected_filter_loss=self.filter_rate.expected_loss, pinned_groups=generate.pinned_groups,
+            pin_violations=generate.pin_violations, pins_retired=generate.pins_retired)
+
+    def discard(self, samples: int) -> None:
+        """Samples of stale groups the collector deleted unread, counted as discarded."""
+        self.discards.add(samples)
 
     async def run(self) -> None:
         """Feed admitted prompts into group tasks until cancelled. A finished dataset (its epochs

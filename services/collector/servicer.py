@@ -7,13 +7,14 @@ import contextlib
 import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import grpc
 
 from rlfleet.rpc.channel import is_core_write_failure
 from rlfleet.rpc.errors import from_rpc_error
 from rlfleet.rpc.records import to_message
-from rlfleet.services.collector import metrics, prompt_item
+from rlfleet.services.collector import metrics
 from rlfleet.services.collector.batch_stream import BatchRelay
 from rlfleet.services.collector.mismatch import LagMismatch
 from rlfleet.services.collector.run import check_call, check_join
@@ -21,15 +22,17 @@ from rlfleet.services.common.errors import Aborted, InvalidArgument, RlfleetErro
 from rlfleet.services.common.weight_stream import payloads
 from rlfleet.v1 import collector_pb2, collector_pb2_grpc, trajectory_pb2_grpc
 
+if TYPE_CHECKING:
+    from rlfleet.services.collector.service import CollectorService
 
 log = logging.getLogger("rlfleet.collector")
 MAX_PASS_RATE_KEYS = 1000
 
 
 class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
-    """Unpacks requests, calls the collector's domain objects, packs replies."""
+    """Unpacks requests, calls the collector's parts, packs replies."""
 
-    def __init__(self, collector):
+    def __init__(self, collector: CollectorService):
         self.collector = collector
 
     async def PushWeights(self, request_iterator, context):
@@ -48,7 +51,7 @@ class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
         collector = self.collector
         collector.check_serving()  # the committed version is agreed
         check_join(collector.run, collector.gate.version, request.run_id, request.policy_version)
-        return collector_pb2.JoinRunResponse(run=collector.run_info())
+        return collector_pb2.JoinRunResponse(run=collector.status_view.run_info())
 
     async def GetPolicyVersion(self, request, context):
         self.collector.check_serving()
@@ -57,11 +60,8 @@ class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
     async def SubmitPrompts(self, request, context):
         collector = self.collector
         collector.check_submitting(context.invocation_metadata())
-        config = collector.config
-        items = [prompt_item.from_spec(spec, f"prompts[{i}]", max_prompt_bytes=config.max_prompt_bytes,
-                                       sampling_defaults=config.sampling, group_size=config.group_size)
-                 for i, spec in enumerate(request.prompts)]
-        return collector_pb2.SubmitPromptsResponse(prompt_ids=await collector.submit(items))
+        items = collector.submissions.parse(request.prompts)
+        return collector_pb2.SubmitPromptsResponse(prompt_ids=await collector.submissions.submit(items))
 
     async def GetStatus(self, request, context):
         return self.collector.status()
@@ -71,11 +71,11 @@ class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
         check_call(self.collector.run, context.invocation_metadata())
         lags = [LagMismatch(lag=m.lag, kl_k3=m.kl_k3, kl_k1=m.kl_k1, ess_token=m.ess_token, tokens=m.tokens)
                 for m in request.lags]
-        await self.collector.report_mismatch(request.policy_version, lags, request.report_id)
-        return collector_pb2.ReportMismatchResponse(status=self.collector.mismatch_status())
+        await self.collector.breaker.report(request.policy_version, lags, request.report_id)
+        return collector_pb2.ReportMismatchResponse(status=self.collector.breaker.status())
 
     async def CloseMismatchBreaker(self, request, context):
-        return collector_pb2.CloseMismatchBreakerResponse(was_open=await self.collector.close_mismatch_breaker())
+        return collector_pb2.CloseMismatchBreakerResponse(was_open=await self.collector.breaker.close())
 
     async def GetPassRates(self, request, context):
         if len(request.prompt_keys) > MAX_PASS_RATE_KEYS or request.limit < 0:
@@ -98,7 +98,7 @@ class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
 class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
     """Forwards a trainer's batch stream (``batch_stream.BatchRelay``) so it needs only the collector's address."""
 
-    def __init__(self, collector):
+    def __init__(self, collector: CollectorService):
         self.collector = collector
 
     async def StreamBatches(self, request_iterator, context):
@@ -108,7 +108,7 @@ class TrajectoryProxyServicer(trajectory_pb2_grpc.TrajectoryServiceServicer):
         waiting = TrainerWait()
         try:
             # aclosing: the relay's cleanup (cancelling the upstream call) runs when this stream ends, not at GC.
-            async with contextlib.aclosing(BatchRelay(collector, upstream).responses(
+            async with contextlib.aclosing(BatchRelay(upstream, collector.gate, collector.commits, collector).responses(
                     _counting_settles(request_iterator, waiting))) as responses:
                 async for response in responses:
                     if response.HasField("batch"):

@@ -202,13 +202,7 @@ async def serve(service: Service, stop_event: asyncio.Event | None = None) -> No
         interceptors=[ErrorInterceptor(policy)], options=grpc_options(config),
         maximum_concurrent_rpcs=None,
     )
-    service.health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
-    diagnostics_pb2_grpc.add_DiagnosticsServiceServicer_to_server(DiagnosticsServicer(), server)
-    service.add_to_server(server)
-    names = (*service.service_names, diagnostics_pb2.DESCRIPTOR.services_by_name["DiagnosticsService"].full_name,
-             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
+    _add_servicers(service, server, DiagnosticsServicer())
     await service.set_serving(False)
 
     address = f"{config.host}:{config.port}"
@@ -216,15 +210,7 @@ async def serve(service: Service, stop_event: asyncio.Event | None = None) -> No
     if port == 0:
         raise StartupError(f"host/port: could not bind {address}")
     security.warn_if_exposed(config.host, credentials is not None, policy)
-    health_server = None
-    if config.health_port:
-        # Health only, plaintext: for probes that cannot do TLS (Kubernetes' gRPC probes). It says
-        # whether the service serves, nothing else; the same servicer answers on both ports.
-        health_server = grpc.aio.server(options=grpc_options(config))
-        health_pb2_grpc.add_HealthServicer_to_server(service.health, health_server)
-        if health_server.add_insecure_port(f"{config.host}:{config.health_port}") == 0:
-            raise StartupError(f"health_port: could not bind {config.host}:{config.health_port}")
-        await health_server.start()
+    health_server = await _health_server(service) if config.health_port else None
     await server.start()
     if config.port_file:
         # Atomic: a reader never sees a partial file. 0644 (not the 0600 default): a port is no secret.
@@ -235,18 +221,7 @@ async def serve(service: Service, stop_event: asyncio.Event | None = None) -> No
                                  "service_names": list(service.service_names)})
 
     try:
-        starting = asyncio.create_task(service.start())
-        stopping = asyncio.create_task(stop_event.wait())
-        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if starting.done():
-            starting.result()  # a failed start is fatal: raise it
-            await service.set_serving(True)
-            log.info("serving")
-            await stopping
-        else:
-            starting.cancel()
-        log.info("shutting down", extra={"grace_seconds": config.grace_seconds})
-        await service.set_serving(False)
+        await _serve_until(service, stop_event)
     finally:
         await server.stop(config.grace_seconds)
         if health_server is not None:
@@ -254,6 +229,46 @@ async def serve(service: Service, stop_event: asyncio.Event | None = None) -> No
         await service.stop()
         tracing.shutdown()  # after the service's last spans (a collector's final appends)
         log.info("stopped")
+
+
+def _add_servicers(service: Service, server: grpc.aio.Server, diagnostics) -> None:
+    """The service's own servicers, health (``service.health``), diagnostics and reflection of them all."""
+    service.health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
+    diagnostics_pb2_grpc.add_DiagnosticsServiceServicer_to_server(diagnostics, server)
+    service.add_to_server(server)
+    names = (*service.service_names, diagnostics_pb2.DESCRIPTOR.services_by_name["DiagnosticsService"].full_name,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+
+
+async def _health_server(service: Service) -> grpc.aio.Server:
+    """Health only, plaintext, on ``health_port``: for probes that cannot do TLS (Kubernetes' gRPC probes).
+    It says whether the service serves, nothing else; the same servicer answers on both ports."""
+    config = service.config
+    health_server = grpc.aio.server(options=grpc_options(config))
+    health_pb2_grpc.add_HealthServicer_to_server(service.health, health_server)
+    if health_server.add_insecure_port(f"{config.host}:{config.health_port}") == 0:
+        raise StartupError(f"health_port: could not bind {config.host}:{config.health_port}")
+    await health_server.start()
+    return health_server
+
+
+async def _serve_until(service: Service, stop_event: asyncio.Event) -> None:
+    """Start the service (SERVING once started; a failed start is raised) and serve until ``stop_event``,
+    then NOT_SERVING for the shutdown."""
+    starting = asyncio.create_task(service.start())
+    stopping = asyncio.create_task(stop_event.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if starting.done():
+        starting.result()  # a failed start is fatal: raise it
+        await service.set_serving(True)
+        log.info("serving")
+        await stopping
+    else:
+        starting.cancel()
+    log.info("shutting down", extra={"grace_seconds": service.config.grace_seconds})
+    await service.set_serving(False)
 
 
 def run(service: str, config_cls: type[ServiceConfig], argv=None) -> None:

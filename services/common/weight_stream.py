@@ -23,7 +23,7 @@ import torch
 from rlfleet.choices import SWAP_MODE_NAMES
 from rlfleet.services.common.errors import Aborted, FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted
 from rlfleet.v1 import weights_pb2
-from rlfleet.wire import WireError, shm
+from rlfleet.wire import shm
 from rlfleet.wire.dtypes import dtype_from_wire
 from rlfleet.wire.tensor import check_shape
 
@@ -86,11 +86,8 @@ class WeightPush:
             if spec.name in seen:
                 raise InvalidArgument(f"{where}.name {spec.name!r} appears twice")
             seen.add(spec.name)
-            try:
-                dtype = dtype_from_wire(spec.dtype, f"{where}.dtype")
-                numel = check_shape(list(spec.shape), f"{where}.shape")
-            except WireError as err:
-                raise InvalidArgument(f"{err} (tensor {spec.name!r})") from None
+            dtype = dtype_from_wire(spec.dtype, f"{where}.dtype (tensor {spec.name!r})")
+            numel = check_shape(list(spec.shape), f"{where}.shape (tensor {spec.name!r})")
             names.append(spec.name)
             dtypes.append(dtype)
             shapes.append(tuple(spec.shape))

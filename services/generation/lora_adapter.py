@@ -55,10 +55,7 @@ class LoraAdapterConfig:
     """Module names (``q_proj``, ``down_proj``, ...) the adapter may hold factors for."""
 
     def __post_init__(self) -> None:
-        try:
-            rank, alpha, target_modules = check_hyper_parameters(self.rank, self.alpha, self.target_modules)
-        except WireError as err:
-            raise InvalidArgument(f"lora adapter: {err}") from None
+        rank, alpha, target_modules = check_hyper_parameters(self.rank, self.alpha, self.target_modules)
         object.__setattr__(self, "target_modules", target_modules)
 
     def check_served(self, checkpoint_specs: dict[str, TensorSpec], max_lora_rank: int) -> None:
@@ -144,11 +141,7 @@ def validate_adapter(names: Sequence[str], dtypes: Sequence[torch.dtype], shapes
             raise WireError(f"adapter[{name}]", f"shape {list(shape)} is not {factor}'s {LAYOUTS[factor]} = "
                                                 f"{expected} for {module_path}.weight {list(base.shape)}")
 
-    try:
-        normalized = check_factors(zip(names, dtypes, shapes), config.rank, config.target_modules, in_the_model)
-    except WireError as err:
-        raise InvalidArgument(f"lora adapter: {err}") from None
-    return normalized
+    return check_factors(zip(names, dtypes, shapes), config.rank, config.target_modules, in_the_model)
 
 
 def _safetensors_header(names: Sequence[str], dtypes: Sequence[torch.dtype],

@@ -18,7 +18,6 @@ import torch
 
 from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.v1 import weights_pb2
-from rlfleet.wire import WireError
 from rlfleet.wire.dtypes import BY_NAME, BY_SAFETENSORS, dtype_from_wire, dtype_name
 
 
@@ -75,10 +74,7 @@ def validate_manifest(manifest: weights_pb2.WeightManifest, checkpoint: dict[str
     """``validate_push`` on a manifest as received, before anything is sized from it."""
     dtypes = []
     for i, spec in enumerate(manifest.tensors):
-        try:
-            dtypes.append(dtype_from_wire(spec.dtype, f"manifest.tensors[{i}].dtype"))
-        except WireError as err:
-            raise InvalidArgument(f"{err} (tensor {spec.name!r})") from None
+        dtypes.append(dtype_from_wire(spec.dtype, f"manifest.tensors[{i}].dtype (tensor {spec.name!r})"))
     # The shapes stay the message's own containers: a dim count is compared before any dim is read.
     validate_push([spec.name for spec in manifest.tensors], dtypes, [spec.shape for spec in manifest.tensors],
                   checkpoint)

@@ -22,13 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
+from rlfleet.services.common.errors import ResourceExhausted
 from rlfleet.services.common.weight_stream import WeightPush, open_offered_segment
 from rlfleet.services.generation.kept_weights import KeptWeights
 from rlfleet.services.generation.lora_adapter import LoraAdapterConfig, validate_adapter
 from rlfleet.services.generation.push_validation import TensorSpec, validate_manifest
 from rlfleet.v1 import weights_pb2
-from rlfleet.wire import WireError, shm, weight_delta
+from rlfleet.wire import shm, weight_delta
 from rlfleet.wire.dtypes import BY_WIRE, dtype_name
 
 
@@ -64,10 +64,7 @@ class StagedPush:
             adapter = (config, validate_adapter(push.names, push.dtypes, push.shapes, checkpoint, config))
         elif weight_delta.is_delta(manifest):
             push = WeightPush.from_manifest(manifest, max_bytes)  # dtypes and shapes well-formed first
-            try:
-                delta = weight_delta.spans(manifest, kept)
-            except WireError as err:
-                raise InvalidArgument(str(err)) from None
+            delta = weight_delta.spans(manifest, kept)
         else:
             validate_manifest(manifest, checkpoint)
             push = WeightPush.from_manifest(manifest, max_bytes)

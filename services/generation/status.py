@@ -31,21 +31,46 @@ class EngineState(str, enum.Enum):
     """A weight swap failed inside vLLM (the weights are undefined), or the engine core died."""
 
 
+_TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
+    EngineState.STOPPED: frozenset({EngineState.STARTING, EngineState.STOPPED}),
+    EngineState.STARTING: frozenset({EngineState.SERVING, EngineState.STOPPED}),
+    EngineState.SERVING: frozenset({EngineState.SWAPPING, EngineState.SERVING, EngineState.FAILED,
+                                    EngineState.STOPPED}),
+    EngineState.SWAPPING: frozenset({EngineState.SERVING, EngineState.FAILED, EngineState.STOPPED}),
+    EngineState.FAILED: frozenset({EngineState.SWAPPING, EngineState.SERVING, EngineState.FAILED,
+                                   EngineState.STOPPED}),
+}
+"""A replica's lifecycle, whole: a FAILED replica takes pushes (one that applies serves again); anything
+stops."""
+
+
 class ReplicaState:
     """What the parts of a replica share: the vLLM engine, its lifecycle state, the policy version it
     serves, and whether new requests may enter vLLM (cleared for the whole of a weight swap).
-    ``GenerationEngine`` starts and stops it and admits requests; ``WeightSwaps`` moves the version."""
+    ``GenerationEngine`` starts and stops it and admits requests; ``WeightSwaps`` moves the version. The
+    lifecycle state changes only here (``move_to``, along ``_TRANSITIONS``); the others read it."""
 
     def __init__(self, policy_version: int, max_model_len: int) -> None:
         self.vllm: AsyncLLM | None = None
         self.vocab_size = 0
         """The model's vocabulary, and ``max_model_len``, as vLLM reports them once started."""
         self.max_model_len = max_model_len
-        self.state = EngineState.STOPPED
+        self._state = EngineState.STOPPED
         self.policy_version = policy_version
         self.admission_open = asyncio.Event()
         self.version_bound_requests = 0
         """Calls in flight with a ``required_version``: a ``keep`` swap runs as ``resume`` (which ends them)."""
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    def move_to(self, state: EngineState) -> None:
+        """The lifecycle's next state; FailedPrecondition for a move it does not make (a start of an engine
+        that is not stopped), naming both."""
+        if state not in _TRANSITIONS[self._state]:
+            raise FailedPrecondition(f"generation engine is {self._state.value}, cannot become {state.value}")
+        self._state = state
 
     @property
     def ready(self) -> bool:
@@ -56,7 +81,7 @@ class ReplicaState:
         """An engine core that died (crash, OOM kill) fails the engine for good: health goes NOT_SERVING."""
         if self.vllm is not None and self.ready and self.vllm.errored:
             logger.error("vLLM engine core is dead; this replica stops serving")
-            self.state = EngineState.FAILED
+            self.move_to(EngineState.FAILED)
 
     def require(self) -> AsyncLLM:
         """The vLLM engine; Unavailable unless it serves."""

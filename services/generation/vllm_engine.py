@@ -87,7 +87,7 @@ class GenerationEngine:
         replica = self.replica
         if replica.state is not EngineState.STOPPED:
             raise FailedPrecondition(f"engine is {replica.state.value}, cannot start")
-        replica.state = EngineState.STARTING
+        replica.move_to(EngineState.STARTING)
         try:
             from vllm import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -110,13 +110,13 @@ class GenerationEngine:
 
             await replica.vllm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
         except BaseException:
-            replica.state = EngineState.STOPPED
+            replica.move_to(EngineState.STOPPED)
             if replica.vllm is not None:
                 replica.vllm.shutdown()
                 replica.vllm = None
             raise
         replica.admission_open.set()
-        replica.state = EngineState.SERVING
+        replica.move_to(EngineState.SERVING)
         logger.info("generation engine ready: %s (policy version %d)",
                     self.config.model, replica.policy_version)
 
@@ -192,7 +192,7 @@ class GenerationEngine:
     async def shutdown(self) -> None:
         """Abort everything in flight and stop the engine process."""
         engine, self.replica.vllm = self.replica.vllm, None
-        self.replica.state = EngineState.STOPPED
+        self.replica.move_to(EngineState.STOPPED)
         self.replica.admission_open.set()  # release callers held by a swap; they see STOPPED
         self.prompts.close()
         self.weights.close()

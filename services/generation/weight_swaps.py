@@ -91,10 +91,7 @@ class WeightSwaps:
         self.replica.takes_pushes()
         if not manifest.resync:
             self.replica.check_version(manifest.version)
-        try:
-            check_manifest(manifest, "collector")
-        except WireError as err:
-            raise InvalidArgument(str(err)) from None
+        check_manifest(manifest, "collector")
         kept = None
         if manifest.HasField("lora"):
             self._check_adapter(manifest)
@@ -225,7 +222,7 @@ class WeightSwaps:
         try:
             adapter = await self.adapters.load(engine, staged.version, config, names, staged.push.dtypes,
                                                staged.push.shapes, staged.segment.buffer)
-        except (InvalidArgument, FailedPrecondition):
+        except (InvalidArgument, FailedPrecondition, WireError):
             raise
         except Exception as err:  # vLLM refused it: nothing changed, the replica serves on
             raise InvalidArgument(f"vLLM refused the adapter of version {staged.version}: {err}") from None
@@ -277,7 +274,7 @@ class WeightSwaps:
         self.serial += 1
         self.mode = mode
         if mode not in ("keep", "resume"):
-            replica.state = EngineState.SWAPPING
+            replica.move_to(EngineState.SWAPPING)
         started = time.monotonic()
         try:
             # clear_cache=True also preempts kept requests so their KV is
@@ -290,11 +287,11 @@ class WeightSwaps:
         except BaseException:
             # The weights may be half-written: never serve from them (nor patch what was kept).
             self._kept.drop()
-            replica.state = EngineState.FAILED
+            replica.move_to(EngineState.FAILED)
             logger.exception("weight swap to version %d failed; engine marked failed", version)
             raise
         finally:
             replica.admission_open.set()
-        replica.state = EngineState.SERVING
+        replica.move_to(EngineState.SERVING)
         logger.info("swapped to policy version %d (%s, %s) in %.3fs",
                     version, mode, transport, time.monotonic() - started)

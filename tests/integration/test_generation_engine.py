@@ -27,6 +27,7 @@ from rlfleet.services.generation.vllm_engine import GenerationEngine
 from rlfleet.services.generation.sampling import SampleResult
 from rlfleet.services.models.tiny import build_tiny_model
 from rlfleet.v1 import weights_pb2
+from rlfleet.wire import WireError
 from tests.hf_reference import load_hf, perturbed, response_log_probs
 from tests.waiting import wait_for, wait_for_async
 
@@ -481,9 +482,9 @@ async def test_a_delta_on_another_base_or_reshaping_a_tensor_is_refused_untouche
     with pytest.raises(FailedPrecondition, match=f"delta push on version {version - 1}: this replica serves "
                                                  f"version {version}"):
         await engine.weights.update(version + 1, [(name, tensor)], base_version=version - 1)
-    with pytest.raises(InvalidArgument, match=name):
+    with pytest.raises(WireError, match=name):  # INVALID_ARGUMENT, by the interceptor
         await engine.weights.update(version + 1, [(name, tensor[:-1])], base_version=version)
-    with pytest.raises(InvalidArgument, match="model.layers.7.mlp.up_proj.weight"):
+    with pytest.raises(WireError, match="model.layers.7.mlp.up_proj.weight"):
         await engine.weights.update(version + 1, [("model.layers.7.mlp.up_proj.weight", torch.zeros(2, 2))],
                                     base_version=version)
     assert engine.policy_version == version
@@ -582,9 +583,9 @@ async def test_adapter_pushes_the_replica_cannot_serve_are_refused_untouched(eng
 
     pairs = [(name, tensor.t().contiguous() if name.endswith("layers.0.self_attn.q_proj.lora_A.weight") else tensor)
              for name, tensor in get_peft_model_state_dict(model).items()]
-    with pytest.raises(InvalidArgument, match="layers.0.self_attn.q_proj.lora_A"):
+    with pytest.raises((InvalidArgument, WireError), match="layers.0.self_attn.q_proj.lora_A"):
         await push_adapter(engine, model, version + 1, pairs=pairs)
-    with pytest.raises(InvalidArgument, match="never a delta"):
+    with pytest.raises((InvalidArgument, WireError), match="never a delta"):
         await push_adapter(engine, model, version + 1, delta=True)
     assert engine.policy_version == version
 

@@ -95,16 +95,7 @@ def finished_run(workdir) -> int:
 def test_view_opens_the_viewer_on_a_finished_run_and_says_the_collector_is_gone(tmp_path, tiny_model_dir):
     workdir = tmp_path / "suite"
     collector_port = finished_run(workdir)
-    command = subprocess.Popen(
-        [sys.executable, "-m", "rlfleet.services.suite", "--view", "--workdir", str(workdir),
-         "--model-dir", str(tiny_model_dir), "--viewer-port", "0"], stderr=subprocess.PIPE, text=True)
-    said: list[str] = []
-    threading.Thread(target=lambda: said.extend(iter(command.stderr.readline, "")), daemon=True).start()
-    try:
-        wait_for(lambda: command.poll() is not None or any("rollout viewer of the run" in line for line in said),
-                 START_TIMEOUT, "the viewer to serve")
-        assert command.poll() is None, "".join(said)
-        url = re.search(r"(http://127\.0\.0\.1:\d+)", next(line for line in said if "rollout viewer" in line))[1]
+    with viewing(workdir, tiny_model_dir) as url:
         trajectory = written_address(workdir / "trajectory", "trajectory")
         with chromium(viewport={"width": 1400, "height": 1000}) as context:
             page = context.new_page()
@@ -130,15 +121,6 @@ def test_view_opens_the_viewer_on_a_finished_run_and_says_the_collector_is_gone(
             page.click("nav button[data-tab=failures]")
             page.wait_for_selector("#failure-table tbody td.notice")
             assert "does not answer" in page.locator("#failure-table tbody").inner_text()
-        command.send_signal(signal.SIGINT)
-        assert command.wait(60) == 0, "".join(said)
-    finally:
-        if command.poll() is None:  # a failed check: stop it as a user would, so it stops what it started
-            command.send_signal(signal.SIGINT)
-            try:
-                command.wait(60)
-            except subprocess.TimeoutExpired:
-                command.kill()
     with pytest.raises(urllib.error.URLError):  # the viewer stopped with it
         urllib.request.urlopen(url, timeout=10)
     from rlfleet.services import healthcheck
@@ -243,7 +225,8 @@ def test_a_token_line_without_a_space_wraps_in_its_box(tmp_path, tiny_model_dir)
 
 @contextlib.contextmanager
 def viewing(workdir, model_dir):
-    """``rlfleet-suite --view`` on ``workdir``: the viewer's address; stopped by SIGINT (a Ctrl-C) at exit."""
+    """``rlfleet-suite --view`` on ``workdir``: the viewer's address; stopped by SIGINT (a Ctrl-C) at exit, which
+    it must survive with exit code 0."""
     command = subprocess.Popen(
         [sys.executable, "-m", "rlfleet.services.suite", "--view", "--workdir", str(workdir),
          "--model-dir", str(model_dir), "--viewer-port", "0"], stderr=subprocess.PIPE, text=True)
@@ -261,6 +244,7 @@ def viewing(workdir, model_dir):
         except subprocess.TimeoutExpired:
             command.kill()
             command.wait()
+    assert command.returncode == 0, "".join(said)  # a Ctrl-C is a clean stop
 
 
 def test_view_refuses_a_directory_that_holds_no_run(tmp_path, tiny_model_dir):

@@ -36,7 +36,7 @@ def _forwarded_open(gate: VersionGate, prefetch: int) -> trajectory_pb2.OpenBatc
     upstream = _Upstream()
     collector = SimpleNamespace(trajectory=SimpleNamespace(StreamBatches=lambda metadata: upstream),
                                 settings=SimpleNamespace(metadata=lambda: ()), gate=gate,
-                                check_trainer_call=lambda metadata: None, failed=asyncio.Event())
+                                check_trainer_call=lambda metadata: None, failed=asyncio.Event(), commits=None)
 
     async def trainer():
         yield trajectory_pb2.StreamBatchesRequest(open=trajectory_pb2.OpenBatchStream(batch_size=4, prefetch=prefetch))

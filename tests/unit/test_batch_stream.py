@@ -74,7 +74,7 @@ def test_a_sync_trainer_never_gets_a_batch_older_than_the_latest_push():
         collector = Collector(VersionGate(sync=True, version=2))
         upstream = Upstream(batch("stale", [1, 2, 2], ["p1", "p1", "p2"]), batch("fresh", [2, 2, 2], ["p3"] * 3))
         acks = asyncio.Queue()
-        responses = BatchRelay(collector, upstream).responses(trainer(acks))
+        responses = BatchRelay(upstream, collector.gate, collector, collector).responses(trainer(acks))
         assert (await anext(responses)).lease_id == "fresh"
         acks.put_nowait("fresh")
         assert (await anext(responses)).settled.lease_id == "fresh"  # the trainer's ack is answered
@@ -93,7 +93,7 @@ def test_an_async_trainer_gets_old_batches_its_min_policy_version_allows():
     async def scenario():
         collector = Collector(VersionGate(max_staleness=1, version=5))
         upstream = Upstream(batch("old", [0, 0, 0], ["p1"] * 3))
-        responses = BatchRelay(collector, upstream).responses(trainer(asyncio.Queue()))
+        responses = BatchRelay(upstream, collector.gate, collector, collector).responses(trainer(asyncio.Queue()))
         delivered = await anext(responses)
         await responses.aclose()
         return collector, upstream, delivered
@@ -106,7 +106,7 @@ def test_an_async_trainer_gets_old_batches_its_min_policy_version_allows():
 def test_the_collectors_failure_ends_the_stream_with_its_reason():
     async def scenario():
         collector = Collector(VersionGate())
-        responses = BatchRelay(collector, Upstream()).responses(trainer(asyncio.Queue()))
+        responses = BatchRelay(Upstream(), collector.gate, collector, collector).responses(trainer(asyncio.Queue()))
         collector.failed.set()
         await asyncio.wait_for(anext(responses), 10)
 

@@ -271,32 +271,32 @@ def test_the_state_written_at_commit_holds_the_new_version_and_the_breaker_survi
     so a collector killed before its next checkpoint came back one version behind its replicas. The
     version, the spool's manifest (committed with it) and the mismatch breaker's state are in the
     collector's database, read back by the next collector that opens it."""
+    from rlfleet.services.collector.breaker_state import BreakerState
+    from rlfleet.services.collector.commits import Commits
     from rlfleet.services.collector.mismatch import LagMismatch, MismatchBreaker
-    from rlfleet.services.collector.service import CollectorService
     from rlfleet.v1 import weights_pb2
 
     def collector(ledger):
-        service = CollectorService.__new__(CollectorService)
-        service.ledger, service.gate = ledger, VersionGate(version=6, max_staleness=4)
-        service.mismatch = MismatchBreaker(threshold=0.01, trip_batches=1, kl_target=0.05)
-        return service
+        gate = VersionGate(version=6, max_staleness=4)
+        breaker = BreakerState(MismatchBreaker(threshold=0.01, trip_batches=1, kl_target=0.05), gate, ledger)
+        return Commits(ledger, gate, None, None, None, None, None), breaker, gate
 
     async def first_life():
         ledger = PromptLedger(ledger_db)
-        service = collector(ledger)
+        commits, breaker, _ = collector(ledger)
         assert await ledger.committed_version() is None
-        await service._committed(7, weights_pb2.WeightManifest(version=7, total_bytes=3))
-        await service.report_mismatch(7, [LagMismatch(0, 0.5, 0.4, 0.9, 10), LagMismatch(2, 0.2, 0.1, 0.5, 10)])
-        assert service.mismatch.open
+        await commits.committed(7, weights_pb2.WeightManifest(version=7, total_bytes=3))
+        await breaker.report(7, [LagMismatch(0, 0.5, 0.4, 0.9, 10), LagMismatch(2, 0.2, 0.1, 0.5, 10)])
+        assert breaker.open
         ledger.close()
 
     async def second_life():
         ledger = PromptLedger(ledger_db)
-        service = collector(ledger)
+        _, breaker, gate = collector(ledger)
         version, manifest = await ledger.committed_version(), await ledger.meta("spool_manifest")
-        await service._restore_breaker()
-        assert service.mismatch.open and service.gate.admission_staleness == 1
-        assert await service.close_mismatch_breaker()
+        await breaker.restore()
+        assert breaker.open and gate.admission_staleness == 1
+        assert await breaker.close()
         ledger.close()
         return version, weights_pb2.WeightManifest.FromString(bytes.fromhex(manifest)).version
 
@@ -409,18 +409,15 @@ def test_a_push_goes_to_replicas_out_of_rotation_that_answer_as_a_resync():
         asyncio.run(fanout.targets(manifest))
 
 
-def _spooling_fanout(spool):
-    from rlfleet.services.collector.fanout import WeightFanout
+def _spool_writer(spool):
+    from rlfleet.services.collector.spool_writer import SpoolWriter
 
-    fanout = WeightFanout.__new__(WeightFanout)
-    fanout.spool, fanout.spool_error = spool, ""
-    fanout._release = lambda segment: segment.close()
-    return fanout
+    return SpoolWriter(spool, lambda segment: segment.close())
 
 
 async def _spool_push(fanout, version: int, data: bytes, committed: bool = True, fail: bool = False,
                       manifest=None):
-    """One push's spool write, as ``WeightFanout._decide`` runs it: copied beside the staging, then the
+    """One push's spool write, as ``WeightFanout._decide`` starts it: copied beside the staging, then the
     version committed (a database spool's manifest with it), then the spool's own commit."""
     from rlfleet.v1 import weights_pb2
     from rlfleet.wire import shm
@@ -434,7 +431,7 @@ async def _spool_push(fanout, version: int, data: bytes, committed: bool = True,
             raise OSError(28, "No space left on device")
         write.copy = disk_full
     decision, copied = asyncio.get_running_loop().create_future(), asyncio.get_running_loop().create_future()
-    spooling = asyncio.ensure_future(fanout._spool(write, segment, decision, copied))
+    spooling = fanout.start(write, segment, decision, copied)
     if committed and fanout.spool.commits_with_version:
         await fanout.spool.ledger.commit_version(version, write.manifest.SerializeToString() if await copied
                                                  else None)
@@ -447,15 +444,15 @@ def test_a_spool_write_that_fails_is_in_status_until_a_later_push_spools(tmp_pat
     ``Status.spool_error``, the spool is left as it was, and the next push that spools clears it."""
     from rlfleet.services.collector.spool import FileSpool
 
-    fanout = _spooling_fanout(FileSpool(tmp_path))
+    fanout = _spool_writer(FileSpool(tmp_path))
     try:
         asyncio.run(_spool_push(fanout, 3, bytes(range(8)), fail=True))
-        assert fanout.spool_error == "spooling version 3 failed: [Errno 28] No space left on device"
+        assert fanout.error == "spooling version 3 failed: [Errno 28] No space left on device"
         assert asyncio.run(fanout.spool.manifest()) is None and not list(tmp_path.glob("*.tmp"))
         asyncio.run(_spool_push(fanout, 4, bytes(range(8)), committed=False, fail=True))  # aborted: changes nothing
-        assert fanout.spool_error.startswith("spooling version 3 failed")
+        assert fanout.error.startswith("spooling version 3 failed")
         asyncio.run(_spool_push(fanout, 5, bytes(range(8))))
-        assert fanout.spool_error == "" and asyncio.run(fanout.spool.manifest()).version == 5
+        assert fanout.error == "" and asyncio.run(fanout.spool.manifest()).version == 5
         assert (tmp_path / "weights-5.bin").read_bytes() == bytes(range(8))
     finally:
         fanout.spool.close()
@@ -478,16 +475,16 @@ def test_the_spool_in_the_database_switches_with_the_version_and_reads_back_chun
 
     async def first_life():
         ledger = PromptLedger(ledger_db)
-        fanout = _spooling_fanout(DatabaseSpool(ledger))
+        fanout = _spool_writer(DatabaseSpool(ledger))
         await _spool_push(fanout, 3, first)
         await _spool_push(fanout, 4, second, committed=False)
         await _spool_push(fanout, 5, second, fail=True)  # committed without the spool: it keeps version 3
-        assert fanout.spool_error.startswith("spooling version 5 failed")
+        assert fanout.error.startswith("spooling version 5 failed")
         manifest = await fanout.spool.manifest()
         assert (manifest.version, await ledger.committed_version()) == (3, 5)
         assert await chunks_of(ledger) == [(3, 0), (3, 1), (3, 2)]
         await _spool_push(fanout, 6, second)
-        assert fanout.spool_error == "" and await chunks_of(ledger) == [(6, 0), (6, 1), (6, 2)]
+        assert fanout.error == "" and await chunks_of(ledger) == [(6, 0), (6, 1), (6, 2)]
         await DatabaseSpool(ledger).begin(manifest, []).copy(_segment(first))  # version 3 again, cut off: no commit
         ledger.close()
 
@@ -524,13 +521,13 @@ def test_a_delta_is_spooled_as_the_committed_version_patched(kind, tmp_path, mon
 
     async def scenario():
         ledger = PromptLedger(str(tmp_path / "prompts.sqlite3")) if kind == "database" else None
-        fanout = _spooling_fanout(DatabaseSpool(ledger) if ledger is not None else FileSpool(tmp_path / "spool"))
+        fanout = _spool_writer(DatabaseSpool(ledger) if ledger is not None else FileSpool(tmp_path / "spool"))
         try:
             await _spool_push(fanout, 3, bytes(range(13)), manifest=full)
             await _spool_push(fanout, 4, bytes(range(100, 109)), manifest=delta)
             spooled = await fanout.spool.manifest()
             assert (spooled.version, spooled.total_bytes, list(spooled.tensors)) == (4, 13, specs)
-            assert not spooled.HasField("delta") and fanout.spool_error == ""
+            assert not spooled.HasField("delta") and fanout.error == ""
             segment = await fanout.spool.load_segment(spooled)
             try:
                 assert bytes(segment.buffer) == bytes(range(4)) + bytes(range(100, 109))
@@ -563,7 +560,7 @@ def test_an_adapter_is_spooled_beside_the_weights_it_sits_on(kind, tmp_path, mon
         ledger = PromptLedger(str(tmp_path / "prompts.sqlite3")) if kind == "database" else None
 
         def open_spool():
-            return _spooling_fanout(DatabaseSpool(ledger) if ledger is not None else FileSpool(tmp_path / "spool"))
+            return _spool_writer(DatabaseSpool(ledger) if ledger is not None else FileSpool(tmp_path / "spool"))
 
         async def spooled(fanout):
             out = []

@@ -273,16 +273,16 @@ class _Fanout:
 
 def check_in_rotation(serving, on_probe=None, busy=False):
     from rlfleet.services.collector.replicas import Replica
-    from rlfleet.services.collector.service import CollectorService
+    from rlfleet.services.collector.watchers import ReplicaWatch
 
-    service = CollectorService.__new__(CollectorService)
-    service.pool, service.fanout = _Pool(serving, on_probe), _Fanout()
-    service.fanout.busy = busy
+    pool, fanout = _Pool(serving, on_probe), _Fanout()
+    fanout.busy = busy
+    watch = ReplicaWatch(pool, None, fanout, None, check_seconds=1, refresh_seconds=1, startup_seconds=1)
     replica = Replica("gen:1", None, None, healthy=True, policy_version=7)
     if on_probe is not None:
-        service.pool.on_probe = lambda: on_probe(service.fanout)
-    run(service._check_in_rotation(replica))
-    return replica.healthy, service.pool.failed
+        pool.on_probe = lambda: on_probe(fanout)
+    run(watch.check_in_rotation(replica))
+    return replica.healthy, pool.failed
 
 
 def test_a_replica_in_rotation_that_restarted_is_taken_out_for_a_resync():
@@ -391,7 +391,7 @@ def test_the_batch_proxy_answers_aborted_not_internal_when_the_upstream_ends_the
     upstream = _UpstreamEndedFirst()
     collector = SimpleNamespace(trajectory=SimpleNamespace(StreamBatches=lambda metadata: upstream),
                                 settings=SimpleNamespace(metadata=lambda: ()), gate=VersionGate(),
-                                check_trainer_call=lambda metadata: None, failed=asyncio.Event())
+                                check_trainer_call=lambda metadata: None, failed=asyncio.Event(), commits=None)
 
     async def trainer():
         yield trajectory_pb2.StreamBatchesRequest(nack=trajectory_pb2.NackBatch(lease_id="no-such-lease"))
@@ -440,7 +440,7 @@ def test_the_batch_proxy_ends_at_once_on_a_bad_message_that_came_while_it_yielde
     upstream = _UpstreamOneBatch()
     collector = SimpleNamespace(trajectory=SimpleNamespace(StreamBatches=lambda metadata: upstream),
                                 settings=SimpleNamespace(metadata=lambda: ()), gate=VersionGate(),
-                                check_trainer_call=lambda metadata: None, failed=asyncio.Event())
+                                check_trainer_call=lambda metadata: None, failed=asyncio.Event(), commits=None)
     batch_read, bad_message_read = asyncio.Event(), asyncio.Event()
 
     async def trainer():

@@ -155,7 +155,8 @@ def engine(monkeypatch):
                         lambda spec: SimpleNamespace(n=spec.computed_samples))
     engine = GenerationEngine(GenerationEngineConfig(model="/m", max_n=8, max_model_len=64))
     engine.replica.vllm = FakeVLLM()
-    engine.replica.state = EngineState.SERVING
+    engine.replica.move_to(EngineState.STARTING)
+    engine.replica.move_to(EngineState.SERVING)
     engine.replica.vocab_size = 100
     engine.replica.admission_open.set()
     return engine

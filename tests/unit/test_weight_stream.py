@@ -8,7 +8,7 @@ from rlfleet.services.collector.fanout import WeightFanout
 from rlfleet.services.common.errors import Aborted, InvalidArgument, OutOfRange, ResourceExhausted, Unavailable
 from rlfleet.services.common.weight_stream import MAX_POLICY_VERSION, WeightPush
 from rlfleet.v1 import weights_pb2
-from rlfleet.wire import shm
+from rlfleet.wire import WireError, shm
 from rlfleet.wire.push_messages import iter_push_messages
 
 STATE = [
@@ -77,7 +77,7 @@ def test_bad_manifests():
         WeightPush.from_manifest(bad, 1 << 30)
     bad.CopyFrom(manifest)
     bad.tensors[0].dtype = 77
-    with pytest.raises(InvalidArgument, match=r"tensors\[0\].dtype"):
+    with pytest.raises(WireError, match=r"tensors\[0\].dtype \(tensor '.+'\)"):  # INVALID_ARGUMENT, by the interceptor
         WeightPush.from_manifest(bad, 1 << 30)
     with pytest.raises(ResourceExhausted):
         WeightPush.from_manifest(manifest, 8)

@@ -147,18 +147,8 @@ def importance_weights(
     version that sampled each token; with ``trainer_version`` (the version the trainer's weights are,
     e.g. the client's ``policy_version``) the metrics are also given per lag."""
     correction = _resolve(correction)
-    if trainer_log_probs.shape != behaviour_log_probs.shape or mask.shape != trainer_log_probs.shape:
-        raise ValueError(f"trainer_log_probs {tuple(trainer_log_probs.shape)}, behaviour_log_probs "
-                         f"{tuple(behaviour_log_probs.shape)} and mask {tuple(mask.shape)} must have one shape")
-    if trainer_log_probs.dim() != 2:
-        raise ValueError(f"expected [sequences, tokens] tensors, not {trainer_log_probs.dim()}-D ones")
-    if (versions is None) != (trainer_version is None):
-        raise ValueError("give both versions and trainer_version, or neither")
-    if versions is not None and versions.shape != mask.shape:
-        raise ValueError(f"versions {tuple(versions.shape)} must have the log-probs' shape {tuple(mask.shape)}")
+    _check_layout(trainer_log_probs, behaviour_log_probs, mask, versions, trainer_version)
     mask = mask.bool()
-    if not mask.any():
-        raise ValueError("mask has no trained token: there is nothing to weigh and no mismatch to measure")
     dtype = torch.promote_types(torch.promote_types(trainer_log_probs.dtype, behaviour_log_probs.dtype),
                                 torch.float32)
     trainer, behaviour = trainer_log_probs.detach().to(dtype), behaviour_log_probs.detach().to(dtype)
@@ -183,19 +173,42 @@ def importance_weights(
         weight_mean=_masked_mean(weights, kept & mask),
         weight_max=weights[kept & mask].max().item() if (kept & mask).any() else 0.0,
     )
-    by_lag = {}
-    if versions is not None:
-        lags = (trainer_version - versions.long())
-        for lag in torch.unique(lags[mask]).tolist():
-            at_lag = mask & (lags == lag)
-            by_lag[int(lag)] = {
-                "tokens": int(at_lag.sum()),
-                "kl_k1": (-log_ratio[at_lag]).mean().item(),
-                "kl_k3": _k3(clamped[at_lag]).mean().item(),
-                "ess_token": _ess(token_ratio[at_lag]),
-                "masked_fraction": (at_lag & ~kept).sum().item() / int(at_lag.sum()),
-            }
+    by_lag = {} if versions is None else _by_lag(trainer_version - versions.long(), mask, kept, log_ratio, clamped,
+                                                 token_ratio)
     return Corrected(weights=weights.detach(), mask=kept & mask, metrics=metrics, by_lag=by_lag)
+
+
+def _check_layout(trainer_log_probs: torch.Tensor, behaviour_log_probs: torch.Tensor, mask: torch.Tensor,
+                  versions: torch.Tensor | None, trainer_version: int | None) -> None:
+    """ValueError unless the tensors are ``[sequences, tokens]`` of one shape, with a trained token, and
+    ``versions`` comes with ``trainer_version``."""
+    if trainer_log_probs.shape != behaviour_log_probs.shape or mask.shape != trainer_log_probs.shape:
+        raise ValueError(f"trainer_log_probs {tuple(trainer_log_probs.shape)}, behaviour_log_probs "
+                         f"{tuple(behaviour_log_probs.shape)} and mask {tuple(mask.shape)} must have one shape")
+    if trainer_log_probs.dim() != 2:
+        raise ValueError(f"expected [sequences, tokens] tensors, not {trainer_log_probs.dim()}-D ones")
+    if (versions is None) != (trainer_version is None):
+        raise ValueError("give both versions and trainer_version, or neither")
+    if versions is not None and versions.shape != mask.shape:
+        raise ValueError(f"versions {tuple(versions.shape)} must have the log-probs' shape {tuple(mask.shape)}")
+    if not mask.bool().any():
+        raise ValueError("mask has no trained token: there is nothing to weigh and no mismatch to measure")
+
+
+def _by_lag(lags: torch.Tensor, mask: torch.Tensor, kept: torch.Tensor, log_ratio: torch.Tensor,
+            clamped: torch.Tensor, token_ratio: torch.Tensor) -> dict[int, dict[str, float]]:
+    """The mismatch metrics of the tokens at each version lag."""
+    by_lag = {}
+    for lag in torch.unique(lags[mask]).tolist():
+        at_lag = mask & (lags == lag)
+        by_lag[int(lag)] = {
+            "tokens": int(at_lag.sum()),
+            "kl_k1": (-log_ratio[at_lag]).mean().item(),
+            "kl_k3": _k3(clamped[at_lag]).mean().item(),
+            "ess_token": _ess(token_ratio[at_lag]),
+            "masked_fraction": (at_lag & ~kept).sum().item() / int(at_lag.sum()),
+        }
+    return by_lag
 
 
 def _check_finite(log_probs: torch.Tensor, name: str, mask: torch.Tensor) -> None:

@@ -96,14 +96,9 @@ def _walk(msg: tensor_pb2.TensorDict, field: str, build: bool) -> tuple[TensorDi
         if kind is None:
             raise WireError(where, "empty value (set tensor, ragged, strings or nested)")
         if kind == "tensor":
+            tensor, size = _entry_tensor(value.tensor, f"{where}.tensor", batch_size, build)
             if build:
-                tensor = data[key] = decode_tensor(value.tensor, f"{where}.tensor")
-                shape, size = list(tensor.shape), tensor.numel() * tensor.element_size()
-            else:
-                _, shape, raw = checked_tensor(value.tensor, f"{where}.tensor")
-                size = len(raw)
-            if shape[: len(batch_size)] != batch_size:
-                raise WireError(f"{where}.tensor.shape", f"{shape} does not start with batch size {batch_size}")
+                data[key] = tensor
             nbytes += size
         elif kind == "nested":
             nested, nested_bytes = _walk(value.nested, f"{where}.nested", build)
@@ -140,6 +135,20 @@ def _walk(msg: tensor_pb2.TensorDict, field: str, build: bool) -> tuple[TensorDi
         # Set after construction: the constructor would turn a stack into a sub-TensorDict.
         td[key] = NonTensorStack.from_list(items) if items else NonTensorStack(batch_size=[0])
     return td, nbytes
+
+
+def _entry_tensor(message: tensor_pb2.Tensor, where: str, batch_size: list[int], build: bool
+                  ) -> tuple[torch.Tensor | None, int]:
+    """A tensor entry checked against the batch size (decoded with ``build``) and its size in bytes."""
+    if build:
+        tensor = decode_tensor(message, where)
+        shape, size = list(tensor.shape), tensor.numel() * tensor.element_size()
+    else:
+        tensor, (_, shape, raw) = None, checked_tensor(message, where)
+        size = len(raw)
+    if shape[: len(batch_size)] != batch_size:
+        raise WireError(f"{where}.shape", f"{shape} does not start with batch size {batch_size}")
+    return tensor, size
 
 
 def _to_nested(ragged: Ragged) -> torch.Tensor | Ragged:

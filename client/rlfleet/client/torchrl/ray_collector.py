@@ -203,13 +203,7 @@ class RlfleetRayLLMCollector:
                  push_mode: str = "keep", push_transport: str = "auto", push_strategy: str = "", **options: Any):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if weight_updater is not None:
-            raise ValueError("weight_updater: rlfleet's collector service brokers every weight push to its engines; "
-                             "a TorchRL weight updater targets an engine rlfleet does not expose. Pass None and push "
-                             "with update_policy_weights_() or RlfleetWeightSyncScheme")
-        if not isinstance(track_policy_version, bool):
-            raise ValueError(f"track_policy_version: rlfleet's versions are its collector's integers (one per weight "
-                             f"push); a {type(track_policy_version).__name__} would count its own. Pass True")
+        _refuse_foreign_versioning(weight_updater, track_policy_version)
         given = dict(env=env, policy_factory=policy_factory, yield_only_last_steps=yield_only_last_steps,
                      yield_completed_trajectories=yield_completed_trajectories, async_envs=async_envs,
                      reset_at_each_iter=reset_at_each_iter, flatten_data=flatten_data, verbose=verbose)
@@ -239,17 +233,13 @@ class RlfleetRayLLMCollector:
             else:
                 if not isinstance(address_or_client, str):
                     raise ValueError("a Ray actor makes its own client: pass the collector's address, not a Client")
-                actor_options = dict(DEFAULT_REMOTE_CONFIG)
-                actor_options.update({k: v for k, v in (("num_cpus", num_cpus), ("num_gpus", num_gpus))
-                                      if v is not None})
-                actor_options.update(remote_config or {})
-                actor_options.setdefault("max_concurrency", 2)  # shutdown() reaches a next() that waits
                 batch_options["replay_buffer"] = shared_buffer(replay_buffer)
                 if getattr(options.get("prompts"), "dataloader", None) is not None:
                     batch_options["prompts"] = PrimerSource(options["prompts"].dataloader,
                                                             getattr(options["prompts"], "repeats", None))
                 self._core = None
-                self._actor = ray.remote(**actor_options)(CollectorCore).remote(address_or_client, batch_options)
+                self._actor = ray.remote(**_actor_options(remote_config, num_cpus, num_gpus))(CollectorCore).remote(
+                    address_or_client, batch_options)
                 self._collector = self._actor  # TorchRL's recipe calls collector._collector.is_initialized.remote()
                 ray.get(self._actor.is_initialized.remote())  # constructor errors surface here, not later
         except BaseException:
@@ -425,3 +415,24 @@ def shared_buffer(replay_buffer: Any) -> Any:
     raise ValueError(f"replay_buffer: a {type(replay_buffer).__name__} lives in this process, so the Ray actor "
                      f"would fill a copy the trainer never reads. Pass a torchrl RayReplayBuffer (as TorchRL's "
                      f"Ray recipes do), or backend=\"local\"")
+
+
+def _actor_options(remote_config: dict[str, Any] | None, num_cpus: float | None, num_gpus: float | None
+                   ) -> dict[str, Any]:
+    """The batch actor's Ray options: the defaults, the CPUs and GPUs asked for, then ``remote_config``."""
+    options = dict(DEFAULT_REMOTE_CONFIG)
+    options.update({k: v for k, v in (("num_cpus", num_cpus), ("num_gpus", num_gpus)) if v is not None})
+    options.update(remote_config or {})
+    options.setdefault("max_concurrency", 2)  # shutdown() reaches a next() that waits
+    return options
+
+
+def _refuse_foreign_versioning(weight_updater: Any, track_policy_version: Any) -> None:
+    """ValueError for a TorchRL weight updater or policy-version tracker: rlfleet's collector owns both."""
+    if weight_updater is not None:
+        raise ValueError("weight_updater: rlfleet's collector service brokers every weight push to its engines; "
+                         "a TorchRL weight updater targets an engine rlfleet does not expose. Pass None and push "
+                         "with update_policy_weights_() or RlfleetWeightSyncScheme")
+    if not isinstance(track_policy_version, bool):
+        raise ValueError(f"track_policy_version: rlfleet's versions are its collector's integers (one per weight "
+                         f"push); a {type(track_policy_version).__name__} would count its own. Pass True")
