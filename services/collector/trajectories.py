@@ -18,7 +18,7 @@ import torch
 
 from rlfleet.v1 import generation_pb2, reward_pb2, sampling_pb2, tensor_pb2
 from rlfleet.wire import Ragged, WireError, decode_ragged, decode_tensor, encode_ragged
-from rlfleet.wire.tensor import encode_values
+from rlfleet.wire.tensor import checked_tensor, encode_values
 
 FLOAT32 = tensor_pb2.DTYPE_FLOAT32
 NOT_SAMPLED = -1
@@ -54,20 +54,17 @@ class GroupSamples:
 
     @classmethod
     def decode(cls, samples: Sequence[generation_pb2.GenerateResponse]) -> "GroupSamples":
-        prompts = [decode_tensor(s.prompt_token_ids, "prompt_token_ids").to(torch.int64) for s in samples]
-        responses = [decode_tensor(s.response_token_ids, "response_token_ids").to(torch.int64) for s in samples]
-        behavior = [decode_tensor(s.behavior_log_probs, "behavior_log_probs").to(torch.float32) for s in samples]
+        responses = _joined([s.response_token_ids for s in samples], "response_token_ids", torch.int64)
         starts, ends = [s.policy_version_start for s in samples], [s.policy_version_end for s in samples]
-        versions = [response_versions(s, len(r)) for s, r in zip(samples, responses)]
         reasons = [s.finish_reason for s in samples]
-        return cls(Ragged.from_list(prompts, torch.int64), Ragged.from_list(responses, torch.int64),
-                   Ragged.from_list(behavior, torch.float32), None, starts, ends,
-                   [s.sample_index for s in samples], [s.timing.total_seconds for s in samples],
+        return cls(_joined([s.prompt_token_ids for s in samples], "prompt_token_ids", torch.int64), responses,
+                   _joined([s.behavior_log_probs for s in samples], "behavior_log_probs", torch.float32), None,
+                   starts, ends, [s.sample_index for s in samples], [s.timing.total_seconds for s in samples],
                    [r == sampling_pb2.FINISH_REASON_STOP for r in reasons],
                    [r == sampling_pb2.FINISH_REASON_LENGTH for r in reasons], samples[0].sampling,
-                   Ragged(torch.tensor([starts, ends], dtype=torch.int64).T.contiguous(),
+                   Ragged(torch.from_numpy(numpy.array([starts, ends], dtype=numpy.int64).T.copy()),
                           torch.ones(len(samples), dtype=torch.int64)),
-                   Ragged.from_list(versions, torch.int64))
+                   _versions(samples, responses.lengths))
 
     def __len__(self) -> int:
         return len(self.sample_index)
@@ -75,8 +72,13 @@ class GroupSamples:
     @cached_property
     def full(self) -> Ragged:
         """Prompt then response tokens of each sample: the sequence the trainer scores."""
-        pieces = [piece for p, r in zip(self.prompts.to_list(), self.responses.to_list()) for piece in (p, r)]
-        return Ragged(torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64),
+        prompts, responses = self.prompts.values.numpy(), self.responses.values.numpy()  # numpy slices: ~10x cheaper
+        pieces, prompt_at, response_at = [], 0, 0
+        for prompt_length, response_length in zip(self.prompts.lengths.tolist(), self.responses.lengths.tolist()):
+            pieces += (prompts[prompt_at:prompt_at + prompt_length],
+                       responses[response_at:response_at + response_length])
+            prompt_at, response_at = prompt_at + prompt_length, response_at + response_length
+        return Ragged(torch.from_numpy(numpy.concatenate(pieces)) if pieces else torch.empty(0, dtype=torch.int64),
                       self.prompts.lengths + self.responses.lengths)
 
     @cached_property
@@ -102,6 +104,27 @@ class GroupSamples:
     @property
     def end_version(self) -> int:
         return max(self.version_end)
+
+
+def _joined(messages: Sequence[tensor_pb2.Tensor], field: str, dtype: torch.dtype) -> Ragged:
+    """The samples' tensors ``messages`` as one ``dtype`` Ragged, each checked as ``decode_tensor`` checks
+    it. When all are 1-D ``dtype`` already (what replicas send), their bytes are joined and viewed once
+    instead of each one decoded, converted and concatenated: a group's decode is a few tensor calls."""
+    checked = [checked_tensor(message, field) for message in messages]
+    if any(wire_dtype != dtype or len(shape) != 1 for wire_dtype, shape, _ in checked):
+        return Ragged.from_list([decode_tensor(message, field).to(dtype) for message in messages], dtype)
+    data = bytearray().join(data for _, _, data in checked)  # writable: a tensor of its own, as cat made
+    values = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+    return Ragged(values, torch.tensor([shape[0] for _, shape, _ in checked], dtype=torch.int64))
+
+
+def _versions(samples: Sequence[generation_pb2.GenerateResponse], lengths: torch.Tensor) -> Ragged:
+    """``versions``: each sample's ``response_versions``; one call for a group whose samples have no spans."""
+    if any(s.policy_version_spans for s in samples):
+        return Ragged.from_list([response_versions(s, length) for s, length in zip(samples, lengths.tolist())],
+                                torch.int64)
+    starts = numpy.array([s.policy_version_start for s in samples], dtype=numpy.int64)
+    return Ragged(torch.from_numpy(numpy.repeat(starts, lengths.numpy())), lengths.clone())
 
 
 def response_versions(sample: generation_pb2.GenerateResponse, length: int) -> torch.Tensor:
