@@ -1,7 +1,9 @@
 """Tensor and ragged codec: bit-exact round trips and typed errors."""
 
+import contextlib
 import random
 import struct
+import warnings
 
 import numpy
 import pytest
@@ -61,6 +63,23 @@ def test_decode_views_the_message_bytes_without_copy():
     msg2.data = data
     out = decode_tensor(msg2)
     assert out.untyped_storage().nbytes() == len(data)
+
+
+def test_decode_warns_nothing_and_sets_no_warning_filter_once_torch_said_its_warning(monkeypatch):
+    msg = encode_tensor(torch.arange(4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "buffer is not writable" would raise here
+        decode_tensor(msg)  # the first: torch's one warning, filtered
+        filters = []
+        monkeypatch.setattr(warnings, "catch_warnings", lambda *a, **k: filters.append(1) or contextlib.nullcontext())
+        assert decode_tensor(msg).tolist() == [0, 1, 2, 3]
+        assert filters == []  # torch warns once only: no filter (~3 us) per decode
+        torch.set_warn_always(True)  # then it warns every time: filtered again
+        try:
+            assert decode_tensor(msg).tolist() == [0, 1, 2, 3]
+        finally:
+            torch.set_warn_always(False)
+        assert filters == [1]
 
 
 @settings(max_examples=200, deadline=None)
@@ -209,6 +228,18 @@ def test_ragged_lengths_are_checked_in_chunks_and_named_by_global_index():
     with pytest.raises(WireError, match="negative length -1") as err:
         decode_ragged(msg, "tokens")
     assert err.value.field == "tokens.lengths[5]"
+
+
+@pytest.mark.parametrize("samples", [4, 128, 129, 1000])  # lengths checked as a list up to 128, as a tensor beyond
+def test_a_ragged_refuses_negative_lengths_and_a_wrong_total_at_any_batch_size(samples):
+    lengths = torch.ones(samples, dtype=torch.int64)
+    assert Ragged(torch.arange(samples), lengths).batch_size == samples
+    with pytest.raises(WireError, match=f"sum to {samples} but values has {samples + 1} rows"):
+        Ragged(torch.arange(samples + 1), lengths)
+    lengths[samples - 2], lengths[samples - 1] = -1, 3
+    with pytest.raises(WireError, match="negative length -1") as err:
+        Ragged(torch.arange(samples), lengths)
+    assert err.value.field == f"lengths[{samples - 2}]"
 
 
 def test_check_ragged_validates_like_decode_ragged_and_counts_bytes():

@@ -18,6 +18,10 @@ from rlfleet.wire.errors import WireError
 from rlfleet.wire.tensor import checked_tensor, decode_tensor, encode_tensor
 
 
+_FEW_SAMPLES = 128
+"""Up to this many samples a Ragged checks its lengths as a list (quicker; tensor reductions beyond)."""
+
+
 @dataclass(frozen=True)
 class Ragged:
     """``values[offsets[i]:offsets[i+1]]`` is sample ``i``."""
@@ -30,10 +34,14 @@ class Ragged:
             raise WireError("values", "must be at least 1-D")
         if self.lengths.dim() != 1:
             raise WireError("lengths", "must be 1-D")
-        if self.lengths.numel() and int(self.lengths.min()) < 0:
+        if self.lengths.numel() <= _FEW_SAMPLES:
+            lengths = self.lengths.tolist()
+            negative, total = min(lengths, default=0) < 0, int(sum(lengths))
+        else:
+            negative, total = int(self.lengths.min()) < 0, int(self.lengths.sum())
+        if negative:
             bad = int((self.lengths < 0).nonzero()[0])
             raise WireError(f"lengths[{bad}]", f"negative length {int(self.lengths[bad])}")
-        total = int(self.lengths.sum())
         if total != self.values.shape[0]:
             raise WireError(
                 "lengths", f"sum to {total} but values has {self.values.shape[0]} rows"

@@ -94,12 +94,26 @@ def decode_tensor(msg: tensor_pb2.Tensor, field: str = "", *, max_elements: int 
     if len(data) <= 1:
         # CPython caches one-byte bytes objects: never alias them.
         data = bytearray(data)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
-        flat = torch.frombuffer(data, dtype=torch.uint8 if dtype == torch.bool else dtype)
+    flat = _frombuffer(data, torch.uint8 if dtype == torch.bool else dtype)
     if dtype == torch.bool:
         flat = flat.view(torch.bool)
     return flat.reshape(shape)
+
+
+_quiet = False
+"""Whether torch.frombuffer has said its "buffer is not writable" once, which is all it says
+(``TORCH_WARN_ONCE``) unless ``torch.set_warn_always``: from then on no warning filter is needed."""
+
+
+def _frombuffer(data: bytes | bytearray, dtype: torch.dtype) -> torch.Tensor:
+    global _quiet
+    if _quiet and not torch.is_warn_always_enabled():
+        return torch.frombuffer(data, dtype=dtype)
+    with warnings.catch_warnings():  # a filter costs ~3 us a call: it was most of a small tensor's decode
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
+        flat = torch.frombuffer(data, dtype=dtype)
+    _quiet = _quiet or isinstance(data, bytes)
+    return flat
 
 
 def checked_tensor(msg: tensor_pb2.Tensor, field: str = "", *,
