@@ -3,6 +3,7 @@ checked before storing."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from rlfleet.services.common.errors import InvalidArgument
@@ -16,6 +17,46 @@ GROUP_SIZE_KEY = "group_size"
 MAX_KEY_BYTES = 512
 """Longest deduplication key (``idempotency_key`` or one of ``group_keys``), UTF-8: room for the collector's
 "<prompt_id>#<ledger seq>" with a prompt_id of its 256-byte maximum."""
+
+
+@dataclass
+class AppendedGroup:
+    """One group of an Append (its rows under one group_id), and what the store finds and makes of it."""
+
+    rows: list[int]
+    """Its rows' indices in the request."""
+    group_id: int
+    versions: list[int]
+    """Each row's policy_version_start."""
+    key: str
+    """Its deduplication key ("": the Append has none)."""
+    filtered: bool
+    """For the filtered log (dynamic sampling), not the buffer."""
+    stored_before: bool | None = None
+    """None: new; else the key's group was stored before, and this says whether as filtered."""
+    payload: bytes = field(default=b"", repr=False)
+    """Its rows as one serialized message, as stored (made for a new group only)."""
+
+    @property
+    def version(self) -> int:
+        """The group's policy version: its oldest row's."""
+        return min(self.versions)
+
+    @property
+    def stored_as_filtered(self) -> bool:
+        """Whether the group is (or, stored before, was) stored as filtered."""
+        return self.filtered if self.stored_before is None else self.stored_before
+
+
+def groups_of(msg: tensor_pb2.TensorDict, idempotency_key: str = "", group_keys: Sequence[str] = (),
+              filtered_groups: Sequence[bool] = ()) -> list[AppendedGroup]:
+    """The Append's groups in order (each group's first row's), every part of it checked: ``msg``
+    (``validate_append``), the keys (``dedup_keys``) and the filtered flags (``filtered_flags``)."""
+    group_ids, versions, units = validate_append(msg)
+    keys = dedup_keys(idempotency_key, group_keys, len(units)) or [""] * len(units)
+    flags = filtered_flags(filtered_groups, group_keys, len(units))
+    return [AppendedGroup(rows, group_ids[rows[0]], [versions[i] for i in rows], key, flag)
+            for rows, key, flag in zip(units, keys, flags)]
 
 
 def validate_append(msg: tensor_pb2.TensorDict) -> tuple[list[int], list[int], list[list[int]]]:

@@ -56,7 +56,7 @@ from rlfleet.services.common.errors import InvalidArgument, ResourceExhausted
 from rlfleet.services.trajectory import rows as rowcodec
 from rlfleet.services.trajectory import samples as sample_log
 from rlfleet.services.trajectory import schema as tables
-from rlfleet.services.trajectory.appends import dedup_keys, filtered_flags, validate_append
+from rlfleet.services.trajectory.appends import AppendedGroup, groups_of
 from rlfleet.services.trajectory.index import BufferIndex, Row, Unit, rows_of, share
 from rlfleet.v1 import tensor_pb2
 from rlfleet.wire.rows import concat_tensordicts
@@ -200,20 +200,43 @@ class TrajectoryStore:
         call with nothing new to store is a no-op, checked no further than its validity. The new
         groups are also counted, and copied where there is room, in the sample log, with
         ``committed_version`` (None: unknown) for their staleness."""
-        group_ids, versions, units = validate_append(msg)
+        groups = groups_of(msg, idempotency_key, group_keys, filtered_groups)
         self._ensure_open()
-        keys = dedup_keys(idempotency_key, group_keys, len(units))
-        filtered = filtered_flags(filtered_groups, group_keys, len(units))
-        stored_before = self._stored_before(keys)
-        reported = tuple(key is not None for key in stored_before) if group_keys else ()
-        fates = tuple(was if was is not None else flag for was, flag in zip(stored_before, filtered)) \
-            if group_keys else ()
-        new = [i for i, was in enumerate(stored_before or [None] * len(units)) if was is None]
-        kept = [i for i in new if not filtered[i]]
-        dropped = [i for i in new if filtered[i]]
-        count = sum(len(units[i]) for i in kept)
+        self._find_stored(groups)
+        duplicates = tuple(group.stored_before is not None for group in groups) if group_keys else ()
+        fates = tuple(group.stored_as_filtered for group in groups) if group_keys else ()
+        new = [group for group in groups if group.stored_before is None]
         if not new:
-            return AppendResult(0, self.buffered, reported, fates)
+            return AppendResult(0, self.buffered, duplicates, fates)
+        kept = [group for group in new if not group.filtered]
+        count = sum(len(group.rows) for group in kept)
+        self._check_room(count)
+        schema = self._admitted_schema(msg) if kept else self._schema
+        for group, payload in zip(new, rowcodec.split_units(msg, [group.rows for group in new])):
+            group.payload = payload
+        self._check_room_bytes(sum(len(group.payload) for group in kept))
+        units, records = self._new_units(kept)
+        dropped = [group for group in new if group.filtered]
+        filtered = (self._filtered[0] + len(dropped), self._filtered[1] + sum(len(group.rows) for group in dropped))
+        with self._db.transaction():
+            self._insert(units, records, kept)
+            if dropped:
+                self._log_filtered(dropped)
+                self._set_meta("filtered", json.dumps(filtered))
+            if schema != self._schema:
+                self._set_meta("schema", json.dumps(schema))
+            self._remember_keys(new)
+            self.samples.record(msg, [sample_log.NewGroup(g.rows, g.filtered, g.payload) for g in new],
+                                committed_version)
+        # Committed: only now does the in-memory index change.
+        self._last_seq = records[-1][0] if records else self._last_seq
+        self._schema, self._filtered = schema, filtered
+        self.index.add(units)
+        self._appended += count
+        return AppendResult(count, self.buffered, duplicates, fates)
+
+    def _check_room(self, count: int) -> None:
+        """InvalidArgument if ``count`` more trajectories could never fit, ResourceExhausted if not now."""
         if count > self.capacity:
             raise InvalidArgument(f"trajectories.batch_size: {count} trajectories to store can never fit "
                                   f"the buffer's capacity of {self.capacity}")
@@ -221,11 +244,9 @@ class TrajectoryStore:
             raise ResourceExhausted(
                 f"trajectory buffer full: {self.buffered} of {self.capacity} buffered, {count} more "
                 "do not fit; retry after trainers ack batches")
-        schema = self._admitted_schema(msg) if kept else self._schema
-        payloads = rowcodec.split_units(msg, [units[i] for i in new])
-        payload_of = dict(zip(new, payloads))
-        new_units, records, size = self._new_units([units[i] for i in kept], group_ids, versions,
-                                                   [payload_of[i] for i in kept])
+
+    def _check_room_bytes(self, size: int) -> None:
+        """As ``_check_room``, for ``size`` more bytes of payloads."""
         if size > self.capacity_bytes:
             raise InvalidArgument(f"trajectories: {size} bytes of trajectories can never fit the buffer's "
                                   f"capacity_bytes of {self.capacity_bytes}")
@@ -233,65 +254,52 @@ class TrajectoryStore:
             raise ResourceExhausted(
                 f"trajectory buffer full: {self.index.bytes} of {self.capacity_bytes} bytes buffered, {size} more "
                 "do not fit; retry after trainers ack batches")
-        filtered_total = (self._filtered[0] + len(dropped), self._filtered[1] + sum(len(units[i]) for i in dropped))
-        with self._db.transaction():
-            self._db.executemany(
-                "INSERT INTO trajectories (seq, unit, group_id, group_size, policy_version_start, data) "
-                "VALUES (?, ?, ?, ?, ?, ?)", records)
-            if records:
-                self._db.claim_ids("trajectories", "seq", records[-1][0])
-            self._db.executemany("INSERT INTO units (unit, data) VALUES (?, ?)",
-                                 [(unit.id, payload) for unit, payload in zip(new_units, [payload_of[i] for i in kept])])
-            if dropped:
-                self._log_filtered([(keys[i] if keys else "", group_ids[units[i][0]], len(units[i]),
-                                     min(versions[j] for j in units[i]), payload_of[i]) for i in dropped])
-                self._set_meta("filtered", json.dumps(filtered_total))
-            if schema != self._schema:
-                self._set_meta("schema", json.dumps(schema))
-            if keys:
-                self._remember_keys([keys[i] for i in new], [units[i] for i in new], [filtered[i] for i in new])
-            self.samples.record(msg, [sample_log.NewGroup(units[i], filtered[i], payload_of[i]) for i in new],
-                                committed_version)
-        # Committed: only now does the in-memory index change.
-        self._last_seq = records[-1][0] if records else self._last_seq
-        self._schema = schema
-        self._filtered = filtered_total
-        self.index.add(new_units)
-        self._appended += count
-        return AppendResult(count, self.buffered, reported, fates)
+
+    def _insert(self, units: Sequence[Unit], records: Sequence[tuple], groups: Sequence[AppendedGroup]) -> None:
+        """The buffered groups' rows and payloads (``units`` and ``records`` made of ``groups`` by
+        ``_new_units``); call inside ``self._db.transaction()``."""
+        self._db.executemany(
+            "INSERT INTO trajectories (seq, unit, group_id, group_size, policy_version_start, data) "
+            "VALUES (?, ?, ?, ?, ?, ?)", records)
+        if records:
+            self._db.claim_ids("trajectories", "seq", records[-1][0])
+        self._db.executemany("INSERT INTO units (unit, data) VALUES (?, ?)",
+                             [(unit.id, group.payload) for unit, group in zip(units, groups)])
 
     def _set_meta(self, name: str, value: str) -> None:
         self._db.execute("INSERT INTO meta (name, value) VALUES (?, ?) "
                          "ON CONFLICT (name) DO UPDATE SET value = excluded.value", (name, value))
 
-    def _log_filtered(self, groups: list[tuple[str, int, int, int, bytes]]) -> None:
-        """Keep ``groups`` (key, group id, size, version, payload) in the filtered log, the newest
-        ``max_filtered_groups`` of it; call inside ``self._db.transaction()``."""
+    def _log_filtered(self, groups: Sequence[AppendedGroup]) -> None:
+        """Keep ``groups`` in the filtered log, the newest ``max_filtered_groups`` of it; call inside
+        ``self._db.transaction()``."""
         now = self._clock()
         self._db.executemany("INSERT INTO filtered (key, group_id, group_size, policy_version_start, filtered_at, "
-                             "data) VALUES (?, ?, ?, ?, ?, ?)", [(*group[:4], now, group[4]) for group in groups])
+                             "data) VALUES (?, ?, ?, ?, ?, ?)",
+                             [(group.key, group.group_id, len(group.rows), group.version, now, group.payload)
+                              for group in groups])
         self._db.execute("DELETE FROM filtered WHERE seq <= (SELECT max(seq) FROM filtered) - ?",
                          (self._max_filtered_groups,))
 
-    def _stored_before(self, keys: Sequence[str]) -> list[bool | None]:
-        """For each key: None if it is not among the remembered deduplication keys, else whether its
-        group was stored as filtered."""
-        if not keys:
-            return []
+    def _find_stored(self, groups: Sequence[AppendedGroup]) -> None:
+        """Set ``stored_before`` of each group whose key is among the remembered deduplication keys."""
+        keys = list(dict.fromkeys(group.key for group in groups if group.key))
         stored: dict[str, bool] = {}
-        for chunk in chunks(list(dict.fromkeys(keys))):
+        for chunk in chunks(keys):
             stored.update((key, bool(filtered)) for key, filtered in self._db.execute(
                 f"SELECT key, filtered FROM idempotency_keys WHERE key IN ({','.join('?' * len(chunk))})", chunk))
-        return [stored.get(key) for key in keys]
+        for group in groups:
+            group.stored_before = stored.get(group.key)
 
-    def _remember_keys(self, keys: Sequence[str], units: Sequence[Sequence[int]],
-                       filtered: Sequence[bool]) -> None:
-        """Record the keys of the stored groups (``keys[i]`` covers ``units[i]``, filtered or not); call
-        inside ``self._db.transaction()``."""
+    def _remember_keys(self, groups: Sequence[AppendedGroup]) -> None:
+        """Record the keys of the stored groups (filtered or not; groups sharing the Append's one
+        idempotency key under it once); call inside ``self._db.transaction()``."""
         rows_per_key: dict[str, list[int]] = {}
-        for key, indices, was_filtered in zip(keys, units, filtered):
-            row = rows_per_key.setdefault(key, [0, int(was_filtered)])
-            row[0] += len(indices)
+        for group in groups:
+            if group.key:
+                rows_per_key.setdefault(group.key, [0, int(group.filtered)])[0] += len(group.rows)
+        if not rows_per_key:
+            return
         self._db.executemany("INSERT INTO idempotency_keys (key, appended, filtered) VALUES (?, ?, ?)",
                              [(key, appended, was_filtered) for key, (appended, was_filtered) in rows_per_key.items()])
         # Bounded dedup window: forget the oldest keys (rowid order = insertion order).
@@ -310,21 +318,20 @@ class TrajectoryStore:
                 raise InvalidArgument(mismatch)
         return schema
 
-    def _new_units(self, units: Sequence[Sequence[int]], group_ids: Sequence[int], versions: Sequence[int],
-                   payloads: Sequence[bytes]) -> tuple[list[Unit], list[tuple], int]:
-        """The groups ``units`` (row indices; ``payloads``: one per group) as index entries and the
-        trajectories table's records, numbered from the next seq, and their payloads' size."""
+    def _new_units(self, groups: Sequence[AppendedGroup]) -> tuple[list[Unit], list[tuple]]:
+        """``groups`` (their payloads made) as index entries and the trajectories table's records,
+        numbered from the next seq."""
         next_seq = self._next_seq()
-        new_units: list[Unit] = []
+        units: list[Unit] = []
         records = []
-        for indices, payload in zip(units, payloads):
-            unit = Unit(next_seq, group_ids[indices[0]], len(indices), min(versions[i] for i in indices))
-            for position, i in enumerate(indices):
-                unit.ready.append(Row(next_seq, unit.id, versions[i], 0, share(len(payload), unit.size, position)))
-                records.append((next_seq, unit.id, unit.group_id, unit.size, versions[i], b""))
+        for group in groups:
+            unit = Unit(next_seq, group.group_id, len(group.rows), group.version)
+            for position, version in enumerate(group.versions):
+                unit.ready.append(Row(next_seq, unit.id, version, 0, share(len(group.payload), unit.size, position)))
+                records.append((next_seq, unit.id, unit.group_id, unit.size, version, b""))
                 next_seq += 1
-            new_units.append(unit)
-        return new_units, records, sum(map(len, payloads))
+            units.append(unit)
+        return units, records
 
     def _next_seq(self) -> int:
         return self._last_seq + 1
