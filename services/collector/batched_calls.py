@@ -94,7 +94,7 @@ def append_request(groups: Sequence[tuple[str, tensor_pb2.TensorDict, bool]],
     if len(groups) == 1:
         request.trajectories.CopyFrom(groups[0][1])
     else:
-        request.trajectories.CopyFrom(concat_tensordicts([rows for _, rows, _ in groups]))
+        concat_tensordicts([rows for _, rows, _ in groups], out=request.trajectories)
     return request
 
 

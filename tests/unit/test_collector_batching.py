@@ -159,6 +159,15 @@ def test_tensordicts_concatenate_and_split_back_row_for_row():
     assert list(append_request([("p#1", a, False), ("q#2", b, True)], 0).filtered_groups) == [False, True]
 
 
+def test_tensordicts_that_do_not_share_a_schema_are_not_concatenated():
+    first = encode_tensordict({"score": torch.randn(2), "x": torch.zeros(2)}, batch_size=[2])
+    missing = encode_tensordict({"score": torch.randn(1)}, batch_size=[1])
+    other_kind = encode_tensordict({"score": torch.randn(1), "x": Ragged.from_list([torch.zeros(2)])}, batch_size=[1])
+    for second in (missing, other_kind):
+        with pytest.raises(ValueError, match=r"entries\[x\]: rows to concatenate do not share a schema"):
+            concat_tensordicts([first, second])
+
+
 # --- reward requests merged and answers split, against the reward service's engine ------------------------
 def _reward_request(group_id: int, lengths: list[int], answer: str,
                     environment_rewards: list[float] = ()) -> reward_pb2.ComputeRewardsRequest:
