@@ -134,6 +134,9 @@ class TrajectoryBuffer:
         self._store: TrajectoryStore | None = None
         self._changed = asyncio.Event()  # replaced on every notify: waiters hold the old one
         self._lease_added = asyncio.Event()
+        self._expiry_wakes_at: float | None = None
+        """When lease expiry next looks (``time.time()``; inf: when a lease is added), None while it
+        looks: only a lease expiring before then need wake it (``_lease_added``)."""
         self._reader_ids = itertools.count(1)
         self._expiry: asyncio.Task | None = None
         self.traces = GroupTraces()
@@ -280,7 +283,8 @@ class TrajectoryBuffer:
                 if delivery is not None:
                     self.traces.leased(delivery.lease_id, delivery.batch, started, owner)
                     leases.add(delivery.lease_id)
-                    self._lease_added.set()
+                    if self._expiry_wakes_at is None or delivery.expires_at < self._expiry_wakes_at:
+                        self._lease_added.set()  # else it looks in time anyway: no call on the store thread
                     return delivery
             await changed.wait()
 
@@ -317,7 +321,9 @@ class TrajectoryBuffer:
         # An error ends it: leased batches would never be redelivered, so the service fails (``spawn``).
         while True:
             self._lease_added.clear()  # before expire(): a lease added meanwhile re-arms us
+            self._expiry_wakes_at = None
             expired, next_expiry = await self._call(TrajectoryStore.expire)
+            self._expiry_wakes_at = math.inf if next_expiry is None else next_expiry
             if expired:
                 self.traces.forget_leases([lease_id for lease_id, _ in expired])
                 log.info("leases expired", extra={"leases": [lease_id for lease_id, _ in expired]})

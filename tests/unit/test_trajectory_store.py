@@ -710,6 +710,32 @@ async def test_a_stream_ending_or_a_lease_expiring_redelivers(buffer):
     assert (await buffer.stats()).redelivered_batches == 2
 
 
+async def test_lease_expiry_looks_again_only_for_a_lease_that_expires_before_it_would_look(buffer, monkeypatch):
+    looks = []
+    expire = TrajectoryStore.expire
+    monkeypatch.setattr(TrajectoryStore, "expire", lambda store: looks.append(1) or expire(store))
+    await buffer.append(make_trajectories(groups(0, 6, 2)))  # three batches of 4
+    streams = []
+
+    async def lease(seconds: float):
+        streams.append(buffer.stream(ReaderOptions(batch_size=4, lease_seconds=seconds), Commands()))
+        delivery = await asyncio.wait_for(anext(streams[-1]), WAIT)
+        await asyncio.sleep(0.2)  # the expiry task looks, if it does, and waits again
+        return delivery
+
+    await lease(60)
+    assert len(looks) == 1  # it had no lease to wait for
+    await lease(60)  # expires after the first one: looked at in time anyway, no call on the store thread
+    assert len(looks) == 1
+    short = await lease(2.0)  # expires before the first one: it must look earlier
+    assert len(looks) == 2
+    other = buffer.stream(ReaderOptions(batch_size=4, lease_seconds=60), Commands())
+    again = await asyncio.wait_for(anext(other), WAIT)  # the short lease expired in time
+    assert again.redelivered and trajectory_ids(again.batch) == trajectory_ids(short.batch)
+    for stream in (*streams, other):
+        await stream.aclose()
+
+
 async def test_every_command_is_answered_in_order_even_at_half_close(buffer):
     await buffer.append(make_trajectories(groups(0, 4, 2)))
     commands = Commands()
