@@ -138,28 +138,37 @@ class SampleLog:
             return
         columns = _columns(msg)
         now = self._clock()
+        placed = [(group, rows, int(columns["version_start"][rows].min())) for group, rows in
+                  ((group, list(group.rows)) for group in groups)]
+        by_version: dict[int, list[tuple[NewGroup, list[int]]]] = {}
+        for group, rows, version in placed:
+            by_version.setdefault(version, []).append((group, rows))
+        staleness = {version: max(committed_version - version, 0) if committed_version is not None else -1
+                     for version in by_version}
+        # One upsert per version, not per group; copies then in the Append's order, while there is room.
+        room = {version: self._groups_per_version - self._count(version, members, columns, staleness[version])
+                for version, members in by_version.items()}
         copied = False
-        for group in groups:
-            rows = list(group.rows)
-            version = int(columns["version_start"][rows].min())
-            staleness = max(committed_version - version, 0) if committed_version is not None else -1
-            logged = self._count(version, rows, columns, group.filtered, staleness)
-            if logged < self._groups_per_version:
-                self._copy(group, version, rows, columns, staleness, now)
+        for group, rows, version in placed:
+            if room[version] > 0:
+                room[version] -= 1
+                self._copy(group, version, rows, columns, staleness[version], now)
                 copied = True
         if copied and self._max_groups > 0:
             oldest_kept = "(SELECT max(seq) FROM sample_groups) - ?"
             self._db.execute(f"DELETE FROM samples WHERE sample_group <= {oldest_kept}", (self._max_groups,))
             self._db.execute(f"DELETE FROM sample_groups WHERE seq <= {oldest_kept}", (self._max_groups,))
 
-    def _count(self, version: int, rows: list[int], columns: dict, filtered: bool, staleness: int) -> int:
-        """Add the group to its version's counts; return how many groups of the version were logged before."""
+    def _count(self, version: int, members: list[tuple[NewGroup, list[int]]], columns: dict, staleness: int) -> int:
+        """Add the groups ``members`` (of ``version``: each with its rows) to the version's counts; return
+        how many groups of the version were logged before."""
+        rows = [row for _, group_rows in members for row in group_rows]
         scores = _finite(columns["score"][rows])
         kls = _finite(columns["kl_mean"][rows])
-        known = staleness >= 0
+        known, groups = staleness >= 0, len(members)
         return self._db.execute(
-            "INSERT INTO version_stats AS v VALUES (?, 1, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?) "
-            "ON CONFLICT (version) DO UPDATE SET groups = v.groups + 1, "
+            "INSERT INTO version_stats AS v VALUES (?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (version) DO UPDATE SET groups = v.groups + excluded.groups, "
             "trajectories = v.trajectories + excluded.trajectories, "
             "filtered_groups = v.filtered_groups + excluded.filtered_groups, "
             "score_sum = v.score_sum + excluded.score_sum, score_count = v.score_count + excluded.score_count, "
@@ -169,9 +178,9 @@ class SampleLog:
             "staleness_count = v.staleness_count + excluded.staleness_count, "
             "staleness_max = CASE WHEN excluded.staleness_max > v.staleness_max THEN excluded.staleness_max "
             "ELSE v.staleness_max END RETURNING logged_groups",
-            (version, len(rows), int(filtered), float(scores.sum()), len(scores), float(kls.sum()), len(kls),
-             int(columns["response_tokens"][rows].sum()), staleness if known else 0, int(known),
-             staleness if known else -1)).fetchone()[0]
+            (version, groups, len(rows), sum(group.filtered for group, _ in members), float(scores.sum()), len(scores),
+             float(kls.sum()), len(kls), int(columns["response_tokens"][rows].sum()),
+             staleness * groups if known else 0, groups * int(known), staleness if known else -1)).fetchone()[0]
 
     def _copy(self, group: NewGroup, version: int, rows: list[int], columns: dict, staleness: int,
               now: float) -> None:

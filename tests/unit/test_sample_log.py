@@ -9,6 +9,7 @@ import pytest
 from rlfleet.services.common.errors import InvalidArgument, NotFound
 from rlfleet.services.trajectory.store import TrajectoryStore
 from rlfleet.wire import decode_tensordict
+from rlfleet.wire.rows import concat_tensordicts
 from tests.trajectories import check_rows, groups, make_trajectories, trajectory_ids
 
 
@@ -41,6 +42,21 @@ def test_version_stats_count_every_group_and_means_come_from_its_rows(tmp_path):
     assert (v4.groups, v4.filtered_groups, v4.mean_score) == (1, 1, pytest.approx(4.5))
     assert (v4.mean_staleness, v4.max_staleness) == (1.0, 1)
     assert math.isnan(v3.mean_kl)  # no kl_mean column: no mean, not a zero
+    store.close()
+
+
+def test_an_append_of_groups_of_several_versions_counts_each_and_copies_in_its_own_order(tmp_path):
+    store = open_store(tmp_path / "t.db", sample_groups_per_version=2)
+    versions = (0, 1, 0, 0)  # one call: the collector appends the groups that queued together
+    store.append(concat_tensordicts([make_trajectories([group, group], first_id=2 * group, policy_version=version)
+                                     for group, version in enumerate(versions)]),
+                 group_keys=["a", "b", "c", "d"], committed_version=1)
+    v0, v1 = store.samples.version_stats()
+    assert (v0.version, v0.groups, v0.trajectories, v1.version, v1.groups, v1.trajectories) == (0, 3, 6, 1, 1, 2)
+    assert v0.mean_score == pytest.approx((0 + 1 + 4 + 5 + 6 + 7) / 6)
+    assert (v0.mean_staleness, v0.max_staleness, v1.mean_staleness, v1.max_staleness) == (1.0, 1, 0.0, 0)
+    # Copied: version 0's first two groups and version 1's, in the Append's order (listed newest first).
+    assert [s.trajectory_id for s in store.samples.list().samples] == [f"traj-{i}" for i in range(5, -1, -1)]
     store.close()
 
 
