@@ -174,19 +174,7 @@ def group_message(*, group: GroupSamples, ref_log_probs: tensor_pb2.RaggedTensor
     encode_ragged(group.prompts, out=tokens.entries["prompt"].ragged)
     tokens.entries["response"].ragged.CopyFrom(group.responses_message)
     tokens.entries["full"].ragged.CopyFrom(group.full_message)
-    masks = _nested(entries["masks"], n)
-    prompt_lengths, response_lengths = group.prompts.lengths.tolist(), group.responses.lengths.tolist()
-    total = sum(prompt_lengths) + sum(response_lengths)
-    _ragged_column(masks.entries["all_attention_mask"], numpy.ones(total, dtype=numpy.bool_), torch.bool,
-                   group.full.lengths)
-    assistant = numpy.zeros(total, dtype=numpy.bool_)
-    sampled = None if group.response_mask is None else group.response_mask.values.numpy()
-    start, at = 0, 0
-    for prompt_length, response_length in zip(prompt_lengths, response_lengths):
-        begin = start + prompt_length
-        assistant[begin:begin + response_length] = True if sampled is None else sampled[at:at + response_length]
-        start, at = begin + response_length, at + response_length
-    _ragged_column(masks.entries["all_assistant_mask"], assistant, torch.bool, group.full.lengths)
+    _masks(_nested(entries["masks"], n), group)
     _nested(entries["log_probs"], n).entries["response"].ragged.CopyFrom(group.behavior_message)
     _nested(entries["ref_log_probs"], n).entries["response"].ragged.CopyFrom(_float32(ref_log_probs))
     entries["kl"].ragged.CopyFrom(rewards.kl)
@@ -208,6 +196,23 @@ def group_message(*, group: GroupSamples, ref_log_probs: tensor_pb2.RaggedTensor
     entries["reward_fn"].strings.values[:] = [task.reward_fn] * n
     entries["ground_truth"].strings.values[:] = [task.ground_truth] * n
     return msg
+
+
+def _masks(masks: tensor_pb2.TensorDict, group: GroupSamples) -> None:
+    """Over each full sequence: attention (every token) and the assistant's (the sampled tokens: the whole
+    response, or in an episode the response mask's)."""
+    prompt_lengths, response_lengths = group.prompts.lengths.tolist(), group.responses.lengths.tolist()
+    total = sum(prompt_lengths) + sum(response_lengths)
+    _ragged_column(masks.entries["all_attention_mask"], numpy.ones(total, dtype=numpy.bool_), torch.bool,
+                   group.full.lengths)
+    assistant = numpy.zeros(total, dtype=numpy.bool_)
+    sampled = None if group.response_mask is None else group.response_mask.values.numpy()
+    start, at = 0, 0
+    for prompt_length, response_length in zip(prompt_lengths, response_lengths):
+        begin = start + prompt_length
+        assistant[begin:begin + response_length] = True if sampled is None else sampled[at:at + response_length]
+        start, at = begin + response_length, at + response_length
+    _ragged_column(masks.entries["all_assistant_mask"], assistant, torch.bool, group.full.lengths)
 
 
 def _column(entry: tensor_pb2.TensorDictValue, values, dtype: torch.dtype) -> None:
