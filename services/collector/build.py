@@ -30,7 +30,7 @@ from rlfleet.services.collector.fanout import WeightFanout
 from rlfleet.services.collector.filtering import FilterRule
 from rlfleet.services.collector.ledger import PromptLedger
 from rlfleet.services.collector.mismatch import MismatchBreaker
-from rlfleet.services.collector.replicas import ReplicaPool
+from rlfleet.services.collector.replicas import ReplicaPool, ReplicaRun
 from rlfleet.services.collector.rolling import RollingSettings
 from rlfleet.services.collector.rollout import Pipeline, PipelineOptions
 from rlfleet.services.collector.run import Run
@@ -80,9 +80,10 @@ def build(config: CollectorConfig, *, supervise: Callable[[Coroutine, str], asyn
         state_dir.mkdir(parents=True, exist_ok=True)
     gate = VersionGate(groups_per_step=config.groups_per_step, max_staleness=config.max_staleness,
                        sync=config.mode == "sync")
-    pool = ReplicaPool(settings)
     ledger, source = durable_state(config, state_dir, on_lost)
     run = ledger.open_run()
+    pool = ReplicaPool(settings, ReplicaRun(run.run_id, config.share_weight) if config.shared_replicas
+                       else ReplicaRun())
     addresses = {"reference": config.reference_address, "reward": config.reward_address,
                  "trajectory": config.trajectory_address}
     if config.environment_address:

@@ -113,6 +113,16 @@ class CollectorConfig(ServiceConfig, UpstreamConfig):
     mismatch_horizon: int = Field(8, ge=1)
     """Reports a lag's measured KL is kept after it was last measured (``mismatch_kl_target``)."""
 
+    shared_replicas: bool = False
+    """The generation replicas are shared with other runs (docs/concepts/many-runs.md): this collector's
+    run is a named run on them (its run id), sampling on their base weights with its own LoRA adapter at its
+    own versions, so the trainer pushes adapters only (a full push is refused with FAILED_PRECONDITION).
+    A run started fresh starts at its own version 0, whatever the replicas served other runs. The
+    replicas need ``max_runs`` (and ``max_lora_rank``)."""
+    share_weight: float = Field(1.0, gt=0, le=1000)
+    """With ``shared_replicas``: the run's weight in each replica's fair share of its batch (the other runs'
+    weights are theirs; a run with nothing to generate leaves its share to the others)."""
+
     swap_mode: Literal["", SwapModeName] = ""
     """What every push does to the requests in flight on the replicas, for the whole run: ``wait`` (they
     finish on the old weights first), ``abort`` (thrown away, their prompts generated again), ``keep``

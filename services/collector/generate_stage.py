@@ -95,7 +95,8 @@ class GenerateStage:
 
     def _request(self, item: PromptItem, group_id: int) -> generation_pb2.GenerateRequest:
         sampling = sampling_fields(self.sampling, item.sampling, self.group_size)
-        request = generation_pb2.GenerateRequest(request_id=f"{group_id:x}",
+        request = generation_pb2.GenerateRequest(request_id=f"{group_id:x}", run_id=self.pool.run.run_id,
+                                                 share_weight=self.pool.run.share_weight,
                                                  sampling=sampling_pb2.SamplingParams(**sampling))
         if item.token_ids is not None:
             encode_tensor(torch.tensor(item.token_ids, dtype=torch.int64), out=request.prompt.token_ids)
@@ -201,7 +202,8 @@ class GenerateStage:
             sampling = sampling_pb2.SamplingParams(**{**fields, "max_tokens": min(max_tokens, room), "n": n})
             for _ in range(self.generation_attempts):
                 request = generation_pb2.GenerateRequest(request_id=f"{group_id:x}-{index}-{next(requests)}",
-                                                         sampling=sampling)
+                                                         run_id=self.pool.run.run_id,
+                                                         share_weight=self.pool.run.share_weight, sampling=sampling)
                 encode_tensor(history, out=request.prompt.token_ids)
                 async with slot.held():
                     with tracing.span("generate", {"rlfleet.episode": index, "rlfleet.samples": n}):

@@ -66,11 +66,29 @@ class VersionRetired(Exception):
     """No replica in rotation serves the version a request is pinned to any more."""
 
 
+@dataclass(frozen=True)
+class ReplicaRun:
+    """Which run this collector's calls are on the replicas (``GenerateRequest.run_id``,
+    ``WeightManifest.run_id``) and its weight in their fair share: the replica's own run ("") unless the
+    replicas are shared between runs (``shared_replicas``)."""
+
+    run_id: str = ""
+    share_weight: float = 0.0
+
+    def version(self, status: generation_pb2.GetEngineStatusResponse) -> int:
+        """The run's version a replica serves (a named run it does not serve yet: 0, the base weights)."""
+        if not self.run_id:
+            return status.policy_version
+        return next((run.policy_version for run in status.runs if run.run_id == self.run_id), 0)
+
+
 class ReplicaPool:
     """The set of generation replicas this collector drives."""
 
-    def __init__(self, settings: ChannelSettings):
+    def __init__(self, settings: ChannelSettings, run: ReplicaRun = ReplicaRun()):
         self.settings = settings
+        self.run = run
+        """This collector's run on the replicas: what its requests, pushes and probes name."""
         self.replicas: list[Replica] = []
         self._changed = asyncio.Condition()
         self._closing = BackgroundTasks()
@@ -231,7 +249,7 @@ class ReplicaPool:
                 generation_pb2.GetEngineStatusRequest(), timeout=timeout, metadata=self.settings.metadata())
             replica.transfer_world_size = status.weight_transfer_world_size
             replica.max_push_bytes = status.max_push_bytes
-            return status.policy_version
+            return self.run.version(status)
         except grpc.RpcError:
             return None
         except asyncio.CancelledError:

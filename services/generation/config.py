@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlfleet.choices import MODEL_DTYPE_NAMES
 from rlfleet.services.common.config import ServiceConfig
@@ -133,6 +133,12 @@ class GenerationEngineConfig(BaseModel):
     """With ``max_lora_rank``: adapter versions vLLM may run in one batch. At least 2, so requests that
     started on the previous adapter finish on it while new ones run on the pushed one."""
 
+    max_runs: int = Field(0, ge=0, le=64)
+    """With ``max_lora_rank``: named runs this replica serves at once (``GenerateRequest.run_id``), each
+    on the base weights with its own LoRA adapter (docs/concepts/many-runs.md). vLLM then runs up to
+    ``max_runs + max_loras`` adapters in one batch, so that every run's current adapter fits with older
+    versions requests still finish on. 0: the replica serves its own run only."""
+
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments passed verbatim to ``vllm.AsyncEngineArgs``
     (e.g. ``tensor_parallel_size``, ``gpu_memory_utilization``). They override
@@ -145,6 +151,12 @@ class GenerationEngineConfig(BaseModel):
         if rank is not None and rank not in MAX_LORA_RANKS:
             raise ValueError(f"max_lora_rank must be one of {list(MAX_LORA_RANKS)} (vLLM's), got {rank}")
         return rank
+
+    @model_validator(mode="after")
+    def _runs_need_lora(self) -> "GenerationEngineConfig":
+        if self.max_runs and self.max_lora_rank is None:
+            raise ValueError("max_runs needs max_lora_rank: the runs sharing a replica are LoRA adapters")
+        return self
 
     @field_validator("engine_kwargs")
     @classmethod

@@ -12,6 +12,7 @@ when a request names one it evicted). A full or delta push drops the current ada
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import shutil
 import tempfile
@@ -39,7 +40,8 @@ class ServedAdapter:
 @dataclass
 class AdapterSet:
     current: ServedAdapter | None = None
-    _serial: int = 0
+    serials: itertools.count = field(default_factory=lambda: itertools.count(1))
+    """Where each adapter's serial comes from (vLLM's id and name): the replica's, shared by every run's set."""
     _root: Path | None = None
     _retiring: set[ServedAdapter] = field(default_factory=set)
     _tasks: BackgroundTasks = field(default_factory=BackgroundTasks)
@@ -49,10 +51,10 @@ class AdapterSet:
         """Write an adapter push's directory and add it to vLLM; not current yet (``switch``)."""
         if self._root is None:
             self._root = Path(tempfile.mkdtemp(prefix="rlfleet-lora-", dir=shm.SHM_DIR))
-        self._serial += 1
-        directory = self._root / f"v{version}-{self._serial}"
+        serial = next(self.serials)
+        directory = self._root / f"v{version}-{serial}"
         await asyncio.to_thread(write_adapter_dir, directory, names, dtypes, shapes, buffer, config)
-        adapter = ServedAdapter(version, lora_request(version, directory, self._serial), directory)
+        adapter = ServedAdapter(version, lora_request(version, directory, serial), directory)
         try:
             await engine.add_lora(adapter.request)
         except BaseException:
@@ -94,6 +96,20 @@ class AdapterSet:
     async def discard(self, adapter: ServedAdapter, engine) -> None:
         """An adapter loaded but never made current (its swap failed)."""
         await self._remove(engine, adapter)
+
+    def drop(self, engine) -> None:
+        """The set's run ended and no request uses its adapters: each leaves vLLM, then the set's directory."""
+        adapters = [adapter for adapter in (self.current, *self._retiring) if adapter is not None]
+        self.current = None
+        self._retiring.clear()
+        self._tasks.start(self._drop(engine, adapters), "drop-adapters")
+
+    async def _drop(self, engine, adapters: list[ServedAdapter]) -> None:
+        for adapter in adapters:
+            await self._remove(engine, adapter)
+        root, self._root = self._root, None
+        if root is not None:
+            await asyncio.to_thread(shutil.rmtree, root, True)
 
     @property
     def directory(self) -> Path | None:

@@ -66,7 +66,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         template = generation_pb2.GenerateResponse(request_id=request_id, sampling=sampling_to_proto(spec))
         encode_values(prompt_ids, torch.int64, template.prompt_token_ids)
         required = request.policy_version if request.HasField("policy_version") else None
-        async for sample in self.engine.generate(prompt_ids, spec, request_id, required):
+        async for sample in self.engine.generate(prompt_ids, spec, request_id, required, run_id=request.run_id,
+                                                 share_weight=request.share_weight):
             yield _sample_to_proto(sample, template)
 
     async def UpdateWeights(self, request_iterator, context):
@@ -88,10 +89,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     receive_seconds=received - started, phase=weights_pb2.WEIGHT_PHASE_STAGED)
                 await receiver.commit(staged.version)
             committed = time.monotonic()
-            aborted = self.engine.status().requests_in_flight if staged.mode == "abort" else 0
+            run = self.engine.weights.runs.get(staged.manifest.run_id) if staged.manifest.run_id else None
+            in_flight = self.engine.status().requests_in_flight if run is None else run.calls
+            aborted = in_flight if staged.mode == "abort" else 0
             await self.engine.weights.apply(staged)
             yield generation_pb2.UpdateWeightsResponse(
-                version=self.engine.policy_version, received_bytes=staged.push.received,
+                version=self.engine.policy_version if run is None else run.version, received_bytes=staged.push.received,
                 receive_seconds=received - started, apply_seconds=time.monotonic() - committed,
                 aborted_requests=aborted, phase=weights_pb2.WEIGHT_PHASE_APPLIED,
                 engine_weight_version=await self.engine.weights.vllm_version())
@@ -110,7 +113,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             weight_transfer_world_size=self.engine.weights.transfer_world_size,
             max_push_bytes=self.engine.weights.max_push_bytes,
             resumed_samples=status.resumed_samples, resumed_tokens=status.resumed_tokens,
+            runs=[generation_pb2.ServedRun(run_id=run.run_id, policy_version=run.policy_version,
+                                           requests_in_flight=run.requests_in_flight,
+                                           requests_waiting=run.requests_waiting,
+                                           generated_tokens=run.generated_tokens) for run in status.runs],
+            max_runs=status.max_runs,
         )
+
+    async def EndRun(self, request, context):
+        self.service.check_working()
+        if not request.run_id:
+            raise InvalidArgument("run_id is empty: the replica's own run does not end here")
+        return generation_pb2.EndRunResponse(requests_in_flight=self.engine.end_run(request.run_id))
 
 
 def _sample_to_proto(sample: SampleResult, template: generation_pb2.GenerateResponse) -> generation_pb2.GenerateResponse:

@@ -122,6 +122,21 @@ class EngineStatus:
     """Samples continued as a new vLLM request after a ``resume`` swap (a sample resumed twice counts twice)."""
     resumed_tokens: int = 0
     """Sampled tokens those continuations carried over (re-prefilled, not thrown away)."""
+    runs: tuple[RunStatus, ...] = ()
+    """The named runs sharing the replica."""
+    max_runs: int = 0
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """A named run on the replica (``served_runs``)."""
+
+    run_id: str
+    policy_version: int
+    requests_in_flight: int
+    requests_waiting: int
+    """Calls waiting for the run's fair share of the batch."""
+    generated_tokens: int
 
 
 class TokenRate:

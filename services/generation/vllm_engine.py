@@ -20,12 +20,14 @@ from rlfleet.services.common.errors import Aborted, FailedPrecondition, InvalidA
 from rlfleet.services.common.sampling_spec import SamplingSpec
 from rlfleet.services.generation import queue_poll
 from rlfleet.services.generation.config import GenerationEngineConfig
+from rlfleet.services.generation.fair_share import MAX_SHARE_WEIGHT, FairShare
 from rlfleet.services.generation.prompt_tokens import PromptTokenizer
 from rlfleet.services.generation.push_validation import read_checkpoint_specs
 from rlfleet.services.generation.rollout import Rollout
 from rlfleet.services.generation.sampling import SampleResult
 from rlfleet.services.generation.served_adapters import ServedAdapter
-from rlfleet.services.generation.status import EngineState, EngineStatus, ReplicaState, TokenRate
+from rlfleet.services.generation.served_runs import ServedRun
+from rlfleet.services.generation.status import EngineState, EngineStatus, ReplicaState, RunStatus, TokenRate
 from rlfleet.services.generation.transfer import WEIGHT_TRANSFER_CONFIG
 from rlfleet.services.generation.weight_swaps import WeightSwaps
 
@@ -79,6 +81,8 @@ class GenerationEngine:
         self._token_rate = TokenRate(config.tokens_per_second_window_s)
         self._resumed_samples = 0
         self._resumed_tokens = 0
+        self.share = FairShare(config.engine_kwargs.get("max_num_seqs", config.max_num_seqs))
+        """The batch's sequences, shared between the runs' calls by weight (``fair_share``)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -180,8 +184,10 @@ class GenerationEngine:
             kwargs["block_size"] = cfg.block_size
         if cfg.max_lora_rank is not None:
             # Adapter versions: max_loras in a batch; two more cached on the CPU for the pinned ones.
-            kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=cfg.max_loras,
-                          max_cpu_loras=cfg.max_loras + 2)
+            # Named runs: each one's current adapter besides those.
+            max_loras = cfg.max_loras + cfg.max_runs
+            kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=max_loras,
+                          max_cpu_loras=max_loras + 2)
         kwargs.update(cfg.engine_kwargs)
         # Owned keys last: behaviour log-probs must be those of the sampling
         # distribution, and weight pushes go through rlfleet's transfer engine.
@@ -299,13 +305,17 @@ class GenerationEngine:
 
     async def generate(
         self, prompt_token_ids: Sequence[int], sampling: SamplingSpec, request_id: str,
-        required_version: int | None = None,
+        required_version: int | None = None, run_id: str = "", share_weight: float = 0.0,
     ) -> AsyncIterator[SampleResult]:
         """Sample ``sampling.n`` responses; yield each one as soon as it finishes.
 
         ``required_version`` (a rolling update's pin; None: any): Aborted unless this replica serves
         it when the request starts, and a swap while it runs ends its samples with "abort" (never
         continued on other weights, whatever the swap's mode).
+
+        ``run_id`` (empty: the replica's own run) names the run whose policy samples: a named run samples
+        on the base weights with its own adapter, at its own versions (``served_runs``). The call then
+        waits for its run's fair share of the batch (``share_weight``, 0 meaning 1: ``fair_share``).
 
         Admission is checked at the first iteration: beyond
         ``max_queued_requests`` calls in flight it raises ResourceExhausted.
@@ -316,18 +326,29 @@ class GenerationEngine:
         """
         self.replica.require()
         self._validate_request(prompt_token_ids, sampling, request_id)
+        weight = _share_weight(share_weight)
         if self._requests_in_flight >= self.config.max_queued_requests:
             raise ResourceExhausted(
                 f"generation queue full ({self._requests_in_flight} requests in flight, "
                 f"max_queued_requests={self.config.max_queued_requests})"
             )
-        rollout = Rollout(self, prompt_token_ids, sampling, request_id, time.monotonic(), required_version)
+        run = self.weights.runs.take(run_id) if run_id else None
+        host = self if run is None else RunHost(self, run)
+        rollout = Rollout(host, prompt_token_ids, sampling, request_id, time.monotonic(), required_version)
         samples = rollout.samples()
         self._requests_in_flight += 1
         self.replica.version_bound_requests += required_version is not None
         self._request_ids_in_flight.add(request_id)
+        if run is not None:
+            run.calls += 1
+        computed = sampling.computed_samples
+        lease = None
         try:
+            lease = await self.share.acquire(run_id, weight, computed, computed * sampling.max_tokens)
+            yielded = 0
             async for sample in samples:
+                yielded += 1  # a finished sample's sequence goes back to the batch
+                lease.release(lease.held - (computed - yielded * computed // sampling.n))
                 yield sample
         except _vllm_validation_error() as err:
             # Everything vLLM checks is checked above; should a check be missed, the
@@ -335,11 +356,16 @@ class GenerationEngine:
             raise InvalidArgument(f"vLLM refused request {request_id}: {err}") from None
         finally:
             await samples.aclose()
+            if lease is not None:
+                lease.close()
             self._requests_in_flight -= 1
             self.replica.version_bound_requests -= required_version is not None
             self._request_ids_in_flight.discard(request_id)
             if rollout.running:
                 self._requests_running -= 1
+            if run is not None:
+                run.calls -= 1
+                self.weights.runs.release(run, self.replica.vllm)
 
     async def open_stream(self, prompt_token_ids: list[int], params: Any, request_id: str,
                           required_version: int | None = None) -> tuple[AsyncGenerator[Any, None], int, int | None]:
@@ -364,6 +390,43 @@ class GenerationEngine:
         stream = self._pinned(engine, engine.generate({"prompt_token_ids": prompt_token_ids}, params, request_id,
                                                       lora_request=adapter.request), adapter)
         return stream, swap_serial, adapter.version
+
+    async def open_run_stream(self, run: ServedRun, prompt_token_ids: list[int], params: Any, request_id: str,
+                              required_version: int | None = None) -> tuple[AsyncGenerator[Any, None], int, int]:
+        """``open_stream`` for a named run: on the run's adapter (none at its version 0: the base weights),
+        admitted once no push of the run (and no swap of the replica) holds admission, and pinned to the
+        run's version then."""
+        swap_serial = run.serial
+        await run.admission_open.wait()
+        await self.replica.admission_open.wait()
+        engine = self.replica.require()
+        if required_version is not None and required_version != run.version:
+            raise Aborted(f"request {request_id} is pinned to run {run.run_id}'s policy version {required_version}; "
+                          f"this replica serves the run's version {run.version}")
+        adapter = run.adapters.pin()
+        version = run.version if adapter is None else adapter.version
+        stream = self._run_stream(engine, run, adapter, request_id, prompt_token_ids, params)
+        return stream, swap_serial, version
+
+    async def _run_stream(self, engine: AsyncLLM, run: ServedRun, adapter: ServedAdapter | None, request_id: str,
+                          prompt_token_ids: list[int], params: Any) -> AsyncGenerator[Any, None]:
+        """A named run's vLLM request: counted as the run's (what its ``wait`` and ``abort`` pushes act on)
+        from its first read to its end, and as a user of ``adapter`` until then."""
+        run.opened(request_id)
+        stream = engine.generate({"prompt_token_ids": prompt_token_ids}, params, request_id,
+                                 lora_request=None if adapter is None else adapter.request)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()
+            run.closed(request_id)
+            if adapter is not None:
+                run.adapters.unpin(engine, adapter)
+
+    def end_run(self, run_id: str) -> int:
+        """``run_id`` ended (``served_runs.ServedRuns.end``): its calls still in flight."""
+        return self.weights.runs.end(run_id, self.replica.vllm).calls
 
     async def _pinned(self, engine: AsyncLLM, stream: AsyncGenerator[Any, None],
                       adapter: ServedAdapter) -> AsyncGenerator[Any, None]:
@@ -404,7 +467,46 @@ class GenerationEngine:
             tokens_per_second=self._token_rate.per_second(),
             resumed_samples=self._resumed_samples,
             resumed_tokens=self._resumed_tokens,
+            runs=tuple(RunStatus(run.run_id, run.version, run.calls, self.share.waiting_by_run.get(run.run_id, 0),
+                                 run.generated_tokens) for run in self.weights.runs),
+            max_runs=self.config.max_runs,
         )
+
+
+class RunHost:
+    """What a Rollout of a named run sees of the engine (``rollout.RolloutHost``): the run's version, its
+    streams (``open_run_stream``), its pushes' resumes, and its tokens counted."""
+
+    def __init__(self, engine: GenerationEngine, run: ServedRun) -> None:
+        self._engine = engine
+        self._run = run
+
+    @property
+    def policy_version(self) -> int:
+        return self._run.version
+
+    async def open_stream(self, prompt_token_ids: list[int], params: Any, request_id: str,
+                          required_version: int | None = None) -> tuple[AsyncGenerator[Any, None], int, int]:
+        return await self._engine.open_run_stream(self._run, prompt_token_ids, params, request_id, required_version)
+
+    def resumes(self, swap_serial: int) -> bool:
+        return self._run.resumes(swap_serial)
+
+    def count_tokens(self, num_tokens: int, now: float, first: bool) -> None:
+        self._run.generated_tokens += num_tokens
+        self._engine.count_tokens(num_tokens, now, first)
+
+    def count_resume(self, carried_tokens: int) -> None:
+        self._engine.count_resume(carried_tokens)
+
+
+def _share_weight(weight: float) -> float:
+    """A request's ``share_weight`` (0 means 1); InvalidArgument outside (0, MAX_SHARE_WEIGHT]."""
+    if weight == 0:
+        return 1.0
+    if not 0 < weight <= MAX_SHARE_WEIGHT:  # NaN fails both
+        raise InvalidArgument(f"share_weight is {weight}; it must be in (0, {MAX_SHARE_WEIGHT:g}] (0 means 1)")
+    return float(weight)
 
 
 def _vllm_validation_error() -> type[Exception]:

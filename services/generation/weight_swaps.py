@@ -22,6 +22,7 @@ from rlfleet.services.generation.config import GenerationEngineConfig
 from rlfleet.services.generation.kept_weights import WeightKeeper
 from rlfleet.services.generation.push_validation import TensorSpec, checkpoint_bytes
 from rlfleet.services.generation.served_adapters import AdapterSet
+from rlfleet.services.generation.served_runs import ServedRun, ServedRuns
 from rlfleet.services.generation.staging import StagedPush
 from rlfleet.services.generation.status import EngineState, ReplicaState
 from rlfleet.v1 import weights_pb2
@@ -42,7 +43,9 @@ class WeightSwaps:
         self.replica = replica
         self.checkpoint_specs: dict[str, TensorSpec] = {}
         """The served checkpoint's tensors, read at start: what a full push must match."""
-        self.adapters = AdapterSet()  # LoRA adapters served (max_lora_rank)
+        self.runs = ServedRuns(config.max_runs)
+        """The named runs sharing this replica, each with its adapters (``served_runs``)."""
+        self.adapters = AdapterSet(serials=self.runs.adapter_serials)  # the own run's adapters (max_lora_rank)
         self._kept = WeightKeeper(config.delta_pushes)  # the served weights, for delta pushes
         self._lock = asyncio.Lock()
         self.serial = 0
@@ -53,6 +56,7 @@ class WeightSwaps:
         """Let go of the kept weights and the adapters' directories (the engine is stopping)."""
         self._kept.drop()
         self.adapters.close()
+        self.runs.close()
 
     def resumes(self, swap_serial: int) -> bool:
         """Whether an abort of a vLLM request opened at ``swap_serial`` is a ``resume`` swap's (one
@@ -89,8 +93,10 @@ class WeightSwaps:
         touches the engine; the caller fills a grpc push's segment, then
         ``apply``s or ``close``s the staged push."""
         self.replica.takes_pushes()
-        if not manifest.resync:
-            self.replica.check_version(manifest.version)
+        if manifest.run_id:
+            self._check_run_push(manifest)
+        else:
+            self._check_own_push(manifest)
         check_manifest(manifest, "collector")
         kept = None
         if manifest.HasField("lora"):
@@ -99,6 +105,27 @@ class WeightSwaps:
             kept = self._delta_base(manifest)
         return StagedPush.begin(manifest, self.checkpoint_specs,
                                 self.max_push_bytes if max_bytes is None else max_bytes, kept)
+
+    def _check_run_push(self, manifest: weights_pb2.WeightManifest) -> None:
+        """A named run's push: an adapter (its base weights are the replica's, shared), newer than the run's
+        version (unless a re-sync)."""
+        if not manifest.HasField("lora"):
+            raise FailedPrecondition(f"run {manifest.run_id}: a push of a run sharing this replica must be a LoRA "
+                                     f"adapter push; a run that trains full weights gets replicas of its own")
+        self._check_adapter(manifest)
+        run = self.runs.take(manifest.run_id)
+        if not manifest.resync:
+            run.check_version(manifest.version)
+
+    def _check_own_push(self, manifest: weights_pb2.WeightManifest) -> None:
+        """The replica's own run: newer than its version (unless a re-sync); while named runs share the
+        replica, only an adapter push in ``keep`` mode (nothing of theirs changes or pauses)."""
+        if not manifest.resync:
+            self.replica.check_version(manifest.version)
+        if self.runs and not (manifest.HasField("lora") and manifest.mode == weights_pb2.UPDATE_MODE_KEEP):
+            raise FailedPrecondition(f"runs {', '.join(self.runs.names())} share this replica: a push of its own "
+                                     f"run may not replace the base weights their adapters sit on, nor pause "
+                                     f"them (only a keep-mode adapter push)")
 
     def _check_adapter(self, manifest: weights_pb2.WeightManifest) -> None:
         """FAILED_PRECONDITION for an adapter push this replica cannot serve (started without LoRA, or
@@ -173,6 +200,9 @@ class WeightSwaps:
         """
         engine = self.replica.takes_pushes()
         staged.push.finish()
+        if staged.manifest.run_id:
+            await self._apply_run_adapter(engine, staged, self.runs.take(staged.manifest.run_id))
+            return
         async with self._lock:
             if not staged.resync:
                 self.replica.check_version(staged.version)
@@ -240,6 +270,44 @@ class WeightSwaps:
             if self.adapters.current is not adapter:
                 await self.adapters.discard(adapter, engine)
             raise
+
+    async def _apply_run_adapter(self, engine: AsyncLLM, staged: StagedPush, run: ServedRun) -> None:
+        """A named run's adapter push: loaded, then made the run's current one; its mode acts on the run's
+        requests alone and vLLM is not paused (``served_runs``)."""
+        config, names = staged.adapter
+        async with run.lock:
+            if not staged.resync:
+                run.check_version(staged.version)
+            try:
+                adapter = await run.adapters.load(engine, staged.version, config, names, staged.push.dtypes,
+                                                  staged.push.shapes, staged.segment.buffer)
+            except (InvalidArgument, FailedPrecondition, WireError):
+                raise
+            except Exception as err:  # vLLM refused it: nothing changed, the run serves on
+                raise InvalidArgument(f"vLLM refused run {run.run_id}'s adapter of version {staged.version}: "
+                                      f"{err}") from None
+            await asyncio.shield(self._switch_run(engine, run, adapter, staged.mode))
+        logger.info("run %s serves adapter version %d (rank %d, %s)", run.run_id, staged.version, config.rank,
+                    staged.mode)
+
+    @staticmethod
+    async def _switch_run(engine: AsyncLLM, run: ServedRun, adapter, mode: SwapModeName) -> None:
+        if mode == "keep":
+            run.adapters.switch(engine, adapter)
+            run.version = adapter.version
+            return
+        run.admission_open.clear()
+        try:
+            run.serial += 1
+            run.mode = mode
+            if mode == "wait":
+                await run.drained()
+            else:  # abort; resume: the rollouts continue what was aborted once admission opens
+                await engine.abort(list(run.requests))
+            run.adapters.switch(engine, adapter)
+            run.version = adapter.version
+        finally:
+            run.admission_open.set()
 
     async def _patch_kept(self, staged: StagedPush) -> None:
         """A delta's commit: its bytes into the kept weights, which the swap then loads from."""

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from rlfleet.services.collector.admission import VersionGate
+from rlfleet.rpc.channel import ChannelSettings
 from rlfleet.services.collector.fanout import WeightFanout
+from rlfleet.services.collector.replicas import ReplicaPool, ReplicaRun
 from rlfleet.services.common.errors import Aborted, InvalidArgument, OutOfRange, ResourceExhausted, Unavailable
 from rlfleet.services.common.weight_stream import MAX_POLICY_VERSION, WeightPush
 from rlfleet.v1 import weights_pb2
@@ -97,7 +99,8 @@ def test_versions_stop_at_int64():
 
 
 async def test_the_collector_assigns_no_version_past_int64(tmp_path):
-    fanout = WeightFanout(pool=None, gate=VersionGate(version=MAX_POLICY_VERSION), spool_dir=tmp_path,
+    fanout = WeightFanout(pool=ReplicaPool(ChannelSettings()), gate=VersionGate(version=MAX_POLICY_VERSION),
+                          spool_dir=tmp_path,
                           max_push_bytes=1 << 30)
 
     async def push():
@@ -112,6 +115,7 @@ async def test_the_collector_assigns_no_version_past_int64(tmp_path):
 async def test_the_collector_takes_no_push_larger_than_its_smallest_replica_takes(tmp_path):
     class Pool:
         replicas = [type("R", (), {"max_push_bytes": b})() for b in (0, 10_000, 60)]  # 0: not reported yet
+        run = ReplicaRun()
 
     async def push():
         for kind, msg in iter_push_messages(STATE, version=0, chunk_bytes=16):

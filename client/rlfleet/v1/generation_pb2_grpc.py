@@ -50,6 +50,11 @@ class GenerationServiceStub:
                 request_serializer=rlfleet_dot_v1_dot_generation__pb2.GetEngineStatusRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_generation__pb2.GetEngineStatusResponse.FromString,
                 _registered_method=True)
+        self.EndRun = channel.unary_unary(
+                '/rlfleet.v1.GenerationService/EndRun',
+                request_serializer=rlfleet_dot_v1_dot_generation__pb2.EndRunRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_generation__pb2.EndRunResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -106,6 +111,17 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndRun(self, request, context):
+        """A run that shared this replica ended (its collector says so): the run's
+        slot is freed, its new requests are refused, and its adapters leave
+        vLLM once the requests still running on them end. Errors:
+        INVALID_ARGUMENT for an empty run_id (the replica's own run never ends
+        here); NOT_FOUND for a run this replica does not serve.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +139,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.GetEngineStatus,
                     request_deserializer=rlfleet_dot_v1_dot_generation__pb2.GetEngineStatusRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_generation__pb2.GetEngineStatusResponse.SerializeToString,
+            ),
+            'EndRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndRun,
+                    request_deserializer=rlfleet_dot_v1_dot_generation__pb2.EndRunRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_generation__pb2.EndRunResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -207,6 +228,33 @@ class GenerationService:
             '/rlfleet.v1.GenerationService/GetEngineStatus',
             rlfleet_dot_v1_dot_generation__pb2.GetEngineStatusRequest.SerializeToString,
             rlfleet_dot_v1_dot_generation__pb2.GetEngineStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.GenerationService/EndRun',
+            rlfleet_dot_v1_dot_generation__pb2.EndRunRequest.SerializeToString,
+            rlfleet_dot_v1_dot_generation__pb2.EndRunResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,8 +11,8 @@ version. Three things about a push combine, and not freely (``check_kind``):
 - its rollout (``manifest.strategy``): every replica at once, or rolling, a few at a time; an NCCL
   broadcast is one collective across every replica, so it cannot roll.
 
-Who may set what is ``check_manifest``'s, by the sender: the trainer never sets ``resync`` or
-``two_phase`` (the collector does), and may leave ``version`` 0 ("the next one"); the collector names
+Who may set what is ``check_manifest``'s, by the sender: the trainer never sets ``resync``,
+``two_phase`` or ``run_id`` (the collector does), and may leave ``version`` 0 ("the next one"); the collector names
 the version and each replica's NCCL rank. What depends on state (the committed version, what a replica
 keeps, its LoRA rank) is the receiver's. The services answer a ``WireError`` with INVALID_ARGUMENT; the
 SDK raises it before anything is sent.
@@ -59,6 +59,8 @@ def check_manifest(manifest: weights_pb2.WeightManifest, sender: Sender,
         if manifest.resync or manifest.two_phase:
             raise WireError("manifest.resync", "manifest.resync and manifest.two_phase are set by the collector, "
                                                "not the trainer")
+        if manifest.run_id:
+            raise WireError("manifest.run_id", "set by the collector (the run the trainer joined), not the trainer")
     elif manifest.version == 0:
         raise WireError("manifest.version", "must be set (> current version)")
     source = manifest.WhichOneof("source")

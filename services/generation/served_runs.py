@@ -1,0 +1,151 @@
+"""The runs that share a replica (``GenerateRequest.run_id``): each samples on the replica's base weights
+with its own LoRA adapter, at its own versions.
+
+A named run takes one of the replica's ``max_runs`` slots at its first request or push and keeps it until
+its collector ends it (``EndRun``). Its version starts at 0 (the base weights, no adapter). An adapter push
+of the run (``WeightManifest.run_id``) moves that run's version alone and acts on that run's requests
+alone, whatever its mode; vLLM is never paused for it, so no other run's requests wait:
+
+- ``keep``: new requests take the pushed adapter; those running finish on the one they were pinned to;
+- ``wait``: the run's new requests wait until its running ones end, then take the pushed adapter;
+- ``abort``: the run's running requests end with "abort"; ``resume``: they are continued on the pushed
+  adapter (``rollout.py``), as the replica's own run's are after a swap.
+
+The replica's own run (``run_id`` empty) is the one a replica always had; its full and delta pushes
+replace the base weights the named runs' adapters sit on, so they are refused while named runs share the
+replica (``WeightSwaps.stage``). Knows nothing of gRPC; errors are domain exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+from dataclasses import dataclass, field
+
+from rlfleet.choices import SwapModeName
+from rlfleet.services.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from rlfleet.services.generation.served_adapters import AdapterSet
+
+RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+"""What a run id on a replica may be: it names metrics and log lines."""
+
+
+@dataclass(eq=False)
+class ServedRun:
+    """One named run on this replica: its version, its adapters, and its requests."""
+
+    run_id: str
+    adapters: AdapterSet
+    version: int = 0
+    """The run's version new requests run on (0: the base weights)."""
+    admission_open: asyncio.Event = field(default_factory=asyncio.Event)
+    """Cleared while a ``wait``, ``abort`` or ``resume`` push of this run switches its adapter."""
+    serial: int = 0
+    mode: SwapModeName | None = None
+    """Pushes of this run applied so far, and the latest's mode: tells a resume push's aborts (``resumes``)."""
+    requests: set[str] = field(default_factory=set)
+    """vLLM request ids of this run in flight (what an ``abort`` push aborts)."""
+    calls: int = 0
+    """Generate calls of the run in flight."""
+    generated_tokens: int = 0
+    ended: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """One push of the run at a time."""
+    _drained: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.admission_open.set()
+        self._drained.set()
+
+    def resumes(self, swap_serial: int) -> bool:
+        """Whether an abort of a request opened at ``swap_serial`` is a ``resume`` push's (``WeightSwaps.resumes``)."""
+        return self.serial > swap_serial and self.mode == "resume"
+
+    def check_version(self, version: int) -> None:
+        if version <= self.version:
+            raise FailedPrecondition(f"run {self.run_id}: weights version {version} is not newer than its "
+                                     f"current {self.version}")
+
+    def opened(self, request_id: str) -> None:
+        self.requests.add(request_id)
+        self._drained.clear()
+
+    def closed(self, request_id: str) -> None:
+        self.requests.discard(request_id)
+        if not self.requests:
+            self._drained.set()
+
+    async def drained(self) -> None:
+        """Until none of the run's requests is in vLLM."""
+        await self._drained.wait()
+
+
+class ServedRuns:
+    """The named runs this replica serves, at most ``max_runs`` at once."""
+
+    def __init__(self, max_runs: int) -> None:
+        self.max_runs = max_runs
+        self._runs: dict[str, ServedRun] = {}
+        self.adapter_serials = itertools.count(1)
+        """Every adapter this replica loads, whatever its run, gets its own serial: vLLM's id and name."""
+
+    def __bool__(self) -> bool:
+        return bool(self._runs)
+
+    def __iter__(self):
+        return iter(list(self._runs.values()))
+
+    def names(self) -> list[str]:
+        return sorted(self._runs)
+
+    def take(self, run_id: str) -> ServedRun:
+        """The run ``run_id`` (INVALID_ARGUMENT for an id of another shape); a run served for the first time
+        takes a slot (RESOURCE_EXHAUSTED naming the runs that hold them when none is free)."""
+        run = self._runs.get(run_id)
+        if run is not None:
+            if run.ended:
+                raise FailedPrecondition(f"run {run_id} ended on this replica (EndRun)")
+            return run
+        if not RUN_ID.fullmatch(run_id):
+            raise InvalidArgument(f"run_id {run_id[:160]!r} is not a run id: 1 to 128 characters of "
+                                  f"[A-Za-z0-9._-]")
+        if self.max_runs == 0:
+            raise FailedPrecondition(f"run {run_id}: this replica serves no runs but its own (start it with "
+                                     f"max_runs and max_lora_rank to share it between runs)")
+        if len(self._runs) >= self.max_runs:
+            raise ResourceExhausted(f"run {run_id}: this replica serves max_runs={self.max_runs} runs at once "
+                                    f"({', '.join(self.names())}); it gets a slot when one of them ends (EndRun)")
+        run = self._runs[run_id] = ServedRun(run_id, AdapterSet(serials=self.adapter_serials))
+        return run
+
+    def get(self, run_id: str) -> ServedRun:
+        """A run this replica serves; NOT_FOUND otherwise."""
+        run = self._runs.get(run_id)
+        if run is None:
+            raise NotFound(f"run {run_id[:160]!r} is not served by this replica")
+        return run
+
+    def end(self, run_id: str, engine) -> ServedRun:
+        """``run_id`` ends here: new requests refused, its slot freed once its calls end (``release``)."""
+        run = self.get(run_id)
+        run.ended = True
+        run.admission_open.set()  # callers waiting on a push of it see it ended
+        self.release(run, engine)
+        return run
+
+    def release(self, run: ServedRun, engine) -> None:
+        """An ended run with no call left leaves: its adapters go (once unpinned) and its slot is free."""
+        if run.ended and run.calls == 0 and self._runs.get(run.run_id) is run:
+            del self._runs[run.run_id]
+            run.adapters.drop(engine)
+
+    def close(self) -> None:
+        for run in self._runs.values():
+            run.adapters.close()
+        self._runs.clear()

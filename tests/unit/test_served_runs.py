@@ -1,0 +1,73 @@
+"""The runs sharing a replica (``served_runs``): ids, slots, ends, and what an ended run leaves behind."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from rlfleet.services.generation.served_adapters import ServedAdapter
+from rlfleet.services.generation.served_runs import ServedRuns
+
+
+class FakeEngine:
+    def __init__(self):
+        self.removed: list[int] = []
+
+    async def remove_lora(self, lora_id: int) -> None:
+        self.removed.append(lora_id)
+
+
+def test_a_run_takes_a_slot_once_and_a_run_beyond_the_slots_is_refused_naming_those_who_hold_them():
+    runs = ServedRuns(max_runs=2)
+    first = runs.take("run-a")
+    assert runs.take("run-a") is first and first.version == 0
+    runs.take("run-b")
+    with pytest.raises(ResourceExhausted, match=r"max_runs=2 runs at once \(run-a, run-b\)"):
+        runs.take("run-c")
+    assert runs.names() == ["run-a", "run-b"]
+
+
+@pytest.mark.parametrize("run_id", ["run a", "x" * 129, "run/a", "ü"])
+def test_a_run_id_of_another_shape_is_refused(run_id):
+    with pytest.raises(InvalidArgument, match="not a run id"):
+        ServedRuns(max_runs=4).take(run_id)
+
+
+def test_a_replica_without_slots_serves_its_own_run_only():
+    with pytest.raises(FailedPrecondition, match="serves no runs but its own"):
+        ServedRuns(max_runs=0).take("run-a")
+
+
+async def test_an_ended_run_leaves_when_its_last_call_ends_with_its_adapters_and_directory(tmp_path):
+    runs = ServedRuns(max_runs=1)
+    run = runs.take("run-a")
+    root = tmp_path / "adapters"
+    (root / "v1-1").mkdir(parents=True)
+    run.adapters._root = root
+    run.adapters.current = ServedAdapter(1, SimpleNamespace(lora_int_id=7, lora_name="rlfleet-v1-7"), root / "v1-1")
+    run.calls = 1
+    engine = FakeEngine()
+    assert runs.end("run-a", engine) is run
+    with pytest.raises(FailedPrecondition, match="ended"):
+        runs.take("run-a")  # ended, a call still running: no new calls
+    with pytest.raises(ResourceExhausted):
+        runs.take("run-b")  # its slot is held until the call ends
+    run.calls = 0
+    runs.release(run, engine)
+    assert runs.names() == []
+    await asyncio.wait_for(run.adapters._tasks.wait(), 10)
+    assert engine.removed == [7] and not root.exists()
+    assert runs.take("run-b").version == 0
+    with pytest.raises(NotFound, match="not served"):
+        runs.end("run-a", engine)
+
+
+def test_a_push_must_be_newer_than_the_runs_version():
+    run = ServedRuns(max_runs=1).take("run-a")
+    run.version = 3
+    with pytest.raises(FailedPrecondition, match="run run-a: weights version 3 is not newer than its current 3"):
+        run.check_version(3)
+    run.check_version(4)
