@@ -169,6 +169,12 @@ LAYOUTS: dict[str, tuple[Group, ...]] = {
         Figure("collector + reward + trajectory, CPU ms per trajectory", "services_cpu_ms_per_traj", "{:.2f}"),
         Figure("reference, CPU ms per trajectory", "cpu_ms_per_traj.reference", "{:.2f}"),
         Figure("saturates first", "saturates_first"))),),
+    "multitenant": (Group("", lambda _: True, (
+        _ratio("8 runs' samples/s ÷ one run alone", "aggregate_over_single_run.8"),
+        Figure("Jain fairness, equal weights", "jain_fairness", "{:.4f}"),
+        Figure("largest share error, weights 1:2:4", "weighted_share_error", "{:.3f}"),
+        _ratio("p99 latency while another run pushes ÷ without", "push_impact_p99"),
+        Figure("copies of the base weights held", "base_copies", "{:.2f}"))),),
     "dataplane_versus": (Group("", lambda _: True, (
         Figure("against", "base"),
         _ratio("collector + reward + trajectory CPU, new ÷ old", "c+r+t.ratio"),
