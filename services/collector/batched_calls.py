@@ -43,7 +43,7 @@ def merge_reward_requests(requests: Sequence[reward_pb2.ComputeRewardsRequest]) 
     caller sends the groups one by one and the reward service refuses that one, naming it)."""
     first = requests[0]
     merged = reward_pb2.ComputeRewardsRequest(kl_estimator=first.kl_estimator, advantage_mode=first.advantage_mode,
-                                              update_kl_controller=first.update_kl_controller)
+                                              update_kl_controller=first.update_kl_controller, run_id=first.run_id)
     for field in ("response_token_ids", "behavior_log_probs", "ref_log_probs", "response_mask"):
         if first.HasField(field):
             concat_raggeds([getattr(r, field) for r in requests], out=getattr(merged, field))

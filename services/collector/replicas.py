@@ -68,9 +68,9 @@ class VersionRetired(Exception):
 
 @dataclass(frozen=True)
 class ReplicaRun:
-    """Which run this collector's calls are on the replicas (``GenerateRequest.run_id``,
-    ``WeightManifest.run_id``) and its weight in their fair share: the replica's own run ("") unless the
-    replicas are shared between runs (``shared_replicas``)."""
+    """Which run this collector's calls are on the services runs share (``GenerateRequest.run_id``,
+    ``WeightManifest.run_id``, ``ComputeRewardsRequest.run_id``) and its weight in the replicas' fair share:
+    their own run ("") unless they are shared between runs (``shared_replicas``)."""
 
     run_id: str = ""
     share_weight: float = 0.0

@@ -118,7 +118,7 @@ class Pipeline:
                                 kl_estimator=options.kl_estimator, advantage_mode=options.advantage_mode,
                                 update_kl_controller=options.update_kl_controller,
                                 max_scoring_in_flight=options.max_scoring_in_flight,
-                                max_groups_per_call=options.max_groups_per_call)
+                                max_groups_per_call=options.max_groups_per_call, run_id=pool.run.run_id)
         self.append = AppendStage(gate, trajectory, settings, self.discards,
                                   max_groups_per_call=options.max_groups_per_call,
                                   max_groups_in_flight=options.max_groups_in_flight)

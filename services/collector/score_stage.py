@@ -32,7 +32,8 @@ def one_group_may_be_why(exc: BaseException) -> bool:
 class ScoreStage:
     def __init__(self, reference: reference_pb2_grpc.ReferenceServiceStub, reward: reward_pb2_grpc.RewardServiceStub,
                  settings: ChannelSettings, *, default_reward_fn: str, kl_estimator: int, advantage_mode: int,
-                 update_kl_controller: bool, max_scoring_in_flight: int, max_groups_per_call: int):
+                 update_kl_controller: bool, max_scoring_in_flight: int, max_groups_per_call: int,
+                 run_id: str = ""):
         self.reference = reference
         self.reward = reward
         self.settings = settings
@@ -40,6 +41,8 @@ class ScoreStage:
         self.kl_estimator = kl_estimator
         self.advantage_mode = advantage_mode
         self.update_kl_controller = update_kl_controller
+        self.run_id = run_id
+        """The run the reward service keeps the KL controller of ("": its own; ``ReplicaRun``)."""
         self.reference_stats = StageStats("reference")
         self.reward_stats = StageStats("reward")
         self._scoring = asyncio.Semaphore(max_scoring_in_flight)  # the reference and the reward calls share it
@@ -94,6 +97,7 @@ class ScoreStage:
             kl_estimator=self.kl_estimator,
             advantage_mode=self.advantage_mode,
             update_kl_controller=self.update_kl_controller,
+            run_id=self.run_id,
         )
         async with self.reward_stats.track(self._scoring):
             with tracing.span("reward"):

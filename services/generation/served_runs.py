@@ -20,20 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import re
 from dataclasses import dataclass, field
 
 from rlfleet.choices import SwapModeName
 from rlfleet.services.common.errors import (
     FailedPrecondition,
-    InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
+from rlfleet.services.common.run_ids import check_run_id
 from rlfleet.services.generation.served_adapters import AdapterSet
-
-RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
-"""What a run id on a replica may be: it names metrics and log lines."""
 
 
 @dataclass(eq=False)
@@ -112,9 +108,7 @@ class ServedRuns:
             if run.ended:
                 raise FailedPrecondition(f"run {run_id} ended on this replica (EndRun)")
             return run
-        if not RUN_ID.fullmatch(run_id):
-            raise InvalidArgument(f"run_id {run_id[:160]!r} is not a run id: 1 to 128 characters of "
-                                  f"[A-Za-z0-9._-]")
+        check_run_id(run_id)
         if self.max_runs == 0:
             raise FailedPrecondition(f"run {run_id}: this replica serves no runs but its own (start it with "
                                      f"max_runs and max_lora_rank to share it between runs)")

@@ -79,8 +79,11 @@ class RewardServiceConfig(ServiceConfig):
     """JSON file the controller state is written to after every update (atomically) and
     restored from at startup, so the coefficient survives restarts. ``None``: in memory only."""
     fresh: bool = False
-    """Start a new run: delete ``kl_state_path`` before restoring from it (the coefficient starts at
-    ``kl_coef``). A start-once switch, given with the collector's ``fresh``."""
+    """Start a new run: delete ``kl_state_path`` (and the runs' files beside it) before restoring from it
+    (the coefficient starts at ``kl_coef``). A start-once switch, given with the collector's ``fresh``."""
+    max_runs: int = Field(64, ge=0)
+    """Runs sharing this service that get a KL controller of their own (``ComputeRewardsRequest.run_id``;
+    docs/concepts/many-runs.md); a batch of a run beyond them is RESOURCE_EXHAUSTED."""
 
     grpo_eps: float = Field(1e-6, gt=0)
     """GRPO: ``eps`` in ``(score - mean) / (std + eps)``."""

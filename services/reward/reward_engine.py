@@ -13,18 +13,17 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-
-from torch import Tensor
 
 from rlfleet.services.common.errors import InvalidArgument, Unavailable
 from rlfleet.services.reward import batch_rewards, validation
 from rlfleet.services.reward.budget import TimeBudget
 from rlfleet.services.reward.config import RewardServiceConfig
-from rlfleet.services.reward.controllers import AdaptiveKLController, ConstantKLController, KLController
+from rlfleet.services.reward.controllers import KLController
 from rlfleet.services.reward.functions import RewardFunctions, TaskSpec, expand_tasks
+from rlfleet.services.reward.run_controllers import KLControllers
 from rlfleet.services.reward.scores import ScoreInput
+from torch import Tensor
 
 log = logging.getLogger("rlfleet.reward")
 
@@ -46,6 +45,8 @@ class RewardRequest:
     """``grpo``/``grpo_no_std``/``rloo``; ``None``: the configured default."""
     update_kl_controller: bool = False
     """Feed this batch's KL to the controller after computing."""
+    run_id: str = ""
+    """The run whose KL controller (``run_controllers``); "": the service's own."""
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,6 @@ class ControllerState:
     steps: int
 
 
-def make_controller(config: RewardServiceConfig) -> KLController:
-    if config.kl_controller == "adaptive":
-        return AdaptiveKLController(config.init_kl_coef, target=config.kl_target, horizon=config.kl_horizon)
-    return ConstantKLController(config.init_kl_coef)
-
-
 class RewardEngine:
     """Call :meth:`load` (slow: tokenizer, reward models, controller state) before :meth:`compute`."""
 
@@ -75,7 +70,7 @@ class RewardEngine:
             config.default_reward_fn, config.default_reward_params, config.reward_functions,
             max_cached=config.max_cached_scorers,
         )
-        self.controller = make_controller(config)
+        self.controllers = KLControllers(config)
         self.tokenizer: Any = None
         self._loaded = False
         # Serialises controller update + save, so the file always holds the latest state.
@@ -87,15 +82,13 @@ class RewardEngine:
 
             self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_path)
         self.functions.load()
-        if self.config.fresh and self.config.kl_state_path:  # a new run: its coefficient starts at the initial one
-            Path(self.config.kl_state_path).unlink(missing_ok=True)
-            log.warning("fresh: the KL controller's state deleted, a new run starts",
-                        extra={"path": self.config.kl_state_path})
-        if self.config.kl_state_path and self.controller.load(self.config.kl_state_path):
-            log.info("KL controller state restored", extra={
-                "path": self.config.kl_state_path, "coef": self.controller.coef,
-                "updates": self.controller.updates})
+        self.controllers.load()
         self._loaded = True
+
+    @property
+    def controller(self) -> KLController:
+        """The service's own KL controller."""
+        return self.controllers.own
 
     def check_tasks(self, tasks: list[TaskSpec]) -> None:
         """Resolve every task (unknown function: NotFound; bad arguments: InvalidArgument), scoring nothing."""
@@ -117,7 +110,8 @@ class RewardEngine:
             if texts and len(texts) != batch_size:
                 raise InvalidArgument(f"{name} has {len(texts)} entries for {batch_size} samples")
         tasks = expand_tasks(request.tasks, batch_size)
-        kl_coef = self.controller.coef
+        controller = self.controllers.get(request.run_id)
+        kl_coef = controller.coef
 
         def score_batch() -> Tensor:
             responses = list(request.response_texts) or self._decode(inputs, budget)
@@ -141,7 +135,8 @@ class RewardEngine:
         # After computing: this response carries the coefficient its rewards were shaped with.
         if request.update_kl_controller and batch_size:
             budget.commit()  # never update for a request already answered "time is up"
-            self._update_controller(outputs.batch_kl, batch_size)
+            self._update_controller(controller, self.controllers.state_path(request.run_id), outputs.batch_kl,
+                                    batch_size)
         return outputs
 
     def _decode(self, inputs: batch_rewards.RewardInputs, budget: TimeBudget) -> list[str]:
@@ -165,24 +160,24 @@ class RewardEngine:
         validation.check_texts("response_texts (decoded from response_token_ids)", texts, self.config)
         return texts
 
-    def _update_controller(self, batch_kl: float, batch_size: int) -> None:
-        path = self.config.kl_state_path
+    def _update_controller(self, controller: KLController, path: str | None, batch_kl: float,
+                           batch_size: int) -> None:
         with self._controller_lock:
-            before = self.controller.snapshot()
-            self.controller.update(batch_kl, n_steps=batch_size)
+            before = controller.snapshot()
+            controller.update(batch_kl, n_steps=batch_size)
             if path:
                 try:
-                    self.controller.save(path)
+                    controller.save(path)
                 except BaseException:
                     # Never a half-applied change: memory and file stay in step.
-                    self.controller.restore(before)
+                    controller.restore(before)
                     raise
 
-    def controller_state(self) -> ControllerState:
+    def controller_state(self, run_id: str = "") -> ControllerState:
         if not self._loaded:
             # Before load() the persisted state is not restored yet: do not report the initial one.
             raise Unavailable("reward service is still loading")
-        controller = self.controller
+        controller = self.controllers.get(run_id, create=False)
         return ControllerState(
             kind=controller.kind,
             coef=controller.coef,

@@ -79,6 +79,7 @@ def request_from_proto(request: reward_pb2.ComputeRewardsRequest, config: Reward
         kl_estimator=_enum(_ESTIMATORS, request.kl_estimator, "kl_estimator"),
         advantage_mode=_enum(_ADVANTAGE_MODES, request.advantage_mode, "advantage_mode"),
         update_kl_controller=request.update_kl_controller,
+        run_id=request.run_id,
     )
 
 
@@ -110,6 +111,6 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         return reward_pb2.CheckTasksResponse()
 
     async def GetKLController(self, request, context):
-        state = self.service.engine.controller_state()
+        state = self.service.engine.controller_state(request.run_id)
         return reward_pb2.GetKLControllerResponse(
             kind=state.kind, coef=state.coef, target=state.target, horizon=state.horizon, updates=state.updates)

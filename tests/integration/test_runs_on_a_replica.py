@@ -13,7 +13,7 @@ import torch
 
 from rlfleet.client import connect
 from rlfleet.services.launch import ServiceProcess
-from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, weights_pb2
+from rlfleet.v1 import generation_pb2, generation_pb2_grpc, reward_pb2, reward_pb2_grpc, sampling_pb2, weights_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
 from rlfleet.wire.push_messages import iter_push_messages
 from tests.hf_reference import load_hf, perturbed, response_log_probs
@@ -256,3 +256,9 @@ def test_two_trainers_share_the_replica_each_on_its_own_run(stub, replica, adapt
                     assert set(row["versions"]) == {version}
                     expected = response_log_probs(model, row["prompt"], row["response"])
                     assert (row["log_probs"] - expected).abs().max().item() <= LOG_PROB_TOLERANCE
+            # The shared reward service kept a KL controller per run, each fed its own run's batches only.
+            with grpc.insecure_channel(upstream["reward"].address) as channel:
+                kl = reward_pb2_grpc.RewardServiceStub(channel).GetKLController
+                assert all(kl(reward_pb2.GetKLControllerRequest(run_id=client.run.run_id)).updates >= 1
+                           for client in (a, b))
+                assert kl(reward_pb2.GetKLControllerRequest()).updates == 0

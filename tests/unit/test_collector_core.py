@@ -19,6 +19,7 @@ from rlfleet.services.collector.dataset import load_records
 from rlfleet.services.collector.filtering import GroupOutcome
 from rlfleet.services.collector.ledger import PromptLedger
 from rlfleet.services.collector.prompt_item import PromptItem
+from rlfleet.services.collector.replicas import ReplicaPool
 from rlfleet.services.collector.source import PromptSource
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, StartupError
 from rlfleet.wire import WireError
@@ -670,8 +671,8 @@ def test_a_prompt_drawn_while_an_outage_is_found_waits_for_the_upstream_services
         options = PipelineOptions(group_size=1, sampling={}, default_reward_fn="", kl_estimator=1, advantage_mode=1,
                                   update_kl_controller=False, max_groups_in_flight=4, max_generations_in_flight=1,
                                   max_scoring_in_flight=1)
-        pipeline = Pipeline(options, Gate(), None, Source(), None, None, None, ChannelSettings(),
-                            on_fatal=lambda what, exc: None)
+        pipeline = Pipeline(options, Gate(), ReplicaPool(ChannelSettings()), Source(), None, None, None,
+                            ChannelSettings(), on_fatal=lambda what, exc: None)
         started = []
 
         async def run_group(item, group_index):

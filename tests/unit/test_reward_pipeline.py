@@ -6,7 +6,7 @@ import textwrap
 import pytest
 import torch
 
-from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from rlfleet.services.reward.config import RewardFunctionConfig, RewardServiceConfig
 from rlfleet.services.reward.reward_engine import RewardEngine, RewardRequest
 from rlfleet.services.reward.functions import RewardFunctions, TaskSpec, expand_tasks
@@ -290,6 +290,35 @@ def test_engine_updates_the_controller_after_computing_and_persists(tmp_path):
 
     with pytest.raises(FailedPrecondition, match="'adaptive' controller, not 'constant'"):
         engine(tmp_path, kl_state_path=str(path))
+
+
+def test_each_run_sharing_the_service_has_its_own_controller_kept_beside_the_services(tmp_path):
+    """Batches of runs A and B (``run_id``) move only their own run's coefficient; each is kept in a file of
+    its own and restored after a restart; ``fresh`` deletes them all; runs are bounded by max_runs."""
+    path = tmp_path / "kl" / "state.json"
+    settings = dict(kl_controller="adaptive", init_kl_coef=0.1, kl_target=0.1, kl_horizon=100,
+                    kl_state_path=str(path), max_runs=2)
+    first = engine(tmp_path, **settings)
+    want = 0.1 * (1 + 0.2 * 3 / 100)  # one update of batch KL 0.2 (see the test above)
+    assert first.compute(request(update_kl_controller=True, run_id="run-a")).kl_coef == pytest.approx(0.1)
+    assert first.compute(request(run_id="run-a")).kl_coef == pytest.approx(want)
+    assert first.compute(request(run_id="run-b")).kl_coef == pytest.approx(0.1)  # untouched by run-a's batch
+    assert first.controller.coef == pytest.approx(0.1) and first.controller_state().updates == 0
+    assert first.controller_state("run-a").updates == 1 and first.controller_state("run-b").updates == 0
+    assert (path.parent / "state.run-a.json").exists() and not path.exists()
+    with pytest.raises(ResourceExhausted, match="max_runs=2"):
+        first.compute(request(run_id="run-c"))
+    with pytest.raises(InvalidArgument, match="not a run id"):
+        first.compute(request(run_id="../etc"))
+
+    restarted = engine(tmp_path, **settings)
+    with pytest.raises(NotFound, match="run-b"):
+        restarted.controller_state("run-b")  # never updated: nothing kept of it
+    assert restarted.controller_state("run-a").coef == pytest.approx(want)
+    assert restarted.compute(request(run_id="run-a")).kl_coef == pytest.approx(want)
+
+    engine(tmp_path, **settings, fresh=True)
+    assert not list(path.parent.iterdir())
 
 
 def test_a_failed_save_leaves_the_controller_unchanged(tmp_path, monkeypatch):

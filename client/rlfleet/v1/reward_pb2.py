@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlfleet.v1 import tensor_pb2 as rlfleet_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlfleet/v1/reward.proto\x12\nrlfleet.v1\x1a\x17rlfleet/v1/tensor.proto\"4\n\x11\x43heckTasksRequest\x12\x1f\n\x05tasks\x18\x01 \x03(\x0b\x32\x10.rlfleet.v1.Task\"\x14\n\x12\x43heckTasksResponse\"\x86\x01\n\x04Task\x12\x11\n\treward_fn\x18\x01 \x01(\t\x12\x14\n\x0cground_truth\x18\x02 \x01(\t\x12(\n\x04\x61rgs\x18\x03 \x03(\x0b\x32\x1a.rlfleet.v1.Task.ArgsEntry\x1a+\n\tArgsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xe4\x03\n\x15\x43omputeRewardsRequest\x12\x34\n\x12response_token_ids\x18\x01 \x01(\x0b\x32\x18.rlfleet.v1.RaggedTensor\x12\x34\n\x12\x62\x65havior_log_probs\x18\x02 \x01(\x0b\x32\x18.rlfleet.v1.RaggedTensor\x12/\n\rref_log_probs\x18\x03 \x01(\x0b\x32\x18.rlfleet.v1.RaggedTensor\x12/\n\rresponse_mask\x18\x04 \x01(\x0b\x32\x18.rlfleet.v1.RaggedTensor\x12\x14\n\x0cprompt_texts\x18\x05 \x03(\t\x12\x16\n\x0eresponse_texts\x18\x06 \x03(\t\x12\x1f\n\x05tasks\x18\x07 \x03(\x0b\x32\x10.rlfleet.v1.Task\x12\x11\n\tgroup_ids\x18\x08 \x03(\x03\x12-\n\x0ckl_estimator\x18\t \x01(\x0e\x32\x17.rlfleet.v1.KLEstimator\x12\x31\n\x0e\x61\x64vantage_mode\x18\n \x01(\x0e\x32\x19.rlfleet.v1.AdvantageMode\x12\x1c\n\x14update_kl_controller\x18\x0b \x01(\x08\x12\x1b\n\x13\x65nvironment_rewards\x18\x0c \x03(\x01\"\xbb\x02\n\x16\x43omputeRewardsResponse\x12$\n\x02kl\x18\x01 \x01(\x0b\x32\x18.rlfleet.v1.RaggedTensor\x12)\n\x07rewards\x18\x02 \x01(\x0b\x32\x18.rlfleet.v1.RaggedTensor\x12\"\n\x06scores\x18\x03 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12*\n\x0e\x63lipped_scores\x18\x04 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12&\n\nadvantages\x18\x05 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12#\n\x07kl_mean\x18\x06 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\"\n\x06kl_sum\x18\x07 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\x0f\n\x07kl_coef\x18\x08 \x01(\x01\"\x18\n\x16GetKLControllerRequest\"g\n\x17GetKLControllerResponse\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04\x63oef\x18\x02 \x01(\x01\x12\x0e\n\x06target\x18\x03 \x01(\x01\x12\x0f\n\x07horizon\x18\x04 \x01(\x01\x12\x0f\n\x07updates\x18\x05 \x01(\x03*j\n\x0bKLEstimator\x12\x1c\n\x18KL_ESTIMATOR_UNSPECIFIED\x10\x00\x12\x13\n\x0fKL_ESTIMATOR_K1\x10\x01\x12\x13\n\x0fKL_ESTIMATOR_K2\x10\x02\x12\x13\n\x0fKL_ESTIMATOR_K3\x10\x03*\x81\x01\n\rAdvantageMode\x12\x1e\n\x1a\x41\x44VANTAGE_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x41\x44VANTAGE_MODE_GRPO\x10\x01\x12\x1e\n\x1a\x41\x44VANTAGE_MODE_GRPO_NO_STD\x10\x02\x12\x17\n\x13\x41\x44VANTAGE_MODE_RLOO\x10\x03\x32\x91\x02\n\rRewardService\x12W\n\x0e\x43omputeRewards\x12!.rlfleet.v1.ComputeRewardsRequest\x1a\".rlfleet.v1.ComputeRewardsResponse\x12Z\n\x0fGetKLController\x12\".rlfleet.v1.GetKLControllerRequest\x1a#.rlfleet.v1.GetKLControllerResponse\x12K\n\nCheckTasks\x12\x1d.rlfleet.v1.CheckTasksRequest\x1a\x1e.rlfleet.v1.CheckTasksResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlfleet/v1/reward.proto\x12\nrlfleet.v1\x1a\x17rlfleet/v1/tensor.proto\"4\n\x11\x43heckTasksRequest\x12\x1f\n\x05tasks\x18\x01 \x03(\x0b\x32\x10.rlfleet.v1.Task\"\x14\n\x12\x43heckTasksResponse\"\x86\x01\n\x04Task\x12\x11\n\treward_fn\x18\x01 \x01(\t\x12\x14\n\x0cground_truth\x18\x02 \x01(\t\x12(\n\x04\x61rgs\x18\x03 \x03(\x0b\x32\x1a.rlfleet.v1.Task.ArgsEntry\x1a+\n\tArgsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xf4\x03\n\x15\x43omputeRewardsRequest\x12\x34\n\x12response_token_ids\x18\x01 \x01(\x0b\x32\x18.rlfleet.v1.RaggedTensor\x12\x34\n\x12\x62\x65havior_log_probs\x18\x02 \x01(\x0b\x32\x18.rlfleet.v1.RaggedTensor\x12/\n\rref_log_probs\x18\x03 \x01(\x0b\x32\x18.rlfleet.v1.RaggedTensor\x12/\n\rresponse_mask\x18\x04 \x01(\x0b\x32\x18.rlfleet.v1.RaggedTensor\x12\x14\n\x0cprompt_texts\x18\x05 \x03(\t\x12\x16\n\x0eresponse_texts\x18\x06 \x03(\t\x12\x1f\n\x05tasks\x18\x07 \x03(\x0b\x32\x10.rlfleet.v1.Task\x12\x11\n\tgroup_ids\x18\x08 \x03(\x03\x12-\n\x0ckl_estimator\x18\t \x01(\x0e\x32\x17.rlfleet.v1.KLEstimator\x12\x31\n\x0e\x61\x64vantage_mode\x18\n \x01(\x0e\x32\x19.rlfleet.v1.AdvantageMode\x12\x1c\n\x14update_kl_controller\x18\x0b \x01(\x08\x12\x1b\n\x13\x65nvironment_rewards\x18\x0c \x03(\x01\x12\x0e\n\x06run_id\x18\r \x01(\t\"\xbb\x02\n\x16\x43omputeRewardsResponse\x12$\n\x02kl\x18\x01 \x01(\x0b\x32\x18.rlfleet.v1.RaggedTensor\x12)\n\x07rewards\x18\x02 \x01(\x0b\x32\x18.rlfleet.v1.RaggedTensor\x12\"\n\x06scores\x18\x03 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12*\n\x0e\x63lipped_scores\x18\x04 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12&\n\nadvantages\x18\x05 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12#\n\x07kl_mean\x18\x06 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\"\n\x06kl_sum\x18\x07 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\x0f\n\x07kl_coef\x18\x08 \x01(\x01\"(\n\x16GetKLControllerRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"g\n\x17GetKLControllerResponse\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04\x63oef\x18\x02 \x01(\x01\x12\x0e\n\x06target\x18\x03 \x01(\x01\x12\x0f\n\x07horizon\x18\x04 \x01(\x01\x12\x0f\n\x07updates\x18\x05 \x01(\x03*j\n\x0bKLEstimator\x12\x1c\n\x18KL_ESTIMATOR_UNSPECIFIED\x10\x00\x12\x13\n\x0fKL_ESTIMATOR_K1\x10\x01\x12\x13\n\x0fKL_ESTIMATOR_K2\x10\x02\x12\x13\n\x0fKL_ESTIMATOR_K3\x10\x03*\x81\x01\n\rAdvantageMode\x12\x1e\n\x1a\x41\x44VANTAGE_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x41\x44VANTAGE_MODE_GRPO\x10\x01\x12\x1e\n\x1a\x41\x44VANTAGE_MODE_GRPO_NO_STD\x10\x02\x12\x17\n\x13\x41\x44VANTAGE_MODE_RLOO\x10\x03\x32\x91\x02\n\rRewardService\x12W\n\x0e\x43omputeRewards\x12!.rlfleet.v1.ComputeRewardsRequest\x1a\".rlfleet.v1.ComputeRewardsResponse\x12Z\n\x0fGetKLController\x12\".rlfleet.v1.GetKLControllerRequest\x1a#.rlfleet.v1.GetKLControllerResponse\x12K\n\nCheckTasks\x12\x1d.rlfleet.v1.CheckTasksRequest\x1a\x1e.rlfleet.v1.CheckTasksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,10 +34,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TASK_ARGSENTRY']._loaded_options = None
   _globals['_TASK_ARGSENTRY']._serialized_options = b'8\001'
-  _globals['_KLESTIMATOR']._serialized_start=1213
-  _globals['_KLESTIMATOR']._serialized_end=1319
-  _globals['_ADVANTAGEMODE']._serialized_start=1322
-  _globals['_ADVANTAGEMODE']._serialized_end=1451
+  _globals['_KLESTIMATOR']._serialized_start=1245
+  _globals['_KLESTIMATOR']._serialized_end=1351
+  _globals['_ADVANTAGEMODE']._serialized_start=1354
+  _globals['_ADVANTAGEMODE']._serialized_end=1483
   _globals['_CHECKTASKSREQUEST']._serialized_start=64
   _globals['_CHECKTASKSREQUEST']._serialized_end=116
   _globals['_CHECKTASKSRESPONSE']._serialized_start=118
@@ -47,13 +47,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TASK_ARGSENTRY']._serialized_start=232
   _globals['_TASK_ARGSENTRY']._serialized_end=275
   _globals['_COMPUTEREWARDSREQUEST']._serialized_start=278
-  _globals['_COMPUTEREWARDSREQUEST']._serialized_end=762
-  _globals['_COMPUTEREWARDSRESPONSE']._serialized_start=765
-  _globals['_COMPUTEREWARDSRESPONSE']._serialized_end=1080
-  _globals['_GETKLCONTROLLERREQUEST']._serialized_start=1082
-  _globals['_GETKLCONTROLLERREQUEST']._serialized_end=1106
-  _globals['_GETKLCONTROLLERRESPONSE']._serialized_start=1108
-  _globals['_GETKLCONTROLLERRESPONSE']._serialized_end=1211
-  _globals['_REWARDSERVICE']._serialized_start=1454
-  _globals['_REWARDSERVICE']._serialized_end=1727
+  _globals['_COMPUTEREWARDSREQUEST']._serialized_end=778
+  _globals['_COMPUTEREWARDSRESPONSE']._serialized_start=781
+  _globals['_COMPUTEREWARDSRESPONSE']._serialized_end=1096
+  _globals['_GETKLCONTROLLERREQUEST']._serialized_start=1098
+  _globals['_GETKLCONTROLLERREQUEST']._serialized_end=1138
+  _globals['_GETKLCONTROLLERRESPONSE']._serialized_start=1140
+  _globals['_GETKLCONTROLLERRESPONSE']._serialized_end=1243
+  _globals['_REWARDSERVICE']._serialized_start=1486
+  _globals['_REWARDSERVICE']._serialized_end=1759
 # @@protoc_insertion_point(module_scope)

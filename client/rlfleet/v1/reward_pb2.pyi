@@ -58,7 +58,7 @@ class Task(_message.Message):
     def __init__(self, reward_fn: _Optional[str] = ..., ground_truth: _Optional[str] = ..., args: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ComputeRewardsRequest(_message.Message):
-    __slots__ = ("response_token_ids", "behavior_log_probs", "ref_log_probs", "response_mask", "prompt_texts", "response_texts", "tasks", "group_ids", "kl_estimator", "advantage_mode", "update_kl_controller", "environment_rewards")
+    __slots__ = ("response_token_ids", "behavior_log_probs", "ref_log_probs", "response_mask", "prompt_texts", "response_texts", "tasks", "group_ids", "kl_estimator", "advantage_mode", "update_kl_controller", "environment_rewards", "run_id")
     RESPONSE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BEHAVIOR_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
     REF_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class ComputeRewardsRequest(_message.Message):
     ADVANTAGE_MODE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_KL_CONTROLLER_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENT_REWARDS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     response_token_ids: _tensor_pb2.RaggedTensor
     behavior_log_probs: _tensor_pb2.RaggedTensor
     ref_log_probs: _tensor_pb2.RaggedTensor
@@ -83,7 +84,8 @@ class ComputeRewardsRequest(_message.Message):
     advantage_mode: AdvantageMode
     update_kl_controller: bool
     environment_rewards: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, response_token_ids: _Optional[_Union[_tensor_pb2.RaggedTensor, _Mapping]] = ..., behavior_log_probs: _Optional[_Union[_tensor_pb2.RaggedTensor, _Mapping]] = ..., ref_log_probs: _Optional[_Union[_tensor_pb2.RaggedTensor, _Mapping]] = ..., response_mask: _Optional[_Union[_tensor_pb2.RaggedTensor, _Mapping]] = ..., prompt_texts: _Optional[_Iterable[str]] = ..., response_texts: _Optional[_Iterable[str]] = ..., tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., group_ids: _Optional[_Iterable[int]] = ..., kl_estimator: _Optional[_Union[KLEstimator, str]] = ..., advantage_mode: _Optional[_Union[AdvantageMode, str]] = ..., update_kl_controller: _Optional[bool] = ..., environment_rewards: _Optional[_Iterable[float]] = ...) -> None: ...
+    run_id: str
+    def __init__(self, response_token_ids: _Optional[_Union[_tensor_pb2.RaggedTensor, _Mapping]] = ..., behavior_log_probs: _Optional[_Union[_tensor_pb2.RaggedTensor, _Mapping]] = ..., ref_log_probs: _Optional[_Union[_tensor_pb2.RaggedTensor, _Mapping]] = ..., response_mask: _Optional[_Union[_tensor_pb2.RaggedTensor, _Mapping]] = ..., prompt_texts: _Optional[_Iterable[str]] = ..., response_texts: _Optional[_Iterable[str]] = ..., tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., group_ids: _Optional[_Iterable[int]] = ..., kl_estimator: _Optional[_Union[KLEstimator, str]] = ..., advantage_mode: _Optional[_Union[AdvantageMode, str]] = ..., update_kl_controller: _Optional[bool] = ..., environment_rewards: _Optional[_Iterable[float]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class ComputeRewardsResponse(_message.Message):
     __slots__ = ("kl", "rewards", "scores", "clipped_scores", "advantages", "kl_mean", "kl_sum", "kl_coef")
@@ -106,8 +108,10 @@ class ComputeRewardsResponse(_message.Message):
     def __init__(self, kl: _Optional[_Union[_tensor_pb2.RaggedTensor, _Mapping]] = ..., rewards: _Optional[_Union[_tensor_pb2.RaggedTensor, _Mapping]] = ..., scores: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., clipped_scores: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., advantages: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., kl_mean: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., kl_sum: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., kl_coef: _Optional[float] = ...) -> None: ...
 
 class GetKLControllerRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class GetKLControllerResponse(_message.Message):
     __slots__ = ("kind", "coef", "target", "horizon", "updates")
