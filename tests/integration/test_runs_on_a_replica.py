@@ -206,20 +206,33 @@ def _generate_weighted(stub, weight: float):
 # ---------------------------------------------------------------- two collectors, one replica
 
 
-def read_rows(client, batch_size: int) -> list[dict]:
-    batch = next(iter(client.batches(batch_size, max_batches=1)))
-    return [{"prompt": prompt.tolist(), "response": response.tolist(), "log_probs": log_probs,
-             "versions": versions.tolist()}
-            for prompt, response, log_probs, versions in zip(
-                batch.ragged(("tokens", "prompt")).to_list(), batch.ragged(("tokens", "response")).to_list(),
-                batch.ragged(("log_probs", "response")).to_list(), batch.ragged(("versions", "response")).to_list())]
+def read_rows(client, rows: int, batch_size: int = 4) -> list[dict]:
+    """``rows`` rows of the client's batches (acked as read)."""
+    out: list[dict] = []
+    for batch in client.batches(batch_size, max_batches=rows // batch_size):
+        out += [{"prompt_id": prompt_id, "prompt": prompt.tolist(), "response": response.tolist(),
+                 "log_probs": log_probs, "versions": versions.tolist()}
+                for prompt_id, prompt, response, log_probs, versions in zip(
+                    batch["prompt_id"], batch.ragged(("tokens", "prompt")).to_list(),
+                    batch.ragged(("tokens", "response")).to_list(), batch.ragged(("log_probs", "response")).to_list(),
+                    batch.ragged(("versions", "response")).to_list())]
+    return out
+
+
+def check_rows(rows: list[dict], version: int, model) -> None:
+    """Every row sampled by ``model`` (its run's adapter) at ``version``, and labelled so."""
+    for row in rows:
+        assert set(row["versions"]) == {version}
+        expected = response_log_probs(model, row["prompt"], row["response"])
+        assert (row["log_probs"] - expected).abs().max().item() <= LOG_PROB_TOLERANCE
 
 
 def test_two_trainers_share_the_replica_each_on_its_own_run(stub, replica, adapters, tiny_model_dir, start_service,
-                                                            tmp_path):
+                                                            tmp_path, request):
     """Two collectors (``shared_replicas``), each with its trainer and trajectory store, over the one replica:
     each run starts at its own version 0 whatever the other pushed, and every sample of each run's batches
-    was sampled by that run's adapter at the version it is labelled with."""
+    was sampled by that run's adapter at the version it is labelled with; a SIGKILL of the replica while both
+    runs generate loses and duplicates nothing in either (``kill_and_restart``)."""
     for run_id in list(served(stub)):
         stub.EndRun(generation_pb2.EndRunRequest(run_id=run_id))
     wait_for(lambda: not served(stub), SCHEDULE_TIMEOUT, "the replica-level runs to leave")
@@ -234,7 +247,8 @@ def test_two_trainers_share_the_replica_each_on_its_own_run(stub, replica, adapt
         "collector", "--generation-addresses", json.dumps([replica.address]),
         "--reference-address", upstream["reference"].address, "--reward-address", upstream["reward"].address,
         "--trajectory-address", stores[name].address, "--state-dir", str(tmp_path / f"collector-{name}"),
-        "--shared-replicas", "true", "--group-size", "2", "--groups-per-step", "2", "--mode", "sync",
+        "--shared-replicas", "true", "--group-size", "2", "--groups-per-step", "2", "--mode", "async",
+        "--max-staleness", "1000", "--mismatch-kl-target", "null",
         "--sampling", '{"temperature": 1.0, "max_tokens": 12}') for name in ("a", "b")}
     for proc in collectors.values():
         proc.wait_ready(300)
@@ -248,17 +262,41 @@ def test_two_trainers_share_the_replica_each_on_its_own_run(stub, replica, adapt
                 b.push_weights(dict(load_hf(tiny_model_dir).state_dict()), progress=False)
             runs = served(stub)
             assert {runs[a.run.run_id].policy_version, runs[b.run.run_id].policy_version} == {1, 2}
-            for client, version, model in ((a, 1, adapters[1]), (b, 2, adapters[3])):
+            runs = ((a, 1, adapters[1]), (b, 2, adapters[3]))
+            for client, version, model in runs:
                 client.submit_prompts([{"prompt": PROMPT, "ground_truth": "1"} for _ in range(2)])
                 rows = read_rows(client, 4)
                 assert len(rows) == 4
-                for row in rows:
-                    assert set(row["versions"]) == {version}
-                    expected = response_log_probs(model, row["prompt"], row["response"])
-                    assert (row["log_probs"] - expected).abs().max().item() <= LOG_PROB_TOLERANCE
+                check_rows(rows, version, model)
+            restarted = kill_and_restart(replica, runs, stub)
+            request.addfinalizer(restarted.stop)
             # The shared reward service kept a KL controller per run, each fed its own run's batches only.
             with grpc.insecure_channel(upstream["reward"].address) as channel:
                 kl = reward_pb2_grpc.RewardServiceStub(channel).GetKLController
                 assert all(kl(reward_pb2.GetKLControllerRequest(run_id=client.run.run_id)).updates >= 1
                            for client in (a, b))
                 assert kl(reward_pb2.GetKLControllerRequest()).updates == 0
+
+
+def kill_and_restart(replica: ServiceProcess, runs, stub) -> ServiceProcess:
+    """SIGKILL the replica while both runs' groups generate there, restart it on its port: each collector
+    re-syncs its own run's adapter (the replica came back serving no run), and every prompt submitted before
+    the kill reaches its trainer exactly once, as a whole group, sampled by its own run's adapter."""
+    for client, _, _ in runs:
+        tag = client.run.run_id
+        client.submit_prompts([{"prompt_id": f"{tag}-{i}", "prompt": PROMPT, "ground_truth": "1",
+                                "sampling": {"temperature": 1.0, "max_tokens": 300, "ignore_eos": True}}
+                               for i in range(4)])  # seconds each: still generating when the kill comes
+    wait_for(lambda: all(run.requests_in_flight for run in served(stub).values()), SCHEDULE_TIMEOUT,
+             "both runs generating on the replica")
+    replica.kill()
+    restarted = ServiceProcess("generation", [*replica.args, "--port", str(replica.port)])
+    restarted.start(replica.log_path.parent / "restarted").wait_ready(600)
+    for client, version, model in runs:
+        rows = read_rows(client, 8)
+        tag = client.run.run_id
+        assert sorted(row["prompt_id"] for row in rows) == sorted(f"{tag}-{i}" for i in range(4) for _ in range(2))
+        check_rows(rows, version, model)
+    wait_for(lambda: {run.policy_version for run in served(stub).values()} == {1, 2}, SCHEDULE_TIMEOUT,
+             "both runs re-synced on the restarted replica")
+    return restarted
