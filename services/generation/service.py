@@ -8,6 +8,7 @@ import grpc
 
 from rlfleet.services.common.server import Service
 from rlfleet.services.generation.config import GenerationConfig
+from rlfleet.services.generation.run_metrics import RUN_METRICS
 from rlfleet.services.generation.vllm_engine import GenerationEngine
 from rlfleet.services.generation.servicer import GenerationServicer
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc
@@ -19,6 +20,7 @@ class GenerationService(Service[GenerationConfig]):
     def __init__(self, config: GenerationConfig):
         super().__init__(config)
         self.engine = GenerationEngine(config)
+        RUN_METRICS.status = self.engine.status  # the runs sharing this replica, on /metrics
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.request
 
 import grpc
 import pytest
 import torch
 
 from rlfleet.client import connect
-from rlfleet.services.launch import ServiceProcess
+from rlfleet.services.launch import ServiceProcess, free_port
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc, reward_pb2, reward_pb2_grpc, sampling_pb2, weights_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
 from rlfleet.wire.push_messages import iter_push_messages
@@ -30,9 +31,12 @@ SCHEDULE_TIMEOUT = 120.0
 
 @pytest.fixture(scope="module")
 def replica(tiny_model_dir, tmp_path_factory):
+    metrics_port = free_port()
     proc = ServiceProcess("generation", ["--model", str(tiny_model_dir), "--max-model-len", "512",
+                                         "--metrics-port", str(metrics_port),
                                          "--kv-cache-memory-bytes", str(128 << 20), "--max-lora-rank", "8",
                                          "--max-runs", str(MAX_RUNS), "--log-format", "text"])
+    proc.metrics_port = metrics_port
     proc.start(tmp_path_factory.mktemp("generation-runs"))
     try:
         proc.wait_ready(600)
@@ -159,7 +163,16 @@ def test_a_push_of_one_run_changes_nothing_another_run_sees(stub, adapters):
     assert log_prob_error(fresh, adapters[3]) <= LOG_PROB_TOLERANCE
 
 
-def test_slots_are_bounded_and_every_refusal_names_its_cause(stub, adapters, tiny_model_dir):
+def metric_runs(replica, name: str) -> dict[str, float]:
+    """The replica's ``name`` samples on /metrics, by run: a run that ended has none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{replica.metrics_port}/metrics", timeout=10).read().decode()
+    return {sample.labels["run"]: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == name}
+
+
+def test_slots_are_bounded_and_every_refusal_names_its_cause(stub, replica, adapters, tiny_model_dir):
     def refused(code, call, *args, **kwargs) -> str:
         with pytest.raises(grpc.RpcError) as err:
             call(*args, **kwargs)
@@ -170,8 +183,10 @@ def test_slots_are_bounded_and_every_refusal_names_its_cause(stub, adapters, tin
     details = refused(grpc.StatusCode.RESOURCE_EXHAUSTED, generate, stub, "run-d")
     assert f"max_runs={MAX_RUNS}" in details and "run-a, run-b, run-c" in details
     assert "run-d" not in served(stub)
+    assert metric_runs(replica, "rlfleet_replica_run_policy_version") == {"run-a": 2, "run-b": 2, "run-c": 0}
     assert stub.EndRun(generation_pb2.EndRunRequest(run_id="run-c")).requests_in_flight == 0
     assert "run-c" not in served(stub)
+    assert set(metric_runs(replica, "rlfleet_replica_run_generated_tokens_total")) == {"run-a", "run-b"}
     (sample,) = generate(stub, "run-d", n=1)  # the slot run-c left
     assert spans(sample) == [(0, 0, length(sample))]
     assert "not served" in refused(grpc.StatusCode.NOT_FOUND, stub.EndRun,
