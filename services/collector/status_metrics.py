@@ -9,22 +9,16 @@ from typing import Callable
 
 from prometheus_client.core import REGISTRY, GaugeMetricFamily
 
+from rlfleet.services.common.metrics import StatusCollector
 from rlfleet.v1 import collector_pb2
 
 
-class StatusMetrics:
+class StatusMetrics(StatusCollector):
     """A Prometheus collector over ``status`` (the collector service's ``status``; None: no family)."""
 
-    def __init__(self) -> None:
-        self.status: Callable[[], collector_pb2.GetStatusResponse] | None = None
+    status: Callable[[], collector_pb2.GetStatusResponse] | None
 
-    def describe(self):
-        return []  # families are known at scrape time only
-
-    def collect(self):
-        if self.status is None:
-            return
-        status = self.status()
+    def families(self, status: collector_pb2.GetStatusResponse):
         sampling, mismatch = status.dynamic_sampling, status.mismatch
         for name, help_text, value in (
             ("rlfleet_policy_version", "The committed policy version", status.policy_version),

@@ -15,6 +15,24 @@ RPC_SECONDS = Histogram("rlfleet_rpc_seconds", "RPC handling time", ["method"])
 RPC_ERRORS = Counter("rlfleet_rpc_errors_total", "RPCs that ended with an error status", ["method", "code"])
 READY = Gauge("rlfleet_ready", "1 when the service reports SERVING")
 
+class StatusCollector:
+    """A Prometheus collector of families read from a service's status at scrape time (``families``), from
+    the one place that computes it; ``status`` None (not wired yet): no family."""
+
+    def __init__(self) -> None:
+        self.status = None
+
+    def describe(self):
+        return []  # families are known at scrape time only
+
+    def collect(self):
+        if self.status is not None:
+            yield from self.families(self.status())
+
+    def families(self, status):
+        raise NotImplementedError
+
+
 CLASSIC_TEXT = "text/plain; version=0.0.4"
 """The exposition format served whatever a scraper asks for: Prometheus's classic text, which every
 Prometheus reads and which keeps names as declared. Negotiated OpenMetrics would not: prometheus_client

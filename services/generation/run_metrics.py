@@ -8,22 +8,16 @@ from typing import Callable
 
 from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
 
+from rlfleet.services.common.metrics import StatusCollector
 from rlfleet.services.generation.status import EngineStatus
 
 
-class RunMetrics:
+class RunMetrics(StatusCollector):
     """A Prometheus collector over ``status`` (the engine's ``status``; None: no family)."""
 
-    def __init__(self) -> None:
-        self.status: Callable[[], EngineStatus] | None = None
+    status: Callable[[], EngineStatus] | None
 
-    def describe(self):
-        return []  # families are known at scrape time only
-
-    def collect(self):
-        if self.status is None:
-            return
-        status = self.status()
+    def families(self, status: EngineStatus):
         version = GaugeMetricFamily("rlfleet_replica_run_policy_version",
                                     "The version of each run this replica serves (0: the base weights)", labels=["run"])
         requests = GaugeMetricFamily("rlfleet_replica_run_requests", "Generate calls of each run in flight here, "

@@ -21,7 +21,7 @@ from rlfleet.services.common.errors import Aborted, FailedPrecondition, InvalidA
 from rlfleet.services.generation.config import GenerationEngineConfig
 from rlfleet.services.generation.kept_weights import WeightKeeper
 from rlfleet.services.generation.push_validation import TensorSpec, checkpoint_bytes
-from rlfleet.services.generation.served_adapters import AdapterSet
+from rlfleet.services.generation.served_adapters import AdapterSet, ServedAdapter
 from rlfleet.services.generation.served_runs import ServedRun, ServedRuns
 from rlfleet.services.generation.staging import StagedPush
 from rlfleet.services.generation.status import EngineState, ReplicaState
@@ -248,14 +248,8 @@ class WeightSwaps:
     async def _apply_adapter(self, engine: AsyncLLM, staged: StagedPush) -> None:
         """An adapter push's commit: added to vLLM, then current. ``keep``: nothing pauses (requests
         running go on with the adapter they started on); other modes as for weights."""
-        config, names = staged.adapter
-        try:
-            adapter = await self.adapters.load(engine, staged.version, config, names, staged.push.dtypes,
-                                               staged.push.shapes, staged.segment.buffer)
-        except (InvalidArgument, FailedPrecondition, WireError):
-            raise
-        except Exception as err:  # vLLM refused it: nothing changed, the replica serves on
-            raise InvalidArgument(f"vLLM refused the adapter of version {staged.version}: {err}") from None
+        config, _ = staged.adapter
+        adapter = await _load_adapter(self.adapters, engine, staged, "the")
         if staged.mode == "keep":
             self.adapters.switch(engine, adapter)
             self.replica.policy_version = staged.version
@@ -274,18 +268,11 @@ class WeightSwaps:
     async def _apply_run_adapter(self, engine: AsyncLLM, staged: StagedPush, run: ServedRun) -> None:
         """A named run's adapter push: loaded, then made the run's current one; its mode acts on the run's
         requests alone and vLLM is not paused (``served_runs``)."""
-        config, names = staged.adapter
+        config, _ = staged.adapter
         async with run.lock:
             if not staged.resync:
                 run.check_version(staged.version)
-            try:
-                adapter = await run.adapters.load(engine, staged.version, config, names, staged.push.dtypes,
-                                                  staged.push.shapes, staged.segment.buffer)
-            except (InvalidArgument, FailedPrecondition, WireError):
-                raise
-            except Exception as err:  # vLLM refused it: nothing changed, the run serves on
-                raise InvalidArgument(f"vLLM refused run {run.run_id}'s adapter of version {staged.version}: "
-                                      f"{err}") from None
+            adapter = await _load_adapter(run.adapters, engine, staged, f"run {run.run_id}'s")
             await asyncio.shield(self._switch_run(engine, run, adapter, staged.mode))
         logger.info("run %s serves adapter version %d (rank %d, %s)", run.run_id, staged.version, config.rank,
                     staged.mode)
@@ -363,3 +350,16 @@ class WeightSwaps:
         replica.move_to(EngineState.SERVING)
         logger.info("swapped to policy version %d (%s, %s) in %.3fs",
                     version, mode, transport, time.monotonic() - started)
+
+
+async def _load_adapter(adapters: AdapterSet, engine: AsyncLLM, staged: StagedPush, whose: str) -> ServedAdapter:
+    """``staged``'s adapter added to vLLM in ``adapters`` (not current yet). InvalidArgument naming ``whose``
+    adapter when vLLM refuses it: nothing changed, the replica (or the run) serves on."""
+    config, names = staged.adapter
+    try:
+        return await adapters.load(engine, staged.version, config, names, staged.push.dtypes, staged.push.shapes,
+                                   staged.segment.buffer)
+    except (InvalidArgument, FailedPrecondition, WireError):
+        raise
+    except Exception as err:
+        raise InvalidArgument(f"vLLM refused {whose} adapter of version {staged.version}: {err}") from None
