@@ -139,6 +139,11 @@ class GenerationEngineConfig(BaseModel):
     ``max_runs + max_loras`` adapters in one batch, so that every run's current adapter fits with older
     versions requests still finish on. 0: the replica serves its own run only."""
 
+    run_idle_seconds: float = Field(600.0, ge=0)
+    """With ``max_runs``: a named run with no call in flight and none (nor a push) for this long gives its
+    slot to a new run that finds every slot taken; its collector re-syncs it from its spool should it come
+    back. A run with a request running is never ended so."""
+
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments passed verbatim to ``vllm.AsyncEngineArgs``
     (e.g. ``tensor_parallel_size``, ``gpu_memory_utilization``). They override

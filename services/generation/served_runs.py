@@ -2,7 +2,11 @@
 with its own LoRA adapter, at its own versions.
 
 A named run takes one of the replica's ``max_runs`` slots at its first request or push and keeps it until
-its collector ends it (``EndRun``). Its version starts at 0 (the base weights, no adapter). An adapter push
+its collector ends it (``EndRun``), or until it has been idle (no call in flight, no request nor push)
+for ``run_idle_seconds`` and a new run needs its slot: a run whose collector went away (started anew
+under another run id) does not hold a slot for ever. Only an idle run's slot is taken, never one with a
+request running; should its collector come back, it finds the run at version 0 on this replica and
+re-syncs it from its spool, as it does a restarted replica. Its version starts at 0 (the base weights, no adapter). An adapter push
 of the run (``WeightManifest.run_id``) moves that run's version alone and acts on that run's requests
 alone, whatever its mode; vLLM is never paused for it, so no other run's requests wait:
 
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import time
 from dataclasses import dataclass, field
 
 from rlfleet.choices import SwapModeName
@@ -50,6 +56,8 @@ class ServedRun:
     calls: int = 0
     """Generate calls of the run in flight."""
     generated_tokens: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    """When the run last had a call or a push here (``ServedRuns.take``)."""
     ended: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """One push of the run at a time."""
@@ -82,11 +90,15 @@ class ServedRun:
         await self._drained.wait()
 
 
+log = logging.getLogger("rlfleet.generation.runs")
+
+
 class ServedRuns:
     """The named runs this replica serves, at most ``max_runs`` at once."""
 
-    def __init__(self, max_runs: int) -> None:
+    def __init__(self, max_runs: int, idle_seconds: float = 600.0) -> None:
         self.max_runs = max_runs
+        self.idle_seconds = idle_seconds
         self._runs: dict[str, ServedRun] = {}
         self.adapter_serials = itertools.count(1)
         """Every adapter this replica loads, whatever its run, gets its own serial: vLLM's id and name."""
@@ -100,23 +112,38 @@ class ServedRuns:
     def names(self) -> list[str]:
         return sorted(self._runs)
 
-    def take(self, run_id: str) -> ServedRun:
-        """The run ``run_id`` (INVALID_ARGUMENT for an id of another shape); a run served for the first time
-        takes a slot (RESOURCE_EXHAUSTED naming the runs that hold them when none is free)."""
+    def take(self, run_id: str, engine=None) -> ServedRun:
+        """The run ``run_id`` (INVALID_ARGUMENT for an id of another shape), marked used now; a run served for
+        the first time takes a slot: a free one, or the longest idle run's past ``idle_seconds``
+        (RESOURCE_EXHAUSTED naming the runs that hold them when none is)."""
         run = self._runs.get(run_id)
         if run is not None:
             if run.ended:
                 raise FailedPrecondition(f"run {run_id} ended on this replica (EndRun)")
+            run.last_used = time.monotonic()
             return run
         check_run_id(run_id)
         if self.max_runs == 0:
             raise FailedPrecondition(f"run {run_id}: this replica serves no runs but its own (start it with "
                                      f"max_runs and max_lora_rank to share it between runs)")
-        if len(self._runs) >= self.max_runs:
+        if len(self._runs) >= self.max_runs and not self._reclaim_idle(engine):
             raise ResourceExhausted(f"run {run_id}: this replica serves max_runs={self.max_runs} runs at once "
-                                    f"({', '.join(self.names())}); it gets a slot when one of them ends (EndRun)")
+                                    f"({', '.join(self.names())}); it gets a slot when one of them ends (EndRun) "
+                                    f"or has been idle for run_idle_seconds={self.idle_seconds:g}")
         run = self._runs[run_id] = ServedRun(run_id, AdapterSet(serials=self.adapter_serials))
         return run
+
+    def _reclaim_idle(self, engine) -> bool:
+        """End the longest idle run past ``idle_seconds`` (no call in flight, no push under way); whether one was."""
+        now = time.monotonic()
+        idle = [run for run in self._runs.values()
+                if run.calls == 0 and not run.lock.locked() and now - run.last_used >= self.idle_seconds]
+        if not idle:
+            return False
+        run = min(idle, key=lambda r: r.last_used)
+        log.info("run %s idle for %.0f s: its slot goes to a new run", run.run_id, now - run.last_used)
+        self.end(run.run_id, engine)
+        return True
 
     def get(self, run_id: str) -> ServedRun:
         """A run this replica serves; NOT_FOUND otherwise."""

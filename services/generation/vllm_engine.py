@@ -332,7 +332,7 @@ class GenerationEngine:
                 f"generation queue full ({self._requests_in_flight} requests in flight, "
                 f"max_queued_requests={self.config.max_queued_requests})"
             )
-        run = self.weights.runs.take(run_id) if run_id else None
+        run = self.weights.runs.take(run_id, self.replica.vllm) if run_id else None
         host = self if run is None else RunHost(self, run)
         rollout = Rollout(host, prompt_token_ids, sampling, request_id, time.monotonic(), required_version)
         samples = rollout.samples()

@@ -43,7 +43,7 @@ class WeightSwaps:
         self.replica = replica
         self.checkpoint_specs: dict[str, TensorSpec] = {}
         """The served checkpoint's tensors, read at start: what a full push must match."""
-        self.runs = ServedRuns(config.max_runs)
+        self.runs = ServedRuns(config.max_runs, config.run_idle_seconds)
         """The named runs sharing this replica, each with its adapters (``served_runs``)."""
         self.adapters = AdapterSet(serials=self.runs.adapter_serials)  # the own run's adapters (max_lora_rank)
         self._kept = WeightKeeper(config.delta_pushes)  # the served weights, for delta pushes
@@ -113,7 +113,7 @@ class WeightSwaps:
             raise FailedPrecondition(f"run {manifest.run_id}: a push of a run sharing this replica must be a LoRA "
                                      f"adapter push; a run that trains full weights gets replicas of its own")
         self._check_adapter(manifest)
-        run = self.runs.take(manifest.run_id)
+        run = self.runs.take(manifest.run_id, self.replica.vllm)
         if not manifest.resync:
             run.check_version(manifest.version)
 
@@ -201,7 +201,7 @@ class WeightSwaps:
         engine = self.replica.takes_pushes()
         staged.push.finish()
         if staged.manifest.run_id:
-            await self._apply_run_adapter(engine, staged, self.runs.take(staged.manifest.run_id))
+            await self._apply_run_adapter(engine, staged, self.runs.take(staged.manifest.run_id, engine))
             return
         async with self._lock:
             if not staged.resync:

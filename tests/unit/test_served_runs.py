@@ -71,3 +71,23 @@ def test_a_push_must_be_newer_than_the_runs_version():
     with pytest.raises(FailedPrecondition, match="run run-a: weights version 3 is not newer than its current 3"):
         run.check_version(3)
     run.check_version(4)
+
+
+async def test_a_new_run_takes_the_slot_of_the_longest_idle_run_never_one_with_a_call_or_a_push(tmp_path):
+    runs = ServedRuns(max_runs=3, idle_seconds=60)
+    engine = FakeEngine()
+    busy, pushing, idle = runs.take("busy"), runs.take("pushing"), runs.take("idle")
+    busy.calls = 1
+    await pushing.lock.acquire()
+    for run in (busy, pushing, idle):
+        run.last_used -= 3600  # all idle for an hour by the clock
+    runs.take("new", engine)
+    assert runs.names() == ["busy", "new", "pushing"]  # only the idle one gave its slot
+    with pytest.raises(NotFound):
+        runs.get("idle")
+    with pytest.raises(ResourceExhausted, match="run_idle_seconds=60"):
+        runs.take("another", engine)  # busy has a call in flight, pushing a push under way, new is fresh
+    pushing.lock.release()
+    runs.take("pushing")  # a call or push marks it used: no longer idle
+    with pytest.raises(ResourceExhausted):
+        runs.take("another", engine)
