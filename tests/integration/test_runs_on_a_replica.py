@@ -211,6 +211,25 @@ def test_slots_are_bounded_and_every_refusal_names_its_cause(stub, replica, adap
     assert stub.GetEngineStatus(generation_pb2.GetEngineStatusRequest()).policy_version == 0
 
 
+def test_a_run_ended_mid_call_finishes_its_call_and_takes_no_new_one(stub):
+    """EndRun while a call of the run runs: that call runs to its end, a new one is refused, and the run
+    leaves (its slot free) once the call ended."""
+    results = []
+    thread = threading.Thread(target=lambda: results.append(generate(stub, "run-d", n=1, max_tokens=300,
+                                                                     ignore_eos=True)))
+    thread.start()
+    wait_for(lambda: served(stub)["run-d"].generated_tokens > 0 and served(stub)["run-d"].requests_in_flight,
+             SCHEDULE_TIMEOUT, "run-d's call running")
+    assert stub.EndRun(generation_pb2.EndRunRequest(run_id="run-d")).requests_in_flight == 1
+    with pytest.raises(grpc.RpcError) as err:
+        generate(stub, "run-d", n=1)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "ended" in err.value.details()
+    thread.join(600)
+    ((sample,),) = results
+    assert sample.finish_reason == sampling_pb2.FINISH_REASON_LENGTH and length(sample) == 300
+    wait_for(lambda: "run-d" not in served(stub), SCHEDULE_TIMEOUT, "run-d to leave once its call ended")
+
+
 def _generate_weighted(stub, weight: float):
     request = generation_pb2.GenerateRequest(
         prompt=sampling_pb2.Prompt(token_ids=encode_tensor(torch.tensor(PROMPT))), run_id="run-a",
