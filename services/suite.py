@@ -65,6 +65,26 @@ class SuiteOptions:
     """Every service serves TLS and requires client certificates (mTLS) and role tokens; the CA, the
     certificates and the tokens are made in ``WORKDIR/credentials`` (``rlfleet.services.credentials``:
     a trainer uses ``ca.pem``, ``trainer.pem``/``.key`` and ``token-trainer``). Off: plaintext on loopback."""
+    runs: int = 1
+    """Runs sharing the generation replicas (docs/concepts/many-runs.md), each with a trajectory store and a
+    collector of its own (``shared_replicas``): keys ``trajectory`` and ``collector`` for the first,
+    ``trajectory-1`` and ``collector-1`` for the second, and so on. With more than one, the replicas get
+    ``max_runs`` (and ``max_lora_rank`` 8 unless ``generation_args`` sets one)."""
+
+    def __post_init__(self) -> None:
+        if self.runs < 1:
+            raise ValueError(f"runs must be at least 1, got {self.runs}")
+
+    def run_keys(self, service: str) -> list[str]:
+        """The keys of ``service`` (trajectory or collector) for each run, the first run's first."""
+        return [service if i == 0 else f"{service}-{i}" for i in range(self.runs)]
+
+    def shared_generation_args(self) -> list[str]:
+        """What the replicas need to be shared between ``runs`` runs (nothing for one)."""
+        if self.runs == 1:
+            return []
+        lora = [] if any(arg.startswith("--max-lora-rank") for arg in self.generation_args) else ["--max-lora-rank", "8"]
+        return ["--max-runs", str(self.runs), *lora]
 
 
 def secure_args(credentials: Path, name: str) -> list[str]:
@@ -122,8 +142,7 @@ def start_suite(options: SuiteOptions, workdir: Path, timeout: float = 900.0,
         _launch_upstream(launcher, store_only)
         launcher.wait(list(launcher.procs))
         if not (store_only or without_collector):
-            _launch_collector(launcher)
-            launcher.wait(["collector"])
+            launcher.wait(_launch_collector(launcher))
     except BaseException:
         stop_suite(launcher.procs)
         raise
@@ -135,16 +154,17 @@ def _launch_upstream(launcher: _Launcher, store_only: bool) -> None:
     environment services, without waiting for them."""
     options, workdir = launcher.options, launcher.workdir
     model, fresh = str(options.model_dir), (["--fresh", "true"] if options.fresh else [])
-    launcher.launch("trajectory", "trajectory",
-                    ["--db-path", options.trajectory_db or str(workdir / "trajectory" / "trajectories.db"), *fresh,
-                     *options.trajectory_args])
+    for i, key in enumerate(options.run_keys("trajectory")):
+        db = options.trajectory_db if i == 0 and options.trajectory_db else str(workdir / key / "trajectories.db")
+        launcher.launch(key, "trajectory", ["--db-path", db, *fresh, *options.trajectory_args])
     if store_only:
         return
     # vLLM's engines take longest to start: first, so the small services start beside them.
     for i in range(options.generation_replicas):
         launcher.launch(f"generation-{i}", "generation",
                         ["--model", model, "--kv-cache-memory-bytes", str(options.kv_cache_bytes),
-                         "--max-model-len", str(options.max_model_len), *options.generation_args])
+                         "--max-model-len", str(options.max_model_len), *options.shared_generation_args(),
+                         *options.generation_args])
     launcher.launch("reference", "reference", ["--model-path", model, "--torch-threads", str(options.reference_threads)])
     launcher.launch("reward", "reward", ["--tokenizer-path", model, *options.reward_args])
     if options.environments is not None:
@@ -153,17 +173,21 @@ def _launch_upstream(launcher: _Launcher, store_only: bool) -> None:
                              **options.environment_env})
 
 
-def _launch_collector(launcher: _Launcher) -> None:
-    """The collector, on the upstream services' addresses."""
+def _launch_collector(launcher: _Launcher) -> list[str]:
+    """The collector of each run, on the upstream services' addresses (its own trajectory store); their keys."""
     options, procs, credentials = launcher.options, launcher.procs, launcher.credentials
     replicas = [procs[f"generation-{i}"].address for i in range(options.generation_replicas)]
     upstream = ["--environment-address", procs["environment"].address] if "environment" in procs else []
-    launcher.launch("collector", "collector", [
-        "--generation-addresses", json.dumps(replicas),
-        "--reference-address", procs["reference"].address, "--reward-address", procs["reward"].address,
-        "--trajectory-address", procs["trajectory"].address, "--state-dir", str(launcher.workdir / "collector"),
-        *(["--fresh", "true"] if options.fresh else []), *upstream,
-        *(upstream_args(credentials) if credentials else ()), *options.collector_args])
+    shared = ["--shared-replicas", "true"] if options.runs > 1 else []
+    keys = options.run_keys("collector")
+    for key, store in zip(keys, options.run_keys("trajectory")):
+        launcher.launch(key, "collector", [
+            "--generation-addresses", json.dumps(replicas),
+            "--reference-address", procs["reference"].address, "--reward-address", procs["reward"].address,
+            "--trajectory-address", procs[store].address, "--state-dir", str(launcher.workdir / key),
+            *(["--fresh", "true"] if options.fresh else []), *upstream, *shared,
+            *(upstream_args(credentials) if credentials else ()), *options.collector_args])
+    return keys
 
 
 def upstream_args(credentials: Path) -> list[str]:
@@ -248,9 +272,11 @@ def stop_suite(procs: dict[str, ServiceProcess]) -> None:
         code = proc.stop()
         print(f"[suite] {key:<13} stopped (exit code {code})", file=sys.stderr, flush=True)
 
-    if "collector" in procs:
-        stop("collector", procs["collector"])
-    threads = [threading.Thread(target=stop, args=item, daemon=True) for item in procs.items() if item[0] != "collector"]
+    collectors = [key for key in procs if key == "collector" or key.startswith("collector-")]
+    for key in collectors:
+        stop(key, procs[key])
+    threads = [threading.Thread(target=stop, args=item, daemon=True) for item in procs.items()
+               if item[0] not in collectors]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -284,6 +310,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="every service serves metrics, and a Prometheus (Debian's package; scripts/bootstrap "
                              "installs it) scrapes them on --prometheus-port, its data in WORKDIR/prometheus")
     parser.add_argument("--prometheus-port", type=int, default=9090, help="Prometheus's port with --prometheus")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="runs sharing the generation replicas, each with its own trajectory store and collector "
+                             "(collector, collector-1, ...; docs/concepts/many-runs.md)")
     parser.add_argument("--check", action="store_true", help="start, report health, stop")
     parser.add_argument("--view", action="store_true",
                         help="look at the run in WORKDIR: the rollout viewer, with the trajectory service on its "
@@ -308,7 +337,8 @@ def main(argv: list[str] | None = None) -> None:
         environments = {}
     options = SuiteOptions(model_dir=ns.model_dir, generation_replicas=ns.generation_replicas,
                            collector_args=ns.collector_arg, generation_args=ns.generation_arg,
-                           environments=environments, secure=ns.secure, fresh=ns.fresh, metrics=ns.prometheus)
+                           environments=environments, secure=ns.secure, fresh=ns.fresh, metrics=ns.prometheus,
+                           runs=ns.runs)
     procs = start_suite(options, ns.workdir)
     prometheus = None
     try:
@@ -318,7 +348,9 @@ def main(argv: list[str] | None = None) -> None:
             prometheus = Prometheus(ns.workdir / "prometheus", ns.prometheus_port).start()
             print(f"[suite] Prometheus scraping every service: {prometheus.url} (deploy/grafana/rlfleet.json is "
                   f"the dashboard)", file=sys.stderr, flush=True)
-        print(f"[suite] {describe_run(procs['collector'].address, ns.workdir, ns.secure)}", file=sys.stderr, flush=True)
+        for key in options.run_keys("collector"):
+            print(f"[suite] {key}: {describe_run(procs[key].address, ns.workdir, ns.secure)}", file=sys.stderr,
+                  flush=True)
         exit_code = _serve(ns, procs["collector"].address)
     finally:
         if prometheus is not None:

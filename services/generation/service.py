@@ -20,7 +20,7 @@ class GenerationService(Service[GenerationConfig]):
     def __init__(self, config: GenerationConfig):
         super().__init__(config)
         self.engine = GenerationEngine(config)
-        RUN_METRICS.status = self.engine.status  # the runs sharing this replica, on /metrics
+        RUN_METRICS.status = lambda: self.engine.status()  # the runs sharing this replica, on /metrics
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(

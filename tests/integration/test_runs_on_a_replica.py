@@ -4,7 +4,6 @@ sees, and the replica's slots are bounded (docs/concepts/many-runs.md)."""
 
 from __future__ import annotations
 
-import json
 import threading
 import urllib.request
 
@@ -14,6 +13,7 @@ import torch
 
 from rlfleet.client import connect
 from rlfleet.services.launch import ServiceProcess, free_port
+from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc, reward_pb2, reward_pb2_grpc, sampling_pb2, weights_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
 from rlfleet.wire.push_messages import iter_push_messages
@@ -261,34 +261,25 @@ def check_rows(rows: list[dict], version: int, model) -> None:
         assert (row["log_probs"] - expected).abs().max().item() <= LOG_PROB_TOLERANCE
 
 
-def test_two_trainers_share_the_replica_each_on_its_own_run(stub, replica, adapters, tiny_model_dir, start_service,
-                                                            tmp_path, request):
-    """Two collectors (``shared_replicas``), each with its trainer and trajectory store, over the one replica:
-    each run starts at its own version 0 whatever the other pushed, and every sample of each run's batches
-    was sampled by that run's adapter at the version it is labelled with; a SIGKILL of the replica while both
-    runs generate loses and duplicates nothing in either (``kill_and_restart``)."""
-    for run_id in list(served(stub)):
-        stub.EndRun(generation_pb2.EndRunRequest(run_id=run_id))
-    wait_for(lambda: not served(stub), SCHEDULE_TIMEOUT, "the replica-level runs to leave")
-    model = str(tiny_model_dir)
-    upstream = {"reference": start_service("reference", "--model-path", model, "--torch-threads", "1"),
-                "reward": start_service("reward", "--tokenizer-path", model)}
-    stores = {name: start_service("trajectory", "--db-path", str(tmp_path / f"trajectories-{name}.db"))
-              for name in ("a", "b")}
-    for proc in [*upstream.values(), *stores.values()]:
-        proc.wait_ready(300)
-    collectors = {name: start_service(
-        "collector", "--generation-addresses", json.dumps([replica.address]),
-        "--reference-address", upstream["reference"].address, "--reward-address", upstream["reward"].address,
-        "--trajectory-address", stores[name].address, "--state-dir", str(tmp_path / f"collector-{name}"),
-        "--shared-replicas", "true", "--group-size", "2", "--groups-per-step", "2", "--mode", "async",
-        "--max-staleness", "1000", "--mismatch-kl-target", "null",
-        "--sampling", '{"temperature": 1.0, "max_tokens": 12}') for name in ("a", "b")}
-    for proc in collectors.values():
-        proc.wait_ready(300)
-    with connect(collectors["a"].address, run="new", timeout=300) as a:
+def test_two_trainers_share_a_suites_replica_each_on_its_own_run(adapters, tiny_model_dir, tmp_path, request):
+    """``rlfleet-suite --runs 2``: two collectors (``shared_replicas``), each with its trainer and trajectory
+    store, over one replica: each run starts at its own version 0 whatever the other pushed, and every sample
+    of each run's batches was sampled by that run's adapter at the version it is labelled with; a SIGKILL of
+    the replica while both runs generate loses and duplicates nothing in either (``kill_and_restart``)."""
+    options = SuiteOptions(model_dir=tiny_model_dir, runs=2, kv_cache_bytes=128 << 20, max_model_len=512,
+                           collector_args=["--group-size", "2", "--groups-per-step", "2", "--max-staleness", "1000",
+                                           "--mismatch-kl-target", "null",
+                                           "--sampling", '{"temperature": 1.0, "max_tokens": 12}'])
+    suite = start_suite(options, tmp_path / "suite")
+    request.addfinalizer(lambda: stop_suite(suite))
+    assert [key for key in suite if key.startswith(("collector", "trajectory"))] == [
+        "trajectory", "trajectory-1", "collector", "collector-1"]
+    channel = grpc.insecure_channel(suite["generation-0"].address)
+    request.addfinalizer(channel.close)
+    stub = generation_pb2_grpc.GenerationServiceStub(channel)
+    with connect(suite["collector"].address, run="new", timeout=300) as a:
         assert a.push_adapter(adapters[1], progress=False).version == 1
-        with connect(collectors["b"].address, run="new", timeout=300) as b:
+        with connect(suite["collector-1"].address, run="new", timeout=300) as b:
             assert b.policy_version == 0  # a fresh run, whatever the replica serves the other run
             b.push_adapter(adapters[2], progress=False)
             assert b.push_adapter(adapters[3], progress=False).version == 2
@@ -302,11 +293,10 @@ def test_two_trainers_share_the_replica_each_on_its_own_run(stub, replica, adapt
                 rows = read_rows(client, 4)
                 assert len(rows) == 4
                 check_rows(rows, version, model)
-            restarted = kill_and_restart(replica, runs, stub)
-            request.addfinalizer(restarted.stop)
+            suite["generation-0"] = kill_and_restart(suite["generation-0"], runs, stub)
             # The shared reward service kept a KL controller per run, each fed its own run's batches only.
-            with grpc.insecure_channel(upstream["reward"].address) as channel:
-                kl = reward_pb2_grpc.RewardServiceStub(channel).GetKLController
+            with grpc.insecure_channel(suite["reward"].address) as reward_channel:
+                kl = reward_pb2_grpc.RewardServiceStub(reward_channel).GetKLController
                 assert all(kl(reward_pb2.GetKLControllerRequest(run_id=client.run.run_id)).updates >= 1
                            for client in (a, b))
                 assert kl(reward_pb2.GetKLControllerRequest()).updates == 0
