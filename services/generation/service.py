@@ -20,7 +20,6 @@ class GenerationService(Service[GenerationConfig]):
     def __init__(self, config: GenerationConfig):
         super().__init__(config)
         self.engine = GenerationEngine(config)
-        RUN_METRICS.status = lambda: self.engine.status()  # the runs sharing this replica, on /metrics
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(
@@ -28,6 +27,7 @@ class GenerationService(Service[GenerationConfig]):
 
     async def start(self) -> None:
         await self.engine.start()
+        RUN_METRICS.status = self.engine.status  # the runs sharing this replica, on /metrics
         # Supervised: a watch that died would leave health stuck at its last answer (SERVING through
         # swaps, or after the engine core died); the service fails instead, naming why.
         self.supervise(self._follow_engine_health(), "the engine health watch")
@@ -42,5 +42,6 @@ class GenerationService(Service[GenerationConfig]):
                 await self.set_serving(serving)
 
     async def stop(self) -> None:
+        RUN_METRICS.status = None
         await self.stop_supervised()
         await self.engine.shutdown()

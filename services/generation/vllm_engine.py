@@ -26,7 +26,7 @@ from rlfleet.services.generation.push_validation import read_checkpoint_specs
 from rlfleet.services.generation.rollout import Rollout
 from rlfleet.services.generation.sampling import SampleResult
 from rlfleet.services.generation.served_adapters import ServedAdapter
-from rlfleet.services.generation.served_runs import ServedRun
+from rlfleet.services.generation.run_streams import RunHost
 from rlfleet.services.generation.status import EngineState, EngineStatus, ReplicaState, RunStatus, TokenRate
 from rlfleet.services.generation.transfer import WEIGHT_TRANSFER_CONFIG
 from rlfleet.services.generation.weight_swaps import WeightSwaps
@@ -391,39 +391,6 @@ class GenerationEngine:
                                                       lora_request=adapter.request), adapter)
         return stream, swap_serial, adapter.version
 
-    async def open_run_stream(self, run: ServedRun, prompt_token_ids: list[int], params: Any, request_id: str,
-                              required_version: int | None = None) -> tuple[AsyncGenerator[Any, None], int, int]:
-        """``open_stream`` for a named run: on the run's adapter (none at its version 0: the base weights),
-        admitted once no push of the run (and no swap of the replica) holds admission, and pinned to the
-        run's version then."""
-        swap_serial = run.serial
-        await run.admission_open.wait()
-        await self.replica.admission_open.wait()
-        engine = self.replica.require()
-        if required_version is not None and required_version != run.version:
-            raise Aborted(f"request {request_id} is pinned to run {run.run_id}'s policy version {required_version}; "
-                          f"this replica serves the run's version {run.version}")
-        adapter = run.adapters.pin()
-        version = run.version if adapter is None else adapter.version
-        stream = self._run_stream(engine, run, adapter, request_id, prompt_token_ids, params)
-        return stream, swap_serial, version
-
-    async def _run_stream(self, engine: AsyncLLM, run: ServedRun, adapter: ServedAdapter | None, request_id: str,
-                          prompt_token_ids: list[int], params: Any) -> AsyncGenerator[Any, None]:
-        """A named run's vLLM request: counted as the run's (what its ``wait`` and ``abort`` pushes act on)
-        from its first read to its end, and as a user of ``adapter`` until then."""
-        run.opened(request_id)
-        stream = engine.generate({"prompt_token_ids": prompt_token_ids}, params, request_id,
-                                 lora_request=None if adapter is None else adapter.request)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            await stream.aclose()
-            run.closed(request_id)
-            if adapter is not None:
-                run.adapters.unpin(engine, adapter)
-
     def end_run(self, run_id: str) -> int:
         """``run_id`` ended (``served_runs.ServedRuns.end``): its calls still in flight."""
         return self.weights.runs.end(run_id, self.replica.vllm).calls
@@ -471,33 +438,6 @@ class GenerationEngine:
                                  run.generated_tokens) for run in self.weights.runs),
             max_runs=self.config.max_runs,
         )
-
-
-class RunHost:
-    """What a Rollout of a named run sees of the engine (``rollout.RolloutHost``): the run's version, its
-    streams (``open_run_stream``), its pushes' resumes, and its tokens counted."""
-
-    def __init__(self, engine: GenerationEngine, run: ServedRun) -> None:
-        self._engine = engine
-        self._run = run
-
-    @property
-    def policy_version(self) -> int:
-        return self._run.version
-
-    async def open_stream(self, prompt_token_ids: list[int], params: Any, request_id: str,
-                          required_version: int | None = None) -> tuple[AsyncGenerator[Any, None], int, int]:
-        return await self._engine.open_run_stream(self._run, prompt_token_ids, params, request_id, required_version)
-
-    def resumes(self, swap_serial: int) -> bool:
-        return self._run.resumes(swap_serial)
-
-    def count_tokens(self, num_tokens: int, now: float, first: bool) -> None:
-        self._run.generated_tokens += num_tokens
-        self._engine.count_tokens(num_tokens, now, first)
-
-    def count_resume(self, carried_tokens: int) -> None:
-        self._engine.count_resume(carried_tokens)
 
 
 def _share_weight(weight: float) -> float:

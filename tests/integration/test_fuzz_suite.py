@@ -123,6 +123,7 @@ def _own_seeds(method) -> list:
                                         sampling=sp.SamplingParams(max_tokens=4, min_tokens=2, ignore_eos=True,
                                                                    stop=["9"], stop_token_ids=[3]))],
         "GetEngineStatus": [gp.GetEngineStatusRequest()],
+        "EndRun": [gp.EndRunRequest(run_id="run-20261202-120000-abcdef"), gp.EndRunRequest()],
         "Check": [health_pb2.HealthCheckRequest(service=s) for s in ("", COLLECTOR.full_name, GENERATION.full_name)],
         "Watch": [health_pb2.HealthCheckRequest(service=s) for s in ("", TRAJECTORY.full_name, "nope")],
     }

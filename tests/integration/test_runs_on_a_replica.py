@@ -25,6 +25,9 @@ PROMPT = [1, 348, 201, 330, 400, 223, 20, 267, 223, 21, 2, 201, 1, 305, 310, 201
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LOG_PROB_TOLERANCE = 1e-4
 MAX_RUNS = 3
+LONG_TOKENS = 480
+"""A request that runs for seconds (the replica's max_model_len is 512): still running when the step after
+the wait for it comes (a push, an EndRun), however loaded the machine, since both slow down alike."""
 SCHEDULE_TIMEOUT = 120.0
 """Until a call sent to the engine is running (a few engine steps; a loaded 2-core machine)."""
 
@@ -137,7 +140,7 @@ def test_a_push_of_one_run_changes_nothing_another_run_sees(stub, adapters):
     results: dict[str, list] = {}
 
     def long(run_id):
-        results[run_id] = generate(stub, run_id, n=1, max_tokens=300, ignore_eos=True)
+        results[run_id] = generate(stub, run_id, n=1, max_tokens=LONG_TOKENS, ignore_eos=True)
     threads = [threading.Thread(target=long, args=(run_id,)) for run_id in ("run-a", "run-b")]
     for thread in threads:
         thread.start()
@@ -156,7 +159,7 @@ def test_a_push_of_one_run_changes_nothing_another_run_sees(stub, adapters):
     assert {span.version for span in aborted.policy_version_spans} == {1}
     (kept,) = results["run-b"]
     assert kept.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
-    assert spans(kept) == [(2, 0, 300)]
+    assert spans(kept) == [(2, 0, LONG_TOKENS)]
     assert log_prob_error(kept, adapters[2]) <= LOG_PROB_TOLERANCE
     (fresh,) = generate(stub, "run-a", n=1)
     assert spans(fresh) == [(2, 0, length(fresh))]
@@ -215,7 +218,7 @@ def test_a_run_ended_mid_call_finishes_its_call_and_takes_no_new_one(stub):
     """EndRun while a call of the run runs: that call runs to its end, a new one is refused, and the run
     leaves (its slot free) once the call ended."""
     results = []
-    thread = threading.Thread(target=lambda: results.append(generate(stub, "run-d", n=1, max_tokens=300,
+    thread = threading.Thread(target=lambda: results.append(generate(stub, "run-d", n=1, max_tokens=LONG_TOKENS,
                                                                      ignore_eos=True)))
     thread.start()
     wait_for(lambda: served(stub)["run-d"].generated_tokens > 0 and served(stub)["run-d"].requests_in_flight,
@@ -226,7 +229,7 @@ def test_a_run_ended_mid_call_finishes_its_call_and_takes_no_new_one(stub):
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "ended" in err.value.details()
     thread.join(600)
     ((sample,),) = results
-    assert sample.finish_reason == sampling_pb2.FINISH_REASON_LENGTH and length(sample) == 300
+    assert sample.finish_reason == sampling_pb2.FINISH_REASON_LENGTH and length(sample) == LONG_TOKENS
     wait_for(lambda: "run-d" not in served(stub), SCHEDULE_TIMEOUT, "run-d to leave once its call ended")
 
 

@@ -140,6 +140,11 @@ class EngineBelow:
     async def shutdown(self) -> None:
         self.shut_down = True
 
+    def status(self):  # what /metrics reads of the runs sharing the replica: none here
+        from types import SimpleNamespace
+
+        return SimpleNamespace(runs=(), max_runs=0)
+
 
 async def no_messages():
     return
