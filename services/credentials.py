@@ -1,6 +1,6 @@
 """Make a deployment's credentials: a local CA, a certificate per service, and one token per role.
 
-    python -m rlfleet.services.credentials DIR [--name collector --name reference ...]
+    python -m rlfleet.services.credentials DIR [--name collector --name reference ...] [--run exp-a ...]
         [--host extra.dns.name ...] [--days 365] [--owner UID:GID] [--ca-key-dir DIR] [--force]
 
 Writes, into ``DIR``:
@@ -13,7 +13,11 @@ Writes, into ``DIR``:
   (server and client authentication), so a service presents it to its callers and the collector
   (or a trainer named ``trainer``) presents its own as a client certificate under mTLS;
 - ``tokens``: the services' ``auth_tokens_file`` (one fresh token per role), and ``token-<role>``
-  per role for the callers (the collector reads ``token-service``, a trainer ``token-trainer``).
+  per role for the callers (the collector reads ``token-service``, a trainer ``token-trainer``);
+- per ``--run`` (runs sharing a fleet, docs/concepts/many-runs.md): ``trainer-<run>.pem``/``.key``, a
+  certificate naming the run (``urn:rlfleet:run:<run>``), and ``token-trainer-<run>`` /
+  ``token-reader-<run>``, tokens that act for that run alone (listed in ``tokens`` with it). Run again
+  with another ``--run``, it adds that run's and keeps the rest.
 
 Keys and tokens are mode 0640 and, with ``--owner``, owned by that uid:gid (the services' user in a
 container). Run again, it keeps what is there (a restarted init container changes nothing) unless
@@ -30,9 +34,12 @@ import secrets
 from pathlib import Path
 
 from rlfleet.services.common.files import write_atomically
-from rlfleet.services.common.security import ROLES
+from rlfleet.services.common.run_ids import RUN_ID
+from rlfleet.services.common.security import READER, ROLES, RUN_URI, TRAINER
 
 DEFAULT_NAMES = ("generation", "reference", "reward", "trajectory", "environment", "collector", "trainer")
+RUN_ROLES = (TRAINER, READER)
+"""The roles a run's own tokens hold (operators and services see every run)."""
 CA_NAME = "rlfleet local CA"
 
 
@@ -49,9 +56,9 @@ def upstream_files(directory: str | Path, name: str, role: str) -> dict[str, str
 def make_credentials(directory: str | Path, names: tuple[str, ...] | list[str] = DEFAULT_NAMES,
                      hosts: tuple[str, ...] | list[str] = (), days: int = 365,
                      owner: tuple[int, int] | None = None, force: bool = False,
-                     ca_key_dir: str | Path | None = None) -> Path:
-    """Write the CA, a certificate per name and the tokens into ``directory`` (see the module
-    docstring); returns it. What already exists is kept unless ``force``."""
+                     ca_key_dir: str | Path | None = None, runs: tuple[str, ...] | list[str] = ()) -> Path:
+    """Write the CA, a certificate per name, the tokens and each run's certificate and tokens into
+    ``directory`` (see the module docstring); returns it. What already exists is kept unless ``force``."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     ca_key_path = Path(ca_key_dir or directory) / "ca.key"
@@ -63,20 +70,37 @@ def make_credentials(directory: str | Path, names: tuple[str, ...] | list[str] =
         write_atomically(directory / "ca.pem", _cert_pem(ca_cert), mode=0o644, owner=owner)
         force = True  # new CA: every certificate again
     ca_key, ca_cert = _load(ca_key_path, directory / "ca.pem")
-    for name in names:
+    certificates = [(name, ()) for name in names] + [(f"trainer-{run}", (f"{RUN_URI}{run}",)) for run in runs]
+    for name, uris in certificates:
         if force or not (directory / f"{name}.pem").exists():
             key = _new_key()
-            cert = _certificate(name, key.public_key(), ca_key, ca_cert, days, sans=(name, "localhost", *hosts))
+            cert = _certificate(name, key.public_key(), ca_key, ca_cert, days, sans=(name, "localhost", *hosts),
+                                uris=uris)
             write_atomically(directory / f"{name}.key", _key_pem(key), mode=0o640, owner=owner)
             write_atomically(directory / f"{name}.pem", _cert_pem(cert), mode=0o644, owner=owner)
-    if force or not (directory / "tokens").exists():
-        tokens = {role: secrets.token_urlsafe(32) for role in ROLES}
-        lines = ["# role token: the services' auth_tokens_file (made by rlfleet.services.credentials)"]
-        lines += [f"{role} {token}" for role, token in tokens.items()]
-        write_atomically(directory / "tokens", ("\n".join(lines) + "\n").encode(), mode=0o640, owner=owner)
-        for role, token in tokens.items():
-            write_atomically(directory / f"token-{role}", f"{token}\n".encode(), mode=0o640, owner=owner)
+    force = force or not (directory / "tokens").exists()
+    wanted = [f"token-{role}" for role in ROLES] + [f"token-{role}-{run}" for run in runs for role in RUN_ROLES]
+    for file in wanted:
+        if force or not (directory / file).exists():
+            write_atomically(directory / file, f"{secrets.token_urlsafe(32)}\n".encode(), mode=0o640, owner=owner)
+    _write_tokens(directory, owner)
     return directory
+
+
+def _write_tokens(directory: Path, owner: tuple[int, int] | None) -> None:
+    """The services' ``tokens`` from the ``token-*`` files: a line per role, and one per run's token."""
+    def token(file: str) -> str:
+        return (directory / file).read_text().strip()
+
+    lines = ["# role token [run]: the services' auth_tokens_file (made by rlfleet.services.credentials)"]
+    lines += [f"{role} {token(f'token-{role}')}" for role in ROLES]
+    for role in RUN_ROLES:
+        prefix = f"token-{role}-"
+        lines += [f"{role} {token(path.name)} {path.name[len(prefix):]}"
+                  for path in sorted(directory.glob(f"{prefix}*"))]
+    text = ("\n".join(lines) + "\n").encode()
+    if not (directory / "tokens").exists() or (directory / "tokens").read_bytes() != text:
+        write_atomically(directory / "tokens", text, mode=0o640, owner=owner)
 
 
 def _new_key():
@@ -85,7 +109,8 @@ def _new_key():
     return ec.generate_private_key(ec.SECP256R1())
 
 
-def _certificate(name: str, public_key, signing_key, issuer, days: int, ca: bool = False, sans: tuple[str, ...] = ()):
+def _certificate(name: str, public_key, signing_key, issuer, days: int, ca: bool = False, sans: tuple[str, ...] = (),
+                 uris: tuple[str, ...] = ()):
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -106,7 +131,7 @@ def _certificate(name: str, public_key, signing_key, issuer, days: int, ca: bool
     else:
         builder = (builder
                    .add_extension(x509.SubjectAlternativeName([_general_name(host) for host in dict.fromkeys(
-                       (*sans, "127.0.0.1"))]), critical=False)
+                       (*sans, "127.0.0.1"))] + [x509.UniformResourceIdentifier(uri) for uri in uris]), critical=False)
                    .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                          ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
                    .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(signing_key.public_key()),
@@ -150,6 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("directory", type=Path)
     parser.add_argument("--name", action="append", default=None,
                         help=f"a certificate for this name (repeatable; default: {', '.join(DEFAULT_NAMES)})")
+    parser.add_argument("--run", action="append", default=[],
+                        help="a run sharing the fleet: a trainer certificate and trainer/reader tokens that act for "
+                             "it alone (repeatable; docs/concepts/many-runs.md)")
     parser.add_argument("--host", action="append", default=[], help="another DNS name or IP in every certificate")
     parser.add_argument("--days", type=int, default=365)
     parser.add_argument("--owner", default=None, help="UID:GID owning the keys and tokens (default: whoever runs this)")
@@ -161,9 +189,13 @@ def main(argv: list[str] | None = None) -> None:
     if ns.owner:
         uid, _, gid = ns.owner.partition(":")
         owner = (int(uid), int(gid or uid))
+    for run in ns.run:
+        if not RUN_ID.fullmatch(run) or run in (".", ".."):
+            parser.error(f"--run {run!r}: a run name is 1 to 128 characters of [A-Za-z0-9._-]")
     directory = make_credentials(ns.directory, tuple(ns.name or DEFAULT_NAMES), tuple(ns.host), ns.days, owner,
-                                 ns.force, ns.ca_key_dir)
-    print(f"credentials in {directory}: ca.pem, <name>.pem/.key, tokens, token-<role>")
+                                 ns.force, ns.ca_key_dir, tuple(ns.run))
+    runs = ", trainer-<run>.pem/.key and token-<trainer|reader>-<run> per run" if ns.run else ""
+    print(f"credentials in {directory}: ca.pem, <name>.pem/.key, tokens, token-<role>{runs}")
 
 
 if __name__ == "__main__":

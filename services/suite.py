@@ -69,7 +69,9 @@ class SuiteOptions:
     """Runs sharing the generation replicas (docs/concepts/many-runs.md), each with a trajectory store and a
     collector of its own (``shared_replicas``): keys ``trajectory`` and ``collector`` for the first,
     ``trajectory-1`` and ``collector-1`` for the second, and so on. With more than one, the replicas get
-    ``max_runs`` (and ``max_lora_rank`` 8 unless ``generation_args`` sets one)."""
+    ``max_runs`` (and ``max_lora_rank`` 8 unless ``generation_args`` sets one). The runs are named r0,
+    r1, ... (``run_names``); with ``secure``, each run's trainer has credentials acting for it alone
+    (``trainer-<run>.pem``/``.key``, ``token-trainer-<run>``: ``credentials_from(DIR, run=...)``)."""
 
     def __post_init__(self) -> None:
         if self.runs < 1:
@@ -78,6 +80,15 @@ class SuiteOptions:
     def run_keys(self, service: str) -> list[str]:
         """The keys of ``service`` (trajectory or collector) for each run, the first run's first."""
         return [service if i == 0 else f"{service}-{i}" for i in range(self.runs)]
+
+    def run_names(self) -> list[str]:
+        """Each run's name (``run_name`` of its collector and trajectory store; its credentials name it):
+        r0, r1, ... where runs share the fleet, none for one run."""
+        return [f"r{i}" for i in range(self.runs)] if self.runs > 1 else []
+
+    def run_name_args(self, index: int) -> list[str]:
+        names = self.run_names()
+        return ["--run-name", names[index]] if names else []
 
     def shared_generation_args(self) -> list[str]:
         """What the replicas need to be shared between ``runs`` runs (nothing for one)."""
@@ -106,7 +117,7 @@ class _Launcher:
         if options.secure:
             from rlfleet.services.credentials import make_credentials
 
-            self.credentials = make_credentials(workdir / "credentials")
+            self.credentials = make_credentials(workdir / "credentials", runs=options.run_names())
 
     def launch(self, key: str, name: str, args: list[str], env: dict[str, str] | None = None) -> ServiceProcess:
         self.started[key] = time.monotonic()
@@ -156,7 +167,8 @@ def _launch_upstream(launcher: _Launcher, store_only: bool) -> None:
     model, fresh = str(options.model_dir), (["--fresh", "true"] if options.fresh else [])
     for i, key in enumerate(options.run_keys("trajectory")):
         db = options.trajectory_db if i == 0 and options.trajectory_db else str(workdir / key / "trajectories.db")
-        launcher.launch(key, "trajectory", ["--db-path", db, *fresh, *options.trajectory_args])
+        launcher.launch(key, "trajectory", ["--db-path", db, *fresh, *options.run_name_args(i),
+                                            *options.trajectory_args])
     if store_only:
         return
     # vLLM's engines take longest to start: first, so the small services start beside them.
@@ -180,9 +192,9 @@ def _launch_collector(launcher: _Launcher) -> list[str]:
     upstream = ["--environment-address", procs["environment"].address] if "environment" in procs else []
     shared = ["--shared-replicas", "true"] if options.runs > 1 else []
     keys = options.run_keys("collector")
-    for key, store in zip(keys, options.run_keys("trajectory")):
+    for i, (key, store) in enumerate(zip(keys, options.run_keys("trajectory"))):
         launcher.launch(key, "collector", [
-            "--generation-addresses", json.dumps(replicas),
+            "--generation-addresses", json.dumps(replicas), *options.run_name_args(i),
             "--reference-address", procs["reference"].address, "--reward-address", procs["reward"].address,
             "--trajectory-address", procs[store].address, "--state-dir", str(launcher.workdir / key),
             *(["--fresh", "true"] if options.fresh else []), *upstream, *shared,

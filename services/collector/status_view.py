@@ -25,7 +25,7 @@ class StatusView:
     def run_info(self) -> collector_pb2.RunInfo:
         run = self._run
         return collector_pb2.RunInfo(run_id=run.run_id, created_at=run.created_at, resumed=run.resumed,
-                                     policy_version=self._gate.version)
+                                     policy_version=self._gate.version, name=self._config.run_name)
 
     def snapshot(self, not_serving_reason: str, failed: bool) -> collector_pb2.GetStatusResponse:
         """The collector's status; ``not_serving_reason`` why it does not serve ("" when it does)."""

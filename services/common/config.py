@@ -157,6 +157,10 @@ class ServiceConfig(Settings):
     """PEM private key (unencrypted) of ``tls_cert_file``."""
     tls_client_ca_file: str | None = None
     """PEM CA certificate(s): set, every client must present a certificate signed by one (mTLS)."""
+    run_name: str = Field("", pattern=r"^([A-Za-z0-9._-]{1,128})?$")
+    """The run this service serves alone, where runs share a fleet (docs/concepts/many-runs.md): a run's
+    collector and trajectory store. A trainer's or reader's token or certificate naming other runs is
+    refused here (PERMISSION_DENIED); "": no one run (a fleet of one run, or a service runs share)."""
     otlp_endpoint: str | None = None
     """OTLP/gRPC endpoint (``host:port``: an OpenTelemetry Collector, Jaeger) this service's trace spans
     are exported to (``docs/guides/tracing.md``); None: no tracing, nothing added to any call."""

@@ -23,7 +23,7 @@ import grpc
 
 from rlfleet.services.common import metrics, tracing
 from rlfleet.services.common.errors import InvalidArgument, RlfleetError
-from rlfleet.services.common.security import AccessPolicy
+from rlfleet.services.common.security import AccessPolicy, certificate_runs
 from rlfleet.wire import WireError
 from rlfleet.wire.error_details import sample_error_metadata
 
@@ -77,8 +77,8 @@ def detail_metadata(exc: BaseException) -> tuple[tuple[str, bytes], ...]:
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps exceptions to statuses, checks the bearer token and its role (``security.AccessPolicy``),
-    records RPC metrics."""
+    """Maps exceptions to statuses, checks the caller's token, its role and its run
+    (``security.AccessPolicy``), records RPC metrics."""
 
     def __init__(self, policy: AccessPolicy | None = None):
         self._policy = policy or AccessPolicy()
@@ -88,10 +88,22 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = details.method
-        verdict = self._policy.check(method, details.invocation_metadata)
-        if verdict.code is not None:
-            return _denied_handler(handler, method, getattr(grpc.StatusCode, verdict.code), verdict.message)
-        return _wrap_handler(handler, method, tracing.traced_rpc(method, details.invocation_metadata))
+        return _wrap_handler(handler, method, self._policy, tracing.traced_rpc(method, details.invocation_metadata))
+
+
+async def _check_access(policy: AccessPolicy, method: str, context: grpc.aio.ServicerContext) -> None:
+    """Aborts the call unless the policy lets it through; before its request is parsed: a caller
+    without the right credentials learns nothing about its bytes."""
+    if not (policy.enabled or policy.reads_certificates):
+        return  # local development: nothing to check
+    runs = None
+    if policy.reads_certificates:
+        runs = certificate_runs(context.auth_context().get("peer_uri", ()))
+    verdict = policy.check(method, context.invocation_metadata(), runs)
+    if verdict.code is not None:
+        code = getattr(grpc.StatusCode, verdict.code)
+        metrics.RPC_ERRORS.labels(method=method, code=code.name).inc()
+        await context.abort(code, verdict.message)
 
 
 def _parser(handler: grpc.RpcMethodHandler, method: str) -> Callable[[bytes], Any]:
@@ -113,7 +125,8 @@ async def _parsed(requests: AsyncIterator[bytes], parse: Callable[[bytes], Any])
         yield parse(raw)
 
 
-def _wrap_handler(handler: grpc.RpcMethodHandler, method: str, trace_parent=None) -> grpc.RpcMethodHandler:
+def _wrap_handler(handler: grpc.RpcMethodHandler, method: str, policy: AccessPolicy,
+                  trace_parent=None) -> grpc.RpcMethodHandler:
     """``trace_parent``: the caller's trace context when the call is traced (a SERVER span around the
     handler, ``tracing.rpc_span``), None when not (tracing off: nothing added)."""
     parse = _parser(handler, method)
@@ -129,6 +142,7 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, method: str, trace_parent=None
         behavior = handler.unary_unary or handler.stream_unary
 
         async def unary_response(request_or_iterator, context):
+            await _check_access(policy, method, context)
             started = time.perf_counter()
             try:
                 with traced():
@@ -146,6 +160,7 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, method: str, trace_parent=None
         behavior = handler.unary_stream or handler.stream_stream
 
         async def unary_response(request_or_iterator, context):  # streams responses
+            await _check_access(policy, method, context)
             started = time.perf_counter()
             try:
                 with traced():
@@ -165,23 +180,3 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, method: str, trace_parent=None
         factory = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
                    else grpc.stream_stream_rpc_method_handler)
     return factory(unary_response, request_deserializer=None, response_serializer=handler.response_serializer)
-
-
-def _denied_handler(handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode,
-                    message: str) -> grpc.RpcMethodHandler:
-    async def deny(request_or_iterator, context):
-        metrics.RPC_ERRORS.labels(method=method, code=code.name).inc()
-        await context.abort(code, message)
-
-    async def deny_stream(request_or_iterator, context):
-        await deny(request_or_iterator, context)
-        yield  # pragma: no cover - unreachable, makes this an async generator
-
-    # The request is never parsed: a caller without the right credentials learns nothing about its bytes.
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(deny, None, handler.response_serializer)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(deny, None, handler.response_serializer)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(deny_stream, None, handler.response_serializer)
-    return grpc.stream_stream_rpc_method_handler(deny_stream, None, handler.response_serializer)

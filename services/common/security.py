@@ -14,9 +14,18 @@ A call without a known token is UNAUTHENTICATED; a known token whose roles the R
 PERMISSION_DENIED naming the roles it accepts. With no token configured a service checks nothing
 (local development, the embedded suite).
 
-**Tokens** come from ``auth_tokens_file`` (one ``ROLE[,ROLE...] TOKEN`` per line, ``#`` comments:
-a mounted secret, never a command line, where ``ps`` shows it) and from ``auth_token`` (one token with
-every role, as before roles existed).
+**Runs.** Where several runs share a fleet (docs/concepts/many-runs.md) each run's collector and
+trajectory store serve one run, named by ``run_name``. A trainer's or reader's credentials may name the
+runs they act for: a token by a third field in the tokens file, a client certificate by a URI
+``urn:rlfleet:run:<run>`` among its subject alternative names. A call whose token or certificate names
+runs is PERMISSION_DENIED on a service of any other run (and on the services every run shares), so
+nothing of run B reaches run A's trainer. ``operator`` and ``service`` see every run: a call the RPC
+takes for one of those roles is not held to a run (a token naming runs may hold neither role). An
+unscoped trainer token acts on every run (a fleet of one run).
+
+**Tokens** come from ``auth_tokens_file`` (one ``ROLE[,ROLE...] TOKEN [RUN[,RUN...]]`` per line, ``#``
+comments: a mounted secret, never a command line, where ``ps`` shows it) and from ``auth_token`` (one
+token with every role, as before roles existed).
 
 **TLS.** ``tls_cert_file`` + ``tls_key_file`` make a service serve TLS; ``tls_client_ca_file`` also
 requires a client certificate signed by that CA (mTLS). Every file is read and checked at start (a
@@ -34,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Mapping
 
 from rlfleet.services.common.errors import StartupError
+from rlfleet.services.common.run_ids import RUN_ID
 
 if TYPE_CHECKING:
     import grpc
@@ -45,6 +55,11 @@ log = logging.getLogger("rlfleet.security")
 TRAINER, READER, OPERATOR, SERVICE = "trainer", "reader", "operator", "service"
 ROLES = (TRAINER, READER, OPERATOR, SERVICE)
 """Every role a token may carry."""
+
+UNSCOPED = frozenset({OPERATOR, SERVICE})
+"""The roles that see every run: a call an RPC takes for one of them is not held to a run."""
+RUN_URI = "urn:rlfleet:run:"
+"""A client certificate's subject alternative name ``urn:rlfleet:run:<run>`` names a run it acts for."""
 
 _READS = frozenset({TRAINER, READER, OPERATOR})  # status and version: every outside caller
 _INNER = frozenset({SERVICE})
@@ -104,38 +119,80 @@ class Verdict:
 ALLOWED = Verdict()
 
 
-class AccessPolicy:
-    """Tokens and their roles; ``check`` says whether a call may go on. Empty: every call may."""
+@dataclass(frozen=True)
+class Grant:
+    """What a token may do: its roles, and the runs it acts for."""
 
-    def __init__(self, tokens: Mapping[str, frozenset[str]] | None = None):
-        self._tokens = [(token.encode(), roles) for token, roles in (tokens or {}).items()]
+    roles: frozenset[str]
+    runs: frozenset[str] | None = None
+    """None: every run (an unscoped token)."""
+
+
+class AccessPolicy:
+    """Tokens and their grants, and the run this service serves; ``check`` says whether a call may go
+    on. No token: roles are not checked (a run named by a client certificate still is)."""
+
+    def __init__(self, tokens: Mapping[str, Grant | frozenset[str]] | None = None, run: str = "",
+                 reads_certificates: bool = False):
+        self._tokens = [(token.encode(), grant if isinstance(grant, Grant) else Grant(frozenset(grant)))
+                        for token, grant in (tokens or {}).items()]
+        self.run = run
+        """The run this service serves ("": none; the services every run shares)."""
+        self.reads_certificates = reads_certificates
+        """Clients present certificates (mTLS): the runs they name are checked (``certificate_runs``)."""
 
     @property
     def enabled(self) -> bool:
         return bool(self._tokens)
 
-    def roles_of(self, token: str) -> frozenset[str] | None:
-        """The roles of ``token``, None for an unknown one (every token compared in constant time)."""
+    def grant_of(self, token: str) -> Grant | None:
+        """The grant of ``token``, None for an unknown one (every token compared in constant time)."""
         found = None
         presented = token.encode()
-        for known, roles in self._tokens:
+        for known, grant in self._tokens:
             if hmac.compare_digest(presented, known):
-                found = roles
+                found = grant
         return found
 
-    def check(self, method: str, metadata: Iterable[tuple[str, str]] | None) -> Verdict:
-        if not self._tokens or method.startswith(OPEN_SERVICES):
+    def roles_of(self, token: str) -> frozenset[str] | None:
+        grant = self.grant_of(token)
+        return None if grant is None else grant.roles
+
+    def check(self, method: str, metadata: Iterable[tuple[str, str]] | None,
+              certificate_runs: frozenset[str] | None = None) -> Verdict:
+        """``certificate_runs``: the runs the caller's client certificate names (None: it names none)."""
+        if method.startswith(OPEN_SERVICES):
             return ALLOWED
-        token = _bearer(metadata)
-        roles = None if token is None else self.roles_of(token)
-        if roles is None:
-            return Verdict("UNAUTHENTICATED", "missing or invalid 'authorization: Bearer <token>' metadata")
-        accepted = METHOD_ROLES.get(method, frozenset())
-        if roles & accepted:
-            return ALLOWED
-        wanted = ", ".join(role for role in ROLES if role in accepted) or "no role (not in the role table)"
-        held = ", ".join(role for role in ROLES if role in roles)
-        return Verdict("PERMISSION_DENIED", f"{method}: the token's role ({held}) may not call it; it takes: {wanted}")
+        token_runs = None
+        if self._tokens:
+            token = _bearer(metadata)
+            grant = None if token is None else self.grant_of(token)
+            if grant is None:
+                return Verdict("UNAUTHENTICATED", "missing or invalid 'authorization: Bearer <token>' metadata")
+            accepted = METHOD_ROLES.get(method, frozenset())
+            if not grant.roles & accepted:
+                wanted = ", ".join(role for role in ROLES if role in accepted) or "no role (not in the role table)"
+                held = ", ".join(role for role in ROLES if role in grant.roles)
+                return Verdict("PERMISSION_DENIED",
+                               f"{method}: the token's role ({held}) may not call it; it takes: {wanted}")
+            if grant.roles & accepted & UNSCOPED:
+                return ALLOWED  # operators and services see every run
+            token_runs = grant.runs
+        for credential, runs in (("token", token_runs), ("client certificate", certificate_runs)):
+            if runs is not None and self.run not in runs:
+                served = f"run {self.run}" if self.run else "no one run (every run shares it)"
+                return Verdict("PERMISSION_DENIED", f"{method}: the {credential} acts for run "
+                                                    f"{', '.join(sorted(runs))}; this service serves {served}")
+        return ALLOWED
+
+
+def certificate_runs(peer_uris: Iterable[bytes | str]) -> frozenset[str] | None:
+    """The runs a client certificate names (its ``urn:rlfleet:run:<run>`` URIs; gRPC's auth context
+    ``peer_uri``), None when it names none."""
+    runs = frozenset(uri[len(RUN_URI):] for uri in
+                     (raw.decode(errors="replace") if isinstance(raw, bytes) else raw for raw in peer_uris)
+                     if uri.startswith(RUN_URI))
+    return runs or None
 
 
 def _bearer(metadata: Iterable[tuple[str, str]] | None) -> str | None:
@@ -147,19 +204,20 @@ def _bearer(metadata: Iterable[tuple[str, str]] | None) -> str | None:
 
 # --- loading from the config ------------------------------------------------------------------
 
-def read_tokens_file(path: str | Path, setting: str = "auth_tokens_file") -> dict[str, frozenset[str]]:
-    """``ROLE[,ROLE...] TOKEN`` per line (``#`` starts a comment) -> token -> roles. StartupError naming
-    ``setting``, the file and the line for anything else."""
+def read_tokens_file(path: str | Path, setting: str = "auth_tokens_file") -> dict[str, Grant]:
+    """``ROLE[,ROLE...] TOKEN [RUN[,RUN...]]`` per line (``#`` starts a comment) -> token -> grant.
+    StartupError naming ``setting``, the file and the line for anything else."""
     text = _read_text(path, setting)
-    tokens: dict[str, frozenset[str]] = {}
+    tokens: dict[str, Grant] = {}
     for number, line in enumerate(text.splitlines(), start=1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
         where = f"{setting} {path}, line {number}"
         fields = line.split()
-        if len(fields) != 2:
-            raise StartupError(f"{where}: expected 'ROLE TOKEN' (roles comma-separated), got {len(fields)} fields")
+        if len(fields) not in (2, 3):
+            raise StartupError(f"{where}: expected 'ROLE TOKEN' (roles comma-separated) or 'ROLE TOKEN RUN' "
+                               f"(runs comma-separated), got {len(fields)} fields")
         roles = frozenset(role.strip() for role in fields[0].split(","))
         unknown = sorted(roles - set(ROLES))
         if unknown:
@@ -167,9 +225,19 @@ def read_tokens_file(path: str | Path, setting: str = "auth_tokens_file") -> dic
         token = fields[1]
         if len(token) < 16:
             raise StartupError(f"{where}: a token of {len(token)} characters is too short to be a secret (>= 16)")
-        if token in tokens and tokens[token] != roles:
-            raise StartupError(f"{where}: this token is listed before with other roles")
-        tokens[token] = roles
+        runs = None
+        if len(fields) == 3:
+            runs = frozenset(fields[2].split(","))
+            bad = sorted(run for run in runs if not RUN_ID.fullmatch(run) or run in (".", ".."))
+            if bad:
+                raise StartupError(f"{where}: {bad[0]!r} is not a run name (1 to 128 characters of [A-Za-z0-9._-])")
+            if roles & UNSCOPED:
+                raise StartupError(f"{where}: an operator or service token sees every run; name runs on trainer "
+                                   f"and reader tokens only")
+        grant = Grant(roles, runs)
+        if token in tokens and tokens[token] != grant:
+            raise StartupError(f"{where}: this token is listed before with other roles or runs")
+        tokens[token] = grant
     if not tokens:
         raise StartupError(f"{setting} {path}: no token in the file (one 'ROLE TOKEN' per line)")
     return tokens
@@ -184,11 +252,12 @@ def read_token(path: str | Path, setting: str) -> str:
 
 
 def access_policy(config: "ServiceConfig") -> AccessPolicy:
-    """The service's tokens: ``auth_tokens_file``'s, plus ``auth_token`` with every role."""
+    """The service's tokens (``auth_tokens_file``'s, plus ``auth_token`` with every role), its run, and
+    whether its clients present certificates."""
     tokens = read_tokens_file(config.auth_tokens_file) if config.auth_tokens_file else {}
     if config.auth_token:
-        tokens[config.auth_token] = frozenset(ROLES)
-    return AccessPolicy(tokens)
+        tokens[config.auth_token] = Grant(frozenset(ROLES))
+    return AccessPolicy(tokens, run=config.run_name, reads_certificates=bool(config.tls_client_ca_file))
 
 
 def server_credentials(config: "ServiceConfig") -> "grpc.ServerCredentials | None":

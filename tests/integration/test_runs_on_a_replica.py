@@ -11,13 +11,16 @@ import grpc
 import pytest
 import torch
 
-from rlfleet.client import connect
+from rlfleet.client import connect, credentials_from
+from rlfleet.services.common.security import METHOD_ROLES
 from rlfleet.services.launch import ServiceProcess, free_port
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
-from rlfleet.v1 import generation_pb2, generation_pb2_grpc, reward_pb2, reward_pb2_grpc, sampling_pb2, weights_pb2
+from rlfleet.v1 import (collector_pb2, diagnostics_pb2, generation_pb2, generation_pb2_grpc, reward_pb2, reward_pb2_grpc,
+                        sampling_pb2, trajectory_pb2, weights_pb2)
 from rlfleet.wire import decode_tensor, encode_tensor
 from rlfleet.wire.push_messages import iter_push_messages
 from tests.hf_reference import load_hf, perturbed, response_log_probs
+from tests.raw_calls import empty_call_status
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -264,66 +267,190 @@ def check_rows(rows: list[dict], version: int, model) -> None:
         assert (row["log_probs"] - expected).abs().max().item() <= LOG_PROB_TOLERANCE
 
 
-def test_two_trainers_share_a_suites_replica_each_on_its_own_run(adapters, tiny_model_dir, tmp_path, request):
-    """``rlfleet-suite --runs 2``: two collectors (``shared_replicas``), each with its trainer and trajectory
-    store, over one replica: each run starts at its own version 0 whatever the other pushed, and every sample
-    of each run's batches was sampled by that run's adapter at the version it is labelled with; a SIGKILL of
-    the replica while both runs generate loses and duplicates nothing in either (``kill_and_restart``)."""
-    options = SuiteOptions(model_dir=tiny_model_dir, runs=2, kv_cache_bytes=128 << 20, max_model_len=512,
+RUNS = 4
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model_dir, tmp_path_factory):
+    """``rlfleet-suite --secure --runs 4``: one replica, and per run a collector (``shared_replicas``) and a
+    trajectory store of its own; every service over mTLS with role tokens, each run's trainer with a
+    certificate and tokens acting for its run alone. ``(processes, credentials directory)``."""
+    workdir = tmp_path_factory.mktemp("four-runs")
+    options = SuiteOptions(model_dir=tiny_model_dir, runs=RUNS, secure=True, kv_cache_bytes=128 << 20,
+                           max_model_len=512,
                            collector_args=["--group-size", "2", "--groups-per-step", "2", "--max-staleness", "1000",
                                            "--mismatch-kl-target", "null",
                                            "--sampling", '{"temperature": 1.0, "max_tokens": 12}'])
-    suite = start_suite(options, tmp_path / "suite")
-    request.addfinalizer(lambda: stop_suite(suite))
-    assert [key for key in suite if key.startswith(("collector", "trajectory"))] == [
-        "trajectory", "trajectory-1", "collector", "collector-1"]
-    channel = grpc.insecure_channel(suite["generation-0"].address)
-    request.addfinalizer(channel.close)
-    stub = generation_pb2_grpc.GenerationServiceStub(channel)
-    with connect(suite["collector"].address, run="new", timeout=300) as a:
-        assert a.push_adapter(adapters[1], progress=False).version == 1
-        with connect(suite["collector-1"].address, run="new", timeout=300) as b:
-            assert b.policy_version == 0  # a fresh run, whatever the replica serves the other run
-            b.push_adapter(adapters[2], progress=False)
-            assert b.push_adapter(adapters[3], progress=False).version == 2
-            with pytest.raises(Exception, match="LoRA adapters"):
-                b.push_weights(dict(load_hf(tiny_model_dir).state_dict()), progress=False)
-            runs = served(stub)
-            assert {runs[a.run.run_id].policy_version, runs[b.run.run_id].policy_version} == {1, 2}
-            runs = ((a, 1, adapters[1]), (b, 2, adapters[3]))
-            for client, version, model in runs:
-                client.submit_prompts([{"prompt": PROMPT, "ground_truth": "1"} for _ in range(2)])
-                rows = read_rows(client, 4)
-                assert len(rows) == 4
-                check_rows(rows, version, model)
-            suite["generation-0"] = kill_and_restart(suite["generation-0"], runs, stub)
-            # The shared reward service kept a KL controller per run, each fed its own run's batches only.
-            with grpc.insecure_channel(suite["reward"].address) as reward_channel:
-                kl = reward_pb2_grpc.RewardServiceStub(reward_channel).GetKLController
-                assert all(kl(reward_pb2.GetKLControllerRequest(run_id=client.run.run_id)).updates >= 1
-                           for client in (a, b))
-                assert kl(reward_pb2.GetKLControllerRequest()).updates == 0
+    suite = start_suite(options, workdir)
+    try:
+        yield suite, workdir / "credentials"
+    finally:
+        stop_suite(suite)
 
 
-def kill_and_restart(replica: ServiceProcess, runs, stub) -> ServiceProcess:
-    """SIGKILL the replica while both runs' groups generate there, restart it on its port: each collector
-    re-syncs its own run's adapter (the replica came back serving no run), and every prompt submitted before
-    the kill reaches its trainer exactly once, as a whole group, sampled by its own run's adapter."""
-    for client, _, _ in runs:
-        tag = client.run.run_id
-        client.submit_prompts([{"prompt_id": f"{tag}-{i}", "prompt": PROMPT, "ground_truth": "1",
-                                "sampling": {"temperature": 1.0, "max_tokens": 300, "ignore_eos": True}}
-                               for i in range(4)])  # seconds each: still generating when the kill comes
-    wait_for(lambda: all(run.requests_in_flight for run in served(stub).values()), SCHEDULE_TIMEOUT,
-             "both runs generating on the replica")
+def operator_channel(credentials, address: str) -> grpc.Channel:
+    """A channel to ``address`` over mTLS with the operator's token (it sees every run)."""
+    tls = grpc.ssl_channel_credentials(*((credentials / name).read_bytes()
+                                         for name in ("ca.pem", "trainer.key", "trainer.pem")))
+    token = (credentials / "token-operator").read_text().strip()
+    return grpc.secure_channel(address, grpc.composite_channel_credentials(
+        tls, grpc.access_token_call_credentials(token)))
+
+
+@pytest.fixture(scope="module")
+def replica_stub(fleet):
+    suite, credentials = fleet
+    channel = operator_channel(credentials, suite["generation-0"].address)
+    yield generation_pb2_grpc.GenerationServiceStub(channel)
+    channel.close()
+
+
+@pytest.fixture(scope="module")
+def trainers(fleet):
+    """Run i's trainer (``run="new"``) on collector i with run i's credentials (``credentials_from(run=)``)."""
+    suite, credentials = fleet
+    clients = [connect(suite[key].address, run="new", timeout=300, **credentials_from(credentials, run=f"r{i}"))
+               for i, key in enumerate(SuiteOptions(model_dir="", runs=RUNS).run_keys("collector"))]
+    yield clients
+    for client in clients:
+        client.close()
+
+
+def test_four_trainers_share_a_suites_replica_each_on_its_own_run(fleet, trainers, replica_stub, adapters,
+                                                                  tiny_model_dir):
+    """Each run starts at its own version 0 whatever the others pushed; every sample of each run's batches
+    was sampled by that run's adapter (the base model for a run that pushed none) at the version it is
+    labelled with; a full push is refused (the runs share the base weights)."""
+    a, b, c, d = trainers
+    assert a.push_adapter(adapters[1], progress=False).version == 1
+    assert b.policy_version == 0  # a fresh run, whatever the replica serves the other runs
+    b.push_adapter(adapters[2], progress=False)
+    assert b.push_adapter(adapters[3], progress=False).version == 2
+    assert d.push_adapter(adapters[1], progress=False).version == 1  # a's adapter, d's run
+    with pytest.raises(Exception, match="LoRA adapters"):
+        b.push_weights(dict(load_hf(tiny_model_dir).state_dict()), progress=False)
+    for client, version, model in runs_of(trainers, adapters, tiny_model_dir):
+        client.submit_prompts([{"prompt": PROMPT, "ground_truth": "1"} for _ in range(2)])
+        rows = read_rows(client, 4)
+        assert len(rows) == 4
+        check_rows(rows, version, model)
+    assert [client.run.name for client in trainers] == ["r0", "r1", "r2", "r3"]  # joined, each its own run
+    served_versions = {run_id: run.policy_version for run_id, run in served(replica_stub).items()}
+    assert served_versions == {a.run.run_id: 1, b.run.run_id: 2, c.run.run_id: 0, d.run.run_id: 1}
+
+
+def runs_of(trainers, adapters, model_dir):
+    """Each trainer, the version it pushed, and the model its run's samples come from."""
+    a, b, c, d = trainers
+    return ((a, 1, adapters[1]), (b, 2, adapters[3]), (c, 0, load_hf(model_dir).eval()), (d, 1, adapters[1]))
+
+
+COLLECTOR_RPCS = [*collector_pb2.DESCRIPTOR.services_by_name["CollectorService"].methods,
+                  *trajectory_pb2.DESCRIPTOR.services_by_name["TrajectoryService"].methods,
+                  *diagnostics_pb2.DESCRIPTOR.services_by_name["DiagnosticsService"].methods]
+STORE_RPCS = [*trajectory_pb2.DESCRIPTOR.services_by_name["TrajectoryService"].methods,
+              *diagnostics_pb2.DESCRIPTOR.services_by_name["DiagnosticsService"].methods]
+
+
+def test_a_runs_credentials_reach_its_own_run_alone(fleet, trainers):
+    """Run r0's token (trainer or reader) or certificate gets PERMISSION_DENIED, naming the run, on every RPC
+    of run r1's collector and trajectory store: batches, pushes, prompts, mismatch reports, the breaker,
+    status, samples; run r1's own credentials get through, and so does an operator, whatever its
+    certificate. A token of one run presented with another run's certificate is refused too."""
+    suite, credentials = fleet
+
+    def token(name: str) -> str:
+        return (credentials / f"token-{name}").read_text().strip()
+
+    def tls(certificate: str):
+        return grpc.ssl_channel_credentials(*((credentials / name).read_bytes()
+                                              for name in ("ca.pem", f"{certificate}.key", f"{certificate}.pem")))
+
+    refused, calls = [], 0
+    for key, rpcs in (("collector-1", COLLECTOR_RPCS), ("trajectory-1", STORE_RPCS)):
+        for certificate, presented in (("trainer-r0", "trainer-r0"), ("trainer", "trainer-r0"),
+                                       ("trainer", "reader-r0"), ("trainer-r0", "trainer-r1")):
+            with grpc.secure_channel(suite[key].address, tls(certificate)) as channel:
+                for method in rpcs:
+                    calls += 1
+                    path = f"/{method.containing_service.full_name}/{method.name}"
+                    code, details = empty_call_status(channel, path, method, token(presented))
+                    role = presented.split("-")[0]  # an RPC its role may not call is refused for that first
+                    expected = "this service serves run r1" if role in METHOD_ROLES[path] else "may not call it"
+                    if code != grpc.StatusCode.PERMISSION_DENIED or expected not in details:
+                        refused.append(f"{key} {path}, certificate {certificate}, token {presented}: "
+                                       f"{code.name} {details}")
+    assert calls == 4 * (len(COLLECTOR_RPCS) + len(STORE_RPCS))
+    assert not refused, refused
+    status = COLLECTOR_RPCS[[m.name for m in COLLECTOR_RPCS].index("GetStatus")]
+    path = "/rlfleet.v1.CollectorService/GetStatus"
+    for certificate, presented in (("trainer-r1", "trainer-r1"), ("trainer", "trainer-r1"),
+                                   ("trainer-r0", "operator")):
+        with grpc.secure_channel(suite["collector-1"].address, tls(certificate)) as channel:
+            assert empty_call_status(channel, path, status, token(presented)) == (grpc.StatusCode.OK, ""), presented
+    # The services every run shares take no run's trainer token (the inner roles only).
+    generate = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].methods_by_name["Generate"]
+    with grpc.secure_channel(suite["generation-0"].address, tls("trainer-r0")) as channel:
+        code, details = empty_call_status(channel, "/rlfleet.v1.GenerationService/Generate", generate,
+                                          token("trainer-r0"))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "may not call it" in details
+
+
+def test_sigkills_of_the_replica_and_of_a_collector_with_four_runs_in_flight_lose_nothing(
+        fleet, trainers, replica_stub, adapters, tiny_model_dir):
+    """SIGKILL of the replica, then of run r0's collector, each while all four runs' groups generate on the
+    replica: every prompt submitted before each kill reaches its own run's trainer exactly once, as a whole
+    group, sampled by its run's adapter at its version; the shared reward service kept a KL controller per
+    run, each fed its own run's batches only."""
+    suite, credentials = fleet
+    runs = runs_of(trainers, adapters, tiny_model_dir)
+    replica = suite["generation-0"]
+    submit_long(runs, "replica")
     replica.kill()
-    restarted = ServiceProcess("generation", [*replica.args, "--port", str(replica.port)])
-    restarted.start(replica.log_path.parent / "restarted").wait_ready(600)
+    suite["generation-0"] = restart(replica)
+    suite["generation-0"].wait_ready(600)
+    read_exactly_once(runs, "replica")
+    wait_for(lambda: {run_id: run.policy_version for run_id, run in served(replica_stub).items()} == {
+        client.run.run_id: version for client, version, _ in runs}, SCHEDULE_TIMEOUT,
+        "every run re-synced on the restarted replica")
+
+    submit_long(runs, "collector")
+    wait_for(lambda: len(served(replica_stub)) == RUNS and all(
+        run.requests_in_flight for run in served(replica_stub).values()), SCHEDULE_TIMEOUT,
+        "all four runs generating on the replica")
+    collector = suite["collector"]
+    collector.kill()
+    suite["collector"] = restart(collector)
+    suite["collector"].wait_ready(300)
+    read_exactly_once(runs, "collector")
+    with operator_channel(credentials, suite["reward"].address) as channel:
+        kl = reward_pb2_grpc.RewardServiceStub(channel).GetKLController
+        assert all(kl(reward_pb2.GetKLControllerRequest(run_id=client.run.run_id)).updates >= 1
+                   for client, _, _ in runs)
+        assert kl(reward_pb2.GetKLControllerRequest()).updates == 0
+
+
+def submit_long(runs, tag: str) -> None:
+    """Four prompts per run, tagged with the run and ``tag``, seconds each: generating when a kill comes."""
+    for client, _, _ in runs:
+        client.submit_prompts([{"prompt_id": f"{client.run.run_id}-{tag}-{i}", "prompt": PROMPT, "ground_truth": "1",
+                                "sampling": {"temperature": 1.0, "max_tokens": 300, "ignore_eos": True}}
+                               for i in range(4)])
+
+
+def read_exactly_once(runs, tag: str) -> None:
+    """Each run's trainer reads its four ``tag`` prompts as whole groups of two, once, on its own adapter."""
     for client, version, model in runs:
         rows = read_rows(client, 8)
-        tag = client.run.run_id
-        assert sorted(row["prompt_id"] for row in rows) == sorted(f"{tag}-{i}" for i in range(4) for _ in range(2))
+        run = client.run.run_id
+        assert sorted(row["prompt_id"] for row in rows) == sorted(f"{run}-{tag}-{i}" for i in range(4) for _ in range(2))
         check_rows(rows, version, model)
-    wait_for(lambda: {run.policy_version for run in served(stub).values()} == {1, 2}, SCHEDULE_TIMEOUT,
-             "both runs re-synced on the restarted replica")
-    return restarted
+
+
+def restart(proc: ServiceProcess) -> ServiceProcess:
+    """``proc`` (SIGKILLed) started again on its port and state, not waited for."""
+    proc.stop()  # reaps the process group, closes the log
+    args = proc.args if "--port" in proc.args else [*proc.args, "--port", str(proc.port)]
+    restarted = ServiceProcess(proc.name, args, env=proc.env, health_credentials=proc.health_credentials,
+                               metrics_port=proc.metrics_port)
+    return restarted.start(proc.log_path.parent / "restarted")

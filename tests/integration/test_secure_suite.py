@@ -20,6 +20,7 @@ from rlfleet.services.credentials import make_credentials
 from rlfleet.v1 import (collector_pb2, diagnostics_pb2, environment_pb2, generation_pb2, reference_pb2,
                         reference_pb2_grpc, reward_pb2, trajectory_pb2)
 from rlfleet.wire import Ragged, decode_ragged, encode_ragged
+from tests.raw_calls import call_empty
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -154,16 +155,3 @@ def test_every_rpc_of_every_service_takes_exactly_the_roles_in_the_table(suite):
     proxied = len(trajectory_pb2.DESCRIPTOR.services_by_name["TrajectoryService"].methods)
     assert calls == 4 * (len(METHOD_ROLES) + proxied + 5)  # plus the collector's proxy of them, Echo on 5 more
     assert not wrong, wrong
-
-
-def call_empty(channel, path, method, token) -> grpc.StatusCode:
-    kind = ("stream" if method.client_streaming else "unary") + "_" + ("stream" if method.server_streaming else "unary")
-    stub = getattr(channel, kind)(path, request_serializer=None, response_deserializer=None)
-    try:
-        result = stub(iter([]) if method.client_streaming else b"", timeout=20,
-                      metadata=[("authorization", f"Bearer {token}")])
-        if method.server_streaming:
-            list(result)
-        return grpc.StatusCode.OK
-    except grpc.RpcError as error:
-        return error.code()

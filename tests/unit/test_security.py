@@ -73,6 +73,43 @@ def test_policy_checks_the_token_then_its_role(method, token, code):
         assert method in verdict.message and "may not call it" in verdict.message
 
 
+RUN_TOKENS = {**TOKENS, "a" * 16: security.Grant(frozenset({"trainer"}), frozenset({"exp-a"})),
+              "b" * 16: security.Grant(frozenset({"reader"}), frozenset({"exp-a", "exp-b"}))}
+PUSH, STREAM, STATUS = ("/rlfleet.v1.CollectorService/PushWeights", "/rlfleet.v1.TrajectoryService/StreamBatches",
+                        "/rlfleet.v1.CollectorService/GetStatus")
+
+
+@pytest.mark.parametrize("run, method, token, certificate, allowed", [
+    ("exp-a", PUSH, "a" * 16, None, True),  # run a's token on run a's collector
+    ("exp-b", PUSH, "a" * 16, None, False),  # ... on run b's
+    ("", PUSH, "a" * 16, None, False),  # ... on a service of no one run
+    ("exp-b", STREAM, "b" * 16, None, True),  # a reader of both runs
+    ("exp-c", STREAM, "b" * 16, None, False),
+    ("exp-b", PUSH, "t" * 16, None, True),  # an unscoped trainer token: every run (a fleet of one run)
+    ("exp-b", STATUS, "o" * 16, {"exp-a"}, True),  # an operator sees every run, whatever its certificate
+    ("exp-b", PUSH, "t" * 16, {"exp-a"}, False),  # run a's certificate with an unscoped token
+    ("exp-a", PUSH, "t" * 16, {"exp-a"}, True),
+    ("exp-b", PUSH, "a" * 16, {"exp-b"}, False),  # b's certificate does not widen a's token
+    ("exp-b", PUSH, None, {"exp-a"}, False),  # no tokens configured: the certificate still names its run
+    ("exp-a", PUSH, None, {"exp-a"}, True),
+    ("exp-b", PUSH, None, None, True),  # no tokens, no run named: local development
+])
+def test_a_token_or_certificate_naming_runs_acts_on_those_runs_alone(run, method, token, certificate, allowed):
+    policy = security.AccessPolicy(RUN_TOKENS if token else None, run=run, reads_certificates=True)
+    metadata = [("authorization", f"Bearer {token}")] if token else []
+    verdict = policy.check(method, metadata, frozenset(certificate) if certificate else None)
+    assert (verdict.code is None) is allowed, verdict
+    if not allowed:
+        assert verdict.code == "PERMISSION_DENIED" and method in verdict.message
+        assert f"serves run {run}" in verdict.message if run else "every run shares it" in verdict.message
+
+
+def test_a_certificates_runs_are_its_rlfleet_run_uris():
+    assert security.certificate_runs([b"trainer-a", b"urn:rlfleet:run:exp-a", "urn:rlfleet:run:x"]) == {"exp-a", "x"}
+    assert security.certificate_runs([b"urn:other:run:exp-a", b"trainer"]) is None
+    assert security.certificate_runs([]) is None
+
+
 def test_no_tokens_checks_nothing():
     assert security.AccessPolicy().check("/rlfleet.v1.CollectorService/PushWeights", ()).code is None
     assert not security.AccessPolicy().enabled
@@ -81,8 +118,16 @@ def test_no_tokens_checks_nothing():
 def test_tokens_file_lines_comments_and_roles(tmp_path):
     path = tmp_path / "tokens"
     path.write_text("# comment\n\ntrainer " + "a" * 20 + "  # the trainer\nreader,operator " + "b" * 20 + "\n")
-    assert security.read_tokens_file(path) == {"a" * 20: frozenset({"trainer"}),
-                                               "b" * 20: frozenset({"reader", "operator"})}
+    assert security.read_tokens_file(path) == {"a" * 20: security.Grant(frozenset({"trainer"})),
+                                               "b" * 20: security.Grant(frozenset({"reader", "operator"}))}
+
+
+def test_a_tokens_third_field_names_the_runs_it_acts_for(tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text("trainer " + "a" * 20 + " exp-a\nreader " + "b" * 20 + " exp-a,exp.b\n")
+    assert security.read_tokens_file(path) == {
+        "a" * 20: security.Grant(frozenset({"trainer"}), frozenset({"exp-a"})),
+        "b" * 20: security.Grant(frozenset({"reader"}), frozenset({"exp-a", "exp.b"}))}
 
 
 @pytest.mark.parametrize("text, message", [
@@ -91,6 +136,11 @@ def test_tokens_file_lines_comments_and_roles(tmp_path):
     ("# x\ntrainer short\n", "line 2: a token of 5 characters is too short"),
     ("trainer " + "a" * 20 + "\nreader " + "a" * 20 + "\n", "line 2: this token is listed before with other roles"),
     ("# nothing\n", "no token in the file"),
+    ("trainer " + "a" * 20 + " a b\n", "line 1: expected 'ROLE TOKEN'"),
+    ("trainer " + "a" * 20 + " exp/a\n", "line 1: 'exp/a' is not a run name"),
+    ("operator " + "a" * 20 + " exp-a\n", "line 1: an operator or service token sees every run"),
+    ("trainer,service " + "a" * 20 + " exp-a\n", "line 1: an operator or service token sees every run"),
+    ("trainer " + "a" * 20 + " exp-a\ntrainer " + "a" * 20 + " exp-b\n", "line 2: this token is listed before"),
 ])
 def test_tokens_file_refusals_name_the_setting_file_and_line(tmp_path, text, message):
     path = tmp_path / "tokens"
@@ -132,9 +182,30 @@ def test_credentials_are_a_ca_and_certificates_it_signed_for_both_ends(credentia
         assert os.stat(credentials / secret).st_mode & 0o777 == 0o640, secret
     assert os.stat(credentials / "ca.key").st_mode & 0o777 == 0o600
     tokens = security.read_tokens_file(credentials / "tokens")
-    assert sorted(role for roles in tokens.values() for role in roles) == sorted(security.ROLES)
+    assert sorted(role for grant in tokens.values() for role in grant.roles) == sorted(security.ROLES)
     for role in security.ROLES:
-        assert tokens[security.read_token(credentials / f"token-{role}", "x")] == {role}
+        assert tokens[security.read_token(credentials / f"token-{role}", "x")].roles == {role}
+
+
+def test_a_runs_credentials_name_it_and_adding_a_run_keeps_the_rest(tmp_path):
+    directory = make_credentials(tmp_path / "c", names=("collector",), runs=("exp-a",))
+    before = {path.name: path.read_bytes() for path in directory.iterdir()}
+    make_credentials(directory, names=("collector",), runs=("exp-a", "exp-b"))
+    after = {path.name: path.read_bytes() for path in directory.iterdir()}
+    assert {name: data for name, data in after.items() if name in before and name != "tokens"} == {
+        name: data for name, data in before.items() if name != "tokens"}
+    cert = x509.load_pem_x509_certificate(after["trainer-exp-b.pem"])
+    cert.verify_directly_issued_by(x509.load_pem_x509_certificate(after["ca.pem"]))
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.UniformResourceIdentifier) == ["urn:rlfleet:run:exp-b"]
+    grants = security.read_tokens_file(directory / "tokens")
+    for role in security.ROLES:
+        assert grants[security.read_token(directory / f"token-{role}", "x")] == security.Grant(frozenset({role}))
+    for run in ("exp-a", "exp-b"):
+        for role in ("trainer", "reader"):
+            token = security.read_token(directory / f"token-{role}-{run}", "x")
+            assert grants[token] == security.Grant(frozenset({role}), frozenset({run}))
+    assert len(grants) == len(security.ROLES) + 4
 
 
 def test_credentials_run_again_keep_what_is_there_unless_forced(credentials):

@@ -94,19 +94,23 @@ def trace_metadata() -> tuple[tuple[str, str], ...]:
     return tuple(carrier.items())
 
 
-def credentials_from(directory: str | Path, name: str = "trainer", role: str | None = None) -> dict[str, Any]:
+def credentials_from(directory: str | Path, name: str = "trainer", role: str | None = None,
+                     run: str | None = None) -> dict[str, Any]:
     """``connect`` keywords from a deployment's credentials directory (``rlfleet.services.credentials``;
     compose's ``credentials`` volume copied out): TLS roots ``ca.pem``, the client certificate
     ``<name>.pem`` / ``<name>.key``, and the token in ``token-<role>`` (``role`` defaults to ``name``:
     ``trainer``; ``reader`` or ``operator`` for a reader or an operator with the trainer's certificate).
+    ``run``: the credentials of one run of a shared fleet, ``<name>-<run>.pem`` and
+    ``token-<role>-<run>`` (docs/concepts/many-runs.md).
 
         client = connect("localhost:50050", **credentials_from("./credentials"))
     """
     directory = Path(directory)
-    token_file = directory / f"token-{role or name}"
+    suffix = f"-{run}" if run else ""
+    token_file = directory / f"token-{role or name}{suffix}"
     return {"root_certificates": (directory / "ca.pem").read_bytes(),
-            "certificate_chain": (directory / f"{name}.pem").read_bytes(),
-            "private_key": (directory / f"{name}.key").read_bytes(),
+            "certificate_chain": (directory / f"{name}{suffix}.pem").read_bytes(),
+            "private_key": (directory / f"{name}{suffix}.key").read_bytes(),
             "auth_token": token_file.read_text().strip()}
 
 

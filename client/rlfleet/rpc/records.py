@@ -244,13 +244,16 @@ class Run:
     """When the collector made the run (Unix seconds; 0 when not read from it)."""
     resumed: bool = False
     """The collector process found this run in its durable state (False: it created it)."""
+    name: str = ""
+    """The run's name where runs share a fleet (what its credentials name); "" in a fleet of one run."""
 
     def __str__(self) -> str:
         return f"{self.run_id}@{self.version}"
 
     def describe(self) -> str:
         """In words, as the collector holds it: "run X: new", or "run X: resumed at version N"."""
-        return f"run {self.run_id}: " + (f"resumed at version {self.version}" if self.resumed else "new")
+        named = f" ({self.name})" if self.name else ""
+        return f"run {self.run_id}{named}: " + (f"resumed at version {self.version}" if self.resumed else "new")
 
     @classmethod
     def parse(cls, text: str) -> "Run":
@@ -262,7 +265,7 @@ class Run:
 
     @classmethod
     def from_proto(cls, info: collector_pb2.RunInfo) -> "Run":
-        return cls(info.run_id, info.policy_version, info.created_at, info.resumed)
+        return cls(info.run_id, info.policy_version, info.created_at, info.resumed, info.name)
 
 
 @dataclass(frozen=True)

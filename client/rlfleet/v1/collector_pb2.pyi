@@ -195,16 +195,18 @@ class JoinRunResponse(_message.Message):
     def __init__(self, run: _Optional[_Union[RunInfo, _Mapping]] = ...) -> None: ...
 
 class RunInfo(_message.Message):
-    __slots__ = ("run_id", "created_at", "resumed", "policy_version")
+    __slots__ = ("run_id", "created_at", "resumed", "policy_version", "name")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     created_at: float
     resumed: bool
     policy_version: int
-    def __init__(self, run_id: _Optional[str] = ..., created_at: _Optional[float] = ..., resumed: _Optional[bool] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    name: str
+    def __init__(self, run_id: _Optional[str] = ..., created_at: _Optional[float] = ..., resumed: _Optional[bool] = ..., policy_version: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class GetPolicyVersionRequest(_message.Message):
     __slots__ = ()
