@@ -43,6 +43,8 @@ class SuiteOptions:
     trajectory_db: str | None = None
     trajectory_args: list[str] = field(default_factory=list)
     collector_args: list[str] = field(default_factory=list)
+    run_collector_args: dict[str, list[str]] = field(default_factory=dict)
+    """More flags for one run's collector, by run name (``run_names``): e.g. its ``players``."""
     reward_args: list[str] = field(default_factory=list)
     generation_args: list[str] = field(default_factory=list)
     environments: dict[str, str] | None = None
@@ -76,6 +78,10 @@ class SuiteOptions:
     def __post_init__(self) -> None:
         if self.runs < 1:
             raise ValueError(f"runs must be at least 1, got {self.runs}")
+        unknown = sorted(set(self.run_collector_args) - set(self.run_names()))
+        if unknown:
+            raise ValueError(f"run_collector_args: no run named {unknown[0]!r} (the runs: "
+                             f"{', '.join(self.run_names()) or 'one, unnamed'})")
 
     def run_keys(self, service: str) -> list[str]:
         """The keys of ``service`` (trajectory or collector) for each run, the first run's first."""
@@ -89,6 +95,11 @@ class SuiteOptions:
     def run_name_args(self, index: int) -> list[str]:
         names = self.run_names()
         return ["--run-name", names[index]] if names else []
+
+    def own_collector_args(self, index: int) -> list[str]:
+        """Run ``index``'s collector's own flags: its name and ``run_collector_args``."""
+        names = self.run_names()
+        return [*self.run_name_args(index), *(self.run_collector_args.get(names[index], []) if names else [])]
 
     def shared_generation_args(self) -> list[str]:
         """What the replicas need to be shared between ``runs`` runs (nothing for one)."""
@@ -194,11 +205,12 @@ def _launch_collector(launcher: _Launcher) -> list[str]:
     keys = options.run_keys("collector")
     for i, (key, store) in enumerate(zip(keys, options.run_keys("trajectory"))):
         launcher.launch(key, "collector", [
-            "--generation-addresses", json.dumps(replicas), *options.run_name_args(i),
+            "--generation-addresses", json.dumps(replicas),
             "--reference-address", procs["reference"].address, "--reward-address", procs["reward"].address,
             "--trajectory-address", procs[store].address, "--state-dir", str(launcher.workdir / key),
             *(["--fresh", "true"] if options.fresh else []), *upstream, *shared,
-            *(upstream_args(credentials) if credentials else ()), *options.collector_args])
+            *(upstream_args(credentials) if credentials else ()), *options.collector_args,
+            *options.own_collector_args(i)])
     return keys
 
 
@@ -325,13 +337,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--runs", type=int, default=1,
                         help="runs sharing the generation replicas, each with its own trajectory store and collector "
                              "(collector, collector-1, ...; docs/concepts/many-runs.md)")
+    parser.add_argument("--run-collector-arg", action="append", default=[], metavar="RUN:FLAG",
+                        help="extra flag of one run's collector (runs r0, r1, ... with --runs), e.g. "
+                             "--run-collector-arg='r0:--players={\"opponent\": \"r1\"}' (repeatable)")
     parser.add_argument("--check", action="store_true", help="start, report health, stop")
     parser.add_argument("--view", action="store_true",
                         help="look at the run in WORKDIR: the rollout viewer, with the trajectory service on its "
                              "store if the suite is not running; Ctrl-C stops it")
     parser.add_argument("--viewer-port", type=int, default=8265, help="the viewer's port with --view (0: a free one)")
     parser.add_argument("--then", default=None,
-                        help="command to run once the suite is up ({collector}, {model_dir} and {credentials} are filled in); "
+                        help="command to run once the suite is up ({collector}, {collectors} (every run's, "
+                             "comma-separated), {model_dir} and {credentials} are filled in); "
                              "the suite stops when it exits and its exit code is returned")
     return parser
 
@@ -350,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     options = SuiteOptions(model_dir=ns.model_dir, generation_replicas=ns.generation_replicas,
                            collector_args=ns.collector_arg, generation_args=ns.generation_arg,
                            environments=environments, secure=ns.secure, fresh=ns.fresh, metrics=ns.prometheus,
-                           runs=ns.runs)
+                           runs=ns.runs, run_collector_args=_run_collector_args(ns.run_collector_arg))
     procs = start_suite(options, ns.workdir)
     prometheus = None
     try:
@@ -363,7 +379,8 @@ def main(argv: list[str] | None = None) -> None:
         for key in options.run_keys("collector"):
             print(f"[suite] {key}: {describe_run(procs[key].address, ns.workdir, ns.secure)}", file=sys.stderr,
                   flush=True)
-        exit_code = _serve(ns, procs["collector"].address)
+        exit_code = _serve(ns, procs["collector"].address,
+                           ",".join(procs[key].address for key in options.run_keys("collector")))
     finally:
         if prometheus is not None:
             prometheus.stop()
@@ -382,11 +399,22 @@ def _view(ns: argparse.Namespace) -> None:
         stop_suite(procs)
 
 
-def _serve(ns: argparse.Namespace, collector: str) -> int:
+def _run_collector_args(specs: list[str]) -> dict[str, list[str]]:
+    """``RUN:FLAG`` specs -> run -> flags."""
+    flags: dict[str, list[str]] = {}
+    for spec in specs:
+        run, colon, flag = spec.partition(":")
+        if not colon or not flag:
+            raise SystemExit(f"rlfleet-suite: --run-collector-arg {spec!r}: expected RUN:FLAG, e.g. r0:--share-weight=2")
+        flags.setdefault(run, []).append(flag)
+    return flags
+
+
+def _serve(ns: argparse.Namespace, collector: str, collectors: str) -> int:
     """Once the suite serves: run ``--then`` (its exit code), or return at once (``--check``), or wait for
-    Ctrl-C (0)."""
+    Ctrl-C (0). ``collectors``: every run's collector, comma-separated."""
     if ns.then:
-        command = shlex.split(ns.then.format(collector=collector, model_dir=ns.model_dir,
+        command = shlex.split(ns.then.format(collector=collector, collectors=collectors, model_dir=ns.model_dir,
                                              credentials=ns.workdir / "credentials"))
         print(f"[suite] running: {' '.join(command)}", file=sys.stderr, flush=True)
         return subprocess.call(command)

@@ -82,8 +82,8 @@ def build(config: CollectorConfig, *, supervise: Callable[[Coroutine, str], asyn
                        sync=config.mode == "sync")
     ledger, source = durable_state(config, state_dir, on_lost)
     run = ledger.open_run()
-    pool = ReplicaPool(settings, ReplicaRun(run.run_id, config.share_weight) if config.shared_replicas
-                       else ReplicaRun())
+    pool = ReplicaPool(settings, ReplicaRun(run.run_id, config.share_weight, config.run_name)
+                       if config.shared_replicas else ReplicaRun())
     addresses = {"reference": config.reference_address, "reward": config.reward_address,
                  "trajectory": config.trajectory_address}
     if config.environment_address:
@@ -156,7 +156,7 @@ def pipeline_options(config: CollectorConfig) -> PipelineOptions:
         update_kl_controller=config.update_kl_controller, max_groups_in_flight=config.max_groups_in_flight,
         max_generations_in_flight=config.max_generations_in_flight, max_scoring_in_flight=config.max_scoring_in_flight,
         max_groups_per_call=config.max_groups_per_call, default_environment=config.environment,
-        prompt_attempts=config.prompt_attempts, retry_backoff_seconds=config.retry_backoff_seconds,
+        players=dict(config.players), prompt_attempts=config.prompt_attempts, retry_backoff_seconds=config.retry_backoff_seconds,
         filter_rule=FilterRule(config.dynamic_sampling, config.dynamic_sampling_min_score_range, config.pass_score),
         max_oversampling=config.max_oversampling, filter_window=max(32, 4 * config.groups_per_step))
 

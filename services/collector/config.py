@@ -122,6 +122,13 @@ class CollectorConfig(ServiceConfig, UpstreamConfig):
     share_weight: float = Field(1.0, gt=0, le=1000)
     """With ``shared_replicas``: the run's weight in each replica's fair share of its batch (the other runs'
     weights are theirs; a run with nothing to generate leaves its share to the others)."""
+    players: dict[str, str] = Field(default_factory=dict)
+    """With ``shared_replicas``: several policies in one episode (docs/concepts/many-runs.md). A player an
+    environment names for a turn (``StepResult.next_player``: an opponent, a teacher) -> the run whose
+    policy samples that turn (its ``run_name`` on the shared replicas). The turn is context in this run's
+    batch (``response_mask`` false, never trained on; no version of this run's). A player missing here
+    fails its prompt (a dead letter naming it); a run not on a replica yet is waited for (the group
+    retried). Given to one run by the operator: another run's policy plays in this run's episodes."""
 
     swap_mode: Literal["", SwapModeName] = ""
     """What every push does to the requests in flight on the replicas, for the whole run: ``wait`` (they
@@ -220,6 +227,20 @@ class CollectorConfig(ServiceConfig, UpstreamConfig):
     def _sync_means_no_staleness(self) -> "CollectorConfig":
         if self.mode == "sync":
             self.max_staleness = 0
+        return self
+
+    @model_validator(mode="after")
+    def _players_on_shared_replicas(self) -> "CollectorConfig":
+        from rlfleet.services.common.run_ids import RUN_ID
+
+        if self.players and not self.shared_replicas:
+            raise ValueError("players: another run's policy plays on replicas shared between runs; set "
+                             "shared_replicas (and run_name on every run)")
+        for player, run in self.players.items():
+            if not player or len(player) > 128 or not player.isprintable():
+                raise ValueError(f"players: {player[:160]!r} is not a player's name (1 to 128 printable characters)")
+            if not RUN_ID.fullmatch(run) or run in (".", ".."):
+                raise ValueError(f"players[{player!r}]: {run[:160]!r} is not a run name (1 to 128 of [A-Za-z0-9._-])")
         return self
 
     @model_validator(mode="after")

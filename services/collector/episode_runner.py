@@ -9,6 +9,13 @@ is generated from that token history, never from re-tokenized text. So a turn ca
 any replica: one that dies mid-episode costs the turn, not the episode (the next attempt continues
 from the history elsewhere).
 
+Several policies may play one episode (self-play, a teacher): the environment names the player of the
+next turn (``StepResponse.next_player``; the first turn is always the episode's own policy's), and that
+turn is sampled by the policy of the run the collector's ``players`` maps it to. Such a turn is context
+to the episode's run, as an observation is: in its group it has ``response_mask`` false, no behaviour
+log-probs and no version of this run's (``NOT_SAMPLED``), and its versions are left out of the
+episode's (they are the other run's).
+
 An episode ends when its environment says done or truncated, after ``max_turns`` assistant turns,
 or when ``max_episode_tokens`` leaves no room for another turn; it always ends on sampled tokens
 (an observation with nothing sampled after it is not kept). Its reward is the sum of the per-turn
@@ -40,9 +47,10 @@ from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.v1 import environment_pb2, environment_pb2_grpc, generation_pb2, sampling_pb2
 from rlfleet.wire import Ragged, decode_tensor, encode_tensor
 
-GenerateTurns = Callable[[torch.Tensor, int, int], Awaitable[list[generation_pb2.GenerateResponse]]]
-"""Samples the next turn of an episode: (token history, most tokens to sample, n) -> n samples (by
-sample_index); n > 1 only for a group's shared first turn."""
+GenerateTurns = Callable[..., Awaitable[list[generation_pb2.GenerateResponse]]]
+"""Samples the next turn of an episode: (token history, most tokens to sample, n[, player]) -> n samples
+(by sample_index); n > 1 only for a group's shared first turn; ``player`` (given when not ""): another
+player's turn, sampled by the policy ``players`` maps it to."""
 
 
 @dataclass
@@ -64,6 +72,8 @@ class SampledTurn:
     seconds: float
     sampling: sampling_pb2.SamplingParams
     observation: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    player: str = ""
+    """Who sampled it: "" the episode's own policy, else the player (another run's policy): context."""
 
 
 @dataclass
@@ -142,10 +152,13 @@ class EpisodeRunner:
         if length >= limits.max_episode_tokens:
             raise InvalidArgument(f"episode {episode_id}: its prompt has {length} tokens, the collector's "
                                   f"max_episode_tokens ({limits.max_episode_tokens}) leaves none to sample")
+        player = ""  # the first turn is the episode's own policy's
         while length < limits.max_episode_tokens:
             room = limits.max_episode_tokens - length
             turn_label = "later" if episode.turns else "first"
-            if episode.turns:
+            if player:
+                sample, = await generate(episode.history(), room, 1, player)
+            elif episode.turns:
                 sample, = await generate(episode.history(), room, 1)
             else:
                 sample = await first_turns.sample(index, episode.prompt, room, generate)
@@ -154,11 +167,11 @@ class EpisodeRunner:
             token_ids = decode_tensor(sample.response_token_ids, "response_token_ids").to(torch.int64)
             log_probs = decode_tensor(sample.behavior_log_probs, "behavior_log_probs").to(torch.float32)
             turn = SampledTurn(token_ids, log_probs, response_versions(sample, len(token_ids)), sample.policy_version_start,
-                               sample.policy_version_end, sample.timing.total_seconds, sample.sampling)
+                               sample.policy_version_end, sample.timing.total_seconds, sample.sampling, player=player)
             episode.turns.append(turn)
             length += len(turn.token_ids)
             request = environment_pb2.StepRequest(
-                episode_id=episode_id, turn=len(episode.turns),
+                episode_id=episode_id, turn=len(episode.turns), player=player,
                 finish_reason="length" if sample.finish_reason == sampling_pb2.FINISH_REASON_LENGTH else "stop")
             encode_tensor(turn.token_ids, out=request.token_ids)
             step = await self._step(request)
@@ -172,6 +185,7 @@ class EpisodeRunner:
                 return  # cut: the observation is not kept, nothing would be sampled after it
             turn.observation = observation
             length += len(observation)
+            player = step.next_player
 
     async def _step(self, request: environment_pb2.StepRequest) -> environment_pb2.StepResponse:
         try:
@@ -253,35 +267,43 @@ class _FirstTurns:
 
 def group_of_episodes(episodes: list[Episode]) -> GroupSamples:
     """The episodes as a group of samples: ``responses`` = every turn's sampled and observation tokens,
-    behaviour log-probs 0 and ``response_mask`` false over the observation tokens."""
+    behaviour log-probs 0 and ``response_mask`` false over the observation tokens and over the turns other
+    players sampled, whose versions are left out (``turn_versions`` and the span hold the own turns')."""
     responses, behavior, masks, versions, token_versions = [], [], [], [], []
     for episode in episodes:
         tokens, log_probs, mask, sampled_by = [], [], [], []
         for turn in episode.turns:
             tokens += [turn.token_ids, turn.observation]
-            log_probs += [turn.log_probs, torch.zeros(len(turn.observation), dtype=torch.float32)]
-            mask += [torch.ones(len(turn.token_ids), dtype=torch.bool),
-                     torch.zeros(len(turn.observation), dtype=torch.bool)]
-            sampled_by += [turn.versions, torch.full((len(turn.observation),), NOT_SAMPLED, dtype=torch.int64)]
+            # Another player's turn is context, as the observation after it is.
+            own = 0 if turn.player else len(turn.token_ids)
+            context = len(turn.token_ids) + len(turn.observation) - own
+            log_probs += [turn.log_probs[:own], torch.zeros(context, dtype=torch.float32)]
+            mask += [torch.ones(own, dtype=torch.bool), torch.zeros(context, dtype=torch.bool)]
+            sampled_by += [turn.versions[:own], torch.full((context,), NOT_SAMPLED, dtype=torch.int64)]
         responses.append(torch.cat(tokens))
         behavior.append(torch.cat(log_probs))
         masks.append(torch.cat(mask))
         token_versions.append(torch.cat(sampled_by))
-        versions.append(torch.tensor([[t.policy_version_start, t.policy_version_end] for t in episode.turns],
-                                     dtype=torch.int64))
+        versions.append(torch.tensor([[t.policy_version_start, t.policy_version_end] for t in own_turns(episode)],
+                                     dtype=torch.int64).reshape(-1, 2))
     return GroupSamples(
         prompts=Ragged.from_list([e.prompt for e in episodes], torch.int64),
         responses=Ragged.from_list(responses, torch.int64),
         behavior_log_probs=Ragged.from_list(behavior, torch.float32),
         response_mask=Ragged.from_list(masks, torch.bool),
-        version_start=[min(t.policy_version_start for t in e.turns) for e in episodes],
-        version_end=[max(t.policy_version_end for t in e.turns) for e in episodes],
+        version_start=[min(t.policy_version_start for t in own_turns(e)) for e in episodes],
+        version_end=[max(t.policy_version_end for t in own_turns(e)) for e in episodes],
         sample_index=list(range(len(episodes))),
         seconds=[sum(t.seconds for t in e.turns) for e in episodes],
         terminated=[e.done for e in episodes],
         truncated=[not e.done for e in episodes],
         sampling=episodes[0].turns[0].sampling,
-        turn_versions=Ragged(torch.cat(versions), torch.tensor([len(e.turns) for e in episodes])),
+        turn_versions=Ragged(torch.cat(versions), torch.tensor([len(own_turns(e)) for e in episodes])),
         versions=Ragged.from_list(token_versions, torch.int64),
         environment_rewards=[e.reward for e in episodes],
     )
+
+
+def own_turns(episode: Episode) -> list[SampledTurn]:
+    """The turns the episode's own policy sampled (the first always is)."""
+    return [turn for turn in episode.turns if not turn.player]

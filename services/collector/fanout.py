@@ -167,7 +167,7 @@ class WeightFanout:
             raise FailedPrecondition(f"run {run_id} shares its generation replicas with other runs: it pushes LoRA "
                                      f"adapters (push_adapter); a run that trains full weights needs replicas of "
                                      f"its own")
-        manifest.run_id = run_id
+        self.pool.run.label(manifest)
         rolling = is_rolling(manifest, default_strategy)
         if rolling:
             # Each replica is drained before it switches: what is left running there is aborted (and
@@ -436,7 +436,7 @@ class WeightFanout:
             for manifest in manifests:  # an adapter after the weights it sits on
                 manifest.mode = weights_pb2.UPDATE_MODE_ABORT
                 manifest.resync = True
-                manifest.run_id = self.pool.run.run_id
+                self.pool.run.label(manifest)
                 segment = None
                 try:
                     segment = await self.spool.load_segment(manifest)

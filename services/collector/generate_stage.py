@@ -21,8 +21,8 @@ import grpc
 import torch
 
 from rlfleet.rpc.channel import ChannelSettings, backoff
-from rlfleet.rpc.errors import (AbortedError, InvalidArgumentError, NotFoundError, ResourceExhaustedError,
-                                   from_rpc_error)
+from rlfleet.rpc.errors import (AbortedError, FailedPreconditionError, InvalidArgumentError, NotFoundError,
+                                ResourceExhaustedError, from_rpc_error)
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.episode_runner import EpisodeRunner, GenerateTurns, GroupSlot, group_of_episodes
 from rlfleet.services.collector.failures import Discard, GenerationFailed
@@ -65,7 +65,8 @@ def sampled_tokens(samples: list[generation_pb2.GenerateResponse]) -> int:
 class GenerateStage:
     def __init__(self, gate: VersionGate, pool: ReplicaPool, settings: ChannelSettings,
                  episodes: EpisodeRunner | None, discards: Discards, *, sampling: dict, group_size: int,
-                 default_environment: str, generation_attempts: int, max_generations_in_flight: int):
+                 default_environment: str, generation_attempts: int, max_generations_in_flight: int,
+                 players: dict[str, str] | None = None):
         self.gate = gate
         self.pool = pool
         self.settings = settings
@@ -76,6 +77,8 @@ class GenerateStage:
         self.group_size = group_size
         self.default_environment = default_environment
         """Environment of the prompts that name none ("": single-turn)."""
+        self.players = dict(players or {})
+        """An environment's player -> the run (its name on the shared replicas) whose policy plays its turns."""
         self.generation_attempts = generation_attempts
         self.stats = StageStats("generation")
         self.pin_violations = 0
@@ -95,8 +98,7 @@ class GenerateStage:
 
     def _request(self, item: PromptItem, group_id: int) -> generation_pb2.GenerateRequest:
         sampling = sampling_fields(self.sampling, item.sampling, self.group_size)
-        request = generation_pb2.GenerateRequest(request_id=f"{group_id:x}", run_id=self.pool.run.run_id,
-                                                 share_weight=self.pool.run.share_weight,
+        request = self.pool.run.generate_request(request_id=f"{group_id:x}",
                                                  sampling=sampling_pb2.SamplingParams(**sampling))
         if item.token_ids is not None:
             encode_tensor(torch.tensor(item.token_ids, dtype=torch.int64), out=request.prompt.token_ids)
@@ -153,6 +155,8 @@ class GenerateStage:
                 error = from_rpc_error(exc, "Generate")
                 if isinstance(error, (InvalidArgumentError, NotFoundError)):
                     raise error from None
+                if request.policy_run and isinstance(error, FailedPreconditionError):
+                    raise error from None  # the other run is not on the replicas yet: the group is retried
                 if place.version is not None and isinstance(error, AbortedError):
                     self.pins_retired += 1  # it switched (or restarted) before our routing knew
                     raise Discard(f"{replica.address} no longer serves version {place.version}") from None
@@ -190,20 +194,22 @@ class GenerateStage:
     def _turn_generator(self, item: PromptItem, group_id: int, index: int, place: Placement,
                         slot: GroupSlot) -> GenerateTurns:
         """Generates the turns of episode ``index`` (``n`` samples from its token history, at most the
-        tokens its budget leaves; n > 1 for the group's shared first turn). A turn aborted by a weight
-        update is generated again (on the new weights: each turn records its versions)."""
+        tokens its budget leaves; n > 1 for the group's shared first turn), by this run's policy or, for a
+        turn of another ``player``, by the policy of the run ``players`` maps it to. A turn aborted by a
+        weight update is generated again (on the new weights: each turn records its versions)."""
         fields = sampling_fields(self.sampling, item.sampling, 1)
         if fields.get("seed"):
             fields["seed"] += index  # one seed per episode, or the group's episodes would be one
         max_tokens = fields.get("max_tokens") or SamplingSpec.max_tokens
         requests = itertools.count()
 
-        async def generate(history: torch.Tensor, room: int, n: int) -> list[generation_pb2.GenerateResponse]:
+        async def generate(history: torch.Tensor, room: int, n: int,
+                           player: str = "") -> list[generation_pb2.GenerateResponse]:
             sampling = sampling_pb2.SamplingParams(**{**fields, "max_tokens": min(max_tokens, room), "n": n})
+            policy_run = self._policy_of(player, item) if player else ""
             for _ in range(self.generation_attempts):
-                request = generation_pb2.GenerateRequest(request_id=f"{group_id:x}-{index}-{next(requests)}",
-                                                         run_id=self.pool.run.run_id,
-                                                         share_weight=self.pool.run.share_weight, sampling=sampling)
+                request = self.pool.run.generate_request(request_id=f"{group_id:x}-{index}-{next(requests)}",
+                                                         sampling=sampling, policy_run=policy_run)
                 encode_tensor(history, out=request.prompt.token_ids)
                 async with slot.held():
                     with tracing.span("generate", {"rlfleet.episode": index, "rlfleet.samples": n}):
@@ -213,3 +219,13 @@ class GenerateStage:
                 self.discards.add(0, sampled_tokens(samples))
             raise Discard(f"a turn was aborted by weight updates {self.generation_attempts} times")
         return generate
+
+    def _policy_of(self, player: str, item: PromptItem) -> str:
+        """The run whose policy plays ``player``'s turns (INVALID_ARGUMENT, dead-lettering the prompt, for
+        a player the collector's ``players`` does not map)."""
+        run = self.players.get(player)
+        if run is None:
+            mapped = ", ".join(f"{name!r}" for name in sorted(self.players)) or "none"
+            raise InvalidArgument(f"prompt {item.prompt_id!r}: its environment named player {player[:160]!r} for a "
+                                  f"turn; the collector's players setting maps {mapped}")
+        return run

@@ -31,7 +31,7 @@ from rlfleet.services.collector.discovery import Endpoint
 from rlfleet.services.collector import metrics
 from rlfleet.services.common.background import BackgroundTasks
 from rlfleet.services.common.errors import Unavailable
-from rlfleet.v1 import generation_pb2, generation_pb2_grpc
+from rlfleet.v1 import generation_pb2, generation_pb2_grpc, weights_pb2
 
 log = logging.getLogger("rlfleet.collector.replicas")
 
@@ -74,6 +74,17 @@ class ReplicaRun:
 
     run_id: str = ""
     share_weight: float = 0.0
+    name: str = ""
+    """The run's name (``run_name``), by which other runs' episodes ask for its policy (``players``)."""
+
+    def generate_request(self, **fields) -> generation_pb2.GenerateRequest:
+        """A Generate call of this run (``fields``: the rest of the request)."""
+        return generation_pb2.GenerateRequest(run_id=self.run_id, run_name=self.name, share_weight=self.share_weight,
+                                              **fields)
+
+    def label(self, manifest: weights_pb2.WeightManifest) -> None:
+        """A push of this run's weights names the run."""
+        manifest.run_id, manifest.run_name = self.run_id, self.name
 
     def version(self, status: generation_pb2.GetEngineStatusResponse) -> int:
         """The run's version a replica serves (a named run it does not serve yet: 0, the base weights)."""

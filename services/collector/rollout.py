@@ -26,7 +26,7 @@ import asyncio
 import dataclasses
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from rlfleet.rpc.channel import ChannelSettings, backoff
@@ -64,6 +64,8 @@ class PipelineOptions:
     max_groups_per_call: int = 64
     default_environment: str = ""
     """Environment of the prompts that name none ("": single-turn)."""
+    players: dict[str, str] = field(default_factory=dict)
+    """An environment's player -> the run whose policy plays its turns (the collector's ``players``)."""
     filter_rule: FilterRule = FilterRule()
     """Dynamic sampling and pass rates (``filtering.py``)."""
     max_oversampling: float = 4.0
@@ -110,7 +112,7 @@ class Pipeline:
         """Sampled work thrown away, by every stage (and the collector's deletions of stale groups)."""
         self.generate = GenerateStage(gate, pool, settings, episodes, self.discards, sampling=options.sampling,
                                       group_size=options.group_size, default_environment=options.default_environment,
-                                      generation_attempts=options.generation_attempts,
+                                      players=options.players, generation_attempts=options.generation_attempts,
                                       max_generations_in_flight=options.max_generations_in_flight)
         # Groups that queue for the reference, reward or trajectory service while its calls are in flight go
         # out together in its next call (a refused call is made again group by group: see coalescer.py).

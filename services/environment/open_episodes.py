@@ -71,6 +71,8 @@ class StepTurn:
     finish_reason: str
     number: int = 0
     """1 for the episode's first turn; 0: not checked (see ``Episodes.step``)."""
+    player: str = ""
+    """Who sampled it (``AssistantTurn.player``)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class StepAnswer:
     done: bool
     truncated: bool
     info: dict[str, str]
+    next_player: str = ""
 
 
 @dataclass(eq=False)
@@ -204,7 +207,8 @@ class Episodes:
             text = message["content"]
         else:
             text = turn.text
-        assistant_turn = AssistantTurn(text=text, token_ids=list(turn.token_ids), finish_reason=turn.finish_reason)
+        assistant_turn = AssistantTurn(text=text, token_ids=list(turn.token_ids), finish_reason=turn.finish_reason,
+                                       player=turn.player)
         result = await self._call(episode, "step", episode.env.step(assistant_turn))
         self._check(episode, "step", lambda: check_step_result(result, "step"))
         episode.turns += 1
@@ -223,7 +227,8 @@ class Episodes:
                                                result.messages, episode.tools)
             episode.messages += [rendered.assistant_message, *result.messages]
             observation_token_ids = rendered.token_ids
-        return StepAnswer(list(result.messages), observation_token_ids, result.reward, result.done, truncated, info)
+        return StepAnswer(list(result.messages), observation_token_ids, result.reward, result.done, truncated, info,
+                          "" if episode.over else result.next_player)
 
     async def close(self, episode_id: str) -> float | None:
         """Close an episode; the environment's final reward (``None`` when it gives none)."""

@@ -45,6 +45,7 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
             text=_text("text", request.text, self.config) or None,
             finish_reason=_finish_reason(request.finish_reason),
             number=_turn_number(request.turn),
+            player=_player(request.player),
         )
         return _step_response(await episodes.step(episode_id, turn))
 
@@ -113,6 +114,12 @@ def _turn_number(value: int) -> int:
     return value
 
 
+def _player(value: str) -> str:
+    if len(value) > 128 or not value.isprintable():
+        raise InvalidArgument(f"player: a player's name is at most 128 printable characters, got {quoted(value[:160])}")
+    return value
+
+
 def _finish_reason(value: str) -> str:
     if value == "":
         return "stop"
@@ -128,7 +135,7 @@ def _chat_message(message: dict) -> sampling_pb2.ChatMessage:
 def _step_response(answer: StepAnswer) -> environment_pb2.StepResponse:
     response = environment_pb2.StepResponse(
         observation=[_chat_message(message) for message in answer.observation],
-        done=answer.done, truncated=answer.truncated, info=answer.info)
+        done=answer.done, truncated=answer.truncated, info=answer.info, next_player=answer.next_player)
     if answer.reward is not None:
         response.reward, response.has_reward = answer.reward, True
     encode_tensor(torch.tensor(answer.observation_token_ids, dtype=torch.int64), out=response.observation_token_ids)

@@ -15,6 +15,12 @@ alone, whatever its mode; vLLM is never paused for it, so no other run's request
 - ``abort``: the run's running requests end with "abort"; ``resume``: they are continued on the pushed
   adapter (``rollout.py``), as the replica's own run's are after a swap.
 
+A run may give a name (``GenerateRequest.run_name``, ``WeightManifest.run_name``: its collector's
+``run_name``), and another run's call may then sample on that run's policy (``policy_run``: several
+policies in one episode, ``named``): on its current adapter, as one of its requests (its pushes' modes
+act on it), while the call counts as the caller's (its slot, its fair share). The latest run to give a
+name holds it (a run started anew under the same name takes it over).
+
 The replica's own run (``run_id`` empty) is the one a replica always had; its full and delta pushes
 replace the base weights the named runs' adapters sit on, so they are refused while named runs share the
 replica (``WeightSwaps.stage``). Knows nothing of gRPC; errors are domain exceptions.
@@ -44,6 +50,8 @@ class ServedRun:
 
     run_id: str
     adapters: AdapterSet
+    name: str = ""
+    """The name other runs' calls ask for its policy by ("": none given)."""
     version: int = 0
     """The run's version new requests run on (0: the base weights)."""
     admission_open: asyncio.Event = field(default_factory=asyncio.Event)
@@ -100,6 +108,8 @@ class ServedRuns:
         self.max_runs = max_runs
         self.idle_seconds = idle_seconds
         self._runs: dict[str, ServedRun] = {}
+        self._named: dict[str, ServedRun] = {}
+        """Name -> the run that gave it last."""
         self.adapter_serials = itertools.count(1)
         """Every adapter this replica loads, whatever its run, gets its own serial: vLLM's id and name."""
 
@@ -112,16 +122,37 @@ class ServedRuns:
     def names(self) -> list[str]:
         return sorted(self._runs)
 
-    def take(self, run_id: str, engine=None) -> ServedRun:
-        """The run ``run_id`` (INVALID_ARGUMENT for an id of another shape), marked used now; a run served for
-        the first time takes a slot: a free one, or the longest idle run's past ``idle_seconds``
-        (RESOURCE_EXHAUSTED naming the runs that hold them when none is)."""
+    def take(self, run_id: str, engine=None, name: str = "") -> ServedRun:
+        """The run ``run_id`` (INVALID_ARGUMENT for an id of another shape), marked used now and known by
+        ``name`` if one is given; a run served for the first time takes a slot: a free one, or the longest
+        idle run's past ``idle_seconds`` (RESOURCE_EXHAUSTED naming the runs that hold them when none is)."""
+        if name:
+            check_run_id(name, "run_name")
         run = self._runs.get(run_id)
-        if run is not None:
-            if run.ended:
-                raise FailedPrecondition(f"run {run_id} ended on this replica (EndRun)")
-            run.last_used = time.monotonic()
-            return run
+        if run is None:
+            run = self._new(run_id, engine)
+        elif run.ended:
+            raise FailedPrecondition(f"run {run_id} ended on this replica (EndRun)")
+        run.last_used = time.monotonic()
+        if name and self._named.get(name) is not run:
+            if self._named.get(run.name) is run:
+                del self._named[run.name]
+            run.name = name
+            self._named[name] = run
+        return run
+
+    def named(self, name: str) -> ServedRun:
+        """The run known by ``name`` (its policy samples another run's call); FAILED_PRECONDITION when no
+        run here gave that name, or the one that did ended."""
+        check_run_id(name, "policy_run")
+        run = self._named.get(name)
+        if run is None or run.ended:
+            known = ", ".join(sorted(self._named)) or "none"
+            raise FailedPrecondition(f"policy_run {name!r}: no run of that name on this replica (its collector has "
+                                     f"neither pushed nor generated here yet, or it ended; names here: {known})")
+        return run
+
+    def _new(self, run_id: str, engine) -> ServedRun:
         check_run_id(run_id)
         if self.max_runs == 0:
             raise FailedPrecondition(f"run {run_id}: this replica serves no runs but its own (start it with "
@@ -164,9 +195,12 @@ class ServedRuns:
         """An ended run with no call left leaves: its adapters go (once unpinned) and its slot is free."""
         if run.ended and run.calls == 0 and self._runs.get(run.run_id) is run:
             del self._runs[run.run_id]
+            if self._named.get(run.name) is run:
+                del self._named[run.name]
             run.adapters.drop(engine)
 
     def close(self) -> None:
         for run in self._runs.values():
             run.adapters.close()
         self._runs.clear()
+        self._named.clear()

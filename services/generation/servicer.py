@@ -67,7 +67,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         encode_values(prompt_ids, torch.int64, template.prompt_token_ids)
         required = request.policy_version if request.HasField("policy_version") else None
         async for sample in self.engine.generate(prompt_ids, spec, request_id, required, run_id=request.run_id,
-                                                 share_weight=request.share_weight):
+                                                 share_weight=request.share_weight, run_name=request.run_name,
+                                                 policy_run=request.policy_run):
             yield _sample_to_proto(sample, template)
 
     async def UpdateWeights(self, request_iterator, context):
@@ -116,7 +117,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             runs=[generation_pb2.ServedRun(run_id=run.run_id, policy_version=run.policy_version,
                                            requests_in_flight=run.requests_in_flight,
                                            requests_waiting=run.requests_waiting,
-                                           generated_tokens=run.generated_tokens) for run in status.runs],
+                                           generated_tokens=run.generated_tokens, name=run.name)
+                  for run in status.runs],
             max_runs=status.max_runs,
         )
 

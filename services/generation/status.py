@@ -137,6 +137,7 @@ class RunStatus:
     requests_waiting: int
     """Calls waiting for the run's fair share of the batch."""
     generated_tokens: int
+    name: str = ""
 
 
 class TokenRate:

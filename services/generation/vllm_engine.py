@@ -306,6 +306,7 @@ class GenerationEngine:
     async def generate(
         self, prompt_token_ids: Sequence[int], sampling: SamplingSpec, request_id: str,
         required_version: int | None = None, run_id: str = "", share_weight: float = 0.0,
+        run_name: str = "", policy_run: str = "",
     ) -> AsyncIterator[SampleResult]:
         """Sample ``sampling.n`` responses; yield each one as soon as it finishes.
 
@@ -316,6 +317,8 @@ class GenerationEngine:
         ``run_id`` (empty: the replica's own run) names the run whose policy samples: a named run samples
         on the base weights with its own adapter, at its own versions (``served_runs``). The call then
         waits for its run's fair share of the batch (``share_weight``, 0 meaning 1: ``fair_share``).
+        ``run_name`` names the run (``ServedRuns.take``); ``policy_run`` has the run of that name sample the
+        call instead (``ServedRuns.named``): its adapter and versions, while the call counts as ``run_id``'s.
 
         Admission is checked at the first iteration: beyond
         ``max_queued_requests`` calls in flight it raises ResourceExhausted.
@@ -332,15 +335,20 @@ class GenerationEngine:
                 f"generation queue full ({self._requests_in_flight} requests in flight, "
                 f"max_queued_requests={self.config.max_queued_requests})"
             )
-        run = self.weights.runs.take(run_id, self.replica.vllm) if run_id else None
-        host = self if run is None else RunHost(self, run)
+        runs = self.weights.runs
+        run = runs.take(run_id, self.replica.vllm, run_name) if run_id else None
+        if policy_run and run is None:
+            raise InvalidArgument("policy_run: only a named run's call (run_id set) may sample on another run's policy")
+        policy = runs.named(policy_run) if policy_run else run
+        host = self if policy is None else RunHost(self, policy)
         rollout = Rollout(host, prompt_token_ids, sampling, request_id, time.monotonic(), required_version)
         samples = rollout.samples()
         self._requests_in_flight += 1
         self.replica.version_bound_requests += required_version is not None
         self._request_ids_in_flight.add(request_id)
-        if run is not None:
-            run.calls += 1
+        users = [r for r in {id(r): r for r in (run, policy) if r is not None}.values()]
+        for user in users:  # neither leaves (EndRun, idle) while the call runs
+            user.calls += 1
         computed = sampling.computed_samples
         lease = None
         try:
@@ -363,9 +371,9 @@ class GenerationEngine:
             self._request_ids_in_flight.discard(request_id)
             if rollout.running:
                 self._requests_running -= 1
-            if run is not None:
-                run.calls -= 1
-                self.weights.runs.release(run, self.replica.vllm)
+            for user in users:
+                user.calls -= 1
+                runs.release(user, self.replica.vllm)
 
     async def open_stream(self, prompt_token_ids: list[int], params: Any, request_id: str,
                           required_version: int | None = None) -> tuple[AsyncGenerator[Any, None], int, int | None]:
@@ -435,7 +443,7 @@ class GenerationEngine:
             resumed_samples=self._resumed_samples,
             resumed_tokens=self._resumed_tokens,
             runs=tuple(RunStatus(run.run_id, run.version, run.calls, self.share.waiting_by_run.get(run.run_id, 0),
-                                 run.generated_tokens) for run in self.weights.runs),
+                                 run.generated_tokens, run.name) for run in self.weights.runs),
             max_runs=self.config.max_runs,
         )
 

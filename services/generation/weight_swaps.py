@@ -113,7 +113,7 @@ class WeightSwaps:
             raise FailedPrecondition(f"run {manifest.run_id}: a push of a run sharing this replica must be a LoRA "
                                      f"adapter push; a run that trains full weights gets replicas of its own")
         self._check_adapter(manifest)
-        run = self.runs.take(manifest.run_id, self.replica.vllm)
+        run = self.runs.take(manifest.run_id, self.replica.vllm, manifest.run_name)
         if not manifest.resync:
             run.check_version(manifest.version)
 
@@ -201,7 +201,7 @@ class WeightSwaps:
         engine = self.replica.takes_pushes()
         staged.push.finish()
         if staged.manifest.run_id:
-            await self._apply_run_adapter(engine, staged, self.runs.take(staged.manifest.run_id, engine))
+            await self._apply_run_adapter(engine, staged, self.runs.take(staged.manifest.run_id, engine, staged.manifest.run_name))
             return
         async with self._lock:
             if not staged.resync:

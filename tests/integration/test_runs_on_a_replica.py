@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -93,10 +94,12 @@ def push_adapter(stub, model, version: int, run_id: str, mode=weights_pb2.UPDATE
     return push(stub, list(get_peft_model_state_dict(model).items()), version, run_id, mode)
 
 
-def generate(stub, run_id: str = "", n: int = 2, max_tokens: int = 12, **extra):
+def generate(stub, run_id: str = "", n: int = 2, max_tokens: int = 12, run_name: str = "", policy_run: str = "",
+             **extra):
     request = generation_pb2.GenerateRequest(
-        prompt=sampling_pb2.Prompt(token_ids=encode_tensor(torch.tensor(PROMPT))), run_id=run_id,
-        sampling=sampling_pb2.SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, **extra))
+        prompt=sampling_pb2.Prompt(token_ids=encode_tensor(torch.tensor(PROMPT))), run_id=run_id, run_name=run_name,
+        policy_run=policy_run, sampling=sampling_pb2.SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens,
+                                                                    **extra))
     return sorted(stub.Generate(request, timeout=600), key=lambda r: r.sample_index)
 
 
@@ -236,6 +239,25 @@ def test_a_run_ended_mid_call_finishes_its_call_and_takes_no_new_one(stub):
     wait_for(lambda: "run-d" not in served(stub), SCHEDULE_TIMEOUT, "run-d to leave once its call ended")
 
 
+def test_a_call_samples_on_another_runs_policy_by_the_name_it_gave(stub, adapters):
+    """Several policies in one episode, at the replica: run-b's call asking for ``policy_run`` "a" samples on
+    run-a's adapter at run-a's version once run-a gave that name (log-probs of that adapter, 1e-4), while it
+    counts as run-b's call; before, FAILED_PRECONDITION naming what is missing."""
+    with pytest.raises(grpc.RpcError) as err:
+        generate(stub, "run-b", policy_run="a")
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no run of that name" in err.value.details()
+    generate(stub, "run-a", n=1, run_name="a")  # run-a's collector names its run on each call
+    assert served(stub)["run-a"].name == "a"
+    before = served(stub)["run-a"].generated_tokens
+    for sample in generate(stub, "run-b", policy_run="a"):
+        assert spans(sample) == [(2, 0, length(sample))]  # run-a's version
+        assert log_prob_error(sample, adapters[3]) <= LOG_PROB_TOLERANCE  # run-a's adapter, not run-b's
+    assert served(stub)["run-a"].generated_tokens > before  # sampled by run-a's policy
+    with pytest.raises(grpc.RpcError) as err:
+        generate(stub, "", policy_run="a")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "policy_run" in err.value.details()
+
+
 def _generate_weighted(stub, weight: float):
     request = generation_pb2.GenerateRequest(
         prompt=sampling_pb2.Prompt(token_ids=encode_tensor(torch.tensor(PROMPT))), run_id="run-a",
@@ -276,8 +298,12 @@ def fleet(tiny_model_dir, tmp_path_factory):
     trajectory store of its own; every service over mTLS with role tokens, each run's trainer with a
     certificate and tokens acting for its run alone. ``(processes, credentials directory)``."""
     workdir = tmp_path_factory.mktemp("four-runs")
+    examples = str(Path(__file__).resolve().parents[2] / "examples")
     options = SuiteOptions(model_dir=tiny_model_dir, runs=RUNS, secure=True, kv_cache_bytes=128 << 20,
-                           max_model_len=512,
+                           max_model_len=512, environments={"number_duel": "number_duel:NumberDuel"},
+                           environment_env={"PYTHONPATH": examples},
+                           run_collector_args={"r2": ["--players", '{"opponent": "r3"}'],
+                                               "r3": ["--players", '{"opponent": "r2"}']},
                            collector_args=["--group-size", "2", "--groups-per-step", "2", "--max-staleness", "1000",
                                            "--mismatch-kl-target", "null",
                                            "--sampling", '{"temperature": 1.0, "max_tokens": 12}'])
@@ -343,6 +369,38 @@ def runs_of(trainers, adapters, model_dir):
     """Each trainer, the version it pushed, and the model its run's samples come from."""
     a, b, c, d = trainers
     return ((a, 1, adapters[1]), (b, 2, adapters[3]), (c, 0, load_hf(model_dir).eval()), (d, 1, adapters[1]))
+
+
+DUEL = {"prompt": [{"role": "user", "content": "number duel"}], "environment": "number_duel", "reward_fn": "none"}
+
+
+def test_two_runs_play_each_others_turns_and_each_trains_on_its_own(fleet, trainers, replica_stub, adapters,
+                                                                    tiny_model_dir):
+    """Runs r2 and r3 play number duels (examples/number_duel.py), each run's collector mapping the game's
+    opponent to the other run: each run's batch holds its own episodes, whose two own turns are trainable and
+    were sampled by its own policy at its version (behaviour log-probs = a Hugging Face forward of its model
+    over the whole episode, 1e-4), the opponent's turn context (mask false, log-probs 0, version -1),
+    sampled on the replica by the other run's policy."""
+    _, _, c, d = trainers
+    for (client, version, model), other in zip(runs_of(trainers, adapters, tiny_model_dir)[2:], (d, c)):
+        before = served(replica_stub)[other.run.run_id].generated_tokens
+        client.submit_prompts([DUEL, DUEL])
+        with client.batches(4, max_batches=1) as batches:
+            batch = next(iter(batches))
+        assert served(replica_stub)[other.run.run_id].generated_tokens > before  # the opponent's policy played
+        columns = [batch.ragged(key).to_list() for key in ("tokens/prompt", "tokens/response",
+                                                           "masks/all_assistant_mask", "log_probs/response",
+                                                           "versions/response", "turns/policy_versions")]
+        assert len(batch) == 4
+        for prompt, response, assistant, behaviour, versions, turn_versions in zip(*columns):
+            sampled = assistant[len(prompt):]
+            own_turns = sampled.int().diff(prepend=torch.tensor([0])).eq(1).sum().item()
+            assert own_turns == 2 and sampled[-1]  # own, (opponent), own: it ends on its own turn
+            expected = response_log_probs(model, prompt.tolist(), response.tolist())
+            assert (behaviour[sampled] - expected[sampled]).abs().max().item() <= LOG_PROB_TOLERANCE
+            assert (behaviour[~sampled] == 0).all()
+            assert set(versions[sampled].tolist()) == {version} and set(versions[~sampled].tolist()) == {-1}
+            assert turn_versions.tolist() == [[version, version]] * 2  # the own turns' alone
 
 
 COLLECTOR_RPCS = [*collector_pb2.DESCRIPTOR.services_by_name["CollectorService"].methods,

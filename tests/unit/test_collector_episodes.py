@@ -39,9 +39,13 @@ class ScriptedEnvironment:
     """An EnvironmentService stub: each step answers observation [7, 8] (or what ``steps`` says), reward 1."""
 
     def __init__(self, done_after: int = 3, truncate: bool = False, fail_step: Exception | None = None,
-                 final_reward: float | None = 5.0, varied_openings: bool = False):
+                 final_reward: float | None = 5.0, varied_openings: bool = False, players: tuple[str, ...] = ()):
         self.done_after, self.truncate, self.fail_step, self.final_reward = done_after, truncate, fail_step, final_reward
         self.varied_openings = varied_openings
+        self.players = players
+        """Who plays each turn after the first ("" the episode's own policy), in order."""
+        self.played: dict[str, list[str]] = {}
+        """Per episode, the player each Step said sampled its turn."""
         self.steps: dict[str, list[list[int]]] = {}
         self.opened: list[str] = []
         self.closed: list[str] = []
@@ -59,9 +63,12 @@ class ScriptedEnvironment:
             raise self.fail_step
         turns = self.steps[request.episode_id]
         turns.append(decode_tensor(request.token_ids).tolist())
+        self.played.setdefault(request.episode_id, []).append(request.player)
         done = len(turns) >= self.done_after
         reply = environment_pb2.StepResponse(reward=1.0, has_reward=True, done=done and not self.truncate,
                                              truncated=done and self.truncate)
+        if not done and len(turns) <= len(self.players):
+            reply.next_player = self.players[len(turns) - 1]
         if not done:
             encode_tensor(torch.tensor([7, 8]), out=reply.observation_token_ids)
         return reply
@@ -77,10 +84,10 @@ def generator(histories: list[list[int]], tokens: int = 4, version=lambda turn: 
     """Samples ``tokens`` tokens (or what the room allows) per turn, recording each history it is given
     (and each call's n in ``calls``); sample s of episode i's call holds 10 * (i + s + 1) + 0, 1, ..."""
     def generate(index: int):
-        async def turn(history: torch.Tensor, room: int, n: int) -> list[generation_pb2.GenerateResponse]:
+        async def turn(history: torch.Tensor, room: int, n: int, player: str = "") -> list[generation_pb2.GenerateResponse]:
             histories.append(history.tolist())
             if calls is not None:
-                calls.append(n)
+                calls.append((n, player) if player else n)
             count = min(tokens, room)
             start, end = version(len(histories) - 1)
             samples = []
@@ -253,3 +260,22 @@ def test_a_groups_episodes_share_one_generation_slot_while_any_of_them_generates
         assert not slots.locked()  # given back once no episode generates
 
     asyncio.run(scenario())
+
+
+def test_a_turn_of_another_player_is_sampled_by_its_policy_and_kept_as_context():
+    """Own turn, the opponent's, own: the opponent's turn is generated for its player and stepped as its,
+    and in the group it is context (mask false, log-probs 0, no version of this run's) while the own
+    turns keep theirs; the episode's versions are the own turns' alone."""
+    environment = ScriptedEnvironment(done_after=3, players=("opponent", ""))
+    calls = []
+    episodes, _ = run(environment, group_size=1, calls=calls, version=lambda turn: (turn * 10, turn * 10))
+    assert calls == [1, (1, "opponent"), 1]
+    assert environment.played["ab-0"] == ["", "opponent", ""]
+    (episode,) = episodes
+    assert [turn.player for turn in episode.turns] == ["", "opponent", ""]
+    group = group_of_episodes(episodes)
+    assert group.response_mask.to_list()[0].tolist() == [True] * 4 + [False] * 2 + [False] * 6 + [True] * 4
+    assert group.behavior_log_probs.to_list()[0].tolist() == [-0.5] * 4 + [0.0] * 8 + [-0.5] * 4
+    assert group.versions.to_list()[0].tolist() == [0] * 4 + [-1] * 8 + [20] * 4
+    assert group.turn_versions.values.tolist() == [[0, 0], [20, 20]]  # the opponent's version 10 left out
+    assert (group.version_start, group.version_end) == ([0], [20])

@@ -150,3 +150,15 @@ def test_help_lists_every_field_with_its_docstring(cls):
     for name, field in cls.model_fields.items():
         assert "--" + name.replace("_", "-") in text
         assert "".join(field.description.split()) in text, f"{cls.__name__}.{name}"
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"players": {"opponent": "r1"}}, "players: another run's policy plays on replicas shared between runs"),
+    ({"players": {"opponent": "not a run"}, "shared_replicas": True}, r"players\['opponent'\]: 'not a run' is not a run name"),
+    ({"players": {"": "r1"}, "shared_replicas": True}, "is not a player's name"),
+    ({"run_name": "not/a name"}, "run_name"),
+])
+def test_players_name_runs_on_shared_replicas(fields, message):
+    with pytest.raises(ValueError, match=message):
+        CollectorConfig(**fields)
+    assert CollectorConfig(players={"opponent": "r1"}, shared_replicas=True, run_name="r0").players == {"opponent": "r1"}

@@ -91,3 +91,33 @@ async def test_a_new_run_takes_the_slot_of_the_longest_idle_run_never_one_with_a
     runs.take("pushing")  # a call or push marks it used: no longer idle
     with pytest.raises(ResourceExhausted):
         runs.take("another", engine)
+
+
+def test_a_run_is_found_by_the_name_it_gave_and_the_latest_to_give_a_name_holds_it():
+    runs = ServedRuns(max_runs=3)
+    with pytest.raises(FailedPrecondition, match=r"policy_run 'r1': no run of that name.*names here: none"):
+        runs.named("r1")
+    first = runs.take("run-a", name="r1")
+    assert runs.named("r1") is first and first.name == "r1"
+    assert runs.take("run-a") is first and runs.named("r1") is first  # a call without its name keeps it
+    again = runs.take("run-b", name="r1")  # run r1 started anew under another id
+    assert runs.named("r1") is again
+    runs.take("run-a", name="r0")  # the old one renamed: its former name stays with the new run
+    assert runs.named("r0") is first and runs.named("r1") is again
+    with pytest.raises(InvalidArgument, match="run_name"):
+        runs.take("run-c", name="not a name")
+    with pytest.raises(InvalidArgument, match="policy_run"):
+        runs.named("not/a name")
+
+
+async def test_an_ended_run_is_no_ones_policy_and_its_name_leaves_with_it():
+    runs = ServedRuns(max_runs=2)
+    run = runs.take("run-a", name="r0")
+    run.calls = 1  # a call in flight: the run stays until it ends
+    runs.end("run-a", FakeEngine())
+    with pytest.raises(FailedPrecondition, match="names here: r0"):
+        runs.named("r0")
+    run.calls = 0
+    runs.release(run, FakeEngine())
+    with pytest.raises(FailedPrecondition, match="names here: none"):
+        runs.named("r0")

@@ -48,6 +48,9 @@ class AssistantTurn:
     """The sampled token ids, exactly as sampled (never re-tokenized from ``text``)."""
     finish_reason: str = "stop"
     """Why sampling stopped: ``"stop"`` (an end token or stop string) or ``"length"`` (the token limit)."""
+    player: str = ""
+    """Who sampled it: ``""`` the episode's own policy; else the player this environment named in the
+    last ``StepResult.next_player`` (another run's policy: several policies in one episode)."""
 
 
 @dataclass
@@ -64,6 +67,10 @@ class StepResult:
     """The episode was cut by a limit (turns, tool calls) before it ended on its own."""
     info: dict[str, Any] = field(default_factory=dict)
     """Counters and diagnostics, logged with the trajectory, never shown to the model."""
+    next_player: str = ""
+    """Who plays the next turn: ``""`` the episode's own policy; else a player of this environment (an
+    opponent, a teacher), whose turn the policy of the run the collector's ``players`` setting maps it to
+    samples. That turn is context to the episode's run, never trained on (docs/concepts/many-runs.md)."""
 
 
 class Environment(abc.ABC):
@@ -133,4 +140,7 @@ def check_step_result(result: object, where: str) -> StepResult:
             raise ValueError(f"{where}: {flag} must be a bool, not {type(getattr(result, flag)).__name__}")
     if not isinstance(result.info, dict):
         raise ValueError(f"{where}: info must be a dict, not {type(result.info).__name__}")
+    if not isinstance(result.next_player, str) or len(result.next_player) > 128:
+        raise ValueError(f"{where}: next_player must be a player's name (a str of at most 128 characters), "
+                         f"not {result.next_player!r:.160}")
     return result

@@ -26,7 +26,7 @@ from rlfleet.v1 import sampling_pb2 as rlfleet_dot_v1_dot_sampling__pb2
 from rlfleet.v1 import tensor_pb2 as rlfleet_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crlfleet/v1/environment.proto\x12\nrlfleet.v1\x1a\x19rlfleet/v1/sampling.proto\x1a\x17rlfleet/v1/tensor.proto\"\xed\x01\n\x12OpenEpisodeRequest\x12\x13\n\x0b\x65nvironment\x18\x01 \x01(\t\x12\'\n\x06prompt\x18\x02 \x03(\x0b\x32\x17.rlfleet.v1.ChatMessage\x12\x14\n\x0cground_truth\x18\x03 \x01(\t\x12>\n\x08metadata\x18\x04 \x03(\x0b\x32,.rlfleet.v1.OpenEpisodeRequest.MetadataEntry\x12\x12\n\nepisode_id\x18\x05 \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x82\x01\n\x13OpenEpisodeResponse\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.rlfleet.v1.ChatMessage\x12,\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\x12\n\ntools_json\x18\x03 \x03(\t\"{\n\x0bStepRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12%\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x0c\n\x04turn\x18\x05 \x01(\x05\"\x93\x02\n\x0cStepResponse\x12,\n\x0bobservation\x18\x01 \x03(\x0b\x32\x17.rlfleet.v1.ChatMessage\x12\x31\n\x15observation_token_ids\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x12\n\nhas_reward\x18\x04 \x01(\x08\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12\x11\n\ttruncated\x18\x06 \x01(\x08\x12\x30\n\x04info\x18\x07 \x03(\x0b\x32\".rlfleet.v1.StepResponse.InfoEntry\x1a+\n\tInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\")\n\x13\x43loseEpisodeRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\"F\n\x14\x43loseEpisodeResponse\x12\x14\n\x0c\x66inal_reward\x18\x01 \x01(\x01\x12\x18\n\x10has_final_reward\x18\x02 \x01(\x08\x32\xf2\x01\n\x12\x45nvironmentService\x12N\n\x0bOpenEpisode\x12\x1e.rlfleet.v1.OpenEpisodeRequest\x1a\x1f.rlfleet.v1.OpenEpisodeResponse\x12\x39\n\x04Step\x12\x17.rlfleet.v1.StepRequest\x1a\x18.rlfleet.v1.StepResponse\x12Q\n\x0c\x43loseEpisode\x12\x1f.rlfleet.v1.CloseEpisodeRequest\x1a .rlfleet.v1.CloseEpisodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crlfleet/v1/environment.proto\x12\nrlfleet.v1\x1a\x19rlfleet/v1/sampling.proto\x1a\x17rlfleet/v1/tensor.proto\"\xed\x01\n\x12OpenEpisodeRequest\x12\x13\n\x0b\x65nvironment\x18\x01 \x01(\t\x12\'\n\x06prompt\x18\x02 \x03(\x0b\x32\x17.rlfleet.v1.ChatMessage\x12\x14\n\x0cground_truth\x18\x03 \x01(\t\x12>\n\x08metadata\x18\x04 \x03(\x0b\x32,.rlfleet.v1.OpenEpisodeRequest.MetadataEntry\x12\x12\n\nepisode_id\x18\x05 \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x82\x01\n\x13OpenEpisodeResponse\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.rlfleet.v1.ChatMessage\x12,\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\x12\n\ntools_json\x18\x03 \x03(\t\"\x8b\x01\n\x0bStepRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12%\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x0c\n\x04turn\x18\x05 \x01(\x05\x12\x0e\n\x06player\x18\x06 \x01(\t\"\xa8\x02\n\x0cStepResponse\x12,\n\x0bobservation\x18\x01 \x03(\x0b\x32\x17.rlfleet.v1.ChatMessage\x12\x31\n\x15observation_token_ids\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x12\n\nhas_reward\x18\x04 \x01(\x08\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12\x11\n\ttruncated\x18\x06 \x01(\x08\x12\x30\n\x04info\x18\x07 \x03(\x0b\x32\".rlfleet.v1.StepResponse.InfoEntry\x12\x13\n\x0bnext_player\x18\x08 \x01(\t\x1a+\n\tInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\")\n\x13\x43loseEpisodeRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\"F\n\x14\x43loseEpisodeResponse\x12\x14\n\x0c\x66inal_reward\x18\x01 \x01(\x01\x12\x18\n\x10has_final_reward\x18\x02 \x01(\x08\x32\xf2\x01\n\x12\x45nvironmentService\x12N\n\x0bOpenEpisode\x12\x1e.rlfleet.v1.OpenEpisodeRequest\x1a\x1f.rlfleet.v1.OpenEpisodeResponse\x12\x39\n\x04Step\x12\x17.rlfleet.v1.StepRequest\x1a\x18.rlfleet.v1.StepResponse\x12Q\n\x0c\x43loseEpisode\x12\x1f.rlfleet.v1.CloseEpisodeRequest\x1a .rlfleet.v1.CloseEpisodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,16 +43,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPENEPISODEREQUEST_METADATAENTRY']._serialized_end=334
   _globals['_OPENEPISODERESPONSE']._serialized_start=337
   _globals['_OPENEPISODERESPONSE']._serialized_end=467
-  _globals['_STEPREQUEST']._serialized_start=469
-  _globals['_STEPREQUEST']._serialized_end=592
-  _globals['_STEPRESPONSE']._serialized_start=595
-  _globals['_STEPRESPONSE']._serialized_end=870
-  _globals['_STEPRESPONSE_INFOENTRY']._serialized_start=827
-  _globals['_STEPRESPONSE_INFOENTRY']._serialized_end=870
-  _globals['_CLOSEEPISODEREQUEST']._serialized_start=872
-  _globals['_CLOSEEPISODEREQUEST']._serialized_end=913
-  _globals['_CLOSEEPISODERESPONSE']._serialized_start=915
-  _globals['_CLOSEEPISODERESPONSE']._serialized_end=985
-  _globals['_ENVIRONMENTSERVICE']._serialized_start=988
-  _globals['_ENVIRONMENTSERVICE']._serialized_end=1230
+  _globals['_STEPREQUEST']._serialized_start=470
+  _globals['_STEPREQUEST']._serialized_end=609
+  _globals['_STEPRESPONSE']._serialized_start=612
+  _globals['_STEPRESPONSE']._serialized_end=908
+  _globals['_STEPRESPONSE_INFOENTRY']._serialized_start=865
+  _globals['_STEPRESPONSE_INFOENTRY']._serialized_end=908
+  _globals['_CLOSEEPISODEREQUEST']._serialized_start=910
+  _globals['_CLOSEEPISODEREQUEST']._serialized_end=951
+  _globals['_CLOSEEPISODERESPONSE']._serialized_start=953
+  _globals['_CLOSEEPISODERESPONSE']._serialized_end=1023
+  _globals['_ENVIRONMENTSERVICE']._serialized_start=1026
+  _globals['_ENVIRONMENTSERVICE']._serialized_end=1268
 # @@protoc_insertion_point(module_scope)

@@ -40,21 +40,23 @@ class OpenEpisodeResponse(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[_sampling_pb2.ChatMessage, _Mapping]]] = ..., prompt_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tools_json: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("episode_id", "token_ids", "text", "finish_reason", "turn")
+    __slots__ = ("episode_id", "token_ids", "text", "finish_reason", "turn", "player")
     EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
+    PLAYER_FIELD_NUMBER: _ClassVar[int]
     episode_id: str
     token_ids: _tensor_pb2.Tensor
     text: str
     finish_reason: str
     turn: int
-    def __init__(self, episode_id: _Optional[str] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., turn: _Optional[int] = ...) -> None: ...
+    player: str
+    def __init__(self, episode_id: _Optional[str] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., turn: _Optional[int] = ..., player: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("observation", "observation_token_ids", "reward", "has_reward", "done", "truncated", "info")
+    __slots__ = ("observation", "observation_token_ids", "reward", "has_reward", "done", "truncated", "info", "next_player")
     class InfoEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +71,7 @@ class StepResponse(_message.Message):
     DONE_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PLAYER_FIELD_NUMBER: _ClassVar[int]
     observation: _containers.RepeatedCompositeFieldContainer[_sampling_pb2.ChatMessage]
     observation_token_ids: _tensor_pb2.Tensor
     reward: float
@@ -76,7 +79,8 @@ class StepResponse(_message.Message):
     done: bool
     truncated: bool
     info: _containers.ScalarMap[str, str]
-    def __init__(self, observation: _Optional[_Iterable[_Union[_sampling_pb2.ChatMessage, _Mapping]]] = ..., observation_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., reward: _Optional[float] = ..., has_reward: _Optional[bool] = ..., done: _Optional[bool] = ..., truncated: _Optional[bool] = ..., info: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    next_player: str
+    def __init__(self, observation: _Optional[_Iterable[_Union[_sampling_pb2.ChatMessage, _Mapping]]] = ..., observation_token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., reward: _Optional[float] = ..., has_reward: _Optional[bool] = ..., done: _Optional[bool] = ..., truncated: _Optional[bool] = ..., info: _Optional[_Mapping[str, str]] = ..., next_player: _Optional[str] = ...) -> None: ...
 
 class CloseEpisodeRequest(_message.Message):
     __slots__ = ("episode_id",)

@@ -27,7 +27,7 @@ from rlfleet.v1 import tensor_pb2 as rlfleet_dot_v1_dot_tensor__pb2
 from rlfleet.v1 import weights_pb2 as rlfleet_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brlfleet/v1/generation.proto\x12\nrlfleet.v1\x1a\x19rlfleet/v1/sampling.proto\x1a\x17rlfleet/v1/tensor.proto\x1a\x18rlfleet/v1/weights.proto\"\xcd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06prompt\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Prompt\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.rlfleet.v1.SamplingParams\x12\x1b\n\x0epolicy_version\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06run_id\x18\x05 \x01(\t\x12\x14\n\x0cshare_weight\x18\x06 \x01(\x01\x42\x11\n\x0f_policy_version\"Z\n\x0cSampleTiming\x12\x16\n\x0equeued_seconds\x18\x01 \x01(\x01\x12\x1b\n\x13\x66irst_token_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"\xf7\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12,\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12.\n\x12response_token_ids\x18\x04 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12.\n\x12\x62\x65havior_log_probs\x18\x05 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.rlfleet.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x1c\n\x14policy_version_start\x18\x08 \x01(\x04\x12\x1a\n\x12policy_version_end\x18\t \x01(\x04\x12,\n\x08sampling\x18\n \x01(\x0b\x32\x1a.rlfleet.v1.SamplingParams\x12(\n\x06timing\x18\x0b \x01(\x0b\x32\x18.rlfleet.v1.SampleTiming\x12\x35\n\x14policy_version_spans\x18\x0c \x03(\x0b\x32\x17.rlfleet.v1.VersionSpan\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\r \x01(\r\":\n\x0bVersionSpan\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\"\xa7\x01\n\x14UpdateWeightsRequest\x12.\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.rlfleet.v1.WeightManifestH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.rlfleet.v1.WeightChunkH\x00\x12*\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x18.rlfleet.v1.WeightCommitH\x00\x42\t\n\x07payload\"\xd1\x01\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x04\x12\x17\n\x0freceive_seconds\x18\x03 \x01(\x01\x12\x15\n\rapply_seconds\x18\x04 \x01(\x01\x12\x18\n\x10\x61\x62orted_requests\x18\x05 \x01(\x05\x12&\n\x05phase\x18\x06 \x01(\x0e\x32\x17.rlfleet.v1.WeightPhase\x12\x1d\n\x15\x65ngine_weight_version\x18\x07 \x01(\t\"\x18\n\x16GetEngineStatusRequest\"\xfd\x02\n\x17GetEngineStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x18\n\x10running_requests\x18\x03 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x04 \x01(\x05\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x10\n\x08swapping\x18\x06 \x01(\x08\x12\x1b\n\x13max_queued_requests\x18\x07 \x01(\x05\x12\x19\n\x11weight_transports\x18\x08 \x03(\t\x12\"\n\x1aweight_transfer_world_size\x18\t \x01(\r\x12\x16\n\x0emax_push_bytes\x18\n \x01(\x04\x12\x17\n\x0fresumed_samples\x18\x0b \x01(\x04\x12\x16\n\x0eresumed_tokens\x18\x0c \x01(\x04\x12#\n\x04runs\x18\r \x03(\x0b\x32\x15.rlfleet.v1.ServedRun\x12\x10\n\x08max_runs\x18\x0e \x01(\r\"\x83\x01\n\tServedRun\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x1a\n\x12requests_in_flight\x18\x03 \x01(\x05\x12\x18\n\x10requests_waiting\x18\x04 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x05 \x01(\x04\"\x1f\n\rEndRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\",\n\x0e\x45ndRunResponse\x12\x1a\n\x12requests_in_flight\x18\x01 \x01(\x05\x32\xd3\x02\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.rlfleet.v1.GenerateRequest\x1a\x1c.rlfleet.v1.GenerateResponse0\x01\x12X\n\rUpdateWeights\x12 .rlfleet.v1.UpdateWeightsRequest\x1a!.rlfleet.v1.UpdateWeightsResponse(\x01\x30\x01\x12Z\n\x0fGetEngineStatus\x12\".rlfleet.v1.GetEngineStatusRequest\x1a#.rlfleet.v1.GetEngineStatusResponse\x12?\n\x06\x45ndRun\x12\x19.rlfleet.v1.EndRunRequest\x1a\x1a.rlfleet.v1.EndRunResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brlfleet/v1/generation.proto\x12\nrlfleet.v1\x1a\x19rlfleet/v1/sampling.proto\x1a\x17rlfleet/v1/tensor.proto\x1a\x18rlfleet/v1/weights.proto\"\xf3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06prompt\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Prompt\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.rlfleet.v1.SamplingParams\x12\x1b\n\x0epolicy_version\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06run_id\x18\x05 \x01(\t\x12\x14\n\x0cshare_weight\x18\x06 \x01(\x01\x12\x10\n\x08run_name\x18\x07 \x01(\t\x12\x12\n\npolicy_run\x18\x08 \x01(\tB\x11\n\x0f_policy_version\"Z\n\x0cSampleTiming\x12\x16\n\x0equeued_seconds\x18\x01 \x01(\x01\x12\x1b\n\x13\x66irst_token_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"\xf7\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12,\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12.\n\x12response_token_ids\x18\x04 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12.\n\x12\x62\x65havior_log_probs\x18\x05 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.rlfleet.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x1c\n\x14policy_version_start\x18\x08 \x01(\x04\x12\x1a\n\x12policy_version_end\x18\t \x01(\x04\x12,\n\x08sampling\x18\n \x01(\x0b\x32\x1a.rlfleet.v1.SamplingParams\x12(\n\x06timing\x18\x0b \x01(\x0b\x32\x18.rlfleet.v1.SampleTiming\x12\x35\n\x14policy_version_spans\x18\x0c \x03(\x0b\x32\x17.rlfleet.v1.VersionSpan\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\r \x01(\r\":\n\x0bVersionSpan\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\"\xa7\x01\n\x14UpdateWeightsRequest\x12.\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.rlfleet.v1.WeightManifestH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.rlfleet.v1.WeightChunkH\x00\x12*\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x18.rlfleet.v1.WeightCommitH\x00\x42\t\n\x07payload\"\xd1\x01\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x04\x12\x17\n\x0freceive_seconds\x18\x03 \x01(\x01\x12\x15\n\rapply_seconds\x18\x04 \x01(\x01\x12\x18\n\x10\x61\x62orted_requests\x18\x05 \x01(\x05\x12&\n\x05phase\x18\x06 \x01(\x0e\x32\x17.rlfleet.v1.WeightPhase\x12\x1d\n\x15\x65ngine_weight_version\x18\x07 \x01(\t\"\x18\n\x16GetEngineStatusRequest\"\xfd\x02\n\x17GetEngineStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x18\n\x10running_requests\x18\x03 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x04 \x01(\x05\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x10\n\x08swapping\x18\x06 \x01(\x08\x12\x1b\n\x13max_queued_requests\x18\x07 \x01(\x05\x12\x19\n\x11weight_transports\x18\x08 \x03(\t\x12\"\n\x1aweight_transfer_world_size\x18\t \x01(\r\x12\x16\n\x0emax_push_bytes\x18\n \x01(\x04\x12\x17\n\x0fresumed_samples\x18\x0b \x01(\x04\x12\x16\n\x0eresumed_tokens\x18\x0c \x01(\x04\x12#\n\x04runs\x18\r \x03(\x0b\x32\x15.rlfleet.v1.ServedRun\x12\x10\n\x08max_runs\x18\x0e \x01(\r\"\x91\x01\n\tServedRun\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x1a\n\x12requests_in_flight\x18\x03 \x01(\x05\x12\x18\n\x10requests_waiting\x18\x04 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x05 \x01(\x04\x12\x0c\n\x04name\x18\x06 \x01(\t\"\x1f\n\rEndRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\",\n\x0e\x45ndRunResponse\x12\x1a\n\x12requests_in_flight\x18\x01 \x01(\x05\x32\xd3\x02\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.rlfleet.v1.GenerateRequest\x1a\x1c.rlfleet.v1.GenerateResponse0\x01\x12X\n\rUpdateWeights\x12 .rlfleet.v1.UpdateWeightsRequest\x1a!.rlfleet.v1.UpdateWeightsResponse(\x01\x30\x01\x12Z\n\x0fGetEngineStatus\x12\".rlfleet.v1.GetEngineStatusRequest\x1a#.rlfleet.v1.GetEngineStatusResponse\x12?\n\x06\x45ndRun\x12\x19.rlfleet.v1.EndRunRequest\x1a\x1a.rlfleet.v1.EndRunResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,27 +35,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfleet.v1.generation_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=122
-  _globals['_GENERATEREQUEST']._serialized_end=327
-  _globals['_SAMPLETIMING']._serialized_start=329
-  _globals['_SAMPLETIMING']._serialized_end=419
-  _globals['_GENERATERESPONSE']._serialized_start=422
-  _globals['_GENERATERESPONSE']._serialized_end=925
-  _globals['_VERSIONSPAN']._serialized_start=927
-  _globals['_VERSIONSPAN']._serialized_end=985
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=988
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1155
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1158
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1367
-  _globals['_GETENGINESTATUSREQUEST']._serialized_start=1369
-  _globals['_GETENGINESTATUSREQUEST']._serialized_end=1393
-  _globals['_GETENGINESTATUSRESPONSE']._serialized_start=1396
-  _globals['_GETENGINESTATUSRESPONSE']._serialized_end=1777
-  _globals['_SERVEDRUN']._serialized_start=1780
-  _globals['_SERVEDRUN']._serialized_end=1911
-  _globals['_ENDRUNREQUEST']._serialized_start=1913
-  _globals['_ENDRUNREQUEST']._serialized_end=1944
-  _globals['_ENDRUNRESPONSE']._serialized_start=1946
-  _globals['_ENDRUNRESPONSE']._serialized_end=1990
-  _globals['_GENERATIONSERVICE']._serialized_start=1993
-  _globals['_GENERATIONSERVICE']._serialized_end=2332
+  _globals['_GENERATEREQUEST']._serialized_end=365
+  _globals['_SAMPLETIMING']._serialized_start=367
+  _globals['_SAMPLETIMING']._serialized_end=457
+  _globals['_GENERATERESPONSE']._serialized_start=460
+  _globals['_GENERATERESPONSE']._serialized_end=963
+  _globals['_VERSIONSPAN']._serialized_start=965
+  _globals['_VERSIONSPAN']._serialized_end=1023
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1026
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1193
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1196
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1405
+  _globals['_GETENGINESTATUSREQUEST']._serialized_start=1407
+  _globals['_GETENGINESTATUSREQUEST']._serialized_end=1431
+  _globals['_GETENGINESTATUSRESPONSE']._serialized_start=1434
+  _globals['_GETENGINESTATUSRESPONSE']._serialized_end=1815
+  _globals['_SERVEDRUN']._serialized_start=1818
+  _globals['_SERVEDRUN']._serialized_end=1963
+  _globals['_ENDRUNREQUEST']._serialized_start=1965
+  _globals['_ENDRUNREQUEST']._serialized_end=1996
+  _globals['_ENDRUNRESPONSE']._serialized_start=1998
+  _globals['_ENDRUNRESPONSE']._serialized_end=2042
+  _globals['_GENERATIONSERVICE']._serialized_start=2045
+  _globals['_GENERATIONSERVICE']._serialized_end=2384
 # @@protoc_insertion_point(module_scope)

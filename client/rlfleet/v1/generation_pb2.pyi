@@ -10,20 +10,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling", "policy_version", "run_id", "share_weight")
+    __slots__ = ("request_id", "prompt", "sampling", "policy_version", "run_id", "share_weight", "run_name", "policy_run")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SHARE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    RUN_NAME_FIELD_NUMBER: _ClassVar[int]
+    POLICY_RUN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: _sampling_pb2.Prompt
     sampling: _sampling_pb2.SamplingParams
     policy_version: int
     run_id: str
     share_weight: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_sampling_pb2.Prompt, _Mapping]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., policy_version: _Optional[int] = ..., run_id: _Optional[str] = ..., share_weight: _Optional[float] = ...) -> None: ...
+    run_name: str
+    policy_run: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_sampling_pb2.Prompt, _Mapping]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., policy_version: _Optional[int] = ..., run_id: _Optional[str] = ..., share_weight: _Optional[float] = ..., run_name: _Optional[str] = ..., policy_run: _Optional[str] = ...) -> None: ...
 
 class SampleTiming(_message.Message):
     __slots__ = ("queued_seconds", "first_token_seconds", "total_seconds")
@@ -140,18 +144,20 @@ class GetEngineStatusResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., policy_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., swapping: _Optional[bool] = ..., max_queued_requests: _Optional[int] = ..., weight_transports: _Optional[_Iterable[str]] = ..., weight_transfer_world_size: _Optional[int] = ..., max_push_bytes: _Optional[int] = ..., resumed_samples: _Optional[int] = ..., resumed_tokens: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[ServedRun, _Mapping]]] = ..., max_runs: _Optional[int] = ...) -> None: ...
 
 class ServedRun(_message.Message):
-    __slots__ = ("run_id", "policy_version", "requests_in_flight", "requests_waiting", "generated_tokens")
+    __slots__ = ("run_id", "policy_version", "requests_in_flight", "requests_waiting", "generated_tokens", "name")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     policy_version: int
     requests_in_flight: int
     requests_waiting: int
     generated_tokens: int
-    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    name: str
+    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class EndRunRequest(_message.Message):
     __slots__ = ("run_id",)

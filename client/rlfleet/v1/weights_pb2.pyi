@@ -50,7 +50,7 @@ class WeightSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "tensors", "total_bytes", "checksum", "mode", "shm", "nccl", "two_phase", "resync", "delta", "lora", "strategy", "run_id")
+    __slots__ = ("version", "tensors", "total_bytes", "checksum", "mode", "shm", "nccl", "two_phase", "resync", "delta", "lora", "strategy", "run_id", "run_name")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class WeightManifest(_message.Message):
     LORA_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_NAME_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[WeightSpec]
     total_bytes: int
@@ -77,7 +78,8 @@ class WeightManifest(_message.Message):
     lora: LoraAdapter
     strategy: UpdateStrategy
     run_id: str
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[WeightSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ..., nccl: _Optional[_Union[NcclRendezvous, _Mapping]] = ..., two_phase: _Optional[bool] = ..., resync: _Optional[bool] = ..., delta: _Optional[_Union[WeightDelta, _Mapping]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ..., strategy: _Optional[_Union[UpdateStrategy, str]] = ..., run_id: _Optional[str] = ...) -> None: ...
+    run_name: str
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[WeightSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ..., nccl: _Optional[_Union[NcclRendezvous, _Mapping]] = ..., two_phase: _Optional[bool] = ..., resync: _Optional[bool] = ..., delta: _Optional[_Union[WeightDelta, _Mapping]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ..., strategy: _Optional[_Union[UpdateStrategy, str]] = ..., run_id: _Optional[str] = ..., run_name: _Optional[str] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("rank", "alpha", "target_modules")
