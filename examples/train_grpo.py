@@ -205,6 +205,9 @@ def training_parser(description: str, *, steps: int, groups_per_step: int, group
                         help="a deployment's credentials directory (rlfleet.services.credentials; compose's `credentials` "
                              "volume copied out): TLS with ca.pem, the client certificate trainer.pem/trainer.key, "
                              "the token in token-trainer")
+    parser.add_argument("--credentials-run", default=None, metavar="RUN",
+                        help="with --credentials, the credentials of this run of a shared fleet: trainer-RUN.pem/.key "
+                             "and token-trainer-RUN (docs/concepts/many-runs.md)")
     parser.add_argument("--transport", default="auto", choices=["auto", "shm", "grpc"],
                         help="weight push transport; auto = shm when the collector shares this host, else grpc")
     parser.add_argument("--is-correction", default=None, metavar="PRESET",
@@ -228,7 +231,8 @@ def connection(ns: argparse.Namespace) -> dict:
     and ``--resume`` (the run: a new one by default)."""
     from rlfleet.client import credentials_from
 
-    secrets = {"auth_token": ns.auth_token} if ns.credentials is None else credentials_from(ns.credentials)
+    secrets = ({"auth_token": ns.auth_token} if ns.credentials is None
+               else credentials_from(ns.credentials, run=ns.credentials_run))
     return {**secrets, "run": ns.resume or "new"}
 
 

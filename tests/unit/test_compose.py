@@ -2,7 +2,8 @@
 RLFLEET_* env var checked against the configs.
 
 compose.yaml is the suite; compose.override.yaml (read by default) adds the GPU
-reservation; compose.cpu.yaml is the CPU override (tiny model, one-shot init).
+reservation; compose.cpu.yaml is the CPU override (tiny model, one-shot init); compose.runs.yaml
+turns either into a fleet two runs share.
 Merging here is the simple per-key kind compose does for these files.
 """
 
@@ -176,7 +177,7 @@ def test_every_service_serves_mtls_with_role_tokens_from_the_credentials_volume(
                         "--tls-key", f"/credentials/{name}.key"]
     if kind == "collector":
         assert (config.upstream_tls_ca_file, config.upstream_tls_cert_file, config.upstream_tls_key_file) == (
-            "/credentials/ca.pem", "/credentials/collector.pem", "/credentials/collector.key")
+            "/credentials/ca.pem", f"/credentials/{name}.pem", f"/credentials/{name}.key")
         assert config.upstream_auth_token_file == "/credentials/token-service" and config.upstream_auth_token is None
 
 
@@ -288,3 +289,39 @@ def test_the_observability_profile_scrapes_every_service_on_its_metrics_port(var
     assert relabel["source_labels"] == ["__address__"] and relabel["target_label"] == "job"
     assert {re.sub(relabel["regex"], "\\1", target) for target in targets} == {
         name for name, service in services.items() if service_kind(service)}
+
+
+RUNS = merged("compose.yaml", "compose.cpu.yaml", "compose.runs.yaml")
+"""Two runs on one fleet (compose.runs.yaml over the CPU variant)."""
+
+
+@pytest.mark.parametrize("name,body", list(RUNS.items()), ids=list(RUNS))
+def test_the_two_run_fleets_services_are_set_up_as_every_other(name, body):
+    test_every_service_has_a_healthcheck_or_is_the_one_shot_init("runs", name, body)
+    test_env_vars_are_fields_of_that_services_config("runs", name, body)
+    test_every_service_serves_mtls_with_role_tokens_from_the_credentials_volume("runs", name, body)
+
+
+def test_two_runs_share_the_replica_each_with_its_own_collector_store_state_and_credentials():
+    def config(name):
+        return CONFIGS[service_kind(RUNS[name])].load([], environ=rlfleet_env(RUNS[name]))
+
+    generation = config("generation")
+    assert generation.max_runs >= 2 and generation.max_lora_rank
+    stores = {}
+    for collector, store, run in (("collector", "trajectory", "r0"), ("collector-1", "trajectory-1", "r1")):
+        settings = config(collector)
+        assert settings.shared_replicas and settings.run_name == config(store).run_name == run
+        assert settings.trajectory_address == f"{store}:{config(store).port}"
+        assert settings.generation_addresses == ["generation:50051"]
+        assert RUNS[collector]["depends_on"][store] == {"condition": "service_healthy"}
+        stores[run] = ([v for v in RUNS[store]["volumes"] if v.endswith(":/data")],
+                       [v for v in RUNS[collector]["volumes"] if v.endswith(":/data")])
+    assert stores["r0"] != stores["r1"] and all(len(a) == len(b) == 1 for a, b in stores.values())
+    published = {name: interpolate(body["ports"][0]).split(":")[0] for name, body in RUNS.items()
+                 if body.get("ports") and name != OBSERVABILITY}
+    assert set(published) == {"collector", "collector-1"} and published["collector"] != published["collector-1"]
+    command = RUNS["credentials"]["command"]
+    names = {command[i + 1] for i, arg in enumerate(command) if arg == "--name"}
+    assert names == {name for name, body in RUNS.items() if service_kind(body)} | {"trainer"}
+    assert [command[i + 1] for i, arg in enumerate(command) if arg == "--run"] == ["r0", "r1"]
