@@ -60,7 +60,7 @@ def _drop_leftovers(backends) -> int:
 def one_run(backends, workdir: Path, start_collector, state: dict, mode: str, tag: str, ns) -> dict:
     """One collector in ``mode`` for ``ns.swap_seconds``: what the trainer got and what was thrown away."""
     per_batch = ns.group_size * ns.swap_groups_per_step
-    collector = start_collector(backends, workdir, tag, ns, "--mode", "async", "--max-staleness", str(MAX_STALENESS),
+    collector = start_collector(backends, workdir, tag, ns, "--mode", "async", "--max-staleness", str(MAX_STALENESS), "--mismatch-kl-target", "null",
                                 "--groups-per-step", str(ns.swap_groups_per_step), "--swap-mode", mode,
                                 "--dynamic-sampling", "true",
                                 "--sampling", f'{{"temperature": 1.0, "max_tokens": {ns.swap_max_tokens}, '

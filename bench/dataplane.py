@@ -103,7 +103,7 @@ def pipeline_args(ns, backends: dict[str, ServiceProcess], workdir: Path) -> lis
     return ["--reference-address", backends["reference"].address, "--reward-address", backends["reward"].address,
             "--trajectory-address", backends["trajectory"].address, "--state-dir", str(workdir / "collector-state"),
             "--dataset-path", str(write_dataset(workdir / "prompts.jsonl", 4096)), "--epochs", "0",
-            "--mode", "async", "--max-staleness", "1000000", "--group-size", str(ns.group_size),
+            "--mode", "async", "--max-staleness", "1000000", "--mismatch-kl-target", "null", "--group-size", str(ns.group_size),
             "--groups-per-step", str(ns.batch_size // ns.group_size), "--sampling", json.dumps(sampling),
             "--reward-fn", "char_fraction",
             # Far above the defaults (32/16/8): with an instant generator the limits would be the ceiling.

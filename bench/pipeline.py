@@ -247,7 +247,7 @@ async def generation_alone(address: str, prompts: list[str], ns) -> float:
 
 
 def measure_end_to_end(backends, workdir: Path, meter: CpuMeter, ns) -> dict:
-    collector = start_collector(backends, workdir, "e2e", ns, "--mode", "async", "--max-staleness", "1000000",
+    collector = start_collector(backends, workdir, "e2e", ns, "--mode", "async", "--max-staleness", "1000000", "--mismatch-kl-target", "null",
                                 "--groups-per-step", str(ns.groups_per_step))
     meter.add("collector", collector.process.pid)
     generation = backends["generation-0"].address
@@ -348,7 +348,7 @@ def batch_rollout_seconds(backends, workdir: Path, ns) -> float:
     """Seconds from submitting one (b) batch's prompts to receiving the batch through the whole pipeline,
     nothing else in flight: median of 3 after a warm-up. (An async collector with unbounded staleness, as in
     (a): a sync one would wait for a push between the batches.)"""
-    collector = start_collector(backends, workdir, "rollout", ns, "--mode", "async", "--max-staleness", "1000000",
+    collector = start_collector(backends, workdir, "rollout", ns, "--mode", "async", "--max-staleness", "1000000", "--mismatch-kl-target", "null",
                                 "--groups-per-step", str(ns.groups_per_step_b))
     try:
         seconds = [end_to_end(collector.address, prompt_texts(ns.groups_per_step_b), f"rollout{i}", ns,
@@ -516,7 +516,7 @@ def measure_inprocess(backends, workdir: Path, options: SuiteOptions, ns) -> dic
 
     kwargs = engine_kwargs(generation_service_args(options), ns.inprocess_engine)
     rows = inprocess_rows(options, ns)
-    collector = start_collector(backends, workdir, "inproc", ns, "--mode", "async", "--max-staleness", "1000000",
+    collector = start_collector(backends, workdir, "inproc", ns, "--mode", "async", "--max-staleness", "1000000", "--mismatch-kl-target", "null",
                                 "--groups-per-step", str(ns.groups_per_step))
     cpu = PhaseCpu({**backends, "collector": collector})
     try:
@@ -606,7 +606,7 @@ def measure_multiturn(backends, workdir: Path, ns) -> dict:
     from _environments import EPISODE_SECONDS_SUFFIX, TOOL_SECONDS_FILE, TURNS
 
     metrics_port = free_port()
-    collector = start_collector(backends, workdir, "multiturn", ns, "--mode", "async", "--max-staleness", "1000000",
+    collector = start_collector(backends, workdir, "multiturn", ns, "--mode", "async", "--max-staleness", "1000000", "--mismatch-kl-target", "null",
                                 "--groups-per-step", str(ns.groups_per_step),
                                 "--environment-address", backends["environment"].address,
                                 "--metrics-port", str(metrics_port))

@@ -131,7 +131,7 @@ class RssSampler:
 
 def collector_args(ns) -> list[str]:
     sampling = {"temperature": 1.0, "top_p": 1.0, "max_tokens": ns.max_tokens}
-    return ["--mode=async", "--max-staleness=1000000", f"--group-size={ns.group_size}",
+    return ["--mode=async", "--max-staleness=1000000", "--mismatch-kl-target=null", f"--group-size={ns.group_size}",
             f"--groups-per-step={ns.batch_size // ns.group_size}", f"--sampling={json.dumps(sampling)}",
             "--reward-fn=char_fraction", f"--max-submitted-prompts={ns.max_queued_prompts}"]
 

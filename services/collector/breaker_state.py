@@ -33,8 +33,9 @@ class BreakerState:
         ``mismatch_measured``: the mismatch per lag, with ``mismatch_kl_target``)."""
         breaker = self._breaker
         measured = await self._ledger.meta("mismatch_measured")
-        if breaker.kl_target is not None and measured is not None:
-            breaker.restore_measurements(json.loads(measured))
+        if breaker.kl_target is not None:  # by what was measured; with no report yet, it starts low
+            if measured is not None:
+                breaker.restore_measurements(json.loads(measured))
             await self._gate.bound_admission(breaker.admission_staleness(self._gate.max_staleness))
         opened = await self._ledger.meta("mismatch_breaker")
         if opened is not None:

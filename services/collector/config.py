@@ -107,8 +107,9 @@ class CollectorConfig(ServiceConfig, UpstreamConfig):
     mismatch_kl_target: float | None = Field(0.005, gt=0)
     """async: admission by measured divergence. Groups start at most as many steps ahead as keeps the k3
     KL trainers report (ReportMismatch) at every lag >= 1 under this; ``max_staleness`` is then the
-    ceiling, and finished groups are never discarded for it (``mismatch.py``). It acts only on reports:
-    a trainer that reports none runs at ``max_staleness``. The default comes from the off-policy experiment
+    ceiling, and finished groups are never discarded for it (``mismatch.py``). Until the run's first
+    report it starts low, at staleness 1 (under ``max_staleness``), not at the ceiling: a trainer that
+    reports none runs one step behind at most. The default comes from the off-policy experiment
     (docs/guides/off-policy.md, "Which mode when"). None (``null``): max_staleness alone."""
     mismatch_horizon: int = Field(8, ge=1)
     """Reports a lag's measured KL is kept after it was last measured (``mismatch_kl_target``)."""

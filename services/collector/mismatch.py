@@ -14,9 +14,11 @@ the largest lag, at most ``max_staleness`` (the ceiling), below the smallest lag
 KL is above the target. Lag 0 never lowers it (staleness cannot help there; the breaker acts on it). A
 lag's measurement is kept for ``horizon`` reports after it was last measured, then forgotten: with the
 bound lowered no more samples of that lag are made, so the bound goes back up after the horizon and
-the lag is measured again. Admission only: groups already generated are never discarded for it. The
-measurements are kept in the state directory at every report, so a restarted collector admits by them
-from its first group rather than from the ceiling.
+the lag is measured again. Until the run's first report nothing is measured: admission starts low, at
+``STARTING_STALENESS`` (under the ceiling), not at the ceiling, so a run whose mismatch grows fast with
+lag is not fed its stalest groups before it could say so. Admission only: groups already generated are
+never discarded for it. The measurements are kept in the state directory at every report, so a
+restarted collector admits by them from its first group rather than from the start.
 
 A report is taken once: a retried ``ReportMismatch`` carries the same ``report_id``, and an id among the
 last ``REMEMBERED_REPORTS`` taken (kept with the measurements across a restart) changes nothing.
@@ -38,6 +40,10 @@ MAX_LAGS = 1024
 MAX_REPORT_ID = 128
 REMEMBERED_REPORTS = 256
 """Report ids remembered to take a retried report once: far more than a trainer retries across."""
+
+
+STARTING_STALENESS = 1
+"""With a KL target, the staleness bound until the run's first report (lag 1: one step behind)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,8 @@ class MismatchBreaker:
         """The staleness bound admission may use under ``ceiling`` (the module docstring)."""
         if self.kl_target is None:
             return ceiling
+        if self.reports == 0:
+            return min(STARTING_STALENESS, ceiling)
         for lag in sorted(self.measured):
             if 1 <= lag <= ceiling and self.measured[lag][0].kl_k3 > self.kl_target:
                 return lag - 1

@@ -103,7 +103,7 @@ def fleet(tiny_model_dir, tmp_path_factory):
             "--generation-addresses", json.dumps(replicas),
             "--reference-address", procs["reference"].address, "--reward-address", procs["reward"].address,
             "--trajectory-address", procs["trajectory"].address, "--state-dir", str(workdir / "collector-state"),
-            "--group-size", str(GROUP), "--reward-fn", "char_fraction", "--mode", "async", "--max-staleness", "1000",
+            "--group-size", str(GROUP), "--reward-fn", "char_fraction", "--mode", "async", "--max-staleness", "1000", "--mismatch-kl-target", "null",
             "--sampling", json.dumps({"temperature": 1.0, "max_tokens": 24, "ignore_eos": True}),
             "--max-groups-in-flight", "2",
             "--replica-check-seconds", "0.5", "--replica-startup-seconds", "5", "--log-format", "text",

@@ -43,7 +43,11 @@ def backends(tiny_model_dir, tmp_path_factory):
 
 
 def start_collector(backends, tmp_path, *args) -> tuple[ServiceProcess, grpc.Channel]:
+    """A collector on the module's services; admission by measured divergence off unless ``args`` set a
+    ``--mismatch-kl-target`` (these tests' trainers report no mismatch: it would hold them one step ahead)."""
     replicas = [p.address for k, p in backends.items() if k.startswith("generation")]
+    if "--mismatch-kl-target" not in args:
+        args = ("--mismatch-kl-target", "null", *args)
     proc = ServiceProcess("collector", [
         "--generation-addresses", json.dumps(replicas),
         "--reference-address", backends["reference"].address, "--reward-address", backends["reward"].address,
@@ -332,6 +336,8 @@ def test_admission_by_measured_divergence_comes_down_on_genuinely_stale_batches_
         return again
 
     try:
+        # No report yet: admission starts low (one step ahead), not at the ceiling of 4.
+        assert status(channel).mismatch.admission_staleness == 1 and status(channel).max_staleness == 4
         push(channel, base)
         moved = [perturbed(base, seed=21), perturbed(base, seed=22)]
         over = stale_group("divergence-moving", moved)  # sampled on base, read two versions later

@@ -73,7 +73,7 @@ def suite(tiny_model_dir, tmp_path_factory):
                            generation_args=["--max-lora-rank", "8"],  # adapter pushes
                            collector_args=["--replica-check-seconds", str(REPLICA_CHECK_SECONDS), "--mode", "async",
                                            "--rolling-settle-seconds", str(ROLLING_SETTLE_SECONDS),
-                                           "--max-staleness", "1000", "--sampling",
+                                           "--max-staleness", "1000", "--mismatch-kl-target", "null", "--sampling",
                                            '{"temperature": 1.0, "max_tokens": 8}'])
     procs = start_suite(options, tmp_path_factory.mktemp("weight-sync"))
     yield procs

@@ -73,7 +73,9 @@ def test_a_held_gate_admits_nothing_until_released():
 
 def test_admission_stays_under_the_kl_target_and_re_measures_after_the_horizon():
     breaker = MismatchBreaker(threshold=None, kl_target=0.05, horizon=3)
-    assert breaker.admission_staleness(4) == 4  # nothing measured: the ceiling
+    assert breaker.admission_staleness(4) == 1  # no report yet: it starts low, not at the ceiling
+    assert breaker.admission_staleness(0) == 0  # and never above the ceiling
+    assert MismatchBreaker(threshold=None).admission_staleness(4) == 4  # no KL target: the ceiling alone
     breaker.report(10, [lag(0, 9.0), lag(1, 0.01), lag(2, 0.2)])
     assert breaker.admission_staleness(4) == 1  # lag 2 is over the target; lag 0 never lowers it
     assert breaker.admission_staleness(0) == 0
