@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from rlfleet.choices import AdvantageModeName, KLEstimatorName, SwapModeName, UpdateStrategyName
 from rlfleet.services.common.config import ServiceConfig
 from rlfleet.services.common.database import DatabaseUrl, SchemaName
+from rlfleet.services.common.run_ids import MAX_SHARE_WEIGHT
 from rlfleet.services.common.upstream import UpstreamConfig
 
 
@@ -120,7 +121,7 @@ class CollectorConfig(ServiceConfig, UpstreamConfig):
     own versions, so the trainer pushes adapters only (a full push is refused with FAILED_PRECONDITION).
     A run started fresh starts at its own version 0, whatever the replicas served other runs. The
     replicas need ``max_runs`` (and ``max_lora_rank``)."""
-    share_weight: float = Field(1.0, gt=0, le=1000)
+    share_weight: float = Field(1.0, gt=0, le=MAX_SHARE_WEIGHT)
     """With ``shared_replicas``: the run's weight in each replica's fair share of its batch (the other runs'
     weights are theirs; a run with nothing to generate leaves its share to the others)."""
     players: dict[str, str] = Field(default_factory=dict)

@@ -62,9 +62,10 @@ class StatusMetrics(StatusCollector):
         for measured in mismatch.measured:
             by_lag.add_metric([str(measured.lag)], measured.kl_k3)
         yield by_lag
-        run = GaugeMetricFamily("rlfleet_run_info", "1, labelled with the run the collector holds (its id, and "
-                                "whether this process resumed it)", labels=["run_id", "resumed"])
-        run.add_metric([status.run.run_id, str(status.run.resumed).lower()], 1)
+        run = GaugeMetricFamily("rlfleet_run_info", "1, labelled with the run the collector holds (its id, its name "
+                                "where runs share a fleet, and whether this process resumed it)",
+                                labels=["run_id", "run", "resumed"])
+        run.add_metric([status.run.run_id, status.run.name, str(status.run.resumed).lower()], 1)
         yield run
 
 

@@ -1,5 +1,6 @@
-"""What a run id may be on the services that several runs share (a generation replica's named runs, a
-reward service's KL controllers): it names files, metrics and log lines."""
+"""What a run id (or name) may be on the services that several runs share (a generation replica's named
+runs, a reward service's KL controllers): it names files, metrics and log lines; and the bound of a
+run's weight in a replica's fair share."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import re
 from rlfleet.services.common.errors import InvalidArgument
 
 RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+MAX_SHARE_WEIGHT = 1000.0
+"""Largest weight a run may claim in a shared replica's fair share (``GenerateRequest.share_weight``, a
+collector's ``share_weight``)."""
 
 
 def check_run_id(run_id: str, field: str = "run_id") -> None:

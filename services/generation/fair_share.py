@@ -24,9 +24,6 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-MAX_SHARE_WEIGHT = 1000.0
-"""Largest run weight a request may claim (``GenerateRequest.share_weight``)."""
-
 
 @dataclass(order=True)
 class _Waiting:

@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from rlfleet.services.common import host
 from rlfleet.services.common.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
+from rlfleet.services.common.run_ids import MAX_SHARE_WEIGHT
 from rlfleet.services.common.sampling_spec import SamplingSpec
 from rlfleet.services.generation import queue_poll
 from rlfleet.services.generation.config import GenerationEngineConfig
-from rlfleet.services.generation.fair_share import MAX_SHARE_WEIGHT, FairShare
+from rlfleet.services.generation.fair_share import FairShare
 from rlfleet.services.generation.prompt_tokens import PromptTokenizer
 from rlfleet.services.generation.push_validation import read_checkpoint_specs
 from rlfleet.services.generation.rollout import Rollout

@@ -22,6 +22,7 @@ from rlfleet.wire import decode_tensor, encode_tensor
 from rlfleet.wire.push_messages import iter_push_messages
 from tests.hf_reference import load_hf, perturbed, response_log_probs
 from tests.raw_calls import empty_call_status
+from tests.scrape import scrape_metric
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -299,7 +300,7 @@ def fleet(tiny_model_dir, tmp_path_factory):
     certificate and tokens acting for its run alone. ``(processes, credentials directory)``."""
     workdir = tmp_path_factory.mktemp("four-runs")
     examples = str(Path(__file__).resolve().parents[2] / "examples")
-    options = SuiteOptions(model_dir=tiny_model_dir, runs=RUNS, secure=True, kv_cache_bytes=128 << 20,
+    options = SuiteOptions(model_dir=tiny_model_dir, runs=RUNS, secure=True, metrics=True, kv_cache_bytes=128 << 20,
                            max_model_len=512, environments={"number_duel": "number_duel:NumberDuel"},
                            environment_env={"PYTHONPATH": examples},
                            run_collector_args={"r2": ["--players", '{"opponent": "r3"}'],
@@ -361,6 +362,10 @@ def test_four_trainers_share_a_suites_replica_each_on_its_own_run(fleet, trainer
         assert len(rows) == 4
         check_rows(rows, version, model)
     assert [client.run.name for client in trainers] == ["r0", "r1", "r2", "r3"]  # joined, each its own run
+    suite, _ = fleet
+    for key, client in zip(SuiteOptions(model_dir="", runs=RUNS).run_keys("collector"), trainers):
+        assert scrape_metric(suite[key].metrics_port, "rlfleet_run_info", run=client.run.name,
+                             run_id=client.run.run_id, resumed="false") == 1  # each collector's metrics name its run
     served_versions = {run_id: run.policy_version for run_id, run in served(replica_stub).items()}
     assert served_versions == {a.run.run_id: 1, b.run.run_id: 2, c.run.run_id: 0, d.run.run_id: 1}
 
