@@ -34,7 +34,7 @@ import secrets
 from pathlib import Path
 
 from rlfleet.services.common.files import write_atomically
-from rlfleet.services.common.run_ids import RUN_ID
+from rlfleet.services.common.run_ids import is_run_id
 from rlfleet.services.common.security import READER, ROLES, RUN_URI, TRAINER
 
 DEFAULT_NAMES = ("generation", "reference", "reward", "trajectory", "environment", "collector", "trainer")
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         uid, _, gid = ns.owner.partition(":")
         owner = (int(uid), int(gid or uid))
     for run in ns.run:
-        if not RUN_ID.fullmatch(run) or run in (".", ".."):
+        if not is_run_id(run):
             parser.error(f"--run {run!r}: a run name is 1 to 128 characters of [A-Za-z0-9._-]")
     directory = make_credentials(ns.directory, tuple(ns.name or DEFAULT_NAMES), tuple(ns.host), ns.days, owner,
                                  ns.force, ns.ca_key_dir, tuple(ns.run))

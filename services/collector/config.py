@@ -233,7 +233,7 @@ class CollectorConfig(ServiceConfig, UpstreamConfig):
 
     @model_validator(mode="after")
     def _players_on_shared_replicas(self) -> "CollectorConfig":
-        from rlfleet.services.common.run_ids import RUN_ID
+        from rlfleet.services.common.run_ids import is_run_id
 
         if self.players and not self.shared_replicas:
             raise ValueError("players: another run's policy plays on replicas shared between runs; set "
@@ -241,7 +241,7 @@ class CollectorConfig(ServiceConfig, UpstreamConfig):
         for player, run in self.players.items():
             if not player or len(player) > 128 or not player.isprintable():
                 raise ValueError(f"players: {player[:160]!r} is not a player's name (1 to 128 printable characters)")
-            if not RUN_ID.fullmatch(run) or run in (".", ".."):
+            if not is_run_id(run):
                 raise ValueError(f"players[{player!r}]: {run[:160]!r} is not a run name (1 to 128 of [A-Za-z0-9._-])")
         return self
 

@@ -14,7 +14,12 @@ MAX_SHARE_WEIGHT = 1000.0
 collector's ``share_weight``)."""
 
 
+def is_run_id(value: str) -> bool:
+    """Whether ``value`` is 1 to 128 characters of [A-Za-z0-9._-], other than "." and ".." (it names files)."""
+    return bool(RUN_ID.fullmatch(value)) and value not in (".", "..")
+
+
 def check_run_id(run_id: str, field: str = "run_id") -> None:
     """InvalidArgument naming ``field`` unless ``run_id`` is 1 to 128 characters of [A-Za-z0-9._-]."""
-    if not RUN_ID.fullmatch(run_id) or run_id in (".", ".."):
+    if not is_run_id(run_id):
         raise InvalidArgument(f"{field} {run_id[:160]!r} is not a run id: 1 to 128 characters of [A-Za-z0-9._-]")

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Mapping
 
 from rlfleet.services.common.errors import StartupError
-from rlfleet.services.common.run_ids import RUN_ID
+from rlfleet.services.common.run_ids import is_run_id
 
 if TYPE_CHECKING:
     import grpc
@@ -228,7 +228,7 @@ def read_tokens_file(path: str | Path, setting: str = "auth_tokens_file") -> dic
         runs = None
         if len(fields) == 3:
             runs = frozenset(fields[2].split(","))
-            bad = sorted(run for run in runs if not RUN_ID.fullmatch(run) or run in (".", ".."))
+            bad = sorted(run for run in runs if not is_run_id(run))
             if bad:
                 raise StartupError(f"{where}: {bad[0]!r} is not a run name (1 to 128 characters of [A-Za-z0-9._-])")
             if roles & UNSCOPED:
