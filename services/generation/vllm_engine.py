@@ -347,7 +347,7 @@ class GenerationEngine:
         self._requests_in_flight += 1
         self.replica.version_bound_requests += required_version is not None
         self._request_ids_in_flight.add(request_id)
-        users = [r for r in {id(r): r for r in (run, policy) if r is not None}.values()]
+        users = [r for r in dict.fromkeys((run, policy)) if r is not None]  # the same run once
         for user in users:  # neither leaves (EndRun, idle) while the call runs
             user.calls += 1
         computed = sampling.computed_samples
