@@ -31,3 +31,19 @@ def perturbed(state_dict: dict[str, torch.Tensor], seed: int) -> dict[str, torch
         name: tensor + 0.05 * torch.randn(tensor.shape, generator=generator)
         for name, tensor in state_dict.items()
     }
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def peft_model(model_dir, seed: int, targets=LORA_TARGETS):
+    """A trainer's LoRA adapter (peft, rank 8, alpha 16, seeded, lora_B non-zero so that it changes the outputs)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(load_hf(model_dir), LoraConfig(r=8, lora_alpha=16, target_modules=list(targets)))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.05)
+    return model.eval()

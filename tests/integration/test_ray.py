@@ -27,16 +27,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import psutil
 import pytest
 import ray
 
 from rlfleet.client import connect, credentials_from
 from rlfleet.client.errors import RlfleetClientError
-from rlfleet.ray import Fleet, FleetConfig
+from rlfleet.ray import Fleet, FleetConfig, FleetError
 from rlfleet.services.credentials import make_credentials
 from rlfleet.services.launch import free_port
-from tests.hf_reference import load_hf
+from rlfleet.v1 import generation_pb2, generation_pb2_grpc
+from tests.hf_reference import load_hf, peft_model
 from tests.leftovers import Leftovers, alive
 from tests.waiting import wait_for
 
@@ -360,3 +362,106 @@ def test_down_leaves_nothing_of_the_fleet_on_the_host(fleet, leftovers):
     assert [path for path in leftovers.segments if path.name.startswith("psm_")]
     fleet.down()
     leftovers.assert_none_within(RECOVERY_TIMEOUT)
+
+
+def shared_fleet_config(model: Path, workdir: Path, credentials: Path) -> FleetConfig:
+    """A fleet that runs share (``runs``): one replica serving up to two runs' LoRA adapters, each run a
+    collector and a trajectory store of its own, their state apart by ``{key}``."""
+    sampling = {"temperature": 1.0, "max_tokens": 12}
+    return FleetConfig.from_dict({"name": "shared", "workdir": str(workdir), "credentials": str(credentials),
+                                  "runs": {"exp-a": {}}, "services": {
+        "trajectory": {"num_cpus": 0.25, "settings": {"db_path": "{workdir}/{key}/trajectories.db"}},
+        "reference": {"num_cpus": 0.5, "resources": {"gpu_node": 1},
+                      "settings": {"model_path": str(model), "torch_threads": 1}},
+        "reward": {"num_cpus": 0.25, "settings": {"tokenizer_path": str(model)}},
+        "generation": {"num_cpus": 0.5, "resources": {"gpu_node": 1},
+                       "settings": {"model": str(model), "kv_cache_memory_bytes": 128 << 20, "max_model_len": 512,
+                                    "max_num_seqs": 32, "max_runs": 2, "max_lora_rank": 8}},
+        "collector": {"num_cpus": 0.25, "start_timeout_seconds": START_TIMEOUT,
+                      "settings": {"state_dir": "{workdir}/{key}/state", "group_size": 2, "groups_per_step": 2,
+                                   "max_staleness": 1000, "mismatch_kl_target": None, "reward_fn": "char_fraction",
+                                   "sampling": sampling, "discovery_refresh_seconds": 0.5,
+                                   "replica_check_seconds": 0.5}},
+    }})
+
+
+def test_runs_are_added_to_and_ended_on_a_shared_fleet_while_it_serves(cluster, tiny_model_dir, tmp_path):
+    """``runs``: run exp-a starts with the fleet; exp-b is added while exp-a trains (``rlfleet-ray runs add``,
+    refused until the credentials name it), each at its own versions on the one replica, each run's
+    credentials refused by the other's collector; exp-a ended (its collector and store stop, its slot on the
+    replica is freed) while exp-b trains on; exp-a added again resumes at its committed version, the
+    replica re-synced to its adapter from its collector's spool."""
+    credentials = make_credentials(tmp_path / "credentials", hosts=[ray.util.get_node_ip_address()], runs=["exp-a"])
+    config = shared_fleet_config(tiny_model_dir, tmp_path / "fleet", credentials)
+    for spec in config.services.values():
+        spec.start_timeout_seconds = START_TIMEOUT
+    fleet = Fleet.up(config)
+    try:
+        a = connect(fleet.address("collector-exp-a"), run="new", timeout=120,
+                    **credentials_from(credentials, run="exp-a"))
+        assert a.push_adapter(peft_model(tiny_model_dir, 1), progress=False).version == 1
+        assert versions_of_a_step(a) == {1}
+        with pytest.raises(FleetError, match="credentials .* hold nothing for run exp-b"):
+            fleet.add_run("exp-b")
+        subprocess.run([sys.executable, "-m", "rlfleet.services.credentials", str(credentials), "--run", "exp-b"],
+                       check=True, timeout=120)
+        added = subprocess.run([sys.executable, "-m", "rlfleet.ray.cli", "runs", "add", "exp-b", "--share-weight",
+                                "2", "--name", "shared", "--ray-address", cluster.cluster.address],
+                               check=True, timeout=START_TIMEOUT, capture_output=True, text=True)
+        fleet = Fleet.attach("shared")
+        assert added.stdout.split() == ["exp-b", fleet.address("collector-exp-b")]
+        assert fleet.runs() == ["exp-a", "exp-b"] and fleet.config.runs["exp-b"].share_weight == 2
+        b = connect(fleet.address("collector-exp-b"), run="new", timeout=120,
+                    **credentials_from(credentials, run="exp-b"))
+        assert b.policy_version == 0  # a run of its own, whatever the replica serves exp-a
+        assert b.push_adapter(peft_model(tiny_model_dir, 2), progress=False).version == 1
+        assert a.push_adapter(peft_model(tiny_model_dir, 3), progress=False).version == 2
+        assert versions_of_a_step(a) == {2} and versions_of_a_step(b) == {1}
+        with connect(fleet.address("collector-exp-b"), timeout=60,
+                     **credentials_from(credentials, run="exp-a")) as intruder:
+            with pytest.raises(RlfleetClientError, match="acts for run exp-a; this service serves run exp-b"):
+                intruder.status()
+        replica = fleet.address("generation-0")
+        assert served_names(replica, credentials) == {"exp-a": 2, "exp-b": 1}
+        run_a = a.run.run_id
+        a.close()
+
+        assert fleet.end_run("exp-a") == {"generation-0": 0}
+        assert fleet.runs() == ["exp-b"] and not {"collector-exp-a", "trajectory-exp-a"} & set(fleet.status())
+        assert served_names(replica, credentials) == {"exp-b": 1}  # its slot freed
+        assert b.push_adapter(peft_model(tiny_model_dir, 4), progress=False).version == 2
+        assert versions_of_a_step(b) == {2}
+
+        fleet.add_run("exp-a")  # its state kept: the run resumes
+        a = connect(fleet.address("collector-exp-a"), run=f"{run_a}@2", timeout=120,
+                    **credentials_from(credentials, run="exp-a"))
+        joined = a.join()
+        assert (joined.run_id, joined.version, joined.resumed, joined.name) == (run_a, 2, True, "exp-a")
+        wait_for(lambda: served_names(replica, credentials).get("exp-a") == 2, RESYNC_TIMEOUT,
+                 "exp-a's adapter re-synced to the replica at its committed version")
+        assert versions_of_a_step(a) == {2} and versions_of_a_step(b) == {2}
+        a.close()
+        b.close()
+    finally:
+        fleet.down()
+    assert fleet.status() == {}
+
+
+def versions_of_a_step(client) -> set[int]:
+    """One step's prompts submitted and its batch read: the versions its samples were generated at."""
+    client.submit_prompts([{"prompt": "answer in digits: 7"} for _ in range(2)])
+    with client.batches(4, whole_groups=True, idle_timeout=RECOVERY_TIMEOUT) as stream:
+        batch = next(iter(stream))
+    return set(batch["policy_version_start"].tolist()) | set(batch["policy_version_end"].tolist())
+
+
+def served_names(replica: str, credentials: Path) -> dict[str, int]:
+    """The named runs the replica at ``replica`` serves and their versions (asked as an operator)."""
+    tls = grpc.ssl_channel_credentials(*((credentials / name).read_bytes()
+                                         for name in ("ca.pem", "trainer.key", "trainer.pem")))
+    token = (credentials / "token-operator").read_text().strip()
+    with grpc.secure_channel(replica, grpc.composite_channel_credentials(
+            tls, grpc.access_token_call_credentials(token))) as channel:
+        status = generation_pb2_grpc.GenerationServiceStub(channel).GetEngineStatus(
+            generation_pb2.GetEngineStatusRequest(), timeout=60)
+    return {run.name: run.policy_version for run in status.runs}

@@ -20,14 +20,13 @@ from rlfleet.v1 import (collector_pb2, diagnostics_pb2, generation_pb2, generati
                         sampling_pb2, trajectory_pb2, weights_pb2)
 from rlfleet.wire import decode_tensor, encode_tensor
 from rlfleet.wire.push_messages import iter_push_messages
-from tests.hf_reference import load_hf, perturbed, response_log_probs
+from tests.hf_reference import LORA_TARGETS as TARGETS, load_hf, peft_model, perturbed, response_log_probs
 from tests.raw_calls import empty_call_status
 from tests.scrape import scrape_metric
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 PROMPT = [1, 348, 201, 330, 400, 223, 20, 267, 223, 21, 2, 201, 1, 305, 310, 201]
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LOG_PROB_TOLERANCE = 1e-4
 MAX_RUNS = 3
 LONG_TOKENS = 480
@@ -64,18 +63,6 @@ def stub(replica):
 def adapters(tiny_model_dir):
     """Two trainers' adapters (peft, seeded, lora_B non-zero so that they change the outputs)."""
     return {seed: peft_model(tiny_model_dir, seed) for seed in (1, 2, 3)}
-
-
-def peft_model(model_dir, seed: int):
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    model = get_peft_model(load_hf(model_dir), LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.05)
-    return model.eval()
 
 
 def push(stub, pairs, version: int, run_id: str = "", mode=weights_pb2.UPDATE_MODE_KEEP, lora=True):

@@ -34,12 +34,14 @@ def test_importing_rlfleet_ray_imports_no_ray():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_the_guides_fleet_config_parses():
-    """docs/guides/ray.md's config file is a real one (tests/integration/test_ray_guide.py runs it)."""
+def test_the_guides_fleet_configs_parse():
+    """docs/guides/ray.md's config files are real ones (tests/integration/test_ray_guide.py runs the first;
+    the second is a shared fleet's, each of its runs checked)."""
     text = (ROOT / "docs" / "guides" / "ray.md").read_text()
-    block = re.search(r"```yaml\n(.*?)```", text, re.S).group(1)
-    config = FleetConfig.from_dict(yaml.safe_load(block))
-    assert config.services["generation"].placement == "spread"
+    first, shared = (FleetConfig.from_dict(yaml.safe_load(block)) for block in re.findall(r"```yaml\n(.*?)```", text, re.S))
+    assert first.services["generation"].placement == "spread" and not first.shared
+    assert shared.runs["exp-b"].share_weight == 2 and shared.run_settings("collector", "exp-b")["state_dir"] == \
+        "./rlfleet-runs/collector-exp-b/state"
 
 
 def test_config_file_round_trips_and_refuses_what_it_does_not_know(tmp_path):
@@ -148,6 +150,59 @@ def test_up_fresh_starts_the_stateful_services_fresh_once_and_restarts_resume():
     assert runs.start_args(first_actor, "collector") == ["--fresh", "true"]  # each instance consumes its own
     runs.started(first_actor, "collector")
     assert runs.start_args(first_actor, "collector") == []
+
+
+SHARED = {"workdir": "/w", "runs": {"exp-a": {}, "exp-b": {"share_weight": 2, "port": 50061,
+                                                           "settings": {"players": {"opponent": "exp-a"}}}},
+          "services": {**MINIMAL["services"],
+                       "generation": {"settings": {"max_runs": 4, "max_lora_rank": 8}},
+                       "trajectory": {"settings": {"db_path": "{workdir}/{key}/trajectories.db"}},
+                       "collector": {"port": 50050, "settings": {"state_dir": "{workdir}/{run}/collector",
+                                                                  "mode": "sync"}}}}
+
+
+def test_a_shared_fleets_runs_each_get_a_collector_and_store_of_their_own():
+    config = FleetConfig.from_dict(SHARED)
+    assert config.shared and FleetConfig.from_dict(config.to_dict()) == config
+    assert not FleetConfig.from_dict(MINIMAL).shared  # no `runs`: one run, keys collector and trajectory
+    assert FleetConfig.from_dict({**SHARED, "runs": {}}).shared  # runs added later
+    b = config.run_settings("collector", "exp-b")
+    assert b == {"state_dir": "/w/exp-b/collector", "mode": "sync", "run_name": "exp-b", "shared_replicas": True,
+                 "share_weight": 2, "players": {"opponent": "exp-a"}}
+    assert config.run_settings("trajectory", "exp-a") == {"db_path": "/w/trajectory-exp-a/trajectories.db",
+                                                          "run_name": "exp-a"}
+    assert runs.request_fresh(FakeRegistry(), ["trajectory-exp-a", "collector-exp-a", "generation-0"]) == [
+        "trajectory-exp-a", "collector-exp-a"]
+    text = runs.describe_start({"collector-exp-a": b, "generation-0": {}}, fresh=False)
+    assert "collector-exp-a: state_dir /w/exp-b/collector" in text and "generation" not in text
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"runs": {"exp/a": {}}}, "not a run name"),
+    ({"runs": {"a": {"share_weight": 0}}}, "share_weight"),
+    ({"runs": {"a": {"weight": 1}}}, r"runs.a: unknown \['weight'\]"),
+    ({"runs": {str(i): {} for i in range(5)}}, "max_runs is 4"),
+    ({"services": {**SHARED["services"], "collector": {"settings": {"state_dir": "{workdir}/collector"}}}},
+     "runs exp-a and exp-b would share their durable state"),
+    ({"services": {**SHARED["services"], "trajectory": {"settings": {"database_url": "postgresql://db/x"}}}},
+     "PostgreSQL schema rlfleet_trajectory"),
+])
+def test_a_shared_fleet_refuses_runs_that_cannot_share_it(change, match):
+    with pytest.raises(ValueError, match=match):
+        FleetConfig.from_dict({**SHARED, **change})
+
+
+def test_adding_a_run_to_a_fleet_of_one_run_says_how_to_share_it():
+    with pytest.raises(ValueError, match="this fleet holds one run"):
+        FleetConfig.from_dict(MINIMAL).check_run("exp-a")
+
+
+class FakeRegistry:
+    def __init__(self):
+        self.kv = {}
+
+    def put(self, kind, key, value):
+        self.kv[kind, key] = value
 
 
 def test_a_plain_up_resumes_and_says_where_from():

@@ -6,8 +6,8 @@
 See docs/guides/ray.md. Importing this package imports nothing of Ray; its functions do.
 """
 
-from rlfleet.ray.config import FleetConfig, ServiceSpec, load_config
+from rlfleet.ray.config import FleetConfig, RunSpec, ServiceSpec, load_config
 from rlfleet.ray.fleet import Fleet, FleetError
 from rlfleet.ray.trainer import collector_address, run_trainer
 
-__all__ = ["Fleet", "FleetConfig", "FleetError", "ServiceSpec", "collector_address", "load_config", "run_trainer"]
+__all__ = ["Fleet", "FleetConfig", "FleetError", "RunSpec", "ServiceSpec", "collector_address", "load_config", "run_trainer"]

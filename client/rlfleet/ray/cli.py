@@ -4,6 +4,8 @@
     rlfleet-ray status [--name rlfleet]                      # every instance: address, node, starts
     rlfleet-ray address [collector] [--name rlfleet]         # one instance's host:port
     rlfleet-ray scale generation 4 [--name rlfleet]          # replicas join (re-synced) or leave
+    rlfleet-ray runs add exp-b [--share-weight 2] [--fresh]  # a fleet that runs share: one more run
+    rlfleet-ray runs end exp-a                               # its collector and store stop, its slots freed
     rlfleet-ray down [--name rlfleet]                        # stop it
 
 The fleet's actors are detached: ``up`` returns once every service serves, and the fleet runs on until
@@ -41,6 +43,18 @@ def _parser() -> argparse.ArgumentParser:
     scale = commands.add_parser("scale", parents=[named], help="run N instances of a service (generation)")
     scale.add_argument("service", choices=["generation"])
     scale.add_argument("replicas", type=int)
+    runs_parser = commands.add_parser("runs", help="the runs of a fleet that runs share (its config's `runs`)")
+    run_commands = runs_parser.add_subparsers(dest="run_command", required=True)
+    add = run_commands.add_parser("add", parents=[named], help="start a run's trajectory store and collector")
+    add.add_argument("run", help="the run's name (its credentials name it: credentials --run NAME)")
+    add.add_argument("--share-weight", type=float, default=1.0, help="its weight in each replica's fair share")
+    add.add_argument("--port", type=int, default=0, help="its collector's fixed port (default: a free one)")
+    add.add_argument("--settings", type=json.loads, default={},
+                     help='its collector\'s own settings over the template\'s, as JSON: \'{"players": {"opponent": "exp-a"}}\'')
+    add.add_argument("--fresh", action="store_true", help="a new run: delete the state a run of this name left")
+    end = run_commands.add_parser("end", parents=[named], help="stop a run's collector and store, free its slots")
+    end.add_argument("run")
+    run_commands.add_parser("list", parents=[named], help="the fleet's runs, a line each: name, collector address")
     commands.add_parser("down", parents=[named], help="stop every instance of the fleet")
     return parser
 
@@ -79,18 +93,41 @@ def _run(ns: argparse.Namespace) -> int:
         print(fleet.address(ns.key))
     elif ns.command == "scale":
         print("\n".join(fleet.scale(ns.service, ns.replicas)))
+    elif ns.command == "runs":
+        _runs(fleet, ns)
     else:
         fleet.down()
     return 0
 
 
-def _say_run(fleet) -> None:
-    """The collector's run after ``up`` (new, or resumed at which version), as its status reports it."""
+def _runs(fleet, ns: argparse.Namespace) -> None:
+    from rlfleet.ray import RunSpec
+    from rlfleet.ray.config import run_key
+
+    if ns.run_command == "add":
+        fleet.add_run(ns.run, RunSpec(share_weight=ns.share_weight, port=ns.port, settings=ns.settings),
+                      fresh=ns.fresh)
+        print(f"{ns.run}\t{fleet.address(run_key('collector', ns.run))}")
+        _say_run(fleet, [run_key("collector", ns.run)])
+    elif ns.run_command == "end":
+        fleet.end_run(ns.run)
+    else:
+        for run in fleet.runs():
+            try:
+                address = fleet.address(run_key("collector", run))
+            except LookupError:
+                address = "-"
+            print(f"{run}\t{address}")
+
+
+def _say_run(fleet, keys: list[str] | None = None) -> None:
+    """Each collector's run after ``up`` (new, or resumed at which version), as its status reports it."""
     import logging
 
-    run = fleet.collector_run()
-    if run is not None:
-        logging.getLogger("rlfleet.ray").info("collector: %s", run.describe())
+    for key in keys or fleet.collector_keys():
+        run = fleet.collector_run(key)
+        if run is not None:
+            logging.getLogger("rlfleet.ray").info("%s: %s", key, run.describe())
 
 
 if __name__ == "__main__":

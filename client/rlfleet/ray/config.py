@@ -12,6 +12,21 @@
 
 (``num_gpus: 0`` on a CPU-only cluster; docs/guides/ray.md has the whole story.)
 
+A fleet that several runs share (docs/concepts/many-runs.md) lists them under ``runs``; the
+``collector`` and ``trajectory`` entries are then each run's template, every run getting a collector
+(``collector-<run>``, over the shared replicas, ``run_name`` its name) and a trajectory store
+(``trajectory-<run>``) of its own, their durable state apart by ``{run}`` in its settings:
+
+    runs:
+      exp-a: {}
+      exp-b: {share_weight: 2, port: 50061, settings: {players: {opponent: exp-a}}}
+    services:
+      trajectory: {settings: {db_path: "{workdir}/{key}/trajectories.db"}}
+      generation: {settings: {model: /models/policy, max_runs: 8, max_lora_rank: 16}}
+      collector:  {settings: {state_dir: "{workdir}/{key}/state"}}
+
+(``rlfleet-ray runs add`` and ``runs end`` add and end runs while the fleet serves.)
+
 A service's ``settings`` are its own config fields (the names of its ``--config`` file, its flags
 without ``--`` and with ``_``), written to a ``--config`` file on the node that runs it; ``args`` are
 extra flags and ``env`` extra environment variables, as for a process started by hand. ``{workdir}``
@@ -24,6 +39,7 @@ discovery (``ray+gcs://``). Ray's side per service: ``num_cpus``, ``num_gpus``, 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +88,32 @@ class ServiceSpec:
 
 
 @dataclass
+class RunSpec:
+    """One run of a fleet that several runs share: its collector and trajectory store."""
+
+    share_weight: float = 1.0
+    """The run's weight in each replica's fair share (the collector's ``share_weight``)."""
+    port: int = 0
+    """Its collector's fixed gRPC port (0: a free one each start; ``rlfleet-ray address collector-<run>``)."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Its collector's own settings over the ``collector`` template's (``players``, ``mode``, ...)."""
+
+
+RUN_SERVICES = ("trajectory", "collector")
+"""What each run of a shared fleet has of its own, in start order (keys ``<service>-<run>``)."""
+
+
+def run_key(service: str, run: str) -> str:
+    """The instance key of ``run``'s ``service`` (``collector-exp-a``)."""
+    return f"{service}-{run}"
+
+
+def service_of(key: str) -> str:
+    """The service an instance key belongs to (``generation-1``, ``collector-exp-a``: ``generation``, ``collector``)."""
+    return key.split("-", 1)[0]
+
+
+@dataclass
 class FleetConfig:
     """A fleet on one Ray cluster."""
 
@@ -90,6 +132,13 @@ class FleetConfig:
     bind_host: str = "0.0.0.0"
     """The interface every service binds (its address in the registry is the node's IP)."""
     services: dict[str, ServiceSpec] = field(default_factory=dict)
+    runs: dict[str, RunSpec] | None = None
+    """The runs that share the fleet's replicas, by name (None: the fleet holds one run, keys
+    ``collector`` and ``trajectory``; a mapping, even empty: a shared fleet, ``runs add`` adds to it)."""
+
+    @property
+    def shared(self) -> bool:
+        return self.runs is not None
 
     def __post_init__(self):
         unknown = set(self.services) - set(SERVICES)
@@ -103,6 +152,47 @@ class FleetConfig:
                 raise ValueError(f"services.{name}.placement: {spec.placement!r} is not default or spread")
             if spec.replicas < 0 or (name != "generation" and spec.replicas != 1):
                 raise ValueError(f"services.{name}.replicas: only generation runs several (got {spec.replicas})")
+        for run in self.runs or {}:
+            self.check_run(run)
+
+    def check_run(self, run: str) -> None:
+        """ValueError naming what is wrong unless ``run`` may be (or is) one of this shared fleet's runs:
+        a run name, within the replicas' ``max_runs``, its durable state apart from every other run's."""
+        from rlfleet.ray.runs import state_location
+        from rlfleet.services.common.run_ids import MAX_SHARE_WEIGHT, is_run_id
+
+        if not self.shared:
+            raise ValueError("this fleet holds one run (its config has no `runs`): a fleet that runs share "
+                             "lists them under `runs` (docs/guides/ray.md)")
+        if not is_run_id(run):
+            raise ValueError(f"runs: {run!r} is not a run name: 1 to 128 characters of [A-Za-z0-9._-]")
+        spec = self.runs.get(run, RunSpec())
+        if not 0 < spec.share_weight <= MAX_SHARE_WEIGHT:
+            raise ValueError(f"runs.{run}.share_weight: {spec.share_weight} is not in (0, {MAX_SHARE_WEIGHT:g}]")
+        max_runs = self.services["generation"].settings.get("max_runs", 0)
+        names = set(self.runs) | {run}
+        if len(names) > max_runs:
+            raise ValueError(f"services.generation.settings.max_runs is {max_runs}: the replicas serve that many "
+                             f"runs at once, and this fleet would have {len(names)}; raise it (and restart the "
+                             "replicas) or end a run first")
+        for service in RUN_SERVICES:
+            where = {other: state_location(service, self.run_settings(service, other)) for other in sorted(names)}
+            same = [other for other in where if other != run and where[other] == where[run]]
+            if same:
+                raise ValueError(f"services.{service}.settings: runs {run} and {same[0]} would share their durable "
+                                 f"state ({where[run]}): write {{run}} or {{key}} in it, e.g. "
+                                 f"\"{{workdir}}/{{key}}/...\" or database_schema \"rlfleet_{service}_{{run}}\"")
+
+    def run_settings(self, service: str, run: str) -> dict[str, Any]:
+        """``run``'s ``service`` settings: the template's with ``{workdir}``, ``{key}`` and ``{run}`` filled in,
+        the run's name, and for the collector the shared replicas, its weight and its own settings."""
+        from rlfleet.ray.actor import substitute
+
+        spec = (self.runs or {}).get(run, RunSpec())
+        settings = {**self.services[service].settings, "run_name": run}
+        if service == "collector":
+            settings.update(shared_replicas=True, share_weight=spec.share_weight, **spec.settings)
+        return substitute(copy.deepcopy(settings), {"workdir": self.workdir, "key": run_key(service, run), "run": run})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "FleetConfig":
@@ -111,6 +201,15 @@ class FleetConfig:
         if set(data) - known:
             raise ValueError(f"unknown fleet settings {sorted(set(data) - known)}; known: {sorted(known)}")
         services = {}
+        if data.get("runs") is not None:
+            run_fields = {f.name for f in dataclasses.fields(RunSpec)}
+            runs = {}
+            for run, spec in dict(data["runs"]).items():
+                spec = dict(spec or {})
+                if set(spec) - run_fields:
+                    raise ValueError(f"runs.{run}: unknown {sorted(set(spec) - run_fields)}; known: {sorted(run_fields)}")
+                runs[str(run)] = RunSpec(**spec)
+            data["runs"] = runs
         spec_fields = {f.name for f in dataclasses.fields(ServiceSpec)}
         for name, spec in (data.pop("services", None) or {}).items():
             spec = dict(spec or {})

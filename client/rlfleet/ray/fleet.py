@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.ray import runs
-from rlfleet.ray.config import UPSTREAMS, FleetConfig, ServiceSpec
+from rlfleet.ray.config import RUN_SERVICES, UPSTREAMS, FleetConfig, RunSpec, ServiceSpec, run_key, service_of
 from rlfleet.registry import Registry
 
 log = logging.getLogger("rlfleet.ray")
@@ -87,20 +87,17 @@ class Fleet:
         run); otherwise they resume it (``runs.py``). A service that refuses to start raises ``FleetError`` with its lines."""
         fleet = cls(config)
         fleet.down(quiet=True)
-        from rlfleet.ray.actor import substitute
-
-        settings = {name: substitute(spec.settings, {"workdir": config.workdir, "key": name})
-                    for name, spec in config.services.items()}
+        settings = {key: fleet._actor_spec(key)["settings"] for name in config.services for key in fleet._keys(name)}
         log.info("fleet %s: %s", config.name, runs.describe_start(settings, fresh))
         fleet.registry.put_spec(config.to_dict())
         if fresh:
-            runs.request_fresh(fleet.registry, list(config.services))
+            runs.request_fresh(fleet.registry, [key for name in config.services for key in fleet._keys(name)])
         try:
-            # Everything but the collector at once (a vLLM engine's start overlaps the others'); the
-            # collector last: it reads their addresses and probes the replicas at its start.
+            # Everything but the collectors at once (a vLLM engine's start overlaps the others'); the
+            # collectors last: they read the others' addresses and probe the replicas at their start.
             for stage in (("trajectory", "reference", "reward", "environment", "generation"), ("collector",)):
-                fleet._wait([fleet._launch(name, index) for name in stage if name in config.services
-                             for index in range(config.services[name].replicas)])
+                fleet._wait([fleet._launch(key) for name in stage if name in config.services
+                             for key in fleet._keys(name)])
         except BaseException:
             fleet.down(quiet=True)
             raise
@@ -144,15 +141,15 @@ class Fleet:
         """The records of ``name``'s instances (``generation``: every replica)."""
         return {key: record for key, record in self.status().items() if record.get("service") == name}
 
-    def collector_run(self):
-        """The run the collector holds (its status' ``run``, the SDK's ``Run``: new, or resumed at which
-        version); None where it cannot say (a collector older than run ids, or not reachable from here)."""
+    def collector_run(self, key: str = "collector"):
+        """The run the collector ``key`` holds (its status' ``run``, the SDK's ``Run``: new, or resumed at
+        which version); None where it cannot say (a collector older than run ids, or not reachable from here)."""
         from rlfleet.client import connect, credentials_from
         from rlfleet.rpc.errors import RlfleetClientError
 
         secrets = credentials_from(self.config.credentials, role="reader") if self.config.credentials else {}
         try:
-            with connect(self.address("collector"), timeout=30, **secrets) as client:
+            with connect(self.address(key), timeout=30, **secrets) as client:
                 return getattr(client.status(), "run", None)
         except (RlfleetClientError, LookupError) as err:
             log.warning("the collector's run is not known here: %s", err)
@@ -170,23 +167,126 @@ class Fleet:
         current = self._existing(name)
         spec = self.config.services[name]
         if replicas > len(current):
-            self._wait([self._launch(name, index) for index in range(len(current), replicas)], timeout)
+            self._wait([self._launch(f"{name}-{index}") for index in range(len(current), replicas)], timeout)
         self._stop(current[replicas:])
         spec.replicas = replicas
         self.registry.put_spec(self.config.to_dict())
         return self._existing(name)
+
+    # -- the runs of a shared fleet -------------------------------------------------------------------
+
+    def add_run(self, run: str, spec: RunSpec | None = None, fresh: bool = False,
+                timeout: float | None = None) -> list[str]:
+        """Start ``run``'s trajectory store, then its collector, over the shared replicas (SERVING before
+        this returns); the fleet serves its other runs on meanwhile. ``fresh``: a new run, its durable
+        state deleted first; otherwise it resumes the state a run of that name left (``end_run`` keeps
+        it). The keys started."""
+        if self.config.shared and run in self.config.runs:
+            raise ValueError(f"run {run} is in the fleet already ({self._run_keys(run)}); end it first")
+        config = copy.deepcopy(self.config)
+        config.runs = {**(config.runs or {}), run: spec or RunSpec()}
+        config.check_run(run)
+        self._check_run_credentials(run)
+        self.config = config
+        keys = self._run_keys(run)
+        self.registry.put_spec(self.config.to_dict())
+        if fresh:
+            runs.request_fresh(self.registry, keys)
+        try:
+            for key in keys:  # the store first: the collector reads its address at its start
+                self._wait([self._launch(key)], timeout)
+        except BaseException:
+            self.end_run(run, quiet=True)
+            raise
+        return keys
+
+    def end_run(self, run: str, quiet: bool = False) -> dict[str, int]:
+        """Stop ``run``'s collector, then its store (its durable state stays: ``add_run`` of the name
+        resumes it), and end it on every replica (``EndRun``: its slot is freed, its adapters leave once
+        its last request ends); the fleet's other runs are untouched. Each replica's calls of the run
+        still running, by replica key."""
+        if not self.config.shared or run not in self.config.runs:
+            raise ValueError(f"no run {run} in fleet {self.config.name} (runs: {sorted(self.config.runs or {})})")
+        keys = self._run_keys(run)
+        for key in reversed(keys):  # the collector first: its trainers' streams end cleanly
+            self._stop([key])
+        ended = self._end_on_replicas(run)
+        self.config.runs.pop(run)
+        self.registry.put_spec(self.config.to_dict())
+        if not quiet:
+            log.info("run %s ended: %s stopped, its slot freed on %d replicas", run, ", ".join(keys), len(ended))
+        return ended
+
+    def collector_keys(self) -> list[str]:
+        """``collector``, or each run's collector in a shared fleet."""
+        return self._keys("collector")
+
+    def runs(self) -> list[str]:
+        """The runs of a shared fleet (none for a fleet of one run)."""
+        return sorted(self.config.runs or {})
+
+    def _run_keys(self, run: str) -> list[str]:
+        return [run_key(service, run) for service in RUN_SERVICES]
+
+    def _check_run_credentials(self, run: str) -> None:
+        """With credentials: ``run``'s tokens are in them (its trainer's calls are refused otherwise)."""
+        if self.config.credentials and not (Path(self.config.credentials) / f"token-trainer-{run}").exists():
+            raise FleetError(f"credentials {self.config.credentials} hold nothing for run {run}: "
+                             f"python -m rlfleet.services.credentials {self.config.credentials} --run {run} "
+                             "adds its certificate and tokens")
+
+    def _end_on_replicas(self, run: str) -> dict[str, int]:
+        """``EndRun`` on each generation replica serving a run named ``run`` (as the service role)."""
+        import grpc
+
+        from rlfleet.v1 import generation_pb2, generation_pb2_grpc
+        from rlfleet.rpc.channel import ChannelSettings
+
+        settings = ChannelSettings(timeout=30)
+        files = self._credential_files()
+        if files:
+            settings = ChannelSettings(timeout=30, tls=True, root_certificates=files["ca.pem"],
+                                       certificate_chain=files["generation.pem"], private_key=files["generation.key"],
+                                       auth_token=files["token-service"].decode().strip())
+        ended = {}
+        for key, record in self.status_of("generation").items():
+            channel = (grpc.secure_channel(record["address"], settings.credentials(), options=settings.options())
+                       if settings.tls else grpc.insecure_channel(record["address"], options=settings.options()))
+            with channel:
+                stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                try:
+                    served = stub.GetEngineStatus(generation_pb2.GetEngineStatusRequest(), timeout=30,
+                                                  metadata=settings.metadata()).runs
+                    for served_run in served:
+                        if served_run.name == run:
+                            ended[key] = stub.EndRun(generation_pb2.EndRunRequest(run_id=served_run.run_id),
+                                                     timeout=30, metadata=settings.metadata()).requests_in_flight
+                except grpc.RpcError as err:  # a replica going away takes the run's slot with it
+                    log.warning("run %s not ended on %s: %s", run, key, err.details())
+        return ended
 
     # -- internals -----------------------------------------------------------------------------------
 
     def _actor_name(self, key: str) -> str:
         return f"{self.config.name}/{key}"
 
+    def _keys(self, name: str) -> list[str]:
+        """The instance keys ``name`` has in the fleet's config (each replica's; each run's in a shared fleet)."""
+        if name == "generation":
+            return [f"{name}-{index}" for index in range(self.config.services[name].replicas)]
+        if self.config.shared and name in RUN_SERVICES:
+            return [run_key(name, run) for run in sorted(self.config.runs)]
+        return [name]
+
     def _existing(self, name: str) -> list[str]:
         """Keys of ``name``'s instances that have an actor now."""
         ray = _ray()
         keys = []
         count = self.config.services[name].replicas if name in self.config.services else 0
-        candidates = [f"{name}-{index}" for index in range(max(count, 64))] if name == "generation" else [name]
+        if name == "generation":
+            candidates = [f"{name}-{index}" for index in range(max(count, 64))]
+        else:  # the config's, and any its registry still holds (an earlier fleet of the name, other runs)
+            candidates = sorted({*self._keys(name), *self.registry.services(name, alive_only=False)})
         for key in candidates:
             try:
                 ray.get_actor(self._actor_name(key), namespace=NAMESPACE)
@@ -196,18 +296,27 @@ class Fleet:
                     break
         return keys
 
-    def _actor_spec(self, name: str, key: str) -> dict[str, Any]:
+    def _actor_spec(self, key: str) -> dict[str, Any]:
+        name = service_of(key)
         spec: ServiceSpec = self.config.services[name]
+        run = key[len(name) + 1:] if self.config.shared and name in RUN_SERVICES else None
         variables = {"workdir": self.config.workdir, "key": key}
         from rlfleet.ray.actor import substitute
 
-        upstreams = {}
+        upstreams, port = {}, spec.port
         if name == "collector":
             upstreams = {setting: service for service, setting in UPSTREAMS.items()
                          if service in self.config.services}
+        if run is not None:
+            settings = self.config.run_settings(name, run)
+            if name == "collector":
+                upstreams["trajectory_address"] = run_key("trajectory", run)
+                port = self.config.runs[run].port
+        else:
+            settings = substitute(copy.deepcopy(spec.settings), variables)
         return {"fleet": self.config.name, "key": key, "service": name, "gcs_address": self.gcs_address,
-                "workdir": self.config.workdir, "bind_host": self.config.bind_host, "port": spec.port,
-                "settings": substitute(copy.deepcopy(spec.settings), variables),
+                "workdir": self.config.workdir, "bind_host": self.config.bind_host, "port": port,
+                "settings": settings,
                 "args": substitute(list(spec.args), variables), "env": substitute(dict(spec.env), variables),
                 "credentials": self._credential_files(), "upstreams": upstreams,
                 "start_timeout_seconds": spec.start_timeout_seconds, "module": spec.module}
@@ -217,12 +326,12 @@ class Fleet:
             self._credentials = read_credentials(self.config.credentials)
         return self._credentials
 
-    def _launch(self, name: str, index: int):
+    def _launch(self, key: str):
         ray = _ray()
         from rlfleet.ray.actor import ServiceHost
 
+        name = service_of(key)
         spec: ServiceSpec = self.config.services[name]
-        key = f"{name}-{index}" if name == "generation" else name
         options: dict[str, Any] = {
             "name": self._actor_name(key), "namespace": NAMESPACE, "lifetime": "detached",
             "num_cpus": spec.num_cpus, "num_gpus": spec.num_gpus, "resources": dict(spec.resources),
@@ -230,7 +339,7 @@ class Fleet:
         }
         if spec.placement == "spread":
             options["scheduling_strategy"] = self._spread(name, spec)
-        actor = ray.remote(ServiceHost).options(**options).remote(self._actor_spec(name, key))
+        actor = ray.remote(ServiceHost).options(**options).remote(self._actor_spec(key))
         return key, actor
 
     def _spread(self, name: str, spec: ServiceSpec):
@@ -254,11 +363,11 @@ class Fleet:
         ray = _ray()
         started = time.monotonic()
         for key, actor in launched:
-            budget = timeout if timeout is not None else self.config.services[key.split("-")[0]].start_timeout_seconds
+            budget = timeout if timeout is not None else self.config.services[service_of(key)].start_timeout_seconds
             try:
                 record = ray.get(actor.info.remote(), timeout=max(1.0, budget - (time.monotonic() - started)))
             except ray.exceptions.GetTimeoutError:
-                log_path = Path(self.config.workdir) / key / f"{key.split('-')[0]}.log"
+                log_path = Path(self.config.workdir) / key / f"{service_of(key)}.log"
                 raise FleetError(f"{key} did not serve within {budget:.0f} s (start_timeout_seconds); its log: "
                                  f"{log_path} on its node") from None
             except ray.exceptions.RayActorError as err:

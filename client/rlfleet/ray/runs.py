@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlfleet.ray.config import service_of
+
 STATEFUL = ("collector", "trajectory", "reward")
 """The services with durable state, and a ``fresh`` setting."""
 STATE_SETTINGS = {"collector": "state_dir", "trajectory": "db_path", "reward": "kl_state_path"}
@@ -23,7 +25,7 @@ STATE_SETTINGS = {"collector": "state_dir", "trajectory": "db_path", "reward": "
 
 def request_fresh(registry, keys: list[str]) -> list[str]:
     """Mark ``keys``' stateful instances for a fresh start; the keys marked."""
-    marked = [key for key in keys if key in STATEFUL]
+    marked = [key for key in keys if service_of(key) in STATEFUL]
     for key in marked:
         registry.put("fresh", key, "requested")
     return marked
@@ -31,12 +33,12 @@ def request_fresh(registry, keys: list[str]) -> list[str]:
 
 def start_args(registry, key: str) -> list[str]:
     """``["--fresh", "true"]`` while ``key`` is marked for a fresh start, else nothing (it resumes)."""
-    return ["--fresh", "true"] if key in STATEFUL and registry.get("fresh", key) else []
+    return ["--fresh", "true"] if service_of(key) in STATEFUL and registry.get("fresh", key) else []
 
 
 def started(registry, key: str) -> None:
     """``key``'s process serves: a fresh start, if it was one, is done."""
-    if key in STATEFUL:
+    if service_of(key) in STATEFUL:
         registry.delete("fresh", key)
 
 
@@ -53,10 +55,11 @@ def state_location(service: str, settings: dict[str, Any]) -> str:
 
 
 def describe_start(services: dict[str, dict[str, Any]], fresh: bool) -> str:
-    """What ``up`` says before it starts: a new run, or which state it resumes (``services``: settings)."""
+    """What ``up`` says before it starts: a new run, or which state it resumes (``services``: each instance's
+    settings by key, ``collector-exp-a`` for a run of a shared fleet)."""
     if fresh:
         return ("starting a fresh run: the durable state of the collector, the trajectory store and the reward "
                 "service is deleted first")
-    where = "; ".join(f"{name}: {state_location(name, services.get(name, {}))}" for name in STATEFUL)
+    where = "; ".join(f"{key}: {state_location(service_of(key), settings)}" for key, settings in services.items()
+                      if service_of(key) in STATEFUL)
     return f"resuming the durable state in it ({where}); `up --fresh` starts a new run instead"
-
