@@ -4,10 +4,21 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from rlfleet.services.common.config import Settings
 from rlfleet.services.common.upstream import UpstreamConfig
+
+
+class ViewerRun(BaseModel):
+    """One run of a fleet that runs share, as the viewer reads it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    trajectory_address: str
+    """The run's trajectory service."""
+    collector_address: str | None = None
+    """The run's collector (None: its trajectory store only)."""
 
 
 class ViewerConfig(Settings, UpstreamConfig):
@@ -32,6 +43,12 @@ class ViewerConfig(Settings, UpstreamConfig):
     """The trajectory service: its sample log, per-version statistics and buffer counts."""
     collector_address: str | None = "127.0.0.1:50050"
     """The collector: its status and dead letters. None: the viewer shows the trajectory store only."""
+    runs: dict[str, ViewerRun] = Field(default_factory=dict)
+    """The runs of a fleet that runs share, by name (docs/concepts/many-runs.md), each its trajectory
+    service and collector: the page has a run filter, ``?run=NAME`` on every read; what a run's services
+    refuse to the viewer's credentials (another run's, with a token acting for one run), the page shows
+    refused. Empty: one run, at ``trajectory_address`` and ``collector_address``. A ``suite_dir`` of a
+    suite started with ``--runs N`` sets it (r0, r1, ...)."""
     tokenizer: str | None = None
     """Tokenizer directory (the served model's) to show token text; None shows token ids."""
     tls_cert_file: str | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import signal
 import ssl
@@ -27,20 +28,24 @@ from rlfleet.services.common.logs import setup_logging
 from rlfleet.services.common.upstream import upstream_settings
 from rlfleet.services.credentials import upstream_files
 from rlfleet.services.launch import written_address
-from rlfleet.services.viewer.config import ViewerConfig
+from rlfleet.services.viewer.config import ViewerConfig, ViewerRun
 from rlfleet.services.viewer.reader import BadQuery, Reader, is_refusal
 
 log = logging.getLogger("rlfleet.viewer")
 STATIC = Path(__file__).resolve().parent / "static"
 TOKEN_COOKIE = "rlfleet_viewer_token"
-READER = web.AppKey("reader", Reader)
+READERS = web.AppKey("readers", dict)
 
 
-def make_app(reader: Reader, access_tokens: dict[str, frozenset[str]] | None = None) -> web.Application:
+def make_app(readers: dict[str, Reader] | Reader, access_tokens: dict[str, frozenset[str]] | None = None
+             ) -> web.Application:
+    """The viewer's app over ``readers``: one per run by name (a fleet that runs share), or one ``Reader``
+    (a run): every read takes ``?run=NAME`` (default: the first)."""
     app = web.Application(middlewares=[_access(access_tokens)] if access_tokens else [])
-    app[READER] = reader
+    app[READERS] = readers if isinstance(readers, dict) else {"": readers}
     app.router.add_get("/", _index)
     app.router.add_get("/favicon.ico", _no_icon)
+    app.router.add_get("/api/runs", _runs)
     app.router.add_get("/api/versions", _api(lambda r, q: r.versions(int(q.get("min_version") or 0))))
     app.router.add_get("/api/samples", _api(lambda r, q: r.samples(q)))
     app.router.add_get("/api/samples/{cursor:[0-9]+}", _sample)
@@ -59,14 +64,31 @@ async def _index(request: web.Request) -> web.StreamResponse:
     return web.FileResponse(STATIC / "index.html")
 
 
+async def _runs(request: web.Request) -> web.Response:
+    return web.json_response({"runs": list(request.app[READERS])})
+
+
+def _reader(request: web.Request) -> Reader:
+    """The reader of the run the request names (``?run=``), or of the first run."""
+    readers = request.app[READERS]
+    run = request.query.get("run", "")
+    if not run:
+        return next(iter(readers.values()))
+    if run not in readers:
+        raise web.HTTPNotFound(text=json.dumps({"error": f"run: no run {run[:160]!r} here (runs: "
+                                                         f"{', '.join(readers) or 'one, unnamed'})"}),
+                               content_type="application/json")
+    return readers[run]
+
+
 def _api(read):
     async def handler(request: web.Request) -> web.Response:
-        return await _answer(read(request.app[READER], dict(request.query)))
+        return await _answer(read(_reader(request), dict(request.query)))
     return handler
 
 
 async def _sample(request: web.Request) -> web.Response:
-    return await _answer(request.app[READER].sample(int(request.match_info["cursor"])))
+    return await _answer(_reader(request).sample(int(request.match_info["cursor"])))
 
 
 async def _answer(pending) -> web.Response:
@@ -134,13 +156,26 @@ def load_tokenizer(path: str | None):
 
 def in_suite(config: ViewerConfig) -> ViewerConfig:
     """``config`` with the addresses (and, for a secure suite, the credentials) of the ``rlfleet-suite``
-    work directory ``suite_dir``; StartupError if no trajectory service ever ran there."""
+    work directory ``suite_dir`` (each run's, for a suite started with ``--runs N``); StartupError if no
+    trajectory service ever ran there."""
+    from rlfleet.services.suite import SuiteOptions
+
     suite = Path(config.suite_dir)
     trajectory = written_address(suite / "trajectory", "trajectory")
     if trajectory is None:
         raise StartupError(f"suite_dir {suite}: no trajectory service has run there (no "
                            f"{suite / 'trajectory' / 'trajectory.port'}); start the suite, or rlfleet-suite --view")
-    found = {"trajectory_address": trajectory, "collector_address": written_address(suite / "collector", "collector")}
+    found: dict = {"trajectory_address": trajectory,
+                   "collector_address": written_address(suite / "collector", "collector")}
+    count = 1
+    while (suite / f"trajectory-{count}").is_dir():
+        count += 1
+    if count > 1:  # the runs of a suite started with --runs N: each its store and collector
+        options = SuiteOptions(model_dir="", runs=count)
+        found["runs"] = {name: ViewerRun(trajectory_address=written_address(suite / store, "trajectory") or "",
+                                         collector_address=written_address(suite / collector, "collector"))
+                         for name, store, collector in zip(options.run_names(), options.run_keys("trajectory"),
+                                                           options.run_keys("collector"))}
     credentials = suite / "credentials"
     if (credentials / "ca.pem").exists():
         found.update(upstream_files(credentials, "trainer", "reader"))
@@ -160,8 +195,12 @@ async def serve(config: ViewerConfig) -> None:
         log.warning("the viewer listens on %s without %s: anyone who reaches the port sees the samples",
                     config.host, "HTTPS and access tokens" if context is None and tokens is None
                     else "HTTPS" if context is None else "access tokens")
-    reader = Reader(config.trajectory_address, config.collector_address, settings, load_tokenizer(config.tokenizer))
-    runner = web.AppRunner(make_app(reader, tokens), access_log=None)
+    tokenizer = load_tokenizer(config.tokenizer)
+    runs = config.runs or {"": ViewerRun(trajectory_address=config.trajectory_address,
+                                         collector_address=config.collector_address)}
+    readers = {name: Reader(run.trajectory_address, run.collector_address, settings, tokenizer)
+               for name, run in runs.items()}
+    runner = web.AppRunner(make_app(readers, tokens), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, ssl_context=context)
     await site.start()
@@ -177,7 +216,8 @@ async def serve(config: ViewerConfig) -> None:
         await stop.wait()
     finally:
         await runner.cleanup()
-        await reader.close()
+        for reader in readers.values():
+            await reader.close()
 
 
 def run(argv=None) -> None:

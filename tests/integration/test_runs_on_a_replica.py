@@ -4,7 +4,9 @@ sees, and the replica's slots are bounded (docs/concepts/many-runs.md)."""
 
 from __future__ import annotations
 
+import json
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -14,12 +16,14 @@ import torch
 
 from rlfleet.client import connect, credentials_from
 from rlfleet.services.common.security import METHOD_ROLES
+from rlfleet.services.credentials import upstream_files
 from rlfleet.services.launch import ServiceProcess, free_port
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
 from rlfleet.v1 import (collector_pb2, diagnostics_pb2, generation_pb2, generation_pb2_grpc, reward_pb2, reward_pb2_grpc,
-                        sampling_pb2, trajectory_pb2, weights_pb2)
+                        sampling_pb2, trajectory_pb2, trajectory_pb2_grpc, weights_pb2)
 from rlfleet.wire import decode_tensor, encode_tensor
 from rlfleet.wire.push_messages import iter_push_messages
+from tests.browser import chromium
 from tests.hf_reference import LORA_TARGETS as TARGETS, load_hf, peft_model, perturbed, response_log_probs
 from tests.raw_calls import empty_call_status
 from tests.scrape import scrape_metric
@@ -444,6 +448,80 @@ def test_a_runs_credentials_reach_its_own_run_alone(fleet, trainers):
         code, details = empty_call_status(channel, "/rlfleet.v1.GenerationService/Generate", generate,
                                           token("trainer-r0"))
         assert code == grpc.StatusCode.PERMISSION_DENIED and "may not call it" in details
+
+
+def test_the_viewer_filters_by_run_and_a_runs_credentials_show_that_run_alone(fleet, trainers, tiny_model_dir,
+                                                                             tmp_path):
+    """The rollout viewer over the four-run suite's directory (its reader acts on every run) has a run filter:
+    each run's samples are its own store's, and the page (a real browser) shows the run chosen, switching on
+    the filter; a viewer with run r0's reader token and certificate shows r0's samples and r1's refusal."""
+    suite, credentials = fleet
+    everything = start_viewer(tmp_path / "all", ["--suite-dir", str(credentials.parent), "--tokenizer",
+                                                 str(tiny_model_dir)])
+    names = [f"r{i}" for i in range(RUNS)]
+    runs = {name: {"trajectory_address": suite[store].address, "collector_address": suite[collector].address}
+            for name, store, collector in zip(names, SuiteOptions(model_dir="", runs=RUNS).run_keys("trajectory"),
+                                               SuiteOptions(model_dir="", runs=RUNS).run_keys("collector"))}
+    settings = tmp_path / "r0-viewer.json"
+    settings.write_text(json.dumps({"runs": runs, **upstream_files(credentials, "trainer-r0", "reader-r0")}))
+    r0_only = start_viewer(tmp_path / "r0", ["--config", str(settings)])
+    try:
+        assert get_json(everything, "/api/runs") == (200, {"runs": names})
+        seen = {}
+        for name, store in zip(names, SuiteOptions(model_dir="", runs=RUNS).run_keys("trajectory")):
+            code, page = get_json(everything, f"/api/samples?run={name}&limit=1000")
+            seen[name] = {sample["trajectory_id"] for sample in page["samples"]}
+            assert code == 200 and seen[name] == store_samples(suite[store].address, credentials, name), name
+        assert all(seen.values()) and len(set.union(*seen.values())) == sum(map(len, seen.values()))
+        code, body = get_json(everything, "/api/samples?run=r9")
+        assert code == 404 and body["error"] == "run: no run 'r9' here (runs: r0, r1, r2, r3)"
+        code, page = get_json(r0_only, "/api/samples?run=r0&limit=1000")
+        assert code == 200 and {sample["trajectory_id"] for sample in page["samples"]} == seen["r0"]
+        code, body = get_json(r0_only, "/api/samples?run=r1")
+        assert code == 502 and "PERMISSION_DENIED" in body["error"] and "acts for run r0" in body["error"], body
+        with chromium() as context:
+            page = context.new_page()
+            page.set_default_timeout(60_000)
+            page.goto(f"http://127.0.0.1:{everything.port}/?run=r2")
+            picker = page.locator("[data-testid=run-select]")
+            assert picker.input_value() == "r2" and picker.locator("option").all_inner_texts() == names
+            versions = {name: client.status().policy_version for name, client in zip(names, trainers)}
+            page.wait_for_function("document.querySelector('#run').textContent.includes('policy version')")
+            assert f"policy version {versions['r2']} " in page.locator("#run").inner_text()
+            picker.select_option("r1")
+            page.wait_for_url("**/?run=r1")
+            page.wait_for_function("document.querySelector('#run').textContent.includes('policy version')")
+            assert f"policy version {versions['r1']} " in page.locator("#run").inner_text()
+            assert page.locator("[data-testid=run-select]").input_value() == "r1"
+    finally:
+        everything.stop()
+        r0_only.stop()
+
+
+def start_viewer(workdir: Path, args: list[str]) -> ServiceProcess:
+    viewer = ServiceProcess("viewer", [*args, "--log-format", "text"])
+    viewer.start(workdir)
+    viewer.wait_listening(60)
+    return viewer
+
+
+def get_json(viewer: ServiceProcess, path: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{viewer.port}{path}", timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def store_samples(address: str, credentials: Path, run: str) -> set[str]:
+    """The trajectory ids of a run's sample log, as its store answers its own reader."""
+    files = credentials_from(credentials, role="reader", run=run)
+    with grpc.secure_channel(address, grpc.ssl_channel_credentials(
+            files["root_certificates"], files["private_key"], files["certificate_chain"])) as channel:
+        samples = trajectory_pb2_grpc.TrajectoryServiceStub(channel).ListSamples(
+            trajectory_pb2.ListSamplesRequest(limit=1000), timeout=60,
+            metadata=(("authorization", f"Bearer {files['auth_token']}"),)).samples
+    return {sample.trajectory_id for sample in samples}
 
 
 def test_sigkills_of_the_replica_and_of_a_collector_with_four_runs_in_flight_lose_nothing(

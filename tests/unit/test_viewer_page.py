@@ -129,6 +129,34 @@ async def test_reads_answer_json_and_errors_name_the_problem_with_their_status()
         await test_client.close()
 
 
+class RunReader(FakeReader):
+    """A run's reader: its versions say which run answered."""
+
+    def __init__(self, run):
+        self.run = run
+
+    async def versions(self, min_version=0):
+        return {"versions": [{"run": self.run}]}
+
+
+async def test_a_fleet_that_runs_share_is_read_run_by_run():
+    test_client = TestClient(TestServer(make_app({"r0": RunReader("r0"), "r1": RunReader("r1")})))
+    await test_client.start_server()
+    try:
+        assert await (await test_client.get("/api/runs")).json() == {"runs": ["r0", "r1"]}
+        for query, run in (("", "r0"), ("?run=r1", "r1"), ("?run=r0&min_version=2", "r0")):
+            assert await (await test_client.get(f"/api/versions{query}")).json() == {"versions": [{"run": run}]}
+        unknown = await test_client.get("/api/samples/3?run=r2")
+        assert unknown.status == 404 and (await unknown.json())["error"] == "run: no run 'r2' here (runs: r0, r1)"
+    finally:
+        await test_client.close()
+    single = await client()
+    try:
+        assert await (await single.get("/api/runs")).json() == {"runs": [""]}  # one run: no filter shown
+    finally:
+        await single.close()
+
+
 async def test_with_access_tokens_every_request_needs_one():
     test_client = await client({TOKEN: frozenset({"reader"})})
     try:
@@ -190,3 +218,17 @@ def test_suite_dir_reads_the_suites_port_files_and_credentials(tmp_path):
     assert found.collector_address == "127.0.0.1:41002"
     assert (found.upstream_tls_ca_file, found.upstream_auth_token_file) == (
         str(tmp_path / "credentials" / "ca.pem"), str(tmp_path / "credentials" / "token-reader"))
+
+
+def test_suite_dir_of_a_suite_of_runs_names_each_runs_services(tmp_path):
+    from rlfleet.services.viewer.config import ViewerConfig, ViewerRun
+    from rlfleet.services.viewer.web import in_suite
+
+    for key, port in (("trajectory", 41001), ("collector", 41002), ("trajectory-1", 41003), ("collector-1", 41004),
+                      ("trajectory-2", 41005)):
+        (tmp_path / key).mkdir()
+        (tmp_path / key / f"{key.split('-')[0]}.port").write_text(str(port))
+    found = in_suite(ViewerConfig(suite_dir=str(tmp_path)))
+    assert found.runs == {"r0": ViewerRun(trajectory_address="127.0.0.1:41001", collector_address="127.0.0.1:41002"),
+                          "r1": ViewerRun(trajectory_address="127.0.0.1:41003", collector_address="127.0.0.1:41004"),
+                          "r2": ViewerRun(trajectory_address="127.0.0.1:41005", collector_address=None)}

@@ -3,7 +3,11 @@
 
 const $ = (selector) => document.querySelector(selector);
 
+// The run shown (a fleet that runs share: the run filter's choice, kept in the page's address as ?run=).
+const RUN = new URLSearchParams(location.search).get("run") || "";
+
 async function getJSON(path) {
+  if (RUN) path += `${path.includes("?") ? "&" : "?"}run=${encodeURIComponent(RUN)}`;
   const response = await fetch(path, {credentials: "same-origin"});
   const body = await response.json();
   if (!response.ok) throw new Error(body.error || response.statusText);
@@ -64,6 +68,22 @@ function showTab(name) {
 }
 
 // --- the run's header ---------------------------------------------------------------------------
+async function loadRuns() {   // a fleet that runs share: a run filter; every read is the chosen run's
+  const {runs} = await getJSON("/api/runs");
+  if (runs.length < 2) return;
+  const select = document.createElement("select");
+  select.id = "run-select";
+  select.dataset.testid = "run-select";
+  select.setAttribute("aria-label", "run");
+  for (const name of runs) select.add(new Option(name, name, false, name === (RUN || runs[0])));
+  select.addEventListener("change", () => {
+    const query = new URLSearchParams(location.search);
+    query.set("run", select.value);
+    location.search = query.toString();
+  });
+  $("header h1").after(select);
+}
+
 async function loadRun() {
   const parts = [];
   try {
@@ -400,6 +420,7 @@ async function loadFailures() {
 }
 
 // --- start --------------------------------------------------------------------------------------
+loadRuns().catch((error) => showNotice(`runs: ${error.message}`));
 loadRun();
 loadVersions().catch((error) => { $("#chart-score").textContent = error.message; })
   .finally(() => { document.body.dataset.ready = "true"; });
