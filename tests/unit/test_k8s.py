@@ -8,7 +8,9 @@ every container has requests and limits, pods run non-root (the environment serv
 credentials come from the Secret as files, every service serves metrics where its pod's prometheus.io/*
 annotations say, and the NetworkPolicies let only the collector reach the inner services, only
 trainers reach the collector, and only Prometheus reach the metrics ports. The optional PodMonitor
-component (components/podmonitor) is rendered onto each overlay and read against the pods.
+component (components/podmonitor) is rendered onto each overlay and read against the pods. The fleet
+that runs share (the cpu overlay with components/runs: each run a collector and a trajectory store of
+its own, ``collector-r0`` ...) is checked by every rule, each run's instances as their service's.
 """
 
 from __future__ import annotations
@@ -33,15 +35,20 @@ from rlfleet.services.reward.config import RewardServiceConfig
 from rlfleet.services.trajectory.config import TrajectoryConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERLAYS = ("gpu", "cpu")
+OVERLAYS = ("gpu", "cpu", "runs")
+"""The overlays, and ``runs``: the cpu overlay with components/runs (the guide's way to add it)."""
+COMPONENTS = {"runs": ("cpu", ROOT / "deploy/k8s/components/runs")}
 PODMONITOR = ROOT / "deploy/k8s/components/podmonitor"
+RUNS = ("r0", "r1")
+"""components/runs' runs."""
+RUN_OWN = ("collector", "trajectory")
+"""What each run of a fleet that runs share has of its own (deploy/k8s/base/run)."""
 KUBERNETES_VERSION = "1.37.0"
 CONFIGS: dict[str, type[ServiceConfig]] = {
     cls.service_name: cls
     for cls in (GenerationConfig, ReferenceServiceConfig, RewardServiceConfig, TrajectoryConfig, CollectorConfig,
                 EnvironmentServiceConfig)
 }
-INNER = ("generation", "reference", "reward", "trajectory", "environment")
 SERVICE_UID = 10001  # docker/Dockerfile's `rlfleet` user
 SANDBOX_CAPABILITIES = {"DAC_OVERRIDE", "SETUID", "SETGID", "KILL"}
 METRICS_PATH = "/metrics"  # services/common/metrics.py
@@ -69,10 +76,31 @@ def tool(name: str) -> str:
     return found
 
 
-def kustomize(directory: Path) -> str:
-    result = subprocess.run([tool("kubectl"), "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
+def kustomize(directory: Path, *flags: str) -> str:
+    result = subprocess.run([tool("kubectl"), "kustomize", *flags, str(directory)], capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0, f"kubectl kustomize {directory}: {result.stderr}"
     return result.stdout
+
+
+def render(overlay: str, top: Path, extra: tuple[Path, ...] = ()) -> str:
+    """An overlay of ``OVERLAYS`` rendered by `kubectl kustomize`; with components (``COMPONENTS``'s, then
+    ``extra``), the overlay's own kustomization.yaml with them added to it, as their comments tell an
+    operator to (so that the overlay's image and patches reach what they add), rendered from ``top``."""
+    base, components = COMPONENTS.get(overlay, (overlay, None))
+    components = [*([components] if components else []), *extra]
+    directory = ROOT / "deploy/k8s/overlays" / base
+    if not components:
+        return kustomize(directory)
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    here = lambda path: os.path.relpath(directory / path, top)  # noqa: E731 - its paths, from top
+    kustomization["resources"] = [here(path) for path in kustomization["resources"]]
+    for patch in kustomization.get("patches", []):
+        patch["path"] = here(patch["path"])
+    kustomization["components"] = [os.path.relpath(component, top) for component in components]
+    (top / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    # The overlay's patch files lie outside top: only the copy of its kustomization.yaml needs this.
+    return kustomize(top, "--load-restrictor", "LoadRestrictionsNone")
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +110,7 @@ def rendered(tmp_path_factory) -> dict[str, Path]:
     files = {}
     for overlay in OVERLAYS:
         files[overlay] = out / f"{overlay}.yaml"
-        files[overlay].write_text(kustomize(ROOT / "deploy/k8s/overlays" / overlay))
+        files[overlay].write_text(render(overlay, tmp_path_factory.mktemp(f"k8s-{overlay}")))
     return files
 
 
@@ -97,12 +125,7 @@ def with_podmonitor(tmp_path_factory) -> dict[str, list[dict]]:
     docs = {}
     for overlay in OVERLAYS:
         top = tmp_path_factory.mktemp(f"podmonitor-{overlay}")
-        # Relative paths: kustomize refuses an absolute one.
-        (top / "kustomization.yaml").write_text(yaml.safe_dump({
-            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-            "resources": [os.path.relpath(ROOT / "deploy/k8s/overlays" / overlay, top)],
-            "components": [os.path.relpath(PODMONITOR, top)]}))
-        docs[overlay] = [doc for doc in yaml.safe_load_all(kustomize(top)) if doc]
+        docs[overlay] = [doc for doc in yaml.safe_load_all(render(overlay, top, (PODMONITOR,))) if doc]
     return docs
 
 
@@ -115,12 +138,41 @@ def credentials(tmp_path_factory) -> Path:
     return make_credentials(base / "credentials", ca_key_dir=base / "ca-key")
 
 
+@pytest.fixture(scope="module")
+def run_credentials(tmp_path_factory) -> Path:
+    """What components/runs' comment says to make: each run's services' certificates, each run's own."""
+    from rlfleet.services.credentials import DEFAULT_NAMES, make_credentials
+
+    base = tmp_path_factory.mktemp("run-credentials")
+    names = [name for name in DEFAULT_NAMES if name not in ("collector", "trajectory")]
+    names += [f"{service}-{run}" for run in RUNS for service in ("collector", "trajectory")]
+    return make_credentials(base / "credentials", names=names, ca_key_dir=base / "ca-key", runs=RUNS)
+
+
 def of_kind(docs: list[dict], *kinds: str) -> dict[str, dict]:
     return {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] in kinds}
 
 
 def workloads(docs: list[dict]) -> dict[str, dict]:
     return of_kind(docs, "Deployment", "StatefulSet")
+
+
+def expected_workloads(overlay: str) -> set[str]:
+    """Every service once, but a fleet that runs share: the collector and the trajectory store once per run."""
+    shared = set(CONFIGS) - set(RUN_OWN)
+    if overlay in COMPONENTS:
+        return shared | {f"{service}-{run}" for service in RUN_OWN for run in RUNS}
+    return shared | set(RUN_OWN)
+
+
+def service_of(workload: dict) -> str:
+    """The service a workload runs (``collector`` for ``collector-r1``): its container's first argument."""
+    return main_container(workload)["args"][0]
+
+
+def run_of(workload: dict) -> str | None:
+    """The run a workload belongs to in a fleet that runs share (its pods' ``rlfleet.io/run``), else None."""
+    return pod_labels(workload).get("rlfleet.io/run")
 
 
 def pod(workload: dict) -> dict:
@@ -146,7 +198,7 @@ def env(container: dict) -> dict[str, str]:
 def config(workload: dict) -> ServiceConfig:
     """The service's config exactly as the container builds it from its env vars."""
     container = main_container(workload)
-    cls = CONFIGS[container["args"][0]]
+    cls = CONFIGS[service_of(workload)]
     return cls.load([], environ={k: v for k, v in env(container).items() if k.startswith("RLFLEET_")})
 
 
@@ -202,6 +254,8 @@ def clients(docs: list[dict]) -> dict[str, Client]:
     elsewhere = {"kubernetes.io/metadata.name": "elsewhere"}
     return {name: Client("rlfleet", rlfleet, pod_labels(workload)) for name, workload in workloads(docs).items()} | {
         "trainer": Client("rlfleet", rlfleet, {"rlfleet.io/trainer": "true"}),
+        **{f"trainer of {run}": Client("rlfleet", rlfleet, {"rlfleet.io/trainer": "true", "rlfleet.io/run": run})
+           for run in RUNS},
         "prometheus": Client("monitoring", monitoring, PROMETHEUS),
         "prometheus in rlfleet": Client("rlfleet", rlfleet, PROMETHEUS),
         "prometheus in an unlabelled namespace": Client("elsewhere", elsewhere, PROMETHEUS),
@@ -248,11 +302,14 @@ def admitted(docs: list[dict], workload: dict, port: int) -> set[str]:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_service_renders_with_the_overlays_image(overlay, manifests):
     docs = manifests[overlay]
-    assert set(workloads(docs)) == set(CONFIGS)
+    loads = workloads(docs)
+    assert set(loads) == expected_workloads(overlay)
     assert {doc["metadata"].get("namespace") for doc in docs if doc["kind"] != "Namespace"} == {"rlfleet"}
-    for name, workload in workloads(docs).items():
-        assert main_container(workload)["args"] == [name]
-        assert {c["image"] for c in all_containers(workload)} == {f"rlfleet:{overlay}"}, name
+    image = f"rlfleet:{COMPONENTS[overlay][0] if overlay in COMPONENTS else overlay}"
+    for name, workload in loads.items():
+        service, run = service_of(workload), run_of(workload)
+        assert main_container(workload)["args"] == [service] and name == (f"{service}-{run}" if run else service)
+        assert {c["image"] for c in all_containers(workload)} == {image}, name
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -288,7 +345,9 @@ def test_checkov_leaves_no_finding_without_a_written_reason(checkov_report, rend
         reason = result["check_result"]["suppress_comment"]
         assert reason != "No comment provided" and len(reason.split()) >= 8, f"{result['check_id']}: {reason!r}"
         overlay = Path(result["file_path"]).stem
-        skipped[overlay].setdefault(result["check_id"], set()).add(result["resource"].rsplit(".", 1)[1])
+        instance = result["resource"].rsplit(".", 1)[1]  # collector-r0: a run's collector, as the collector's
+        service = next((name for name in CONFIGS if instance in (name, *(f"{name}-{run}" for run in RUNS))), instance)
+        skipped[overlay].setdefault(result["check_id"], set()).add(service)
     for overlay in rendered:
         assert skipped[overlay] == ACCEPTED_FINDINGS, overlay
 
@@ -301,12 +360,13 @@ def test_env_vars_are_fields_of_that_services_config(overlay, manifests):
             if container is not main_container(workload):
                 assert not any(key.startswith("RLFLEET_") for key in variables), f"{name}: init container"
                 continue
-            prefix = CONFIGS[name].env_prefix()
+            service = CONFIGS[service_of(workload)]
+            prefix = service.env_prefix()
             for key in variables:
                 if key in OTHER_ENV:
                     continue
                 assert key.startswith(prefix), f"{name}: {key} does not configure {name}"
-                assert key[len(prefix):].lower() in CONFIGS[name].model_fields, f"{name}: {key} is no config field"
+                assert key[len(prefix):].lower() in service.model_fields, f"{name}: {key} is no config field"
             config(workload)  # the values validate, as the container loads them
 
 
@@ -314,10 +374,10 @@ def test_env_vars_are_fields_of_that_services_config(overlay, manifests):
 def test_collector_and_trajectory_keep_their_state_on_claims(overlay, manifests):
     docs = manifests[overlay]
     sets = of_kind(docs, "StatefulSet")
-    assert set(sets) == {"collector", "trajectory"}
+    assert set(sets) == {name for name in expected_workloads(overlay) if name.split("-")[0] in RUN_OWN}
     assert set(of_kind(docs, "Deployment")) == {"generation", "reference", "reward", "environment"}
-    state_paths = {"collector": config(sets["collector"]).state_dir,
-                   "trajectory": config(sets["trajectory"]).db_path}
+    state_paths = {name: config(workload).state_dir if service_of(workload) == "collector" else config(workload).db_path
+                   for name, workload in sets.items()}
     for name, path in state_paths.items():
         spec = sets[name]["spec"]
         assert spec["replicas"] == 1 and spec["serviceName"] == name
@@ -337,12 +397,23 @@ def test_collector_reaches_each_upstream_through_its_service(overlay, manifests)
     services, loads = of_kind(docs, "Service"), workloads(docs)
     generation = services["generation"]["spec"]
     assert generation["clusterIP"] == "None" and generation.get("publishNotReadyAddresses") is True
-    collector = config(loads["collector"])
-    assert collector.resolve_generation_addresses and collector.upstream_tls_server_name is None
-    assert collector.generation_addresses == [f"generation:{config(loads['generation']).port}"]
-    upstreams = {"generation": collector.generation_addresses[0], "reference": collector.reference_address,
-                 "reward": collector.reward_address, "trajectory": collector.trajectory_address,
-                 "environment": collector.environment_address}
+    collectors = {name: workload for name, workload in loads.items() if service_of(workload) == "collector"}
+    for key, workload in collectors.items():  # each run's collector: the shared services and its run's store
+        collector = config(workload)
+        assert collector.resolve_generation_addresses and collector.upstream_tls_server_name is None
+        assert collector.generation_addresses == [f"generation:{config(loads['generation']).port}"]
+        assert (collector.run_name, collector.shared_replicas) == (run_of(workload) or "", bool(run_of(workload))), key
+        store = f"trajectory-{run_of(workload)}" if run_of(workload) else "trajectory"
+        assert config(loads[store]).run_name == collector.run_name, key
+        upstreams = {"generation": collector.generation_addresses[0], "reference": collector.reference_address,
+                     "reward": collector.reward_address, store: collector.trajectory_address,
+                     "environment": collector.environment_address}
+        check_upstreams(services, loads, upstreams)
+    if overlay in COMPONENTS:  # the replicas serve every run's adapter
+        assert config(loads["generation"]).max_runs >= len(RUNS) and config(loads["generation"]).max_lora_rank
+
+
+def check_upstreams(services: dict, loads: dict, upstreams: dict[str, str]) -> None:
     for name, address in upstreams.items():
         host, port = address.rsplit(":", 1)
         # The short name resolves in the namespace and is what the service's certificate holds.
@@ -413,8 +484,8 @@ def test_pods_run_non_root_read_only_and_unprivileged_but_the_sandbox(overlay, m
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_credentials_are_the_secrets_files(overlay, manifests, credentials):
-    made = {path.name for path in credentials.iterdir()}
+def test_credentials_are_the_secrets_files(overlay, manifests, credentials, run_credentials):
+    made = {path.name for path in (run_credentials if overlay in COMPONENTS else credentials).iterdir()}
     assert "ca.key" not in made  # docs/guides/kubernetes.md: --ca-key-dir keeps it out of the Secret
     for name, workload in workloads(manifests[overlay]).items():
         service, container = config(workload), main_container(workload)
@@ -422,9 +493,9 @@ def test_credentials_are_the_secrets_files(overlay, manifests, credentials):
         assert service.tls_client_ca_file == "/credentials/ca.pem" and service.auth_tokens_file == "/credentials/tokens"
         assert service.auth_token is None and service.host == "0.0.0.0"
         files = [service.tls_cert_file, service.tls_key_file, service.tls_client_ca_file, service.auth_tokens_file]
-        if name == "collector":
+        if service_of(workload) == "collector":  # its own certificate as a client too
             assert (service.upstream_tls_ca_file, service.upstream_tls_cert_file, service.upstream_tls_key_file) == (
-                "/credentials/ca.pem", "/credentials/collector.pem", "/credentials/collector.key")
+                "/credentials/ca.pem", f"/credentials/{name}.pem", f"/credentials/{name}.key")
             assert service.upstream_auth_token_file == "/credentials/token-service"
             assert service.upstream_auth_token is None
             files.append(service.upstream_auth_token_file)
@@ -443,14 +514,22 @@ def test_network_policies_admit_only_the_collector_and_trainers(overlay, manifes
     docs = manifests[overlay]
     policies = [doc["spec"] for doc in of_kind(docs, "NetworkPolicy").values()]
     assert {"podSelector": {}, "policyTypes": ["Ingress"]} in policies  # default deny
-    callers = dict.fromkeys(INNER, "collector") | {"collector": "trainer"}
-    for name, workload in workloads(docs).items():
-        service = config(workload)
-        assert admitted(docs, workload, service.port) == {callers[name]}, name
+    loads = workloads(docs)
+    collectors = {name for name, workload in loads.items() if service_of(workload) == "collector"}
+    trainers = {name for name in clients(docs) if name.startswith("trainer")}
+    for name, workload in loads.items():
+        service, run = config(workload), run_of(workload)
+        # A run's collector admits that run's trainers (their pods labelled with it), its store that
+        # collector alone; the shared services every run's collector.
+        if service_of(workload) == "collector":
+            callers = {f"trainer of {run}"} if run else trainers
+        else:
+            callers = {f"collector-{run}"} if run else collectors
+        assert admitted(docs, workload, service.port) == callers, name
         assert admitted(docs, workload, service.health_port) == set(), name  # the kubelet is node-local
         labels = pod_labels(workload)
         # Only the collector's own pods carry the collector's label; no service pod passes as a trainer.
-        assert (labels.get("app.kubernetes.io/name") == "collector") == (name == "collector")
+        assert (labels.get("app.kubernetes.io/name") == "collector") == (service_of(workload) == "collector")
         assert "rlfleet.io/trainer" not in labels
 
 
@@ -458,7 +537,7 @@ def test_network_policies_admit_only_the_collector_and_trainers(overlay, manifes
 def test_every_service_serves_metrics_where_its_pod_annotations_say(overlay, manifests):
     for name, workload in workloads(manifests[overlay]).items():
         service, container = config(workload), main_container(workload)
-        prefix = CONFIGS[name].env_prefix()
+        prefix = CONFIGS[service_of(workload)].env_prefix()
         # Both set: the defaults are no endpoint (port 0) and loopback, out of a scraper's reach.
         assert {f"{prefix}METRICS_PORT", f"{prefix}METRICS_HOST"} <= env(container).keys(), name
         assert service.metrics_host == "0.0.0.0", name
@@ -526,10 +605,10 @@ def test_the_podmonitor_component_scrapes_each_service_on_its_metrics_port(overl
     loads = workloads(docs)
     selected = {name for name, client in clients(docs).items() if client.namespace == "rlfleet"
                 and selects(spec["selector"], client.labels)}
-    assert selected == set(CONFIGS) == set(loads)  # every service's pods, no trainer's
+    assert selected == expected_workloads(overlay) == set(loads)  # every service's pods, no trainer's
     for name, workload in loads.items():
         annotations = workload["spec"]["template"]["metadata"]["annotations"]
         port = named_ports(main_container(workload))[endpoint["port"]]
         assert port == config(workload).metrics_port and endpoint["path"] == annotations["prometheus.io/path"], name
-        assert pod_labels(workload)[spec["jobLabel"]] == name  # job = the service: the dashboard's Job drop-down
+        assert pod_labels(workload)[spec["jobLabel"]] == service_of(workload)  # the dashboard's Job drop-down
         assert admits(docs, workload, clients(docs)["prometheus"], port), name
