@@ -151,8 +151,8 @@ class RayDiscovery(Discovery):
 
     @classmethod
     def from_url(cls, url: str) -> "RayDiscovery":
-        gcs_address, fleet = parse_ray_url(url)
-        return cls(gcs_address, fleet)
+        gcs_address, fleet, run = parse_ray_url(url)
+        return cls(gcs_address, fleet, replica_group(run))
 
     async def endpoints(self) -> list[Endpoint]:
         try:
@@ -169,17 +169,26 @@ class RayDiscovery(Discovery):
         return [Endpoint(address) for address in self._last]
 
     def describe(self) -> str:
-        return f"the Ray registry of fleet {self.registry.fleet!r} at {self.registry.gcs_address}"
+        whose = "" if self.service == "generation" else f" ({self.service})"
+        return f"the Ray registry of fleet {self.registry.fleet!r}{whose} at {self.registry.gcs_address}"
 
 
-def parse_ray_url(url: str) -> tuple[str, str]:
-    """``ray+gcs://HOST:PORT/FLEET`` -> (``HOST:PORT``, ``FLEET``); ValueError naming what is wrong."""
+def replica_group(run: str | None) -> str:
+    """The registry's service name of the generation replicas a run holds alone (a run that trains full
+    weights, in a fleet that runs share), or of the fleet's shared ones (``run`` None)."""
+    return f"generation@{run}" if run else "generation"
+
+
+def parse_ray_url(url: str) -> tuple[str, str, str | None]:
+    """``ray+gcs://HOST:PORT/FLEET[/RUN]`` -> (``HOST:PORT``, ``FLEET``, ``RUN`` or None): the fleet's
+    shared replicas, or those run ``RUN`` holds alone; ValueError naming what is wrong."""
     if not url.startswith(RAY_SCHEME):
         raise ValueError(f"{url!r} does not start with {RAY_SCHEME}")
-    gcs_address, _, fleet = url[len(RAY_SCHEME):].partition("/")
-    if ":" not in gcs_address or not fleet or "/" in fleet:
-        raise ValueError(f"{url!r} is not {RAY_SCHEME}GCS_HOST:PORT/FLEET")
-    return gcs_address, fleet
+    gcs_address, _, path = url[len(RAY_SCHEME):].partition("/")
+    fleet, _, run = path.partition("/")
+    if ":" not in gcs_address or not fleet or "/" in run or (_ and not run):
+        raise ValueError(f"{url!r} is not {RAY_SCHEME}GCS_HOST:PORT/FLEET[/RUN]")
+    return gcs_address, fleet, run or None
 
 
 def make_discovery(addresses: list[str], addresses_file: str | None, resolve: bool) -> Discovery:

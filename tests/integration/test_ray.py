@@ -34,11 +34,11 @@ import ray
 
 from rlfleet.client import connect, credentials_from
 from rlfleet.client.errors import RlfleetClientError
-from rlfleet.ray import Fleet, FleetConfig, FleetError
+from rlfleet.ray import Fleet, FleetConfig, FleetError, RunSpec
 from rlfleet.services.credentials import make_credentials
 from rlfleet.services.launch import free_port
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc
-from tests.hf_reference import load_hf, peft_model
+from tests.hf_reference import load_hf, peft_model, perturbed
 from tests.leftovers import Leftovers, alive
 from tests.waiting import wait_for
 
@@ -390,8 +390,11 @@ def test_runs_are_added_to_and_ended_on_a_shared_fleet_while_it_serves(cluster, 
     refused until the credentials name it), each at its own versions on the one replica, each run's
     credentials refused by the other's collector; exp-a ended (its collector and store stop, its slot on the
     replica is freed) while exp-b trains on; exp-a added again resumes at its committed version, the
-    replica re-synced to its adapter from its collector's spool."""
-    credentials = make_credentials(tmp_path / "credentials", hosts=[ray.util.get_node_ip_address()], runs=["exp-a"])
+    replica re-synced to its adapter from its collector's spool. Run exp-full, added with a replica of its
+    own, trains full weights there: its samples are at its own versions, it never reaches the shared
+    replica nor exp-b's collector its replica; ended, its replica goes with it."""
+    credentials = make_credentials(tmp_path / "credentials", hosts=[ray.util.get_node_ip_address()],
+                                   runs=["exp-a", "exp-full"])
     config = shared_fleet_config(tiny_model_dir, tmp_path / "fleet", credentials)
     for spec in config.services.values():
         spec.start_timeout_seconds = START_TIMEOUT
@@ -440,6 +443,22 @@ def test_runs_are_added_to_and_ended_on_a_shared_fleet_while_it_serves(cluster, 
         wait_for(lambda: served_names(replica, credentials).get("exp-a") == 2, RESYNC_TIMEOUT,
                  "exp-a's adapter re-synced to the replica at its committed version")
         assert versions_of_a_step(a) == {2} and versions_of_a_step(b) == {2}
+
+        assert fleet.add_run("exp-full", RunSpec(replicas=1)) == [
+            "trajectory-exp-full", "generation-exp-full-0", "collector-exp-full"]
+        full = connect(fleet.address("collector-exp-full"), run="new", timeout=120,
+                       **credentials_from(credentials, run="exp-full"))
+        own = fleet.address("generation-exp-full-0")
+        assert fleet.status()["generation-exp-full-0"]["service"] == "generation@exp-full"
+        weights = perturbed(load_hf(tiny_model_dir).state_dict(), 5)
+        assert full.push_weights(weights, progress=False).version == 1  # full weights: on its own replica
+        assert [r.address for r in full.status().replicas] == [own]
+        assert own not in [r.address for r in b.status().replicas]
+        assert versions_of_a_step(full) == {1}
+        assert served_names(replica, credentials) == {"exp-a": 2, "exp-b": 2}  # the shared replica: no slot taken
+        full.close()
+        fleet.end_run("exp-full")
+        assert not {key for key in fleet.status() if "exp-full" in key}
         a.close()
         b.close()
     finally:

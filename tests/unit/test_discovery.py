@@ -256,12 +256,32 @@ def test_ray_discovery_lists_the_fleets_replicas_until_they_republish_and_keeps_
     assert [e.address for e in run(source.endpoints())] == ["10.0.0.2:2"]
 
 
+def test_a_run_that_holds_replicas_alone_finds_those_and_the_shared_ones_stay_apart():
+    """A run that trains full weights on a fleet that runs share: its replicas are registered as
+    ``generation@RUN``; its collector (``ray+gcs://.../FLEET/RUN``) finds them alone, the others none of them."""
+    from rlfleet.services.collector.discovery import RayDiscovery
+
+    gcs = FakeGcs()
+    registry = fake_registry(gcs=gcs)
+    gcs.nodes = {"aa": 0}
+    registry.publish("generation-0", {"service": "generation", "address": "10.0.0.2:1", "node_id": "aa"})
+    registry.publish("generation-exp-c-0", {"service": "generation@exp-c", "address": "10.0.0.3:1", "node_id": "aa"})
+    own = RayDiscovery.from_url("ray+gcs://10.0.0.9:6379/f/exp-c")
+    own.registry = registry
+    shared = RayDiscovery.from_url("ray+gcs://10.0.0.9:6379/f")
+    shared.registry = registry
+    assert [e.address for e in run(own.endpoints())] == ["10.0.0.3:1"] and "generation@exp-c" in own.describe()
+    assert [e.address for e in run(shared.endpoints())] == ["10.0.0.2:1"]
+
+
 def test_a_ray_registry_url_is_the_only_source_and_is_checked_at_start():
     from rlfleet.services.collector.config import CollectorConfig
     from rlfleet.services.collector.discovery import RayDiscovery, parse_ray_url
 
-    assert parse_ray_url("ray+gcs://10.0.0.9:6379/fleet") == ("10.0.0.9:6379", "fleet")
-    for bad in ("ray+gcs://10.0.0.9/fleet", "ray+gcs://10.0.0.9:6379", "ray+gcs://h:1/a/b", "ray://h:1/f"):
+    assert parse_ray_url("ray+gcs://10.0.0.9:6379/fleet") == ("10.0.0.9:6379", "fleet", None)
+    assert parse_ray_url("ray+gcs://10.0.0.9:6379/fleet/exp-c") == ("10.0.0.9:6379", "fleet", "exp-c")
+    for bad in ("ray+gcs://10.0.0.9/fleet", "ray+gcs://10.0.0.9:6379", "ray+gcs://h:1/a/b/c", "ray+gcs://h:1/a/",
+                "ray://h:1/f"):
         with pytest.raises(ValueError):
             parse_ray_url(bad)
     source = make_discovery(["ray+gcs://10.0.0.9:6379/fleet"], None, True)

@@ -177,6 +177,16 @@ def test_a_shared_fleets_runs_each_get_a_collector_and_store_of_their_own():
     assert "collector-exp-a: state_dir /w/exp-b/collector" in text and "generation" not in text
 
 
+def test_a_run_that_trains_full_weights_holds_replicas_alone_and_takes_no_shared_slot():
+    config = FleetConfig.from_dict({**SHARED, "runs": {**SHARED["runs"], **{f"full-{i}": {"replicas": 1}
+                                                                          for i in range(3)}}})
+    assert [name for name, run in config.runs.items() if run.shared] == ["exp-a", "exp-b"]  # max_runs 4 holds them
+    settings = config.run_settings("collector", "full-0")
+    assert "shared_replicas" not in settings and "share_weight" not in settings and settings["run_name"] == "full-0"
+    with pytest.raises(ValueError, match="replicas: -1 is negative"):
+        FleetConfig.from_dict({**SHARED, "runs": {"a": {"replicas": -1}}})
+
+
 @pytest.mark.parametrize("change, match", [
     ({"runs": {"exp/a": {}}}, "not a run name"),
     ({"runs": {"a": {"share_weight": 0}}}, "share_weight"),

@@ -116,8 +116,9 @@ class ServiceHost:
         args += ["--host", spec["bind_host"], "--port", str(spec["port"])]
         for setting, address in self.upstreams.items():
             args += [f"--{setting.replace('_', '-')}", address]
-        if spec["service"] == "collector":
-            args += ["--generation-addresses", json.dumps([f"ray+gcs://{spec['gcs_address']}/{spec['fleet']}"])]
+        if spec["service"] == "collector":  # the fleet's shared replicas, or those its run holds alone
+            own = f"/{spec['replicas_of']}" if spec.get("replicas_of") else ""
+            args += ["--generation-addresses", json.dumps([f"ray+gcs://{spec['gcs_address']}/{spec['fleet']}{own}"])]
         process = ServiceProcess(spec["service"], args, env=self._process_env(), preexec_fn=die_with_parent,
                                  module=spec.get("module"))
         if self.credentials is not None:
@@ -229,7 +230,8 @@ class ServiceHost:
 
     def record(self) -> dict[str, Any]:
         """What the registry holds for this instance."""
-        return {"service": self.spec["service"], "key": self.spec["key"], "address": self.address(),
+        return {"service": self.spec.get("group") or self.spec["service"], "key": self.spec["key"],
+                "address": self.address(),
                 "node_id": self.node_id, "node_ip": self.node_ip, "pid": self.process.process.pid,
                 "starts": self.starts, "log": str(self.process.log_path)}
 

@@ -5,6 +5,7 @@
     rlfleet-ray address [collector] [--name rlfleet]         # one instance's host:port
     rlfleet-ray scale generation 4 [--name rlfleet]          # replicas join (re-synced) or leave
     rlfleet-ray runs add exp-b [--share-weight 2] [--fresh]  # a fleet that runs share: one more run
+    rlfleet-ray runs add exp-c --replicas 2                  # one that trains full weights, on replicas of its own
     rlfleet-ray runs end exp-a                               # its collector and store stop, its slots freed
     rlfleet-ray down [--name rlfleet]                        # stop it
 
@@ -49,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     add.add_argument("run", help="the run's name (its credentials name it: credentials --run NAME)")
     add.add_argument("--share-weight", type=float, default=1.0, help="its weight in each replica's fair share")
     add.add_argument("--port", type=int, default=0, help="its collector's fixed port (default: a free one)")
+    add.add_argument("--replicas", type=int, default=0,
+                     help="generation replicas of its own, for a run that trains full weights (default 0: it shares "
+                          "the fleet's replicas, its policy a LoRA adapter)")
     add.add_argument("--settings", type=json.loads, default={},
                      help='its collector\'s own settings over the template\'s, as JSON: \'{"players": {"opponent": "exp-a"}}\'')
     add.add_argument("--fresh", action="store_true", help="a new run: delete the state a run of this name left")
@@ -105,8 +109,8 @@ def _runs(fleet, ns: argparse.Namespace) -> None:
     from rlfleet.ray.config import run_key
 
     if ns.run_command == "add":
-        fleet.add_run(ns.run, RunSpec(share_weight=ns.share_weight, port=ns.port, settings=ns.settings),
-                      fresh=ns.fresh)
+        fleet.add_run(ns.run, RunSpec(share_weight=ns.share_weight, port=ns.port, settings=ns.settings,
+                                      replicas=ns.replicas), fresh=ns.fresh)
         print(f"{ns.run}\t{fleet.address(run_key('collector', ns.run))}")
         _say_run(fleet, [run_key("collector", ns.run)])
     elif ns.run_command == "end":

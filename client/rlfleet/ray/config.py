@@ -25,7 +25,8 @@ A fleet that several runs share (docs/concepts/many-runs.md) lists them under ``
       generation: {settings: {model: /models/policy, max_runs: 8, max_lora_rank: 16}}
       collector:  {settings: {state_dir: "{workdir}/{key}/state"}}
 
-(``rlfleet-ray runs add`` and ``runs end`` add and end runs while the fleet serves.)
+(``rlfleet-ray runs add`` and ``runs end`` add and end runs while the fleet serves; a run with
+``replicas: N`` trains full weights on N generation replicas of its own, placed by the fleet.)
 
 A service's ``settings`` are its own config fields (the names of its ``--config`` file, its flags
 without ``--`` and with ``_``), written to a ``--config`` file on the node that runs it; ``args`` are
@@ -97,6 +98,16 @@ class RunSpec:
     """Its collector's fixed gRPC port (0: a free one each start; ``rlfleet-ray address collector-<run>``)."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Its collector's own settings over the ``collector`` template's (``players``, ``mode``, ...)."""
+    replicas: int = 0
+    """Generation replicas of its own, for a run that trains full weights (keys ``generation-<run>-<i>``,
+    the ``generation`` template's settings and resources): its collector holds them as a fleet of one
+    run does (full, delta, rolling pushes), and no other run reaches them. 0: the run shares the fleet's
+    replicas (its policy a LoRA adapter on their base weights)."""
+
+    @property
+    def shared(self) -> bool:
+        """Whether the run samples on the fleet's shared replicas (no replicas of its own)."""
+        return self.replicas == 0
 
 
 RUN_SERVICES = ("trajectory", "collector")
@@ -106,6 +117,11 @@ RUN_SERVICES = ("trajectory", "collector")
 def run_key(service: str, run: str) -> str:
     """The instance key of ``run``'s ``service`` (``collector-exp-a``)."""
     return f"{service}-{run}"
+
+
+def replica_key(run: str, index: int) -> str:
+    """The instance key of the ``index``-th generation replica ``run`` holds alone (``generation-exp-c-0``)."""
+    return f"generation-{run}-{index}"
 
 
 def service_of(key: str) -> str:
@@ -169,12 +185,15 @@ class FleetConfig:
         spec = self.runs.get(run, RunSpec())
         if not 0 < spec.share_weight <= MAX_SHARE_WEIGHT:
             raise ValueError(f"runs.{run}.share_weight: {spec.share_weight} is not in (0, {MAX_SHARE_WEIGHT:g}]")
+        if spec.replicas < 0:
+            raise ValueError(f"runs.{run}.replicas: {spec.replicas} is negative (0: the run shares the replicas)")
         max_runs = self.services["generation"].settings.get("max_runs", 0)
         names = set(self.runs) | {run}
-        if len(names) > max_runs:
+        sharing = [name for name in names if self.runs.get(name, spec).shared]
+        if spec.shared and len(sharing) > max_runs:
             raise ValueError(f"services.generation.settings.max_runs is {max_runs}: the replicas serve that many "
-                             f"runs at once, and this fleet would have {len(names)}; raise it (and restart the "
-                             "replicas) or end a run first")
+                             f"runs at once, and this fleet would have {len(sharing)}; raise it (and restart the "
+                             "replicas), end a run first, or give this run replicas of its own (replicas: N)")
         for service in RUN_SERVICES:
             where = {other: state_location(service, self.run_settings(service, other)) for other in sorted(names)}
             same = [other for other in where if other != run and where[other] == where[run]]
@@ -191,7 +210,9 @@ class FleetConfig:
         spec = (self.runs or {}).get(run, RunSpec())
         settings = {**self.services[service].settings, "run_name": run}
         if service == "collector":
-            settings.update(shared_replicas=True, share_weight=spec.share_weight, **spec.settings)
+            if spec.shared:
+                settings.update(shared_replicas=True, share_weight=spec.share_weight)
+            settings.update(spec.settings)
         return substitute(copy.deepcopy(settings), {"workdir": self.workdir, "key": run_key(service, run), "run": run})
 
     @classmethod

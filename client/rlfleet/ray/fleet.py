@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.ray import runs
-from rlfleet.ray.config import RUN_SERVICES, UPSTREAMS, FleetConfig, RunSpec, ServiceSpec, run_key, service_of
+from rlfleet.ray.config import (RUN_SERVICES, UPSTREAMS, FleetConfig, RunSpec, ServiceSpec, replica_key, run_key,
+                                service_of)
 from rlfleet.registry import Registry
 
 log = logging.getLogger("rlfleet.ray")
@@ -164,7 +165,7 @@ class Fleet:
         registry first, so the collector stops sending them work, then SIGTERMed). The keys running."""
         if name != "generation":
             raise ValueError(f"only generation scales (not {name})")
-        current = self._existing(name)
+        current = self._existing(name, shared_only=True)
         spec = self.config.services[name]
         if replicas > len(current):
             self._wait([self._launch(f"{name}-{index}") for index in range(len(current), replicas)], timeout)
@@ -192,9 +193,9 @@ class Fleet:
         self.registry.put_spec(self.config.to_dict())
         if fresh:
             runs.request_fresh(self.registry, keys)
-        try:
-            for key in keys:  # the store first: the collector reads its address at its start
-                self._wait([self._launch(key)], timeout)
+        try:  # the store and any replicas of its own first: the collector reads them at its start
+            self._wait([self._launch(key) for key in keys[:-1]], timeout)
+            self._wait([self._launch(keys[-1])], timeout)
         except BaseException:
             self.end_run(run, quiet=True)
             raise
@@ -208,9 +209,9 @@ class Fleet:
         if not self.config.shared or run not in self.config.runs:
             raise ValueError(f"no run {run} in fleet {self.config.name} (runs: {sorted(self.config.runs or {})})")
         keys = self._run_keys(run)
-        for key in reversed(keys):  # the collector first: its trainers' streams end cleanly
-            self._stop([key])
-        ended = self._end_on_replicas(run)
+        self._stop(keys[-1:])  # the collector first: its trainers' streams end cleanly
+        self._stop(keys[:-1])
+        ended = self._end_on_replicas(run) if self.config.runs[run].shared else {}
         self.config.runs.pop(run)
         self.registry.put_spec(self.config.to_dict())
         if not quiet:
@@ -226,7 +227,16 @@ class Fleet:
         return sorted(self.config.runs or {})
 
     def _run_keys(self, run: str) -> list[str]:
-        return [run_key(service, run) for service in RUN_SERVICES]
+        """``run``'s instances in start order: its store, the replicas it holds alone (if any), its collector."""
+        own = [replica_key(run, index) for index in range((self.config.runs or {}).get(run, RunSpec()).replicas)]
+        return [run_key("trajectory", run), *own, run_key("collector", run)]
+
+    def _instance(self, key: str) -> tuple[str, str | None]:
+        """``key``'s service and the run it belongs to (None: the fleet's, shared by its runs)."""
+        for run in (self.config.runs or {}) if self.config.shared else ():
+            if key in self._run_keys(run):
+                return service_of(key), run
+        return service_of(key), None
 
     def _check_run_credentials(self, run: str) -> None:
         """With credentials: ``run``'s tokens are in them (its trainer's calls are refused otherwise)."""
@@ -271,55 +281,72 @@ class Fleet:
         return f"{self.config.name}/{key}"
 
     def _keys(self, name: str) -> list[str]:
-        """The instance keys ``name`` has in the fleet's config (each replica's; each run's in a shared fleet)."""
+        """The instance keys ``name`` has in the fleet's config (each replica's, those runs hold alone last;
+        each run's in a shared fleet)."""
+        runs = sorted(self.config.runs or {})
         if name == "generation":
-            return [f"{name}-{index}" for index in range(self.config.services[name].replicas)]
+            return [f"{name}-{index}" for index in range(self.config.services[name].replicas)] + [
+                key for run in runs for key in self._run_keys(run) if service_of(key) == name]
         if self.config.shared and name in RUN_SERVICES:
-            return [run_key(name, run) for run in sorted(self.config.runs)]
+            return [run_key(name, run) for run in runs]
         return [name]
 
-    def _existing(self, name: str) -> list[str]:
-        """Keys of ``name``'s instances that have an actor now."""
-        ray = _ray()
-        keys = []
-        count = self.config.services[name].replicas if name in self.config.services else 0
-        if name == "generation":
-            candidates = [f"{name}-{index}" for index in range(max(count, 64))]
-        else:  # the config's, and any its registry still holds (an earlier fleet of the name, other runs)
+    def _existing(self, name: str, shared_only: bool = False) -> list[str]:
+        """Keys of ``name``'s instances that have an actor now: generation's shared replicas (those scaled
+        beyond the config's count too) and, unless ``shared_only``, those runs hold alone."""
+        if name != "generation":  # the config's, and any its registry still holds (an earlier fleet, other runs)
             candidates = sorted({*self._keys(name), *self.registry.services(name, alive_only=False)})
-        for key in candidates:
-            try:
-                ray.get_actor(self._actor_name(key), namespace=NAMESPACE)
+            return [key for key in candidates if self._has_actor(key)]
+        count = self.config.services[name].replicas if name in self.config.services else 0
+        keys = []
+        for index in range(max(count, 64)):
+            key = f"{name}-{index}"
+            if self._has_actor(key):
                 keys.append(key)
-            except ValueError:
-                if name == "generation" and int(key.rsplit("-", 1)[1]) >= count:
-                    break
-        return keys
+            elif index >= count:
+                break
+        if shared_only:
+            return keys
+        own = {*self._keys(name)[count:], *(key for key, record in self.registry.services(alive_only=False).items()
+                                            if record.get("service", "").startswith(f"{name}@"))}
+        return keys + [key for key in sorted(own) if self._has_actor(key)]
+
+    def _has_actor(self, key: str) -> bool:
+        try:
+            _ray().get_actor(self._actor_name(key), namespace=NAMESPACE)
+            return True
+        except ValueError:
+            return False
 
     def _actor_spec(self, key: str) -> dict[str, Any]:
-        name = service_of(key)
+        name, run = self._instance(key)
         spec: ServiceSpec = self.config.services[name]
-        run = key[len(name) + 1:] if self.config.shared and name in RUN_SERVICES else None
         variables = {"workdir": self.config.workdir, "key": key}
         from rlfleet.ray.actor import substitute
 
-        upstreams, port = {}, spec.port
+        upstreams, port, extra = {}, spec.port, {}
         if name == "collector":
             upstreams = {setting: service for service, setting in UPSTREAMS.items()
                          if service in self.config.services}
-        if run is not None:
+        if run is not None and name in RUN_SERVICES:
             settings = self.config.run_settings(name, run)
             if name == "collector":
                 upstreams["trajectory_address"] = run_key("trajectory", run)
                 port = self.config.runs[run].port
+                if not self.config.runs[run].shared:
+                    extra["replicas_of"] = run
         else:
             settings = substitute(copy.deepcopy(spec.settings), variables)
+            if run is not None:  # a replica the run holds alone: in the registry apart from the shared ones
+                from rlfleet.services.collector.discovery import replica_group
+
+                extra["group"] = replica_group(run)
         return {"fleet": self.config.name, "key": key, "service": name, "gcs_address": self.gcs_address,
                 "workdir": self.config.workdir, "bind_host": self.config.bind_host, "port": port,
                 "settings": settings,
                 "args": substitute(list(spec.args), variables), "env": substitute(dict(spec.env), variables),
                 "credentials": self._credential_files(), "upstreams": upstreams,
-                "start_timeout_seconds": spec.start_timeout_seconds, "module": spec.module}
+                "start_timeout_seconds": spec.start_timeout_seconds, "module": spec.module, **extra}
 
     def _credential_files(self) -> dict[str, bytes] | None:
         if self.config.credentials and self._credentials is None:
