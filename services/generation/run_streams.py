@@ -7,12 +7,11 @@ from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
 from rlfleet.services.common.errors import Aborted
-from rlfleet.services.generation.served_adapters import ServedAdapter
+from rlfleet.services.generation.served_adapters import held_while_read
 from rlfleet.services.generation.served_runs import ServedRun
 
 if TYPE_CHECKING:
     from rlfleet.services.generation.vllm_engine import GenerationEngine
-    from vllm.v1.engine.async_llm import AsyncLLM
 
 
 class RunHost:
@@ -41,24 +40,17 @@ class RunHost:
                           f"this replica serves the run's version {run.version}")
         adapter = run.adapters.pin()
         version = run.version if adapter is None else adapter.version
-        return self._stream(engine, adapter, request_id, prompt_token_ids, params), swap_serial, version
-
-    async def _stream(self, engine: AsyncLLM, adapter: ServedAdapter | None, request_id: str,
-                      prompt_token_ids: list[int], params: Any) -> AsyncGenerator[Any, None]:
-        """The run's vLLM request: counted as the run's (what its ``wait`` and ``abort`` pushes act on) from its
-        first read to its end, and as a user of ``adapter`` until then."""
-        run = self._run
-        run.opened(request_id)
         stream = engine.generate({"prompt_token_ids": prompt_token_ids}, params, request_id,
                                  lora_request=None if adapter is None else adapter.request)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            await stream.aclose()
+
+        def closed() -> None:
             run.closed(request_id)
             if adapter is not None:
                 run.adapters.unpin(engine, adapter)
+
+        # Counted as the run's (what its ``wait`` and ``abort`` pushes act on) from its first read to its
+        # end, and as a user of ``adapter`` until then.
+        return held_while_read(stream, closed, lambda: run.opened(request_id)), swap_serial, version
 
     def resumes(self, swap_serial: int) -> bool:
         return self._run.resumes(swap_serial)

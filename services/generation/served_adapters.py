@@ -17,6 +17,7 @@ import logging
 import shutil
 import tempfile
 from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -123,3 +124,17 @@ class AdapterSet:
         if self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
             self._root = None
+
+
+async def held_while_read(stream: AsyncGenerator[Any, None], release: Callable[[], None],
+                          hold: Callable[[], None] | None = None) -> AsyncGenerator[Any, None]:
+    """``stream`` (a vLLM request's outputs), with ``hold`` called at its first read and ``release`` once
+    it ends or is closed: an adapter's pin (``AdapterSet.unpin``), a run's count of its requests."""
+    if hold is not None:
+        hold()
+    try:
+        async for output in stream:
+            yield output
+    finally:
+        await stream.aclose()
+        release()

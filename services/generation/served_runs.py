@@ -52,8 +52,6 @@ class ServedRun:
     adapters: AdapterSet
     name: str = ""
     """The name other runs' calls ask for its policy by ("": none given)."""
-    version: int = 0
-    """The run's version new requests run on (0: the base weights)."""
     admission_open: asyncio.Event = field(default_factory=asyncio.Event)
     """Cleared while a ``wait``, ``abort`` or ``resume`` push of this run switches its adapter."""
     serial: int = 0
@@ -74,6 +72,11 @@ class ServedRun:
     def __post_init__(self) -> None:
         self.admission_open.set()
         self._drained.set()
+
+    @property
+    def version(self) -> int:
+        """The run's version new requests run on: its current adapter's (0: none yet, the base weights)."""
+        return 0 if self.adapters.current is None else self.adapters.current.version
 
     def resumes(self, swap_serial: int) -> bool:
         """Whether an abort of a request opened at ``swap_serial`` is a ``resume`` push's (``WeightSwaps.resumes``)."""

@@ -26,7 +26,7 @@ from rlfleet.services.generation.prompt_tokens import PromptTokenizer
 from rlfleet.services.generation.push_validation import read_checkpoint_specs
 from rlfleet.services.generation.rollout import Rollout
 from rlfleet.services.generation.sampling import SampleResult
-from rlfleet.services.generation.served_adapters import ServedAdapter
+from rlfleet.services.generation.served_adapters import held_while_read
 from rlfleet.services.generation.run_streams import RunHost
 from rlfleet.services.generation.status import EngineState, EngineStatus, ReplicaState, RunStatus, TokenRate
 from rlfleet.services.generation.transfer import WEIGHT_TRANSFER_CONFIG
@@ -396,23 +396,13 @@ class GenerationEngine:
         adapter = self.weights.adapters.pin()
         if adapter is None:
             return engine.generate({"prompt_token_ids": prompt_token_ids}, params, request_id), swap_serial, None
-        stream = self._pinned(engine, engine.generate({"prompt_token_ids": prompt_token_ids}, params, request_id,
-                                                      lora_request=adapter.request), adapter)
-        return stream, swap_serial, adapter.version
+        stream = engine.generate({"prompt_token_ids": prompt_token_ids}, params, request_id,
+                                 lora_request=adapter.request)
+        return held_while_read(stream, lambda: self.weights.adapters.unpin(engine, adapter)), swap_serial, adapter.version
 
     def end_run(self, run_id: str) -> int:
         """``run_id`` ended (``served_runs.ServedRuns.end``): its calls still in flight."""
         return self.weights.runs.end(run_id, self.replica.vllm).calls
-
-    async def _pinned(self, engine: AsyncLLM, stream: AsyncGenerator[Any, None],
-                      adapter: ServedAdapter) -> AsyncGenerator[Any, None]:
-        """``stream``, counting as a user of ``adapter`` until it ends or is closed."""
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            await stream.aclose()
-            self.weights.adapters.unpin(engine, adapter)
 
     def resumes(self, swap_serial: int) -> bool:
         """Whether an abort of a request opened at ``swap_serial`` is a ``resume`` swap's (``WeightSwaps.resumes``)."""

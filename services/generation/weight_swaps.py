@@ -281,7 +281,6 @@ class WeightSwaps:
     async def _switch_run(engine: AsyncLLM, run: ServedRun, adapter, mode: SwapModeName) -> None:
         if mode == "keep":
             run.adapters.switch(engine, adapter)
-            run.version = adapter.version
             return
         run.admission_open.clear()
         try:
@@ -292,7 +291,6 @@ class WeightSwaps:
             else:  # abort; resume: the rollouts continue what was aborted once admission opens
                 await engine.abort(list(run.requests))
             run.adapters.switch(engine, adapter)
-            run.version = adapter.version
         finally:
             run.admission_open.set()
 

@@ -67,7 +67,7 @@ async def test_an_ended_run_leaves_when_its_last_call_ends_with_its_adapters_and
 
 def test_a_push_must_be_newer_than_the_runs_version():
     run = ServedRuns(max_runs=1).take("run-a")
-    run.version = 3
+    run.adapters.current = ServedAdapter(3, None, None)  # its version: its current adapter's
     with pytest.raises(FailedPrecondition, match="run run-a: weights version 3 is not newer than its current 3"):
         run.check_version(3)
     run.check_version(4)
