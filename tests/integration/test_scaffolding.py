@@ -11,6 +11,9 @@ from rlfleet.services.launch import free_port
 from rlfleet.v1 import diagnostics_pb2, diagnostics_pb2_grpc, tensor_pb2
 from rlfleet.wire import Ragged, decode_tensordict, encode_tensordict, get_ragged
 
+CALL_TIMEOUT = 60.0
+"""A call's deadline: the first Echo loads tensordict (torch) in the service, seconds on a loaded 2-core host."""
+
 
 def echo_stub(address: str, metadata=None):
     channel = grpc.insecure_channel(address)
@@ -30,7 +33,7 @@ def test_health_echo_invalid_argument_and_clean_sigterm(start_service):
         {"tokens": Ragged.from_list([torch.arange(3), torch.arange(5)]), "score": torch.tensor([0.5, -1.0])},
         batch_size=[2],
     )
-    reply = stub.Echo(diagnostics_pb2.EchoRequest(payload=payload), timeout=10)
+    reply = stub.Echo(diagnostics_pb2.EchoRequest(payload=payload), timeout=CALL_TIMEOUT)
     td = decode_tensordict(reply.payload)
     assert get_ragged(td, "tokens").lengths.tolist() == [3, 5]
     assert td["score"].tolist() == [0.5, -1.0]
@@ -38,12 +41,12 @@ def test_health_echo_invalid_argument_and_clean_sigterm(start_service):
     bad = diagnostics_pb2.EchoRequest(payload=payload)
     bad.payload.entries["score"].tensor.data = b"\x00" * 7
     with pytest.raises(grpc.RpcError) as err:
-        stub.Echo(bad, timeout=10)
+        stub.Echo(bad, timeout=CALL_TIMEOUT)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "payload.entries[score].tensor.data" in err.value.details()
 
     # Still serving after the bad request.
-    assert stub.Echo(diagnostics_pb2.EchoRequest(payload=payload), timeout=10).decoded_bytes > 0
+    assert stub.Echo(diagnostics_pb2.EchoRequest(payload=payload), timeout=CALL_TIMEOUT).decoded_bytes > 0
     channel.close()
 
     started = time.monotonic()
@@ -58,12 +61,12 @@ def test_auth_token_is_enforced_but_health_stays_open(start_service):
     stub, channel = echo_stub(proc.address)
     request = diagnostics_pb2.EchoRequest(payload=encode_tensordict({"x": torch.ones(1)}, batch_size=[1]))
     with pytest.raises(grpc.RpcError) as err:
-        stub.Echo(request, timeout=10)
+        stub.Echo(request, timeout=CALL_TIMEOUT)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with pytest.raises(grpc.RpcError) as err:
-        stub.Echo(request, timeout=10, metadata=[("authorization", "Bearer wrong")])
+        stub.Echo(request, timeout=CALL_TIMEOUT, metadata=[("authorization", "Bearer wrong")])
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    reply = stub.Echo(request, timeout=10, metadata=[("authorization", "Bearer s3cret")])
+    reply = stub.Echo(request, timeout=CALL_TIMEOUT, metadata=[("authorization", "Bearer s3cret")])
     assert decode_tensordict(reply.payload)["x"].tolist() == [1.0]
     channel.close()
 
@@ -73,7 +76,7 @@ def test_oversized_message_is_resource_exhausted(start_service):
     stub, channel = echo_stub(proc.address)
     big = encode_tensordict({"x": torch.zeros(1, 2 << 20, dtype=torch.uint8)}, batch_size=[1])
     with pytest.raises(grpc.RpcError) as err:
-        stub.Echo(diagnostics_pb2.EchoRequest(payload=big), timeout=10)
+        stub.Echo(diagnostics_pb2.EchoRequest(payload=big), timeout=CALL_TIMEOUT)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     channel.close()
 
@@ -134,7 +137,8 @@ def test_tls_service_keeps_health_on_a_plaintext_health_port_and_refuses_bad_fil
     assert healthcheck.check(address) == "SERVING"  # plaintext, no token, no certificate
     with grpc.insecure_channel(address) as channel:
         with pytest.raises(grpc.RpcError) as err:  # the health port serves nothing but health
-            diagnostics_pb2_grpc.DiagnosticsServiceStub(channel).Echo(diagnostics_pb2.EchoRequest(), timeout=10)
+            diagnostics_pb2_grpc.DiagnosticsServiceStub(channel).Echo(diagnostics_pb2.EchoRequest(),
+                                                                      timeout=CALL_TIMEOUT)
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     with pytest.raises(grpc.RpcError) as err:  # the main port takes no plaintext, health included
         healthcheck.status(proc.address, timeout=5)
