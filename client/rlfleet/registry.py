@@ -26,6 +26,13 @@ KINDS = ("service", "starts", "fresh", "error")
 (``runs.py``), the error its last start failed with."""
 
 
+def replica_group(run: str | None) -> str:
+    """The ``service`` a generation replica's record holds: ``generation`` for the fleet's shared replicas,
+    ``generation@RUN`` for those a run that trains full weights holds alone (the fleet writes it, the
+    collectors' ``RayDiscovery`` reads it: each run's collector finds its own replicas alone)."""
+    return f"generation@{run}" if run else "generation"
+
+
 class Registry:
     """The records of fleet ``fleet`` in the cluster whose GCS listens at ``gcs_address`` (``host:port``)."""
 

@@ -151,6 +151,8 @@ class RayDiscovery(Discovery):
 
     @classmethod
     def from_url(cls, url: str) -> "RayDiscovery":
+        from rlfleet.registry import replica_group
+
         gcs_address, fleet, run = parse_ray_url(url)
         return cls(gcs_address, fleet, replica_group(run))
 
@@ -171,12 +173,6 @@ class RayDiscovery(Discovery):
     def describe(self) -> str:
         whose = "" if self.service == "generation" else f" ({self.service})"
         return f"the Ray registry of fleet {self.registry.fleet!r}{whose} at {self.registry.gcs_address}"
-
-
-def replica_group(run: str | None) -> str:
-    """The registry's service name of the generation replicas a run holds alone (a run that trains full
-    weights, in a fleet that runs share), or of the fleet's shared ones (``run`` None)."""
-    return f"generation@{run}" if run else "generation"
 
 
 def parse_ray_url(url: str) -> tuple[str, str, str | None]:

@@ -23,7 +23,7 @@ from typing import Any
 from rlfleet.ray import runs
 from rlfleet.ray.config import (RUN_SERVICES, UPSTREAMS, FleetConfig, RunSpec, ServiceSpec, replica_key, run_key,
                                 service_of)
-from rlfleet.registry import Registry
+from rlfleet.registry import Registry, replica_group
 
 log = logging.getLogger("rlfleet.ray")
 NAMESPACE = "rlfleet"
@@ -178,8 +178,8 @@ class Fleet:
 
     def add_run(self, run: str, spec: RunSpec | None = None, fresh: bool = False,
                 timeout: float | None = None) -> list[str]:
-        """Start ``run``'s trajectory store, then its collector, over the shared replicas (SERVING before
-        this returns); the fleet serves its other runs on meanwhile. ``fresh``: a new run, its durable
+        """Start ``run``'s trajectory store (and the replicas it holds alone: ``spec.replicas``), then its
+        collector (SERVING before this returns); the fleet serves its other runs on meanwhile. ``fresh``: a new run, its durable
         state deleted first; otherwise it resumes the state a run of that name left (``end_run`` keeps
         it). The keys started."""
         if self.config.shared and run in self.config.runs:
@@ -249,8 +249,8 @@ class Fleet:
         """``EndRun`` on each generation replica serving a run named ``run`` (as the service role)."""
         import grpc
 
-        from rlfleet.v1 import generation_pb2, generation_pb2_grpc
         from rlfleet.rpc.channel import ChannelSettings
+        from rlfleet.v1 import generation_pb2, generation_pb2_grpc
 
         settings = ChannelSettings(timeout=30)
         files = self._credential_files()
@@ -338,8 +338,6 @@ class Fleet:
         else:
             settings = substitute(copy.deepcopy(spec.settings), variables)
             if run is not None:  # a replica the run holds alone: in the registry apart from the shared ones
-                from rlfleet.services.collector.discovery import replica_group
-
                 extra["group"] = replica_group(run)
         return {"fleet": self.config.name, "key": key, "service": name, "gcs_address": self.gcs_address,
                 "workdir": self.config.workdir, "bind_host": self.config.bind_host, "port": port,
