@@ -171,7 +171,7 @@ def test_a_shared_fleets_runs_each_get_a_collector_and_store_of_their_own():
                  "share_weight": 2, "players": {"opponent": "exp-a"}}
     assert config.run_settings("trajectory", "exp-a") == {"db_path": "/w/trajectory-exp-a/trajectories.db",
                                                           "run_name": "exp-a"}
-    assert runs.request_fresh(FakeRegistry(), ["trajectory-exp-a", "collector-exp-a", "generation-0"]) == [
+    assert runs.request_fresh(registry(FakeGcs()), ["trajectory-exp-a", "collector-exp-a", "generation-0"]) == [
         "trajectory-exp-a", "collector-exp-a"]
     text = runs.describe_start({"collector-exp-a": b, "generation-0": {}}, fresh=False)
     assert "collector-exp-a: state_dir /w/exp-b/collector" in text and "generation" not in text
@@ -205,14 +205,6 @@ def test_a_shared_fleet_refuses_runs_that_cannot_share_it(change, match):
 def test_adding_a_run_to_a_fleet_of_one_run_says_how_to_share_it():
     with pytest.raises(ValueError, match="this fleet holds one run"):
         FleetConfig.from_dict(MINIMAL).check_run("exp-a")
-
-
-class FakeRegistry:
-    def __init__(self):
-        self.kv = {}
-
-    def put(self, kind, key, value):
-        self.kv[kind, key] = value
 
 
 def test_a_plain_up_resumes_and_says_where_from():
