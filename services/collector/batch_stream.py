@@ -42,8 +42,9 @@ class UpstreamStream(Protocol):
 
 
 class StaleGroups(Protocol):
-    async def regenerate(self, prompt_ids: list[str], samples: int, why: str) -> None:
-        """Generate again the prompts of stale groups deleted unread (``samples`` counted as discarded)."""
+    async def regenerate(self, prompt_ids: list[str], samples: int, why: str, group_ids: list[int]) -> None:
+        """Generate again the prompts of stale groups deleted unread (``samples`` counted as discarded;
+        ``group_ids``: the groups')."""
 
 
 class BatchRelay:
@@ -134,7 +135,9 @@ class BatchRelay:
         Regenerated first: a crash in between leaves the batch buffered, not the prompts lost."""
         entry = response.batch.entries.get("prompt_id")
         prompt_ids = list(dict.fromkeys(entry.strings.values)) if entry is not None else []
-        await self.stale.regenerate(prompt_ids, response.batch.batch_size[0], "stale batch at the proxy")
+        entry = response.batch.entries.get("group_id")
+        group_ids = (decode_tensor(entry.tensor).tolist() if entry is not None and entry.HasField("tensor") else [])
+        await self.stale.regenerate(prompt_ids, response.batch.batch_size[0], "stale batch at the proxy", group_ids)
         self._own_acks.add(response.lease_id)
         await self.upstream.write(trajectory_pb2.StreamBatchesRequest(
             ack=trajectory_pb2.AckBatch(lease_id=response.lease_id)))

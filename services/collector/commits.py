@@ -47,15 +47,17 @@ class Commits:
         except RlfleetClientError as exc:
             log.warning("could not drop stale groups after the commit of v%d (retried at the next): %s", version, exc)
             return
-        await self.regenerate(list(dropped.prompt_ids), int(dropped.dropped), f"dropped below v{version}")
+        await self.regenerate(list(dropped.prompt_ids), int(dropped.dropped), f"dropped below v{version}",
+                              list(dropped.group_ids))
         await self._ledger.forget_appended(version - 1)  # kept one commit longer: a leased batch may come back
 
-    async def regenerate(self, prompt_ids: list[str], samples: int, why: str) -> None:
-        """Generate again the prompts of stale groups that were deleted unread (counted as discarded)."""
+    async def regenerate(self, prompt_ids: list[str], samples: int, why: str, group_ids: list[int]) -> None:
+        """Generate again the prompts of stale groups that were deleted unread (counted as discarded);
+        ``group_ids``: theirs, to find the groups whose prompts' rows are not yet ended."""
         if not samples:
             return
         self._pipeline.discard(samples)
-        missing = await self._source.regenerate(prompt_ids)
+        missing = await self._source.regenerate(prompt_ids, self._pipeline.unconfirmed(group_ids))
         await self._gate.reopen(len(prompt_ids))  # one group per prompt: its slot goes to a regenerated one
         log.info("stale groups deleted unread, prompts generated again",
                  extra={"why": why, "samples": samples, "prompts": len(prompt_ids) - len(missing)})

@@ -286,27 +286,39 @@ class PromptLedger:
         total = self._db.execute("SELECT COUNT(*) FROM pass_rates").fetchone()[0]
         return [PassRate(*row) for row in rows], total
 
-    async def regenerate(self, prompt_ids: list[str]) -> tuple[list[PromptItem], list[str]]:
-        """Make the kept rows of appended groups pending again, each as a new row (so its next
-        Append gets a new key): (the new items, the prompt ids with no kept row)."""
-        return await self._call(self._regenerate, prompt_ids)
+    async def regenerate(self, prompt_ids: list[str], replaceable: set[int] = frozenset()
+                         ) -> tuple[list[PromptItem], list[str], list[int]]:
+        """Make the rows of dropped groups pending again, each as a new row (so its next Append gets a
+        new key): (the new items, the prompt ids with no such row, the seqs of pending rows replaced).
 
-    def _regenerate(self, prompt_ids: list[str]) -> tuple[list[PromptItem], list[str]]:
-        again, missing = [], []
+        A prompt's kept row (its group appended) is the usual case. A pending row among ``replaceable``
+        had its group appended with the row's end not yet written: a commit between an Append and its
+        confirmation, or an Append just before a restart whose row the restarted collector generates
+        again (that Append finds the earlier group and would end the row). It is replaced too, and the
+        late end of the old row finds no row."""
+        return await self._call(self._regenerate, prompt_ids, replaceable)
+
+    def _regenerate(self, prompt_ids: list[str], replaceable: set[int]
+                    ) -> tuple[list[PromptItem], list[str], list[int]]:
+        again, missing, replaced = [], [], []
         with self._db.transaction():
             for prompt_id in prompt_ids:
                 row = self._db.execute("SELECT seq, item, attempts FROM prompts WHERE prompt_id = ? AND "
                                        "appended_version IS NOT NULL ORDER BY seq DESC LIMIT 1", (prompt_id,)).fetchone()
                 if row is None:
-                    missing.append(prompt_id)
-                    continue
+                    row = self._db.execute("SELECT seq, item, attempts FROM prompts WHERE prompt_id = ? AND "
+                                           "appended_version IS NULL", (prompt_id,)).fetchone()
+                    if row is None or row[0] not in replaceable:
+                        missing.append(prompt_id)
+                        continue
+                    replaced.append(row[0])
                 seq, raw, attempts = row
                 self._db.execute("DELETE FROM prompts WHERE seq = ?", (seq,))
                 inserted = self._db.execute("INSERT INTO prompts (prompt_id, item, attempts) VALUES (?, ?, ?) "
                                             "ON CONFLICT DO NOTHING RETURNING seq", (prompt_id, raw, attempts)).fetchall()
                 if inserted:  # else the trainer submitted it again meanwhile: already pending
                     again.append(_load(raw, inserted[0][0], attempts))
-        return again, missing
+        return again, missing, replaced
 
     async def forget_appended(self, below_version: int) -> int:
         """Delete the kept rows of groups appended at a version below ``below_version``."""
@@ -318,13 +330,15 @@ class PromptLedger:
 
     async def attempted(self, item: PromptItem) -> int:
         """Count a failed attempt (persisted: the budget survives restarts); returns the new count."""
-        item.attempts = await self._call(self._attempted, item.ledger_seq)
+        counted = await self._call(self._attempted, item.ledger_seq)
+        item.attempts = counted if counted is not None else item.attempts + 1
         return item.attempts
 
-    def _attempted(self, seq: int) -> int:
+    def _attempted(self, seq: int) -> int | None:
         with self._db.transaction():
-            return self._db.execute("UPDATE prompts SET attempts = attempts + 1 WHERE seq = ? RETURNING attempts",
-                                    (seq,)).fetchall()[0][0]
+            rows = self._db.execute("UPDATE prompts SET attempts = attempts + 1 WHERE seq = ? RETURNING attempts",
+                                    (seq,)).fetchall()
+        return rows[0][0] if rows else None  # None: the row was replaced (``regenerate``)
 
     # --- dead letters -------------------------------------------------------------------------
     async def dead(self, item: PromptItem, stage: str, code: str, error: str,

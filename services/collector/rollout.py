@@ -131,6 +131,8 @@ class Pipeline:
         """Dead letters since the state directory was created (seeded from the ledger at start)."""
         self._groups = asyncio.Semaphore(options.max_groups_in_flight)
         self._tasks: set[asyncio.Task] = set()
+        self._unconfirmed: dict[int, PromptItem] = {}
+        """Groups whose Append went out and whose prompt's end is not yet written, by group id."""
         self._rng = random.Random()
         self.upstream_up = asyncio.Event()
         """Set while reference, reward and trajectory answer; while clear no prompt is drawn, so an outage
@@ -147,6 +149,11 @@ class Pipeline:
             failed_prompts=self.failed_prompts, filter_rate=self.filter_rate.rate,
             expected_filter_loss=self.filter_rate.expected_loss, pinned_groups=generate.pinned_groups,
             pin_violations=generate.pin_violations, pins_retired=generate.pins_retired)
+
+    def unconfirmed(self, group_ids: list[int]) -> set[int]:
+        """The ledger rows of those of ``group_ids`` appended (or being) whose prompts' ends are not yet
+        written: a group dropped in that window is generated again under a new row (``PromptSource.regenerate``)."""
+        return {self._unconfirmed[group_id].ledger_seq for group_id in group_ids if group_id in self._unconfirmed}
 
     def discard(self, samples: int) -> None:
         """Samples of stale groups the collector deleted unread, counted as discarded."""
@@ -214,9 +221,13 @@ class Pipeline:
                 holds_slot = False
                 self._groups.release()
                 await self._until_committed(group)
-            version, filtered = await self.append.append(item, self.score.task_of(item), group, ref_log_probs,
-                                                         rewards, group_id, outcome.filtered)
-            await self._confirm(item, outcome, version, filtered)
+            self._unconfirmed[group_id] = item
+            try:
+                version, filtered = await self.append.append(item, self.score.task_of(item), group, ref_log_probs,
+                                                             rewards, group_id, outcome.filtered)
+                await self._confirm(item, outcome, version, filtered)
+            finally:
+                del self._unconfirmed[group_id]
         except Discard as reason:
             tracing.set_attributes({"rlfleet.discarded": str(reason)})
             log.info("group discarded, prompt requeued", extra={"prompt_id": item.prompt_id, "reason": str(reason)})

@@ -53,6 +53,11 @@ class PromptSource:
         """Dataset rows the curriculum skipped since start."""
         self._submitted: collections.deque[PromptItem] = collections.deque()
         self._requeued: collections.deque[PromptItem] = collections.deque()
+        self._replaced: set[int] = set()
+        """Ledger rows ``regenerate`` replaced while their items were out: dropped when they come back."""
+        self._restored: set[int] = set()
+        """Ledger rows pending at the restart (``restore``) not yet ended: their groups may have been
+        appended before it (``regenerate``)."""
         self._available = asyncio.Event()
         self.pending = 0
         """Prompts in the ledger: handed out or queued, not yet ended."""
@@ -105,6 +110,7 @@ class PromptSource:
             self.load_state(position)
         pending = await self.ledger.pending()
         self.pending = len(pending)
+        self._restored = {item.ledger_seq for item in pending}
         self._requeued.extend(pending)
         if pending:
             self._available.set()
@@ -130,7 +136,10 @@ class PromptSource:
 
     def requeue(self, item: PromptItem) -> None:
         """Put back a pending prompt (its group was discarded, or failed and is retried), ahead of
-        everything else."""
+        everything else; one whose row was replaced meanwhile is dropped (its new row is queued)."""
+        if item.ledger_seq in self._replaced:
+            self._ended(item)
+            return
         self._requeued.append(item)
         self._available.set()
 
@@ -138,21 +147,36 @@ class PromptSource:
                    outcome: GroupOutcome | None = None) -> None:
         """Its group was appended or filtered (see ``PromptLedger.done``)."""
         await self.ledger.done(item, retain_at_version, outcome)
-        self.pending -= 1
+        self._ended(item)
 
-    async def regenerate(self, prompt_ids: list[str]) -> list[str]:
+    async def regenerate(self, prompt_ids: list[str], unconfirmed: set[int] = frozenset()) -> list[str]:
         """Generate again the prompts of appended groups that were dropped stale, ahead of everything
-        else; returns the prompt ids whose row was no longer kept (not generated again)."""
-        again, missing = await self.ledger.regenerate(prompt_ids)
+        else; returns the prompt ids whose row was no longer kept (not generated again). A pending row
+        whose group was appended (``unconfirmed``: its Append went out, its end is not yet written; or
+        restored after a restart) is replaced (``PromptLedger.regenerate``): its item, queued, leaves
+        the queue; out, it is dropped when it comes back (a late end of its row finds none)."""
+        again, missing, replaced = await self.ledger.regenerate(prompt_ids, set(unconfirmed) | self._restored)
         self.pending += len(again)
+        if replaced:
+            self._replaced.update(replaced)
+            self._restored.difference_update(replaced)
+            for item in [item for item in self._requeued if item.ledger_seq in self._replaced]:
+                self._requeued.remove(item)
+                self._ended(item)
         for item in again:
             self.requeue(item)
         return missing
 
+    def _ended(self, item: PromptItem) -> None:
+        """``item`` left: ended in the ledger, or dropped as replaced."""
+        self._replaced.discard(item.ledger_seq)
+        self._restored.discard(item.ledger_seq)
+        self.pending -= 1
+
     async def dead(self, item: PromptItem, stage: str, code: str, error: str) -> "DeadLetter":
         """It failed for good: a dead letter."""
         dead = await self.ledger.dead(item, stage, code, error)
-        self.pending -= 1
+        self._ended(item)
         return dead
 
     @property

@@ -26,6 +26,7 @@ from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, generation_pb2, gener
 from rlfleet.wire import decode_tensor
 from rlfleet.wire.push_messages import iter_push_messages
 from tests.hf_reference import load_hf
+from tests.interposer import Interposer
 from tests.waiting import wait_for
 
 GROUP = 2
@@ -250,6 +251,55 @@ def _seeded_sample(replica: ServiceProcess) -> tuple[list[int], torch.Tensor]:
 
 def _same_sample(a: tuple[list[int], torch.Tensor], b: tuple[list[int], torch.Tensor]) -> bool:
     return a[0] == b[0] and torch.allclose(a[1], b[1], atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("fault", ["confirmed-late", "killed-before-confirming"])
+def test_a_group_a_commit_drops_before_its_prompt_is_confirmed_is_generated_again(
+        backends, tmp_path, tiny_model_dir, fault):
+    """Sync mode. The trajectory service has appended a group (durable) and its answer has not reached
+    the collector when a push commits and drops the group as stale. The answer then arrives late; or
+    the collector is SIGKILLed first and restarts, generates the prompt again and that Append finds the
+    dropped group's key. Either way the prompt is generated again and the trainer gets one whole group
+    of it, at the new version. (Before: the prompt's row was still pending when the drop looked for it,
+    "not generated again", and the late end removed it: the group was lost and a sync trainer's batch
+    never filled.) An interposer between the collector and the store holds the Append's answer."""
+    state = load_hf(tiny_model_dir).state_dict()
+    interposer = Interposer(backends["trajectory"].address, [
+        trajectory_pb2.DESCRIPTOR.services_by_name["TrajectoryService"],
+        health_pb2.DESCRIPTOR.services_by_name["Health"]])
+    args = ("--mode", "sync", "--groups-per-step", "1", "--trajectory-address", interposer.address)
+    held = interposer.hold("Append")
+    collector = ready(start_collector(backends, tmp_path, *args))
+    prompt_id = f"dropped-{fault}"
+    try:
+        with connect(collector.address, timeout=60) as client:
+            client.wait_ready(timeout=SETTLE_SECONDS)
+            before = client.policy_version
+            client.submit_prompts([{"prompt_id": prompt_id, "prompt": "spell it"}])
+            assert held.answered.wait(SETTLE_SECONDS), "the group's Append never reached the store"
+        if fault == "killed-before-confirming":
+            collector.kill()  # the store has the group; its answer never reaches the collector
+            held.release()
+            held = interposer.hold("Append")  # the restarted collector's Append of the same prompt
+            collector = ready(start_collector(backends, tmp_path, *args, port=collector.port))
+        with connect(collector.address, timeout=60) as client:
+            client.wait_ready(timeout=SETTLE_SECONDS)
+            if fault == "killed-before-confirming":
+                assert held.answered.wait(SETTLE_SECONDS), "the restarted collector never appended"
+            drops = interposer.answered["DropStale"]
+            assert client.push_weights(state, progress=False).version == before + 1
+            interposer.wait_answered("DropStale", drops + 1, SETTLE_SECONDS)  # the group is deleted
+            wait_for(lambda: "prompts generated again" in collector.log_tail(400), SETTLE_SECONDS,
+                     "the collector to regenerate the dropped group's prompt")
+            held.release()  # now the Append's answer arrives
+            groups = groups_read(client, {prompt_id})
+            assert len(groups[prompt_id]) == 1, groups  # one whole group, not none and not two
+            wait_for(lambda: client.status().pending_prompts == 0, SETTLE_SECONDS, "the ledger to empty")
+    finally:
+        collector.stop()
+        interposer.close()
 
 
 def _one_group(client, prompt_ids: set[str]) -> set[str]:

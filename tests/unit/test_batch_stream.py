@@ -17,6 +17,8 @@ def batch(lease_id: str, start_versions: list[int], prompt_ids: list[str]) -> tr
     response = trajectory_pb2.StreamBatchesResponse(lease_id=lease_id)
     response.batch.batch_size.append(len(start_versions))
     response.batch.entries["policy_version_start"].tensor.CopyFrom(encode_tensor(torch.tensor(start_versions)))
+    group_ids = [int(prompt_id.lstrip("p")) * 10 for prompt_id in prompt_ids]  # one group per prompt
+    response.batch.entries["group_id"].tensor.CopyFrom(encode_tensor(torch.tensor(group_ids)))
     response.batch.entries["prompt_id"].CopyFrom(tensor_pb2.TensorDictValue(
         strings=tensor_pb2.StringList(values=prompt_ids)))
     return response
@@ -55,8 +57,8 @@ class Collector(SimpleNamespace):
     def __init__(self, gate: VersionGate):
         super().__init__(gate=gate, failed=asyncio.Event(), regenerated=[])
 
-    async def regenerate(self, prompt_ids, samples, why):
-        self.regenerated.append((prompt_ids, samples))
+    async def regenerate(self, prompt_ids, samples, why, group_ids):
+        self.regenerated.append((prompt_ids, samples, group_ids))
 
     def check_working(self):
         if self.failed.is_set():
@@ -82,7 +84,8 @@ def test_a_sync_trainer_never_gets_a_batch_older_than_the_latest_push():
         return collector, upstream
 
     collector, upstream = asyncio.run(scenario())
-    assert collector.regenerated == [(["p1", "p2"], 3)]  # the stale batch's prompts, once each
+    # The stale batch's prompts, once each, and its rows' group ids (to find groups not yet confirmed).
+    assert collector.regenerated == [(["p1", "p2"], 3, [10, 10, 20])]
     opened = upstream.written[0].open
     assert (opened.min_policy_version, opened.prefetch) == (2, 1)
     # The relay acked the stale batch itself; the answer to that ack was not forwarded.

@@ -235,6 +235,64 @@ def test_sync_mode_keeps_appended_prompts_a_while_to_generate_stale_groups_again
     run(scenario())
 
 
+def test_a_group_dropped_before_its_prompts_end_was_written_is_generated_again_under_a_new_row(ledger_db):
+    """A commit between a group's Append and its prompt's end (sync mode): the dropped group's row is
+    still pending. It is replaced (a new row, a new append key), and the late end of the old row is a
+    no-op: before, the prompt was reported as gone from the ledger and the late end ended it, lost."""
+    async def scenario():
+        source = PromptSource(PromptLedger(ledger_db))
+        await source.submit([PromptItem(p, text=p) for p in ("a", "b", "c")])
+        a, b, c = [await source.next() for _ in range(3)]
+        # a's Append went out, its end is not written; b's group is some other row's (not replaceable).
+        assert await source.regenerate(["a", "b"], unconfirmed={a.ledger_seq}) == ["b"]
+        again = await source.next()
+        assert again.prompt_id == "a" and again.append_key != a.append_key
+        await source.done(a, retain_at_version=1)  # the late end finds no row
+        assert [p.prompt_id for p in await source.ledger.pending()] == ["b", "c", "a"]
+        assert source.pending == 3 and await source.ledger.count() == 3
+        assert await source.ledger.attempted(b) == 1  # b's own row, counted
+        await source.done(again, retain_at_version=2)
+        await source.done(b)
+        assert [p.prompt_id for p in await source.ledger.pending()] == ["c"] and source.pending == 1
+        source.ledger.close()
+    run(scenario())
+
+
+def test_after_a_restart_a_pending_rows_dropped_group_is_generated_again_under_a_new_row(ledger_db):
+    """Killed after a group's Append and before its prompt's end: the restarted collector queues the
+    row, whose Append would find the earlier group and end it. A commit that drops that group first
+    replaces the row: queued, its item leaves the queue; out, it is dropped when it comes back (a
+    retry's attempt count on it fails nothing)."""
+    async def first_life():
+        source = PromptSource(PromptLedger(ledger_db))
+        await source.submit([PromptItem(p, text=p) for p in ("a", "b", "c")])
+        taken = [await source.next() for _ in range(3)]
+        source.ledger.close()  # a crash: all three out, a's and b's groups appended
+        return taken
+
+    async def second_life():
+        source = PromptSource(PromptLedger(ledger_db))
+        assert await source.restore() == 3
+        out = await source.next()  # a is out again; b and c are queued
+        assert out.prompt_id == "a"
+        assert await source.regenerate(["a", "b"]) == []  # b's queued item left the queue
+        assert source.pending == 4  # a's old item is still out
+        assert await source.ledger.attempted(out) == 1  # its row is gone: counted on the item alone
+        source.requeue(out)  # it comes back (discarded or retried): dropped, its new row is queued
+        assert source.pending == 3
+        order = [(await source.next()) for _ in range(3)]
+        assert [p.prompt_id for p in order] == ["c", "a", "b"]
+        assert len({p.append_key for p in order} | {out.append_key}) == 4
+        assert source.pending == 3 and await source.ledger.count() == 3
+        for item in order:
+            await source.done(item)
+        assert source.pending == 0 and await source.ledger.count() == 0
+        source.ledger.close()
+
+    run(first_life())
+    run(second_life())
+
+
 def test_dead_letters_keep_the_newest_and_count_all(ledger_db):
     async def scenario():
         store = PromptLedger(ledger_db, max_dead_letters=3)
