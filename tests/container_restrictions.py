@@ -94,6 +94,7 @@ async def observe() -> dict:
         seen["episode_disk"] = (await episode.run(FILL_THE_DISK)).error
     finally:
         await episode.close()
+        await episode.pool.close()
     try:
         await PythonSandbox(limits.model_copy(update={"proc": True})).probe()
         seen["with_proc"] = "started"

@@ -48,8 +48,13 @@ class EnvironmentServiceConfig(ServiceConfig):
     without it, or past ``max_episode_sandboxes``, calls get a fresh sandbox each."""
 
     max_episode_sandboxes: int = Field(64, ge=1)
-    """``sandbox_per_episode``: most per-episode sandboxes alive at once (each holds a bwrap and an
-    idle interpreter, ~8 MB); the episodes past it run each call in a fresh sandbox."""
+    """``sandbox_per_episode``: most per-episode sandboxes alive at once, held by episodes or parked
+    for the next ones (each holds a bwrap and an idle interpreter, ~8 MB); the episodes past it run
+    each call in a fresh sandbox."""
+
+    idle_episode_sandbox_seconds: float = Field(60.0, gt=0)
+    """``sandbox_per_episode``: a sandbox an episode closed is reset, checked clean and parked for
+    the next episode (reused, never shared); one parked this long unused is ended."""
 
     max_tool_calls_in_flight: int | None = Field(None, ge=1)
     """Sandboxed python calls (``tool_calling``'s and every environment's in this process) that run at once;

@@ -26,9 +26,18 @@ files or Python state, nor the zygote, which as the namespace's init receives no
 Whatever is not a clean answer — the wall clock run out, a cancelled call, the zygote gone, a scratch
 directory it could not empty — ends the whole sandbox (its pid namespace is ended, as
 ``PythonSandbox`` ends one per call) before ``run()`` returns or raises; the episode's next call
-starts a new one. ``close()`` (the episode's end) ends it too. ``EpisodeSandboxes`` bounds how many
-live at once: past ``max_live`` an episode's calls each get a fresh sandbox (``PythonSandbox.run``),
-as they do without bwrap (``rlimits-only``: no pid namespace to keep).
+starts a new one. ``EpisodeSandboxes`` bounds how many live at once: past ``max_live`` an episode's
+calls each get a fresh sandbox (``PythonSandbox.run``), as they do without bwrap (``rlimits-only``: no
+pid namespace to keep).
+
+**Reused, never shared.** ``close()`` (the episode's end) asks the zygote for a reset (the same one
+as after every call: every other process of the namespace killed and reaped, the working directory
+and /tmp emptied) and a check that it is clean (no process but the zygote in ``/proc``); answered
+clean, the sandbox is parked in ``EpisodeSandboxes`` and the next episode's first call gets it
+instead of starting bwrap and an interpreter (~40 ms of CPU); not answered clean, it is ended. So
+what an episode shares with the episodes before it on the same sandbox is what its calls share with
+each other (above), and no two episodes hold one at once. A parked sandbox is ended after
+``idle_seconds`` unused, and all of them at the service's stop.
 """
 
 from __future__ import annotations
@@ -45,6 +54,8 @@ import time
 from typing import BinaryIO
 
 from rlfleet.services.environment import sandboxed
+from rlfleet.services.environment.metrics import (EPISODE_SANDBOX_RESETS, EPISODE_SANDBOXES_REUSED,
+                                                  EPISODE_SANDBOXES_STARTED, SANDBOX_CPU)
 from rlfleet.services.environment.sandbox import (
     GATE,
     SANDBOX_WORKDIR,
@@ -71,19 +82,79 @@ _END_SECONDS = 5.0  # the kernel's kill of a pid namespace takes milliseconds
 
 
 class EpisodeSandboxes:
-    """Makes the per-episode sandboxes of one ``PythonSandbox`` (its limits and bwrap),
-    at most ``max_live`` alive at once."""
+    """Makes the per-episode sandboxes of one ``PythonSandbox`` (its limits and bwrap), at most
+    ``max_live`` alive at once, and keeps those that episodes closed cleanly for the next episodes:
+    reused, never shared. A sandbox is parked only after its reset (``_Zygote.reset``: every process
+    of its namespace killed, its scratch directory and /tmp emptied, then checked) answered that it is
+    clean; one that does not is ended. A parked one is ended after ``idle_seconds`` unused."""
 
-    def __init__(self, sandbox: PythonSandbox, max_live: int = 64):
+    def __init__(self, sandbox: PythonSandbox, max_live: int = 64, idle_seconds: float = 60.0):
         if max_live < 1:
             raise ValueError(f"max_live must be >= 1, not {max_live}")
         self.sandbox = sandbox
         self.max_live = max_live
+        self.idle_seconds = idle_seconds
         self.live = 0
+        """Sandboxes alive: held by episodes, or parked (``idle``)."""
+        self.idle: list[_Zygote] = []
+        self.started = 0
+        """Sandboxes started (bwrap and the zygote's interpreter)."""
+        self.reused = 0
+        """Episodes that got a parked sandbox instead of a new one."""
+        self.reset_failures = 0
+        """Sandboxes ended because their reset did not answer clean."""
+        self._expiry: asyncio.TimerHandle | None = None
 
     def episode(self) -> EpisodeSandbox:
         """A sandbox for one episode's calls (started at its first call); ``close()`` it at the episode's end."""
         return EpisodeSandbox(self)
+
+    def _take(self) -> _Zygote | None:
+        """A parked sandbox (its slot with it), the most recently parked first; None if none."""
+        while self.idle:
+            zygote = self.idle.pop()
+            if zygote.alive():
+                self.reused += 1
+                EPISODE_SANDBOXES_REUSED.inc()
+                return zygote
+            self.live -= 1
+            asyncio.ensure_future(zygote.end())
+        return None
+
+    async def _park(self, zygote: _Zygote) -> None:
+        """An episode closed: keep its sandbox (and its slot) if it resets clean, else end it."""
+        if await zygote.reset():
+            zygote.parked_at = time.monotonic()
+            self.idle.append(zygote)
+            self._expire_later()
+            return
+        self.reset_failures += 1
+        log.warning("an episode's sandbox did not reset clean; it is ended")
+        await zygote.end()
+        self.live -= 1
+
+    def _expire_later(self) -> None:
+        if self._expiry is None and self.idle:
+            self._expiry = asyncio.get_running_loop().call_later(self.idle_seconds / 4, self._expire)
+
+    def _expire(self) -> None:
+        self._expiry = None
+        now = time.monotonic()
+        expired = [zygote for zygote in self.idle if now - zygote.parked_at >= self.idle_seconds]
+        for zygote in expired:
+            self.idle.remove(zygote)
+            self.live -= 1
+            asyncio.ensure_future(zygote.end())
+        self._expire_later()
+
+    async def close(self) -> None:
+        """End the parked sandboxes (the service's stop; episodes still open end theirs at their close)."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        idle, self.idle = self.idle, []
+        self.live -= len(idle)
+        await asyncio.gather(*(zygote.end() for zygote in idle))
 
 
 class EpisodeSandbox:
@@ -94,14 +165,11 @@ class EpisodeSandbox:
         self.limits = pool.sandbox.limits
         self._lock = asyncio.Lock()
         self._holds_slot = False
-        self._process: subprocess.Popen | None = None
-        self._control: socket.socket | None = None
-        self._info: BinaryIO | None = None
-        self._zygote_stderr: int | None = None
+        self._zygote: _Zygote | None = None
         self._prestart: asyncio.Future | None = None
         self._closed = False
         self.started = 0
-        """Sandboxes started for this episode (a new one after each that was ended early)."""
+        """Sandboxes this episode started or was given (a new one after each that was ended early)."""
 
     def prestart(self) -> None:
         """Start the sandbox in the background (when the episode opens, say), so that its first call
@@ -118,19 +186,29 @@ class EpisodeSandbox:
             if not await self._start_if_needed():
                 return await self.pool.sandbox.run(code, stdin)
             async with GATE.held():
-                return await self._call(code, stdin)
+                try:
+                    result, clean = await self._zygote.call(code, stdin)
+                except BaseException:  # cancelled: nothing of the call may outlive it
+                    await asyncio.shield(self._end())
+                    raise
+                if not clean:
+                    await self._end()
+                return result
 
     async def close(self) -> None:
-        """End the sandbox (if one is up) and give its slot back; later calls are refused."""
+        """Park the sandbox for another episode (reset and checked clean) or end it; later calls are
+        refused."""
         self._closed = True
         if self._prestart is not None and not self._prestart.done():
             self._prestart.cancel()
             await asyncio.wait({self._prestart})
         async with self._lock:
-            await self._end()
-            if self._holds_slot:
-                self._holds_slot = False
+            zygote, self._zygote = self._zygote, None
+            if zygote is not None:
+                await asyncio.shield(self.pool._park(zygote))  # the slot goes with it
+            elif self._holds_slot:
                 self.pool.live -= 1
+            self._holds_slot = False
 
     async def _start_once(self) -> None:
         async with self._lock:
@@ -139,43 +217,69 @@ class EpisodeSandbox:
 
     async def _start_if_needed(self) -> bool:
         """Whether calls run here (False: each in a fresh sandbox: no bwrap, or no slot left)."""
-        if await self.pool.sandbox.probe() != "bwrap" or not self._take_slot():
+        if self._zygote is not None:
+            return True
+        if await self.pool.sandbox.probe() != "bwrap":
             return False
-        if self._process is None:
-            await self._start()
-        return True
-
-    def _take_slot(self) -> bool:
-        if not self._holds_slot and self.pool.live < self.pool.max_live:
+        if not self._holds_slot:
+            self._zygote = self.pool._take()
+            if self._zygote is not None:
+                self._holds_slot = True
+                self.started += 1
+                return True
+            if self.pool.live >= self.pool.max_live:
+                return False
             self._holds_slot = True
             self.pool.live += 1
-        return self._holds_slot
+        self._zygote = await _Zygote.start(self.pool.sandbox)
+        self.pool.started += 1
+        EPISODE_SANDBOXES_STARTED.inc()
+        self.started += 1
+        return True
 
-    async def _start(self) -> None:
-        owner = self.pool.sandbox
+    async def _end(self) -> None:
+        """End the sandbox (the episode keeps its slot: its next call starts a new one)."""
+        zygote, self._zygote = self._zygote, None
+        if zygote is not None:
+            await zygote.end()
+
+
+class _Zygote:
+    """One live sandbox: bwrap, the zygote (its namespace's init) and the control socket to it."""
+
+    def __init__(self, limits, process: subprocess.Popen, control: socket.socket, info: BinaryIO, stderr: int):
+        self.limits = limits
+        self.process = process
+        self.control = control
+        self.info = info
+        self.stderr = stderr
+        self.parked_at = 0.0
+        self.cpu_seconds = 0.0
+        """The CPU of the last call or reset inside the sandbox, as the zygote reported it."""
+
+    @classmethod
+    async def start(cls, owner: PythonSandbox) -> _Zygote:
         host_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._control = host_end
         host_end.setblocking(False)
-        self._info = tempfile.TemporaryFile()
+        info = tempfile.TemporaryFile()
         stderr_read, stderr_write = os.pipe()
-        self._zygote_stderr = stderr_read
-        limits = self.limits
+        limits = owner.limits
         # the zygote, then in each call's process the snippet runner (sandboxed/zygote.py)
         program = sandboxed.source("zygote", "snippet_runner")
         zygote = [*interpreter_command(owner.python, program, limits), str(zygote_end.fileno())]
         stdout_read, stdout_write = os.pipe()  # pipes, as a call's: sys.stdout is made over them
-        seccomp_fd = None
+        seccomp_fd = process = None
         try:
             seccomp_fd = seccomp_filter_fd()
-            options = bwrap_arguments(limits, self._info.fileno(), seccomp_fd)
+            options = bwrap_arguments(limits, info.fileno(), seccomp_fd)
             command, drop = owner.as_sandbox_user([owner.bwrap, "--as-pid-1", *options, "--", *zygote])
             with tempfile.TemporaryFile() as empty_stdin:
-                self._process = subprocess.Popen(
+                process = subprocess.Popen(
                     command, stdin=empty_stdin, stdout=stdout_write, stderr=stderr_write,
-                    pass_fds=(self._info.fileno(), zygote_end.fileno(), seccomp_fd), cwd="/",
+                    pass_fds=(info.fileno(), zygote_end.fileno(), seccomp_fd), cwd="/",
                     env=sandbox_env(SANDBOX_WORKDIR), start_new_session=True, **drop)
         except (OSError, SandboxUnavailable) as error:
-            await self._end()
+            await cls(limits, process, host_end, info, stderr_read).end()
             if isinstance(error, SandboxUnavailable):
                 raise
             raise SandboxUnavailable(f"cannot start {owner.bwrap}: {error}") from error
@@ -184,12 +288,16 @@ class EpisodeSandbox:
                 if fd is not None:
                     os.close(fd)
             zygote_end.close()
-        self.started += 1
+        return cls(limits, process, host_end, info, stderr_read)
 
-    async def _call(self, code: str, stdin: str) -> ToolResult:
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    async def call(self, code: str, stdin: str) -> tuple[ToolResult, bool]:
+        """Run one call; the result, and whether the sandbox is clean after it (False: end it)."""
         pipes = (OutputPipe(self.limits.max_output_bytes), OutputPipe(self.limits.max_output_bytes))
         readers: list[asyncio.Task] = []
-        ended = True  # unless the zygote answers that it cleaned up
+        clean = False  # unless the zygote answers that it cleaned up
         timed_out = False
         status = -signal.SIGKILL
         with tempfile.TemporaryFile() as source, tempfile.TemporaryFile() as stdin_file:
@@ -201,7 +309,7 @@ class EpisodeSandbox:
             try:
                 try:
                     fds = [source.fileno(), stdin_file.fileno(), pipes[0].write_end, pipes[1].write_end]
-                    self._control.sendmsg([b"c"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+                    self.control.sendmsg([b"c"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
                 except OSError:  # the zygote is gone
                     answer = None
                 else:
@@ -214,18 +322,15 @@ class EpisodeSandbox:
                         answer, timed_out = None, True
                 wall_seconds = time.monotonic() - started
                 if answer is not None:
-                    status, emptied = answer
-                    ended = not emptied
-                if ended:
-                    self._log_zygote_failure(answer, timed_out)
-                    await self._end()
+                    status, clean = answer
+                    SANDBOX_CPU.labels(step="call").observe(self.cpu_seconds)
+                if not clean:
+                    self._log_failure(answer, timed_out)
+                    await self.end()
                 if readers:
                     _, still_open = await asyncio.wait(readers, timeout=PIPE_GRACE_SECONDS)
                     if still_open:
                         log.warning("an output pipe stayed open after the call ended: a process escaped the sandbox")
-            except BaseException:  # cancelled: nothing of the call may outlive it
-                await asyncio.shield(self._end())
-                raise
             finally:
                 for pipe in pipes:
                     pipe.close()
@@ -235,41 +340,57 @@ class EpisodeSandbox:
         if answer is None and not timed_out:
             error = "ended with its sandbox, which stopped answering"
         return ToolResult(ok=error is None, stdout=pipes[0].text("stdout"), stderr=pipes[1].text("stderr"),
-                          exit_code=exit_code, error=error, wall_seconds=wall_seconds)
+                          exit_code=exit_code, error=error, wall_seconds=wall_seconds), clean
+
+    async def reset(self) -> bool:
+        """Between episodes: the zygote kills every other process of its namespace, empties the scratch
+        directory and /tmp, and checks that no process but itself is left; whether it answered so."""
+        try:
+            self.control.send(b"r")
+            answer = await asyncio.wait_for(self._answer(), _END_SECONDS)
+        except (OSError, asyncio.TimeoutError):
+            answer = None
+        clean = answer is not None and answer[1]
+        if answer is not None:
+            SANDBOX_CPU.labels(step="reset").observe(self.cpu_seconds)
+        EPISODE_SANDBOX_RESETS.labels(outcome="clean" if clean else "failed").inc()
+        return clean
 
     async def _answer(self) -> tuple[int, bool] | None:
-        """The zygote's answer to the call; None when it closed the socket (it is gone)."""
+        """The zygote's answer (wait status, clean); None when it closed the socket (it is gone). The
+        CPU it reports goes to ``cpu_seconds``."""
         loop = asyncio.get_running_loop()
         received = b""
         while not received.endswith(b"\n"):
-            chunk = await loop.sock_recv(self._control, 64)
+            chunk = await loop.sock_recv(self.control, 64)
             if not chunk:
                 return None
             received += chunk
-        status, emptied = received.split()
-        return int(status), emptied == b"1"
+        status, clean, cpu_us = received.split()
+        self.cpu_seconds = int(cpu_us) / 1e6
+        return int(status), clean == b"1"
 
-    def _log_zygote_failure(self, answer: tuple[int, bool] | None, timed_out: bool) -> None:
+    def _log_failure(self, answer: tuple[int, bool] | None, timed_out: bool) -> None:
         if timed_out:
             return  # the snippet's doing, in the result
         if answer is not None:
             log.warning("the episode's sandbox could not empty its scratch directory or /tmp; it is ended")
             return
-        os.set_blocking(self._zygote_stderr, False)
+        os.set_blocking(self.stderr, False)
         try:
-            said = os.read(self._zygote_stderr, 4096).decode(errors="replace").strip()
+            said = os.read(self.stderr, 4096).decode(errors="replace").strip()
         except OSError:
             said = ""
         log.error("the episode's sandbox stopped answering%s", f": {said[-1000:]}" if said else "")
 
-    async def _end(self) -> None:
+    async def end(self) -> None:
         """End the sandbox: its pid namespace (every process in it, and with it the tmpfs of its working
-        directory and /tmp), bwrap."""
-        process, self._process = self._process, None
+        directory and /tmp), bwrap. Idempotent."""
+        process, self.process = self.process, None
         if process is not None:
             exited = os.pidfd_open(process.pid)
             try:
-                await end_namespace(self._info)
+                await end_namespace(self.info)
                 try:
                     os.killpg(process.pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -278,10 +399,10 @@ class EpisodeSandbox:
             finally:
                 os.close(exited)
             process.wait()
-        for closing in (self._control, self._info):
+        for closing in (self.control, self.info):
             if closing is not None:
                 closing.close()
-        self._control = self._info = None
-        if self._zygote_stderr is not None:
-            os.close(self._zygote_stderr)
-            self._zygote_stderr = None
+        self.control = self.info = None
+        if self.stderr is not None:
+            os.close(self.stderr)
+            self.stderr = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from rlfleet.services.environment.sandbox import GATE
 
@@ -17,3 +17,18 @@ TOOL_CALLS_WAITING.set_function(lambda: GATE.waiting)
 TOOL_CALLS_LIMIT = Gauge("rlfleet_tool_calls_in_flight_limit",
                          "Sandboxed tool calls that may run at once (environment: max_tool_calls_in_flight)")
 TOOL_CALLS_LIMIT.set_function(lambda: GATE.limit)
+EPISODE_SANDBOXES_STARTED = Counter("rlfleet_episode_sandboxes_started_total",
+                                    "Per-episode sandboxes started: a bwrap and the zygote's interpreter (environment)")
+EPISODE_SANDBOXES_REUSED = Counter("rlfleet_episode_sandboxes_reused_total",
+                                   "Episodes given a sandbox an earlier episode closed, reset and checked clean "
+                                   "(environment): the starts saved")
+EPISODE_SANDBOX_RESETS = Counter("rlfleet_episode_sandbox_resets_total",
+                                 "Resets of per-episode sandboxes at their episodes' end, by outcome: clean "
+                                 "(parked for the next episode) or failed (ended) (environment)", ["outcome"])
+EPISODE_SANDBOXES = Gauge("rlfleet_episode_sandboxes",
+                          "Per-episode sandboxes alive (environment), by state: held by an episode, or idle "
+                          "(parked for the next)", ["state"])
+SANDBOX_CPU = Histogram("rlfleet_episode_sandbox_cpu_seconds",
+                        "CPU inside a per-episode sandbox, as its zygote reports it (environment), by step: call "
+                        "(the call's processes and the zygote's fork and reset) or reset (between episodes)",
+                        ["step"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2.0, 10.0))

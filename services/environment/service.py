@@ -14,7 +14,7 @@ from rlfleet.services.common.errors import StartupError, Unavailable
 from rlfleet.services.common.server import Service
 from rlfleet.services.environment.config import TOOL_CALLING, EnvironmentServiceConfig
 from rlfleet.services.environment.episode_sandbox import EpisodeSandboxes
-from rlfleet.services.environment.metrics import SANDBOX_ISOLATION
+from rlfleet.services.environment.metrics import EPISODE_SANDBOXES, SANDBOX_ISOLATION
 from rlfleet.services.environment.open_episodes import Episodes, OpenEpisodeLimits
 from rlfleet.services.environment.mcp_tools import MCPTools, ToolNameCollision
 from rlfleet.services.environment.rendering import ChatRenderer
@@ -36,7 +36,10 @@ class EnvironmentService(Service[EnvironmentServiceConfig]):
         super().__init__(config)
         self.sandbox = PythonSandbox(config.sandbox, allow_rlimits_only=config.allow_rlimits_only)
         GATE.configure(config.max_tool_calls_in_flight)
-        self.episode_sandboxes = EpisodeSandboxes(self.sandbox, config.max_episode_sandboxes)
+        self.episode_sandboxes = pool = EpisodeSandboxes(self.sandbox, config.max_episode_sandboxes,
+                                                         config.idle_episode_sandbox_seconds)
+        EPISODE_SANDBOXES.labels(state="idle").set_function(lambda: len(pool.idle))
+        EPISODE_SANDBOXES.labels(state="held").set_function(lambda: pool.live - len(pool.idle))
         self.mcp_tools: MCPTools | None = None
         self._episodes: Episodes | None = None
 
@@ -105,6 +108,7 @@ class EnvironmentService(Service[EnvironmentServiceConfig]):
         await self.stop_supervised()
         if self._episodes is not None:
             await self._episodes.close_all()
+        await self.episode_sandboxes.close()
         if self.mcp_tools is not None:
             await self.mcp_tools.aclose()
 

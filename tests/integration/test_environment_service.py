@@ -19,6 +19,7 @@ from rlfleet.services.launch import ServiceProcess, free_port
 from rlfleet.v1 import environment_pb2, environment_pb2_grpc, sampling_pb2
 from rlfleet.wire import decode_tensor, encode_tensor
 from tests.scrape import scrape_metric
+from tests.sandbox_cases import sandbox_processes
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow,
@@ -170,18 +171,34 @@ def python_pids(stub, tokenizer, episode_id: str, calls: int) -> list[str]:
 
 def test_sandbox_per_episode_keeps_one_sandbox_for_the_episodes_calls(stub, tiny_model_dir, tmp_path, tokenizer):
     """Each call a fresh process: in a fresh sandbox by default (pid 2 each time), in the episode's own
-    with sandbox_per_episode (its pids grow; the parent of each is the sandbox's zygote, pid 1)."""
-    proc = start(tiny_model_dir, tmp_path, "--sandbox-per-episode", "true")
+    with sandbox_per_episode (its pids grow; the parent of each is the sandbox's zygote, pid 1). The
+    next episode gets that sandbox, reset (its pids go on growing); the service's stop ends it."""
+    proc = start(tiny_model_dir, tmp_path, "--sandbox-per-episode", "true", "--metrics-port", str(free_port()))
     try:
         with grpc.insecure_channel(proc.wait_ready(120).address) as channel:
-            per_episode = python_pids(environment_pb2_grpc.EnvironmentServiceStub(channel), tokenizer, "kept", 3)
+            service = environment_pb2_grpc.EnvironmentServiceStub(channel)
+            per_episode = python_pids(service, tokenizer, "kept", 3)
+            next_episode = python_pids(service, tokenizer, "next", 2)
+            counted = {name: metric(proc, f"rlfleet_{name}", **labels) for name, labels in (
+                ("episode_sandboxes_started_total", {}), ("episode_sandboxes_reused_total", {}),
+                ("episode_sandbox_resets_total", {"outcome": "clean"}),
+                ("episode_sandbox_cpu_seconds_count", {"step": "call"}),
+                ("episode_sandbox_cpu_seconds_sum", {"step": "call"}),
+                ("episode_sandboxes", {"state": "idle"}))}
     finally:
         proc.stop()
+    assert sandbox_processes() == []  # the parked sandbox ended with the service
     per_call = python_pids(stub, tokenizer, "fresh", 3)
 
     assert per_call == ["2 1", "2 1", "2 1"]
-    assert per_episode[0] == "2 1" and [int(answer.split()[0]) for answer in per_episode] == sorted(
-        {int(answer.split()[0]) for answer in per_episode}) and all(a.endswith(" 1") for a in per_episode)
+    pids = [int(answer.split()[0]) for answer in per_episode + next_episode]
+    assert per_episode[0] == "2 1" and pids == sorted(set(pids)), (per_episode, next_episode)
+    assert all(answer.endswith(" 1") for answer in per_episode + next_episode)
+    # one start, one reuse, both episodes' ends reset clean; five calls' CPU as the zygote counted it
+    assert {name: value for name, value in counted.items() if name != "episode_sandbox_cpu_seconds_sum"} == {
+        "episode_sandboxes_started_total": 1, "episode_sandboxes_reused_total": 1,
+        "episode_sandbox_resets_total": 2, "episode_sandbox_cpu_seconds_count": 5, "episode_sandboxes": 1}
+    assert 0 < counted["episode_sandbox_cpu_seconds_sum"] < 5, counted
 
 
 def test_opening_is_idempotent(stub):

@@ -40,18 +40,33 @@ def scratch_root():
         yield root
 
 
-@pytest.fixture
-async def episode(scratch_root):
-    """One episode's sandbox, started; closed (and checked gone) after the test."""
+@pytest.fixture(params=["same episode", "next episode"])
+async def episode(scratch_root, request):
+    """One episode's sandbox, started; closed (and checked gone) after the test. ``check_untouched``
+    runs its check in that episode's next call, or ("next episode") in the first call of the episode
+    that gets the sandbox next: closed and reset, the same sandbox, reused."""
     sandboxes = EpisodeSandboxes(PythonSandbox(LIMITS, scratch_root=scratch_root))
     sandbox = sandboxes.episode()
     first = await sandbox.run("import os\nprint(os.getpid(), os.getppid())\n")
     assert first.ok and first.stdout == "2 1\n", first  # the zygote is the namespace's init
+    if request.param == "next episode":
+        SUCCESSORS[id(sandbox)] = []
     yield sandbox
-    await sandbox.close()
-    assert not sandbox_processes(), "a process of the episode's sandbox outlived close()"
+    for opened in [sandbox, *SUCCESSORS.pop(id(sandbox), [])]:
+        await opened.close()
+    await closed(sandboxes)
     assert os.listdir(scratch_root) == []
-    assert sandboxes.live == 0
+
+
+SUCCESSORS: dict[int, list] = {}
+"""Per "next episode" sandbox of the fixture: the episodes opened after it (closed at the test's end)."""
+
+
+async def closed(sandboxes: EpisodeSandboxes) -> None:
+    """End the parked sandboxes too: nothing may be left."""
+    await sandboxes.close()
+    assert not sandbox_processes(), "a process of an episode's sandbox outlived close()"
+    assert sandboxes.live == 0 and sandboxes.idle == []
 
 
 def namespace_init() -> int:
@@ -65,10 +80,27 @@ def namespace_init() -> int:
 
 
 async def check_untouched(sandbox, started: int = 1) -> None:
-    """The next call sees nothing of the last: the same sandbox (unless ``started`` says it was ended)."""
-    after = await sandbox.run(AFTER)
+    """The next call sees nothing of the last: the same sandbox (unless ``started`` says it was ended).
+    For a "next episode" sandbox, that call is the next episode's first, on the same sandbox reset
+    (a new one if it was ended)."""
+    successors = SUCCESSORS.get(id(sandbox))
+    if successors is None:
+        after = await sandbox.run(AFTER)
+        assert after.ok and after.stdout == AFTER_OUTPUT, after
+        assert sandbox.started == started
+        return
+    pool, up = sandbox.pool, bool(sandbox_processes())
+    zygote, reused = namespace_init() if up else None, pool.reused
+    await sandbox.close()
+    successor = pool.episode()
+    successors.append(successor)
+    after = await successor.run(AFTER)
     assert after.ok and after.stdout == AFTER_OUTPUT, after
-    assert sandbox.started == started
+    assert sandbox.started == started - (not up)  # the call that ended it started none
+    if up:  # parked clean, given to the next episode
+        assert pool.reused == reused + 1 and namespace_init() == zygote
+    else:
+        assert pool.reused == reused and successor.started == 1
 
 
 async def test_calls_share_the_sandbox_not_their_files_or_processes(episode):
@@ -102,6 +134,7 @@ async def test_a_runaway_loop_hits_the_cpu_limit(scratch_root):
         after = await sandbox.run("print('next')")
     finally:
         await sandbox.close()
+        await sandbox.pool.close()
 
     assert not result.ok and result.exit_code == -signal.SIGXCPU
     assert result.error == "CPU time limit (1 s) exceeded"
@@ -119,6 +152,7 @@ async def test_a_sleep_hits_the_wall_clock_limit_and_ends_the_sandbox(scratch_ro
         after = await sandbox.run("print('next')")
     finally:
         await sandbox.close()
+        await sandbox.pool.close()
 
     assert not result.ok and result.error == "timed out after 2 s (wall clock)"
     assert result.exit_code == -signal.SIGKILL
@@ -238,6 +272,7 @@ async def test_past_max_live_calls_get_a_fresh_sandbox_each(scratch_root):
     finally:
         await first.close()
         await second.close()
+        await sandboxes.close()
 
     assert one.stdout == "1\n" and [result.stdout for result in two] == ["2\n", "2\n"]  # a fresh one each
     assert (first.started, second.started, sandboxes.live) == (1, 0, 0)
@@ -252,6 +287,7 @@ async def test_prestart_starts_it_before_the_first_call(scratch_root):
         result = await sandbox.run("print('hi')")
     finally:
         await sandbox.close()
+        await sandbox.pool.close()
 
     assert result.ok and result.stdout == "hi\n" and sandbox.started == 1
     assert sandbox_processes() == []
@@ -280,25 +316,32 @@ async def test_without_proc_a_daemon_still_dies_with_its_call(scratch_root):
         after = await sandbox.run("print('next')")
     finally:
         await sandbox.close()
+        await sandbox.pool.close()
 
     assert result.ok and result.stdout == "False 42\n", result
     assert len(between) == 2 and after.stdout == "next\n" and sandbox.started == 1
     assert sandbox_processes() == []
 
 
-async def test_the_disk_bound_holds_per_call_and_the_next_call_gets_it_back(scratch_root):
+async def test_the_disk_bound_holds_per_call_and_the_next_call_and_episode_get_it_back(scratch_root):
     limits = LIMITS.model_copy(update={"max_disk_bytes": 4 * 2**20})
-    sandbox = EpisodeSandboxes(PythonSandbox(limits, scratch_root=scratch_root)).episode()
+    sandboxes = EpisodeSandboxes(PythonSandbox(limits, scratch_root=scratch_root))
+    sandbox, successor = sandboxes.episode(), sandboxes.episode()
     try:
         first = await sandbox.run(FILL_THE_DISK)
         second = await sandbox.run(FILL_THE_DISK)
+        await sandbox.close()  # the disk it filled is emptied by the reset; the next episode gets it
+        third = await successor.run(FILL_THE_DISK)
     finally:
         await sandbox.close()
+        await successor.close()
+        await sandboxes.close()
 
-    for result in first, second:
+    for result in first, second, third:
         assert result.error == "disk limit exceeded (4194304 bytes in the working directory, 1048576 in /tmp)"
-    assert first.stdout == second.stdout and 2 <= int(first.stdout.split()[0]) < 4, first.stdout
-    assert sandbox.started == 1 and os.listdir(scratch_root) == []
+    assert first.stdout == second.stdout == third.stdout and 2 <= int(first.stdout.split()[0]) < 4, first.stdout
+    assert (sandbox.started, successor.started, sandboxes.started, sandboxes.reused) == (1, 1, 1, 1)
+    assert os.listdir(scratch_root) == [] and sandbox_processes() == []
 
 
 async def test_a_nested_user_namespace_is_refused(episode):
@@ -327,6 +370,7 @@ async def test_calls_past_the_gate_wait_for_one_to_end(scratch_root):
         GATE.configure(saved)
         for episode in episodes:
             await episode.close()
+        await sandboxes.close()
     assert all(result.ok for result in results), results
     spans = [tuple(map(float, result.stdout.split())) for result in results]
     for start, _ in spans:

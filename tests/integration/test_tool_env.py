@@ -174,7 +174,7 @@ def test_limits_must_allow_a_turn(sandbox):
         ToolCallingEnv(sandbox, max_turns=0)
 
 
-async def test_with_a_sandbox_per_episode_calls_share_one_and_close_ends_it(mcp_tools):
+async def test_with_a_sandbox_per_episode_calls_share_one_and_close_parks_it(mcp_tools):
     sandbox = EpisodeSandboxes(PythonSandbox(LIMITS)).episode()
     env = ToolCallingEnv(sandbox, mcp_tools, max_turns=4)
     await env.reset(TASK)
@@ -186,6 +186,8 @@ async def test_with_a_sandbox_per_episode_calls_share_one_and_close_ends_it(mcp_
 
     expected = [{"role": "tool", "name": "python", "content": "1 ['snippet.py']"}]  # no file of the last call
     assert first.messages == second.messages == expected
-    assert sandbox.started == 1 and sandbox.pool.live == 0
+    assert sandbox.started == 1 and sandbox.pool.live == 1 and len(sandbox.pool.idle) == 1  # for the next
     with pytest.raises(RuntimeError, match="closed"):
         await sandbox.run("print(1)")
+    await sandbox.pool.close()
+    assert sandbox.pool.live == 0

@@ -7,14 +7,19 @@ call's process, which then goes on exactly as a fresh sandbox's runner does (the
 snippet as ``__main__``). The zygote itself never returns from ``serve()``.
 
 A call is one byte on the control socket carrying four fds (the snippet's source, stdin, stdout,
-stderr); the answer is ``"<wait status> <1: emptied, 0: not>\\n"``.
+stderr); the answer is ``"<wait status> <1: clean, 0: not> <CPU microseconds>\\n"``, after the reset;
+the CPU is the call's: its processes (reaped orphans included) and the zygote's own for the call
+(fork, reset). A reset alone (an episode's end, before the sandbox is parked for the next episode) is
+the byte ``r`` without fds; the answer is ``"0 <1: clean, 0: not> <CPU microseconds>\\n"``. Clean:
+every other process of the namespace killed and reaped, none left in ``/proc`` (when mounted), the
+working directory and ``/tmp`` emptied.
 """
 
 import array
 import ctypes
 import gc
 import os
-import resource  # noqa: F401  the snippet runner's: imported once here, not by every call
+import resource  # the snippet runner's too: imported once here, not by every call
 import signal
 import sys
 
@@ -37,6 +42,31 @@ def empty(directory):
     return True
 
 
+def cpu_us(usage):
+    return int((usage.ru_utime + usage.ru_stime) * 1e6)
+
+
+def reset(workdir):
+    """Kill every process of the namespace but this one, empty the scratch directories; whether clean,
+    and the CPU (microseconds) of the orphans reaped."""
+    try:
+        os.kill(-1, signal.SIGKILL)  # every process of the namespace but this one
+    except ProcessLookupError:
+        pass
+    reaped = 0
+    while True:  # orphans are this init's children: none left means none alive
+        try:
+            reaped += cpu_us(os.wait3(0)[2])
+        except ChildProcessError:
+            break
+    if not (empty(workdir) and empty("/tmp")):
+        return False, reaped
+    try:
+        return [name for name in os.listdir("/proc") if name.isdigit()] in ([], ["1"]), reaped
+    except OSError:
+        return True, reaped  # no /proc mounted: the reaping above is the check
+
+
 def serve():
     if os.getpid() != 1:  # kill(-1) below is for a pid namespace of our own only: never the host's
         os._exit(2)
@@ -57,7 +87,12 @@ def serve():
         fds = array.array("i")
         for _, _, data in ancillary:
             fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
-        if len(fds) != 4:
+        before = cpu_us(resource.getrusage(resource.RUSAGE_SELF))
+        if message == b"r" and not fds:
+            clean, _ = reset(workdir)
+            control.sendall(b"0 %d %d\n" % (clean, cpu_us(resource.getrusage(resource.RUSAGE_SELF)) - before))
+            continue
+        if message != b"c" or len(fds) != 4:
             os._exit(3)
         child = os.fork()
         if child == 0:  # the call's process
@@ -74,18 +109,10 @@ def serve():
             return
         for fd in fds:
             os.close(fd)
-        status = os.waitpid(child, 0)[1]
-        try:
-            os.kill(-1, signal.SIGKILL)  # every process of the namespace but this one
-        except ProcessLookupError:
-            pass
-        while True:  # orphans are this init's children: none left means none alive
-            try:
-                os.wait()
-            except ChildProcessError:
-                break
-        emptied = empty(workdir) and empty("/tmp")
-        control.sendall(b"%d %d\n" % (status, emptied))
+        _, status, usage = os.wait4(child, 0)
+        clean, reaped = reset(workdir)
+        spent = cpu_us(usage) + reaped + cpu_us(resource.getrusage(resource.RUSAGE_SELF)) - before
+        control.sendall(b"%d %d %d\n" % (status, clean, spent))
 
 
 serve()
