@@ -14,8 +14,10 @@ Variants, alternated within each round (the order flips every round):
 - ``baseline``: the same class from ``--baseline FILE``, another version of sandbox.py (to compare one
   against another side by side, e.g. ``git show REV:services/environment/sandbox.py > /tmp/old.py``);
 - ``episode``: ``EpisodeSandbox`` (services/environment/episode_sandbox.py): one sandbox per episode of
-  ``--calls-per-episode`` calls (started at its first call, closed after its last, both counted),
-  a fresh process forked in it per call;
+  ``--calls-per-episode`` calls, a fresh process forked in it per call; closed after its last call
+  (reset and parked, counted) and given to the next episode (``EpisodeSandboxes`` reuses it);
+- ``episode-unreused``: the same, with every parked sandbox ended at once: each episode starts one
+  (bwrap and the interpreter) and ends it, both counted;
 - ``floor``: no sandbox: ``python3 -I -B -X utf8 -c SNIPPET`` as a plain child process (one interpreter).
 
 Loads: idle (no load of ours: whatever else runs on the host still does), then ``--busy`` processes
@@ -108,9 +110,11 @@ def sandbox_call(sandbox_class: type) -> Call:
     return call
 
 
-def episode_call(calls_per_episode: int) -> Call:
+def episode_call(calls_per_episode: int, reuse: bool = True) -> Call:
     """Calls on per-episode sandboxes: each ``calls_per_episode`` calls share one, then it is closed
-    (in the call that made the last one: its teardown is counted)."""
+    (in the call that made the last one: its reset, or without ``reuse`` its teardown, is counted).
+    With ``reuse`` the next episode gets the sandbox the last one closed, reset; without, the parked
+    sandbox is ended at once (each episode starts and ends its own, as before sandboxes were reused)."""
     sandboxes = EpisodeSandboxes(PythonSandbox())
     state = {"episode": None, "calls": 0}
 
@@ -123,6 +127,8 @@ def episode_call(calls_per_episode: int) -> Call:
         if state["calls"] == calls_per_episode:
             state["episode"] = None
             await episode.close()
+            if not reuse:
+                await sandboxes.close()
         if not result.ok or result.stdout != SNIPPET_OUTPUT:
             raise RuntimeError(f"the sandbox call failed: {result.error}: {result.stderr[-500:]}")
 
@@ -184,13 +190,13 @@ def report(results: dict[str, dict[str, list[dict]]], ns: argparse.Namespace) ->
         for name, measured in rounds.items():
             row = {key: median_of(measured, key) for key in ("calls_per_s", "wall_ms", "cpu_ms")}
             comparison = ""
-            against = {"current": "baseline", "episode": "current"}.get(name)
+            against = {"current": "baseline", "episode": "current", "episode-unreused": "current"}.get(name)
             if against in rounds:
                 pairs = list(zip(rounds[against], measured))
                 speedup = statistics.median(m["calls_per_s"] / b["calls_per_s"] for b, m in pairs)
                 cpu_ratio = statistics.median(m["cpu_ms"] / b["cpu_ms"] for b, m in pairs)
                 comparison = f"calls/s x{speedup:.2f}, CPU x{cpu_ratio:.2f} (vs {against})"
-                key = f"{load}_" if name == "current" else f"{load}_episode_"
+                key = {"current": f"{load}_", "episode": f"{load}_episode_"}.get(name, f"{load}_{name}_")
                 result[f"{key}speedup"] = round(speedup, 3)
                 result[f"{key}cpu_ratio"] = round(cpu_ratio, 3)
                 result[f"{key}speedup_per_round"] = [round(m["calls_per_s"] / b["calls_per_s"], 3) for b, m in pairs]
@@ -207,6 +213,7 @@ async def main(ns: argparse.Namespace) -> dict:
         variants["baseline"] = sandbox_call(load_sandbox_class(ns.baseline))
     if ns.calls_per_episode:
         variants["episode"] = episode_call(ns.calls_per_episode)
+        variants["episode-unreused"] = episode_call(ns.calls_per_episode, reuse=False)
     variants["floor"] = floor_call
     results: dict[str, dict[str, list[dict]]] = {}
     busy = spinners(ns.busy) if ns.busy else []  # started first: outside the measured cgroup
