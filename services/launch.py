@@ -3,11 +3,19 @@
 Used by the suite launcher (``rlfleet-suite``), the demo and the integration
 tests. Each ``ServiceProcess`` tracks its own PID; stopping sends SIGTERM and
 only escalates to SIGKILL for that PID after a timeout.
+
+Nothing a service's processes leave is left once it stops, gracefully or killed: each gets a
+``TMPDIR`` of its own (``private_tmp``: a vLLM engine's ``torch.distributed`` file store and its ZMQ
+IPC sockets go there), removed once its process group is gone, and the shared-memory segments and
+named semaphores its group held (``rlfleet.ray.reaper.held_segments``: read from ``/proc`` just
+before the signal) are unlinked then too.
 """
 
 from __future__ import annotations
 
+import getpass
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,6 +32,11 @@ from grpc_health.v1 import health_pb2
 from rlfleet.services import healthcheck
 
 
+_ALIVE: tuple[int, int] | None = None
+"""This process's pipe to the reapers of the services it guards (``ServiceProcess.guard``): read end,
+write end. Only this process holds the write end: its end is the reapers' EOF."""
+
+
 def written_address(workdir: Path, name: str) -> str | None:
     """The loopback address service ``name`` wrote in ``workdir`` when it listened (``ServiceProcess.start``:
     ``<workdir>/<name>.port``), or None if it never did. It may have stopped since."""
@@ -31,6 +44,32 @@ def written_address(workdir: Path, name: str) -> str | None:
         return f"127.0.0.1:{int((Path(workdir) / f'{name}.port').read_text())}"
     except (FileNotFoundError, ValueError):
         return None
+
+
+IPC_PATH_MAX = 70
+"""The longest ``TMPDIR`` a vLLM engine's IPC socket paths fit under: ``<TMPDIR>/<uuid4>`` within the
+107 bytes of a unix socket's path."""
+
+
+def private_tmp(workdir: Path) -> Path:
+    """An empty directory for one process's temporary files: ``<workdir>/tmp`` when its path is short
+    enough for IPC sockets (``IPC_PATH_MAX``), else ``tmp`` in a fresh ``rlfleet-tmp-*`` of the system's
+    (removed with it: ``rlfleet.ray.node_dir.remove``)."""
+    tmp = Path(workdir) / "tmp"
+    if len(str(tmp.absolute())) > IPC_PATH_MAX:
+        tmp = Path(tempfile.mkdtemp(prefix="rlfleet-tmp-")) / "tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(mode=0o700)
+    return tmp
+
+
+def tmp_env(tmp: Path) -> dict[str, str]:
+    """A process's environment for ``TMPDIR`` ``tmp``: torch's compile cache stays where it was (it
+    would follow TMPDIR, and be compiled again by every process)."""
+    env = {"TMPDIR": str(tmp)}
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+    return env
 
 
 def free_port() -> int:
@@ -61,6 +100,8 @@ class ServiceProcess:
     ``tests.echo_service``, found from the working directory); None: ``rlfleet.services.<name>``."""
     _log_offset: int = field(default=0, init=False, repr=False)
     """Where this start's lines begin in the log (appended across starts)."""
+    tmp: Path | None = field(default=None, init=False)
+    """Its own ``TMPDIR`` (``private_tmp``), removed when it stops; None when ``env`` sets one."""
 
     def start(self, workdir: Path | None = None) -> "ServiceProcess":
         workdir = Path(workdir or tempfile.mkdtemp(prefix=f"rlfleet-{self.name}-"))
@@ -75,9 +116,13 @@ class ServiceProcess:
         self._log = open(self.log_path, "ab")
         # A restarted service keeps its history in the log: log_tail reads this start's lines only.
         self._log_offset = self._log.tell()
+        own = {}
+        if "TMPDIR" not in self.env:
+            self.tmp = private_tmp(workdir)
+            own = tmp_env(self.tmp)
         self.process = subprocess.Popen(
             [sys.executable, "-m", self.module or f"rlfleet.services.{self.name}", *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **own, **self.env},
             start_new_session=True,  # a Ctrl-C in the launcher's terminal is handled by the launcher
             preexec_fn=self.preexec_fn,
         )
@@ -135,11 +180,13 @@ class ServiceProcess:
         return "\n".join(text.splitlines()[-lines:])
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM, wait, then SIGKILL this PID (and its process group) if needed."""
+        """SIGTERM, wait, then SIGKILL this PID (and its process group) if needed; what the group
+        left removed."""
         if self.process is None:
             return None
+        segments = self._held_segments()
         if self.process.poll() is not None:
-            self._reap_group()
+            self._reap_group(segments)
             self._log.close()
             return self.process.returncode
         self.process.send_signal(signal.SIGTERM)
@@ -149,21 +196,54 @@ class ServiceProcess:
             self.kill()
             return self.process.wait()
         finally:
-            self._reap_group()
+            self._reap_group(segments)
             self._log.close()
 
-    def _reap_group(self) -> None:
-        # Children (e.g. a vLLM engine core) that outlived their parent are ours to clean up.
+    def _held_segments(self) -> set[Path]:
+        from rlfleet.ray import reaper
+
+        return reaper.held_segments(reaper.members(self.process.pid))
+
+    def _reap_group(self, segments: set[Path]) -> None:
+        """Children (e.g. a vLLM engine core) that outlived their parent are ours to clean up; then
+        what the group left: ``segments`` and the process's own ``TMPDIR``."""
+        from rlfleet.ray import reaper
+
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        deadline = time.monotonic() + reaper.EXIT_WAIT_SECONDS
+        while reaper.members(self.process.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for path in segments:
+            path.unlink(missing_ok=True)
+        if self.tmp is not None:
+            from rlfleet.ray import node_dir
+
+            node_dir.remove(self.tmp)  # and its parent, when that is an empty rlfleet-tmp-*
+
+    def guard(self, directory: Path | None = None) -> None:
+        """A reaper (``rlfleet.ray.reaper``) beside the process: once this launcher's process ends,
+        however it ends (SIGKILL included), the reaper SIGKILLs the service's process group (a vLLM
+        engine core outlives its parent) and removes what the group left, ``directory`` with it (default:
+        the process's own ``TMPDIR``). The launcher holds the write end of one pipe for its life, read by
+        every reaper it starts."""
+        global _ALIVE
+        if _ALIVE is None:
+            _ALIVE = os.pipe()
+        directory = directory or self.tmp
+        subprocess.run([sys.executable, "-m", "rlfleet.ray.reaper", str(_ALIVE[0]), str(self.process.pid),
+                        *([str(directory)] if directory else [])],
+                       pass_fds=(_ALIVE[0],), start_new_session=True, check=True, timeout=60)
 
     def kill(self) -> None:
-        """SIGKILL the process group we started (vLLM engine children included)."""
+        """SIGKILL the process group we started (vLLM engine children included); what it left removed."""
         if self.process is not None and self.process.poll() is None:
+            segments = self._held_segments()
             try:
                 os.killpg(self.process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             self.process.wait()
+            self._reap_group(segments)

@@ -54,6 +54,9 @@ class SuiteOptions:
     environment_env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables of the environment service (e.g. PYTHONPATH for the import paths)."""
     log_format: str = "text"
+    guarded: bool = False
+    """Each service gets a reaper that takes its process group and files along once the suite's own
+    process ends, however it ends (``ServiceProcess.guard``): ``rlfleet-suite`` sets it."""
     reference_threads: int = 1
     """The reference model's torch threads: vLLM's engine owns the CPU of a small host."""
     fresh: bool = False
@@ -141,6 +144,8 @@ class _Launcher:
             proc.metrics_port = free_port()
             proc.args += ["--metrics-port", str(proc.metrics_port)]
         proc.start(self.workdir / key)
+        if self.options.guarded:
+            proc.guard()
         self.procs[key] = proc
         if self.options.metrics:
             write_targets(self.workdir / "prometheus", {k: (p.name, p.metrics_port) for k, p in self.procs.items()})
@@ -366,7 +371,8 @@ def main(argv: list[str] | None = None) -> None:
     options = SuiteOptions(model_dir=ns.model_dir, generation_replicas=ns.generation_replicas,
                            collector_args=ns.collector_arg, generation_args=ns.generation_arg,
                            environments=environments, secure=ns.secure, fresh=ns.fresh, metrics=ns.prometheus,
-                           runs=ns.runs, run_collector_args=_run_collector_args(ns.run_collector_arg))
+                           runs=ns.runs, run_collector_args=_run_collector_args(ns.run_collector_arg),
+                           guarded=True)
     procs = start_suite(options, ns.workdir)
     prometheus = None
     try:

@@ -9,6 +9,7 @@ the processes that held them (sampled while the fleet runs, from ``/proc``), and
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import tempfile
 from pathlib import Path
@@ -51,6 +52,12 @@ def shm_held(pids: list[int]) -> set[Path]:
     return {Path(path) for path in held if Path(path).parent == SHM}
 
 
+def host_entries(ignored: tuple[str, ...] = ()) -> set[Path]:
+    """The entries of ``/tmp`` and ``/dev/shm`` now, but those whose names match a pattern of ``ignored``."""
+    return {path for directory in (Path(tempfile.gettempdir()), SHM) for path in directory.iterdir()
+            if not any(fnmatch.fnmatch(path.name, pattern) for pattern in ignored)}
+
+
 class Leftovers:
     """A snapshot of ``/tmp`` and ``/dev/shm`` now; ``sample`` the fleet's processes while it runs; after it
     stopped, ``found()`` lists what of it is still there."""
@@ -58,12 +65,9 @@ class Leftovers:
     def __init__(self, fleet_name: str):
         self.tmp = Path(tempfile.gettempdir())
         self.prefix = f"rlfleet-{fleet_name}-"
-        self.before = self._entries()
+        self.before = host_entries()
         self.segments: set[Path] = set()
         self.engine_tmp_files: set[Path] = set()
-
-    def _entries(self) -> set[Path]:
-        return {*self.tmp.iterdir(), *SHM.iterdir()}
 
     def sample(self, records: dict[str, dict]) -> None:
         """What the instances of ``records`` (registry records: their pids) hold now, and what their
@@ -80,7 +84,7 @@ class Leftovers:
         """What the fleet left: its node directories (credentials, keys, temporary files), the segments its
         processes held that still exist (but those this test process holds itself, e.g. the SDK's), and
         any new ``/tmp`` entry of the old credentials layout."""
-        new = self._entries() - self.before
+        new = host_entries() - self.before
         ours = shm_held([os.getpid()])
         return {name: sorted(map(str, paths)) for name, paths in {
             "node directories": self.node_directories(),

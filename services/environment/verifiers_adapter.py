@@ -63,6 +63,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import shutil
 from typing import Any
 
@@ -86,6 +87,33 @@ if SESSION_ID_HEADER != SESSION_HEADER:  # the endpoint routes calls by it
 API_KEY_VARIABLE = "RLFLEET_VERIFIERS_API_KEY"
 """The variable verifiers reads the endpoint's API key from; unset: "EMPTY" (the endpoint is on loopback
 and routes by unguessable trace ids)."""
+
+
+def _remove_port_files() -> None:
+    """verifiers 0.4 starts a toolset's MCP server in a subprocess that writes its port to
+    ``/tmp/vf-port-<uuid>`` (a fixed directory, not TMPDIR) and never removes that file: one left in
+    ``/tmp`` per server. Its port read back, the file is removed here (the server reads it no more)."""
+    from verifiers.v1.mcp import launch
+
+    read_back = getattr(launch, "_read_back_port", None)
+    if read_back is None or getattr(read_back, "removes_the_file", False):
+        return  # another verifiers: nothing to mend, or mended already
+
+    async def read_back_and_remove(runtime, path: str) -> int:
+        try:
+            return await read_back(runtime, path)
+        finally:
+            if getattr(runtime, "type", None) == "subprocess" and path.startswith("/tmp/vf-port-"):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
+    read_back_and_remove.removes_the_file = True
+    launch._read_back_port = read_back_and_remove
+
+
+_remove_port_files()
 
 
 class VerifiersRolloutFailed(RuntimeError):

@@ -1,6 +1,9 @@
 """The shared scaffolding as a real process: health, errors, auth, clean SIGTERM."""
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -10,6 +13,8 @@ from grpc_health.v1 import health_pb2
 from rlfleet.services.launch import free_port
 from rlfleet.v1 import diagnostics_pb2, diagnostics_pb2_grpc, tensor_pb2
 from rlfleet.wire import Ragged, decode_tensordict, encode_tensordict, get_ragged
+from tests.leftovers import alive
+from tests.waiting import wait_for
 
 CALL_TIMEOUT = 60.0
 """A call's deadline: the first Echo loads tensordict (torch) in the service, seconds on a loaded 2-core host."""
@@ -149,3 +154,47 @@ def test_tls_service_keeps_health_on_a_plaintext_health_port_and_refuses_bad_fil
     bad = start_service("echo", *tls[:2], "--tls-key-file", str(credentials / "other.key"))
     assert bad.process.wait(60) == 2
     assert "tls_key_file" in bad.log_tail() and "does not belong to the certificate" in bad.log_tail()
+
+
+GUARDED_LAUNCHER = """
+import sys, time
+from pathlib import Path
+from rlfleet.services.launch import ServiceProcess
+from tests import echo_service
+proc = ServiceProcess("echo", ["--log-format", "text"], module=echo_service.MODULE).start(Path(sys.argv[1]))
+proc.guard()
+proc.wait_ready(120)
+(proc.tmp / "left-by-the-service").write_text("x")
+print(proc.process.pid, proc.tmp, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_guarded_service_ends_with_its_launcher_however_it_ends_and_its_tmpdir_goes(tmp_path):
+    """``ServiceProcess.guard`` (what ``rlfleet-suite`` does for each service): its launcher SIGKILLed, the
+    reaper beside the service SIGKILLs the service's process group and removes its own ``TMPDIR``, where
+    the service's temporary files were (a vLLM engine's IPC sockets and file store)."""
+    launcher = subprocess.Popen([sys.executable, "-c", GUARDED_LAUNCHER, str(tmp_path)], stdout=subprocess.PIPE,
+                                text=True)
+    try:
+        pid, tmp = launcher.stdout.readline().split()
+        assert alive(int(pid)) and (Path(tmp) / "left-by-the-service").exists()
+        # TMPDIR under its work directory, or one of its own when that path is too long for IPC sockets
+        assert Path(tmp).parent == tmp_path or Path(tmp).parent.name.startswith("rlfleet-tmp-"), tmp
+    finally:
+        launcher.kill()
+        launcher.wait()
+        launcher.stdout.close()
+    wait_for(lambda: not alive(int(pid)) and not Path(tmp).exists(), 60,
+             "the reaper to end the service and remove its TMPDIR")
+    assert Path(tmp).parent == tmp_path or not Path(tmp).parent.exists()  # an rlfleet-tmp-* goes along
+
+
+def test_a_stopped_or_killed_service_leaves_no_temporary_files(start_service):
+    """Its own ``TMPDIR`` goes with it, whether it stops or is SIGKILLed."""
+    for end in ("stop", "kill"):
+        proc = start_service("echo", "--log-format", "text").wait_ready(60)
+        (proc.tmp / "vllm_dist_left").write_text("x")
+        getattr(proc, end)()
+        assert not alive(proc.process.pid) and not proc.tmp.exists(), end
+        assert not proc.tmp.parent.name.startswith("rlfleet-tmp-") or not proc.tmp.parent.exists()

@@ -28,18 +28,16 @@ leaves its error (the service's own lines, from this start's log) in the registr
 from __future__ import annotations
 
 import ctypes
-import getpass
 import json
 import logging
 import os
 import signal
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from rlfleet.ray import reaper, runs
+from rlfleet.ray import runs
 from rlfleet.ray.node_dir import NodeDirectory
 from rlfleet.registry import Registry
 
@@ -86,8 +84,6 @@ class ServiceHost:
         self.starts = 0
         self._stopping = False
         self._lock = threading.Lock()
-        self._alive_write: int | None = None
-        self._alive_read: int | None = None
         try:
             self._start()
         except BaseException as exc:
@@ -128,7 +124,7 @@ class ServiceHost:
                 str(self.credentials / f"{spec['service']}.key"))
         process.start(self.workdir)
         self.process = process
-        self._guard(process.process.pid)
+        process.guard(self.node.path)  # the actor's end (SIGKILL included) takes the service's group along
         process.wait_ready(spec["start_timeout_seconds"])
         runs.started(self.registry, spec["key"])
         self.starts = self.registry.count_start(spec["key"])
@@ -136,36 +132,19 @@ class ServiceHost:
         self.registry.publish(spec["key"], self.record())
         log.info("%s serving at %s on node %s", spec["key"], self.address(), self.node_id)
 
-    def _guard(self, pgid: int) -> None:
-        """A reaper (``reaper.py``) that kills the process group ``pgid`` once this actor's process ends."""
-        import subprocess
-        import sys
-
-        if self._alive_write is None:  # one pipe for the actor's life: only this process holds the write end
-            read_end, self._alive_write = os.pipe()
-            self._alive_read = read_end
-        subprocess.run([sys.executable, "-m", "rlfleet.ray.reaper", str(self._alive_read), str(pgid),
-                        str(self.node.path)],
-                       pass_fds=(self._alive_read,), start_new_session=True, check=True, timeout=60)
-
     def _process_env(self) -> dict[str, str]:
         """The process's environment: the fleet's ``env`` over a ``TMPDIR`` in this actor's node directory
         (a vLLM engine's file store and IPC sockets go with the directory, even when the engine is killed)."""
-        env = {"TMPDIR": str(self.node.fresh_tmp())}
-        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # torch's compile cache would follow TMPDIR: keep it
-            env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
-        return {**env, **self.spec["env"]}
+        from rlfleet.services.launch import tmp_env
+
+        return {**tmp_env(self.node.fresh_tmp()), **self.spec["env"]}
 
     def _stop_process(self) -> int | None:
         """SIGTERM the process (SIGKILL after a timeout) and its group; the engine segments a killed group
-        left removed (a graceful stop removes its own)."""
+        left removed (``ServiceProcess.stop``)."""
         if self.process is None or self.process.process is None:
             return None
-        segments = reaper.held_segments(reaper.members(self.process.process.pid))
-        code = self.process.stop()
-        for path in segments:
-            path.unlink(missing_ok=True)
-        return code
+        return self.process.stop()
 
     def _exit(self) -> None:
         """The actor ends for Ray to restart it: what the process left removed first."""

@@ -42,8 +42,10 @@ ACTOR_GRACE_SECONDS = 30.0
 """After the group ended on its own, how long the actor may take to go too (one signal for a host's or
 a node's shutdown stops both): if it does, its directory is removed here."""
 SHM_DIR = Path("/dev/shm")
-ENGINE_SEGMENT = re.compile(r"^psm_[0-9a-f]+$")
-"""Python ``SharedMemory`` names: what a vLLM engine's message queues are."""
+ENGINE_SEGMENT = re.compile(r"^(psm_[0-9a-f]+|sem\.mp-[a-z0-9_]+)$")
+"""Python ``SharedMemory`` names (what a vLLM engine's message queues are) and ``multiprocessing``'s
+named semaphores (its locks and events: unlinked by their creator, or by its resource tracker, which a
+killed group takes along)."""
 
 
 def members(pgid: int) -> list[int]:
@@ -62,7 +64,8 @@ def members(pgid: int) -> list[int]:
 
 
 def held_segments(pids: list[int]) -> set[Path]:
-    """The engine segments (``psm_*`` in ``/dev/shm``) that processes ``pids`` map or hold open."""
+    """The engine segments (``psm_*`` and ``sem.mp-*`` in ``/dev/shm``) that processes ``pids`` map or
+    hold open."""
     paths: set[str] = set()
     for pid in pids:
         try:
