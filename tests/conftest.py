@@ -27,20 +27,6 @@ if "PYTEST_XDIST_WORKER" in os.environ and "RLFLEET_SHM_DIR" not in os.environ:
 else:
     WORKER_SHM_DIR = None
 
-if "PYTEST_XDIST_WORKER" in os.environ and "RLFLEET_TEST_TMPDIR" not in os.environ:
-    # Each parallel worker a TMPDIR of its own, removed at its end: what the worker and the processes it starts
-    # leave there (an in-process vLLM engine's IPC sockets, a test's temporary directories) goes with it.
-    # Short: a vLLM engine's IPC socket paths must fit in 107 bytes. The services get their own
-    # (rlfleet.services.launch.private_tmp).
-    import tempfile  # noqa: E402
-
-    WORKER_TMPDIR = Path(tempfile.mkdtemp(prefix=f"rlfleet-tests-{os.environ['PYTEST_XDIST_WORKER']}-"))
-    WORKER_TMPDIR.chmod(0o1777)  # as /tmp: the users the tests run servers as (postgres) make files there too
-    os.environ["TMPDIR"] = os.environ["RLFLEET_TEST_TMPDIR"] = str(WORKER_TMPDIR)
-    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
-else:
-    WORKER_TMPDIR = None
-
 from rlfleet.services.models.tiny import build_tiny_model  # noqa: E402 - after RLFLEET_SHM_DIR is set
 from tests.postgres import PostgresServer  # noqa: E402
 
@@ -91,16 +77,15 @@ def _entries() -> set[Path]:
 
 
 CHECK_LEFTOVERS = os.environ.get("RLFLEET_CHECK_LEFTOVERS") == "1" and "PYTEST_XDIST_WORKER" not in os.environ
-"""The test command (scripts/test) checks that the whole run left nothing in /tmp or /dev/shm: every service
+"""With ``RLFLEET_CHECK_LEFTOVERS=1`` the run checks that it left nothing in /tmp or /dev/shm: every service
 a test starts, stopped or SIGKILLed, takes its files along. In the controlling process, once every worker
 is done; names in ``RLFLEET_LEFTOVERS_IGNORE`` (comma-separated patterns) are the host's own."""
 ENTRIES_BEFORE = _entries() if CHECK_LEFTOVERS else set()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    for directory in (WORKER_SHM_DIR, WORKER_TMPDIR):
-        if directory is not None:
-            shutil.rmtree(directory, ignore_errors=True)
+    if WORKER_SHM_DIR is not None:
+        shutil.rmtree(WORKER_SHM_DIR, ignore_errors=True)
     if CHECK_LEFTOVERS:
         deadline = time.monotonic() + LEFTOVER_WAIT_SECONDS
         while (left := _entries() - ENTRIES_BEFORE) and time.monotonic() < deadline:

@@ -70,7 +70,10 @@ class PostgresServer:
         self.process = subprocess.Popen(
             self._as_user(str(self.bindir / "postgres"), "-D", str(self.root / "data"), "-p", str(self.port),
                           "-k", str(self.root), "-c", "listen_addresses=127.0.0.1", "-c", "fsync=on",
-                          "-c", "max_connections=200", "-c", "shared_buffers=32MB"),
+                          "-c", "max_connections=200", "-c", "shared_buffers=32MB",
+                          # its dynamic shared memory in the data directory (pg_dynshmem), not /dev/shm:
+                          # a server the tests SIGKILL leaves none of it on the host
+                          "-c", "dynamic_shared_memory_type=mmap"),
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # its own group: kill() ends it whole
         log.close()
         wait_for(self._accepting, START_TIMEOUT, f"PostgreSQL to accept connections (log: {self.root}/server.log)")
