@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -24,6 +27,7 @@ from rlfleet.services.generation import queue_poll
 from rlfleet.services.generation.config import GenerationEngineConfig
 from rlfleet.services.generation.config import MAX_LORA_RANKS
 from rlfleet.services.generation.vllm_engine import GenerationEngine
+from rlfleet.services.launch import tmp_env
 from rlfleet.services.generation.sampling import SampleResult
 from rlfleet.services.models.tiny import build_tiny_model
 from rlfleet.v1 import weights_pb2
@@ -73,9 +77,28 @@ async def engine(model_dir):
         max_lora_rank=MAX_LORA_RANK,  # the adapter tests at the end; the others run without an adapter
     )
     engine = GenerationEngine(config)
-    await engine.start()
+    # In this process, as a service has in its own (rlfleet.services.launch.private_tmp): the engine core's
+    # file store and the IPC sockets in a directory of their own, removed at the end (vLLM leaves them).
+    tmp = Path(tempfile.mkdtemp(prefix="rlfleet-engine-"))
+    saved = {name: os.environ.get(name) for name in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR", "VLLM_RPC_BASE_PATH")}
+    os.environ.update({**tmp_env(tmp), "VLLM_RPC_BASE_PATH": str(tmp)})
+    try:
+        await engine.start()
+    finally:
+        for name, value in saved.items():
+            if name == "VLLM_RPC_BASE_PATH":
+                continue  # read again at the engine's shutdown
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     yield engine
     await engine.shutdown()
+    if saved["VLLM_RPC_BASE_PATH"] is None:
+        os.environ.pop("VLLM_RPC_BASE_PATH", None)
+    else:
+        os.environ["VLLM_RPC_BASE_PATH"] = saved["VLLM_RPC_BASE_PATH"]
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- helpers
