@@ -51,6 +51,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import BinaryIO
 
 from rlfleet.services.environment import sandboxed
@@ -60,6 +61,7 @@ from rlfleet.services.environment.sandbox import (
     GATE,
     SANDBOX_WORKDIR,
     PythonSandbox,
+    SandboxLimits,
     SandboxUnavailable,
     ToolResult,
     bwrap_arguments,
@@ -244,18 +246,18 @@ class EpisodeSandbox:
             await zygote.end()
 
 
+@dataclass
 class _Zygote:
     """One live sandbox: bwrap, the zygote (its namespace's init) and the control socket to it."""
 
-    def __init__(self, limits, process: subprocess.Popen, control: socket.socket, info: BinaryIO, stderr: int):
-        self.limits = limits
-        self.process = process
-        self.control = control
-        self.info = info
-        self.stderr = stderr
-        self.parked_at = 0.0
-        self.cpu_seconds = 0.0
-        """The CPU of the last call or reset inside the sandbox, as the zygote reported it."""
+    limits: SandboxLimits
+    process: subprocess.Popen | None
+    control: socket.socket | None
+    info: BinaryIO | None
+    stderr: int | None
+    parked_at: float = 0.0
+    cpu_seconds: float = 0.0
+    """The CPU of the last call or reset inside the sandbox, as the zygote reported it."""
 
     @classmethod
     async def start(cls, owner: PythonSandbox) -> _Zygote:
