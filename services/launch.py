@@ -117,6 +117,11 @@ class ServiceProcess:
         # A restarted service keeps its history in the log: log_tail reads this start's lines only.
         self._log_offset = self._log.tell()
         own = {}
+        if self.tmp is not None:  # a previous start's, whose process ended without stop()
+            from rlfleet.ray import node_dir
+
+            node_dir.remove(self.tmp)
+            self.tmp = None
         if "TMPDIR" not in self.env:
             self.tmp = private_tmp(workdir)
             own = tmp_env(self.tmp)
