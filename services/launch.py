@@ -214,19 +214,8 @@ class ServiceProcess:
         what the group left: ``segments`` and the process's own ``TMPDIR``."""
         from rlfleet.ray import reaper
 
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        deadline = time.monotonic() + reaper.EXIT_WAIT_SECONDS
-        while reaper.members(self.process.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        for path in segments:
-            path.unlink(missing_ok=True)
-        if self.tmp is not None:
-            from rlfleet.ray import node_dir
-
-            node_dir.remove(self.tmp)  # and its parent, when that is an empty rlfleet-tmp-*
+        # The tmp's parent goes too when it is an empty rlfleet-tmp-* (node_dir.remove).
+        reaper.clean(reaper.kill(self.process.pid, segments), self.tmp, killed=False)
 
     def guard(self, directory: Path | None = None) -> None:
         """A reaper (``rlfleet.ray.reaper``) beside the process: once this launcher's process ends,

@@ -79,7 +79,7 @@ def held_segments(pids: list[int]) -> set[Path]:
             if Path(path).parent == SHM_DIR and ENGINE_SEGMENT.match(Path(path).name)}  # " (deleted)" fails too
 
 
-def clean(segments: set[Path], directory: str | None, killed: bool) -> None:
+def clean(segments: set[Path], directory: str | Path | None, killed: bool) -> None:
     """After the group is gone: its engine segments, ``directory``, and if it was ``killed`` (no graceful
     stop released them) the weight segments nobody holds now."""
     for path in segments:
@@ -99,7 +99,7 @@ def kill(pgid: int, known: set[Path]) -> set[Path]:
     segments = known | held_segments(members(pgid))
     try:
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):  # gone, or (a zombie's group) none left we may signal
         pass
     deadline = time.monotonic() + EXIT_WAIT_SECONDS
     while members(pgid) and time.monotonic() < deadline:
