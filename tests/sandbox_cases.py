@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -180,6 +181,12 @@ def connect_to(port: int) -> str:
 # --- the runner's parity with `python snippet.py` ---------------------------------------------------------
 STDIN = "line one\nline two\n"
 
+
+def without_addresses(text: str) -> str:
+    """A snippet's output with the object addresses a repr shows masked: two interpreters differ there."""
+    return re.sub(r" at 0x[0-9a-f]+>", " at ADDRESS>", text)
+
+
 SNIPPETS = {
     "print": 'print("hi")',
     "unterminated output is flushed": 'import sys; sys.stdout.write("partial")',
@@ -208,4 +215,19 @@ SNIPPETS = {
                             "raise RuntimeError\n",
     "warnings": "import warnings\nwarnings.warn('careful')\nprint('done')\n",
     "coding cookie": "# -*- coding: latin-1 -*-\nprint('\\xe9')\n",
+    # the runner's fast exit keeps the interpreter's own: finalizers, cycles, threads, replaced streams
+    "__del__ at exit": "class A:\n    def __del__(self):\n        print('finalized')\na = A()\nprint('body')\n",
+    "cycle with __del__": "class A:\n    def __del__(self):\n        print('cycle finalized')\n"
+                          "a = A(); a.me = a\ndel a\nprint('body')\n",
+    "replaced stdout": "import io, sys\nprint('a')\nsys.stdout = io.StringIO()\nprint('lost')\n",
+    "closed stdout": "import sys\nprint('a')\nsys.stdout.close()\n",
+    "non-daemon thread": "import threading, time\n"
+                         "threading.Thread(target=lambda: (time.sleep(0.2), print('thread done'))).start()\n"
+                         "print('body')\n",
+    "atexit raises": "import atexit\natexit.register(lambda: 1/0)\nprint('body')\n",
+    "atexit after thread": "import atexit, threading, time\natexit.register(lambda: print('at exit'))\n"
+                           "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()\n",
+    "unflushed file": "f = open('out.txt', 'w')\nf.write('kept')\nprint(open('out.txt').read() == '')\n",
+    "stdout fails to flush": "import sys\nsys.stdout = open('/dev/full', 'w')\nprint('x')\n",
+    "stderr buffered": "import sys\nsys.stderr.write('err no newline')\nprint('out', end='')\n",
 }

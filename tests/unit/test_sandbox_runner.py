@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from rlfleet.services.environment.sandbox import SNIPPET_NAME, SandboxLimits, snippet_command
-from tests.sandbox_cases import SNIPPETS, STDIN
+from tests.sandbox_cases import SNIPPETS, STDIN, without_addresses
 
 LIMITS = SandboxLimits(cpu_seconds=3, memory_bytes=1024 * 2**20, max_processes=4096, max_file_bytes=2**20,
                        max_open_files=50)
@@ -22,7 +22,7 @@ LIMITS = SandboxLimits(cpu_seconds=3, memory_bytes=1024 * 2**20, max_processes=4
 
 def run(command: list[str], directory) -> tuple[int, str, str]:
     done = subprocess.run(command, cwd=directory, input=STDIN, capture_output=True, text=True, timeout=60)
-    return done.returncode, done.stdout, done.stderr.replace(str(directory), "DIR")
+    return done.returncode, done.stdout, without_addresses(done.stderr.replace(str(directory), "DIR"))
 
 
 @pytest.mark.parametrize("code", SNIPPETS.values(), ids=SNIPPETS.keys())
@@ -52,3 +52,13 @@ def test_the_snippet_runs_under_the_limits(tmp_path):
     assert (code, stderr) == (0, "")
     assert stdout.splitlines() == ["3 4", f"{2**30} {2**30}", "4096 4096", f"{2**20} {2**20}", "50 50", "0 0"]
     assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] != 50  # set in the child, not here
+
+
+def test_a_file_left_open_is_flushed_at_exit(tmp_path):
+    (tmp_path / SNIPPET_NAME).write_text("f = open('out.txt', 'w')\nf.write('kept')\n"
+                                         "class A:\n    pass\na = A(); a.me = a; a.f = open('cycle.txt', 'w')\n"
+                                         "a.f.write('in a cycle')\n")
+
+    assert run(snippet_command(sys.executable, LIMITS), tmp_path) == (0, "", "")
+    assert (tmp_path / "out.txt").read_text() == "kept"
+    assert (tmp_path / "cycle.txt").read_text() == "in a cycle"

@@ -56,3 +56,33 @@ sys.excepthook = excepthook
 with open(name, "rb") as source:
     code = compile(source.read(), path, "exec", dont_inherit=True)
 exec(code, main.__dict__)
+
+# The snippet ran to its end: the interpreter's own exit, in its order (non-daemon threads joined,
+# atexit, __main__'s objects finalized, the standard streams flushed), then _exit without tearing
+# down every object of every module. That teardown writes to the refcount of each object, so in a
+# zygote's call it copies most of the interpreter's pages (half of a call's CPU). Files still open are
+# flushed before __main__'s objects go: a collection finalizes a cycle's objects in no set order, and
+# a file's raw stream closed before its buffer loses what was written (the interpreter's exit, which
+# collects later, happens to keep it). Anything that raises (a stream that fails to flush) leaves the
+# rest to the interpreter's own exit, which reports it as it would (exit status 120).
+try:
+    if "threading" in sys.modules:
+        sys.modules["threading"]._shutdown()
+    import atexit  # noqa: E402  (after the snippet: not in sys.modules before, as in a plain script)
+    import gc  # noqa: E402
+    import io  # noqa: E402
+
+    atexit._run_exitfuncs()  # each callback once: the interpreter's exit finds none left
+    for stream in gc.get_objects():  # in a zygote's call, the call's own objects alone (gc.freeze)
+        if type(stream) in (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom) and not stream.closed:
+            stream.flush()
+    stream = None
+    main.__dict__.clear()
+    gc.collect()  # cycles of __main__'s objects, as the interpreter's exit collects them (__del__)
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        if stream is not None and not getattr(stream, "closed", True):
+            stream.flush()
+except Exception:
+    pass
+else:
+    posix._exit(0)
