@@ -10,7 +10,10 @@ bench/pipeline.py part (d), its output checked every time) on one ``PythonSandbo
 environment service shares one; ``--concurrency`` calls in flight.
 Variants, alternated within each round (the order flips every round):
 
-- ``current``: ``rlfleet.services.environment.sandbox.PythonSandbox``;
+- ``current``: ``rlfleet.services.environment.sandbox.PythonSandbox``: a fresh sandbox per call (bwrap
+  and an interpreter started and ended: the environment service with ``reuse_sandboxes: false``);
+- ``pooled``: each call a sandbox of its own from the pool (``EpisodeSandboxes.run``: the one the last
+  call left, reset after it; the environment service's default);
 - ``baseline``: the same class from ``--baseline FILE``, another version of sandbox.py (to compare one
   against another side by side, e.g. ``git show REV:services/environment/sandbox.py > /tmp/old.py``);
 - ``episode``: ``EpisodeSandbox`` (services/environment/episode_sandbox.py): one sandbox per episode of
@@ -110,12 +113,24 @@ def sandbox_call(sandbox_class: type) -> Call:
     return call
 
 
+POOLS: list[EpisodeSandboxes] = []
+"""The pools of the variants that reuse sandboxes: their parked sandboxes are ended at the bench's end."""
+
+
+def pooled_call() -> Call:
+    """Each call a sandbox of its own from the pool (``EpisodeSandboxes.run``, the environment service's
+    default): the one the last call left, reset after it."""
+    POOLS.append(EpisodeSandboxes(PythonSandbox()))
+    return sandbox_call(lambda: POOLS[-1])
+
+
 def episode_call(calls_per_episode: int, reuse: bool = True) -> Call:
     """Calls on per-episode sandboxes: each ``calls_per_episode`` calls share one, then it is closed
     (in the call that made the last one: its reset, or without ``reuse`` its teardown, is counted).
     With ``reuse`` the next episode gets the sandbox the last one closed, reset; without, the parked
     sandbox is ended at once (each episode starts and ends its own, as before sandboxes were reused)."""
     sandboxes = EpisodeSandboxes(PythonSandbox())
+    POOLS.append(sandboxes)
     state = {"episode": None, "calls": 0}
 
     async def call() -> None:
@@ -190,7 +205,8 @@ def report(results: dict[str, dict[str, list[dict]]], ns: argparse.Namespace) ->
         for name, measured in rounds.items():
             row = {key: median_of(measured, key) for key in ("calls_per_s", "wall_ms", "cpu_ms")}
             comparison = ""
-            against = {"current": "baseline", "episode": "current", "episode-unreused": "current"}.get(name)
+            against = {"current": "baseline", "pooled": "current", "episode": "current",
+                       "episode-unreused": "current"}.get(name)
             if against in rounds:
                 pairs = list(zip(rounds[against], measured))
                 speedup = statistics.median(m["calls_per_s"] / b["calls_per_s"] for b, m in pairs)
@@ -211,6 +227,7 @@ async def main(ns: argparse.Namespace) -> dict:
     variants: dict[str, Call] = {"current": sandbox_call(PythonSandbox)}
     if ns.baseline:
         variants["baseline"] = sandbox_call(load_sandbox_class(ns.baseline))
+    variants["pooled"] = pooled_call()
     if ns.calls_per_episode:
         variants["episode"] = episode_call(ns.calls_per_episode)
         variants["episode-unreused"] = episode_call(ns.calls_per_episode, reuse=False)
@@ -230,6 +247,8 @@ async def main(ns: argparse.Namespace) -> dict:
         for process in busy:
             process.kill()
             process.wait()
+        for pool in POOLS:
+            await pool.close()
     return report(results, ns)
 
 

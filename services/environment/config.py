@@ -42,19 +42,25 @@ class EnvironmentServiceConfig(ServiceConfig):
 
     sandbox_per_episode: bool = False
     """``tool_calling``: run an episode's python calls in one sandbox that stays up until the episode
-    closes (``episode_sandbox.py``: one bwrap per episode, a fresh process forked in it per call; no
-    process, file or Python state of a call reaches the next), instead of a fresh sandbox per call:
-    less CPU per call (see the sandbox benchmark page, docs/benchmarks/sandbox.md). Needs bwrap;
-    without it, or past ``max_episode_sandboxes``, calls get a fresh sandbox each."""
+    closes (``episode_sandbox.py``: one bwrap, a fresh process forked in it per call; no process, file
+    or Python state of a call reaches the next) and that no other episode uses meanwhile. False: each
+    call gets a sandbox of its own for that call alone. Either way the sandbox comes from the pool of
+    ready ones (``reuse_sandboxes``). Needs bwrap; without it, or past ``max_episode_sandboxes``, calls
+    get a fresh sandbox each (``PythonSandbox``: bwrap and an interpreter started and ended per call)."""
+
+    reuse_sandboxes: bool = True
+    """``tool_calling``: a sandbox whose call (or episode) ended is reset (every process in it killed,
+    its scratch directory and /tmp emptied, checked clean in /proc) and parked for the next call or
+    episode: reused, never shared (a few ms of CPU a call instead of ~25: see the sandbox benchmark
+    page, docs/benchmarks/sandbox.md). False: every call (``sandbox_per_episode``: every episode)
+    starts a sandbox of its own and ends it."""
 
     max_episode_sandboxes: int = Field(64, ge=1)
-    """``sandbox_per_episode``: most per-episode sandboxes alive at once, held by episodes or parked
-    for the next ones (each holds a bwrap and an idle interpreter, ~8 MB); the episodes past it run
-    each call in a fresh sandbox."""
+    """Most pooled sandboxes alive at once, held by calls or episodes or parked for the next ones
+    (each holds a bwrap and an idle interpreter, ~8 MB); the calls past it get a fresh sandbox each."""
 
     idle_episode_sandbox_seconds: float = Field(60.0, gt=0)
-    """``sandbox_per_episode``: a sandbox an episode closed is reset, checked clean and parked for
-    the next episode (reused, never shared); one parked this long unused is ended."""
+    """A parked sandbox unused this long is ended."""
 
     max_tool_calls_in_flight: int | None = Field(None, ge=1)
     """Sandboxed python calls (``tool_calling``'s and every environment's in this process) that run at once;

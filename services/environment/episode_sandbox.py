@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import fcntl
 import logging
 import os
 import signal
@@ -75,12 +76,28 @@ from rlfleet.services.environment.sandbox_process import (
     OutputPipe,
     end_namespace,
     readable,
-    stop_tasks,
 )
 
 log = logging.getLogger(__name__)
 
 _END_SECONDS = 5.0  # the kernel's kill of a pid namespace takes milliseconds
+
+
+def sealed_file(name: str, data: bytes) -> int:
+    """A file in memory holding ``data``, sealed (no write, no resize), at offset 0: a call's source or
+    stdin, handed to the zygote (a memfd: no file in the host's /tmp, a third of a temporary file's CPU)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class EpisodeSandboxes:
@@ -90,10 +107,12 @@ class EpisodeSandboxes:
     of its namespace killed, its scratch directory and /tmp emptied, then checked) answered that it is
     clean; one that does not is ended. A parked one is ended after ``idle_seconds`` unused."""
 
-    def __init__(self, sandbox: PythonSandbox, max_live: int = 64, idle_seconds: float = 60.0):
+    def __init__(self, sandbox: PythonSandbox, max_live: int = 64, idle_seconds: float = 60.0, reuse: bool = True):
         if max_live < 1:
             raise ValueError(f"max_live must be >= 1, not {max_live}")
         self.sandbox = sandbox
+        self.reuse = reuse
+        """False: a closed episode's sandbox is ended, never parked (each episode starts its own)."""
         self.max_live = max_live
         self.idle_seconds = idle_seconds
         self.live = 0
@@ -111,6 +130,16 @@ class EpisodeSandboxes:
         """A sandbox for one episode's calls (started at its first call); ``close()`` it at the episode's end."""
         return EpisodeSandbox(self)
 
+    async def run(self, code: str, stdin: str = "") -> ToolResult:
+        """One call in a sandbox of its own for this call alone, as ``PythonSandbox.run``: a parked one
+        (reset clean after its last call, as between episodes) or a new one, parked again after it;
+        past ``max_live``, or without bwrap, a fresh sandbox (``PythonSandbox.run``)."""
+        sandbox = self.episode()
+        try:
+            return await sandbox.run(code, stdin)
+        finally:
+            await sandbox.close()
+
     def _take(self) -> _Zygote | None:
         """A parked sandbox (its slot with it), the most recently parked first; None if none."""
         while self.idle:
@@ -125,13 +154,14 @@ class EpisodeSandboxes:
 
     async def _park(self, zygote: _Zygote) -> None:
         """An episode closed: keep its sandbox (and its slot) if it resets clean, else end it."""
-        if await zygote.reset():
+        if self.reuse and (zygote.clean or await zygote.reset()):
             zygote.parked_at = time.monotonic()
             self.idle.append(zygote)
             self._expire_later()
             return
-        self.reset_failures += 1
-        log.warning("an episode's sandbox did not reset clean; it is ended")
+        if self.reuse:
+            self.reset_failures += 1
+            log.warning("an episode's sandbox did not reset clean; it is ended")
         await zygote.end()
         self.live -= 1
 
@@ -258,6 +288,9 @@ class _Zygote:
     parked_at: float = 0.0
     cpu_seconds: float = 0.0
     """The CPU of the last call or reset inside the sandbox, as the zygote reported it."""
+    clean: bool = False
+    """Its last answer, a call's or a reset's (the same reset follows each call), said clean, and
+    nothing ran in it since: parked as it is, without another reset."""
 
     @classmethod
     async def start(cls, owner: PythonSandbox) -> _Zygote:
@@ -296,47 +329,52 @@ class _Zygote:
         return self.process is not None and self.process.poll() is None
 
     async def call(self, code: str, stdin: str) -> tuple[ToolResult, bool]:
-        """Run one call; the result, and whether the sandbox is clean after it (False: end it)."""
+        """Run one call; the result, and whether the sandbox is clean after it (False: end it). The
+        output pipes and the answer are read by the event loop's callbacks (``OutputPipe.watch``,
+        ``_answer``): no task or stream per call, whose loop iterations were most of its host CPU."""
         pipes = (OutputPipe(self.limits.max_output_bytes), OutputPipe(self.limits.max_output_bytes))
-        readers: list[asyncio.Task] = []
-        clean = False  # unless the zygote answers that it cleaned up
+        clean = self.clean = False  # unless the zygote answers that it cleaned up
         timed_out = False
         status = -signal.SIGKILL
-        with tempfile.TemporaryFile() as source, tempfile.TemporaryFile() as stdin_file:
-            source.write(code.encode("utf-8", errors="surrogateescape"))
-            source.seek(0)
-            stdin_file.write(stdin.encode())
-            stdin_file.seek(0)
-            started = time.monotonic()
+        answer = None
+        ends: list[asyncio.Future] = []
+        try:
+            source, stdin_file = sealed_file("snippet.py", code.encode("utf-8", errors="surrogateescape")), None
             try:
-                try:
-                    fds = [source.fileno(), stdin_file.fileno(), pipes[0].write_end, pipes[1].write_end]
-                    self.control.sendmsg([b"c"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-                except OSError:  # the zygote is gone
-                    answer = None
-                else:
-                    for pipe in pipes:
-                        pipe.close_write_end()  # the call's processes hold the only copies: their end is EOF
-                    readers = [asyncio.create_task(pipe.collect()) for pipe in pipes]
-                    try:
-                        answer = await asyncio.wait_for(self._answer(), self.limits.wall_seconds)
-                    except asyncio.TimeoutError:
-                        answer, timed_out = None, True
-                wall_seconds = time.monotonic() - started
-                if answer is not None:
-                    status, clean = answer
-                    SANDBOX_CPU.labels(step="call").observe(self.cpu_seconds)
-                if not clean:
-                    self._log_failure(answer, timed_out)
-                    await self.end()
-                if readers:
-                    _, still_open = await asyncio.wait(readers, timeout=PIPE_GRACE_SECONDS)
-                    if still_open:
-                        log.warning("an output pipe stayed open after the call ended: a process escaped the sandbox")
+                stdin_file = sealed_file("stdin", stdin.encode())
+                fds = [source, stdin_file, pipes[0].write_end, pipes[1].write_end]
+                self.control.sendmsg([b"c"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+                sent = True
+            except OSError:  # the zygote is gone
+                sent = False
             finally:
+                for fd in (source, stdin_file):
+                    if fd is not None:
+                        os.close(fd)
+            started = time.monotonic()
+            if sent:
                 for pipe in pipes:
-                    pipe.close()
-                await stop_tasks(readers)
+                    pipe.close_write_end()  # the call's processes hold the only copies: their end is EOF
+                ends = [pipe.watch() for pipe in pipes]
+                try:
+                    answer = await self._answer(self.limits.wall_seconds)
+                except asyncio.TimeoutError:
+                    timed_out = True
+            wall_seconds = time.monotonic() - started
+            if answer is not None:
+                status, clean = answer
+                SANDBOX_CPU.labels(step="call").observe(self.cpu_seconds)
+            if not clean:
+                self._log_failure(answer, timed_out)
+                await self.end()
+            if ends and not all(end.done() for end in ends):
+                _, still_open = await asyncio.wait(ends, timeout=PIPE_GRACE_SECONDS)
+                if still_open:
+                    log.warning("an output pipe stayed open after the call ended: a process escaped the sandbox")
+        finally:
+            for pipe in pipes:
+                pipe.close()
+        self.clean = clean
         exit_code = os.waitstatus_to_exitcode(status) if answer is not None else status
         error = describe_failure(exit_code, timed_out, pipes[1].tail, self.limits)
         if answer is None and not timed_out:
@@ -349,26 +387,43 @@ class _Zygote:
         directory and /tmp, and checks that no process but itself is left; whether it answered so."""
         try:
             self.control.send(b"r")
-            answer = await asyncio.wait_for(self._answer(), _END_SECONDS)
+            answer = await self._answer(_END_SECONDS)
         except (OSError, asyncio.TimeoutError):
             answer = None
-        clean = answer is not None and answer[1]
+        self.clean = clean = answer is not None and answer[1]
         if answer is not None:
             SANDBOX_CPU.labels(step="reset").observe(self.cpu_seconds)
         EPISODE_SANDBOX_RESETS.labels(outcome="clean" if clean else "failed").inc()
         return clean
 
-    async def _answer(self) -> tuple[int, bool] | None:
-        """The zygote's answer (wait status, clean); None when it closed the socket (it is gone). The
-        CPU it reports goes to ``cpu_seconds``."""
+    async def _answer(self, timeout: float) -> tuple[int, bool] | None:
+        """The zygote's answer (wait status, clean); None when it closed the socket (it is gone);
+        ``asyncio.TimeoutError`` past ``timeout`` seconds. The CPU it reports goes to ``cpu_seconds``."""
         loop = asyncio.get_running_loop()
-        received = b""
-        while not received.endswith(b"\n"):
-            chunk = await loop.sock_recv(self.control, 64)
-            if not chunk:
-                return None
-            received += chunk
-        status, clean, cpu_us = received.split()
+        answered = loop.create_future()
+        received = bytearray()
+        control = self.control
+        fd = control.fileno()
+
+        def ready() -> None:
+            try:
+                chunk = control.recv(64)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                chunk = b""
+            received.extend(chunk)
+            if (not chunk or received.endswith(b"\n")) and not answered.done():
+                answered.set_result(bytes(received) if chunk else None)
+
+        loop.add_reader(fd, ready)
+        try:
+            line = await asyncio.wait_for(answered, timeout)
+        finally:
+            loop.remove_reader(fd)
+        if line is None:
+            return None
+        status, clean, cpu_us = line.split()
         self.cpu_seconds = int(cpu_us) / 1e6
         return int(status), clean == b"1"
 

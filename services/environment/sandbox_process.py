@@ -33,6 +33,7 @@ class OutputPipe:
         self._read_end: int | None
         self.write_end: int | None
         self._read_end, self.write_end = os.pipe()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def close_write_end(self) -> None:
         if self.write_end is not None:
@@ -40,11 +41,35 @@ class OutputPipe:
             self.write_end = None
 
     def close(self) -> None:
-        """Close what ``collect()`` has not taken over."""
+        """Close what ``collect()`` has not taken over (``watch()``'s reader with it)."""
         self.close_write_end()
         if self._read_end is not None:
+            if self._loop is not None:
+                self._loop.remove_reader(self._read_end)
             os.close(self._read_end)
             self._read_end = None
+
+    def watch(self) -> asyncio.Future:
+        """Read the pipe from the event loop's own callback as it becomes readable (no task, no stream:
+        a call in an episode's sandbox is a few loop iterations); the future is done at EOF."""
+        loop = self._loop = asyncio.get_running_loop()
+        ended = loop.create_future()
+        fd = self._read_end
+        os.set_blocking(fd, False)
+
+        def ready() -> None:
+            try:
+                chunk = os.read(fd, _READ_CHUNK)
+            except BlockingIOError:
+                return
+            if chunk:
+                self._keep(chunk)
+                return
+            self.close()
+            ended.set_result(None)
+
+        loop.add_reader(fd, ready)
+        return ended
 
     async def collect(self) -> None:
         """Read until EOF (every holder of the write end has exited)."""
@@ -55,11 +80,14 @@ class OutputPipe:
         transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
         try:
             while chunk := await reader.read(_READ_CHUNK):
-                self.kept += chunk[: max(0, self.cap - len(self.kept))]
-                self.tail = (self.tail + chunk)[-_TAIL_BYTES:]
-                self.total += len(chunk)
+                self._keep(chunk)
         finally:
             transport.close()
+
+    def _keep(self, chunk: bytes) -> None:
+        self.kept += chunk[: max(0, self.cap - len(self.kept))]
+        self.tail = (self.tail + chunk)[-_TAIL_BYTES:]
+        self.total += len(chunk)
 
     def text(self, name: str) -> str:
         text = self.kept.decode("utf-8", errors="replace")

@@ -37,7 +37,7 @@ class EnvironmentService(Service[EnvironmentServiceConfig]):
         self.sandbox = PythonSandbox(config.sandbox, allow_rlimits_only=config.allow_rlimits_only)
         GATE.configure(config.max_tool_calls_in_flight)
         self.episode_sandboxes = pool = EpisodeSandboxes(self.sandbox, config.max_episode_sandboxes,
-                                                         config.idle_episode_sandbox_seconds)
+                                                         config.idle_episode_sandbox_seconds, config.reuse_sandboxes)
         EPISODE_SANDBOXES.labels(state="idle").set_function(lambda: len(pool.idle))
         EPISODE_SANDBOXES.labels(state="held").set_function(lambda: pool.live - len(pool.idle))
         self.mcp_tools: MCPTools | None = None
@@ -90,7 +90,10 @@ class EnvironmentService(Service[EnvironmentServiceConfig]):
         config = self.config
 
         def build() -> Environment:
-            sandbox = self.episode_sandboxes.episode() if config.sandbox_per_episode else self.sandbox
+            if config.sandbox_per_episode:
+                sandbox = self.episode_sandboxes.episode()
+            else:  # each call a sandbox of its own: from the pool, or started for it alone
+                sandbox = self.episode_sandboxes if config.reuse_sandboxes else self.sandbox
             return ToolCallingEnv(sandbox, self.mcp_tools, max_turns=config.max_turns,
                                   max_tool_calls_per_turn=config.max_tool_calls_per_turn)
 

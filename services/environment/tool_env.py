@@ -13,8 +13,9 @@ Limits: ``max_turns`` assistant turns (the last one's calls are not run, the epi
 and the episode is ``truncated``: a model that floods calls is cut, not fed more turns).
 
 The MCP tools are shared by many episodes: the caller owns them, ``close`` leaves them open. So is a
-``PythonSandbox`` (a fresh sandbox per call); an ``EpisodeSandbox`` (one sandbox kept up for the
-episode's calls) is the episode's own: ``close`` ends it.
+``PythonSandbox`` (a fresh sandbox per call) and an ``EpisodeSandboxes`` pool (a sandbox of its own per
+call, reused after a reset); an ``EpisodeSandbox`` (one sandbox kept up for the episode's calls) is the
+episode's own: ``close`` gives it back.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from rlfleet.env import AssistantTurn, Environment, StepResult, Task, ToolCall, 
 from rlfleet.env.tool_calls import MAX_TEXT_CHARS, parse_tool_calls, render_tool_result
 from rlfleet.services.common.errors import FailedPrecondition
 from rlfleet.services.environment.metrics import TOOL_CALLS
-from rlfleet.services.environment.episode_sandbox import EpisodeSandbox
+from rlfleet.services.environment.episode_sandbox import EpisodeSandbox, EpisodeSandboxes
 from rlfleet.services.environment.mcp_tools import MCPTools, ToolNameCollision
 from rlfleet.services.environment.sandbox import PythonSandbox, ToolResult
 
@@ -55,7 +56,7 @@ class ToolCallingEnv(Environment):
 
     def __init__(
         self,
-        sandbox: PythonSandbox | EpisodeSandbox,
+        sandbox: PythonSandbox | EpisodeSandboxes | EpisodeSandbox,
         mcp_tools: MCPTools | None = None,
         *,
         max_turns: int = 8,

@@ -20,6 +20,7 @@ from rlfleet.services.environment.episode_sandbox import EpisodeSandboxes
 from rlfleet.services.environment.mcp_tools import MCPServerSpec, MCPTools
 from rlfleet.services.environment.sandbox import PythonSandbox, SandboxLimits
 from rlfleet.services.environment.tool_env import PYTHON_TOOL, ToolCallingEnv
+from tests.sandbox_cases import sandbox_processes
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops to uid 65534, which needs root")
 
@@ -191,3 +192,27 @@ async def test_with_a_sandbox_per_episode_calls_share_one_and_close_parks_it(mcp
         await sandbox.run("print(1)")
     await sandbox.pool.close()
     assert sandbox.pool.live == 0
+
+
+@pytest.mark.parametrize("reuse", [True, False], ids=["reused", "not reused"])
+async def test_a_call_of_its_own_from_the_pool_of_sandboxes(mcp_tools, reuse):
+    """Without a sandbox per episode, each call gets a sandbox for itself alone: the one the last call
+    left, reset (every process killed, its files gone), or with reuse off a new one each time."""
+    pool = EpisodeSandboxes(PythonSandbox(LIMITS), reuse=reuse)
+    env = ToolCallingEnv(pool, mcp_tools, max_turns=4)
+    await env.reset(TASK)
+    code = ("import os, subprocess\nprint(os.getpid(), os.getppid(), sorted(os.listdir('.')), os.listdir('/tmp'))\n"
+            "open('left', 'w').close(); open('/tmp/left', 'w').close()\n"
+            "subprocess.Popen(['sleep', '1000'], start_new_session=True)")
+    try:
+        first = await step(env, call("python", code=code))
+        second = await step(env, call("python", code=code))
+        await env.close()  # the pool is the caller's: left open
+
+        assert first.messages[0]["content"] == "2 1 ['snippet.py'] []"
+        pid, rest = second.messages[0]["content"].split(" ", 1)
+        assert rest == "1 ['snippet.py'] []" and (int(pid) > 2 if reuse else pid == "2"), second.messages
+        assert (pool.started, pool.reused, len(pool.idle), pool.live) == ((1, 1, 1, 1) if reuse else (2, 0, 0, 0))
+    finally:
+        await pool.close()
+    assert pool.live == 0 and not sandbox_processes()
