@@ -2,8 +2,8 @@
 
 Registered with the environment service by import path (``_environments:ToolTurns``, with ``bench/``
 on its PYTHONPATH). The tiny random model never writes a tool call, so the environment makes one
-for it: each step runs ``SNIPPET`` in the real sandbox (``PythonSandbox``: bwrap, a fresh process per
-call, as the built-in ``tool_calling`` environment's python tool) and answers with a ``tool`` message
+for it: each step runs ``SNIPPET`` in the real sandbox, one of its own per call from a pool of ready ones
+(``EpisodeSandboxes.run``, as the built-in ``tool_calling`` environment's python tool by default) and answers with a ``tool`` message
 holding its output, whatever the model wrote. The ``TURNS``-th step ends the episode; it runs its
 tool call too (the collector keeps no observation after the last turn, so that output is dropped):
 every turn pays one call, an upper bound on what a model that answers without a tool would cost.
@@ -47,6 +47,7 @@ them ran each call in a fresh sandbox: the side then cost as much as fresh sandb
 
 _sandbox: PythonSandbox | None = None
 _episode_sandboxes: EpisodeSandboxes | None = None
+_call_sandboxes: EpisodeSandboxes | None = None
 
 
 def shared_sandbox() -> PythonSandbox:
@@ -64,6 +65,15 @@ def episode_sandboxes() -> EpisodeSandboxes:
     if _episode_sandboxes is None:
         _episode_sandboxes = EpisodeSandboxes(shared_sandbox(), max_live=EPISODE_SANDBOXES)
     return _episode_sandboxes
+
+
+def call_sandboxes() -> EpisodeSandboxes:
+    """The pool ``ToolTurns`` takes a sandbox from for each call (a pool of its own: the sides' sandbox
+    starts are counted apart)."""
+    global _call_sandboxes
+    if _call_sandboxes is None:
+        _call_sandboxes = EpisodeSandboxes(shared_sandbox(), max_live=EPISODE_SANDBOXES)
+    return _call_sandboxes
 
 
 SNIPPET_OUTPUT = f"{sum(i * i for i in range(10_000))}\n"
@@ -95,8 +105,8 @@ class ToolTurns(Environment):
                 out.write(f"{seconds:.6f}\n")
         return result.stdout
 
-    def sandbox(self) -> PythonSandbox | EpisodeSandbox:
-        return shared_sandbox()
+    def sandbox(self) -> EpisodeSandboxes | EpisodeSandbox:
+        return call_sandboxes()
 
 
 class EpisodeToolTurns(ToolTurns):

@@ -72,7 +72,8 @@ saturate it.
 
 (d) multi-turn episodes vs single turns of the same sampled tokens, end to end. The suite also runs
 the environment service with ``bench_tools`` (``bench/_environments.py``), where every assistant turn is
-answered by a real python tool call in the sandbox (bwrap: needs root), 3 turns per episode. One
+answered by a real python tool call in the sandbox (bwrap: needs root), each call in a ready sandbox of
+its own from a pool (the environment service's default), 3 turns per episode. One
 async collector (as in (a)) with the environment service's address runs every side on ``--groups``
 chat prompts: multi-turn prompts name ``bench_tools`` and sample ``--max-tokens`` per turn; the
 single-turn prompts name no environment and sample 3 x ``--max-tokens`` at once (``ignore_eos``
@@ -94,7 +95,13 @@ ones included (the sandboxes count in the environment service's), and the busy C
 hit rate (``rlfleet_episode_cached_prompt_tokens_total`` / ``rlfleet_episode_prompt_tokens_total`` of
 ``turn="later"``, from the collector): ``prefix_cache_hit_rate``. The column "CPU bound" is the single
 turn's host CPU per trajectory over the side's: on a host whose cores are all busy, the ratio that CPU
-alone allows.
+alone allows. The sandboxes' own costs come from the environment service's
+``rlfleet_episode_sandbox_cpu_seconds{step}``: ``tool_call_host_cpu_ms`` is a call's CPU in the sandbox
+of an episode (its processes, the zygote's fork and the reset after it: the zygote's count),
+``episode_sandbox_host_cpu_ms`` the CPU per episode of sandbox starts (bwrap and the zygote until ready)
+and separate resets; the ``per_call_`` keys the same on the sandbox-per-call side. As a cross-check,
+``tool_call_cpu_ms_all_in`` is a side's CPU per trajectory beyond the canned side's, per tool call, of the
+environment's process tree and of the whole host (everything a call costs anywhere, noisier).
 
 (e) the weight-swap modes under a push every few seconds, with dynamic sampling: see ``bench/_swap_modes.py``.
 Trajectories/s per mode, sampled tokens thrown away per push, tokens carried over, staleness histograms, the
@@ -629,7 +636,7 @@ def measure_multiturn(backends, workdir: Path, ns) -> dict:
     episode_seconds: list[float] = []
     try:
         for round_index in range(-1, ns.multiturn_rounds):  # round -1: warm-up of every side
-            count = ns.groups_per_step if round_index < 0 else ns.groups
+            count = ns.groups  # the warm-up too: the sandbox pools grow to what a round holds at once
             prompts = [[{"role": "user", "content": text}] for text in prompt_texts(count)]
             order = list(sides) if round_index % 2 == 0 else list(reversed(sides))  # no side always goes first
             for side in order:
@@ -652,6 +659,9 @@ def measure_multiturn(backends, workdir: Path, ns) -> dict:
                 f"{rates['episode'][-1]:.1f}), ratio {rates['multiturn'][-1] / rates['singleturn'][-1]:.2f} "
                 f"({rates['episode'][-1] / rates['singleturn'][-1]:.2f} per episode), {len(calls)} tool calls, "
                 f"mean {1000 * statistics.fmean(calls):.1f} ms ({1000 * statistics.fmean(episode_calls):.1f} ms)")
+        started = {kind: sum(value for labels, value in scrape(
+            meter.ports["environment"], f"rlfleet_episode_sandbox_cpu_seconds_{kind}").items()
+            if dict(labels)["step"] == "start") for kind in ("sum", "count")}
     finally:
         collector.stop()
     trajectories = ns.multiturn_rounds * ns.groups * ns.group_size
@@ -665,6 +675,8 @@ def measure_multiturn(backends, workdir: Path, ns) -> dict:
             "episode_tool_seconds_mean": statistics.fmean(episode_seconds),
             "tool_seconds_mean": statistics.fmean(tool_seconds),
             "tool_calls_per_trajectory": len(tool_seconds) / trajectories,
+            "sandbox_starts": started["count"],
+            "sandbox_start_cpu_ms": 1000 * started["sum"] / started["count"] if started["count"] else None,
             "full_tokens": {side: statistics.fmean(lengths) for side, lengths in full_lengths.items()},
             "sides": meter.per_trajectory()}
 
@@ -693,12 +705,16 @@ class SideMeter:
                     calls[f"{service}.{method}"] = value
         tokens = {name: scrape(self.collector_port, f"rlfleet_episode_{name}_total").get((("turn", "later"),), 0.0)
                   for name in ("prompt_tokens", "cached_prompt_tokens")}
-        return {"calls": calls, "cpu": self.cpu.snapshot(), "tokens": tokens}
+        sandbox = {}  # the environment's sandboxes: CPU and count of each start, call and separate reset
+        for kind in ("sum", "count"):
+            for labels, value in scrape(self.ports["environment"], f"rlfleet_episode_sandbox_cpu_seconds_{kind}").items():
+                sandbox[f"{dict(labels)['step']}_{kind}"] = value
+        return {"calls": calls, "cpu": self.cpu.snapshot(), "tokens": tokens, "sandbox": sandbox}
 
     def add(self, side: str, before: dict, after: dict, trajectories: int) -> None:
-        total = self.totals.setdefault(side, {"trajectories": 0, "calls": {}, "cpu": {}, "tokens": {}})
+        total = self.totals.setdefault(side, {"trajectories": 0, "calls": {}, "cpu": {}, "tokens": {}, "sandbox": {}})
         total["trajectories"] += trajectories
-        for kind in ("calls", "cpu", "tokens"):
+        for kind in ("calls", "cpu", "tokens", "sandbox"):
             for key, value in after[kind].items():
                 total[kind][key] = total[kind].get(key, 0.0) + value - before[kind].get(key, 0.0)
 
@@ -708,9 +724,24 @@ class SideMeter:
             n = total["trajectories"]
             calls = {key: value / n for key, value in sorted(total["calls"].items()) if value > 0}
             prompt, cached = total["tokens"]["prompt_tokens"], total["tokens"]["cached_prompt_tokens"]
+            sandbox = total["sandbox"]
+            tool_calls = sandbox.get("call_count", 0.0)
             out[side] = {"calls_per_trajectory": sum(calls.values()), "calls": calls,
                          "cpu_ms_per_trajectory": {key: 1000 * value / n for key, value in total["cpu"].items()},
-                         "later_turn_prefix_cache_hit_rate": cached / prompt if prompt else None}
+                         "later_turn_prefix_cache_hit_rate": cached / prompt if prompt else None,
+                         "sandbox_calls_per_trajectory": tool_calls / n,
+                         "sandbox_starts_per_trajectory": sandbox.get("start_count", 0.0) / n,
+                         "tool_call_host_cpu_ms": 1000 * sandbox["call_sum"] / tool_calls if tool_calls else None,
+                         "episode_sandbox_host_cpu_ms": 1000 * (sandbox.get("start_sum", 0.0)
+                                                                + sandbox.get("reset_sum", 0.0)) / n}
+        canned = out.get("canned")
+        for side, costs in out.items():  # each call's whole cost: the side's CPU beyond canned tools', per call
+            calls_made = costs["sandbox_calls_per_trajectory"]
+            if canned is None or side == "canned" or not calls_made:
+                continue
+            for key in ("environment", "host"):
+                extra = costs["cpu_ms_per_trajectory"][key] - canned["cpu_ms_per_trajectory"][key]
+                costs[f"tool_call_{key}_cpu_ms_all_in"] = extra / calls_made
         return out
 
 
@@ -733,6 +764,10 @@ def report_multiturn(row: dict, ns) -> None:
     print(f"  per-round ratios (with tool calls): {' '.join(f'{r:.2f}' for r in row['ratios_per_round'])}; "
           f"a sandbox per episode: {' '.join(f'{r:.2f}' for r in row['episode_ratios_per_round'])}")
     print_side_costs(row["sides"])
+    if row["sandbox_start_cpu_ms"] is not None:
+        print(f"  sandboxes started, every side and round (the warm-up's included): {row['sandbox_starts']:.0f}, "
+              f"{row['sandbox_start_cpu_ms']:.1f} ms of CPU each (bwrap and the zygote until ready); an episode "
+              f"or call given a parked one starts none")
     print(f"  tool calls: {row['tool_calls_per_trajectory']:.2f} per trajectory, {1000 * row['tool_seconds_mean']:.1f} "
           f"ms each (mean, the sandbox's run as the environment awaits it; a sandbox per episode "
           f"{1000 * row['episode_tool_seconds_mean']:.1f} ms); tokens per trajectory (prompt + sampled "
@@ -740,7 +775,7 @@ def report_multiturn(row: dict, ns) -> None:
           f"{row['full_tokens']['singleturn']:.0f}")
 
 
-SIDE_NAMES = {"singleturn": "single turn", "multiturn": "tool calls", "canned": "canned tools",
+SIDE_NAMES = {"singleturn": "single turn", "multiturn": "a sandbox per call", "canned": "canned tools",
               "episode": "sandbox per episode"}
 
 
@@ -759,6 +794,17 @@ def print_side_costs(sides: dict[str, dict]) -> None:
               + " | ".join(f"{cpu.get(p, 0):>10.1f}" for p in processes)
               + f" | {cpu['host']:>12.1f} | {base / cpu['host']:>9.2f} | "
               + (f"{hits:.2f}" if hits is not None else "-"))
+    for side in ("multiturn", "episode"):
+        costs = sides[side]
+        if costs["tool_call_host_cpu_ms"] is None:
+            continue
+        print(f"  tool calls, {SIDE_NAMES[side]}: {costs['sandbox_calls_per_trajectory']:.2f} per trajectory, "
+              f"{costs['tool_call_host_cpu_ms']:.2f} ms of CPU each in the sandbox (its processes, the zygote's "
+              f"fork and reset: tool_call_host_cpu_ms), sandboxes' starts and separate resets "
+              f"{costs['episode_sandbox_host_cpu_ms']:.2f} ms per episode ({costs['sandbox_starts_per_trajectory']:.3f} "
+              f"starts); all in, beyond canned tools: environment process tree "
+              f"{costs.get('tool_call_environment_cpu_ms_all_in', float('nan')):.2f} ms, whole host "
+              f"{costs.get('tool_call_host_cpu_ms_all_in', float('nan')):.2f} ms per call")
     for side in ("singleturn", "multiturn"):
         calls = sides[side]["calls"]
         print(f"  calls per trajectory, {SIDE_NAMES[side]}: "
@@ -894,6 +940,16 @@ def result_json(e2e: dict | None, sync: dict | None, inprocess: dict | None, mul
                                          for side, costs in multiturn["sides"].items()},
                    host_cpu_ms_per_trajectory={side: round(costs["cpu_ms_per_trajectory"]["host"], 1)
                                                for side, costs in multiturn["sides"].items()})
+        episode, per_call = multiturn["sides"]["episode"], multiturn["sides"]["multiturn"]
+        out.update(sandbox_start_cpu_ms=multiturn["sandbox_start_cpu_ms"], sandbox_starts=multiturn["sandbox_starts"],
+                   tool_call_host_cpu_ms=episode["tool_call_host_cpu_ms"],
+                   episode_sandbox_host_cpu_ms=episode["episode_sandbox_host_cpu_ms"],
+                   per_call_tool_call_host_cpu_ms=per_call["tool_call_host_cpu_ms"],
+                   per_call_sandbox_host_cpu_ms_per_episode=per_call["episode_sandbox_host_cpu_ms"],
+                   tool_call_cpu_ms_all_in={side: {key: round(costs[f"tool_call_{key}_cpu_ms_all_in"], 2)
+                                                   for key in ("environment", "host")}
+                                            for side, costs in multiturn["sides"].items()
+                                            if "tool_call_host_cpu_ms_all_in" in costs})
     return out
 
 

@@ -81,6 +81,17 @@ from rlfleet.services.environment.sandbox_process import (
 log = logging.getLogger(__name__)
 
 _END_SECONDS = 5.0  # the kernel's kill of a pid namespace takes milliseconds
+_START_SECONDS = 60.0  # bwrap and an interpreter: ~40 ms of CPU, seconds on a host whose cores are all busy
+
+
+def _process_cpu_seconds(pid: int) -> float:
+    """A live process's own CPU (user and system, clock ticks) from /proc: bwrap's set-up of a sandbox."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def sealed_file(name: str, data: bytes) -> int:
@@ -323,7 +334,20 @@ class _Zygote:
                 if fd is not None:
                     os.close(fd)
             zygote_end.close()
-        return cls(limits, process, host_end, info, stderr_read)
+        zygote = cls(limits, process, host_end, info, stderr_read)
+        try:
+            ready = await zygote._answer(_START_SECONDS)
+        except asyncio.TimeoutError:
+            ready = None
+        except BaseException:  # cancelled: nothing of the sandbox may outlive it
+            await asyncio.shield(zygote.end())
+            raise
+        if ready is None:
+            said = zygote._said()
+            await zygote.end()
+            raise SandboxUnavailable(f"the sandbox's interpreter did not start{f': {said}' if said else ''}")
+        SANDBOX_CPU.labels(step="start").observe(zygote.cpu_seconds + _process_cpu_seconds(process.pid))
+        return zygote
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -433,12 +457,18 @@ class _Zygote:
         if answer is not None:
             log.warning("the episode's sandbox could not empty its scratch directory or /tmp; it is ended")
             return
+        said = self._said()
+        log.error("the episode's sandbox stopped answering%s", f": {said}" if said else "")
+
+    def _said(self) -> str:
+        """The end of what the zygote (or bwrap) wrote to stderr, when it stopped answering."""
+        if self.stderr is None:
+            return ""
         os.set_blocking(self.stderr, False)
         try:
-            said = os.read(self.stderr, 4096).decode(errors="replace").strip()
+            return os.read(self.stderr, 4096).decode(errors="replace").strip()[-1000:]
         except OSError:
-            said = ""
-        log.error("the episode's sandbox stopped answering%s", f": {said[-1000:]}" if said else "")
+            return ""
 
     async def end(self) -> None:
         """End the sandbox: its pid namespace (every process in it, and with it the tmpfs of its working

@@ -18,17 +18,18 @@ TOOL_CALLS_LIMIT = Gauge("rlfleet_tool_calls_in_flight_limit",
                          "Sandboxed tool calls that may run at once (environment: max_tool_calls_in_flight)")
 TOOL_CALLS_LIMIT.set_function(lambda: GATE.limit)
 EPISODE_SANDBOXES_STARTED = Counter("rlfleet_episode_sandboxes_started_total",
-                                    "Per-episode sandboxes started: a bwrap and the zygote's interpreter (environment)")
+                                    "Ready sandboxes started (for a call or an episode): a bwrap and the zygote's interpreter (environment)")
 EPISODE_SANDBOXES_REUSED = Counter("rlfleet_episode_sandboxes_reused_total",
-                                   "Episodes given a sandbox an earlier episode closed, reset and checked clean "
+                                   "Calls or episodes given a sandbox an earlier one left, reset and checked clean "
                                    "(environment): the starts saved")
 EPISODE_SANDBOX_RESETS = Counter("rlfleet_episode_sandbox_resets_total",
-                                 "Resets of per-episode sandboxes at their episodes' end, by outcome: clean "
-                                 "(parked for the next episode) or failed (ended) (environment)", ["outcome"])
+                                 "Separate resets of sandboxes before they are parked (one after each call is the call's), by "
+                                 "outcome: clean (parked) or failed (ended) (environment)", ["outcome"])
 EPISODE_SANDBOXES = Gauge("rlfleet_episode_sandboxes",
-                          "Per-episode sandboxes alive (environment), by state: held by an episode, or idle "
+                          "Ready sandboxes alive (environment), by state: held by a call or an episode, or idle "
                           "(parked for the next)", ["state"])
 SANDBOX_CPU = Histogram("rlfleet_episode_sandbox_cpu_seconds",
-                        "CPU inside a per-episode sandbox, as its zygote reports it (environment), by step: call "
-                        "(the call's processes and the zygote's fork and reset) or reset (between episodes)",
+                        "CPU of a ready sandbox (environment), by step: start (bwrap and the zygote until ready), "
+                        "call (the call's processes and the zygote's fork and reset after it, as the zygote "
+                        "reports it) or reset (a separate one, before a sandbox is parked)",
                         ["step"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2.0, 10.0))

@@ -10,7 +10,8 @@ A call is one byte on the control socket carrying four fds (the snippet's source
 stderr); the answer is ``"<wait status> <1: clean, 0: not> <CPU microseconds>\\n"``, after the reset;
 the CPU is the call's: its processes (reaped orphans included) and the zygote's own for the call
 (fork, reset). A reset alone (an episode's end, before the sandbox is parked for the next episode) is
-the byte ``r`` without fds; the answer is ``"0 <1: clean, 0: not> <CPU microseconds>\\n"``. Clean:
+the byte ``r`` without fds; the answer is ``"0 <1: clean, 0: not> <CPU microseconds>\\n"``. Ready to
+serve, the zygote says so first, unasked, in the same form (``"0 1 <its CPU since it started>"``). Clean:
 every other process of the namespace killed and reaped, none left in ``/proc`` (when mounted), the
 working directory and ``/tmp`` emptied.
 """
@@ -94,6 +95,7 @@ def serve():
     workdir = os.getcwd()
     warm_up(workdir)
     gc.freeze()  # the zygote's objects stay out of every call's collections: fewer pages copied on write
+    control.sendall(b"0 1 %d\n" % cpu_us(resource.getrusage(resource.RUSAGE_SELF)))  # ready
     while True:
         message, ancillary, _, _ = control.recvmsg(1, _socket.CMSG_SPACE(16))
         if not message:
