@@ -102,6 +102,8 @@ class ServiceProcess:
     """Where this start's lines begin in the log (appended across starts)."""
     tmp: Path | None = field(default=None, init=False)
     """Its own ``TMPDIR`` (``private_tmp``), removed when it stops; None when ``env`` sets one."""
+    started_at: float | None = field(default=None, init=False)
+    """When ``start`` ran it (wall clock): the named semaphores orphaned since are swept when it ends."""
 
     def start(self, workdir: Path | None = None) -> "ServiceProcess":
         workdir = Path(workdir or tempfile.mkdtemp(prefix=f"rlfleet-{self.name}-"))
@@ -125,6 +127,7 @@ class ServiceProcess:
         if "TMPDIR" not in self.env:
             self.tmp = private_tmp(workdir)
             own = tmp_env(self.tmp)
+        self.started_at = time.time()
         self.process = subprocess.Popen(
             [sys.executable, "-m", self.module or f"rlfleet.services.{self.name}", *args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **own, **self.env},
@@ -215,7 +218,7 @@ class ServiceProcess:
         from rlfleet.ray import reaper
 
         # The tmp's parent goes too when it is an empty rlfleet-tmp-* (node_dir.remove).
-        reaper.clean(reaper.kill(self.process.pid, segments), self.tmp, killed=False)
+        reaper.clean(reaper.kill(self.process.pid, segments), self.tmp, killed=False, since=self.started_at)
 
     def guard(self, directory: Path | None = None) -> None:
         """A reaper (``rlfleet.ray.reaper``) beside the process: once this launcher's process ends,

@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -339,3 +340,42 @@ def test_a_failed_starts_log_tail_holds_that_start_only(tmp_path):
         assert process.process.wait(60) == 2
         assert process.log_tail().count("usage:") == 1
     assert (tmp_path / "refuser.log").read_text().count("usage:") == 2
+
+
+MAKE_A_SEMAPHORE = ("import multiprocessing, time; lock = multiprocessing.get_context('spawn').Lock(); "
+                    "print(lock._semlock.name.lstrip('/'), flush=True); time.sleep(600)")
+
+
+def test_the_reaper_removes_the_named_semaphores_a_killed_group_made_between_its_scans(tmp_path):
+    """A group that makes a multiprocessing lock (a named semaphore, unlinked by its resource tracker,
+    a child in the same group) and is SIGKILLed whole before the reaper's next scan: nobody holds the
+    semaphore, nobody would unlink it. The reaper removes it once the group is gone; an outsider's
+    semaphore, held by a live process, stays."""
+    read_end, write_end = os.pipe()
+    group = subprocess.Popen([sys.executable, "-c", "input(); " + MAKE_A_SEMAPHORE], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    outsider = subprocess.Popen([sys.executable, "-c", MAKE_A_SEMAPHORE], stdout=subprocess.PIPE, text=True)
+    made: list[Path] = []
+    try:
+        subprocess.run([sys.executable, "-m", "rlfleet.ray.reaper", str(read_end), str(group.pid)],
+                       pass_fds=(read_end,), check=True, timeout=60)
+        os.close(read_end)
+        theirs = Path("/dev/shm") / ("sem." + outsider.stdout.readline().strip())
+        group.stdin.write("go\n")  # after the reaper's first scan
+        group.stdin.flush()
+        ours = Path("/dev/shm") / ("sem." + group.stdout.readline().strip())
+        made += [ours, theirs]
+        assert ours.exists() and theirs.exists()
+        os.killpg(group.pid, signal.SIGKILL)  # the maker and its resource tracker with it
+        group.wait()
+        time.sleep(reaper.ORPHAN_MIN_AGE_SECONDS)  # noqa: the age the reaper waits for, not a race
+        os.close(write_end)  # the actor's process ends
+        wait_for(lambda: not ours.exists(), 60, "the orphaned semaphore removed")
+        assert theirs.exists() and outsider.poll() is None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group.pid, signal.SIGKILL)
+        outsider.kill()
+        outsider.wait()
+        for path in made:
+            path.unlink(missing_ok=True)

@@ -79,9 +79,35 @@ def held_segments(pids: list[int]) -> set[Path]:
             if Path(path).parent == SHM_DIR and ENGINE_SEGMENT.match(Path(path).name)}  # " (deleted)" fails too
 
 
-def clean(segments: set[Path], directory: str | Path | None, killed: bool) -> None:
-    """After the group is gone: its engine segments, ``directory``, and if it was ``killed`` (no graceful
-    stop released them) the weight segments nobody holds now."""
+ORPHAN_MIN_AGE_SECONDS = 1.0
+"""A named semaphore younger than this is not judged orphaned (its creator may be scanned before it made it)."""
+
+
+def orphaned_semaphores(since: float) -> set[Path]:
+    """``multiprocessing``'s named semaphores (``sem.mp-*``) made since ``since`` (a group's start, wall
+    clock) that no live process maps or holds open. Their creator was killed with its resource tracker
+    before a scan of its group saw them (a group SIGKILLed moments after an engine made its locks).
+    Nobody can use one again: a semaphore is opened by name only while its creator holds it."""
+    judged_before = time.time() - ORPHAN_MIN_AGE_SECONDS
+    candidates = set()
+    for path in SHM_DIR.glob("sem.mp-*"):
+        try:
+            made = path.stat().st_ctime
+        except OSError:
+            continue  # unlinked meanwhile
+        if since <= made <= judged_before:
+            candidates.add(path)
+    if not candidates:
+        return candidates
+    return candidates - held_segments([int(entry) for entry in os.listdir("/proc") if entry.isdigit()])
+
+
+def clean(segments: set[Path], directory: str | Path | None, killed: bool, since: float | None = None) -> None:
+    """After the group is gone: its engine segments, the named semaphores orphaned ``since`` its start
+    (``orphaned_semaphores``), ``directory``, and if it was ``killed`` (no graceful stop released them)
+    the weight segments nobody holds now."""
+    if since is not None:
+        segments = segments | orphaned_semaphores(since)
     for path in segments:
         path.unlink(missing_ok=True)
     if directory:
@@ -114,6 +140,7 @@ def actor_gone(fd: int, timeout: float) -> bool:
 
 
 def watch(fd: int, pgid: int, directory: str | None = None) -> None:
+    started = time.time()  # the first scan below sees what the group made before
     known: set[Path] = set()
     next_scan = 0.0
     while True:
@@ -124,7 +151,7 @@ def watch(fd: int, pgid: int, directory: str | None = None) -> None:
             known |= held_segments(pids)
             next_scan = time.monotonic() + SCAN_SECONDS
         if actor_gone(fd, POLL_SECONDS):
-            clean(kill(pgid, known), directory, killed=True)
+            clean(kill(pgid, known), directory, killed=True, since=started)
             return
         try:
             os.killpg(pgid, 0)
@@ -134,9 +161,9 @@ def watch(fd: int, pgid: int, directory: str | None = None) -> None:
             pass
     # The group ended before the actor: a graceful stop (vLLM removed its segments), or a crash (it did not).
     if actor_gone(fd, ACTOR_GRACE_SECONDS):  # the actor went too (a shutdown that signalled both)
-        clean(known, directory, killed=False)
+        clean(known, directory, killed=False, since=started)
     else:  # the actor lives on (it restarts its process, or stops): it removes its own directory
-        for path in known:
+        for path in known | orphaned_semaphores(started):
             path.unlink(missing_ok=True)
 
 
