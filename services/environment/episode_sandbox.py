@@ -71,12 +71,7 @@ from rlfleet.services.environment.sandbox import (
     sandbox_env,
     seccomp_filter_fd,
 )
-from rlfleet.services.environment.sandbox_process import (
-    PIPE_GRACE_SECONDS,
-    OutputPipe,
-    end_namespace,
-    readable,
-)
+from rlfleet.services.environment.sandbox_process import OutputPipe, end_namespace, readable, until_eof
 
 log = logging.getLogger(__name__)
 
@@ -391,10 +386,7 @@ class _Zygote:
             if not clean:
                 self._log_failure(answer, timed_out)
                 await self.end()
-            if ends and not all(end.done() for end in ends):
-                _, still_open = await asyncio.wait(ends, timeout=PIPE_GRACE_SECONDS)
-                if still_open:
-                    log.warning("an output pipe stayed open after the call ended: a process escaped the sandbox")
+            await until_eof(ends)
         finally:
             for pipe in pipes:
                 pipe.close()

@@ -46,13 +46,7 @@ from rlfleet.services.common import host
 from rlfleet.services.common.errors import Unavailable
 from rlfleet.services.environment import sandboxed
 from rlfleet.services.environment.sandbox_diagnosis import explain
-from rlfleet.services.environment.sandbox_process import (
-    PIPE_GRACE_SECONDS,
-    OutputPipe,
-    end_namespace,
-    readable,
-    stop_tasks,
-)
+from rlfleet.services.environment.sandbox_process import OutputPipe, end_namespace, readable, stop_tasks, until_eof
 from rlfleet.services.environment.seccomp import UnsupportedArchitecture, filter_fd, no_nested_user_namespaces
 
 log = logging.getLogger(__name__)
@@ -307,9 +301,7 @@ class PythonSandbox:
                 readers = [asyncio.create_task(pipe.collect()) for pipe in pipes]
                 timed_out = await self._wait_and_end(process, bwrap_info if isolation == "bwrap" else None)
                 wall_seconds = time.monotonic() - started
-                _, still_open = await asyncio.wait(readers, timeout=PIPE_GRACE_SECONDS)
-                if still_open:
-                    log.warning("an output pipe stayed open after the snippet ended: a process escaped the sandbox")
+                await until_eof(readers)
             finally:
                 for pipe in pipes:
                     pipe.close()

@@ -142,6 +142,15 @@ async def readable(fd: int) -> None:
         loop.remove_reader(fd)
 
 
+async def until_eof(ends: list[asyncio.Future]) -> None:
+    """After the call's end: its output pipes' ends (``watch`` futures or ``collect`` tasks), waited for
+    ``PIPE_GRACE_SECONDS`` at most; one still open means a process escaped the sandbox (logged)."""
+    if ends and not all(end.done() for end in ends):
+        _, still_open = await asyncio.wait(ends, timeout=PIPE_GRACE_SECONDS)
+        if still_open:
+            log.warning("an output pipe stayed open after the call ended: a process escaped the sandbox")
+
+
 async def stop_tasks(tasks: list[asyncio.Task]) -> None:
     """Cancel what is still running, wait for all, re-raise a failure of any."""
     for task in tasks:
