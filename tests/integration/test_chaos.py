@@ -80,11 +80,16 @@ class Fleet:
                 self.procs[key].wait_ready(timeout)
 
     def error_lines(self) -> list[str]:
-        """ERROR lines and tracebacks in every service log (restarts append to the same file)."""
+        """ERROR lines and tracebacks (whole, to their exception) in every service log (restarts append
+        to the same file)."""
         lines = []
         for key, proc in self.procs.items():
             text = Path(proc.log_path).read_text(errors="replace") if proc.log_path else ""
-            lines += [f"{key}: {line}" for line in text.splitlines() if " ERROR " in line or "Traceback" in line]
+            in_traceback = False
+            for line in text.splitlines():
+                if " ERROR " in line or "Traceback" in line or in_traceback:
+                    lines.append(f"{key}: {line}")
+                in_traceback = "Traceback" in line or (in_traceback and line[:1] in (" ", ""))
         return lines
 
 

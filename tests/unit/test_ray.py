@@ -350,22 +350,26 @@ def test_the_reaper_removes_the_named_semaphores_a_killed_group_made_between_its
     """A group that makes a multiprocessing lock (a named semaphore, unlinked by its resource tracker,
     a child in the same group) and is SIGKILLed whole before the reaper's next scan: nobody holds the
     semaphore, nobody would unlink it. The reaper removes it once the group is gone; an outsider's
-    semaphore, held by a live process, stays."""
+    semaphore, made meanwhile and held only by its maker (who maps it under the temporary name
+    ``sem_open`` linked it from), stays."""
     read_end, write_end = os.pipe()
     group = subprocess.Popen([sys.executable, "-c", "input(); " + MAKE_A_SEMAPHORE], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, start_new_session=True)
-    outsider = subprocess.Popen([sys.executable, "-c", MAKE_A_SEMAPHORE], stdout=subprocess.PIPE, text=True)
+    outsider = subprocess.Popen([sys.executable, "-c", "input(); " + MAKE_A_SEMAPHORE], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
     made: list[Path] = []
     try:
         subprocess.run([sys.executable, "-m", "rlfleet.ray.reaper", str(read_end), str(group.pid)],
                        pass_fds=(read_end,), check=True, timeout=60)
         os.close(read_end)
-        theirs = Path("/dev/shm") / ("sem." + outsider.stdout.readline().strip())
-        group.stdin.write("go\n")  # after the reaper's first scan
-        group.stdin.flush()
+        for process in (group, outsider):
+            process.stdin.write("go\n")  # after the reaper's first scan
+            process.stdin.flush()
         ours = Path("/dev/shm") / ("sem." + group.stdout.readline().strip())
+        theirs = Path("/dev/shm") / ("sem." + outsider.stdout.readline().strip())
         made += [ours, theirs]
         assert ours.exists() and theirs.exists()
+        assert reaper.held_segments([outsider.pid]) == {theirs}
         os.killpg(group.pid, signal.SIGKILL)  # the maker and its resource tracker with it
         group.wait()
         time.sleep(reaper.ORPHAN_MIN_AGE_SECONDS)  # noqa: the age the reaper waits for, not a race

@@ -25,6 +25,7 @@ A graceful stop cleans up after itself; a SIGKILLed group leaves behind (``clean
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import select
@@ -65,18 +66,32 @@ def members(pgid: int) -> list[int]:
 
 def held_segments(pids: list[int]) -> set[Path]:
     """The engine segments (``psm_*`` and ``sem.mp-*`` in ``/dev/shm``) that processes ``pids`` map or
-    hold open."""
-    paths: set[str] = set()
+    hold open. Matched by inode, not by the name ``/proc`` shows: a named semaphore's creator maps the
+    temporary file ``sem_open`` made and then linked to its name (``/dev/shm/sem.XXXXXX (deleted)``)."""
+    shm_device = os.stat(SHM_DIR).st_dev
+    inodes: set[int] = set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as maps:
-                paths.update(line.split(None, 5)[5].strip() for line in maps if str(SHM_DIR) in line)
+                inodes.update(int(line.split(None, 5)[4]) for line in maps if f" {SHM_DIR}/" in line)
             for fd in os.listdir(f"/proc/{pid}/fd"):
-                paths.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                with contextlib.suppress(OSError):  # closed meanwhile
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"{SHM_DIR}/"):
+                        target = os.stat(f"/proc/{pid}/fd/{fd}")
+                        if target.st_dev == shm_device:
+                            inodes.add(target.st_ino)
         except OSError:
             continue  # exited meanwhile
-    return {Path(path) for path in paths
-            if Path(path).parent == SHM_DIR and ENGINE_SEGMENT.match(Path(path).name)}  # " (deleted)" fails too
+    if not inodes:
+        return set()
+    held = set()
+    with os.scandir(SHM_DIR) as entries:
+        for entry in entries:
+            if ENGINE_SEGMENT.match(entry.name):
+                with contextlib.suppress(OSError):  # unlinked meanwhile
+                    if entry.inode() in inodes:
+                        held.add(Path(entry.path))
+    return held
 
 
 ORPHAN_MIN_AGE_SECONDS = 1.0
