@@ -8,7 +8,9 @@ Nothing a service's processes leave is left once it stops, gracefully or killed:
 ``TMPDIR`` of its own (``private_tmp``: a vLLM engine's ``torch.distributed`` file store and its ZMQ
 IPC sockets go there), removed once its process group is gone, and the shared-memory segments and
 named semaphores its group held (``rlfleet.ray.reaper.held_segments``: read from ``/proc`` just
-before the signal) are unlinked then too.
+before the signal) are unlinked then too. A process that ended on its own and was never stopped
+(a start that failed) has its ``TMPDIR`` removed when its ``ServiceProcess`` goes, at the latest when
+the launcher's interpreter exits.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -63,6 +66,15 @@ def private_tmp(workdir: Path) -> Path:
     return tmp
 
 
+def _remove_tmp_once_ended(process: subprocess.Popen, tmp: Path) -> None:
+    """A ``ServiceProcess`` went (or the launcher exits) without stopping its process: its ``TMPDIR``
+    goes if the process has ended (a live one's is its reaper's, or its next stop's)."""
+    if process.poll() is not None:
+        from rlfleet.ray import node_dir
+
+        node_dir.remove(tmp)
+
+
 def tmp_env(tmp: Path) -> dict[str, str]:
     """A process's environment for ``TMPDIR`` ``tmp``: torch's compile cache stays where it was (it
     would follow TMPDIR, and be compiled again by every process)."""
@@ -102,6 +114,8 @@ class ServiceProcess:
     """Where this start's lines begin in the log (appended across starts)."""
     tmp: Path | None = field(default=None, init=False)
     """Its own ``TMPDIR`` (``private_tmp``), removed when it stops; None when ``env`` sets one."""
+    _tmp_left: weakref.finalize | None = field(default=None, init=False, repr=False)
+    """Removes ``tmp`` when this object goes (or the interpreter exits) if its process ended unstopped."""
     started_at: float | None = field(default=None, init=False)
     """When ``start`` ran it (wall clock): the named semaphores orphaned since are swept when it ends."""
 
@@ -119,22 +133,34 @@ class ServiceProcess:
         # A restarted service keeps its history in the log: log_tail reads this start's lines only.
         self._log_offset = self._log.tell()
         own = {}
-        if self.tmp is not None:  # a previous start's, whose process ended without stop()
-            from rlfleet.ray import node_dir
-
-            node_dir.remove(self.tmp)
-            self.tmp = None
+        self._remove_tmp()  # a previous start's, whose process ended without stop()
         if "TMPDIR" not in self.env:
             self.tmp = private_tmp(workdir)
             own = tmp_env(self.tmp)
         self.started_at = time.time()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", self.module or f"rlfleet.services.{self.name}", *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **own, **self.env},
-            start_new_session=True,  # a Ctrl-C in the launcher's terminal is handled by the launcher
-            preexec_fn=self.preexec_fn,
-        )
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", self.module or f"rlfleet.services.{self.name}", *args],
+                stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **own, **self.env},
+                start_new_session=True,  # a Ctrl-C in the launcher's terminal is handled by the launcher
+                preexec_fn=self.preexec_fn,
+            )
+        except BaseException:
+            self._remove_tmp()
+            raise
+        if self.tmp is not None:
+            self._tmp_left = weakref.finalize(self, _remove_tmp_once_ended, self.process, self.tmp)
         return self
+
+    def _remove_tmp(self) -> None:
+        """This start's ``TMPDIR``, now: its process has ended (or never started)."""
+        if self._tmp_left is not None:
+            self._tmp_left.detach()
+            self._tmp_left = None
+        if self.tmp is not None:
+            from rlfleet.ray import node_dir
+
+            node_dir.remove(self.tmp)
 
     @property
     def address(self) -> str:
@@ -219,6 +245,7 @@ class ServiceProcess:
 
         # The tmp's parent goes too when it is an empty rlfleet-tmp-* (node_dir.remove).
         reaper.clean(reaper.kill(self.process.pid, segments), self.tmp, killed=False, since=self.started_at)
+        self._remove_tmp()
 
     def guard(self, directory: Path | None = None) -> None:
         """A reaper (``rlfleet.ray.reaper``) beside the process: once this launcher's process ends,

@@ -1,8 +1,11 @@
 """The shared scaffolding as a real process: health, errors, auth, clean SIGTERM."""
 
+import gc
+import shutil
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import grpc
@@ -10,9 +13,10 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
-from rlfleet.services.launch import free_port
+from rlfleet.services.launch import ServiceProcess, free_port
 from rlfleet.v1 import diagnostics_pb2, diagnostics_pb2_grpc, tensor_pb2
 from rlfleet.wire import Ragged, decode_tensordict, encode_tensordict, get_ragged
+from tests import echo_service
 from tests.leftovers import alive
 from tests.waiting import wait_for
 
@@ -188,6 +192,34 @@ def test_a_guarded_service_ends_with_its_launcher_however_it_ends_and_its_tmpdir
     wait_for(lambda: not alive(int(pid)) and not Path(tmp).exists(), 60,
              "the reaper to end the service and remove its TMPDIR")
     assert Path(tmp).parent == tmp_path or not Path(tmp).parent.exists()  # an rlfleet-tmp-* goes along
+
+
+def test_a_service_that_ended_unstopped_leaves_no_temporary_files_once_its_launcher_drops_it(tmp_path):
+    """A start that failed (the service exited on its own) and was never stopped: its ``TMPDIR`` goes
+    when its ``ServiceProcess`` does (at the latest, the launcher's exit); a live one's stays."""
+    failed = ServiceProcess("echo", ["--no-such-flag"], module=echo_service.MODULE).start(tmp_path / "failed")
+    live = ServiceProcess("echo", ["--log-format", "text"], module=echo_service.MODULE).start(tmp_path / "live")
+    try:
+        with pytest.raises(RuntimeError, match="exited with code 2"):
+            failed.wait_ready(60)
+        tmp = failed.tmp
+        assert tmp.exists()
+        live.wait_ready(60)
+        del failed
+        gc.collect()
+        assert not tmp.exists()
+        live_tmp, live_ref = live.tmp, weakref.ref(live)
+        live_process = live.process
+        live = None
+        gc.collect()
+        assert live_ref() is None and live_tmp.exists()  # its process runs: not ours to remove
+    finally:
+        if live is None:
+            live_process.kill()
+            live_process.wait()
+            shutil.rmtree(live_tmp, ignore_errors=True)
+        else:
+            live.stop()
 
 
 def test_a_stopped_or_killed_service_leaves_no_temporary_files(start_service):
