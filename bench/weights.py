@@ -31,6 +31,12 @@ Each round (a warm-up round, then ``--rounds``) runs these phases in this order,
   adapters (``--max-lora-rank 64``; on CPU that switches vLLM's compilation off, in g0-g2 and the
   floor engine alike).
 
+Then, the others stopped, the **relay** phase: three generation services serving the big model "on
+other hosts" (each with its own ``RLFLEET_SHM_DIR``, so none can map a segment of the collector's), and
+collector C, which reads their addresses from a file: listed one, two, then three at a time, each time
+re-synced, then ``--rounds`` grpc pushes (plus a warm-up) relayed through them (docs/guides/weight-sync.md,
+Relayed pushes).
+
 Ratios are taken per round from adjacent phases, then the median (IQR) over rounds:
 
 - ``grpc_vs_raw`` = raw s / grpc A s (higher is better; target >= 0.8);
@@ -39,6 +45,10 @@ Ratios are taken per round from adjacent phases, then the median (IQR) over roun
 - ``delta_<p>pct_time_ratio`` = delta push s / full push s, and ``delta_<p>pct_bytes_ratio`` = bytes the
   collector received / the full push's (target at 1 %: <= 0.02);
 - ``lora_r<r>_over_full`` = adapter push s / full push s, ``lora_r<r>_bytes_ratio`` the same for bytes;
+- ``collector_egress_over_model_<k>`` = bytes the collector sent per relayed push to k replicas elsewhere /
+  model bytes (target 1.0 for each k: one copy, whatever their number), ``relay_time_<k>_over_1`` = push s
+  to k of them / to 1 (the relay's per-hop cost), ``relay_seconds_1`` = the relayed push to 1, s, and
+  ``relay_apply_seconds_1`` its apply (``bench/fanout_sim.py`` calibrates its model with these);
 - ``peak_rss_over_model`` = peak extra PSS / model bytes (target <= 1.1); PSS is summed over collector A,
   g0 and g0's descendants (vLLM engine core), sampled every ~15 ms; extra = max during the push -
   the sum just before it. Pages shared with this process (the trainer's shm segment) count only in
@@ -304,6 +314,15 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
                 details[key].append(result)
         from rlfleet.wire import shm
         kept = sum(os.path.getsize(p) for p in shm.list_segments())  # the segments kept for the next push
+        # The relay phase's replicas need the memory: the others go first.
+        for client in clients:
+            client.close()
+        clients = []
+        for proc in [*collectors, *gens]:
+            await asyncio.to_thread(proc.stop)
+        engine.shutdown()
+        engine = None
+        rows.update(await relay_phase(ns, gen_args, backends, state, workdir))
         return dict(rows=rows, details=details, kept=kept)
     finally:
         for client in clients:
@@ -318,6 +337,79 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
             engine = None
         if sink is not None:
             sink.close()
+
+
+RELAY_REPLICAS = 3
+
+
+async def relay_phase(ns, gen_args: list[str], backends: dict, state: dict, workdir: Path) -> dict:
+    """Replicas "on other hosts" (each its own ``RLFLEET_SHM_DIR``: none can map the collector's segments),
+    listed to collector C one, two, then three at a time (an address file it re-reads); each time, after
+    they are re-synced, ``--rounds`` grpc pushes relayed through them (plus a warm-up). Per push: its time
+    and the bytes the collector sent (``PushResult.sent_bytes``)."""
+    from rlfleet.client import connect
+    from rlfleet.services.launch import ServiceProcess
+    from rlfleet.wire import shm
+
+    directories = [tempfile.mkdtemp(prefix="rlfleet-bench-otherhost-", dir=shm.SHM_DIR) for _ in range(RELAY_REPLICAS)]
+    gens = [ServiceProcess("generation", gen_args, env={"RLFLEET_SHM_DIR": d}).start(workdir / f"r{i}")
+            for i, d in enumerate(directories)]
+    listed = workdir / "relay-replicas.json"
+    collector = client = None
+    rows: dict[str, list] = {}
+    try:
+        for g in gens:
+            await asyncio.to_thread(g.wait_ready, 900)
+        listed.write_text(json.dumps([gens[0].address]))
+        collector = ServiceProcess("collector", [
+            "--generation-addresses-file", str(listed), "--discovery-refresh-seconds", "0.5",
+            "--replica-check-seconds", "0.5",
+            "--reference-address", backends["reference"].address, "--reward-address", backends["reward"].address,
+            "--trajectory-address", backends["trajectory"].address, "--state-dir", str(workdir / "collector-c" / "state"),
+            "--log-format", "text"]).start(workdir / "collector-c")
+        await asyncio.to_thread(collector.wait_ready, 300)
+        client = connect(collector.address)
+        version = 0
+        for count in range(1, RELAY_REPLICAS + 1):
+            listed.write_text(json.dumps([g.address for g in gens[:count]]))
+            await asyncio.to_thread(wait_in_rotation, client, count, 600)
+            times, sent, applies = [], [], []
+            for round_index in range(-1, ns.rounds):
+                await asyncio.sleep(ns.settle_seconds)
+                version += 1
+                result = await asyncio.to_thread(push, client, state, version, "grpc", count)
+                transports = {r.transport for r in result.replicas}
+                if version > 1 and transports != {"relay"}:  # the first push learns they are elsewhere
+                    raise RuntimeError(f"relay push v{version} to {count} replicas went by {transports}")
+                print(f"  relay, {count} replica(s): push {result.seconds:.3f}s, collector sent "
+                      f"{result.sent_bytes / 1e6:.0f} MB", file=sys.stderr, flush=True)
+                if round_index >= 0:
+                    times.append(result.seconds)
+                    sent.append(result.sent_bytes)
+                    applies.append(max(r.apply_seconds for r in result.replicas))
+            rows[f"relay{count}"], rows[f"relay_sent{count}"], rows[f"relay_apply{count}"] = times, sent, applies
+        return rows
+    finally:
+        if client is not None:
+            client.close()
+        if collector is not None:
+            collector.stop()
+        for g in gens:
+            g.stop()
+        for directory in directories:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def wait_in_rotation(client, count: int, timeout: float) -> None:
+    """Until ``count`` replicas are in rotation at the collector's version (re-synced)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = client.status()
+        if sum(r.healthy and r.policy_version == status.policy_version for r in status.replicas) >= count:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{count} replicas not in rotation after {timeout:.0f}s: {status.replicas}")
+        time.sleep(0.2)
 
 
 async def measure_nccl(ns, engine, clients, state, settle) -> dict:
@@ -472,6 +564,15 @@ def main() -> None:
         target = key == 0.01  # the issue's target: a delta of 1 % of the tensors moves <= 2 % of the bytes
         row(f"{label}: bytes", f"full push {model_bytes / 1e6:.0f} MB", f"{what} {bytes_ratio['num'] / 1e6:.1f} MB",
             bytes_ratio, "<= 0.02" if target else "-", bytes_ratio["ratio"] <= 0.02 if target else True)
+    relay1 = rows["relay1"]
+    for count in range(1, RELAY_REPLICAS + 1):
+        egress = ratio(rows[f"relay_sent{count}"], model)
+        row(f"grpc, {count} replica(s) elsewhere: egress", f"model {model_bytes / 1e6:.0f} MB",
+            f"collector sent {egress['num'] / 1e6:.0f} MB", egress, "= 1.00", abs(egress["ratio"] - 1) < 1e-9)
+        if count > 1:
+            relay_time = ratio(rows[f"relay{count}"], relay1)
+            row(f"relayed push: {count} / 1 replica", f"1 replica {relay_time['den']:.3f}s",
+                f"{count} replicas {relay_time['num']:.3f}s", relay_time, "-", True)
     print(f"kept in /dev/shm between pushes: {out['kept'] / 1e6:.0f} MB = {out['kept'] / model_bytes:.2f} x the "
           f"model (the clients' segments, collector A's staging segment and each replica's kept weights; not counted as "
           f"extra above)")
@@ -484,6 +585,13 @@ def main() -> None:
     result = dict(grpc_vs_raw=grpc_raw["ratio"], shm_vs_reload=shm_floor["ratio"],
                   two_vs_one_replica=two_one["ratio"],
                   peak_rss_over_model=max(pss["shm"]["ratio"], pss["grpc"]["ratio"]))
+    for count in range(1, RELAY_REPLICAS + 1):
+        result[f"collector_egress_over_model_{count}"] = ratio(rows[f"relay_sent{count}"], model)["ratio"]
+    for count in range(2, RELAY_REPLICAS + 1):
+        result[f"relay_time_{count}_over_1"] = ratio(rows[f"relay{count}"], relay1)["ratio"]
+    result["relay_seconds_1"] = statistics.median(relay1)
+    result["relay_apply_seconds_1"] = statistics.median(rows["relay_apply1"])
+    result["model_bytes"] = model_bytes  # for bench/fanout_sim.py's calibration
     for r in LORA_RANKS:
         result[f"lora_r{r}_over_full"], result[f"lora_r{r}_bytes_ratio"] = (x["ratio"] for x in small[f"r{r}"])
     for f, name in zip(DELTA_FRACTIONS, ("1pct", "10pct", "100pct")):

@@ -146,7 +146,7 @@ def weight_fanout(config: CollectorConfig, pool: ReplicaPool, gate: VersionGate,
                                                 drain_seconds=config.rolling_drain_seconds,
                                                 max_seconds=config.rolling_max_seconds,
                                                 settle_seconds=config.rolling_settle_seconds),
-                        spool=DatabaseSpool(ledger) if ledger.in_postgresql else None)
+                        spool=DatabaseSpool(ledger) if ledger.in_postgresql else None, relay=config.weight_relay)
 
 
 def pipeline_options(config: CollectorConfig) -> PipelineOptions:

@@ -143,6 +143,11 @@ class CollectorConfig(ServiceConfig, UpstreamConfig):
     or ``rolling`` (``rolling_max_unavailable`` replicas at a time, each drained first, while the others
     serve; requests pinned to their replica's version; the push's mode and ``swap_mode`` unused).
     docs/guides/weight-sync.md, Rolling updates."""
+    weight_relay: bool = True
+    """Replicas on other hosts (those that cannot map the collector's shared memory) get a push relayed
+    from one to the next as its bytes arrive: the collector sends them once, whatever their number, and a
+    replica that fails is routed around. False: the collector sends each its own copy.
+    docs/guides/weight-sync.md, Relayed pushes."""
     rolling_max_unavailable: int = Field(1, ge=1)
     """Rolling updates: replicas switched at once (drained, applying, then serving the new version)."""
     rolling_drain_seconds: float = Field(30.0, ge=0)

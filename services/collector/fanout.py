@@ -40,12 +40,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable
 
 from rlfleet.choices import SWAP_MODES, UPDATE_STRATEGIES
 from rlfleet.services.collector.admission import VersionGate
+from rlfleet.services.collector.metrics import WEIGHT_PUSH_SENT_BYTES
 from rlfleet.services.collector.replicas import Replica, ReplicaPool
 from rlfleet.services.collector.rolling import RollingSettings, RollingUpdate
 from rlfleet.services.collector.spool import DatabaseSpool, DatabaseSpoolWrite, FileSpool, FileSpoolWrite
@@ -53,6 +55,7 @@ from rlfleet.services.collector.spool_writer import SpoolWriter
 from rlfleet.services.collector.transports import ReplicaOutcome, ReplicaPush
 from rlfleet.services.common import tracing
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted, Unavailable
+from rlfleet.services.common.relay import Relay
 from rlfleet.services.common.weight_stream import MAX_POLICY_VERSION, PushReceiver, WeightPush, open_offered_segment
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm, weight_delta
@@ -86,6 +89,23 @@ class SpoolWrite:
 
 
 @dataclass
+class RunningRelay:
+    """A push's relay (``relay.py``) and the task sending it."""
+
+    relay: Relay
+    task: asyncio.Task
+    counted: bool = False
+
+    def cancel(self) -> None:
+        """Stop sending (a relay that ended is left as it is); what it sent goes to the egress metric, once."""
+        if not self.task.done():
+            self.task.cancel()
+        if not self.counted:
+            self.counted = True
+            WEIGHT_PUSH_SENT_BYTES.labels(transport="relay").inc(self.relay.sent_bytes)
+
+
+@dataclass
 class PushCommit:
     """What a push brings to its commit: the replica calls (``streams``), those that staged it, the push,
     when it started, the decision the spool writer waits for (none without a spool write), the spool write
@@ -106,8 +126,10 @@ class WeightFanout:
     def __init__(self, pool: ReplicaPool, gate: VersionGate, spool_dir: Path | None, max_push_bytes: int | None,
                  on_commit: Callable[[int, weights_pb2.WeightManifest | None], Awaitable[None]] | None = None,
                  on_fatal=None, swap_mode: str = "", spool: DatabaseSpool | None = None,
-                 update_strategy: str = "pause_all", rolling: RollingSettings = RollingSettings()):
+                 update_strategy: str = "pause_all", rolling: RollingSettings = RollingSettings(), relay: bool = True):
         self.pool = pool
+        self.relay = relay
+        """Relay pushes through the replicas that refuse our segments (``relay.py``), else a copy to each."""
         self.swap_mode = swap_mode
         """The run's swap mode (``CollectorConfig.swap_mode``): overrides each push's; "" leaves it."""
         self.update_strategy = update_strategy
@@ -204,34 +226,74 @@ class WeightFanout:
             segment = self._staging_segment(push.total_bytes)
             push.attach_sink(segment.buffer)
         handed_off = False
+        relay = None
         try:
             replicas = await self.targets(manifest)
             spool = self.spool.begin(manifest, spooled)
-            # Replicas known to live elsewhere get a grpc push's chunks as they arrive; the others
-            # are offered the segment once it holds every verified byte (shm: right away).
-            remote = [ReplicaPush.start(r, _offered(manifest, r), self.pool.settings, None)
-                      for r in replicas if source is None and r.shm_refused]
+            # Replicas known to live elsewhere get the bytes as they arrive: relayed from one to the next
+            # (one copy from here), or (``relay`` off, or a replica that cannot take a relay) each a copy
+            # of a grpc push's chunks. The others are offered the segment once it holds every verified
+            # byte (shm: right away).
+            relayed = [r for r in replicas if r.shm_refused and r.relays and self.relay]
+            remote = [r for r in replicas if source is None and r.shm_refused and r not in relayed]
+            if relayed:
+                relay, streams = self._relay(manifest, push, segment, relayed)
+            else:
+                streams = []
+            streams += [ReplicaPush.start(r, _offered(manifest, r), self.pool.settings, None) for r in remote]
             try:
                 if source == "shm":
                     await asyncio.to_thread(push.add_all, segment.buffer)
                     push.finish()
+                    if relay is not None:
+                        relay.relay.moved()
                 else:
-                    await receiver.chunks(push, forward=(lambda chunk: asyncio.gather(
-                        *(s.send_chunk(chunk) for s in remote))) if remote else None)
+                    await receiver.chunks(push, forward=self._forward(streams, relay) if streams else None)
                     await receiver.end()
             except BaseException:
-                for s in remote:
+                for s in streams:
                     s.cancel()
+                if relay is not None:
+                    relay.cancel()
                 await spool.discard()
                 raise
             # Every byte is here and verified: the push is decided.
-            local = [ReplicaPush.start(r, _offered(manifest, r), self.pool.settings, segment)
-                     for r in replicas if not (source is None and r.shm_refused)]
+            streams += [ReplicaPush.start(r, _offered(manifest, r), self.pool.settings, segment)
+                        for r in replicas if r not in relayed and r not in remote]
             handed_off = True  # the spool writer closes the segment once it copied it
-            return await _finish_shielded(self._decide(remote + local, push, spool, started, segment, rolling))
+            return await _finish_shielded(self._decide(streams, push, spool, started, segment, rolling, relay))
         finally:
             if not handed_off:
                 self._release(segment)
+
+    def _relay(self, manifest: weights_pb2.WeightManifest, push: WeightPush, segment: shm.Segment,
+               replicas: list[Replica]) -> tuple[RunningRelay, list[ReplicaPush]]:
+        """Each of ``replicas`` stages the push on its own call, its bytes relayed through all of them in
+        the pool's order, starting now: the relay sends what ``segment`` holds as it arrives."""
+        push_id = uuid.uuid4().hex
+        streams = []
+        for replica in replicas:
+            offered = weights_pb2.WeightManifest()
+            offered.CopyFrom(_offered(manifest, replica))
+            offered.relay.push_id = push_id
+            streams.append(ReplicaPush.start(replica, offered, self.pool.settings, None))
+        relay = Relay(push_id, push, segment.buffer, [r.address for r in replicas], self.pool.settings)
+        log.info("relaying version %d through %d replicas: %s", push.version, len(replicas),
+                 " -> ".join(relay.downstream))
+        return RunningRelay(relay, asyncio.ensure_future(relay.run())), streams
+
+    @staticmethod
+    def _forward(streams: list[ReplicaPush], relay: RunningRelay | None):
+        """What each of a grpc push's verified chunks goes on to: the relay, and a copy to each stream
+        that is not relayed."""
+        copies = [s for s in streams if s.transport == "grpc"]
+
+        async def forward(chunk: weights_pb2.WeightChunk) -> None:
+            if relay is not None:
+                relay.relay.moved()
+            if copies:
+                await asyncio.gather(*(s.send_chunk(chunk) for s in copies))
+        return forward
 
     async def _spooled_manifests(self, manifest: weights_pb2.WeightManifest) -> list[weights_pb2.WeightManifest]:
         """What the spool holds now (``manifests()``), which a delta patches and an adapter sits on. A delta
@@ -257,12 +319,18 @@ class WeightFanout:
         return spooled
 
     async def _decide(self, streams: list[ReplicaPush], push: WeightPush, spool, started: float,
-                      segment: shm.Segment, rolling: bool) -> PushOutcome:
+                      segment: shm.Segment, rolling: bool, relay: RunningRelay | None = None) -> PushOutcome:
         decision = asyncio.get_running_loop().create_future()
         copied = asyncio.get_running_loop().create_future()
         self.spool_writer.start(spool, segment, decision, copied)
         try:
-            staged = await self._stage(streams, push.version)
+            try:
+                staged = await self._stage(streams, push.version)
+            finally:
+                if relay is not None:  # every replica staged or failed: nothing is left for it to send
+                    relay.cancel()
+                    for stream in streams:
+                        stream.sent_bytes += relay.relay.sent.get(stream.replica.address, 0)
             return await self._commit(PushCommit(streams, staged, push, started, decision, SpoolWrite(spool, copied),
                                                  rolling))
         finally:

@@ -21,3 +21,7 @@ EPISODE_CACHED_TOKENS = Counter("rlfleet_episode_cached_prompt_tokens_total",
                                 "Of rlfleet_episode_prompt_tokens_total, those whose KV the replica took from its "
                                 "prefix cache (collector), by turn; cached / prompt tokens of the later turns is "
                                 "the history's prefix-cache hit rate", ["turn"])
+WEIGHT_PUSH_SENT_BYTES = Counter("rlfleet_weight_push_sent_bytes_total",
+                                 "Bytes of weight pushes and re-syncs the collector sent to generation replicas "
+                                 "(its egress), by transport: grpc (a copy per replica), relay (one copy, to the "
+                                 "first replica of the relay); shm sends none", ["transport"])

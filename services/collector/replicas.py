@@ -57,6 +57,8 @@ class Replica:
     """Its inference workers (NCCL ranks in an nccl push), from its last probe."""
     max_push_bytes: int = 0
     """The largest push it accepts, from its last probe (0: not reported yet)."""
+    relays: bool = False
+    """It takes relayed pushes (``relay`` among its weight transports, from its last probe)."""
     draining: bool = False
     """A rolling update is about to switch it: no new work (requests pinned to its version excepted,
     when it is the last replica serving that version)."""
@@ -260,6 +262,7 @@ class ReplicaPool:
                 generation_pb2.GetEngineStatusRequest(), timeout=timeout, metadata=self.settings.metadata())
             replica.transfer_world_size = status.weight_transfer_world_size
             replica.max_push_bytes = status.max_push_bytes
+            replica.relays = "relay" in status.weight_transports
             return self.run.version(status)
         except grpc.RpcError:
             return None

@@ -44,8 +44,9 @@ class CollectorServicer(collector_pb2_grpc.CollectorServiceServicer):
             version=outcome.version, received_bytes=outcome.received_bytes, seconds=outcome.seconds,
             replicas=[collector_pb2.ReplicaPushResult(address=r.address, applied=r.applied, error=r.error,
                                                       transport=r.transport, stage_seconds=r.stage_seconds,
-                                                      apply_seconds=r.apply_seconds)
-                      for r in outcome.replicas])
+                                                      apply_seconds=r.apply_seconds, sent_bytes=r.sent_bytes)
+                      for r in outcome.replicas],
+            sent_bytes=sum(r.sent_bytes for r in outcome.replicas))
 
     async def JoinRun(self, request, context):
         collector = self.collector

@@ -5,7 +5,9 @@ is offered to each replica as that segment; a replica that cannot open it
 (another host or IPC namespace) answers FAILED_PRECONDITION "shm transport
 unavailable" and gets the same bytes as grpc chunks
 read from the collector's mapping instead, within the same push. A grpc push
-is forwarded chunk by chunk as the trainer's chunks arrive.
+is forwarded chunk by chunk as the trainer's chunks arrive. Replicas known to
+refuse our segments get a push relayed (``rlfleet.services.common.relay``):
+their calls carry no bytes, the relay does, one copy through all of them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from rlfleet.rpc.channel import ChannelSettings, StatusWatch, stream_error
+from rlfleet.services.collector.metrics import WEIGHT_PUSH_SENT_BYTES
 from rlfleet.services.collector.replicas import Replica
 from rlfleet.services.common import tracing
 from rlfleet.v1 import generation_pb2, weights_pb2
@@ -39,6 +42,8 @@ class ReplicaOutcome:
     transport: str = ""
     stage_seconds: float = 0.0
     apply_seconds: float = 0.0
+    sent_bytes: int = 0
+    """Bytes the collector itself sent this replica."""
 
 
 class SegmentChunks:
@@ -69,6 +74,8 @@ class ReplicaPush:
         self.stage_seconds = self.apply_seconds = 0.0
         self.applied = False
         self.error, self.code = "", ""
+        self.sent_bytes = 0
+        """Chunk bytes put on this call (a relay's are counted by the relay)."""
         self._call = None
         self._queue: asyncio.Queue | None = None
         self._feeder: asyncio.Task | None = None
@@ -83,7 +90,7 @@ class ReplicaPush:
         """Open the call and send the manifest (and, for a segment over grpc, the chunks; an nccl
         manifest makes the replica join the trainer's broadcast)."""
         push = cls(replica, manifest, settings, segment)
-        push._open("shm" if segment is not None else "nccl" if manifest.HasField("nccl") else "grpc")
+        push._open("shm" if segment is not None else manifest.WhichOneof("source") or "grpc")
         return push
 
     def _open(self, transport: str) -> None:
@@ -94,7 +101,7 @@ class ReplicaPush:
         if transport == "shm":
             manifest.shm.path = self.segment.path
             manifest.ClearField("checksum")  # verified here; the replica maps the very same pages
-        else:
+        elif transport == "grpc":
             manifest.ClearField("shm")
         self._queue = asyncio.Queue(maxsize=QUEUE_CHUNKS)
         self._queue.put_nowait(generation_pb2.UpdateWeightsRequest(manifest=manifest))
@@ -116,6 +123,7 @@ class ReplicaPush:
             if self._call.done():
                 return
             await self._queue.put(request)
+            self._sent(len(request.chunk.data))
 
     async def send_chunk(self, chunk: weights_pb2.WeightChunk) -> None:
         """Forward one trainer chunk (grpc pushes); a replica that already failed is skipped."""
@@ -124,6 +132,11 @@ class ReplicaPush:
         request = generation_pb2.UpdateWeightsRequest()
         request.chunk.CopyFrom(chunk)
         await self._queue.put(request)
+        self._sent(len(chunk.data))
+
+    def _sent(self, size: int) -> None:
+        self.sent_bytes += size
+        WEIGHT_PUSH_SENT_BYTES.labels(transport="grpc").inc(size)
 
     async def _read(self, expected: int) -> bool:
         try:
@@ -193,4 +206,4 @@ class ReplicaPush:
 
     def outcome(self) -> ReplicaOutcome:
         return ReplicaOutcome(self.replica.address, self.applied, self.error, self.code, self.transport,
-                              self.stage_seconds, self.apply_seconds)
+                              self.stage_seconds, self.apply_seconds, self.sent_bytes)

@@ -87,6 +87,7 @@ METHOD_ROLES: Mapping[str, frozenset[str]] = {
     # The inner services: the collector calls them; operators read their status.
     "/rlfleet.v1.GenerationService/Generate": _INNER,
     "/rlfleet.v1.GenerationService/UpdateWeights": _INNER,
+    "/rlfleet.v1.GenerationService/RelayWeights": _INNER,
     "/rlfleet.v1.GenerationService/GetEngineStatus": frozenset({OPERATOR, SERVICE}),
     "/rlfleet.v1.GenerationService/EndRun": frozenset({OPERATOR, SERVICE}),
     "/rlfleet.v1.ReferenceService/ScoreLogProbs": _INNER,

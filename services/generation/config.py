@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from rlfleet.choices import MODEL_DTYPE_NAMES
 from rlfleet.services.common.config import ServiceConfig
+from rlfleet.services.common.upstream import UpstreamConfig
 
 # Keys of engine_kwargs the engine sets itself: overriding them would silently
 # break behaviour log-probs or weight updates.
@@ -177,8 +178,10 @@ class GenerationEngineConfig(BaseModel):
         return self.tokenizer or self.model
 
 
-class GenerationConfig(ServiceConfig, GenerationEngineConfig):
-    """The generation service: a vLLM engine behind gRPC (engine fields plus the common ones)."""
+class GenerationConfig(ServiceConfig, GenerationEngineConfig, UpstreamConfig):
+    """The generation service: a vLLM engine behind gRPC (engine fields plus the common ones). The
+    ``upstream_*`` settings are what a replica presents to its peers when it relays a push to them
+    (``GenerationService.RelayWeights``: they take the ``service`` role)."""
 
     service_name = "generation"
 

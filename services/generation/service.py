@@ -7,7 +7,9 @@ import asyncio
 import grpc
 
 from rlfleet.services.common.server import Service
+from rlfleet.services.common.upstream import upstream_settings
 from rlfleet.services.generation.config import GenerationConfig
+from rlfleet.services.generation.relayed import RelayedPushes
 from rlfleet.services.generation.run_metrics import RUN_METRICS
 from rlfleet.services.generation.vllm_engine import GenerationEngine
 from rlfleet.services.generation.servicer import GenerationServicer
@@ -22,8 +24,9 @@ class GenerationService(Service[GenerationConfig]):
         self.engine = GenerationEngine(config)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
+        relayed = RelayedPushes(upstream_settings(self.config, self.config.max_message_bytes))
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-            GenerationServicer(self.engine, self), server)
+            GenerationServicer(self.engine, self, relayed), server)
 
     async def start(self) -> None:
         await self.engine.start()

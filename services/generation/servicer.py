@@ -8,10 +8,12 @@ import uuid
 import torch
 
 from rlfleet.choices import WEIGHT_TRANSPORTS
-from rlfleet.services.common.errors import InvalidArgument
+from rlfleet.rpc.channel import ChannelSettings
+from rlfleet.services.common.errors import Aborted, InvalidArgument
 from rlfleet.services.common.sampling_spec import sampling_from_proto, sampling_to_proto
 from rlfleet.services.common.server import Service
 from rlfleet.services.common.weight_stream import PushReceiver, payloads
+from rlfleet.services.generation.relayed import RelayedPushes
 from rlfleet.services.generation.vllm_engine import GenerationEngine
 from rlfleet.services.generation.sampling import SampleResult
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, weights_pb2
@@ -28,10 +30,12 @@ _FINISH = {
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, engine: GenerationEngine, service: Service):
+    def __init__(self, engine: GenerationEngine, service: Service, relayed: RelayedPushes | None = None):
         self.engine = engine
         self.service = service
         """Only its supervision is used: once it failed, every call is refused with the reason."""
+        self.relayed = relayed or RelayedPushes(ChannelSettings())
+        """Relayed pushes staged here (forwarded to peers with the service's ``upstream_*`` settings)."""
 
     async def _prompt_token_ids(self, prompt: sampling_pb2.Prompt) -> list[int]:
         """The prompt's token ids; one longer than the engine accepts is refused before it is listed."""
@@ -77,12 +81,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         started = time.monotonic()
         receiver = PushReceiver(payloads(request_iterator))
         manifest = await receiver.manifest()
-        check_manifest(manifest, "collector")  # before the version: a manifest without one is malformed
-        staged = self.engine.weights.stage(manifest)
+        try:
+            check_manifest(manifest, "collector")  # before the version: a manifest without one is malformed
+            staged = self.engine.weights.stage(manifest)
+        except Exception as err:
+            if manifest.WhichOneof("source") == "relay":  # its bytes are refused at once, not waited for
+                self.relayed.refuse(manifest.relay.push_id, str(err))
+            raise
+        relayed = self.relayed.open(staged) if staged.transport == "relay" else None
         try:
             if staged.nccl is not None:
                 await self.engine.weights.receive_nccl(staged)  # the bytes come over NCCL, into the segment
-            await receiver.chunks(staged.push)
+            if relayed is not None:
+                await relayed.received()  # in RelayWeights calls
+            else:
+                await receiver.chunks(staged.push)
             received = time.monotonic()
             if staged.manifest.two_phase:
                 yield generation_pb2.UpdateWeightsResponse(
@@ -100,7 +113,47 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 aborted_requests=aborted, phase=weights_pb2.WEIGHT_PHASE_APPLIED,
                 engine_weight_version=await self.engine.weights.vllm_version())
         finally:
+            if relayed is not None:
+                self.relayed.close(relayed)
             staged.close()
+
+    async def RelayWeights(self, request_iterator, context):
+        """A relayed push's bytes into the push staged here, forwarded on; see generation.proto."""
+        self.service.check_working()
+        requests = request_iterator.__aiter__()
+        try:
+            first = await requests.__anext__()
+        except StopAsyncIteration:
+            raise InvalidArgument("empty relay: the first message must be the header") from None
+        if first.WhichOneof("payload") != "header":
+            raise InvalidArgument("the first message of a relay must be the header")
+        header = first.header
+        entry = self.relayed.find(header.push_id)
+        push = entry.staged.push
+        if header.version != push.version:
+            raise InvalidArgument(f"header.version is {header.version}, the push {header.push_id!r} staged here "
+                                  f"is version {push.version}")
+        entry.forward(list(header.downstream))
+        yield generation_pb2.RelayWeightsResponse(received_bytes=push.received)
+        async for request in requests:
+            if request.WhichOneof("payload") != "chunk":
+                raise InvalidArgument(f"expected a chunk at byte {push.received}, got "
+                                      f"{request.WhichOneof('payload') or 'an empty message'}")
+            chunk = request.chunk
+            if chunk.offset + len(chunk.data) <= push.received:
+                continue  # held already (from a sender since cut out)
+            if entry.closed:
+                break
+            if chunk.offset < push.received:  # partly held: the rest
+                chunk.data, chunk.offset = chunk.data[push.received - chunk.offset:], push.received
+            push.add_chunk(chunk)
+            entry.moved()
+        if entry.closed:
+            raise Aborted(f"relayed push {header.push_id!r} (version {push.version}) was discarded here")
+        if not push.complete:
+            raise InvalidArgument(f"the relay ended after {push.received} of {push.total_bytes} bytes")
+        await entry.forwarded()
+        yield generation_pb2.RelayWeightsResponse(received_bytes=push.received, done=True)
 
     async def GetEngineStatus(self, request, context):
         self.service.check_working()
@@ -110,7 +163,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             running_requests=status.requests_running, waiting_requests=status.requests_waiting,
             tokens_per_second=status.tokens_per_second, swapping=self.engine.swapping,
             max_queued_requests=status.max_queued_requests,
-            weight_transports=list(WEIGHT_TRANSPORTS),
+            weight_transports=[*WEIGHT_TRANSPORTS, "relay"],
             weight_transfer_world_size=self.engine.weights.transfer_world_size,
             max_push_bytes=self.engine.weights.max_push_bytes,
             resumed_samples=status.resumed_samples, resumed_tokens=status.resumed_tokens,

@@ -86,7 +86,7 @@ class StagedPush:
             raise ResourceExhausted(f"cannot stage a {push.total_bytes}-byte push in {shm.SHM_DIR}: "
                                     f"{err.strerror} (raise the container's shm_size)") from None
         if staged.nccl is None:
-            push.attach_sink(staged.segment.buffer)  # grpc: the chunks land here
+            push.attach_sink(staged.segment.buffer)  # grpc and relay: the chunks land here
         return staged
 
     @property

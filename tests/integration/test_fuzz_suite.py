@@ -124,6 +124,10 @@ def _own_seeds(method) -> list:
                                                                    stop=["9"], stop_token_ids=[3]))],
         "GetEngineStatus": [gp.GetEngineStatusRequest()],
         "EndRun": [gp.EndRunRequest(run_id="run-20261202-120000-abcdef"), gp.EndRunRequest()],
+        # No push is staged under these ids: NOT_FOUND at once (never a wait), whatever follows the header.
+        "RelayWeights": [gp.RelayWeightsRequest(header=gp.RelayHeader(push_id="fuzz", version=1,
+                                                                     downstream=["127.0.0.1:1"])),
+                         gp.RelayWeightsRequest(chunk=weights_pb2.WeightChunk(offset=0, data=b"fuzz"))],
         "Check": [health_pb2.HealthCheckRequest(service=s) for s in ("", COLLECTOR.full_name, GENERATION.full_name)],
         "Watch": [health_pb2.HealthCheckRequest(service=s) for s in ("", TRAJECTORY.full_name, "nope")],
     }

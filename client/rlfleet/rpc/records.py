@@ -44,11 +44,14 @@ class ReplicaPushResult:
     error: str
     """Why it was not applied (empty when applied)."""
     transport: str = ""
-    """How the bytes reached it: "shm" or "grpc"."""
+    """How the bytes reached it: "shm", "grpc", "relay" (from the replica before it: another host's
+    replicas, one copy from the collector through all of them) or "nccl"."""
     stage_seconds: float = 0.0
     """From the start of the push until the replica held and verified every byte."""
     apply_seconds: float = 0.0
     """The replica's swap of the staged weights."""
+    sent_bytes: int = 0
+    """Bytes the collector itself sent it (0 over shm; over a relay, only the first replica's)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,9 @@ class PushResult:
     """Tensors sent (a delta: those that changed)."""
     adapter_rank: int = 0
     """A LoRA adapter push (``push_adapter``): the adapter's rank; 0 for a weight push."""
+    sent_bytes: int = 0
+    """Bytes the collector sent to the replicas (its egress): a copy per replica reached over grpc, one
+    for all the replicas of a relay, none over shm."""
 
     @property
     def replica_transport(self) -> str:
@@ -97,9 +103,9 @@ class PushResult:
                    transport: str = "", base_version: int | None = None, tensors: int = 0) -> "PushResult":
         return cls(version=reply.version, bytes=reply.received_bytes, seconds=seconds,
                    server_seconds=reply.seconds, attempts=attempts, transport=transport,
-                   base_version=base_version, tensors=tensors,
+                   base_version=base_version, tensors=tensors, sent_bytes=reply.sent_bytes,
                    replicas=tuple(ReplicaPushResult(r.address, r.applied, r.error, r.transport, r.stage_seconds,
-                                                    r.apply_seconds) for r in reply.replicas))
+                                                    r.apply_seconds, r.sent_bytes) for r in reply.replicas))
 
 
 @dataclass(frozen=True)

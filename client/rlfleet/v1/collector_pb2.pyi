@@ -153,32 +153,36 @@ class PushWeightsRequest(_message.Message):
     def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[_weights_pb2.WeightChunk, _Mapping]] = ...) -> None: ...
 
 class ReplicaPushResult(_message.Message):
-    __slots__ = ("address", "applied", "error", "transport", "stage_seconds", "apply_seconds")
+    __slots__ = ("address", "applied", "error", "transport", "stage_seconds", "apply_seconds", "sent_bytes")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     address: str
     applied: bool
     error: str
     transport: str
     stage_seconds: float
     apply_seconds: float
-    def __init__(self, address: _Optional[str] = ..., applied: _Optional[bool] = ..., error: _Optional[str] = ..., transport: _Optional[str] = ..., stage_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ...) -> None: ...
+    sent_bytes: int
+    def __init__(self, address: _Optional[str] = ..., applied: _Optional[bool] = ..., error: _Optional[str] = ..., transport: _Optional[str] = ..., stage_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., sent_bytes: _Optional[int] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
-    __slots__ = ("version", "replicas", "received_bytes", "seconds")
+    __slots__ = ("version", "replicas", "received_bytes", "seconds", "sent_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: int
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaPushResult]
     received_bytes: int
     seconds: float
-    def __init__(self, version: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaPushResult, _Mapping]]] = ..., received_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    sent_bytes: int
+    def __init__(self, version: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaPushResult, _Mapping]]] = ..., received_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., sent_bytes: _Optional[int] = ...) -> None: ...
 
 class JoinRunRequest(_message.Message):
     __slots__ = ("run_id", "policy_version")

@@ -170,3 +170,29 @@ class EndRunResponse(_message.Message):
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     requests_in_flight: int
     def __init__(self, requests_in_flight: _Optional[int] = ...) -> None: ...
+
+class RelayWeightsRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: RelayHeader
+    chunk: _weights_pb2.WeightChunk
+    def __init__(self, header: _Optional[_Union[RelayHeader, _Mapping]] = ..., chunk: _Optional[_Union[_weights_pb2.WeightChunk, _Mapping]] = ...) -> None: ...
+
+class RelayHeader(_message.Message):
+    __slots__ = ("push_id", "version", "downstream")
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DOWNSTREAM_FIELD_NUMBER: _ClassVar[int]
+    push_id: str
+    version: int
+    downstream: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, push_id: _Optional[str] = ..., version: _Optional[int] = ..., downstream: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RelayWeightsResponse(_message.Message):
+    __slots__ = ("received_bytes", "done")
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    done: bool
+    def __init__(self, received_bytes: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...

@@ -45,6 +45,11 @@ class GenerationServiceStub:
                 request_serializer=rlfleet_dot_v1_dot_generation__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_generation__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.RelayWeights = channel.stream_stream(
+                '/rlfleet.v1.GenerationService/RelayWeights',
+                request_serializer=rlfleet_dot_v1_dot_generation__pb2.RelayWeightsRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_generation__pb2.RelayWeightsResponse.FromString,
+                _registered_method=True)
         self.GetEngineStatus = channel.unary_unary(
                 '/rlfleet.v1.GenerationService/GetEngineStatus',
                 request_serializer=rlfleet_dot_v1_dot_generation__pb2.GetEngineStatusRequest.SerializeToString,
@@ -104,6 +109,26 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RelayWeights(self, request_iterator, context):
+        """The bytes of a relayed push (WeightManifest.relay), from the collector or
+        the replica before this one in the relay. The first message is the
+        RelayHeader, answered with the bytes this replica already holds: the
+        sender sends its chunks from there, in order (a chunk it holds already
+        is skipped). This replica forwards them to the first replica of
+        `downstream` that answers, as they arrive, passing on the rest of the
+        list; the last answer (`done`) comes once this replica and every replica
+        after it hold every byte. Each replica still stages, verifies and commits
+        on its own UpdateWeights call. Errors: NOT_FOUND (no push of that id is
+        staged here: not yet, as the collector's UpdateWeights call that stages
+        it may come second; a sender asks again for a while), FAILED_PRECONDITION
+        (this replica refused to stage that push), INVALID_ARGUMENT (no header
+        first, a chunk out of order or past the push's end, another version),
+        ABORTED (the push was discarded here).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetEngineStatus(self, request, context):
         """Model, version, load and throughput.
         """
@@ -134,6 +159,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=rlfleet_dot_v1_dot_generation__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_generation__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'RelayWeights': grpc.stream_stream_rpc_method_handler(
+                    servicer.RelayWeights,
+                    request_deserializer=rlfleet_dot_v1_dot_generation__pb2.RelayWeightsRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_generation__pb2.RelayWeightsResponse.SerializeToString,
             ),
             'GetEngineStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetEngineStatus,
@@ -201,6 +231,33 @@ class GenerationService:
             '/rlfleet.v1.GenerationService/UpdateWeights',
             rlfleet_dot_v1_dot_generation__pb2.UpdateWeightsRequest.SerializeToString,
             rlfleet_dot_v1_dot_generation__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RelayWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/rlfleet.v1.GenerationService/RelayWeights',
+            rlfleet_dot_v1_dot_generation__pb2.RelayWeightsRequest.SerializeToString,
+            rlfleet_dot_v1_dot_generation__pb2.RelayWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

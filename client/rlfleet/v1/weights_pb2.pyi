@@ -50,7 +50,7 @@ class WeightSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "tensors", "total_bytes", "checksum", "mode", "shm", "nccl", "two_phase", "resync", "delta", "lora", "strategy", "run_id", "run_name")
+    __slots__ = ("version", "tensors", "total_bytes", "checksum", "mode", "shm", "nccl", "relay", "two_phase", "resync", "delta", "lora", "strategy", "run_id", "run_name")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class WeightManifest(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     NCCL_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     TWO_PHASE_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +73,7 @@ class WeightManifest(_message.Message):
     mode: UpdateMode
     shm: ShmSegment
     nccl: NcclRendezvous
+    relay: WeightRelay
     two_phase: bool
     resync: bool
     delta: WeightDelta
@@ -79,7 +81,7 @@ class WeightManifest(_message.Message):
     strategy: UpdateStrategy
     run_id: str
     run_name: str
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[WeightSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ..., nccl: _Optional[_Union[NcclRendezvous, _Mapping]] = ..., two_phase: _Optional[bool] = ..., resync: _Optional[bool] = ..., delta: _Optional[_Union[WeightDelta, _Mapping]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ..., strategy: _Optional[_Union[UpdateStrategy, str]] = ..., run_id: _Optional[str] = ..., run_name: _Optional[str] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[WeightSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ..., nccl: _Optional[_Union[NcclRendezvous, _Mapping]] = ..., relay: _Optional[_Union[WeightRelay, _Mapping]] = ..., two_phase: _Optional[bool] = ..., resync: _Optional[bool] = ..., delta: _Optional[_Union[WeightDelta, _Mapping]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ..., strategy: _Optional[_Union[UpdateStrategy, str]] = ..., run_id: _Optional[str] = ..., run_name: _Optional[str] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("rank", "alpha", "target_modules")
@@ -102,6 +104,12 @@ class ShmSegment(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     path: str
     def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class WeightRelay(_message.Message):
+    __slots__ = ("push_id",)
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    push_id: str
+    def __init__(self, push_id: _Optional[str] = ...) -> None: ...
 
 class NcclRendezvous(_message.Message):
     __slots__ = ("master_address", "master_port", "world_size", "rank_offset", "packed")

@@ -7,7 +7,8 @@ version. Three things about a push combine, and not freely (``check_kind``):
 - its kind: full weights, a delta on a base version (``manifest.delta``), or a LoRA adapter
   (``manifest.lora``); an adapter is always whole;
 - its road (``manifest.source``): grpc chunks, an shm segment, or an NCCL broadcast; deltas and
-  adapters are not broadcast (the replicas patch or load them from bytes they hold);
+  adapters are not broadcast (the replicas patch or load them from bytes they hold). A replica may also
+  get the bytes relayed by its peers (``manifest.relay``: the collector's choice, never the trainer's);
 - its rollout (``manifest.strategy``): every replica at once, or rolling, a few at a time; an NCCL
   broadcast is one collective across every replica, so it cannot roll.
 
@@ -61,9 +62,14 @@ def check_manifest(manifest: weights_pb2.WeightManifest, sender: Sender,
                                                "not the trainer")
         if manifest.run_id:
             raise WireError("manifest.run_id", "set by the collector (the run the trainer joined), not the trainer")
+        if manifest.HasField("relay"):
+            raise WireError("manifest.relay", "set by the collector (a push relayed between replicas), not the "
+                                              "trainer: send chunks (grpc) or a segment (shm)")
     elif manifest.version == 0:
         raise WireError("manifest.version", "must be set (> current version)")
     source = manifest.WhichOneof("source")
+    if source == "relay" and not manifest.relay.push_id:
+        raise WireError("manifest.relay.push_id", "is empty: it names the push in the RelayWeights calls")
     check_kind(source=source, delta=manifest.HasField("delta"), adapter=manifest.HasField("lora"),
                rolling=is_rolling(manifest, default_strategy))
     if source == "nccl":

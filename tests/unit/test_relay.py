@@ -1,0 +1,124 @@
+"""The sending side of a relayed push (``services/common/relay.py``) against in-process RelayWeights
+servers that hold some bytes already, die mid-call or refuse: resumed from what each holds, cut out
+and routed around, nothing sent twice to the replica that takes it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from rlfleet.services.common.relay import Relay
+from rlfleet.services.common.weight_stream import WeightPush
+from rlfleet.rpc.channel import ChannelSettings
+from rlfleet.v1 import generation_pb2, generation_pb2_grpc
+
+CHUNK = 1000
+TOTAL = 10 * CHUNK + 123
+
+
+class FakeReplica(generation_pb2_grpc.GenerationServiceServicer):
+    """RelayWeights only: holds ``held`` bytes at the start; ``die_after`` chunks, it aborts the call."""
+
+    def __init__(self, held: bytes = b"", die_after: int | None = None, refuse: bool = False, not_yet: int = 0):
+        self.received = bytearray(held)
+        self.die_after, self.refuse, self.not_yet = die_after, refuse, not_yet
+        self.headers: list[generation_pb2.RelayHeader] = []
+        self.chunks = 0
+
+    async def RelayWeights(self, request_iterator, context):
+        requests = request_iterator.__aiter__()
+        self.headers.append((await requests.__anext__()).header)
+        if self.refuse:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the push was refused here")
+        if len(self.headers) <= self.not_yet:  # the collector's own call has not staged it here yet
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no relayed push staged here")
+        yield generation_pb2.RelayWeightsResponse(received_bytes=len(self.received))
+        async for request in requests:
+            chunk = request.chunk
+            assert chunk.offset == len(self.received), "a chunk out of order, or one held already"
+            self.received += chunk.data
+            self.chunks += 1
+            if self.die_after is not None and self.chunks >= self.die_after:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica died")
+        yield generation_pb2.RelayWeightsResponse(received_bytes=len(self.received), done=True)
+
+
+async def serve(replica: FakeReplica) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(replica, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def push_of(data: bytes) -> WeightPush:
+    return WeightPush(version=7, mode="keep", names=["w"], dtypes=[torch.uint8], shapes=[(len(data),)],
+                      sizes=[len(data)], total_bytes=len(data), checksum_spec="")
+
+
+async def relay_through(replicas: list[FakeReplica], data: bytes, arriving: bool) -> Relay:
+    """``data`` relayed to ``replicas``: all there from the start, or (``arriving``) a chunk at a time."""
+    servers = [await serve(replica) for replica in replicas]
+    try:
+        push = push_of(data)
+        relay = Relay("p1", push, memoryview(data), [address for _, address in servers], ChannelSettings(),
+                      chunk_bytes=CHUNK)
+        task = asyncio.ensure_future(relay.run())
+        if arriving:
+            for end in range(CHUNK, len(data) + CHUNK, CHUNK):
+                await asyncio.sleep(0)
+                push.received = min(end, len(data))
+                relay.moved()
+        else:
+            push.received = len(data)
+            relay.moved()
+        await asyncio.wait_for(task, 60)
+        return relay
+    finally:
+        for server, _ in servers:
+            await server.stop(None)
+
+
+DATA = bytes(i % 251 for i in range(TOTAL))
+
+
+@pytest.mark.parametrize("arriving", [False, True], ids=["all there", "as they arrive"])
+async def test_the_first_replica_that_answers_takes_the_bytes_and_the_rest_of_the_chain(arriving):
+    first, second = FakeReplica(), FakeReplica()
+    relay = await relay_through([first, second], DATA, arriving)
+    assert bytes(first.received) == DATA and second.headers == []
+    assert [list(h.downstream) for h in first.headers] == [[relay.downstream[1]]]
+    assert (relay.reached, relay.cut, relay.sent_bytes) == (relay.downstream[0], [], TOTAL)
+
+
+@pytest.mark.parametrize("arriving", [False, True], ids=["all there", "as they arrive"])
+async def test_a_replica_that_dies_mid_relay_is_cut_out_and_the_next_resumes_from_what_it_holds(arriving):
+    """The first dies after 3 chunks; the second already got 2 chunks from it (as the first forwarded
+    them): it gets the rest from here, from its offset, none of its bytes again."""
+    first, second, third = FakeReplica(die_after=3), FakeReplica(held=DATA[:2 * CHUNK]), FakeReplica()
+    relay = await relay_through([first, second, third], DATA, arriving)
+    assert bytes(second.received) == DATA and third.headers == []
+    assert [address for address, _ in relay.cut] == [relay.downstream[0]]
+    assert "UNAVAILABLE: the replica died" in relay.cut[0][1]
+    assert [list(h.downstream) for h in second.headers] == [[relay.downstream[2]]]
+    assert relay.reached == relay.downstream[1]
+    assert relay.sent[relay.downstream[0]] >= 3 * CHUNK  # and what was written before its end was read
+    assert relay.sent[relay.downstream[1]] == TOTAL - 2 * CHUNK and relay.downstream[2] not in relay.sent
+
+
+async def test_every_replica_refusing_ends_the_relay_with_each_cut_out():
+    refusing = [FakeReplica(refuse=True), FakeReplica(refuse=True)]
+    relay = await relay_through(refusing, DATA, arriving=False)
+    assert relay.reached is None and relay.sent_bytes == 0
+    assert [why for _, why in relay.cut] == ["FAILED_PRECONDITION: the push was refused here"] * 2
+
+
+async def test_a_replica_that_has_not_staged_the_push_yet_is_asked_again():
+    """NOT_FOUND: the replica's own call from the collector (which stages the push) came second."""
+    late = FakeReplica(not_yet=3)
+    relay = await relay_through([late], DATA, arriving=False)
+    assert (len(late.headers), relay.reached, relay.cut) == (4, relay.downstream[0], [])
+    assert bytes(late.received) == DATA
