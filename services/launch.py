@@ -238,13 +238,14 @@ class ServiceProcess:
 
         return reaper.held_segments(reaper.members(self.process.pid))
 
-    def _reap_group(self, segments: set[Path]) -> None:
+    def _reap_group(self, segments: set[Path], killed: bool = False) -> None:
         """Children (e.g. a vLLM engine core) that outlived their parent are ours to clean up; then
-        what the group left: ``segments`` and the process's own ``TMPDIR``."""
+        what the group left: ``segments`` and the process's own ``TMPDIR``, and if it was ``killed``,
+        the rlfleet segments and directories in /dev/shm nobody holds now (``shm.sweep_stale``)."""
         from rlfleet.ray import reaper
 
         # The tmp's parent goes too when it is an empty rlfleet-tmp-* (node_dir.remove).
-        reaper.clean(reaper.kill(self.process.pid, segments), self.tmp, killed=False, since=self.started_at)
+        reaper.clean(reaper.kill(self.process.pid, segments), self.tmp, killed=killed, since=self.started_at)
         self._remove_tmp()
 
     def guard(self, directory: Path | None = None) -> None:
@@ -270,4 +271,4 @@ class ServiceProcess:
             except ProcessLookupError:
                 pass
             self.process.wait()
-            self._reap_group(segments)
+            self._reap_group(segments, killed=True)

@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
@@ -44,6 +42,7 @@ class AdapterSet:
     serials: itertools.count = field(default_factory=lambda: itertools.count(1))
     """Where each adapter's serial comes from (vLLM's id and name): the replica's, shared by every run's set."""
     _root: Path | None = None
+    _held: shm.HeldDirectory | None = None
     _retiring: set[ServedAdapter] = field(default_factory=set)
     _tasks: BackgroundTasks = field(default_factory=BackgroundTasks)
 
@@ -51,7 +50,8 @@ class AdapterSet:
                    buffer) -> ServedAdapter:
         """Write an adapter push's directory and add it to vLLM; not current yet (``switch``)."""
         if self._root is None:
-            self._root = Path(tempfile.mkdtemp(prefix="rlfleet-lora-", dir=shm.SHM_DIR))
+            self._held = shm.HeldDirectory("rlfleet-lora-")  # swept once this process is gone, SIGKILL included
+            self._root = Path(self._held.path)
         serial = next(self.serials)
         directory = self._root / f"v{version}-{serial}"
         await asyncio.to_thread(write_adapter_dir, directory, names, dtypes, shapes, buffer, config)
@@ -108,9 +108,9 @@ class AdapterSet:
     async def _drop(self, engine, adapters: list[ServedAdapter]) -> None:
         for adapter in adapters:
             await self._remove(engine, adapter)
-        root, self._root = self._root, None
-        if root is not None:
-            await asyncio.to_thread(shutil.rmtree, root, True)
+        held, self._held, self._root = self._held, None, None
+        if held is not None:
+            await asyncio.to_thread(held.close)
 
     @property
     def directory(self) -> Path | None:
@@ -121,9 +121,9 @@ class AdapterSet:
         """Every directory goes (the engine is shut down)."""
         self.current = None
         self._retiring.clear()
-        if self._root is not None:
-            shutil.rmtree(self._root, ignore_errors=True)
-            self._root = None
+        held, self._held, self._root = self._held, None, None
+        if held is not None:
+            held.close()
 
 
 async def held_while_read(stream: AsyncGenerator[Any, None], release: Callable[[], None],

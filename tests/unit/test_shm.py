@@ -76,6 +76,29 @@ def test_sweep_removes_only_segments_of_dead_holders(tmp_path):
     assert shm.list_segments(str(tmp_path)) == []
 
 
+def test_a_held_directory_goes_with_its_process_however_it_ends(tmp_path):
+    """A replica's LoRA adapters directory (``HeldDirectory``): removed by ``close``; a SIGKILLed holder's
+    by the next sweep once it is old enough; a live holder's kept."""
+    code = ("import os, sys; from rlfleet.wire import shm; "
+            f"d = shm.HeldDirectory('rlfleet-lora-', directory={str(tmp_path)!r}); "
+            "open(os.path.join(d.path, 'adapter.bin'), 'w').write('x'); print(d.path, flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        orphan = holder.stdout.readline().strip()
+        mine = shm.HeldDirectory("rlfleet-lora-", directory=str(tmp_path))
+        assert shm.sweep_stale(str(tmp_path), min_age_seconds=0) == []  # both held
+        holder.kill()  # SIGKILL: no close
+        holder.wait()
+        assert shm.sweep_stale(str(tmp_path)) == []  # too young
+        assert shm.sweep_stale(str(tmp_path), min_age_seconds=0) == [orphan]
+        assert not os.path.exists(orphan) and os.path.isdir(mine.path)
+        mine.close()
+        assert os.listdir(tmp_path) == []
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_holder_reaches_its_segment_through_its_descriptor_once_unlinked(tmp_path):
     """The generation service hands its worker ``fd_path``: a trainer that unlinks the name
     (a cut push) between stage and commit cannot pull the bytes from under the apply."""

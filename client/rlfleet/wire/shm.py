@@ -7,6 +7,8 @@ long as it uses it; the kernel drops the lock when the process dies, however
 it dies. ``sweep_stale`` unlinks segments nobody holds any more, so a killed
 trainer or service never leaves memory behind: the SDK sweeps before every
 shm push, the generation service and the collector at start and periodically.
+A directory there of a process's own (``HeldDirectory``: a replica's LoRA
+adapters) is held the same way and swept with them.
 
 Names carry 128 random bits, so a receiver that finds the file is on the same
 host and IPC namespace as the writer (that is the whole negotiation); paths
@@ -34,6 +36,8 @@ PREFIX = "rlfleet-w-"
 _NAME = re.compile(r"^rlfleet-w-[0-9a-f]{32}$")
 SHM_UNAVAILABLE = "shm transport unavailable"
 """Start of the FAILED_PRECONDITION message of a receiver that cannot open a segment: the sender falls back to grpc."""
+_DIRECTORY_NAME = re.compile(r"^rlfleet-lora-[a-z0-9_]+$")
+"""``HeldDirectory`` names (``tempfile.mkdtemp`` with the prefix ``rlfleet-lora-``)."""
 SWEEP_MIN_AGE_SECONDS = 5.0
 """A segment younger than this is never swept (its creator may not hold its lock yet)."""
 
@@ -200,7 +204,8 @@ def open_segment(path: str, size: int, directory: str | None = None, trusted: bo
 
 
 def sweep_stale(directory: str | None = None, min_age_seconds: float = SWEEP_MIN_AGE_SECONDS) -> list[str]:
-    """Unlink segments older than ``min_age_seconds`` that no process holds; returns their paths."""
+    """Unlink segments (and remove ``HeldDirectory``s) older than ``min_age_seconds`` that no process
+    holds; returns their paths."""
     directory = directory or SHM_DIR
     removed = []
     try:
@@ -209,9 +214,13 @@ def sweep_stale(directory: str | None = None, min_age_seconds: float = SWEEP_MIN
         return removed
     now = time.time()
     for name in names:
+        path = os.path.join(directory, name)
+        if _DIRECTORY_NAME.match(name):
+            if _sweep_directory(path, now, min_age_seconds):
+                removed.append(path)
+            continue
         if not _NAME.match(name):
             continue
-        path = os.path.join(directory, name)
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
@@ -229,6 +238,52 @@ def sweep_stale(directory: str | None = None, min_age_seconds: float = SWEEP_MIN
         finally:
             os.close(fd)
     return removed
+
+
+class HeldDirectory:
+    """A directory of this process's own in the shm directory (``prefix``: ``rlfleet-lora-``), held with a
+    shared ``flock`` until ``close`` removes it; ``sweep_stale`` removes it once its process is gone
+    however it went (SIGKILL included)."""
+
+    def __init__(self, prefix: str, directory: str | None = None):
+        import tempfile
+
+        self.path = tempfile.mkdtemp(prefix=prefix, dir=directory or SHM_DIR)
+        if not _DIRECTORY_NAME.match(os.path.basename(self.path)):
+            os.rmdir(self.path)
+            raise ValueError(f"{prefix!r} is not a prefix sweep_stale knows")
+        self._fd: int | None = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+
+    def close(self) -> None:
+        """Remove the directory and everything in it."""
+        import shutil
+
+        if self._fd is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            os.close(self._fd)
+            self._fd = None
+
+
+def _sweep_directory(path: str, now: float, min_age_seconds: float) -> bool:
+    """Remove a ``HeldDirectory`` older than ``min_age_seconds`` that no process holds."""
+    import shutil
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        if now - os.fstat(fd).st_ctime < min_age_seconds:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its process lives
+        shutil.rmtree(path, ignore_errors=True)
+        return True
+    finally:
+        os.close(fd)
 
 
 def list_segments(directory: str | None = None) -> list[str]:
