@@ -274,7 +274,13 @@ LAYOUTS: dict[str, tuple[Group, ...]] = {
         _ratio("shm push ÷ floor", "shm_vs_reload"),
         _ratio("2 replicas ÷ 1", "two_vs_one_replica"),
         Figure("delta of 1 % of the tensors, bytes ÷ full", "delta_1pct_bytes_ratio", "{:.4f}"),
-        Figure("LoRA rank 8, time ÷ full", "lora_r8_over_full", "{:.3f}"))),),
+        Figure("LoRA rank 8, time ÷ full", "lora_r8_over_full", "{:.3f}"),
+        _ratio("collector egress ÷ model, 3 replicas elsewhere", "collector_egress_over_model_3"))),),
+    "fanout_sim": (Group("", lambda _: True, (
+        Figure("70B to 1,024 replicas, star s", "star_70b_1024_s", "{:,.0f}"),
+        Figure("70B to 1,024 replicas, relay s", "relay_70b_1024_s", "{:.1f}"),
+        Figure("this host's relay rate, MB/s", "calibration_rate_mb_s", "{:.0f}"),
+        Figure("fit's largest residual ÷ measured", "calibration_max_residual_rel", "{:.3f}"))),),
 }
 """Per bench, what its runs measure and their key figures. A bench not listed, and a run no group of its
 bench holds, gets one group whose figures are the run's first few plain values."""

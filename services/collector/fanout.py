@@ -280,7 +280,7 @@ class WeightFanout:
         relay = Relay(push_id, push, segment.buffer, [r.address for r in replicas], self.pool.settings)
         log.info("relaying version %d through %d replicas: %s", push.version, len(replicas),
                  " -> ".join(relay.downstream))
-        return RunningRelay(relay, asyncio.ensure_future(relay.run())), streams
+        return RunningRelay(relay, asyncio.ensure_future(_relay_and_retry(relay))), streams
 
     @staticmethod
     def _forward(streams: list[ReplicaPush], relay: RunningRelay | None):
@@ -525,6 +525,19 @@ class WeightFanout:
             log.info("replica %s re-synced to version %d over %s", replica.address, manifest.version,
                      outcome.transport)
             return True
+
+
+async def _relay_and_retry(relay: Relay) -> None:
+    """``relay`` to its end; then the replicas a peer cut out (it could not reach them: they may still be
+    reachable from here) get the bytes from here, relayed through them once more. Those that fail again
+    fail their stage, as the replicas cut out here do."""
+    await relay.run()
+    if relay.cut_after:
+        log.warning("relay of version %d: %s cut out by a peer; sending from the collector", relay.push.version,
+                    ", ".join(relay.cut_after))
+        retry = Relay(relay.push_id, relay.push, relay.data, relay.cut_after, relay.settings, relay.chunk_bytes)
+        retry.sent = relay.sent  # one count of what the collector sent
+        await retry.run()
 
 
 def _offered(manifest: weights_pb2.WeightManifest, replica: Replica) -> weights_pb2.WeightManifest:

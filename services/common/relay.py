@@ -55,10 +55,17 @@ class Relay:
         self.sent: dict[str, int] = {}
         """Bytes this relay sent, by replica."""
         self.cut: list[tuple[str, str]] = []
-        """The replicas cut out (address, why), in order."""
+        """The replicas this relay cut out (address, why), in order."""
+        self.cut_after: list[str] = []
+        """The replicas the one that answered ``done`` reported cut out after it (by it or further on)."""
         self.reached: str | None = None
         """The replica that answered ``done``; None while none did (or none could)."""
         self._waiters: list[asyncio.Future] = []
+
+    @property
+    def all_cut(self) -> list[str]:
+        """Every replica of ``downstream`` that did not get the bytes through this relay."""
+        return [address for address, _ in self.cut] + self.cut_after
 
     @property
     def sent_bytes(self) -> int:
@@ -142,8 +149,9 @@ class Relay:
             self.sent[target] = self.sent.get(target, 0) + end - offset
             offset = end
         await call.done_writing()
-        while not (await self._reply(call)).done:
+        while not (reply := await self._reply(call)).done:
             pass
+        self.cut_after = list(reply.cut)
 
     @staticmethod
     async def _reply(call) -> generation_pb2.RelayWeightsResponse:

@@ -153,7 +153,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if not push.complete:
             raise InvalidArgument(f"the relay ended after {push.received} of {push.total_bytes} bytes")
         await entry.forwarded()
-        yield generation_pb2.RelayWeightsResponse(received_bytes=push.received, done=True)
+        cut = entry.relay.all_cut if entry.relay is not None else []
+        yield generation_pb2.RelayWeightsResponse(received_bytes=push.received, done=True, cut=cut)
 
     async def GetEngineStatus(self, request, context):
         self.service.check_working()

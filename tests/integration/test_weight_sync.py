@@ -610,47 +610,58 @@ def test_replica_killed_mid_rolling_update_then_restarted_is_resynced_over_shm(s
     assert_serving(suite, client, committed, tiny_model_dir)
 
 
-def test_replica_on_another_host_gets_grpc_within_the_same_push(suite, client, committed, tiny_model_dir):
+@pytest.fixture(scope="module")
+def elsewhere():
+    """Shared-memory directories of replicas "on other hosts" (one each: they cannot open our segments),
+    removed with the module (the replicas restarted there serve until the suite stops)."""
+    directories: list[str] = []
+
+    def make() -> str:
+        directories.append(tempfile.mkdtemp(prefix="rlfleet-test-otherhost-", dir=shm.SHM_DIR))
+        return directories[-1]
+    yield make
+    for directory in directories:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_replica_on_another_host_gets_grpc_within_the_same_push(suite, client, committed, tiny_model_dir, elsewhere):
     """A replica that cannot open our segments (here: its own shm directory, as on another host or
     in another IPC namespace) is re-synced, then pushed to, over grpc, while its peer maps them."""
     victim_key = "generation-1"
     victim = suite[victim_key]
     victim.kill()  # and restarted at once, before any push: the collector must notice (its monitor or a call)
-    elsewhere = tempfile.mkdtemp(prefix="rlfleet-test-otherhost-", dir=shm.SHM_DIR)
-    try:
-        restarted = ServiceProcess("generation", [*victim.args, "--port", str(victim.port)],
-                                   env={"RLFLEET_SHM_DIR": elsewhere})
-        restarted.start(victim.log_path.parent / "otherhost").wait_ready(ENGINE_START_TIMEOUT)
-        suite[victim_key] = restarted
-        stub = collector_pb2_grpc.CollectorServiceStub(grpc.insecure_channel(suite["collector"].address))
+    directory = elsewhere()
+    restarted = ServiceProcess("generation", [*victim.args, "--port", str(victim.port)],
+                               env={"RLFLEET_SHM_DIR": directory})
+    restarted.start(victim.log_path.parent / "otherhost").wait_ready(ENGINE_START_TIMEOUT)
+    suite[victim_key] = restarted
+    stub = collector_pb2_grpc.CollectorServiceStub(grpc.insecure_channel(suite["collector"].address))
 
-        def back_in_rotation():
-            status = stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=QUERY_TIMEOUT)
-            return {r.address: (r.healthy, r.policy_version) for r in status.replicas}[victim.address] == \
-                (True, client.policy_version)
-        wait_for(lambda: replica_version(restarted) == client.policy_version, RESYNC_TIMEOUT,
-                 "the restarted replica to be noticed and re-synced over grpc", interval=0.1)
-        wait_for(back_in_rotation, RESYNC_TIMEOUT, "the replica back in rotation", interval=0.1)
-        assert f"replica {victim.address} re-synced to version {client.policy_version} over grpc" in \
-            open(suite["collector"].log_path).read()
+    def back_in_rotation():
+        status = stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=QUERY_TIMEOUT)
+        return {r.address: (r.healthy, r.policy_version) for r in status.replicas}[victim.address] == \
+            (True, client.policy_version)
+    wait_for(lambda: replica_version(restarted) == client.policy_version, RESYNC_TIMEOUT,
+             "the restarted replica to be noticed and re-synced over grpc", interval=0.1)
+    wait_for(back_in_rotation, RESYNC_TIMEOUT, "the replica back in rotation", interval=0.1)
+    assert f"replica {victim.address} re-synced to version {client.policy_version} over grpc" in \
+        open(suite["collector"].log_path).read()
+    assert_serving(suite, client, committed, tiny_model_dir)
+    # Known to be elsewhere now: the bytes are relayed to it (a relay of one), as they arrive.
+    expected = {suite["generation-0"].address: "shm", victim.address: "relay"}
+    for i, transport in enumerate(["grpc", "shm"]):
+        weights = perturbed(committed[0], seed=5000 + i)
+        result = client.push_weights(weights, transport=transport, progress=False)
+        committed[result.version] = weights
+        assert result.all_applied and result.transport == transport
+        assert {r.address: r.transport for r in result.replicas} == expected
+        assert {r.address: r.sent_bytes for r in result.replicas} == {suite["generation-0"].address: 0,
+                                                                      victim.address: model_bytes(weights)}
         assert_serving(suite, client, committed, tiny_model_dir)
-        # Known to be elsewhere now: the bytes are relayed to it (a relay of one), as they arrive.
-        expected = {suite["generation-0"].address: "shm", victim.address: "relay"}
-        for i, transport in enumerate(["grpc", "shm"]):
-            weights = perturbed(committed[0], seed=5000 + i)
-            result = client.push_weights(weights, transport=transport, progress=False)
-            committed[result.version] = weights
-            assert result.all_applied and result.transport == transport
-            assert {r.address: r.transport for r in result.replicas} == expected
-            assert {r.address: r.sent_bytes for r in result.replicas} == {suite["generation-0"].address: 0,
-                                                                          victim.address: model_bytes(weights)}
-            assert_serving(suite, client, committed, tiny_model_dir)
-        # Its grpc staging segments are gone too, but for the last one: the weights it keeps for deltas.
-        (kept,) = os.listdir(elsewhere)
-        fds = f"/proc/{restarted.process.pid}/fd"
-        assert os.path.join(elsewhere, kept) in {os.readlink(os.path.join(fds, fd)) for fd in os.listdir(fds)}
-    finally:
-        shutil.rmtree(elsewhere, ignore_errors=True)
+    # Its grpc staging segments are gone too, but for the last one: the weights it keeps for deltas.
+    (kept,) = os.listdir(directory)
+    fds = f"/proc/{restarted.process.pid}/fd"
+    assert os.path.join(directory, kept) in {os.readlink(os.path.join(fds, fd)) for fd in os.listdir(fds)}
 
 
 def model_bytes(weights: dict[str, torch.Tensor]) -> int:
@@ -658,67 +669,59 @@ def model_bytes(weights: dict[str, torch.Tensor]) -> int:
 
 
 def test_replicas_on_other_hosts_get_one_relayed_copy_and_a_dead_relay_is_routed_around(suite, client, committed,
-                                                                                       tiny_model_dir):
-    """Both replicas elsewhere (each its own shm directory): a push reaches them relayed, the first
+                                                                                       tiny_model_dir, elsewhere):
+    """Both replicas elsewhere (each its own shm directory: the first restarted there now, the second by
+    the test above): a push reaches them relayed, the first
     forwarding the bytes to the second as they arrive, so the collector sends one copy in all. The first
     one then stops answering in the middle of the next push's relay (SIGSTOP: the collector holds its
     relay call open, the second replica waits on it for every byte) and is SIGKILLed: the relay goes
     around it, the second replica stages and commits, and the killed one, restarted, is re-synced."""
-    directories, restarted = [], {}
-    try:
-        for key in ("generation-0", "generation-1"):
-            old = suite[key]
-            old.kill()
-            directories.append(tempfile.mkdtemp(prefix="rlfleet-test-otherhost-", dir=shm.SHM_DIR))
-            proc = ServiceProcess("generation", [*old.args, "--port", str(old.port)],
-                                  env={"RLFLEET_SHM_DIR": directories[-1]})
-            restarted[key] = proc.start(old.log_path.parent / f"relay-{key}")
-        for key, proc in restarted.items():
-            suite[key] = proc.wait_ready(ENGINE_START_TIMEOUT)
-        first, second = suite["generation-0"], suite["generation-1"]
-        wait_for(lambda: all(replica_version(p) == client.policy_version for p in (first, second)), RESYNC_TIMEOUT,
-                 "both restarted replicas re-synced (over grpc: they refuse our segments)", interval=0.1)
-        stub = collector_pb2_grpc.CollectorServiceStub(grpc.insecure_channel(suite["collector"].address))
-        wait_for(lambda: all(r.healthy for r in stub.GetStatus(collector_pb2.GetStatusRequest(),
-                                                                timeout=QUERY_TIMEOUT).replicas),
-                 RESYNC_TIMEOUT, "both back in rotation", interval=0.1)
+    old, second = suite["generation-0"], suite["generation-1"]  # the second is elsewhere already (the test above)
+    old.kill()
+    directory = elsewhere()
+    first = suite["generation-0"] = ServiceProcess("generation", [*old.args, "--port", str(old.port)],
+                                                   env={"RLFLEET_SHM_DIR": directory})
+    first.start(old.log_path.parent / "relay-first").wait_ready(ENGINE_START_TIMEOUT)
+    wait_for(lambda: all(replica_version(p) == client.policy_version for p in (first, second)), RESYNC_TIMEOUT,
+             "the restarted replica re-synced (over grpc: it refuses our segments)", interval=0.1)
+    stub = collector_pb2_grpc.CollectorServiceStub(grpc.insecure_channel(suite["collector"].address))
+    wait_for(lambda: all(r.healthy for r in stub.GetStatus(collector_pb2.GetStatusRequest(),
+                                                            timeout=QUERY_TIMEOUT).replicas),
+             RESYNC_TIMEOUT, "both back in rotation", interval=0.1)
 
-        weights = perturbed(committed[0], seed=5100)
-        result = client.push_weights(weights, transport="grpc", progress=False)
-        committed[result.version] = weights
-        assert result.all_applied
-        assert {r.address: r.transport for r in result.replicas} == {first.address: "relay", second.address: "relay"}
-        assert result.sent_bytes == model_bytes(weights)  # one copy from the collector, for both
-        assert {r.address: r.sent_bytes for r in result.replicas} == {first.address: model_bytes(weights),
-                                                                      second.address: 0}
-        assert_serving(suite, client, committed, tiny_model_dir)
+    weights = perturbed(committed[0], seed=5100)
+    result = client.push_weights(weights, transport="grpc", progress=False)
+    committed[result.version] = weights
+    assert result.all_applied
+    assert {r.address: r.transport for r in result.replicas} == {first.address: "relay", second.address: "relay"}
+    assert result.sent_bytes == model_bytes(weights)  # one copy from the collector, for both
+    assert {r.address: r.sent_bytes for r in result.replicas} == {first.address: model_bytes(weights),
+                                                                  second.address: 0}
+    assert_serving(suite, client, committed, tiny_model_dir)
 
-        # The next push: the first relay stops answering, the push begins and its relay with it, then the
-        # first relay dies.
-        os.kill(first.process.pid, signal.SIGSTOP)
-        weights = perturbed(committed[0], seed=5101)
-        relaying = f"relaying version {client.policy_version + 1} through 2 replicas: {first.address} -> " \
-                   f"{second.address}"
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            pushing = pool.submit(client.push_weights, weights, transport="grpc", progress=False)
-            wait_for(lambda: relaying in open(suite["collector"].log_path).read(), PUSH_TIMEOUT,
-                     "the push's relay through the stopped replica", interval=0.05)
-            first.kill()
-            result = pushing.result(timeout=PUSH_TIMEOUT)
-        committed[result.version] = weights
-        outcomes = {r.address: r for r in result.replicas}
-        assert outcomes[second.address].applied and outcomes[second.address].transport == "relay"
-        assert not outcomes[first.address].applied
-        assert result.sent_bytes == model_bytes(weights)  # around the dead one: still one copy
-        assert outcomes[second.address].sent_bytes == model_bytes(weights)
-        assert f"replica {first.address} cut out" in open(suite["collector"].log_path).read()
-        assert_serving(suite, client, committed, tiny_model_dir, procs=[second])
+    # The next push: the first relay stops answering, the push begins and its relay with it, then the
+    # first relay dies.
+    os.kill(first.process.pid, signal.SIGSTOP)
+    weights = perturbed(committed[0], seed=5101)
+    relaying = f"relaying version {client.policy_version + 1} through 2 replicas: {first.address} -> " \
+               f"{second.address}"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pushing = pool.submit(client.push_weights, weights, transport="grpc", progress=False)
+        wait_for(lambda: relaying in open(suite["collector"].log_path).read(), PUSH_TIMEOUT,
+                 "the push's relay through the stopped replica", interval=0.05)
+        first.kill()
+        result = pushing.result(timeout=PUSH_TIMEOUT)
+    committed[result.version] = weights
+    outcomes = {r.address: r for r in result.replicas}
+    assert outcomes[second.address].applied and outcomes[second.address].transport == "relay"
+    assert not outcomes[first.address].applied
+    assert result.sent_bytes == model_bytes(weights)  # around the dead one: still one copy
+    assert outcomes[second.address].sent_bytes == model_bytes(weights)
+    assert f"replica {first.address} cut out" in open(suite["collector"].log_path).read()
+    assert_serving(suite, client, committed, tiny_model_dir, procs=[second])
 
-        again = ServiceProcess("generation", [*first.args], env={"RLFLEET_SHM_DIR": directories[0]})
-        suite["generation-0"] = again.start(first.log_path.parent / "relay-again").wait_ready(ENGINE_START_TIMEOUT)
-        wait_for(lambda: replica_version(again) == client.policy_version, RESYNC_TIMEOUT,
-                 "the killed relay re-synced once restarted", interval=0.1)
-        assert_serving(suite, client, committed, tiny_model_dir)
-    finally:
-        for directory in directories:
-            shutil.rmtree(directory, ignore_errors=True)
+    again = ServiceProcess("generation", [*first.args], env={"RLFLEET_SHM_DIR": directory})
+    suite["generation-0"] = again.start(first.log_path.parent / "relay-again").wait_ready(ENGINE_START_TIMEOUT)
+    wait_for(lambda: replica_version(again) == client.policy_version, RESYNC_TIMEOUT,
+             "the killed relay re-synced once restarted", interval=0.1)
+    assert_serving(suite, client, committed, tiny_model_dir)

@@ -22,9 +22,12 @@ TOTAL = 10 * CHUNK + 123
 class FakeReplica(generation_pb2_grpc.GenerationServiceServicer):
     """RelayWeights only: holds ``held`` bytes at the start; ``die_after`` chunks, it aborts the call."""
 
-    def __init__(self, held: bytes = b"", die_after: int | None = None, refuse: bool = False, not_yet: int = 0):
+    def __init__(self, held: bytes = b"", die_after: int | None = None, refuse: bool = False, not_yet: int = 0,
+                 cut_after: tuple[str, ...] = ()):
         self.received = bytearray(held)
         self.die_after, self.refuse, self.not_yet = die_after, refuse, not_yet
+        self.cut_after = list(cut_after)
+        """What it reports cut out after it (it could not reach them)."""
         self.headers: list[generation_pb2.RelayHeader] = []
         self.chunks = 0
 
@@ -43,7 +46,7 @@ class FakeReplica(generation_pb2_grpc.GenerationServiceServicer):
             self.chunks += 1
             if self.die_after is not None and self.chunks >= self.die_after:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica died")
-        yield generation_pb2.RelayWeightsResponse(received_bytes=len(self.received), done=True)
+        yield generation_pb2.RelayWeightsResponse(received_bytes=len(self.received), done=True, cut=self.cut_after)
 
 
 async def serve(replica: FakeReplica) -> tuple[grpc.aio.Server, str]:
@@ -59,14 +62,15 @@ def push_of(data: bytes) -> WeightPush:
                       sizes=[len(data)], total_bytes=len(data), checksum_spec="")
 
 
-async def relay_through(replicas: list[FakeReplica], data: bytes, arriving: bool) -> Relay:
+async def relay_through(replicas: list[FakeReplica], data: bytes, arriving: bool, run=Relay.run,
+                        servers: list | None = None) -> Relay:
     """``data`` relayed to ``replicas``: all there from the start, or (``arriving``) a chunk at a time."""
-    servers = [await serve(replica) for replica in replicas]
+    servers = servers or [await serve(replica) for replica in replicas]
     try:
         push = push_of(data)
         relay = Relay("p1", push, memoryview(data), [address for _, address in servers], ChannelSettings(),
                       chunk_bytes=CHUNK)
-        task = asyncio.ensure_future(relay.run())
+        task = asyncio.ensure_future(run(relay))
         if arriving:
             for end in range(CHUNK, len(data) + CHUNK, CHUNK):
                 await asyncio.sleep(0)
@@ -122,3 +126,21 @@ async def test_a_replica_that_has_not_staged_the_push_yet_is_asked_again():
     relay = await relay_through([late], DATA, arriving=False)
     assert (len(late.headers), relay.reached, relay.cut) == (4, relay.downstream[0], [])
     assert bytes(late.received) == DATA
+
+
+async def test_the_replicas_a_peer_cut_out_get_the_bytes_from_the_collector():
+    """The first replica could not reach the second (it says so with its ``done``): the collector's relay
+    (``fanout._relay_and_retry``) sends the second the bytes itself, once the relay ended."""
+    from rlfleet.services.collector.fanout import _relay_and_retry
+
+    second = FakeReplica()
+    second_server = await serve(second)
+    first = FakeReplica(cut_after=(second_server[1],))
+    first_server = await serve(first)
+    try:
+        relay = await relay_through([first], DATA, arriving=True, run=_relay_and_retry, servers=[first_server])
+    finally:
+        await second_server[0].stop(None)
+    assert relay.cut_after == [second_server[1]]
+    assert bytes(first.received) == DATA and bytes(second.received) == DATA
+    assert relay.sent == {first_server[1]: TOTAL, second_server[1]: TOTAL}

@@ -190,9 +190,11 @@ class RelayHeader(_message.Message):
     def __init__(self, push_id: _Optional[str] = ..., version: _Optional[int] = ..., downstream: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RelayWeightsResponse(_message.Message):
-    __slots__ = ("received_bytes", "done")
+    __slots__ = ("received_bytes", "done", "cut")
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
     received_bytes: int
     done: bool
-    def __init__(self, received_bytes: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
+    cut: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, received_bytes: _Optional[int] = ..., done: _Optional[bool] = ..., cut: _Optional[_Iterable[str]] = ...) -> None: ...
