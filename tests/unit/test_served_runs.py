@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from rlfleet.services.generation.served_adapters import ServedAdapter
 from rlfleet.services.generation.served_runs import ServedRuns
+from rlfleet.wire import shm
 
 
 class FakeEngine:
@@ -44,9 +46,9 @@ def test_a_replica_without_slots_serves_its_own_run_only():
 async def test_an_ended_run_leaves_when_its_last_call_ends_with_its_adapters_and_directory(tmp_path):
     runs = ServedRuns(max_runs=1)
     run = runs.take("run-a")
-    root = tmp_path / "adapters"
+    held = run.adapters._held = shm.HeldDirectory("rlfleet-lora-", directory=str(tmp_path))  # as its first adapter makes
+    root = run.adapters._root = Path(held.path)
     (root / "v1-1").mkdir(parents=True)
-    run.adapters._root = root
     run.adapters.current = ServedAdapter(1, SimpleNamespace(lora_int_id=7, lora_name="rlfleet-v1-7"), root / "v1-1")
     run.calls = 1
     engine = FakeEngine()
