@@ -43,6 +43,24 @@ class RelayBroken(Exception):
     """The replica sent to ended its call before it said ``done``."""
 
 
+class Arrivals:
+    """Wakes whoever waits (``wait``) for more of a push's bytes when ``moved`` is called (in the event loop)."""
+
+    def __init__(self) -> None:
+        self._waiters: list[asyncio.Future] = []
+
+    def moved(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def wait(self) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        await waiter
+
+
 class Relay:
     """Sends one push's bytes, as they arrive in ``push`` (``data``: where they land), down ``downstream``
     (host:port, in order). ``moved()`` is called (in the event loop) whenever ``push.received`` grew."""
@@ -60,7 +78,7 @@ class Relay:
         """The replicas the one that answered ``done`` reported cut out after it (by it or further on)."""
         self.reached: str | None = None
         """The replica that answered ``done``; None while none did (or none could)."""
-        self._waiters: list[asyncio.Future] = []
+        self._arrivals = Arrivals()
 
     @property
     def all_cut(self) -> list[str]:
@@ -74,15 +92,7 @@ class Relay:
 
     def moved(self) -> None:
         """More bytes arrived (or the push ended): wake the sender."""
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-
-    async def _arrival(self) -> None:
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        await waiter
+        self._arrivals.moved()
 
     async def run(self) -> None:
         """Until a replica of ``downstream`` answered ``done``, or every one was cut out."""
@@ -140,7 +150,7 @@ class Relay:
         total = self.push.total_bytes
         while offset < total:
             while self.push.received <= offset:
-                await self._arrival()
+                await self._arrivals.wait()
             end = min(self.push.received, offset + self.chunk_bytes)
             request = generation_pb2.RelayWeightsRequest()
             request.chunk.offset = offset
@@ -161,4 +171,4 @@ class Relay:
         return reply
 
 
-__all__ = ["FIND_SECONDS", "Relay", "RelayBroken"]
+__all__ = ["FIND_SECONDS", "Arrivals", "Relay", "RelayBroken"]

@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 from rlfleet.rpc.channel import ChannelSettings
 from rlfleet.services.common.errors import Aborted, FailedPrecondition, NotFound
-from rlfleet.services.common.relay import Relay
+from rlfleet.services.common.relay import Arrivals, Relay
 from rlfleet.services.generation.staging import StagedPush
 
 REFUSALS_KEPT = 64
@@ -29,14 +29,11 @@ class RelayedPush:
         self.closed = False
         self.relay: Relay | None = None
         self._forwarding: asyncio.Task | None = None
-        self._waiters: list[asyncio.Future] = []
+        self._arrivals = Arrivals()
 
     def moved(self) -> None:
         """Bytes arrived (or the push ended here): wake whoever waits for them."""
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        self._arrivals.moved()
         if self.relay is not None:
             self.relay.moved()
 
@@ -47,9 +44,7 @@ class RelayedPush:
             if self.closed:
                 raise Aborted(f"relayed push of version {push.version} discarded after {push.received} of "
                               f"{push.total_bytes} bytes")
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            await waiter
+            await self._arrivals.wait()
         push.finish()
 
     def forward(self, downstream: list[str]) -> None:
