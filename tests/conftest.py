@@ -77,7 +77,7 @@ def _entries() -> set[Path]:
 
 
 CHECK_LEFTOVERS = os.environ.get("RLFLEET_CHECK_LEFTOVERS") == "1" and "PYTEST_XDIST_WORKER" not in os.environ
-"""With ``RLFLEET_CHECK_LEFTOVERS=1`` the run checks that it left nothing in /tmp or /dev/shm: every service
+"""With ``RLFLEET_CHECK_LEFTOVERS=1`` (``scripts/test``'s default) the run checks that it left nothing in /tmp or /dev/shm: every service
 a test starts, stopped or SIGKILLed, takes its files along. In the controlling process, once every worker
 is done; names in ``RLFLEET_LEFTOVERS_IGNORE`` (comma-separated patterns) are the host's own."""
 ENTRIES_BEFORE = _entries() if CHECK_LEFTOVERS else set()

@@ -1,7 +1,6 @@
 """The shared scaffolding as a real process: health, errors, auth, clean SIGTERM."""
 
 import gc
-import shutil
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
+from rlfleet.ray import node_dir
 from rlfleet.services.launch import ServiceProcess, free_port
 from rlfleet.v1 import diagnostics_pb2, diagnostics_pb2_grpc, tensor_pb2
 from rlfleet.wire import Ragged, decode_tensordict, encode_tensordict, get_ragged
@@ -217,7 +217,7 @@ def test_a_service_that_ended_unstopped_leaves_no_temporary_files_once_its_launc
         if live is None:
             live_process.kill()
             live_process.wait()
-            shutil.rmtree(live_tmp, ignore_errors=True)
+            node_dir.remove(live_tmp)  # and its rlfleet-tmp-* parent, when its work directory's path is long
         else:
             live.stop()
 
