@@ -61,6 +61,13 @@ class Unavailable(RlfleetError):
     code = "UNAVAILABLE"
 
 
+class DataLoss(RlfleetError):
+    """Data this service holds is not what it was given (e.g. weights in an engine that differ from the push
+    loaded into it): what it serves from them cannot be trusted."""
+
+    code = "DATA_LOSS"
+
+
 class Unauthenticated(RlfleetError):
     """Missing or wrong credentials."""
 

@@ -25,6 +25,7 @@ from rlfleet.services.common.errors import Aborted, FailedPrecondition, InvalidA
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm
 from rlfleet.wire.dtypes import dtype_from_wire
+from rlfleet.wire.fingerprint import fingerprint
 from rlfleet.wire.tensor import check_shape
 
 MAX_POLICY_VERSION = 2**63 - 1
@@ -65,6 +66,8 @@ class WeightPush:
     sizes: list[int]
     total_bytes: int
     checksum_spec: str
+    fingerprints: list[int | None] = field(default_factory=list, repr=False)
+    """Each tensor's fingerprint from the manifest (``rlfleet.wire.fingerprint``); None where unset."""
     sink: memoryview | None = field(repr=False, default=None)
     received: int = 0
     started_at: float = field(default_factory=time.monotonic)
@@ -77,7 +80,7 @@ class WeightPush:
         if manifest.version > MAX_POLICY_VERSION:
             raise OutOfRange(f"manifest.version: {manifest.version} is beyond the largest policy version "
                              f"{MAX_POLICY_VERSION} (batches carry versions as int64)")
-        names, dtypes, shapes, sizes = [], [], [], []
+        names, dtypes, shapes, sizes, fingerprints = [], [], [], [], []
         seen: set[str] = set()
         for i, spec in enumerate(manifest.tensors):
             where = f"manifest.tensors[{i}]"
@@ -92,6 +95,7 @@ class WeightPush:
             dtypes.append(dtype)
             shapes.append(tuple(spec.shape))
             sizes.append(numel * dtype.itemsize)
+            fingerprints.append(spec.fingerprint if spec.HasField("fingerprint") else None)
         if not names and not manifest.HasField("delta"):  # a delta may change nothing: the version moves
             raise InvalidArgument("manifest.tensors is empty")
         total = sum(sizes)
@@ -104,7 +108,7 @@ class WeightPush:
         if mode is None:
             raise InvalidArgument(f"manifest.mode: unknown update mode {manifest.mode}")
         push = cls(version=manifest.version, mode=mode, names=names, dtypes=dtypes, shapes=shapes,
-                   sizes=sizes, total_bytes=total, checksum_spec=manifest.checksum)
+                   sizes=sizes, total_bytes=total, checksum_spec=manifest.checksum, fingerprints=fingerprints)
         push._checksum = _Checksum(manifest.checksum) if manifest.checksum else None
         return push
 
@@ -151,6 +155,26 @@ class WeightPush:
             raise InvalidArgument(
                 f"manifest.checksum mismatch: stream has {self._checksum.algo}:{self._checksum.hexdigest()}, "
                 f"manifest says {self.checksum_spec}; nothing applied")
+
+
+    def verify(self, flat: torch.Tensor) -> int:
+        """Check each tensor's bytes in ``flat`` (the whole push as uint8, concatenated) against its
+        fingerprint in the manifest; the number of tensors checked. INVALID_ARGUMENT naming the tensors
+        that differ (corrupted in transit or in memory since they arrived): nothing may be applied."""
+        checked, wrong = 0, []
+        for name, dtype, shape, offset, expected in zip(self.names, self.dtypes, self.shapes,
+                                                        shm.tensor_offsets(self.sizes), self.fingerprints):
+            if expected is None:
+                continue
+            checked += 1
+            got = fingerprint(shm.view_tensor(flat, offset, dtype, shape))
+            if got != expected:
+                wrong.append(f"{name} ({got:#018x}, the manifest says {expected:#018x})")
+        if wrong:
+            shown = "; ".join(wrong[:4]) + (f"; and {len(wrong) - 4} more" if len(wrong) > 4 else "")
+            raise InvalidArgument(f"weight push of version {self.version}: the bytes of {len(wrong)} tensor(s) "
+                                  f"do not match their fingerprints: {shown}; nothing applied")
+        return checked
 
 
 async def payloads(requests: AsyncIterable) -> AsyncIterator[tuple[str, object]]:

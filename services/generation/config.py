@@ -124,6 +124,13 @@ class GenerationEngineConfig(BaseModel):
     pushes are refused with FAILED_PRECONDITION and the collector re-syncs this replica with a full push
     instead. The checkpoint's own weights are not kept: a replica takes deltas after its first push."""
 
+    verify_weights: bool = True
+    """Check every push against its manifest's fingerprints (``rlfleet.wire.fingerprint``: one read of the
+    weights, ~0.1 s per GB on one core): at the commit, the staged bytes of each tensor (INVALID_ARGUMENT
+    naming the tensors that differ, nothing applied, the old weights serve on); after the load, each of
+    the engine's parameters against the tensors loaded into it (a mismatch leaves the replica failed, out
+    of rotation until a push re-syncs it). False skips both (docs/guides/weight-sync.md)."""
+
     max_lora_rank: int | None = Field(None, ge=1)
     """Serve LoRA adapter pushes (``WeightManifest.lora``) of up to this rank: vLLM's LoRA support is
     switched on (``enable_lora``; on CPU it also switches vLLM's compilation off). One of vLLM's

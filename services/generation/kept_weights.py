@@ -86,10 +86,13 @@ class WeightKeeper:
         else:
             copying.result().close()  # dropped meanwhile
 
-    def patch(self, kept: KeptWeights, version: int, spans: list[weight_delta.Span], delta: memoryview) -> None:
-        """Apply a delta's bytes to what is kept (in place: a swap that then fails must ``drop``)."""
+    def patch(self, kept: KeptWeights, manifest: weights_pb2.WeightManifest, spans: list[weight_delta.Span],
+              delta: memoryview) -> None:
+        """Apply a delta's bytes (its ``manifest``) to what is kept, fingerprints included (in place: a swap
+        that then fails must ``drop``)."""
         weight_delta.patch(kept.segment.buffer, delta, spans)
-        kept.manifest.version = version
+        weight_delta.patch_fingerprints(kept.manifest, manifest)
+        kept.manifest.version = manifest.version
 
     def drop(self) -> None:
         """Forget what is kept (a failed swap, or a full push replacing it); a copy in flight is closed

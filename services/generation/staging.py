@@ -97,20 +97,28 @@ class StagedPush:
     def mode(self) -> str:
         return self.push.mode
 
-    def update_info(self) -> dict[str, Any]:
-        """What the worker engine (``transfer.RlfleetUpdateInfo``) needs to load the push."""
+    def verify(self) -> int:
+        """Check the staged bytes against the manifest's fingerprints (``WeightPush.verify``): the tensors
+        checked; INVALID_ARGUMENT naming those that differ."""
+        return self.push.verify(self.segment.as_uint8())
+
+    def update_info(self, verify: bool = False) -> dict[str, Any]:
+        """What the worker engine (``transfer.RlfleetUpdateInfo``) needs to load the push (``verify``: and to
+        check what it loaded)."""
         if self.loads_from is not None:  # a delta, patched into the kept weights: their layout, what changed
             kept = self.loads_from
             return dict(names=[spec.name for spec in kept.manifest.tensors],
                         dtype_names=[BY_WIRE[spec.dtype].name for spec in kept.manifest.tensors],
                         shapes=[list(spec.shape) for spec in kept.manifest.tensors],
                         total_bytes=kept.manifest.total_bytes, shm_path=kept.segment.fd_path,
-                        changed=[span.name for span in self.delta or ()])
+                        changed=[span.name for span in self.delta or ()], verify=verify,
+                        fingerprints=[spec.fingerprint if spec.HasField("fingerprint") else None
+                                      for spec in kept.manifest.tensors])
         info: dict[str, Any] = dict(
             names=list(self.push.names),
             dtype_names=[dtype_name(d) for d in self.push.dtypes],
             shapes=[list(s) for s in self.push.shapes],
-            total_bytes=self.push.total_bytes)
+            total_bytes=self.push.total_bytes, verify=verify, fingerprints=list(self.push.fingerprints))
         # Our own descriptor, not the name: the trainer may unlink the name (a cut push)
         # between the stage and the commit; the worker is our child and opens it through /proc.
         info["shm_path"] = self.segment.fd_path

@@ -14,8 +14,8 @@ engine-core process too, loads from two transports:
   no copy besides the one into the model's parameters.
 - nccl pushes are first *staged* into such a segment (two-phase, like the
   others): an init info carrying a rendezvous joins the trainer's group
-  through vLLM's own ``NCCLWeightTransferEngine``; ``stage_nccl_push`` (a
-  ``collective_rpc`` target) receives the broadcast with vLLM's consumers
+  through vLLM's own ``NCCLWeightTransferEngine``; ``stage_nccl_push`` (a worker
+  method ``collective_rpc`` calls by name) receives the broadcast with vLLM's consumers
   and writes it into the segment; the apply then loads from the segment.
 
 The load goes through vLLM's layerwise reload (``initialize_layerwise_reload`` /
@@ -35,11 +35,14 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 BACKEND = "rlfleet"
 #: Passed as vLLM's ``weight_transfer_config``.
@@ -47,11 +50,16 @@ WEIGHT_TRANSFER_CONFIG = {"backend": BACKEND}
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: make the ``rlfleet`` backend known (idempotent)."""
+    """``vllm.general_plugins`` entry point: make the ``rlfleet`` backend known, and give vLLM's workers the
+    methods the service calls by name (``WORKER_METHODS``; idempotent)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.v1.worker.worker_base import WorkerBase
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "RlfleetWeightTransferEngine")
+    for name, function in WORKER_METHODS.items():
+        if getattr(WorkerBase, name, None) is not function:
+            setattr(WorkerBase, name, function)
 
 
 @dataclass
@@ -72,6 +80,10 @@ class RlfleetUpdateInfo:
     total_bytes: int = 0
     changed: list[str] | None = None
     """A delta push: the tensors that changed (their layers are loaded); None: load every tensor."""
+    fingerprints: list[int | None] | None = None
+    """Each tensor's fingerprint from the trainer's manifest (None where unset); None: none at all."""
+    verify: bool = False
+    """Check the engine's parameters after the load against the tensors loaded into them (``LoadCheck``)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -181,6 +193,102 @@ def shm_weights(segment_flat: torch.Tensor, update: RlfleetUpdateInfo, target_dt
         yield name, tensor
 
 
+def engine_parameter(name: str, packed_modules: dict[str, list[str]]) -> str:
+    """The engine parameter a checkpoint tensor loads into: ``layer_of`` its module, same leaf
+    (``model.layers.0.self_attn.q_proj.weight`` -> ``model.layers.0.self_attn.qkv_proj.weight``)."""
+    return f"{layer_of(name, packed_modules)}.{name.rpartition('.')[2]}"
+
+
+class LoadCheck:
+    """Fingerprints (``rlfleet.wire.fingerprint``) of what a load puts into the engine, checked after it.
+
+    ``record`` wraps the ``(name, tensor)`` stream a load reads: each tensor, as loaded (converted to the
+    engine's dtype), adds its fingerprint to its engine parameter's expected one (a fused parameter
+    gets the sum of its parts'); a tensor loaded in its pushed dtype is also checked against the trainer's
+    fingerprint (its bytes unchanged since the commit's check). ``check`` then reads each expected
+    parameter in the engine. Only parameters ``calibrate`` found loaded as they are (a copy, or a
+    concatenation of checkpoint tensors) are checked: a model whose loader or post-processing transforms
+    a weight (quantization, a permutation) keeps the check of the staged bytes for it."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.packed = dict(getattr(model, "packed_modules_mapping", None) or {})
+        self.checkable: set[str] | None = None
+        """Parameters a load copies as they are; None: not calibrated (nothing is checked)."""
+        self.expected: dict[str, int] = {}
+        self.wrong: list[str] = []
+        self.seconds = 0.0
+        """Spent fingerprinting since the last ``check`` (the tensors as they load, then the parameters)."""
+
+    def record(self, weights: Iterator[tuple[str, torch.Tensor]], fingerprints: dict[str, int],
+               pushed_dtypes: dict[str, torch.dtype]) -> Iterator[tuple[str, torch.Tensor]]:
+        from rlfleet.wire.fingerprint import MASK, fingerprint
+
+        for name, tensor in weights:
+            started = time.perf_counter()
+            value = fingerprint(tensor)
+            trainer = fingerprints.get(name)
+            if trainer is not None and tensor.dtype == pushed_dtypes.get(name) and value != trainer:
+                self.wrong.append(f"{name} as loaded ({value:#018x}, the manifest says {trainer:#018x})")
+            key = engine_parameter(name, self.packed)
+            self.expected[key] = (self.expected.get(key, 0) + value) & MASK
+            self.seconds += time.perf_counter() - started
+            yield name, tensor
+
+    def engine(self, model: torch.nn.Module) -> dict[str, int]:
+        """The fingerprints of the engine's parameters that a load filled."""
+        from rlfleet.wire.fingerprint import fingerprint
+
+        params = dict(model.named_parameters())
+        return {name: fingerprint(params[name]) for name in self.expected if name in params}
+
+    def calibrate(self, model: torch.nn.Module, checkpoint: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
+        """Which parameters hold exactly what was loaded into them: ``model`` as the checkpoint loaded it,
+        against the checkpoint's tensors (as a load converts them)."""
+        self.expected.clear()
+        for _ in self.record(checkpoint, {}, {}):
+            pass
+        self.checkable = {name for name, value in self.engine(model).items() if value == self.expected[name]}
+        skipped = sorted(set(self.expected) - self.checkable)
+        self.expected.clear()
+        return set(skipped)
+
+    def check(self, model: torch.nn.Module) -> dict[str, Any]:
+        """Compare the engine with what this load recorded, then forget it: ``checked`` (parameters compared),
+        ``wrong`` (what differs, named, or "") and ``seconds`` (the fingerprints' CPU, recording included)."""
+        started = time.perf_counter()
+        try:
+            checked = 0
+            if self.checkable is not None:
+                found = self.engine(model)
+                for name in sorted(self.checkable & set(found)):
+                    checked += 1
+                    if found[name] != self.expected[name]:
+                        self.wrong.append(f"{name} in the engine ({found[name]:#018x}, the tensors loaded into "
+                                          f"it make {self.expected[name]:#018x})")
+            shown = "; ".join(self.wrong[:4]) + (f"; and {len(self.wrong) - 4} more" if len(self.wrong) > 4 else "")
+            return {"checked": checked, "wrong": shown, "seconds": self.seconds + time.perf_counter() - started}
+        finally:
+            self.expected.clear()
+            self.wrong = []
+            self.seconds = 0.0
+
+
+def checkpoint_weights(model_path: str, target_dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every tensor in a local checkpoint's safetensors files, floating ones converted
+    to ``target_dtype`` (as a push's are loaded). Nothing when ``model_path`` holds none."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    for path in sorted(Path(model_path).glob("*.safetensors")) if Path(model_path).is_dir() else ():
+        with safe_open(str(path), framework="pt") as tensors:
+            for name in tensors.keys():
+                tensor = tensors.get_tensor(name)
+                if target_dtype is not None and tensor.is_floating_point() and tensor.dtype != target_dtype:
+                    tensor = tensor.to(target_dtype)
+                yield name, tensor
+
+
 class SegmentSink:
     """Writes received ``(name, tensor)`` pairs at their offsets in a segment (device -> host)."""
 
@@ -226,12 +334,33 @@ def receive_broadcast(nccl, update: RlfleetUpdateInfo, sink, device: torch.devic
         keep([(name, weight)])
 
 
-def stage_nccl_push(worker, update: dict[str, Any]) -> int:
-    """``collective_rpc`` target, run in every worker: see ``receive_into_segment``."""
+def _transfer_engine(worker) -> "RlfleetWeightTransferEngine":
     engine = getattr(worker, "weight_transfer_engine", None)
     if not isinstance(engine, RlfleetWeightTransferEngine):
         raise RuntimeError(f"the worker's weight-transfer engine is {type(engine).__name__}, not rlfleet's")
-    return engine.receive_into_segment(RlfleetUpdateInfo(**update))
+    return engine
+
+
+def calibrate_load_check(worker) -> list[str] | None:
+    """Worker method ``rlfleet_calibrate_load_check``, once its model is loaded: see
+    ``RlfleetWeightTransferEngine.calibrate_load_check``."""
+    return _transfer_engine(worker).calibrate_load_check()
+
+
+def load_check(worker) -> dict[str, Any] | None:
+    """Worker method ``rlfleet_load_check``: what the last load's check found (then forgotten)."""
+    return _transfer_engine(worker).take_check()
+
+
+def stage_nccl_push(worker, update: dict[str, Any]) -> int:
+    """Worker method ``rlfleet_stage_nccl_push``: see ``receive_into_segment``."""
+    return _transfer_engine(worker).receive_into_segment(RlfleetUpdateInfo(**update))
+
+
+WORKER_METHODS = {"rlfleet_calibrate_load_check": calibrate_load_check, "rlfleet_load_check": load_check,
+                  "rlfleet_stage_nccl_push": stage_nccl_push}
+"""Added to vLLM's workers by ``register``: ``collective_rpc`` takes a method's name across processes (a
+function of ours would need vLLM's pickle fallback, ``VLLM_ALLOW_INSECURE_SERIALIZATION``)."""
 
 
 class RlfleetWeightTransferEngine(_engine_base()):  # type: ignore[misc]
@@ -246,6 +375,9 @@ class RlfleetWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         quiet_layers_with_nothing_to_load(model)
         self._nccl = None
         self._partial = False  # the update being loaded is a delta
+        self._check: LoadCheck | None = None  # the update being loaded is checked (update_info.verify)
+        self._load_check: LoadCheck | None = None  # set up by calibrate_load_check, before any push
+        self._checked: dict[str, Any] | None = None  # the last checked load's result, until taken
 
     def init_transfer_engine(self, init_info: RlfleetInitInfo) -> None:
         if init_info.nccl is None:
@@ -271,6 +403,29 @@ class RlfleetWeightTransferEngine(_engine_base()):  # type: ignore[misc]
                 finalize_layerwise_reload(self.model, self.model_config)
         else:
             finalize_layerwise_reload(self.model, self.model_config)
+        check, self._check = self._check, None
+        if check is not None:  # read by the service (``load_check``): an exception here would wedge vLLM's session
+            self._checked = check.check(self.model)
+
+    def take_check(self) -> dict[str, Any] | None:
+        """The last checked load's result (``checked``: parameters compared; ``wrong``: what differs, or ""),
+        None if none since; forgotten once taken."""
+        checked, self._checked = self._checked, None
+        return checked
+
+    def calibrate_load_check(self) -> list[str] | None:
+        """Set up the check of what each load puts into the engine (``LoadCheck``), calibrated against the
+        checkpoint the engine started from (so, before any push); the parameters it cannot check (their
+        load transforms them). None with tensor parallelism: each worker then holds a slice of a
+        parameter (and copies of some), which no sum of whole tensors describes; only the pushed bytes
+        are checked."""
+        if self.parallel_config.tensor_parallel_size > 1:
+            return None
+        check = LoadCheck(self.model)
+        target = self.model_config.dtype if self.model_config is not None else None
+        skipped = check.calibrate(self.model, checkpoint_weights(self.model_config.model, target))
+        self._load_check = check
+        return sorted(skipped)
 
     def receive_weights(self, update_info: RlfleetUpdateInfo) -> None:
         from rlfleet.wire.shm import open_segment
@@ -284,8 +439,17 @@ class RlfleetWeightTransferEngine(_engine_base()):  # type: ignore[misc]
                 self._partial = True
                 packed = dict(getattr(self.model, "packed_modules_mapping", None) or {})
                 only = loaded_with(update_info.names, update_info.changed, packed)
-            self.model.load_weights(shm_weights(flat, update_info, target, only))
-            del flat
+            weights = shm_weights(flat, update_info, target, only)
+            self._check = self._load_check if update_info.verify else None
+            if self._check is not None:
+                from rlfleet.wire.dtypes import dtype_from_name
+
+                known = {name: value for name, value in zip(update_info.names, update_info.fingerprints or ())
+                         if value is not None}
+                pushed = {name: dtype_from_name(d) for name, d in zip(update_info.names, update_info.dtype_names)}
+                weights = self._check.record(weights, known, pushed)
+            self.model.load_weights(weights)
+            del flat, weights
         finally:
             segment.close(unlink=False)
 

@@ -114,6 +114,8 @@ class GenerationEngine:
             from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
             await replica.vllm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+            if self.config.verify_weights:
+                await self._calibrate_load_check()
         except BaseException:
             replica.move_to(EngineState.STOPPED)
             if replica.vllm is not None:
@@ -124,6 +126,18 @@ class GenerationEngine:
         replica.move_to(EngineState.SERVING)
         logger.info("generation engine ready: %s (policy version %d)",
                     self.config.model, replica.policy_version)
+
+    async def _calibrate_load_check(self) -> None:
+        """Each worker learns which of its parameters a push's load copies as they are, from the checkpoint
+        it just loaded (``transfer.LoadCheck``): those are checked after every push's load."""
+        skipped = await self.replica.vllm.collective_rpc("rlfleet_calibrate_load_check")
+        if any(names is None for names in skipped):
+            logger.info("weights check: tensor parallel workers hold slices of the parameters; each push's bytes "
+                        "are checked against the trainer's fingerprints, not the engine's parameters")
+        elif any(skipped):
+            names = sorted({name for names in skipped for name in names})
+            logger.info("weights check: %d parameters are transformed as they load (%s); their pushed bytes are "
+                        "checked, not their values in the engine", len(names), ", ".join(names[:8]))
 
     def _install_queue_poll(self) -> None:
         """How the engine's processes wait on their queues (``queue_poll``), set before vLLM loads its

@@ -17,9 +17,10 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from rlfleet.choices import SWAP_MODES, SwapModeName
-from rlfleet.services.common.errors import Aborted, FailedPrecondition, InvalidArgument
+from rlfleet.services.common.errors import Aborted, DataLoss, FailedPrecondition, InvalidArgument
 from rlfleet.services.generation.config import GenerationEngineConfig
 from rlfleet.services.generation.kept_weights import WeightKeeper
+from rlfleet.services.generation.metrics import WEIGHT_CHECK_SECONDS, WEIGHT_CHECKS
 from rlfleet.services.generation.push_validation import TensorSpec, checkpoint_bytes
 from rlfleet.services.generation.served_adapters import AdapterSet, ServedAdapter
 from rlfleet.services.generation.served_runs import ServedRun, ServedRuns
@@ -159,12 +160,10 @@ class WeightSwaps:
         GPU vLLM runs where this was written (see docs/guides/weight-sync.md)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        from rlfleet.services.generation.transfer import stage_nccl_push
-
         engine = self.replica.require()
         await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={"nccl": staged.nccl}))
         try:
-            written = await engine.collective_rpc(stage_nccl_push, args=(staged.update_info(),))
+            written = await engine.collective_rpc("rlfleet_stage_nccl_push", args=(staged.update_info(),))
         finally:
             await engine.shutdown_weight_transfer_engine()
         if max(written, default=0) != staged.push.total_bytes:
@@ -200,6 +199,8 @@ class WeightSwaps:
         """
         engine = self.replica.takes_pushes()
         staged.push.finish()
+        if self.config.verify_weights:
+            await self._verify_staged(staged)
         if staged.manifest.run_id:
             await self._apply_run_adapter(engine, staged, self.runs.take(staged.manifest.run_id, engine, staged.manifest.run_name))
             return
@@ -220,6 +221,21 @@ class WeightSwaps:
             if staged.delta is None:
                 segment, staged.segment = staged.segment, None
                 self._kept.keep(staged.version, staged.manifest, segment)
+
+    @staticmethod
+    async def _verify_staged(staged: StagedPush) -> None:
+        """The commit's check: the staged bytes against the manifest's fingerprints, before anything is
+        applied (a mismatch refuses the commit; the old weights serve on)."""
+        started = time.perf_counter()
+        try:
+            await asyncio.to_thread(staged.verify)
+        except InvalidArgument as err:
+            WEIGHT_CHECKS.labels("staged", "mismatch").inc()
+            logger.error("weight push of version %d refused at the commit: %s", staged.version, err)
+            raise
+        finally:
+            WEIGHT_CHECK_SECONDS.labels("staged").observe(time.perf_counter() - started)
+        WEIGHT_CHECKS.labels("staged", "ok").inc()
 
     async def update(self, version: int, named_tensors, mode: SwapModeName = "wait",
                      base_version: int | None = None, lora: weights_pb2.LoraAdapter | None = None) -> None:
@@ -301,7 +317,7 @@ class WeightSwaps:
         if kept is None or kept.version != base or self.replica.policy_version != base:
             raise FailedPrecondition(f"delta push on version {base}: this replica now serves version "
                                      f"{self.replica.policy_version}; it needs a full push")
-        await asyncio.to_thread(self._kept.patch, kept, staged.version, staged.delta, staged.segment.buffer)
+        await asyncio.to_thread(self._kept.patch, kept, staged.manifest, staged.delta, staged.segment.buffer)
         staged.loads_from = kept
 
     async def _load_weights(self, engine: AsyncLLM, staged: StagedPush) -> None:
@@ -309,15 +325,33 @@ class WeightSwaps:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         version = staged.version
+        verify = self.config.verify_weights
         await engine.start_weight_update()
-        await engine.update_weights(WeightTransferUpdateRequest(update_info=staged.update_info()))
+        await engine.update_weights(WeightTransferUpdateRequest(update_info=staged.update_info(verify)))
         await engine.finish_weight_update(weight_version=str(version))
+        if verify:
+            await self._check_loaded(engine, version)
         if not await engine.reset_prefix_cache():
             raise RuntimeError("prefix cache reset failed after the swap")
         engine_version = await engine.get_weight_version()
         if engine_version != str(version):
             raise RuntimeError(f"engine reports weight version {engine_version!r} after applying {version}")
         self.adapters.switch(engine, None)
+
+    @staticmethod
+    async def _check_loaded(engine: AsyncLLM, version: int) -> None:
+        """What each worker's load check found (``transfer.LoadCheck``): DATA_LOSS naming the parameters whose
+        values in the engine differ from the tensors loaded into them (the swap then leaves the replica
+        failed: it serves nothing until a push re-syncs it)."""
+        found = [result for result in await engine.collective_rpc("rlfleet_load_check") if result is not None]
+        WEIGHT_CHECK_SECONDS.labels("engine").observe(max((result["seconds"] for result in found), default=0.0))
+        wrong = "; ".join(result["wrong"] for result in found if result["wrong"])
+        if wrong:
+            WEIGHT_CHECKS.labels("engine", "mismatch").inc()
+            raise DataLoss(f"version {version}: weights not as pushed: {wrong}")
+        WEIGHT_CHECKS.labels("engine", "ok").inc()
+        logger.debug("version %d: %d parameters in the engine as pushed", version,
+                     sum(result["checked"] for result in found))
 
     async def _swap(self, engine: AsyncLLM, version: int, mode: SwapModeName, transport: str,
                     load: Callable[[], Awaitable[None]]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import queue
 import signal
 import threading
 from pathlib import Path
@@ -15,11 +16,12 @@ from grpc_health.v1 import health_pb2
 
 from rlfleet.services.generation import queue_poll
 from rlfleet.services.generation.vllm_engine import ENGINE_CORE_MAX_CPUS
-from rlfleet.services.launch import ServiceProcess
+from rlfleet.services.launch import ServiceProcess, free_port
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, tensor_pb2, weights_pb2
-from rlfleet.wire import decode_tensor, encode_tensor
+from rlfleet.wire import decode_tensor, encode_tensor, shm, weight_delta
 from rlfleet.wire.push_messages import iter_push_messages
 from tests.hf_reference import load_hf, response_log_probs
+from tests.scrape import scrape_metric
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -34,9 +36,12 @@ DRAIN_TIMEOUT = 60.0
 
 @pytest.fixture(scope="module")
 def generation(tiny_model_dir, tmp_path_factory):
+    metrics_port = free_port()
     proc = ServiceProcess("generation", ["--model", str(tiny_model_dir), "--max-queued-requests", "8",
                                          "--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20),
-                                         "--max-push-factor", "1.5", "--log-format", "text"])
+                                         "--max-push-factor", "1.5", "--log-format", "text",
+                                         "--metrics-port", str(metrics_port)])
+    proc.metrics_port = metrics_port
     proc.start(tmp_path_factory.mktemp("generation"))
     try:
         proc.wait_ready(600)
@@ -265,6 +270,79 @@ def test_weight_push_changes_log_probs_and_bad_pushes_change_nothing(stub, tiny_
         list(stub.UpdateWeights(exploding(), timeout=60))
     after = fingerprint()
     assert after[0] == before[0] and torch.equal(after[1], before[1]) and after[2] == current
+
+
+def _two_phase_shm_push(stub, pairs, version, corrupt, *, fingerprints=True):
+    """A two-phase push over shm, as the collector sends one to a replica on its host: the manifest, the
+    replica's WEIGHT_PHASE_STAGED, then ``corrupt(segment, manifest)`` on the staged bytes (the replica maps
+    the sender's segment), then the commit. The replies after the staged one."""
+    _, manifest = next(iter_push_messages(pairs, version=version, checksum_algo=None, fingerprints=fingerprints))
+    manifest.two_phase = True
+    segment = shm.create_segment(manifest.total_bytes)
+    try:
+        shm.write_tensors(segment, [tensor for _, tensor in pairs])
+        manifest.shm.path = segment.path
+        requests = queue.Queue()
+        requests.put(generation_pb2.UpdateWeightsRequest(manifest=manifest))
+        replies = stub.UpdateWeights(iter(requests.get, None), timeout=300)
+        assert next(replies).phase == weights_pb2.WEIGHT_PHASE_STAGED
+        corrupt(segment, manifest)
+        requests.put(generation_pb2.UpdateWeightsRequest(commit=weights_pb2.WeightCommit(version=version)))
+        requests.put(None)
+        return list(replies)
+    finally:
+        segment.close()
+
+
+def test_a_byte_corrupted_after_staging_is_caught_at_the_commit_and_nothing_applies(stub, generation, tiny_model_dir):
+    """Verified on arrival: one byte of one tensor changed in the staged bytes after the replica staged them
+    (its checksum already passed) is caught by the tensor's fingerprint at the commit: INVALID_ARGUMENT
+    naming the tensor, nothing applied, the old weights serve on. The same push without fingerprints
+    (the check switched off) is applied, and the replica then serves the corrupted weights."""
+    original = load_hf(tiny_model_dir)
+    pairs = list(original.state_dict().items())
+    name = "model.layers.1.mlp.down_proj.weight"
+
+    byte = 1003  # of the tensor: an exponent bit of one fp32 element (x 2**16 or 2**-16)
+
+    def corrupt(segment, manifest):
+        segment.buffer[weight_delta.layout(manifest)[name][0] + byte] ^= 0x08
+
+    def served():
+        tokens, log_probs = tokens_and_log_probs(generate(stub, temperature=1.0, max_tokens=16, seed=11)[0])
+        return tokens, log_probs, version(stub)
+
+    current = push(stub, dict(pairs), version(stub) + 1).version  # the checkpoint's weights, whatever came before
+    before = served()
+    checks = scrape_weight_checks(generation)
+    with pytest.raises(grpc.RpcError) as err:
+        _two_phase_shm_push(stub, pairs, current + 1, corrupt)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert name in err.value.details() and "fingerprint" in err.value.details(), err.value.details()
+    assert [other for other, _ in pairs if other in err.value.details()] == [name]  # that tensor alone
+    after = served()
+    assert after[0] == before[0] and torch.equal(after[1], before[1]) and after[2] == current  # nothing applied
+    assert scrape_weight_checks(generation)[("staged", "mismatch")] == checks[("staged", "mismatch")] + 1
+    assert f"weight push of version {current + 1} refused at the commit" in generation.log_tail(200)
+
+    replies = _two_phase_shm_push(stub, pairs, current + 1, corrupt, fingerprints=False)  # the check off
+    assert [r.phase for r in replies] == [weights_pb2.WEIGHT_PHASE_APPLIED] and version(stub) == current + 1
+    tokens, log_probs, _ = served()
+    corrupted = {key: value.clone() for key, value in pairs}
+    corrupted[name].view(-1).view(torch.uint8)[byte] ^= 0x08
+    assert (log_probs - response_log_probs(load_hf(tiny_model_dir, corrupted), PROMPT, tokens)).abs().max() <= 1e-4
+    assert (log_probs - response_log_probs(original, PROMPT, tokens)).abs().max().item() > 1e-3
+    # The engine's own check of every full push (the parameters its load copies as they are) passed throughout.
+    counts = scrape_weight_checks(generation)
+    assert counts[("engine", "ok")] >= 2 and counts[("engine", "mismatch")] == 0
+    push(stub, dict(pairs), current + 2)  # the checkpoint's weights back, for the tests after this one
+
+
+def scrape_weight_checks(generation) -> dict[tuple[str, str], float]:
+    """``rlfleet_replica_weight_checks_total`` by (step, result), from the service's metrics endpoint."""
+    return {(step, result): scrape_metric(generation.metrics_port, "rlfleet_replica_weight_checks_total",
+                                          step=step, result=result)
+            for step in ("staged", "engine") for result in ("ok", "mismatch")}
 
 
 def test_a_push_logs_no_failed_load_warning(stub, generation, tiny_model_dir):

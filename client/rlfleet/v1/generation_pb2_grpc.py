@@ -96,7 +96,10 @@ class GenerationServiceServicer:
         the caller sends a WeightCommit) and WEIGHT_PHASE_APPLIED. Errors:
         FAILED_PRECONDITION (version not greater than the current one; shm
         segment not openable here), INVALID_ARGUMENT (unknown tensor name, wrong
-        shape/dtype, size or checksum mismatch, chunk out of order),
+        shape/dtype, size or checksum mismatch, a tensor's staged bytes not
+        matching its fingerprint at the commit, chunk out of order), DATA_LOSS
+        (after the load, the engine's weights differ from the tensors loaded: the
+        replica then serves nothing until a push re-syncs it),
         RESOURCE_EXHAUSTED (the push is larger than the replica's
         `max_push_bytes`, by default 4 x the served checkpoint's bytes), ABORTED
         (the stream ended early or the client disconnected before the commit).

@@ -40,14 +40,16 @@ WEIGHT_PHASE_STAGED: WeightPhase
 WEIGHT_PHASE_APPLIED: WeightPhase
 
 class WeightSpec(_message.Message):
-    __slots__ = ("name", "dtype", "shape")
+    __slots__ = ("name", "dtype", "shape", "fingerprint")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: _tensor_pb2.Dtype
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    fingerprint: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[int] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
     __slots__ = ("version", "tensors", "total_bytes", "checksum", "mode", "shm", "nccl", "relay", "two_phase", "resync", "delta", "lora", "strategy", "run_id", "run_name")

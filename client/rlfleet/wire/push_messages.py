@@ -15,6 +15,7 @@ import torch
 
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire.dtypes import dtype_to_wire
+from rlfleet.wire.fingerprint import fingerprint
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 
@@ -42,10 +43,14 @@ def iter_push_messages(
     mode: int = weights_pb2.UPDATE_MODE_KEEP, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     checksum_algo: str | None = "crc32", base_version: int | None = None,
     lora: weights_pb2.LoraAdapter | None = None, strategy: int = weights_pb2.UPDATE_STRATEGY_UNSPECIFIED,
+    fingerprints: bool = True,
 ) -> Iterator[tuple[str, object]]:
     """Yield ``("manifest", WeightManifest)`` then ``("chunk", WeightChunk)`` pairs (``base_version``:
     a delta push, ``named_tensors`` being the tensors that changed since that version; ``lora``: a LoRA
     adapter push, ``named_tensors`` being the adapter's factors; not both).
+
+    ``fingerprints``: each tensor's fingerprint in its spec (``rlfleet.wire.fingerprint``), which the
+    replicas check what they stage and load against (one read of each tensor where it lies).
 
     Chunks are cut straight out of each tensor's memory (one copy per chunk,
     the floor for gRPC in Python), so no second full copy of the weights is
@@ -57,6 +62,8 @@ def iter_push_messages(
     crc, sha = 0, (hashlib.sha256() if checksum_algo == "sha256" else None)
     for name, tensor in named_tensors:
         specs.append(weights_pb2.WeightSpec(name=name, dtype=dtype_to_wire(tensor.dtype), shape=list(tensor.shape)))
+        if fingerprints:
+            specs[-1].fingerprint = fingerprint(tensor)
         total += math.prod(tensor.shape) * tensor.element_size()
         if checksum_algo:
             view = _byte_view(tensor)

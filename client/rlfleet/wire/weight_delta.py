@@ -72,14 +72,28 @@ def patch(full_buffer: memoryview, delta_buffer: memoryview, delta_spans: list[S
 
 def full_manifest(full: weights_pb2.WeightManifest, delta: weights_pb2.WeightManifest) -> weights_pb2.WeightManifest:
     """The manifest of the weights after ``delta``: ``full``'s tensors and size at the delta's version
-    and mode, no checksum (the patched bytes were never checksummed as a whole), no source."""
+    and mode, no checksum (the patched bytes were never checksummed as a whole), no source; each tensor's
+    fingerprint the delta's where the delta carries it (unset where it changed without one)."""
     after = weights_pb2.WeightManifest(version=delta.version, total_bytes=full.total_bytes, mode=delta.mode)
     after.tensors.extend(full.tensors)
+    patch_fingerprints(after, delta)
     return after
+
+
+def patch_fingerprints(full: weights_pb2.WeightManifest, delta: weights_pb2.WeightManifest) -> None:
+    """``full``'s tensors that ``delta`` changed take the delta's fingerprints, in place (none where the
+    delta carries none)."""
+    changed = {spec.name: spec for spec in delta.tensors}
+    for spec in full.tensors:
+        if spec.name in changed:
+            if changed[spec.name].HasField("fingerprint"):
+                spec.fingerprint = changed[spec.name].fingerprint
+            else:
+                spec.ClearField("fingerprint")
 
 
 def is_delta(manifest: weights_pb2.WeightManifest) -> bool:
     return manifest.HasField("delta")
 
 
-__all__ = ["Span", "full_manifest", "is_delta", "layout", "patch", "spans", "tensor_sizes"]
+__all__ = ["Span", "full_manifest", "is_delta", "layout", "patch", "patch_fingerprints", "spans", "tensor_sizes"]
