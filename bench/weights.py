@@ -49,6 +49,10 @@ Ratios are taken per round from adjacent phases, then the median (IQR) over roun
   model bytes (target 1.0 for each k: one copy, whatever their number), ``relay_time_<k>_over_1`` = push s
   to k of them / to 1 (the relay's per-hop cost), ``relay_seconds_1`` = the relayed push to 1, s, and
   ``relay_apply_seconds_1`` its apply (``bench/fanout_sim.py`` calibrates its model with these);
+- ``check_seconds_over_shm_push`` = the time g0 spent checking an shm push against its fingerprints (the
+  staged bytes at the commit, the tensors as they load and the parameters after: ``verify_weights``, from its
+  ``rlfleet_replica_weight_check_seconds``) / that push's time; ``check_seconds_shm`` that time, s;
+  ``sdk_fingerprint_seconds`` what the SDK's fingerprints of the model take, timed in this process;
 - ``peak_rss_over_model`` = peak extra PSS / model bytes (target <= 1.1); PSS is summed over collector A,
   g0 and g0's descendants (vLLM engine core), sampled every ~15 ms; extra = max during the push -
   the sum just before it. Pages shared with this process (the trainer's shm segment) count only in
@@ -227,15 +231,18 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
 
     from _common import Sink, raw_stream_seconds
     from rlfleet.client import connect
-    from rlfleet.services.launch import ServiceProcess
+    from rlfleet.services.launch import ServiceProcess, free_port
     from rlfleet.services.models.tiny import build_tiny_model
     from rlfleet.services.suite import DEFAULT_MODEL_DIR, SuiteOptions, start_suite, stop_suite
+    from rlfleet.wire.fingerprint import fingerprint
 
     # 64 MiB, or what one 512-token sequence needs with room (K and V, float32, every layer): deep models.
     kv_bytes = max(64 << 20, 2 * ns.layers * ns.hidden * 4 * 512 * 3 // 2)
     gen_args = ["--model", str(model_dir), "--kv-cache-memory-bytes", str(kv_bytes), "--max-model-len", "512",
                 "--log-format", "text", "--max-lora-rank", str(max(LORA_RANKS))]
-    gens = [ServiceProcess("generation", gen_args).start(workdir / f"g{i}") for i in range(3)]
+    g0_metrics = free_port()  # g0's checks of each push (verify_weights): their time, from its metrics
+    gens = [ServiceProcess("generation", gen_args + (["--metrics-port", str(g0_metrics)] if i == 0 else []))
+            .start(workdir / f"g{i}") for i in range(3)]
     backends, collectors, clients, engine, sink = {}, [], [], None, None
     try:
         backends = await asyncio.to_thread(
@@ -260,6 +267,7 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
               f"in-process floor engine idle between its phases", file=sys.stderr, flush=True)
 
         rows = {k: [] for k in ("raw", "grpc", "floor", "shm", "shm2", "pss_grpc", "pss_shm", "delta_full",
+                                "check_staged", "check_engine", "sdk_fingerprints",
                                 *(f"delta_{f}" for f in DELTA_FRACTIONS), *(f"delta_bytes_{f}" for f in DELTA_FRACTIONS),
                                 *(f"lora_{r}" for r in LORA_RANKS), *(f"lora_bytes_{r}" for r in LORA_RANKS))}
         adapters = {rank: lora_adapter(state, rank) for rank in LORA_RANKS}
@@ -282,8 +290,14 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
             floor = (await engine.collective_rpc("bench_floor_reload"))[0]
             await settle()
             versions[0] += 1
+            checks = check_seconds(g0_metrics)
             with PeakPss(tree_pids(collectors[0], gens[0])) as pss_shm:
                 r_shm = await asyncio.to_thread(push, clients[0], state, versions[0], "shm", 1)
+            checks = {step: seconds - checks[step] for step, seconds in check_seconds(g0_metrics).items()}
+            fingerprinted = time.perf_counter()
+            for tensor in state.values():  # what the SDK adds to every push: each tensor's fingerprint
+                fingerprint(tensor)
+            fingerprinted = time.perf_counter() - fingerprinted
             await settle()
             versions[1] += 1
             r_shm2 = await asyncio.to_thread(push, clients[1], state, versions[1], "shm", 2)
@@ -308,7 +322,8 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
                 rows[f"lora_bytes_{r}"].append(deltas["lora", r][1])
             for key, value in (("raw", raw), ("grpc", r_grpc.seconds), ("floor", floor), ("shm", r_shm.seconds),
                                ("shm2", r_shm2.seconds), ("pss_grpc", pss_grpc.extra),
-                               ("pss_shm", pss_shm.extra)):
+                               ("pss_shm", pss_shm.extra), ("check_staged", checks["staged"]),
+                               ("check_engine", checks["engine"]), ("sdk_fingerprints", fingerprinted)):
                 rows[key].append(value)
             for key, result in (("grpc", r_grpc), ("shm", r_shm), ("shm2", r_shm2)):
                 details[key].append(result)
@@ -337,6 +352,15 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
             engine = None
         if sink is not None:
             sink.close()
+
+
+def check_seconds(port: int) -> dict[str, float]:
+    """A replica's ``rlfleet_replica_weight_check_seconds_sum`` by step so far (``staged``, ``engine``)."""
+    from _common import scrape
+
+    found = {dict(labels)["step"]: value
+             for labels, value in scrape(port, "rlfleet_replica_weight_check_seconds_sum").items()}
+    return {step: found.get(step, 0.0) for step in ("staged", "engine")}
 
 
 RELAY_REPLICAS = 3
@@ -573,6 +597,13 @@ def main() -> None:
             relay_time = ratio(rows[f"relay{count}"], relay1)
             row(f"relayed push: {count} / 1 replica", f"1 replica {relay_time['den']:.3f}s",
                 f"{count} replicas {relay_time['num']:.3f}s", relay_time, "-", True)
+    checks = {key: ratio([a + b for a, b in zip(rows["check_staged"], rows["check_engine"])], rows[key])
+              for key in ("shm", "floor")}
+    print(f"checks of each shm push against its fingerprints (verify_weights), medians: the SDK's fingerprints "
+          f"{statistics.median(rows['sdk_fingerprints']):.3f}s; g0's check of the staged bytes "
+          f"{statistics.median(rows['check_staged']):.3f}s and of the tensors as they load and the parameters after "
+          f"{statistics.median(rows['check_engine']):.3f}s: {checks['shm']['ratio']:.2f} of the push "
+          f"({checks['floor']['ratio']:.2f} of the floor)")
     print(f"kept in /dev/shm between pushes: {out['kept'] / 1e6:.0f} MB = {out['kept'] / model_bytes:.2f} x the "
           f"model (the clients' segments, collector A's staging segment and each replica's kept weights; not counted as "
           f"extra above)")
@@ -592,6 +623,9 @@ def main() -> None:
     result["relay_seconds_1"] = statistics.median(relay1)
     result["relay_apply_seconds_1"] = statistics.median(rows["relay_apply1"])
     result["model_bytes"] = model_bytes  # for bench/fanout_sim.py's calibration
+    result["check_seconds_over_shm_push"] = checks["shm"]["ratio"]
+    result["check_seconds_shm"] = checks["shm"]["num"]
+    result["sdk_fingerprint_seconds"] = statistics.median(rows["sdk_fingerprints"])
     for r in LORA_RANKS:
         result[f"lora_r{r}_over_full"], result[f"lora_r{r}_bytes_ratio"] = (x["ratio"] for x in small[f"r{r}"])
     for f, name in zip(DELTA_FRACTIONS, ("1pct", "10pct", "100pct")):
