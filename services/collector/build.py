@@ -146,7 +146,8 @@ def weight_fanout(config: CollectorConfig, pool: ReplicaPool, gate: VersionGate,
                                                 drain_seconds=config.rolling_drain_seconds,
                                                 max_seconds=config.rolling_max_seconds,
                                                 settle_seconds=config.rolling_settle_seconds),
-                        spool=DatabaseSpool(ledger) if ledger.in_postgresql else None, relay=config.weight_relay)
+                        spool=DatabaseSpool(ledger) if ledger.in_postgresql else None, relay=config.weight_relay,
+                        join_from_peers=config.join_from_peers)
 
 
 def pipeline_options(config: CollectorConfig) -> PipelineOptions:

@@ -148,6 +148,11 @@ class CollectorConfig(ServiceConfig, UpstreamConfig):
     from one to the next as its bytes arrive: the collector sends them once, whatever their number, and a
     replica that fails is routed around. False: the collector sends each its own copy.
     docs/guides/weight-sync.md, Relayed pushes."""
+    join_from_peers: bool = True
+    """A replica that joins or restarts mid-run (re-synced to the committed version) takes the weights from
+    a replica serving that version (``GenerationService.ShareWeights``: it sends the copy it keeps, and
+    serves on) rather than from this collector's spool, which stays the fallback when no peer can.
+    docs/guides/weight-sync.md, Joining from a peer."""
     rolling_max_unavailable: int = Field(1, ge=1)
     """Rolling updates: replicas switched at once (drained, applying, then serving the new version)."""
     rolling_drain_seconds: float = Field(30.0, ge=0)

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable
 
+import grpc
+
 from rlfleet.choices import SWAP_MODES, UPDATE_STRATEGIES
 from rlfleet.services.collector.admission import VersionGate
 from rlfleet.services.collector.metrics import WEIGHT_PUSH_SENT_BYTES
@@ -57,7 +59,7 @@ from rlfleet.services.common import tracing
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted, Unavailable
 from rlfleet.services.common.relay import Relay
 from rlfleet.services.common.weight_stream import MAX_POLICY_VERSION, PushReceiver, WeightPush, open_offered_segment
-from rlfleet.v1 import weights_pb2
+from rlfleet.v1 import generation_pb2, weights_pb2
 from rlfleet.wire import shm, weight_delta
 from rlfleet.wire.push_rules import check_manifest, is_rolling
 
@@ -126,9 +128,12 @@ class WeightFanout:
     def __init__(self, pool: ReplicaPool, gate: VersionGate, spool_dir: Path | None, max_push_bytes: int | None,
                  on_commit: Callable[[int, weights_pb2.WeightManifest | None], Awaitable[None]] | None = None,
                  on_fatal=None, swap_mode: str = "", spool: DatabaseSpool | None = None,
-                 update_strategy: str = "pause_all", rolling: RollingSettings = RollingSettings(), relay: bool = True):
+                 update_strategy: str = "pause_all", rolling: RollingSettings = RollingSettings(), relay: bool = True,
+                 join_from_peers: bool = True):
         self.pool = pool
         self.relay = relay
+        self.join_from_peers = join_from_peers
+        """A re-synced replica takes the full weights from a serving peer first (``_from_peer``), the spool after."""
         """Relay pushes through the replicas that refuse our segments (``relay.py``), else a copy to each."""
         self.swap_mode = swap_mode
         """The run's swap mode (``CollectorConfig.swap_mode``): overrides each push's; "" leaves it."""
@@ -505,6 +510,10 @@ class WeightFanout:
                 manifest.mode = weights_pb2.UPDATE_MODE_ABORT
                 manifest.resync = True
                 self.pool.run.label(manifest)
+                if self.join_from_peers and not manifest.HasField("lora"):
+                    outcome = await self._from_peer(replica, manifest)
+                    if outcome is not None:
+                        continue
                 segment = None
                 try:
                     segment = await self.spool.load_segment(manifest)
@@ -525,6 +534,57 @@ class WeightFanout:
             log.info("replica %s re-synced to version %d over %s", replica.address, manifest.version,
                      outcome.transport)
             return True
+
+
+    async def _from_peer(self, replica: Replica, manifest: weights_pb2.WeightManifest) -> ReplicaOutcome | None:
+        """``replica`` takes ``manifest``'s weights from a replica serving them (``ShareWeights``: a relayed push
+        sent from the copy that peer keeps, while it serves on), staged and committed as any push (checked
+        against the manifest's fingerprints). A peer in rotation keeps the weights of the committed version
+        (an adapter since sits on them); one that does not answers FAILED_PRECONDITION. The outcome once one
+        peer's applied; None when none could (none in rotation, or each failed): the spool's turn."""
+        peers = [r for r in self.pool.replicas if r is not replica and r.healthy and r.relays]
+        for peer in peers:
+            push_id = uuid.uuid4().hex
+            offered = weights_pb2.WeightManifest()
+            offered.CopyFrom(manifest)
+            offered.relay.push_id = push_id
+            stream = ReplicaPush.start(replica, offered, self.pool.settings, None)
+            share = asyncio.ensure_future(peer.stub.ShareWeights(
+                generation_pb2.ShareWeightsRequest(push_id=push_id, version=manifest.version,
+                                                   downstream=[replica.address]),
+                metadata=self.pool.settings.metadata(),
+                timeout=SHARE_SECONDS + manifest.total_bytes / SHARE_BYTES_PER_SECOND))
+            stage = asyncio.ensure_future(stream.wait_staged())
+            why = ""
+            try:
+                await asyncio.wait({stage, share}, return_when=asyncio.FIRST_COMPLETED)
+                if share.done() and not stage.done():  # the peer is done: the bytes are there, or never will be
+                    if share.exception() is not None or replica.address in share.result().cut:
+                        stream.cancel()
+                if await stage:
+                    await stream.commit()
+                reply = await share
+                why = "it cut the replica out" if replica.address in reply.cut else ""
+            except grpc.RpcError as err:
+                why = f"{err.code().name}: {err.details()}"
+            finally:
+                for task in (stage, share):
+                    task.cancel()
+                if not stream.applied:
+                    stream.cancel()
+            outcome = stream.outcome()
+            if outcome.applied:
+                log.info("replica %s joined at version %d from peer %s (%d bytes from it, none from the spool)",
+                         replica.address, manifest.version, peer.address, manifest.total_bytes)
+                return outcome
+            log.warning("replica %s could not take version %d from peer %s (%s)", replica.address,
+                        manifest.version, peer.address, outcome.error or why or "no reason given")
+        return None
+
+
+SHARE_SECONDS = 60.0
+SHARE_BYTES_PER_SECOND = 20e6
+"""A peer's ``ShareWeights`` deadline: this much, plus the bytes at this (slow) rate; past it, the spool."""
 
 
 async def _relay_and_retry(relay: Relay) -> None:

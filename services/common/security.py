@@ -88,6 +88,7 @@ METHOD_ROLES: Mapping[str, frozenset[str]] = {
     "/rlfleet.v1.GenerationService/Generate": _INNER,
     "/rlfleet.v1.GenerationService/UpdateWeights": _INNER,
     "/rlfleet.v1.GenerationService/RelayWeights": _INNER,
+    "/rlfleet.v1.GenerationService/ShareWeights": _INNER,
     "/rlfleet.v1.GenerationService/GetEngineStatus": frozenset({OPERATOR, SERVICE}),
     "/rlfleet.v1.GenerationService/EndRun": frozenset({OPERATOR, SERVICE}),
     "/rlfleet.v1.ReferenceService/ScoreLogProbs": _INNER,

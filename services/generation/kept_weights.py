@@ -12,9 +12,11 @@ be full, and the collector re-syncs the replica with one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 
+from rlfleet.services.common.errors import FailedPrecondition
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm, weight_delta
 
@@ -26,14 +28,24 @@ class KeptWeights:
     """Every tensor of ``manifest.version`` (its names, dtypes, shapes) in ``segment``, which we own."""
 
     manifest: weights_pb2.WeightManifest
-    segment: shm.Segment
+    segment: shm.Segment | None
+    shares: int = 0
+    """Peers being sent these bytes (``WeightKeeper.shared``): the segment is closed once they are done."""
+    dropped: bool = False
 
     @property
     def version(self) -> int:
         return self.manifest.version
 
     def close(self) -> None:
-        self.segment.close()
+        self.dropped = True
+        self.release()
+
+    def release(self) -> None:
+        """Close the segment once dropped and no share holds it (idempotent)."""
+        if self.dropped and not self.shares and self.segment is not None:
+            self.segment.close()
+            self.segment = None
 
 
 class WeightKeeper:
@@ -85,6 +97,22 @@ class WeightKeeper:
             self.kept = copying.result()
         else:
             copying.result().close()  # dropped meanwhile
+
+    @contextlib.asynccontextmanager
+    async def shared(self, version: int):
+        """The kept weights of ``version``, held while a peer is sent them (``ShareWeights``): dropped meanwhile,
+        their segment closes once the share ends. FAILED_PRECONDITION if none of that version are kept."""
+        kept = await self.current()
+        if kept is None or kept.version != version or kept.dropped:
+            held = f"keeps the weights of version {kept.version}" if kept is not None else "keeps no weights"
+            raise FailedPrecondition(f"cannot share version {version}: this replica {held}"
+                                     + ("" if self.enabled else " (delta_pushes is off)"))
+        kept.shares += 1
+        try:
+            yield kept
+        finally:
+            kept.shares -= 1
+            kept.release()
 
     def patch(self, kept: KeptWeights, manifest: weights_pb2.WeightManifest, spans: list[weight_delta.Span],
               delta: memoryview) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -12,7 +13,8 @@ from rlfleet.rpc.channel import ChannelSettings
 from rlfleet.services.common.errors import Aborted, InvalidArgument
 from rlfleet.services.common.sampling_spec import sampling_from_proto, sampling_to_proto
 from rlfleet.services.common.server import Service
-from rlfleet.services.common.weight_stream import PushReceiver, payloads
+from rlfleet.services.common.relay import Relay
+from rlfleet.services.common.weight_stream import PushReceiver, WeightPush, payloads
 from rlfleet.services.generation.relayed import RelayedPushes
 from rlfleet.services.generation.vllm_engine import GenerationEngine
 from rlfleet.services.generation.sampling import SampleResult
@@ -21,6 +23,8 @@ from rlfleet.wire import decode_tensor
 from rlfleet.wire.dtypes import TOKEN_ID_DTYPES
 from rlfleet.wire.push_rules import check_manifest
 from rlfleet.wire.tensor import encode_values
+
+log = logging.getLogger("rlfleet.generation")
 
 _FINISH = {
     "stop": sampling_pb2.FINISH_REASON_STOP,
@@ -155,6 +159,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         await entry.forwarded()
         cut = entry.relay.all_cut if entry.relay is not None else []
         yield generation_pb2.RelayWeightsResponse(received_bytes=push.received, done=True, cut=cut)
+
+    async def ShareWeights(self, request, context):
+        """The weights this replica serves, relayed to ``downstream`` (a peer joining); see generation.proto."""
+        self.service.check_working()
+        if not request.push_id:
+            raise InvalidArgument("push_id is empty: name the relayed push the replicas downstream stage")
+        if not request.downstream:
+            raise InvalidArgument("downstream is empty: name the replicas to send the weights to")
+        async with self.engine.weights.shared(request.version) as kept:
+            manifest = weights_pb2.WeightManifest(mode=weights_pb2.UPDATE_MODE_KEEP)
+            manifest.MergeFrom(kept.manifest)
+            push = WeightPush.from_manifest(manifest, manifest.total_bytes)
+            push.received = push.total_bytes
+            relay = Relay(request.push_id, push, kept.segment.buffer, list(request.downstream), self.relayed.settings)
+            await relay.run()
+        log.info("shared version %d with %s (%d bytes sent%s)", request.version, ", ".join(request.downstream),
+                 relay.sent_bytes, f"; cut out: {', '.join(relay.all_cut)}" if relay.all_cut else "")
+        return generation_pb2.ShareWeightsResponse(sent_bytes=relay.sent_bytes, cut=relay.all_cut)
 
     async def GetEngineStatus(self, request, context):
         self.service.check_working()

@@ -202,11 +202,12 @@ def engine_parameter(name: str, packed_modules: dict[str, list[str]]) -> str:
 class LoadCheck:
     """Fingerprints (``rlfleet.wire.fingerprint``) of what a load puts into the engine, checked after it.
 
-    ``record`` wraps the ``(name, tensor)`` stream a load reads: each tensor, as loaded (converted to the
-    engine's dtype), adds its fingerprint to its engine parameter's expected one (a fused parameter
-    gets the sum of its parts'); a tensor loaded in its pushed dtype is also checked against the trainer's
-    fingerprint (its bytes unchanged since the commit's check). ``check`` then reads each expected
-    parameter in the engine. Only parameters ``calibrate`` found loaded as they are (a copy, or a
+    ``record`` wraps the ``(name, tensor)`` stream a load reads: each tensor, as loaded, adds its fingerprint
+    to its engine parameter's expected one (a fused parameter gets the sum of its parts'): the trainer's
+    for a tensor loaded in its pushed dtype (the commit checked its bytes against it; no second read of
+    them), its own for one the load converts to the engine's dtype (or one without a trainer's
+    fingerprint). ``check`` then reads each expected parameter in the engine: the parameter a load filled
+    must hold exactly the trainer's tensors. Only parameters ``calibrate`` found loaded as they are (a copy, or a
     concatenation of checkpoint tensors) are checked: a model whose loader or post-processing transforms
     a weight (quantization, a permutation) keeps the check of the staged bytes for it."""
 
@@ -225,10 +226,11 @@ class LoadCheck:
 
         for name, tensor in weights:
             started = time.perf_counter()
-            value = fingerprint(tensor)
             trainer = fingerprints.get(name)
-            if trainer is not None and tensor.dtype == pushed_dtypes.get(name) and value != trainer:
-                self.wrong.append(f"{name} as loaded ({value:#018x}, the manifest says {trainer:#018x})")
+            if trainer is not None and tensor.dtype == pushed_dtypes.get(name):
+                value = trainer  # loaded as pushed, its bytes checked at the commit: the parameter must hold them
+            else:
+                value = fingerprint(tensor)  # converted to the engine's dtype as it loads (or never fingerprinted)
             key = engine_parameter(name, self.packed)
             self.expected[key] = (self.expected.get(key, 0) + value) & MASK
             self.seconds += time.perf_counter() - started

@@ -80,6 +80,11 @@ class WeightSwaps:
         parallel = self.replica.vllm.vllm_config.parallel_config
         return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
 
+    def shared(self, version: int):
+        """The weights this replica serves and keeps, of ``version``, held while a peer is sent them
+        (``WeightKeeper.shared``; an async context manager)."""
+        return self._kept.shared(version)
+
     async def vllm_version(self) -> str:
         """The weight version vLLM itself reports (``get_weight_version``)."""
         return await self.replica.require().get_weight_version()

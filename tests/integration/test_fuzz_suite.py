@@ -128,6 +128,9 @@ def _own_seeds(method) -> list:
         "RelayWeights": [gp.RelayWeightsRequest(header=gp.RelayHeader(push_id="fuzz", version=1,
                                                                      downstream=["127.0.0.1:1"])),
                          gp.RelayWeightsRequest(chunk=weights_pb2.WeightChunk(offset=0, data=b"fuzz"))],
+        # Versions this replica may keep, sent to an address nobody listens on (cut out at once), or to none.
+        "ShareWeights": [gp.ShareWeightsRequest(push_id="fuzz", version=v, downstream=["127.0.0.1:1"])
+                         for v in (1, 2, 3)] + [gp.ShareWeightsRequest(push_id="fuzz", version=1)],
         "Check": [health_pb2.HealthCheckRequest(service=s) for s in ("", COLLECTOR.full_name, GENERATION.full_name)],
         "Watch": [health_pb2.HealthCheckRequest(service=s) for s in ("", TRAJECTORY.full_name, "nope")],
     }

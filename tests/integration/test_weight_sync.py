@@ -624,9 +624,12 @@ def elsewhere():
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def test_replica_on_another_host_gets_grpc_within_the_same_push(suite, client, committed, tiny_model_dir, elsewhere):
+def test_replica_on_another_host_joins_from_its_peer_then_gets_grpc_within_the_same_push(suite, client, committed,
+                                                                                        tiny_model_dir, elsewhere):
     """A replica that cannot open our segments (here: its own shm directory, as on another host or
-    in another IPC namespace) is re-synced, then pushed to, over grpc, while its peer maps them."""
+    in another IPC namespace), restarted mid-run, joins from its peer: the peer sends it the weights it
+    keeps (relayed over grpc) while it serves on, and the spool sends nothing. Both then serve the committed
+    weights; the next pushes reach it over grpc (relayed) while its peer maps them."""
     victim_key = "generation-1"
     victim = suite[victim_key]
     victim.kill()  # and restarted at once, before any push: the collector must notice (its monitor or a call)
@@ -641,20 +644,27 @@ def test_replica_on_another_host_gets_grpc_within_the_same_push(suite, client, c
         status = stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=QUERY_TIMEOUT)
         return {r.address: (r.healthy, r.policy_version) for r in status.replicas}[victim.address] == \
             (True, client.policy_version)
+    peer = suite["generation-0"]
     wait_for(lambda: replica_version(restarted) == client.policy_version, RESYNC_TIMEOUT,
-             "the restarted replica to be noticed and re-synced over grpc", interval=0.1)
+             "the restarted replica to be noticed and re-synced from its peer", interval=0.1)
     wait_for(back_in_rotation, RESYNC_TIMEOUT, "the replica back in rotation", interval=0.1)
-    assert f"replica {victim.address} re-synced to version {client.policy_version} over grpc" in \
-        open(suite["collector"].log_path).read()
+    said = open(suite["collector"].log_path).read()
+    assert f"replica {victim.address} joined at version {client.policy_version} from peer {peer.address}" in said
+    assert f"replica {victim.address} re-synced to version {client.policy_version} over relay" in said
+    assert f"shared version {client.policy_version} with {victim.address}" in peer.log_tail(400)
+    status = stub.GetStatus(collector_pb2.GetStatusRequest(), timeout=QUERY_TIMEOUT)
+    assert {r.address: r.healthy for r in status.replicas}[peer.address]  # the peer served on
     assert_serving(suite, client, committed, tiny_model_dir)
-    # Known to be elsewhere now: the bytes are relayed to it (a relay of one), as they arrive.
-    expected = {suite["generation-0"].address: "shm", victim.address: "relay"}
-    for i, transport in enumerate(["grpc", "shm"]):
+    # Joined from a peer, it was never offered a segment: the first push offers one, which it refuses, and
+    # it gets the bytes over grpc within the same push. Known to be elsewhere from then on, the bytes are
+    # relayed to it (a relay of one), as they arrive.
+    for i, (transport, its) in enumerate([("grpc", "grpc"), ("grpc", "relay"), ("shm", "relay")]):
         weights = perturbed(committed[0], seed=5000 + i)
         result = client.push_weights(weights, transport=transport, progress=False)
         committed[result.version] = weights
         assert result.all_applied and result.transport == transport
-        assert {r.address: r.transport for r in result.replicas} == expected
+        assert {r.address: r.transport for r in result.replicas} == {suite["generation-0"].address: "shm",
+                                                                      victim.address: its}
         assert {r.address: r.sent_bytes for r in result.replicas} == {suite["generation-0"].address: 0,
                                                                       victim.address: model_bytes(weights)}
         assert_serving(suite, client, committed, tiny_model_dir)
@@ -671,7 +681,7 @@ def model_bytes(weights: dict[str, torch.Tensor]) -> int:
 def test_replicas_on_other_hosts_get_one_relayed_copy_and_a_dead_relay_is_routed_around(suite, client, committed,
                                                                                        tiny_model_dir, elsewhere):
     """Both replicas elsewhere (each its own shm directory: the first restarted there now, the second by
-    the test above): a push reaches them relayed, the first
+    the test above; both joined from their peer): a push reaches them relayed, the first
     forwarding the bytes to the second as they arrive, so the collector sends one copy in all. The first
     one then stops answering in the middle of the next push's relay (SIGSTOP: the collector holds its
     relay call open, the second replica waits on it for every byte) and is SIGKILLed: the relay goes
@@ -683,11 +693,19 @@ def test_replicas_on_other_hosts_get_one_relayed_copy_and_a_dead_relay_is_routed
                                                    env={"RLFLEET_SHM_DIR": directory})
     first.start(old.log_path.parent / "relay-first").wait_ready(ENGINE_START_TIMEOUT)
     wait_for(lambda: all(replica_version(p) == client.policy_version for p in (first, second)), RESYNC_TIMEOUT,
-             "the restarted replica re-synced (over grpc: it refuses our segments)", interval=0.1)
+             "the restarted replica re-synced (from its peer, elsewhere too)", interval=0.1)
     stub = collector_pb2_grpc.CollectorServiceStub(grpc.insecure_channel(suite["collector"].address))
     wait_for(lambda: all(r.healthy for r in stub.GetStatus(collector_pb2.GetStatusRequest(),
                                                             timeout=QUERY_TIMEOUT).replicas),
              RESYNC_TIMEOUT, "both back in rotation", interval=0.1)
+
+    # Joined from its peer, the restarted one was never offered a segment: the next push offers one, which it
+    # refuses (grpc within that push); from then on both are relayed.
+    weights = perturbed(committed[0], seed=5099)
+    result = client.push_weights(weights, transport="grpc", progress=False)
+    committed[result.version] = weights
+    assert result.all_applied
+    assert {r.address: r.transport for r in result.replicas} == {first.address: "grpc", second.address: "relay"}
 
     weights = perturbed(committed[0], seed=5100)
     result = client.push_weights(weights, transport="grpc", progress=False)

@@ -189,6 +189,24 @@ class RelayHeader(_message.Message):
     downstream: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, push_id: _Optional[str] = ..., version: _Optional[int] = ..., downstream: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class ShareWeightsRequest(_message.Message):
+    __slots__ = ("push_id", "version", "downstream")
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DOWNSTREAM_FIELD_NUMBER: _ClassVar[int]
+    push_id: str
+    version: int
+    downstream: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, push_id: _Optional[str] = ..., version: _Optional[int] = ..., downstream: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ShareWeightsResponse(_message.Message):
+    __slots__ = ("sent_bytes", "cut")
+    SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
+    sent_bytes: int
+    cut: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sent_bytes: _Optional[int] = ..., cut: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class RelayWeightsResponse(_message.Message):
     __slots__ = ("received_bytes", "done", "cut")
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]

@@ -50,6 +50,11 @@ class GenerationServiceStub:
                 request_serializer=rlfleet_dot_v1_dot_generation__pb2.RelayWeightsRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_generation__pb2.RelayWeightsResponse.FromString,
                 _registered_method=True)
+        self.ShareWeights = channel.unary_unary(
+                '/rlfleet.v1.GenerationService/ShareWeights',
+                request_serializer=rlfleet_dot_v1_dot_generation__pb2.ShareWeightsRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_generation__pb2.ShareWeightsResponse.FromString,
+                _registered_method=True)
         self.GetEngineStatus = channel.unary_unary(
                 '/rlfleet.v1.GenerationService/GetEngineStatus',
                 request_serializer=rlfleet_dot_v1_dot_generation__pb2.GetEngineStatusRequest.SerializeToString,
@@ -132,6 +137,22 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ShareWeights(self, request, context):
+        """Sends the weights this replica serves (the copy it keeps for delta
+        pushes) to `downstream` as the relayed push `push_id` (RelayWeights,
+        relayed from replica to replica as any relayed push), while it serves on.
+        The collector asks a serving replica for this when another one joins or
+        restarts mid-run: that one takes the committed weights from a peer rather
+        than from the collector's spool, and checks them against the manifest's
+        fingerprints as any push. Answers once every replica of `downstream`
+        holds every byte, or was cut out. Errors: INVALID_ARGUMENT (no push_id or
+        no downstream), FAILED_PRECONDITION (this replica keeps no weights of
+        that version).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetEngineStatus(self, request, context):
         """Model, version, load and throughput.
         """
@@ -167,6 +188,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.RelayWeights,
                     request_deserializer=rlfleet_dot_v1_dot_generation__pb2.RelayWeightsRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_generation__pb2.RelayWeightsResponse.SerializeToString,
+            ),
+            'ShareWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShareWeights,
+                    request_deserializer=rlfleet_dot_v1_dot_generation__pb2.ShareWeightsRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_generation__pb2.ShareWeightsResponse.SerializeToString,
             ),
             'GetEngineStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetEngineStatus,
@@ -261,6 +287,33 @@ class GenerationService:
             '/rlfleet.v1.GenerationService/RelayWeights',
             rlfleet_dot_v1_dot_generation__pb2.RelayWeightsRequest.SerializeToString,
             rlfleet_dot_v1_dot_generation__pb2.RelayWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShareWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.GenerationService/ShareWeights',
+            rlfleet_dot_v1_dot_generation__pb2.ShareWeightsRequest.SerializeToString,
+            rlfleet_dot_v1_dot_generation__pb2.ShareWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,
