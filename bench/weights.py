@@ -369,7 +369,8 @@ RELAY_REPLICAS = 3
 async def relay_phase(ns, gen_args: list[str], backends: dict, state: dict, workdir: Path) -> dict:
     """Replicas "on other hosts" (each its own ``RLFLEET_SHM_DIR``: none can map the collector's segments),
     listed to collector C one, two, then three at a time (an address file it re-reads); each time, after
-    they are re-synced, ``--rounds`` grpc pushes relayed through them (plus a warm-up). Per push: its time
+    they are re-synced (a newly listed one from its peer), ``--rounds`` grpc pushes relayed through them (plus
+    a warm-up, which also shows the collector that the new one refuses its segments). Per push: its time
     and the bytes the collector sent (``PushResult.sent_bytes``)."""
     from rlfleet.client import connect
     from rlfleet.services.launch import ServiceProcess
@@ -403,7 +404,8 @@ async def relay_phase(ns, gen_args: list[str], backends: dict, state: dict, work
                 version += 1
                 result = await asyncio.to_thread(push, client, state, version, "grpc", count)
                 transports = {r.transport for r in result.replicas}
-                if version > 1 and transports != {"relay"}:  # the first push learns they are elsewhere
+                # The warm-up push learns where a replica that joined from its peer lies (it refuses our segment).
+                if round_index >= 0 and transports != {"relay"}:
                     raise RuntimeError(f"relay push v{version} to {count} replicas went by {transports}")
                 print(f"  relay, {count} replica(s): push {result.seconds:.3f}s, collector sent "
                       f"{result.sent_bytes / 1e6:.0f} MB", file=sys.stderr, flush=True)
