@@ -555,18 +555,15 @@ class WeightFanout:
                 metadata=self.pool.settings.metadata(),
                 timeout=SHARE_SECONDS + manifest.total_bytes / SHARE_BYTES_PER_SECOND))
             stage = asyncio.ensure_future(stream.wait_staged())
-            why = ""
             try:
                 await asyncio.wait({stage, share}, return_when=asyncio.FIRST_COMPLETED)
-                if share.done() and not stage.done():  # the peer is done: the bytes are there, or never will be
-                    if share.exception() is not None or replica.address in share.result().cut:
-                        stream.cancel()
-                if await stage:
+                if not stage.done() and _share_failed(share, replica) is not None:
+                    stream.cancel()  # the peer is done and the bytes never will be there: stop waiting for them
+                await asyncio.wait({stage})  # ends False once cancelled (or with the read's CancelledError)
+                if not stage.cancelled() and stage.exception() is None and stage.result():
                     await stream.commit()
-                reply = await share
-                why = "it cut the replica out" if replica.address in reply.cut else ""
-            except grpc.RpcError as err:
-                why = f"{err.code().name}: {err.details()}"
+                await asyncio.wait({share})
+                why = _share_failed(share, replica) or ""
             finally:
                 for task in (stage, share):
                     task.cancel()
@@ -580,6 +577,20 @@ class WeightFanout:
             log.warning("replica %s could not take version %d from peer %s (%s)", replica.address,
                         manifest.version, peer.address, outcome.error or why or "no reason given")
         return None
+
+
+def _share_failed(share: asyncio.Future, replica: Replica) -> str | None:
+    """Why a finished ``ShareWeights`` call did not bring ``replica`` the bytes; None if it did (or is running)."""
+    if not share.done():
+        return None
+    if share.cancelled():
+        return "its call was cancelled"
+    error = share.exception()
+    if isinstance(error, grpc.RpcError):
+        return f"{error.code().name}: {error.details()}"
+    if error is not None:
+        return f"{type(error).__name__}: {error}"
+    return "it cut the replica out" if replica.address in share.result().cut else None
 
 
 SHARE_SECONDS = 60.0
