@@ -27,7 +27,7 @@ from rlfleet.services.common.errors import Aborted, FailedPrecondition, InvalidA
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm
 from rlfleet.wire.dtypes import dtype_from_wire
-from rlfleet.wire.fingerprint import fingerprint
+from rlfleet.wire.fingerprint import fingerprint, listed, of_manifest
 from rlfleet.wire.tensor import check_shape
 
 MAX_POLICY_VERSION = 2**63 - 1
@@ -82,7 +82,7 @@ class WeightPush:
         if manifest.version > MAX_POLICY_VERSION:
             raise OutOfRange(f"manifest.version: {manifest.version} is beyond the largest policy version "
                              f"{MAX_POLICY_VERSION} (batches carry versions as int64)")
-        names, dtypes, shapes, sizes, fingerprints = [], [], [], [], []
+        names, dtypes, shapes, sizes = [], [], [], []
         seen: set[str] = set()
         for i, spec in enumerate(manifest.tensors):
             where = f"manifest.tensors[{i}]"
@@ -97,7 +97,6 @@ class WeightPush:
             dtypes.append(dtype)
             shapes.append(tuple(spec.shape))
             sizes.append(numel * dtype.itemsize)
-            fingerprints.append(spec.fingerprint if spec.HasField("fingerprint") else None)
         if not names and not manifest.HasField("delta"):  # a delta may change nothing: the version moves
             raise InvalidArgument("manifest.tensors is empty")
         total = sum(sizes)
@@ -110,7 +109,8 @@ class WeightPush:
         if mode is None:
             raise InvalidArgument(f"manifest.mode: unknown update mode {manifest.mode}")
         push = cls(version=manifest.version, mode=mode, names=names, dtypes=dtypes, shapes=shapes,
-                   sizes=sizes, total_bytes=total, checksum_spec=manifest.checksum, fingerprints=fingerprints)
+                   sizes=sizes, total_bytes=total, checksum_spec=manifest.checksum,
+                   fingerprints=of_manifest(manifest))
         push._checksum = _Checksum(manifest.checksum) if manifest.checksum else None
         return push
 
@@ -175,9 +175,8 @@ class WeightPush:
             if got != expected:
                 wrong.append(f"{name} ({got:#018x}, the manifest says {expected:#018x})")
         if wrong:
-            shown = "; ".join(wrong[:4]) + (f"; and {len(wrong) - 4} more" if len(wrong) > 4 else "")
             raise InvalidArgument(f"weight push of version {self.version}: the bytes of {len(wrong)} tensor(s) "
-                                  f"do not match their fingerprints: {shown}; nothing applied")
+                                  f"do not match their fingerprints: {listed(wrong)}; nothing applied")
         return checked
 
 

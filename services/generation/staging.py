@@ -30,6 +30,7 @@ from rlfleet.services.generation.push_validation import TensorSpec, validate_man
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm, weight_delta
 from rlfleet.wire.dtypes import BY_WIRE, dtype_name
+from rlfleet.wire.fingerprint import of_manifest
 
 
 @dataclass
@@ -112,8 +113,7 @@ class StagedPush:
                         shapes=[list(spec.shape) for spec in kept.manifest.tensors],
                         total_bytes=kept.manifest.total_bytes, shm_path=kept.segment.fd_path,
                         changed=[span.name for span in self.delta or ()], verify=verify,
-                        fingerprints=[spec.fingerprint if spec.HasField("fingerprint") else None
-                                      for spec in kept.manifest.tensors])
+                        fingerprints=of_manifest(kept.manifest))
         info: dict[str, Any] = dict(
             names=list(self.push.names),
             dtype_names=[dtype_name(d) for d in self.push.dtypes],

@@ -216,7 +216,6 @@ class LoadCheck:
         self.checkable: set[str] | None = None
         """Parameters a load copies as they are; None: not calibrated (nothing is checked)."""
         self.expected: dict[str, int] = {}
-        self.wrong: list[str] = []
         self.seconds = 0.0
         """Spent fingerprinting since the last ``check`` (the tensors as they load, then the parameters)."""
 
@@ -236,12 +235,12 @@ class LoadCheck:
             self.seconds += time.perf_counter() - started
             yield name, tensor
 
-    def engine(self, model: torch.nn.Module) -> dict[str, int]:
-        """The fingerprints of the engine's parameters that a load filled."""
+    def engine(self, model: torch.nn.Module, names: set[str]) -> dict[str, int]:
+        """The fingerprints of the engine's parameters among ``names``."""
         from rlfleet.wire.fingerprint import fingerprint
 
         params = dict(model.named_parameters())
-        return {name: fingerprint(params[name]) for name in self.expected if name in params}
+        return {name: fingerprint(params[name]) for name in names if name in params}
 
     def calibrate(self, model: torch.nn.Module, checkpoint: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
         """Which parameters hold exactly what was loaded into them: ``model`` as the checkpoint loaded it,
@@ -249,29 +248,26 @@ class LoadCheck:
         self.expected.clear()
         for _ in self.record(checkpoint, {}, {}):
             pass
-        self.checkable = {name for name, value in self.engine(model).items() if value == self.expected[name]}
-        skipped = sorted(set(self.expected) - self.checkable)
+        self.checkable = {name for name, value in self.engine(model, set(self.expected)).items()
+                          if value == self.expected[name]}
+        skipped = set(self.expected) - self.checkable
         self.expected.clear()
-        return set(skipped)
+        return skipped
 
     def check(self, model: torch.nn.Module) -> dict[str, Any]:
         """Compare the engine with what this load recorded, then forget it: ``checked`` (parameters compared),
         ``wrong`` (what differs, named, or "") and ``seconds`` (the fingerprints' CPU, recording included)."""
+        from rlfleet.wire.fingerprint import listed
+
         started = time.perf_counter()
         try:
-            checked = 0
-            if self.checkable is not None:
-                found = self.engine(model)
-                for name in sorted(self.checkable & set(found)):
-                    checked += 1
-                    if found[name] != self.expected[name]:
-                        self.wrong.append(f"{name} in the engine ({found[name]:#018x}, the tensors loaded into "
-                                          f"it make {self.expected[name]:#018x})")
-            shown = "; ".join(self.wrong[:4]) + (f"; and {len(self.wrong) - 4} more" if len(self.wrong) > 4 else "")
-            return {"checked": checked, "wrong": shown, "seconds": self.seconds + time.perf_counter() - started}
+            found = self.engine(model, self.checkable & set(self.expected)) if self.checkable is not None else {}
+            wrong = [f"{name} in the engine ({found[name]:#018x}, the tensors loaded into it make "
+                     f"{self.expected[name]:#018x})" for name in sorted(found) if found[name] != self.expected[name]]
+            return {"checked": len(found), "wrong": listed(wrong),
+                    "seconds": self.seconds + time.perf_counter() - started}
         finally:
             self.expected.clear()
-            self.wrong = []
             self.seconds = 0.0
 
 

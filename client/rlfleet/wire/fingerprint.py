@@ -42,6 +42,17 @@ def fingerprint(tensor: torch.Tensor) -> int:
     return total & MASK
 
 
+def of_manifest(manifest) -> list[int | None]:
+    """Each tensor's fingerprint in a ``WeightManifest``, in its order; None where unset."""
+    return [spec.fingerprint if spec.HasField("fingerprint") else None for spec in manifest.tensors]
+
+
+def listed(mismatches: list[str], shown: int = 4) -> str:
+    """What differs, as one message names it: the first ``shown``, then how many more."""
+    more = len(mismatches) - shown
+    return "; ".join(mismatches[:shown]) + (f"; and {more} more" if more > 0 else "")
+
+
 def combine(fingerprints) -> int:
     """The fingerprint of tensors' elements taken together (a fused parameter's, from its parts')."""
     return sum(fingerprints) & MASK
