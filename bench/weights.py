@@ -121,6 +121,44 @@ class PeakPss(threading.Thread):
         return self.peak - self.before
 
 
+def cpu_seconds(groups: dict[str, list[int]]) -> dict[str, float]:
+    """User + system CPU seconds so far of each group of PIDs (a process gone counts nothing)."""
+    found = {}
+    for name, pids in groups.items():
+        total = 0.0
+        for pid in pids:
+            try:
+                times = psutil.Process(pid).cpu_times()
+            except psutil.Error:
+                continue
+            total += times.user + times.system
+        found[name] = total
+    return found
+
+
+class CpuDuring:
+    """CPU seconds each group of PIDs spent inside the ``with`` block."""
+
+    def __init__(self, groups: dict[str, list[int]]):
+        self.groups = groups
+
+    def __enter__(self) -> "CpuDuring":
+        self.before = cpu_seconds(self.groups)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        after = cpu_seconds(self.groups)
+        self.spent = {name: after[name] - self.before[name] for name in self.groups}
+
+
+def push_processes(collector, replica) -> dict[str, list[int]]:
+    """The processes a push to one replica on this host runs in: this one (the trainer's SDK), the collector,
+    the replica's service and its vLLM engine processes."""
+    engine = [c.pid for c in psutil.Process(replica.process.pid).children(recursive=True)]
+    return {"trainer (SDK)": [os.getpid()], "collector": tree_pids(collector),
+            "replica service": [replica.process.pid], "vLLM engine": engine}
+
+
 def tree_pids(*procs) -> list[int]:
     """The PIDs of ``procs`` (ServiceProcess) and all their descendants."""
     pids = []
@@ -271,7 +309,11 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
                                 *(f"delta_{f}" for f in DELTA_FRACTIONS), *(f"delta_bytes_{f}" for f in DELTA_FRACTIONS),
                                 *(f"lora_{r}" for r in LORA_RANKS), *(f"lora_bytes_{r}" for r in LORA_RANKS))}
         adapters = {rank: lora_adapter(state, rank) for rank in LORA_RANKS}
-        details = {k: [] for k in ("grpc", "shm", "shm2")}
+        details = {k: [] for k in ("grpc", "shm", "shm2", "cpu_grpc", "cpu_shm", "cpu_floor")}
+        processes = push_processes(collectors[0], gens[0])
+        floor_processes = {"trainer (SDK)": [os.getpid()],  # the floor's engine core: this process's spawned child
+                           "vLLM engine": [c.pid for c in psutil.Process().children()
+                                           if "spawn_main" in " ".join(c.cmdline())]}
         versions = [0, 0]
 
         def settle():
@@ -284,14 +326,15 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
             raw = await asyncio.to_thread(raw_stream_seconds, sink.address, flat, CHUNK, GRPC_OPTIONS)
             await settle()
             versions[0] += 1
-            with PeakPss(tree_pids(collectors[0], gens[0])) as pss_grpc:
+            with PeakPss(tree_pids(collectors[0], gens[0])) as pss_grpc, CpuDuring(processes) as cpu_grpc:
                 r_grpc = await asyncio.to_thread(push, clients[0], state, versions[0], "grpc", 1)
             await settle()
-            floor = (await engine.collective_rpc("bench_floor_reload"))[0]
+            with CpuDuring(floor_processes) as cpu_floor:
+                floor = (await engine.collective_rpc("bench_floor_reload"))[0]
             await settle()
             versions[0] += 1
             checks = check_seconds(g0_metrics)
-            with PeakPss(tree_pids(collectors[0], gens[0])) as pss_shm:
+            with PeakPss(tree_pids(collectors[0], gens[0])) as pss_shm, CpuDuring(processes) as cpu_shm:
                 r_shm = await asyncio.to_thread(push, clients[0], state, versions[0], "shm", 1)
             checks = {step: seconds - checks[step] for step, seconds in check_seconds(g0_metrics).items()}
             fingerprinted = time.perf_counter()
@@ -325,7 +368,8 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
                                ("pss_shm", pss_shm.extra), ("check_staged", checks["staged"]),
                                ("check_engine", checks["engine"]), ("sdk_fingerprints", fingerprinted)):
                 rows[key].append(value)
-            for key, result in (("grpc", r_grpc), ("shm", r_shm), ("shm2", r_shm2)):
+            for key, result in (("grpc", r_grpc), ("shm", r_shm), ("shm2", r_shm2), ("cpu_grpc", cpu_grpc.spent),
+                                ("cpu_shm", cpu_shm.spent), ("cpu_floor", cpu_floor.spent)):
                 details[key].append(result)
         from rlfleet.wire import shm
         kept = sum(os.path.getsize(p) for p in shm.list_segments())  # the segments kept for the next push
@@ -371,30 +415,40 @@ async def relay_phase(ns, gen_args: list[str], backends: dict, state: dict, work
     listed to collector C one, two, then three at a time (an address file it re-reads); each time, after
     they are re-synced (a newly listed one from its peer), ``--rounds`` grpc pushes relayed through them (plus
     a warm-up, which also shows the collector that the new one refuses its segments). Per push: its time
-    and the bytes the collector sent (``PushResult.sent_bytes``)."""
+    and the bytes the collector sent (``PushResult.sent_bytes``). With one replica listed, each push to C
+    alternates with one to collector D, whose replica (also elsewhere) loads at the commit
+    (``--streamed-apply off``): C's replica loads each push as it arrives (``streamed_apply`` auto: idle)."""
     from rlfleet.client import connect
     from rlfleet.services.launch import ServiceProcess
     from rlfleet.wire import shm
 
-    directories = [tempfile.mkdtemp(prefix="rlfleet-bench-otherhost-", dir=shm.SHM_DIR) for _ in range(RELAY_REPLICAS)]
-    gens = [ServiceProcess("generation", gen_args, env={"RLFLEET_SHM_DIR": d}).start(workdir / f"r{i}")
+    directories = [tempfile.mkdtemp(prefix="rlfleet-bench-otherhost-", dir=shm.SHM_DIR)
+                   for _ in range(RELAY_REPLICAS + 1)]
+    gens = [ServiceProcess("generation", gen_args + (["--streamed-apply", "off"] if i == RELAY_REPLICAS else []),
+                           env={"RLFLEET_SHM_DIR": d}).start(workdir / f"r{i}")
             for i, d in enumerate(directories)]
+    unstreamed = gens.pop()
     listed = workdir / "relay-replicas.json"
-    collector = client = None
-    rows: dict[str, list] = {}
+    collectors, clients = [], []
+    rows: dict[str, list] = {"unstreamed1": [], "unstreamed_apply1": []}
+
+    def start(name: str, addresses: list[str]):
+        return ServiceProcess("collector", [
+            *addresses, "--discovery-refresh-seconds", "0.5", "--replica-check-seconds", "0.5",
+            "--reference-address", backends["reference"].address, "--reward-address", backends["reward"].address,
+            "--trajectory-address", backends["trajectory"].address, "--state-dir", str(workdir / name / "state"),
+            "--log-format", "text"]).start(workdir / name)
     try:
-        for g in gens:
+        for g in [*gens, unstreamed]:
             await asyncio.to_thread(g.wait_ready, 900)
         listed.write_text(json.dumps([gens[0].address]))
-        collector = ServiceProcess("collector", [
-            "--generation-addresses-file", str(listed), "--discovery-refresh-seconds", "0.5",
-            "--replica-check-seconds", "0.5",
-            "--reference-address", backends["reference"].address, "--reward-address", backends["reward"].address,
-            "--trajectory-address", backends["trajectory"].address, "--state-dir", str(workdir / "collector-c" / "state"),
-            "--log-format", "text"]).start(workdir / "collector-c")
-        await asyncio.to_thread(collector.wait_ready, 300)
-        client = connect(collector.address)
-        version = 0
+        collectors = [start("collector-c", ["--generation-addresses-file", str(listed)]),
+                      start("collector-d", ["--generation-addresses", json.dumps([unstreamed.address])])]
+        for collector in collectors:
+            await asyncio.to_thread(collector.wait_ready, 300)
+        clients = [connect(collector.address) for collector in collectors]
+        client, other = clients
+        version = other_version = 0
         for count in range(1, RELAY_REPLICAS + 1):
             listed.write_text(json.dumps([g.address for g in gens[:count]]))
             await asyncio.to_thread(wait_in_rotation, client, count, 600)
@@ -413,14 +467,23 @@ async def relay_phase(ns, gen_args: list[str], backends: dict, state: dict, work
                     times.append(result.seconds)
                     sent.append(result.sent_bytes)
                     applies.append(max(r.apply_seconds for r in result.replicas))
+                if count == 1:  # the same push to a replica elsewhere that loads it at the commit
+                    await asyncio.sleep(ns.settle_seconds)
+                    other_version += 1
+                    loaded_late = await asyncio.to_thread(push, other, state, other_version, "grpc", 1)
+                    print(f"  grpc, 1 replica elsewhere, loaded at the commit: push {loaded_late.seconds:.3f}s",
+                          file=sys.stderr, flush=True)
+                    if round_index >= 0:
+                        rows["unstreamed1"].append(loaded_late.seconds)
+                        rows["unstreamed_apply1"].append(loaded_late.replicas[0].apply_seconds)
             rows[f"relay{count}"], rows[f"relay_sent{count}"], rows[f"relay_apply{count}"] = times, sent, applies
         return rows
     finally:
-        if client is not None:
-            client.close()
-        if collector is not None:
+        for c in clients:
+            c.close()
+        for collector in collectors:
             collector.stop()
-        for g in gens:
+        for g in [*gens, unstreamed]:
             g.stop()
         for directory in directories:
             shutil.rmtree(directory, ignore_errors=True)
@@ -599,6 +662,9 @@ def main() -> None:
             relay_time = ratio(rows[f"relay{count}"], relay1)
             row(f"relayed push: {count} / 1 replica", f"1 replica {relay_time['den']:.3f}s",
                 f"{count} replicas {relay_time['num']:.3f}s", relay_time, "-", True)
+    streamed = ratio(rows["relay1"], rows["unstreamed1"])
+    row("1 replica elsewhere: streamed / not", f"loaded at the commit {streamed['den']:.3f}s",
+        f"streamed {streamed['num']:.3f}s", streamed, "-", True)
     checks = {key: ratio([a + b for a, b in zip(rows["check_staged"], rows["check_engine"])], rows[key])
               for key in ("shm", "floor")}
     print(f"checks of each shm push against its fingerprints (verify_weights), medians: the SDK's fingerprints "
@@ -609,6 +675,20 @@ def main() -> None:
     print(f"kept in /dev/shm between pushes: {out['kept'] / 1e6:.0f} MB = {out['kept'] / model_bytes:.2f} x the "
           f"model (the clients' segments, collector A's staging segment and each replica's kept weights; not counted as "
           f"extra above)")
+    cores = len(os.sched_getaffinity(0))
+    cpu = {}
+    print(f"CPU seconds per push by process (medians of the rounds), and the wall time they allow on {cores} cores:")
+    for key, label, wall in (("cpu_shm", "shm push", "shm"), ("cpu_grpc", "grpc push", "grpc"),
+                             ("cpu_floor", "floor", "floor")):
+        spent = details[key]
+        cpu[key] = total = statistics.median(sum(d.values()) for d in spent)
+        print(f"  {label:<10} " + " | ".join(f"{name} {statistics.median(d[name] for d in spent):.3f}"
+                                              for name in spent[0])
+              + f" | total {total:.3f} s: >= {total / cores:.3f} s of wall time; took {statistics.median(rows[wall]):.3f} s")
+    cpu_bound = {"shm": cpu["cpu_shm"] / cores / statistics.median(rows["floor"]),
+                 "grpc": statistics.median(rows["raw"]) / (cpu["cpu_grpc"] / cores)}
+    print(f"  the best these CPU seconds allow: shm push / floor >= {cpu_bound['shm']:.2f} (target <= 1.30), raw / "
+          f"grpc push <= {cpu_bound['grpc']:.2f} (target >= 0.80)")
     print("breakdown:")
     print(breakdown("grpc, 1 replica", details["grpc"]))
     print(breakdown("shm, 1 replica", details["shm"]))
@@ -624,6 +704,13 @@ def main() -> None:
         result[f"relay_time_{count}_over_1"] = ratio(rows[f"relay{count}"], relay1)["ratio"]
     result["relay_seconds_1"] = statistics.median(relay1)
     result["relay_apply_seconds_1"] = statistics.median(rows["relay_apply1"])
+    result["unstreamed_seconds_1"] = statistics.median(rows["unstreamed1"])
+    result["streamed_over_unstreamed_1"] = streamed["ratio"]
+    result["shm_cpu_seconds"] = cpu["cpu_shm"]
+    result["grpc_cpu_seconds"] = cpu["cpu_grpc"]
+    result["floor_cpu_seconds"] = cpu["cpu_floor"]
+    result["shm_vs_reload_cpu_bound"] = cpu_bound["shm"]
+    result["grpc_vs_raw_cpu_bound"] = cpu_bound["grpc"]
     result["model_bytes"] = model_bytes  # for bench/fanout_sim.py's calibration
     result["check_seconds_over_shm_push"] = checks["shm"]["ratio"]
     result["check_seconds_shm"] = checks["shm"]["num"]

@@ -71,6 +71,8 @@ class WeightPush:
     fingerprints: list[int | None] = field(default_factory=list, repr=False)
     """Each tensor's fingerprint from the manifest (``rlfleet.wire.fingerprint``); None where unset."""
     sink: memoryview | None = field(repr=False, default=None)
+    progress: Callable[[int], None] | None = field(repr=False, default=None)
+    """Called with ``received`` after each chunk landed in the sink (a streamed apply's ``Watermark``)."""
     received: int = 0
     started_at: float = field(default_factory=time.monotonic)
     _checksum: _Checksum | None = field(default=None, repr=False)
@@ -138,6 +140,8 @@ class WeightPush:
         if self._checksum is not None:
             self._checksum.update(data)
         self.received = end
+        if self.progress is not None:
+            self.progress(end)
 
     def add_all(self, data: memoryview) -> None:
         """Take every byte at once (they already lie in a segment): only the checksum is computed."""

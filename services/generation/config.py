@@ -131,6 +131,17 @@ class GenerationEngineConfig(BaseModel):
     the engine's parameters against the tensors loaded into it (a mismatch leaves the replica failed, out
     of rotation until a push re-syncs it). False skips both (docs/guides/weight-sync.md)."""
 
+    streamed_apply: Literal["auto", "on", "off"] = "auto"
+    """Load a full push into vLLM while its bytes still arrive over the network (grpc chunks or a relay),
+    rather than after the last one: the transfer and the load overlap. The engine pauses at the push's
+    first tensor instead of at its commit and serves the new weights only once the commit comes; a push
+    cut before the commit is rolled back (the weights this replica keeps are loaded again). Needs
+    ``delta_pushes`` (the rollback loads the kept weights): a replica that keeps none loads at the commit.
+    ``auto``: pushes in ``wait`` and ``abort`` mode (those pause the engine anyway), and those of any mode
+    that find nothing running (a trainer that waits for its pushes: requests sent during the transfer
+    wait for the commit); ``on``: every push (``keep`` and ``resume`` requests then wait out the
+    transfer); ``off``: never (docs/guides/weight-sync.md)."""
+
     max_lora_rank: int | None = Field(None, ge=1)
     """Serve LoRA adapter pushes (``WeightManifest.lora``) of up to this rank: vLLM's LoRA support is
     switched on (``enable_lora``; on CPU it also switches vLLM's compilation off). One of vLLM's

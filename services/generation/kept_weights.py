@@ -15,10 +15,13 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from rlfleet.services.common.errors import FailedPrecondition
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm, weight_delta
+from rlfleet.wire.dtypes import BY_WIRE
+from rlfleet.wire.fingerprint import of_manifest
 
 log = logging.getLogger("rlfleet.generation.kept_weights")
 
@@ -36,6 +39,15 @@ class KeptWeights:
     @property
     def version(self) -> int:
         return self.manifest.version
+
+    def update_info(self, changed: list[str] | None = None, verify: bool = False) -> dict[str, Any]:
+        """What the worker engine (``transfer.RlfleetUpdateInfo``) needs to load these weights: every tensor,
+        or the layers of ``changed`` (a delta patched in); ``verify``: and to check what it loaded."""
+        tensors = self.manifest.tensors
+        return dict(names=[spec.name for spec in tensors], dtype_names=[BY_WIRE[spec.dtype].name for spec in tensors],
+                    shapes=[list(spec.shape) for spec in tensors], total_bytes=self.manifest.total_bytes,
+                    shm_path=self.segment.fd_path, changed=changed, verify=verify,
+                    fingerprints=of_manifest(self.manifest))
 
     def close(self) -> None:
         self.dropped = True

@@ -93,13 +93,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 self.relayed.refuse(manifest.relay.push_id, str(err))
             raise
         relayed = self.relayed.open(staged) if staged.transport == "relay" else None
+        weights = self.engine.weights
         try:
+            streamed = await weights.stream(staged)  # loaded into vLLM as the bytes arrive (streamed_apply)
             if staged.nccl is not None:
-                await self.engine.weights.receive_nccl(staged)  # the bytes come over NCCL, into the segment
+                await weights.receive_nccl(staged)  # the bytes come over NCCL, into the segment
             if relayed is not None:
                 await relayed.received()  # in RelayWeights calls
             else:
                 await receiver.chunks(staged.push)
+            if streamed is not None:
+                await weights.loaded(staged)  # in the engine, checked; paused until the commit
             received = time.monotonic()
             if staged.manifest.two_phase:
                 yield generation_pb2.UpdateWeightsResponse(
@@ -119,6 +123,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         finally:
             if relayed is not None:
                 self.relayed.close(relayed)
+            weights.end(staged)
             staged.close()
 
     async def RelayWeights(self, request_iterator, context):

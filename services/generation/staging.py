@@ -19,6 +19,8 @@ Nothing touches the engine until the commit; ``close()`` releases the segment
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +29,44 @@ from rlfleet.services.common.weight_stream import WeightPush, open_offered_segme
 from rlfleet.services.generation.kept_weights import KeptWeights
 from rlfleet.services.generation.lora_adapter import LoraAdapterConfig, validate_adapter
 from rlfleet.services.generation.push_validation import TensorSpec, validate_manifest
+from rlfleet.services.generation.watermark import Watermark
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm, weight_delta
-from rlfleet.wire.dtypes import BY_WIRE, dtype_name
-from rlfleet.wire.fingerprint import of_manifest
+from rlfleet.wire.dtypes import dtype_name
+
+
+@dataclass
+class StreamedLoad:
+    """A full push loaded into the paused engine as its bytes arrive (``WeightSwaps.stream``): what its
+    commit or rollback needs, and what it holds until then (the swap lock, a share of the kept weights
+    it rolls back to, the watermark)."""
+
+    watermark: Watermark
+    kept: KeptWeights
+    task: asyncio.Future | None = None
+    """The load (``WeightSwaps._load_streamed``): done once every byte is in the engine, or it stopped."""
+    mode: str = ""
+    started: float = field(default_factory=time.monotonic)
+    locked: bool = False
+    """It holds the swap lock (from before the pause to the commit or the rollback)."""
+    shares_kept: bool = False
+    paused: bool = False
+    touched: bool = False
+    """The engine's weights were written (a load began): a rollback loads the kept ones."""
+    committed: bool = False
+    ended: bool = False
+
+    def end(self, lock: asyncio.Lock) -> None:
+        """Let go of what it holds (once)."""
+        if self.ended:
+            return
+        self.ended = True
+        self.watermark.close()
+        if self.shares_kept:
+            self.kept.shares -= 1
+            self.kept.release()
+        if self.locked:
+            lock.release()
 
 
 @dataclass
@@ -47,6 +83,8 @@ class StagedPush:
     """Set at a delta's commit: the kept weights it patched, which the worker loads from."""
     adapter: tuple[LoraAdapterConfig, list[str]] | None = None
     """A LoRA adapter push: its config and its tensors' names in peft's form."""
+    streamed: StreamedLoad | None = None
+    """Loaded into the engine as its bytes arrive (``streamed_apply``)."""
 
     @classmethod
     def begin(cls, manifest: weights_pb2.WeightManifest, checkpoint: dict[str, TensorSpec],
@@ -107,13 +145,7 @@ class StagedPush:
         """What the worker engine (``transfer.RlfleetUpdateInfo``) needs to load the push (``verify``: and to
         check what it loaded)."""
         if self.loads_from is not None:  # a delta, patched into the kept weights: their layout, what changed
-            kept = self.loads_from
-            return dict(names=[spec.name for spec in kept.manifest.tensors],
-                        dtype_names=[BY_WIRE[spec.dtype].name for spec in kept.manifest.tensors],
-                        shapes=[list(spec.shape) for spec in kept.manifest.tensors],
-                        total_bytes=kept.manifest.total_bytes, shm_path=kept.segment.fd_path,
-                        changed=[span.name for span in self.delta or ()], verify=verify,
-                        fingerprints=of_manifest(kept.manifest))
+            return self.loads_from.update_info([span.name for span in self.delta or ()], verify)
         info: dict[str, Any] = dict(
             names=list(self.push.names),
             dtype_names=[dtype_name(d) for d in self.push.dtypes],
@@ -126,6 +158,7 @@ class StagedPush:
 
     def close(self) -> None:
         self.push.sink = None
+        self.push.progress = None
         if self.segment is not None:
             self.segment.close()  # unlinks only the segment this service created
             self.segment = None

@@ -58,6 +58,8 @@ class ReplicaState:
         self._state = EngineState.STOPPED
         self.policy_version = policy_version
         self.admission_open = asyncio.Event()
+        self.requests_in_flight = 0
+        """Admitted ``generate`` calls (``GenerationEngine`` counts them)."""
         self.version_bound_requests = 0
         """Calls in flight with a ``required_version``: a ``keep`` swap runs as ``resume`` (which ends them)."""
 

@@ -38,7 +38,7 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -84,6 +84,9 @@ class RlfleetUpdateInfo:
     """Each tensor's fingerprint from the trainer's manifest (None where unset); None: none at all."""
     verify: bool = False
     """Check the engine's parameters after the load against the tensors loaded into them (``LoadCheck``)."""
+    watermark_path: str = ""
+    """A streamed load: the bytes arrive while it runs, and this ``watermark.Watermark`` says how many have
+    (each tensor is read once they passed it; the load stops where a cut push ended). Empty: all are there."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -174,9 +177,12 @@ def _quiet_reload():
 
 
 def shm_weights(segment_flat: torch.Tensor, update: RlfleetUpdateInfo, target_dtype: torch.dtype | None,
-                only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                only: set[str] | None = None, arrived: Callable[[int, int], bool] | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` views of a mapped segment (only those in ``only`` when given), floating
-    tensors converted to ``target_dtype``."""
+    tensors converted to ``target_dtype``. ``arrived(start, end)``: blocks until the segment holds the
+    next tensor's bytes, ``start`` to ``end`` (a streamed load), False if it never will (the stream
+    ends there)."""
     from rlfleet.wire.dtypes import dtype_from_name
     from rlfleet.wire.shm import view_tensor
 
@@ -187,6 +193,8 @@ def shm_weights(segment_flat: torch.Tensor, update: RlfleetUpdateInfo, target_dt
         offset += math.prod(shape) * dtype.itemsize
         if only is not None and name not in only:
             continue
+        if arrived is not None and not arrived(start, offset):
+            return
         tensor = view_tensor(segment_flat, start, dtype, shape)
         if target_dtype is not None and tensor.is_floating_point() and tensor.dtype != target_dtype:
             tensor = tensor.to(target_dtype)
@@ -429,6 +437,7 @@ class RlfleetWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         from rlfleet.wire.shm import open_segment
 
         segment = open_segment(update_info.shm_path, update_info.total_bytes, trusted=True, populate=True)
+        watermark = None
         try:
             flat = segment.as_uint8()
             target = self.model_config.dtype if self.model_config is not None else None
@@ -437,7 +446,11 @@ class RlfleetWeightTransferEngine(_engine_base()):  # type: ignore[misc]
                 self._partial = True
                 packed = dict(getattr(self.model, "packed_modules_mapping", None) or {})
                 only = loaded_with(update_info.names, update_info.changed, packed)
-            weights = shm_weights(flat, update_info, target, only)
+            if update_info.watermark_path:
+                from rlfleet.services.generation.watermark import Watermark
+
+                watermark = Watermark.open(update_info.watermark_path)
+            weights = shm_weights(flat, update_info, target, only, watermark.wait_for if watermark else None)
             self._check = self._load_check if update_info.verify else None
             if self._check is not None:
                 from rlfleet.wire.dtypes import dtype_from_name
@@ -449,6 +462,8 @@ class RlfleetWeightTransferEngine(_engine_base()):  # type: ignore[misc]
             self.model.load_weights(weights)
             del flat, weights
         finally:
+            if watermark is not None:
+                watermark.close()
             segment.close(unlink=False)
 
     def receive_into_segment(self, update_info: RlfleetUpdateInfo) -> int:

@@ -76,7 +76,6 @@ class GenerationEngine:
         self.weights = WeightSwaps(config, self.replica)
         """Weight pushes: staged, then swapped in as a new policy version."""
         self.prompts = PromptTokenizer(config.tokenizer_path)
-        self._requests_in_flight = 0
         self._requests_running = 0
         self._request_ids_in_flight: set[str] = set()
         self._token_rate = TokenRate(config.tokens_per_second_window_s)
@@ -345,9 +344,9 @@ class GenerationEngine:
         self.replica.require()
         self._validate_request(prompt_token_ids, sampling, request_id)
         weight = _share_weight(share_weight)
-        if self._requests_in_flight >= self.config.max_queued_requests:
+        if self.replica.requests_in_flight >= self.config.max_queued_requests:
             raise ResourceExhausted(
-                f"generation queue full ({self._requests_in_flight} requests in flight, "
+                f"generation queue full ({self.replica.requests_in_flight} requests in flight, "
                 f"max_queued_requests={self.config.max_queued_requests})"
             )
         runs = self.weights.runs
@@ -358,7 +357,7 @@ class GenerationEngine:
         host = self if policy is None else RunHost(self, policy)
         rollout = Rollout(host, prompt_token_ids, sampling, request_id, time.monotonic(), required_version)
         samples = rollout.samples()
-        self._requests_in_flight += 1
+        self.replica.requests_in_flight += 1
         self.replica.version_bound_requests += required_version is not None
         self._request_ids_in_flight.add(request_id)
         users = [r for r in dict.fromkeys((run, policy)) if r is not None]  # the same run once
@@ -381,7 +380,7 @@ class GenerationEngine:
             await samples.aclose()
             if lease is not None:
                 lease.close()
-            self._requests_in_flight -= 1
+            self.replica.requests_in_flight -= 1
             self.replica.version_bound_requests -= required_version is not None
             self._request_ids_in_flight.discard(request_id)
             if rollout.running:
@@ -440,8 +439,8 @@ class GenerationEngine:
             model=self.config.model,
             state=self.replica.state,
             policy_version=self.replica.policy_version,
-            requests_in_flight=self._requests_in_flight,
-            requests_waiting=self._requests_in_flight - self._requests_running,
+            requests_in_flight=self.replica.requests_in_flight,
+            requests_waiting=self.replica.requests_in_flight - self._requests_running,
             requests_running=self._requests_running,
             max_queued_requests=self.config.max_queued_requests,
             tokens_per_second=self._token_rate.per_second(),

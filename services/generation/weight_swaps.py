@@ -17,15 +17,17 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from rlfleet.choices import SWAP_MODES, SwapModeName
+from rlfleet.services.common.background import BackgroundTasks
 from rlfleet.services.common.errors import Aborted, DataLoss, FailedPrecondition, InvalidArgument
 from rlfleet.services.generation.config import GenerationEngineConfig
 from rlfleet.services.generation.kept_weights import WeightKeeper
-from rlfleet.services.generation.metrics import WEIGHT_CHECK_SECONDS, WEIGHT_CHECKS
+from rlfleet.services.generation.metrics import STREAMED_PUSH_BYTES, WEIGHT_CHECK_SECONDS, WEIGHT_CHECKS
 from rlfleet.services.generation.push_validation import TensorSpec, checkpoint_bytes
 from rlfleet.services.generation.served_adapters import AdapterSet, ServedAdapter
 from rlfleet.services.generation.served_runs import ServedRun, ServedRuns
-from rlfleet.services.generation.staging import StagedPush
+from rlfleet.services.generation.staging import StagedPush, StreamedLoad
 from rlfleet.services.generation.status import EngineState, ReplicaState
+from rlfleet.services.generation.watermark import Watermark
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import WireError, shm, weight_delta
 from rlfleet.wire.push_rules import check_manifest
@@ -49,9 +51,19 @@ class WeightSwaps:
         self.adapters = AdapterSet(serials=self.runs.adapter_serials)  # the own run's adapters (max_lora_rank)
         self._kept = WeightKeeper(config.delta_pushes)  # the served weights, for delta pushes
         self._lock = asyncio.Lock()
+        self._background = BackgroundTasks()  # rollbacks of streamed pushes whose call ended
+        self._streaming: StreamedLoad | None = None  # the streamed push holding the swap lock
+        for stage in ("arrived", "loaded"):
+            STREAMED_PUSH_BYTES.labels(stage).set_function(lambda stage=stage: self._streamed_bytes(stage))
         self.serial = 0
         """Swaps started; with ``mode``, the latest's, tells a resume swap's aborts from others (``resumes``)."""
         self.mode: SwapModeName | None = None
+
+    def _streamed_bytes(self, stage: str) -> int:
+        streamed = self._streaming
+        if streamed is None or streamed.ended:
+            return 0
+        return streamed.watermark.arrived if stage == "arrived" else streamed.watermark.loaded
 
     def close(self) -> None:
         """Let go of the kept weights and the adapters' directories (the engine is stopping)."""
@@ -203,6 +215,9 @@ class WeightSwaps:
         a later push succeeds.
         """
         engine = self.replica.takes_pushes()
+        if staged.streamed is not None:
+            await self._commit_streamed(engine, staged)
+            return
         staged.push.finish()
         if self.config.verify_weights:
             await self._verify_staged(staged)
@@ -361,32 +376,195 @@ class WeightSwaps:
     async def _swap(self, engine: AsyncLLM, version: int, mode: SwapModeName, transport: str,
                     load: Callable[[], Awaitable[None]]) -> None:
         """Pause, ``load()`` (weights or an adapter), move the version, resume (see ``apply``)."""
-        replica = self.replica
-        replica.admission_open.clear()
+        started = time.monotonic()
+        try:
+            await self._pause(engine, mode)
+            await load()
+            self.replica.policy_version = version
+            await engine.resume_generation()
+        except BaseException:
+            self._failed(version)
+            raise
+        finally:
+            self.replica.admission_open.set()
+        self.replica.move_to(EngineState.SERVING)
+        logger.info("swapped to policy version %d (%s, %s) in %.3fs",
+                    version, mode, transport, time.monotonic() - started)
+
+    async def _pause(self, engine: AsyncLLM, mode: SwapModeName) -> None:
+        """A swap's start: admission closed, what runs paused as ``mode`` says (see ``apply``)."""
+        self.replica.admission_open.clear()
         self.serial += 1
         self.mode = mode
         if mode not in ("keep", "resume"):
-            replica.move_to(EngineState.SWAPPING)
-        started = time.monotonic()
+            self.replica.move_to(EngineState.SWAPPING)
+        # clear_cache=True also preempts kept requests so their KV is
+        # rebuilt with the new weights when they resume. A resume swap
+        # aborts in vLLM; the generate calls continue their samples.
+        await engine.pause_generation(mode="abort" if mode == "resume" else mode, clear_cache=True)
+
+    def _failed(self, version: int) -> None:
+        """A swap that failed: the weights may be half-written, never serve from them (nor patch what was kept)."""
+        self._kept.drop()
+        self.replica.move_to(EngineState.FAILED)
+        logger.exception("weight swap to version %d failed; engine marked failed", version)
+
+    # ------------------------------------------------------------------ streamed apply
+
+    def _streamable(self, staged: StagedPush) -> bool:
+        """Whether ``streamed_apply`` loads ``staged`` as its bytes arrive: a full push of the replica's own
+        run whose chunks come over the network (grpc or a relay), which the setting streams (``auto``: a
+        mode that pauses what runs anyway, or nothing runs)."""
+        setting = self.config.streamed_apply
+        if setting == "off" or staged.transport not in ("grpc", "relay") or staged.delta is not None \
+                or staged.adapter is not None or staged.manifest.run_id or staged.push.sink is None:
+            return False
+        return setting == "on" or staged.mode in ("wait", "abort") or not self.replica.requests_in_flight
+
+    async def stream(self, staged: StagedPush) -> StreamedLoad | None:
+        """Start loading ``staged`` into vLLM as its bytes arrive, if it is streamed (``_streamable``, and
+        this replica keeps the weights it serves, to roll back to): the engine pauses, each worker loads
+        a tensor once its bytes are in (``Watermark``). ``loaded`` then waits for the load and checks the
+        bytes; the commit (``apply``) resumes on the new weights, ``roll_back`` on the kept ones. None: the
+        push loads at its commit, as any other."""
+        if not self._streamable(staged):
+            return None
+        kept = await self._kept.current()
+        if kept is None or kept.dropped or kept.version != self.replica.policy_version or staged.push.received:
+            return None
+        streamed = StreamedLoad(Watermark.create(), kept)
+        staged.streamed = streamed
+        staged.push.progress = streamed.watermark.advance
+        streamed.task = asyncio.ensure_future(self._load_streamed(staged))
+        return streamed
+
+    async def _load_streamed(self, staged: StagedPush) -> None:
+        """Under the swap lock (held until the commit or the rollback): pause, load what arrives."""
+        streamed, engine = staged.streamed, self.replica.takes_pushes()
+        await self._lock.acquire()
+        streamed.locked = True
+        self._streaming = streamed
+        if streamed.kept.dropped or self._kept.kept is not streamed.kept:
+            raise FailedPrecondition(f"version {staged.version}: the weights this replica kept to roll back to "
+                                     f"went while the push waited for the swap; push it again")
+        streamed.kept.shares += 1  # the rollback loads it: not closed under it (a full push replaces it at the commit)
+        streamed.shares_kept = True
+        if not staged.resync:
+            self.replica.check_version(staged.version)
+        bound = self.adapters.current is not None or self.replica.version_bound_requests
+        mode = "resume" if staged.mode == "keep" and bound else staged.mode
+        streamed.mode = mode
+        await self._pause(engine, mode)
+        streamed.paused = True
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        info = staged.update_info(self.config.verify_weights)
+        info["watermark_path"] = streamed.watermark.path
+        await engine.start_weight_update()
         try:
-            # clear_cache=True also preempts kept requests so their KV is
-            # rebuilt with the new weights when they resume. A resume swap
-            # aborts in vLLM; the generate calls continue their samples.
-            await engine.pause_generation(mode="abort" if mode == "resume" else mode, clear_cache=True)
-            await load()
-            replica.policy_version = version
+            await engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+        finally:
+            streamed.touched = True
+            complete = staged.push.complete and not streamed.watermark.cut
+            await engine.finish_weight_update(
+                weight_version=str(staged.version if complete else self.replica.policy_version))
+        if not complete:
+            raise Aborted(f"version {staged.version}: the push was cut after {staged.push.received} of "
+                          f"{staged.push.total_bytes} bytes; nothing applied")
+        if self.config.verify_weights:
+            await self._check_loaded(engine, staged.version)
+
+    async def loaded(self, staged: StagedPush) -> None:
+        """A streamed push, every byte arrived: its checksum and fingerprints checked (beside the load's
+        end), the load finished. The engine then holds the new weights, paused until the commit; on any
+        error ``close`` rolls back."""
+        streamed = staged.streamed
+        staged.push.finish()
+        streamed.watermark.advance(staged.push.received)
+        checks = [streamed.task]
+        if self.config.verify_weights:
+            checks.append(asyncio.ensure_future(self._verify_staged(staged)))
+        results = await asyncio.gather(*checks, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _commit_streamed(self, engine: AsyncLLM, staged: StagedPush) -> None:
+        """A streamed push's commit: vLLM holds its weights already; the version moves, generation resumes."""
+        streamed = staged.streamed
+        if not streamed.task.done() or streamed.task.exception() is not None:
+            raise FailedPrecondition(f"version {staged.version}: committed before its streamed load ended")
+        streamed.committed = True
+        version = staged.version
+        try:
+            if not await engine.reset_prefix_cache():
+                raise RuntimeError("prefix cache reset failed after the swap")
+            engine_version = await engine.get_weight_version()
+            if engine_version != str(version):
+                raise RuntimeError(f"engine reports weight version {engine_version!r} after applying {version}")
+            self.adapters.switch(engine, None)
+            self.replica.policy_version = version
             await engine.resume_generation()
         except BaseException:
-            # The weights may be half-written: never serve from them (nor patch what was kept).
-            self._kept.drop()
-            replica.move_to(EngineState.FAILED)
-            logger.exception("weight swap to version %d failed; engine marked failed", version)
+            self._failed(version)
             raise
         finally:
-            replica.admission_open.set()
-        replica.move_to(EngineState.SERVING)
-        logger.info("swapped to policy version %d (%s, %s) in %.3fs",
-                    version, mode, transport, time.monotonic() - started)
+            self.replica.admission_open.set()
+            streamed.end(self._lock)
+        self.replica.move_to(EngineState.SERVING)
+        segment, staged.segment = staged.segment, None
+        self._kept.keep(version, staged.manifest, segment)
+        logger.info("swapped to policy version %d (%s, %s, streamed: loaded as it arrived) in %.3fs",
+                    version, streamed.mode, staged.transport, time.monotonic() - streamed.started)
+
+    def end(self, staged: StagedPush) -> None:
+        """A push's call ends (committed or not): a streamed load not committed is rolled back, in the
+        background (the call may be gone; the swap lock orders the rollback before the next push)."""
+        if staged.streamed is not None and not staged.streamed.committed:
+            self._background.start(self.roll_back(staged), f"rollback of weight version {staged.version}")
+
+    async def roll_back(self, staged: StagedPush) -> None:
+        """A streamed push that ends without its commit (cut, refused by a check, or decided against):
+        the worker stops loading, the kept weights are loaded again, generation resumes on them. A
+        rollback that fails leaves the replica failed (the collector re-syncs it)."""
+        streamed = staged.streamed
+        if streamed is None or streamed.committed:
+            return
+        streamed.watermark.cut_off()
+        try:
+            await asyncio.wait({streamed.task})
+            if streamed.task.exception() is not None and not isinstance(streamed.task.exception(), Aborted):
+                logger.warning("streamed load of version %d failed: %s", staged.version, streamed.task.exception())
+            if not streamed.paused:
+                return
+            engine = self.replica.takes_pushes()
+            version = self.replica.policy_version
+            try:
+                if streamed.touched:
+                    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+                    verify = self.config.verify_weights
+                    await engine.start_weight_update()
+                    await engine.update_weights(WeightTransferUpdateRequest(
+                        update_info=streamed.kept.update_info(verify=verify)))
+                    await engine.finish_weight_update(weight_version=str(version))
+                    if verify:
+                        await self._check_loaded(engine, version)
+                    if not await engine.reset_prefix_cache():
+                        raise RuntimeError("prefix cache reset failed after the rollback")
+                await engine.resume_generation()
+            except BaseException:
+                self._failed(version)
+                raise
+            finally:
+                self.replica.admission_open.set()
+            self.replica.move_to(EngineState.SERVING)
+            loaded = streamed.watermark.loaded
+            logger.info("version %d not committed: rolled back to version %d in %.3fs (%s of its %d bytes; the "
+                        "kept weights loaded again)", staged.version, version, time.monotonic() - streamed.started,
+                        f"{loaded} loaded" if loaded else "none loaded", staged.push.total_bytes)
+        finally:
+            streamed.end(self._lock)
 
 
 async def _load_adapter(adapters: AdapterSet, engine: AsyncLLM, staged: StagedPush, whose: str) -> ServedAdapter:

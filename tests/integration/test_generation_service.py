@@ -345,6 +345,85 @@ def scrape_weight_checks(generation) -> dict[tuple[str, str], float]:
             for step in ("staged", "engine") for result in ("ok", "mismatch")}
 
 
+def _streamed_push(stub, state, version, *, send, fingerprints=True, wrong_fingerprint=None):
+    """An abort-mode two-phase push over grpc, as a collector on another host sends one: the manifest and the
+    first ``send`` of its chunks (all when None); the call, its request queue and the chunks left."""
+    messages = list(iter_push_messages(list(state.items()), version=version, mode=weights_pb2.UPDATE_MODE_ABORT,
+                                       chunk_bytes=64 * 1024, fingerprints=fingerprints))
+    manifest = messages[0][1]
+    manifest.two_phase = True
+    if wrong_fingerprint is not None:
+        next(spec for spec in manifest.tensors if spec.name == wrong_fingerprint).fingerprint ^= 1
+    requests = queue.Queue()
+    chunks = [generation_pb2.UpdateWeightsRequest(chunk=msg) for _, msg in messages[1:]]
+    requests.put(generation_pb2.UpdateWeightsRequest(manifest=manifest))
+    for request in chunks[:send]:
+        requests.put(request)
+    return stub.UpdateWeights(iter(requests.get, None), timeout=300), requests, chunks[send or len(chunks):]
+
+
+def test_a_streamed_push_loads_as_it_arrives_and_one_cut_mid_load_rolls_back(stub, generation, tiny_model_dir):
+    """Streamed apply (``streamed_apply`` auto: abort and wait pushes whose bytes come over the network): the
+    replica pauses and loads each tensor into vLLM as its bytes arrive, before the commit. Committed, it
+    serves the pushed weights (log-probs = Hugging Face's). Cut after half of its bytes, while the load
+    ran, it rolls back: the kept weights are loaded again and the replica serves the last committed
+    version (log-probs = Hugging Face's of those). A push whose fingerprint check fails after a full load
+    is refused (INVALID_ARGUMENT) and rolled back the same way."""
+    original = load_hf(tiny_model_dir)
+    state = {key: value.clone() for key, value in original.state_dict().items()}
+    torch.manual_seed(7)
+    perturbed = {key: value + 0.05 * torch.randn_like(value) for key, value in state.items()}
+    log = Path(generation.log_path)
+
+    def serves(weights):
+        sample = generate(stub, temperature=1.0, max_tokens=16, seed=5)[0]
+        tokens, log_probs = tokens_and_log_probs(sample)
+        return (log_probs - response_log_probs(load_hf(tiny_model_dir, weights), PROMPT, tokens)).abs().max().item()
+
+    current = push(stub, state, version(stub) + 1).version  # a keep push: not streamed; the replica keeps it
+    start = log.stat().st_size
+    call, requests, rest = _streamed_push(stub, perturbed, current + 1, send=None)
+    assert next(call).phase == weights_pb2.WEIGHT_PHASE_STAGED
+    # Staged means loaded: vLLM reports the new version's weights while the replica still serves the old one.
+    assert version(stub) == current
+    requests.put(generation_pb2.UpdateWeightsRequest(commit=weights_pb2.WeightCommit(version=current + 1)))
+    requests.put(None)
+    assert [reply.phase for reply in call] == [weights_pb2.WEIGHT_PHASE_APPLIED]
+    assert version(stub) == current + 1
+    assert f"swapped to policy version {current + 1} (abort, grpc, streamed" in log.read_bytes()[start:].decode()
+    assert serves(perturbed) <= 1e-4
+
+    # Cut mid-load: half the chunks, then the call goes while the workers have loaded some of them and wait
+    # for the rest (the engine paused: swapping).
+    call, requests, _ = _streamed_push(stub, state, current + 2, send=len(_chunks_of(state)) // 2)
+    wait_for(lambda: scrape_metric(generation.metrics_port, "rlfleet_replica_streamed_push_bytes", stage="loaded") > 0,
+             120, "the workers to load the first half", interval=0.05)
+    assert stub.GetEngineStatus(generation_pb2.GetEngineStatusRequest(), timeout=30).swapping
+    call.cancel()
+    requests.put(None)
+    said = f"version {current + 2} not committed: rolled back to version {current + 1}"
+    wait_for(lambda: said in log.read_bytes()[start:].decode(errors="replace"), 120, "the rollback", interval=0.2)
+    assert "none loaded" not in log.read_bytes()[start:].decode(errors="replace").split(said)[-1].splitlines()[0]
+    assert version(stub) == current + 1
+    assert serves(perturbed) <= 1e-4  # the committed weights, loaded again
+    assert scrape_metric(generation.metrics_port, "rlfleet_replica_streamed_push_bytes", stage="loaded") == 0
+
+    # Every byte in, a fingerprint that does not match: refused at the end of the load, rolled back.
+    name = "model.layers.0.self_attn.o_proj.weight"
+    call, requests, rest = _streamed_push(stub, state, current + 2, send=None, wrong_fingerprint=name)
+    with pytest.raises(grpc.RpcError) as err:
+        next(call)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in err.value.details(), err.value.details()
+    wait_for(lambda: log.read_bytes()[start:].decode(errors="replace").count(said) == 2, 120,
+             "the rollback of the refused push")
+    assert version(stub) == current + 1 and serves(perturbed) <= 1e-4
+    push(stub, state, current + 2)  # the checkpoint's weights back, for the tests after this one
+
+
+def _chunks_of(state) -> list:
+    return list(iter_push_messages(list(state.items()), version=1, chunk_bytes=64 * 1024))[1:]
+
+
 def test_a_push_logs_no_failed_load_warning(stub, generation, tiny_model_dir):
     """vLLM's reload warned "RotaryEmbedding: Failed to load weights" at every push, read as a failed push:
     the rotary embedding holds only a cache computed from the config, which no checkpoint carries, and
