@@ -18,9 +18,11 @@ Each round (a warm-up round, then ``--rounds``) runs these phases in this order,
 ``--settle-seconds`` (an idle vLLM worker busy-polls for about a second after its last step):
 
 - ``raw``: the push's bytes as raw 1 MiB gRPC messages to a sink that only counts them;
-- ``grpc A``: grpc push through collector A to g0 (PSS sampled);
+- ``grpc A``: grpc push through collector A to g0 (the CPU seconds of each process sampled before and after);
 - ``floor``: vLLM ``reload_weights`` in the in-process engine's worker, from tensors already in its memory;
-- ``shm A``: shm push through collector A to g0 (PSS sampled);
+- ``shm A``: shm push through collector A to g0 (CPU seconds sampled);
+- ``pss``: a grpc then an shm push through collector A to g0, not timed, their PSS sampled (a sampler reads
+  every process's page tables every ~15 ms: it takes CPU the timed pushes must not share);
 - ``shm B``: shm push through collector B to g1 + g2;
 - ``delta``: through collector A to g0 over shm, a third client: a full push (``delta=False``), a seed
   push (``delta=True``, full: it gives the client its base; not measured), then delta pushes with 1 %,
@@ -53,6 +55,12 @@ Ratios are taken per round from adjacent phases, then the median (IQR) over roun
   staged bytes at the commit, the tensors as they load and the parameters after: ``verify_weights``, from its
   ``rlfleet_replica_weight_check_seconds``) / that push's time; ``check_seconds_shm`` that time, s;
   ``sdk_fingerprint_seconds`` what the SDK's fingerprints of the model take, timed in this process;
+- ``shm_cpu_seconds`` and ``grpc_cpu_seconds``: the CPU seconds an shm and a grpc push took, summed over this
+  process (the trainer's SDK), collector A, g0 and its vLLM engine processes (each printed); ``floor_cpu_seconds``
+  the floor's; ``shm_vs_reload_cpu_bound`` = (shm CPU seconds / cores) / floor s and ``grpc_vs_raw_cpu_bound`` =
+  raw s / (grpc CPU seconds / cores): the best ratios those CPU seconds allow on this host's cores;
+- ``streamed_over_unstreamed_1`` = a relayed push to one replica elsewhere that loads it as it arrives (streamed
+  apply) / the same push to one that loads it at the commit, ``unstreamed_seconds_1`` the latter, s;
 - ``peak_rss_over_model`` = peak extra PSS / model bytes (target <= 1.1); PSS is summed over collector A,
   g0 and g0's descendants (vLLM engine core), sampled every ~15 ms; extra = max during the push -
   the sum just before it. Pages shared with this process (the trainer's shm segment) count only in
@@ -311,9 +319,10 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
         adapters = {rank: lora_adapter(state, rank) for rank in LORA_RANKS}
         details = {k: [] for k in ("grpc", "shm", "shm2", "cpu_grpc", "cpu_shm", "cpu_floor")}
         processes = push_processes(collectors[0], gens[0])
-        floor_processes = {"trainer (SDK)": [os.getpid()],  # the floor's engine core: this process's spawned child
-                           "vLLM engine": [c.pid for c in psutil.Process().children()
-                                           if "spawn_main" in " ".join(c.cmdline())]}
+        services = set(tree_pids(*gens, *collectors, *(p for p in backends.values() if hasattr(p, "process"))))
+        floor_processes = {"trainer (SDK)": [os.getpid()],  # the floor's engine: the in-process AsyncLLM's processes
+                           "vLLM engine": [c.pid for c in psutil.Process().children(recursive=True)
+                                           if c.pid not in services]}
         versions = [0, 0]
 
         def settle():
@@ -326,7 +335,7 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
             raw = await asyncio.to_thread(raw_stream_seconds, sink.address, flat, CHUNK, GRPC_OPTIONS)
             await settle()
             versions[0] += 1
-            with PeakPss(tree_pids(collectors[0], gens[0])) as pss_grpc, CpuDuring(processes) as cpu_grpc:
+            with CpuDuring(processes) as cpu_grpc:
                 r_grpc = await asyncio.to_thread(push, clients[0], state, versions[0], "grpc", 1)
             await settle()
             with CpuDuring(floor_processes) as cpu_floor:
@@ -334,9 +343,16 @@ async def measure(ns, model_dir: Path, model_bytes: int, workdir: Path) -> dict:
             await settle()
             versions[0] += 1
             checks = check_seconds(g0_metrics)
-            with PeakPss(tree_pids(collectors[0], gens[0])) as pss_shm, CpuDuring(processes) as cpu_shm:
+            with CpuDuring(processes) as cpu_shm:
                 r_shm = await asyncio.to_thread(push, clients[0], state, versions[0], "shm", 1)
             checks = {step: seconds - checks[step] for step, seconds in check_seconds(g0_metrics).items()}
+            pss = {}
+            for transport in ("grpc", "shm"):  # the memory of each push, sampled in one of its own (not timed)
+                await settle()
+                versions[0] += 1
+                with PeakPss(tree_pids(collectors[0], gens[0])) as pss[transport]:
+                    await asyncio.to_thread(push, clients[0], state, versions[0], transport, 1)
+            pss_grpc, pss_shm = pss["grpc"], pss["shm"]
             fingerprinted = time.perf_counter()
             for tensor in state.values():  # what the SDK adds to every push: each tensor's fingerprint
                 fingerprint(tensor)

@@ -58,6 +58,7 @@ from rlfleet.services.collector.transports import ReplicaOutcome, ReplicaPush
 from rlfleet.services.common import tracing
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted, Unavailable
 from rlfleet.services.common.relay import Relay
+from rlfleet.services.common.watermark import Watermark
 from rlfleet.services.common.weight_stream import MAX_POLICY_VERSION, PushReceiver, WeightPush, open_offered_segment
 from rlfleet.v1 import generation_pb2, weights_pb2
 from rlfleet.wire import shm, weight_delta
@@ -231,21 +232,29 @@ class WeightFanout:
             segment = self._staging_segment(push.total_bytes)
             push.attach_sink(segment.buffer)
         handed_off = False
-        relay = None
+        relay = watermark = None
         try:
             replicas = await self.targets(manifest)
             spool = self.spool.begin(manifest, spooled)
             # Replicas known to live elsewhere get the bytes as they arrive: relayed from one to the next
             # (one copy from here), or (``relay`` off, or a replica that cannot take a relay) each a copy
-            # of a grpc push's chunks. The others are offered the segment once it holds every verified
-            # byte (shm: right away).
+            # of a grpc push's chunks. Those on this host are offered the segment: as it is written, with
+            # its watermark, to those that follow one (they load the bytes as they arrive); the others
+            # once it holds every verified byte (shm: right away).
             relayed = [r for r in replicas if r.shm_refused and r.relays and self.relay]
             remote = [r for r in replicas if source is None and r.shm_refused and r not in relayed]
+            following = [r for r in replicas if source is None and r.follows_segments and r not in relayed
+                         and r not in remote]
+            if following:
+                watermark = Watermark.create()
+                push.progress = watermark.advance
             if relayed:
                 relay, streams = self._relay(manifest, push, segment, relayed)
             else:
                 streams = []
             streams += [ReplicaPush.start(r, _offered(manifest, r), self.pool.settings, None) for r in remote]
+            streams += [ReplicaPush.start(r, _offered(manifest, r), self.pool.settings, segment, watermark)
+                        for r in following]
             try:
                 if source == "shm":
                     await asyncio.to_thread(push.add_all, segment.buffer)
@@ -256,6 +265,8 @@ class WeightFanout:
                     await receiver.chunks(push, forward=self._forward(streams, relay) if streams else None)
                     await receiver.end()
             except BaseException:
+                if watermark is not None:
+                    watermark.cut_off()  # the replicas following the segment stop loading it
                 for s in streams:
                     s.cancel()
                 if relay is not None:
@@ -264,12 +275,15 @@ class WeightFanout:
                 raise
             # Every byte is here and verified: the push is decided.
             streams += [ReplicaPush.start(r, _offered(manifest, r), self.pool.settings, segment)
-                        for r in replicas if r not in relayed and r not in remote]
+                        for r in replicas if r not in relayed and r not in remote and r not in following]
             handed_off = True  # the spool writer closes the segment once it copied it
-            return await _finish_shielded(self._decide(streams, push, spool, started, segment, rolling, relay))
+            return await _finish_shielded(_closing(self._decide(streams, push, spool, started, segment, rolling,
+                                                                relay), watermark))
         finally:
             if not handed_off:
                 self._release(segment)
+                if watermark is not None:
+                    watermark.close()
 
     def _relay(self, manifest: weights_pb2.WeightManifest, push: WeightPush, segment: shm.Segment,
                replicas: list[Replica]) -> tuple[RunningRelay, list[ReplicaPush]]:
@@ -632,6 +646,15 @@ def nccl_rank_offsets(replicas: list[Replica]) -> tuple[list[int], int]:
         offsets.append(rank)
         rank += replica.transfer_world_size
     return offsets, rank
+
+
+async def _closing(coroutine, watermark: Watermark | None):
+    """``coroutine``'s result; ``watermark`` closed once it ended (the replicas following it are done)."""
+    try:
+        return await coroutine
+    finally:
+        if watermark is not None:
+            watermark.close()
 
 
 async def _finish_shielded(coroutine):

@@ -59,6 +59,9 @@ class Replica:
     """The largest push it accepts, from its last probe (0: not reported yet)."""
     relays: bool = False
     """It takes relayed pushes (``relay`` among its weight transports, from its last probe)."""
+    follows_segments: bool = False
+    """It takes a segment still being written, with its watermark (``shm-watermark`` among its weight
+    transports): a grpc push is offered to it as it arrives."""
     draining: bool = False
     """A rolling update is about to switch it: no new work (requests pinned to its version excepted,
     when it is the last replica serving that version)."""
@@ -263,6 +266,7 @@ class ReplicaPool:
             replica.transfer_world_size = status.weight_transfer_world_size
             replica.max_push_bytes = status.max_push_bytes
             replica.relays = "relay" in status.weight_transports
+            replica.follows_segments = "shm-watermark" in status.weight_transports
             return self.run.version(status)
         except grpc.RpcError:
             return None

@@ -22,6 +22,7 @@ from rlfleet.rpc.channel import ChannelSettings, StatusWatch, stream_error
 from rlfleet.services.collector.metrics import WEIGHT_PUSH_SENT_BYTES
 from rlfleet.services.collector.replicas import Replica
 from rlfleet.services.common import tracing
+from rlfleet.services.common.watermark import Watermark
 from rlfleet.v1 import generation_pb2, weights_pb2
 from rlfleet.wire import shm
 from rlfleet.wire.shm import SHM_UNAVAILABLE
@@ -47,17 +48,22 @@ class ReplicaOutcome:
 
 
 class SegmentChunks:
-    """A segment's bytes as grpc chunk requests (the grpc fallback of a shm push, and re-syncs)."""
+    """A segment's bytes as grpc chunk requests (the grpc fallback of a shm push, and re-syncs); of a segment
+    still being written (``arriving``), each once its bytes are in (none after the writer gave up)."""
 
-    def __init__(self, segment: shm.Segment, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
-        self.segment, self.chunk_bytes = segment, chunk_bytes
+    def __init__(self, segment: shm.Segment, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 arriving: Watermark | None = None):
+        self.segment, self.chunk_bytes, self.arriving = segment, chunk_bytes, arriving
 
-    def __iter__(self):
+    async def __aiter__(self):
         view = self.segment.buffer
         for offset in range(0, len(view), self.chunk_bytes):
+            end = min(offset + self.chunk_bytes, len(view))
+            if self.arriving is not None and not await self.arriving.until(end):
+                return
             request = generation_pb2.UpdateWeightsRequest()
             request.chunk.offset = offset
-            request.chunk.data = view[offset:offset + self.chunk_bytes].tobytes()
+            request.chunk.data = view[offset:end].tobytes()
             yield request
 
 
@@ -65,8 +71,10 @@ class ReplicaPush:
     """One replica's side of a push: stage (``wait_staged``), then ``commit``; ``cancel`` discards."""
 
     def __init__(self, replica: Replica, manifest: weights_pb2.WeightManifest, settings: ChannelSettings,
-                 segment: shm.Segment | None):
+                 segment: shm.Segment | None, arriving: Watermark | None = None):
         self.replica, self.settings, self.segment = replica, settings, segment
+        self.arriving = arriving
+        """``segment`` is still being written: how far (offered with it; a grpc fallback follows it too)."""
         self.version = manifest.version
         self._manifest = manifest
         self.transport = ""
@@ -86,10 +94,11 @@ class ReplicaPush:
 
     @classmethod
     def start(cls, replica: Replica, manifest: weights_pb2.WeightManifest, settings: ChannelSettings,
-              segment: shm.Segment | None) -> "ReplicaPush":
+              segment: shm.Segment | None, arriving: Watermark | None = None) -> "ReplicaPush":
         """Open the call and send the manifest (and, for a segment over grpc, the chunks; an nccl
-        manifest makes the replica join the trainer's broadcast)."""
-        push = cls(replica, manifest, settings, segment)
+        manifest makes the replica join the trainer's broadcast). ``arriving``: ``segment`` is still being
+        written, this watermark says how far (the replica follows it)."""
+        push = cls(replica, manifest, settings, segment, arriving)
         push._open("shm" if segment is not None else manifest.WhichOneof("source") or "grpc")
         return push
 
@@ -100,6 +109,8 @@ class ReplicaPush:
         manifest.two_phase = True
         if transport == "shm":
             manifest.shm.path = self.segment.path
+            if self.arriving is not None:
+                manifest.shm.watermark_path = self.arriving.segment.path
             manifest.ClearField("checksum")  # verified here; the replica maps the very same pages
         elif transport == "grpc":
             manifest.ClearField("shm")
@@ -109,7 +120,7 @@ class ReplicaPush:
             self._call = self.replica.stub.UpdateWeights(self._requests(), metadata=self.settings.metadata())
         self._watch = StatusWatch(self._call)  # keeps the replica's status over grpc.aio's write-race INTERNAL
         if transport == "grpc" and self.segment is not None:
-            self._feeder = asyncio.ensure_future(self._feed(SegmentChunks(self.segment)))
+            self._feeder = asyncio.ensure_future(self._feed(SegmentChunks(self.segment, arriving=self.arriving)))
 
     async def _requests(self):
         while True:
@@ -119,7 +130,7 @@ class ReplicaPush:
             yield item
 
     async def _feed(self, requests) -> None:
-        for request in requests:
+        async for request in requests:  # each chunk read once it is in the segment (``arriving``)
             if self._call.done():
                 return
             await self._queue.put(request)

@@ -100,6 +100,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 await weights.receive_nccl(staged)  # the bytes come over NCCL, into the segment
             if relayed is not None:
                 await relayed.received()  # in RelayWeights calls
+            elif staged.arriving is not None:
+                await staged.follow()  # a segment its sender still writes
             else:
                 await receiver.chunks(staged.push)
             if streamed is not None:
@@ -191,7 +193,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             running_requests=status.requests_running, waiting_requests=status.requests_waiting,
             tokens_per_second=status.tokens_per_second, swapping=self.engine.swapping,
             max_queued_requests=status.max_queued_requests,
-            weight_transports=[*WEIGHT_TRANSPORTS, "relay"],
+            weight_transports=[*WEIGHT_TRANSPORTS, "relay", "shm-watermark"],
             weight_transfer_world_size=self.engine.weights.transfer_world_size,
             max_push_bytes=self.engine.weights.max_push_bytes,
             resumed_samples=status.resumed_samples, resumed_tokens=status.resumed_tokens,

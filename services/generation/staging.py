@@ -24,12 +24,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlfleet.services.common.errors import ResourceExhausted
+from rlfleet.services.common.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
+from rlfleet.services.common.watermark import POLL_SECONDS, Watermark
 from rlfleet.services.common.weight_stream import WeightPush, open_offered_segment
 from rlfleet.services.generation.kept_weights import KeptWeights
 from rlfleet.services.generation.lora_adapter import LoraAdapterConfig, validate_adapter
 from rlfleet.services.generation.push_validation import TensorSpec, validate_manifest
-from rlfleet.services.generation.watermark import Watermark
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import shm, weight_delta
 from rlfleet.wire.dtypes import dtype_name
@@ -85,6 +85,8 @@ class StagedPush:
     """A LoRA adapter push: its config and its tensors' names in peft's form."""
     streamed: StreamedLoad | None = None
     """Loaded into the engine as its bytes arrive (``streamed_apply``)."""
+    arriving: Watermark | None = None
+    """An shm push offered while its sender still writes the segment: the sender's watermark (``follow``)."""
 
     @classmethod
     def begin(cls, manifest: weights_pb2.WeightManifest, checkpoint: dict[str, TensorSpec],
@@ -112,6 +114,16 @@ class StagedPush:
                      adapter=adapter)
         if source == "shm":
             staged.segment = open_offered_segment(manifest, push.total_bytes, "at this replica")
+            if manifest.shm.watermark_path:  # still being written: followed (``follow``)
+                try:
+                    staged.arriving = Watermark.offered(manifest.shm.watermark_path)
+                except ValueError as err:
+                    staged.close()
+                    raise InvalidArgument(f"manifest.shm.watermark_path: {err}") from None
+                except OSError as err:
+                    staged.close()
+                    raise FailedPrecondition(f"{shm.SHM_UNAVAILABLE} at this replica: its watermark: {err}") from None
+                return staged
             push.add_all(staged.segment.buffer)  # the bytes are all there (checksummed if asked)
             return staged
         if source == "nccl":
@@ -156,9 +168,30 @@ class StagedPush:
         info["shm_path"] = self.segment.fd_path
         return info
 
+    async def follow(self) -> None:
+        """An shm push offered as it is written (``arriving``): the sender's watermark followed until every
+        byte is in the segment (``push.received`` moves with it, and a streamed load's own watermark).
+        ABORTED if the sender gives up first."""
+        arriving, push = self.arriving, self.push
+        while True:
+            arrived = min(arriving.arrived, push.total_bytes)
+            if arrived > push.received:
+                push.received = arrived
+                if push.progress is not None:
+                    push.progress(arrived)
+            if arrived == push.total_bytes:
+                return
+            if arriving.cut and arriving.arrived == arrived:
+                raise Aborted(f"the sender of version {push.version} gave up after {arrived} of {push.total_bytes} "
+                              f"bytes; nothing applied")
+            await asyncio.sleep(POLL_SECONDS)
+
     def close(self) -> None:
         self.push.sink = None
         self.push.progress = None
+        if self.arriving is not None:
+            self.arriving.close()
+            self.arriving = None
         if self.segment is not None:
             self.segment.close()  # unlinks only the segment this service created
             self.segment = None

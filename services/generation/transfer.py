@@ -447,7 +447,7 @@ class RlfleetWeightTransferEngine(_engine_base()):  # type: ignore[misc]
                 packed = dict(getattr(self.model, "packed_modules_mapping", None) or {})
                 only = loaded_with(update_info.names, update_info.changed, packed)
             if update_info.watermark_path:
-                from rlfleet.services.generation.watermark import Watermark
+                from rlfleet.services.common.watermark import Watermark
 
                 watermark = Watermark.open(update_info.watermark_path)
             weights = shm_weights(flat, update_info, target, only, watermark.wait_for if watermark else None)

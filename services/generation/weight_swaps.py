@@ -27,7 +27,7 @@ from rlfleet.services.generation.served_adapters import AdapterSet, ServedAdapte
 from rlfleet.services.generation.served_runs import ServedRun, ServedRuns
 from rlfleet.services.generation.staging import StagedPush, StreamedLoad
 from rlfleet.services.generation.status import EngineState, ReplicaState
-from rlfleet.services.generation.watermark import Watermark
+from rlfleet.services.common.watermark import Watermark
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import WireError, shm, weight_delta
 from rlfleet.wire.push_rules import check_manifest
@@ -413,11 +413,12 @@ class WeightSwaps:
 
     def _streamable(self, staged: StagedPush) -> bool:
         """Whether ``streamed_apply`` loads ``staged`` as its bytes arrive: a full push of the replica's own
-        run whose chunks come over the network (grpc or a relay), which the setting streams (``auto``: a
-        mode that pauses what runs anyway, or nothing runs)."""
+        run whose bytes are still coming (grpc chunks, a relay, or a segment its sender still writes), which
+        the setting streams (``auto``: a mode that pauses what runs anyway, or nothing runs)."""
         setting = self.config.streamed_apply
-        if setting == "off" or staged.transport not in ("grpc", "relay") or staged.delta is not None \
-                or staged.adapter is not None or staged.manifest.run_id or staged.push.sink is None:
+        arrives = staged.arriving is not None or (staged.transport in ("grpc", "relay") and staged.push.sink is not None)
+        if setting == "off" or not arrives or staged.delta is not None or staged.adapter is not None \
+                or staged.manifest.run_id:
             return False
         return setting == "on" or staged.mode in ("wait", "abort") or not self.replica.requests_in_flight
 

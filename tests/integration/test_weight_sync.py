@@ -237,6 +237,26 @@ def test_push_changes_log_probs_to_exactly_the_pushed_weights(suite, client, com
     assert our_segments(suite, before) == set()  # nothing left in /dev/shm
 
 
+def test_a_grpc_push_streams_into_the_replicas_on_the_collectors_host_as_it_arrives(suite, client, committed,
+                                                                                    tiny_model_dir):
+    """The replicas on the collector's host are offered a grpc push's segment as the collector receives it,
+    with its watermark, and load the bytes as they arrive (streamed apply: an abort push streams whatever
+    runs; a full push before it gives each the weights it keeps, to roll back to). Each logs its streamed
+    swap, and serves the pushed weights."""
+    weights = perturbed(committed[0], seed=150 + len(committed))
+    result = client.push_weights(weights, transport="shm", progress=False)  # kept by each replica
+    committed[result.version] = weights
+    starts = {proc.address: proc.log_path.stat().st_size for proc in replicas(suite)}
+    weights = perturbed(committed[0], seed=160 + len(committed))
+    result = client.push_weights(weights, transport="grpc", mode="abort", progress=False)
+    committed[result.version] = weights
+    assert result.all_applied and {r.transport for r in result.replicas} == {"shm"}
+    for proc in replicas(suite):
+        said = proc.log_path.read_bytes()[starts[proc.address]:].decode(errors="replace")
+        assert f"swapped to policy version {result.version} (abort, shm, streamed" in said, said[-2000:]
+    assert_serving(suite, client, committed, tiny_model_dir)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_push_into_a_float32_engine(suite, client, committed, tiny_model_dir, dtype):
     weights = {k: v.to(dtype) for k, v in perturbed(committed[0], seed=100 + len(committed)).items()}

@@ -1,4 +1,4 @@
-"""The watermark a streamed apply's worker follows (``services/generation/watermark.py``) and the segment reader
+"""The watermark a streamed apply's worker follows (``services/common/watermark.py``) and the segment reader
 that waits on it (``transfer.shm_weights``)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 import torch
 
 from rlfleet.services.generation.transfer import RlfleetUpdateInfo, shm_weights
-from rlfleet.services.generation.watermark import Watermark
+from rlfleet.services.common.watermark import Watermark
 from rlfleet.wire import shm
 from tests.waiting import wait_for
 

@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 from rlfleet.v1 import tensor_pb2 as rlfleet_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfleet/v1/weights.proto\x12\nrlfleet.v1\x1a\x17rlfleet/v1/tensor.proto\"u\n\nWeightSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.rlfleet.v1.Dtype\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x18\n\x0b\x66ingerprint\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_fingerprint\"\xe0\x03\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.rlfleet.v1.WeightSpec\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\t\x12$\n\x04mode\x18\x05 \x01(\x0e\x32\x16.rlfleet.v1.UpdateMode\x12%\n\x03shm\x18\x06 \x01(\x0b\x32\x16.rlfleet.v1.ShmSegmentH\x00\x12*\n\x04nccl\x18\x07 \x01(\x0b\x32\x1a.rlfleet.v1.NcclRendezvousH\x00\x12(\n\x05relay\x18\x0f \x01(\x0b\x32\x17.rlfleet.v1.WeightRelayH\x00\x12\x11\n\ttwo_phase\x18\x08 \x01(\x08\x12\x0e\n\x06resync\x18\t \x01(\x08\x12&\n\x05\x64\x65lta\x18\n \x01(\x0b\x32\x17.rlfleet.v1.WeightDelta\x12%\n\x04lora\x18\x0b \x01(\x0b\x32\x17.rlfleet.v1.LoraAdapter\x12,\n\x08strategy\x18\x0c \x01(\x0e\x32\x1a.rlfleet.v1.UpdateStrategy\x12\x0e\n\x06run_id\x18\r \x01(\t\x12\x10\n\x08run_name\x18\x0e \x01(\tB\x08\n\x06source\"B\n\x0bLoraAdapter\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x61lpha\x18\x02 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x03 \x03(\t\"#\n\x0bWeightDelta\x12\x14\n\x0c\x62\x61se_version\x18\x01 \x01(\x04\"\x1a\n\nShmSegment\x12\x0c\n\x04path\x18\x01 \x01(\t\"\x1e\n\x0bWeightRelay\x12\x0f\n\x07push_id\x18\x01 \x01(\t\"v\n\x0eNcclRendezvous\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x13\n\x0brank_offset\x18\x04 \x01(\r\x12\x0e\n\x06packed\x18\x05 \x01(\x08\"\x1f\n\x0cWeightCommit\x12\x0f\n\x07version\x18\x01 \x01(\x04\"+\n\x0bWeightChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c*\x84\x01\n\nUpdateMode\x12\x1b\n\x17UPDATE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10UPDATE_MODE_WAIT\x10\x01\x12\x15\n\x11UPDATE_MODE_ABORT\x10\x02\x12\x14\n\x10UPDATE_MODE_KEEP\x10\x03\x12\x16\n\x12UPDATE_MODE_RESUME\x10\x04*m\n\x0eUpdateStrategy\x12\x1f\n\x1bUPDATE_STRATEGY_UNSPECIFIED\x10\x00\x12\x1d\n\x19UPDATE_STRATEGY_PAUSE_ALL\x10\x01\x12\x1b\n\x17UPDATE_STRATEGY_ROLLING\x10\x02*^\n\x0bWeightPhase\x12\x1c\n\x18WEIGHT_PHASE_UNSPECIFIED\x10\x00\x12\x17\n\x13WEIGHT_PHASE_STAGED\x10\x01\x12\x18\n\x14WEIGHT_PHASE_APPLIED\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfleet/v1/weights.proto\x12\nrlfleet.v1\x1a\x17rlfleet/v1/tensor.proto\"u\n\nWeightSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.rlfleet.v1.Dtype\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x18\n\x0b\x66ingerprint\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_fingerprint\"\xe0\x03\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.rlfleet.v1.WeightSpec\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\t\x12$\n\x04mode\x18\x05 \x01(\x0e\x32\x16.rlfleet.v1.UpdateMode\x12%\n\x03shm\x18\x06 \x01(\x0b\x32\x16.rlfleet.v1.ShmSegmentH\x00\x12*\n\x04nccl\x18\x07 \x01(\x0b\x32\x1a.rlfleet.v1.NcclRendezvousH\x00\x12(\n\x05relay\x18\x0f \x01(\x0b\x32\x17.rlfleet.v1.WeightRelayH\x00\x12\x11\n\ttwo_phase\x18\x08 \x01(\x08\x12\x0e\n\x06resync\x18\t \x01(\x08\x12&\n\x05\x64\x65lta\x18\n \x01(\x0b\x32\x17.rlfleet.v1.WeightDelta\x12%\n\x04lora\x18\x0b \x01(\x0b\x32\x17.rlfleet.v1.LoraAdapter\x12,\n\x08strategy\x18\x0c \x01(\x0e\x32\x1a.rlfleet.v1.UpdateStrategy\x12\x0e\n\x06run_id\x18\r \x01(\t\x12\x10\n\x08run_name\x18\x0e \x01(\tB\x08\n\x06source\"B\n\x0bLoraAdapter\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x61lpha\x18\x02 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x03 \x03(\t\"#\n\x0bWeightDelta\x12\x14\n\x0c\x62\x61se_version\x18\x01 \x01(\x04\"2\n\nShmSegment\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0ewatermark_path\x18\x02 \x01(\t\"\x1e\n\x0bWeightRelay\x12\x0f\n\x07push_id\x18\x01 \x01(\t\"v\n\x0eNcclRendezvous\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x13\n\x0brank_offset\x18\x04 \x01(\r\x12\x0e\n\x06packed\x18\x05 \x01(\x08\"\x1f\n\x0cWeightCommit\x12\x0f\n\x07version\x18\x01 \x01(\x04\"+\n\x0bWeightChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c*\x84\x01\n\nUpdateMode\x12\x1b\n\x17UPDATE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10UPDATE_MODE_WAIT\x10\x01\x12\x15\n\x11UPDATE_MODE_ABORT\x10\x02\x12\x14\n\x10UPDATE_MODE_KEEP\x10\x03\x12\x16\n\x12UPDATE_MODE_RESUME\x10\x04*m\n\x0eUpdateStrategy\x12\x1f\n\x1bUPDATE_STRATEGY_UNSPECIFIED\x10\x00\x12\x1d\n\x19UPDATE_STRATEGY_PAUSE_ALL\x10\x01\x12\x1b\n\x17UPDATE_STRATEGY_ROLLING\x10\x02*^\n\x0bWeightPhase\x12\x1c\n\x18WEIGHT_PHASE_UNSPECIFIED\x10\x00\x12\x17\n\x13WEIGHT_PHASE_STAGED\x10\x01\x12\x18\n\x14WEIGHT_PHASE_APPLIED\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfleet.v1.weights_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_UPDATEMODE']._serialized_start=1031
-  _globals['_UPDATEMODE']._serialized_end=1163
-  _globals['_UPDATESTRATEGY']._serialized_start=1165
-  _globals['_UPDATESTRATEGY']._serialized_end=1274
-  _globals['_WEIGHTPHASE']._serialized_start=1276
-  _globals['_WEIGHTPHASE']._serialized_end=1370
+  _globals['_UPDATEMODE']._serialized_start=1055
+  _globals['_UPDATEMODE']._serialized_end=1187
+  _globals['_UPDATESTRATEGY']._serialized_start=1189
+  _globals['_UPDATESTRATEGY']._serialized_end=1298
+  _globals['_WEIGHTPHASE']._serialized_start=1300
+  _globals['_WEIGHTPHASE']._serialized_end=1394
   _globals['_WEIGHTSPEC']._serialized_start=65
   _globals['_WEIGHTSPEC']._serialized_end=182
   _globals['_WEIGHTMANIFEST']._serialized_start=185
@@ -47,13 +47,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WEIGHTDELTA']._serialized_start=735
   _globals['_WEIGHTDELTA']._serialized_end=770
   _globals['_SHMSEGMENT']._serialized_start=772
-  _globals['_SHMSEGMENT']._serialized_end=798
-  _globals['_WEIGHTRELAY']._serialized_start=800
-  _globals['_WEIGHTRELAY']._serialized_end=830
-  _globals['_NCCLRENDEZVOUS']._serialized_start=832
-  _globals['_NCCLRENDEZVOUS']._serialized_end=950
-  _globals['_WEIGHTCOMMIT']._serialized_start=952
-  _globals['_WEIGHTCOMMIT']._serialized_end=983
-  _globals['_WEIGHTCHUNK']._serialized_start=985
-  _globals['_WEIGHTCHUNK']._serialized_end=1028
+  _globals['_SHMSEGMENT']._serialized_end=822
+  _globals['_WEIGHTRELAY']._serialized_start=824
+  _globals['_WEIGHTRELAY']._serialized_end=854
+  _globals['_NCCLRENDEZVOUS']._serialized_start=856
+  _globals['_NCCLRENDEZVOUS']._serialized_end=974
+  _globals['_WEIGHTCOMMIT']._serialized_start=976
+  _globals['_WEIGHTCOMMIT']._serialized_end=1007
+  _globals['_WEIGHTCHUNK']._serialized_start=1009
+  _globals['_WEIGHTCHUNK']._serialized_end=1052
 # @@protoc_insertion_point(module_scope)

@@ -102,10 +102,12 @@ class WeightDelta(_message.Message):
     def __init__(self, base_version: _Optional[int] = ...) -> None: ...
 
 class ShmSegment(_message.Message):
-    __slots__ = ("path",)
+    __slots__ = ("path", "watermark_path")
     PATH_FIELD_NUMBER: _ClassVar[int]
+    WATERMARK_PATH_FIELD_NUMBER: _ClassVar[int]
     path: str
-    def __init__(self, path: _Optional[str] = ...) -> None: ...
+    watermark_path: str
+    def __init__(self, path: _Optional[str] = ..., watermark_path: _Optional[str] = ...) -> None: ...
 
 class WeightRelay(_message.Message):
     __slots__ = ("push_id",)

@@ -1,9 +1,11 @@
-"""How much of a push has arrived, shared by the generation service and its vLLM workers.
+"""How much of a segment still being written holds: the writer moves the watermark, readers follow it.
 
-A streamed apply (``weight_swaps.WeightSwaps.stream``) loads a push into the engine while its bytes
-still arrive: the service writes each chunk into the staged segment, then moves the watermark past
-it; each worker, loading tensor by tensor from the same segment, waits until the watermark passes the
-tensor it reads next (``wait_for``). The watermark is two int64 words in a small segment of their own
+A streamed apply (``generation.weight_swaps.WeightSwaps.stream``) loads a push into the engine while its
+bytes still arrive: the generation service writes each chunk into the staged segment, then moves the
+watermark past it; each vLLM worker, loading tensor by tensor from the same segment, waits until the
+watermark passes the tensor it reads next (``wait_for``). A collector offers the replicas on its host
+the segment a grpc push is being received into, with its watermark (``ShmSegment.watermark_path``),
+before the last byte is in: each replica follows it into its own. The watermark is two int64 words in a small segment of their own
 (``rlfleet.wire.shm``), written by the service: the bytes arrived, and 1 once the push was cut (no more
 will come: the worker stops loading); and a third, written by the worker: the bytes it loaded before
 the tensor it waits for (a rollback says how far the load got). The service creates it and passes its
@@ -16,6 +18,7 @@ are unverified here.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import torch
@@ -42,6 +45,12 @@ class Watermark:
     def open(cls, path: str) -> "Watermark":
         """The service's watermark, from a worker (``path``: its ``fd_path``)."""
         return cls(shm.open_segment(path, SIZE, trusted=True, writable=True))
+
+    @classmethod
+    def offered(cls, path: str) -> "Watermark":
+        """A sender's watermark named in a request (``ShmSegment.watermark_path``), read-only; ``path`` must
+        name a segment in this host's shm directory (``shm.SegmentUnavailable`` if it cannot be opened)."""
+        return cls(shm.open_segment(path, SIZE))
 
     @property
     def path(self) -> str:
@@ -79,6 +88,14 @@ class Watermark:
             if self.cut:
                 return self.arrived >= end
             time.sleep(POLL_SECONDS)
+        return True
+
+    async def until(self, end: int) -> bool:
+        """``wait_for``, for an event loop: True once the bytes up to ``end`` arrived, False if cut first."""
+        while self.arrived < end:
+            if self.cut:
+                return self.arrived >= end
+            await asyncio.sleep(POLL_SECONDS)
         return True
 
     def close(self) -> None:
