@@ -13,6 +13,7 @@ their calls carry no bytes, the relay does, one copy through all of them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -117,14 +118,17 @@ class ReplicaPush:
         self._queue = asyncio.Queue(maxsize=QUEUE_CHUNKS)
         self._queue.put_nowait(generation_pb2.UpdateWeightsRequest(manifest=manifest))
         with tracing.using(self._stage_span):
-            self._call = self.replica.stub.UpdateWeights(self._requests(), metadata=self.settings.metadata())
+            self._call = self.replica.stub.UpdateWeights(self._requests(self._queue), metadata=self.settings.metadata())
         self._watch = StatusWatch(self._call)  # keeps the replica's status over grpc.aio's write-race INTERNAL
         if transport == "grpc" and self.segment is not None:
             self._feeder = asyncio.ensure_future(self._feed(SegmentChunks(self.segment, arriving=self.arriving)))
 
-    async def _requests(self):
+    @staticmethod
+    async def _requests(queue: asyncio.Queue):
+        """One call's requests, from its own queue: a call replaced by a grpc fallback must not take the new
+        call's first requests (its reader, still running, would send them into the cancelled call)."""
         while True:
-            item = await self._queue.get()
+            item = await queue.get()
             if item is _END:
                 return
             yield item
@@ -214,6 +218,9 @@ class ReplicaPush:
             self._feeder.cancel()
         if self._call is not None:
             self._call.cancel()
+        if self._queue is not None:  # the call's reader ends (rather than waiting, pending, until collected)
+            with contextlib.suppress(asyncio.QueueFull):
+                self._queue.put_nowait(_END)
 
     def outcome(self) -> ReplicaOutcome:
         return ReplicaOutcome(self.replica.address, self.applied, self.error, self.code, self.transport,

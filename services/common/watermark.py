@@ -73,12 +73,14 @@ class Watermark:
         return self._word(2)
 
     def advance(self, received: int) -> None:
-        """Bytes up to ``received`` are in the segment (written before this call)."""
-        self._words[0] = received
+        """Bytes up to ``received`` are in the segment (written before this call); nothing once closed."""
+        if self._words is not None:
+            self._words[0] = received
 
     def cut_off(self) -> None:
-        """No more bytes will come: a waiting worker stops loading."""
-        self._words[1] = 1
+        """No more bytes will come: a waiting worker stops loading (nothing once closed)."""
+        if self._words is not None:
+            self._words[1] = 1
 
     def wait_for(self, start: int, end: int) -> bool:
         """The worker, the bytes before ``start`` loaded: block until those up to ``end`` arrived (True) or

@@ -424,14 +424,14 @@ class WeightSwaps:
 
     async def stream(self, staged: StagedPush) -> StreamedLoad | None:
         """Start loading ``staged`` into vLLM as its bytes arrive, if it is streamed (``_streamable``, and
-        this replica keeps the weights it serves, to roll back to): the engine pauses, each worker loads
-        a tensor once its bytes are in (``Watermark``). ``loaded`` then waits for the load and checks the
-        bytes; the commit (``apply``) resumes on the new weights, ``roll_back`` on the kept ones. None: the
-        push loads at its commit, as any other."""
+        this replica keeps the weights its engine holds, to roll back to; an adapter served on them stays
+        served): the engine pauses, each worker loads a tensor once its bytes are in (``Watermark``).
+        ``loaded`` then waits for the load and checks the bytes; the commit (``apply``) resumes on the new
+        weights, ``roll_back`` on the kept ones. None: the push loads at its commit, as any other."""
         if not self._streamable(staged):
             return None
-        kept = await self._kept.current()
-        if kept is None or kept.dropped or kept.version != self.replica.policy_version or staged.push.received:
+        kept = await self._kept.current()  # what the engine holds: the last full push, deltas patched in
+        if kept is None or kept.dropped or staged.push.received:
             return None
         streamed = StreamedLoad(Watermark.create(), kept)
         staged.streamed = streamed
@@ -445,6 +445,8 @@ class WeightSwaps:
         await self._lock.acquire()
         streamed.locked = True
         self._streaming = streamed
+        if streamed.watermark.cut:  # the push ended while it waited for the lock: nothing to pause for
+            raise Aborted(f"version {staged.version}: the push ended before its streamed load began; nothing applied")
         if streamed.kept.dropped or self._kept.kept is not streamed.kept:
             raise FailedPrecondition(f"version {staged.version}: the weights this replica kept to roll back to "
                                      f"went while the push waited for the swap; push it again")
@@ -522,6 +524,7 @@ class WeightSwaps:
         """A push's call ends (committed or not): a streamed load not committed is rolled back, in the
         background (the call may be gone; the swap lock orders the rollback before the next push)."""
         if staged.streamed is not None and not staged.streamed.committed:
+            staged.streamed.watermark.cut_off()  # now: a load still waiting for the lock must not begin
             self._background.start(self.roll_back(staged), f"rollback of weight version {staged.version}")
 
     async def roll_back(self, staged: StagedPush) -> None:
