@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from rlfleet.choices import SWAP_MODES, SwapModeName
 from rlfleet.services.common.background import BackgroundTasks
 from rlfleet.services.common.errors import Aborted, DataLoss, FailedPrecondition, InvalidArgument
+from rlfleet.services.common.watermark import Watermark
 from rlfleet.services.generation.config import GenerationEngineConfig
 from rlfleet.services.generation.kept_weights import WeightKeeper
 from rlfleet.services.generation.metrics import STREAMED_PUSH_BYTES, WEIGHT_CHECK_SECONDS, WEIGHT_CHECKS
@@ -27,7 +28,6 @@ from rlfleet.services.generation.served_adapters import AdapterSet, ServedAdapte
 from rlfleet.services.generation.served_runs import ServedRun, ServedRuns
 from rlfleet.services.generation.staging import StagedPush, StreamedLoad
 from rlfleet.services.generation.status import EngineState, ReplicaState
-from rlfleet.services.common.watermark import Watermark
 from rlfleet.v1 import weights_pb2
 from rlfleet.wire import WireError, shm, weight_delta
 from rlfleet.wire.push_rules import check_manifest
@@ -480,7 +480,7 @@ class WeightSwaps:
     async def loaded(self, staged: StagedPush) -> None:
         """A streamed push, every byte arrived: its checksum and fingerprints checked (beside the load's
         end), the load finished. The engine then holds the new weights, paused until the commit; on any
-        error ``close`` rolls back."""
+        error the call's ``end`` rolls back."""
         streamed = staged.streamed
         staged.push.finish()
         streamed.watermark.advance(staged.push.received)
