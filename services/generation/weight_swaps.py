@@ -11,6 +11,7 @@ served by ``served_adapters``. Knows nothing of gRPC; errors are domain exceptio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -342,15 +343,23 @@ class WeightSwaps:
 
     async def _load_weights(self, engine: AsyncLLM, staged: StagedPush) -> None:
         """A weight push's part of a swap: vLLM loads it, and reports its version; any adapter goes."""
+        await self._load(engine, staged.update_info(self.config.verify_weights), staged.version)
+        await self._serve_loaded(engine, staged.version)
+
+    async def _load(self, engine: AsyncLLM, info: dict, version: int) -> None:
+        """vLLM loads the weights ``info`` names (``transfer.RlfleetUpdateInfo``) as ``version``, then its
+        workers' check of what they loaded (``verify_weights``)."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        version = staged.version
-        verify = self.config.verify_weights
         await engine.start_weight_update()
-        await engine.update_weights(WeightTransferUpdateRequest(update_info=staged.update_info(verify)))
+        await engine.update_weights(WeightTransferUpdateRequest(update_info=info))
         await engine.finish_weight_update(weight_version=str(version))
-        if verify:
+        if info.get("verify"):
             await self._check_loaded(engine, version)
+
+    async def _serve_loaded(self, engine: AsyncLLM, version: int) -> None:
+        """New weights loaded as ``version``: the prefix cache emptied (computed with others), vLLM's own
+        version checked, no adapter left over them."""
         if not await engine.reset_prefix_cache():
             raise RuntimeError("prefix cache reset failed after the swap")
         engine_version = await engine.get_weight_version()
@@ -377,9 +386,18 @@ class WeightSwaps:
                     load: Callable[[], Awaitable[None]]) -> None:
         """Pause, ``load()`` (weights or an adapter), move the version, resume (see ``apply``)."""
         started = time.monotonic()
-        try:
+        async with self._swapping(engine, version):
             await self._pause(engine, mode)
             await load()
+        logger.info("swapped to policy version %d (%s, %s) in %.3fs",
+                    version, mode, transport, time.monotonic() - started)
+
+    @contextlib.asynccontextmanager
+    async def _swapping(self, engine: AsyncLLM, version: int):
+        """Around a swap's pause and load: then the version moves and generation resumes; on any failure the
+        replica turns failed (``_failed``); admission reopens either way."""
+        try:
+            yield
             self.replica.policy_version = version
             await engine.resume_generation()
         except BaseException:
@@ -388,8 +406,6 @@ class WeightSwaps:
         finally:
             self.replica.admission_open.set()
         self.replica.move_to(EngineState.SERVING)
-        logger.info("swapped to policy version %d (%s, %s) in %.3fs",
-                    version, mode, transport, time.monotonic() - started)
 
     async def _pause(self, engine: AsyncLLM, mode: SwapModeName) -> None:
         """A swap's start: admission closed, what runs paused as ``mode`` says (see ``apply``)."""
@@ -500,21 +516,10 @@ class WeightSwaps:
         streamed.committed = True
         version = staged.version
         try:
-            if not await engine.reset_prefix_cache():
-                raise RuntimeError("prefix cache reset failed after the swap")
-            engine_version = await engine.get_weight_version()
-            if engine_version != str(version):
-                raise RuntimeError(f"engine reports weight version {engine_version!r} after applying {version}")
-            self.adapters.switch(engine, None)
-            self.replica.policy_version = version
-            await engine.resume_generation()
-        except BaseException:
-            self._failed(version)
-            raise
+            async with self._swapping(engine, version):
+                await self._serve_loaded(engine, version)
         finally:
-            self.replica.admission_open.set()
             streamed.end(self._lock)
-        self.replica.move_to(EngineState.SERVING)
         segment, staged.segment = staged.segment, None
         self._kept.keep(version, staged.manifest, segment)
         logger.info("swapped to policy version %d (%s, %s, streamed: loaded as it arrived) in %.3fs",
@@ -543,26 +548,11 @@ class WeightSwaps:
                 return
             engine = self.replica.takes_pushes()
             version = self.replica.policy_version
-            try:
-                if streamed.touched:
-                    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-                    verify = self.config.verify_weights
-                    await engine.start_weight_update()
-                    await engine.update_weights(WeightTransferUpdateRequest(
-                        update_info=streamed.kept.update_info(verify=verify)))
-                    await engine.finish_weight_update(weight_version=str(version))
-                    if verify:
-                        await self._check_loaded(engine, version)
+            async with self._swapping(engine, version):  # the version it served, resumed
+                if streamed.touched:  # the kept weights again; an adapter served over them stays
+                    await self._load(engine, streamed.kept.update_info(verify=self.config.verify_weights), version)
                     if not await engine.reset_prefix_cache():
                         raise RuntimeError("prefix cache reset failed after the rollback")
-                await engine.resume_generation()
-            except BaseException:
-                self._failed(version)
-                raise
-            finally:
-                self.replica.admission_open.set()
-            self.replica.move_to(EngineState.SERVING)
             loaded = streamed.watermark.loaded
             logger.info("version %d not committed: rolled back to version %d in %.3fs (%s of its %d bytes; the "
                         "kept weights loaded again)", staged.version, version, time.monotonic() - streamed.started,
