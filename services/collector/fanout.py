@@ -241,7 +241,8 @@ class WeightFanout:
             # of a grpc push's chunks. Those on this host are offered the segment: as it is written, with
             # its watermark, to those that follow one (they load the bytes as they arrive); the others
             # once it holds every verified byte (shm: right away).
-            relayed = [r for r in replicas if r.shm_refused and r.relays and self.relay]
+            # (Not one whose TLS name is not its address: the relay calls it by its address.)
+            relayed = [r for r in replicas if r.shm_refused and r.relays and self.relay and not r.tls_name]
             remote = [r for r in replicas if source is None and r.shm_refused and r not in relayed]
             following = [r for r in replicas if source is None and r.follows_segments and r not in relayed
                          and r not in remote]
@@ -524,7 +525,7 @@ class WeightFanout:
                 manifest.mode = weights_pb2.UPDATE_MODE_ABORT
                 manifest.resync = True
                 self.pool.run.label(manifest)
-                if self.join_from_peers and not manifest.HasField("lora"):
+                if self.join_from_peers and not manifest.HasField("lora") and not replica.tls_name:
                     outcome = await self._from_peer(replica, manifest)
                     if outcome is not None:
                         continue

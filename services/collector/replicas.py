@@ -59,6 +59,9 @@ class Replica:
     """The largest push it accepts, from its last probe (0: not reported yet)."""
     relays: bool = False
     """It takes relayed pushes (``relay`` among its weight transports, from its last probe)."""
+    tls_name: str = ""
+    """The name its TLS certificate carries when that is not its address (a name resolved to one replica
+    per IP): a relay or a peer, which call it by its address, could not verify it."""
     follows_segments: bool = False
     """It takes a segment still being written, with its watermark (``shm-watermark`` among its weight
     transports): a grpc push is offered to it as it arrives."""
@@ -130,12 +133,12 @@ class ReplicaPool:
         return added, removed
 
     def _replica(self, endpoint: Endpoint) -> Replica:
-        settings = self.settings
+        settings, tls_name = self.settings, ""
         if endpoint.tls_name and settings.tls and not settings.server_name:
-            settings = dataclasses.replace(settings, server_name=endpoint.tls_name)
+            settings, tls_name = dataclasses.replace(settings, server_name=endpoint.tls_name), endpoint.tls_name
         channel = aio_channel(endpoint.address, settings)
         metrics.REPLICA_OUTSTANDING.labels(endpoint.address).set(0)
-        return Replica(endpoint.address, channel, generation_pb2_grpc.GenerationServiceStub(channel))
+        return Replica(endpoint.address, channel, generation_pb2_grpc.GenerationServiceStub(channel), tls_name=tls_name)
 
     def _close(self, replica: Replica) -> None:
         self._closing.start(replica.channel.close(), f"close-channel-{replica.address}")
