@@ -300,7 +300,9 @@ class WeightFanout:
         relay = Relay(push_id, push, segment.buffer, [r.address for r in replicas], self.pool.settings)
         log.info("relaying version %d through %d replicas: %s", push.version, len(replicas),
                  " -> ".join(relay.downstream))
-        return RunningRelay(relay, asyncio.ensure_future(_relay_and_retry(relay))), streams
+        task = asyncio.ensure_future(_relay_and_retry(relay))
+        task.add_done_callback(_fail_unreached(streams))
+        return RunningRelay(relay, task), streams
 
     @staticmethod
     def _forward(streams: list[ReplicaPush], relay: RunningRelay | None):
@@ -613,17 +615,32 @@ SHARE_BYTES_PER_SECOND = 20e6
 """A peer's ``ShareWeights`` deadline: this much, plus the bytes at this (slow) rate; past it, the spool."""
 
 
-async def _relay_and_retry(relay: Relay) -> None:
+async def _relay_and_retry(relay: Relay) -> list[str]:
     """``relay`` to its end; then the replicas a peer cut out (it could not reach them: they may still be
-    reachable from here) get the bytes from here, relayed through them once more. Those that fail again
-    fail their stage, as the replicas cut out here do."""
+    reachable from here) get the bytes from here, relayed through them once more. The replicas the bytes
+    never reached (their stage must fail: nothing else sends them the bytes)."""
     await relay.run()
+    unreached = [address for address, _ in relay.cut]
     if relay.cut_after:
         log.warning("relay of version %d: %s cut out by a peer; sending from the collector", relay.push.version,
                     ", ".join(relay.cut_after))
         retry = Relay(relay.push_id, relay.push, relay.data, relay.cut_after, relay.settings, relay.chunk_bytes)
         retry.sent = relay.sent  # one count of what the collector sent
         await retry.run()
+        unreached += retry.all_cut
+    return unreached
+
+
+def _fail_unreached(streams: list[ReplicaPush]):
+    """A relay's done-callback: each replica the bytes never reached fails its stage now (a dead one's call
+    breaks anyway; a live one that could not be reached would wait for them until the push's deadline)."""
+    def done(task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return
+        for stream in streams:
+            if stream.replica.address in task.result():
+                stream.fail("the relay could not reach it (see the relay's log)", "UNAVAILABLE")
+    return done
 
 
 def _offered(manifest: weights_pb2.WeightManifest, replica: Replica) -> weights_pb2.WeightManifest:

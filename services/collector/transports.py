@@ -157,8 +157,9 @@ class ReplicaPush:
         try:
             reply = await self._call.read()
         except grpc.RpcError as exc:
-            error = await stream_error(self._call, exc, "UpdateWeights", self._watch)
-            self.error, self.code = str(error), error.code
+            if not self.error:  # one ``fail`` set (it cancelled the call) stands
+                error = await stream_error(self._call, exc, "UpdateWeights", self._watch)
+                self.error, self.code = str(error), error.code
             return False
         if reply is grpc.aio.EOF:
             self.error, self.code = "replica ended the push early", "ABORTED"
@@ -211,6 +212,12 @@ class ReplicaPush:
             await self._queue.put(_END)
         else:
             self.cancel()
+
+    def fail(self, error: str, code: str) -> None:
+        """Give up on this replica with ``error`` (its stage, if still waited for, fails with it)."""
+        if not self.error:
+            self.error, self.code = error, code
+        self.cancel()
 
     def cancel(self) -> None:
         self._end_stage(self.error or "cancelled")

@@ -144,3 +144,33 @@ async def test_the_replicas_a_peer_cut_out_get_the_bytes_from_the_collector():
     assert relay.cut_after == [second_server[1]]
     assert bytes(first.received) == DATA and bytes(second.received) == DATA
     assert relay.sent == {first_server[1]: TOTAL, second_server[1]: TOTAL}
+
+
+async def test_the_replicas_the_bytes_never_reached_fail_their_stage_at_once():
+    """A live replica the relay could not reach (compose: its TLS name is not its address) waited for bytes
+    that never came, and held the push until its deadline. The collector's relay returns the replicas it
+    never reached, and each of their stages fails then (``fanout._fail_unreached``)."""
+    from types import SimpleNamespace
+
+    from rlfleet.services.collector.fanout import _fail_unreached
+
+    refusing, taking = FakeReplica(refuse=True), FakeReplica()
+    servers = [await serve(refusing), await serve(taking)]
+    unreached = []
+    relay = await relay_through([refusing, taking], DATA, arriving=False, servers=servers,
+                                run=lambda relay: _collect(relay, unreached))
+    assert unreached == [servers[0][1]] and relay.reached == servers[1][1]
+    failed = []
+    streams = [SimpleNamespace(replica=SimpleNamespace(address=address),
+                               fail=lambda error, code, address=address: failed.append((address, code, error)))
+               for address in (servers[0][1], servers[1][1])]
+    done = asyncio.get_running_loop().create_future()
+    done.set_result(unreached)
+    _fail_unreached(streams)(done)
+    assert failed == [(servers[0][1], "UNAVAILABLE", "the relay could not reach it (see the relay's log)")]
+
+
+async def _collect(relay, unreached: list) -> None:
+    from rlfleet.services.collector.fanout import _relay_and_retry
+
+    unreached.extend(await _relay_and_retry(relay))
