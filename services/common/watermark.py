@@ -5,11 +5,13 @@ bytes still arrive: the generation service writes each chunk into the staged seg
 watermark past it; each vLLM worker, loading tensor by tensor from the same segment, waits until the
 watermark passes the tensor it reads next (``wait_for``). A collector offers the replicas on its host
 the segment a grpc push is being received into, with its watermark (``ShmSegment.watermark_path``),
-before the last byte is in: each replica follows it into its own. The watermark is two int64 words in a small segment of their own
-(``rlfleet.wire.shm``), written by the service: the bytes arrived, and 1 once the push was cut (no more
-will come: the worker stops loading); and a third, written by the worker: the bytes it loaded before
-the tensor it waits for (a rollback says how far the load got). The service creates it and passes its
-``fd_path``.
+before the last byte is in: each replica follows it into its own.
+
+The watermark is three int64 words in a small segment of its own (``rlfleet.wire.shm``). The writer
+sets two: the bytes arrived, and 1 once the push was cut (no more will come: the worker stops
+loading). The worker sets the third: the bytes it loaded before the tensor it waits for (a rollback
+says how far the load got). The writer creates it and passes its ``fd_path`` (or, to another
+process that is not its child, its path).
 
 The service stores a chunk's bytes before the watermark that covers them, and the worker reads the
 watermark before the bytes: on x86 (total store order) that is all the ordering needed. Other CPUs
@@ -31,7 +33,7 @@ POLL_SECONDS = 0.002
 
 
 class Watermark:
-    """The two words, over a mapped segment (see the module docstring)."""
+    """The three words, over a mapped segment (see the module docstring)."""
 
     def __init__(self, segment: shm.Segment):
         self.segment = segment
