@@ -156,3 +156,65 @@ def raw_stream_seconds(address: str, flat, chunk_bytes: int, options) -> float:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["sink"]:
     sink_server(int(sys.argv[2]))
+
+
+class Link:
+    """A TCP proxy on loopback that carries the bytes sent to ``upstream`` at ``bytes_per_second`` at most
+    (every connection through it together: one link), the answers at once: a replica behind a network
+    link slower than this host's CPU. Runs in the running event loop; ``address`` once ``start`` returned."""
+
+    READ_BYTES = 64 << 10
+    BURST_SECONDS = 0.01
+
+    def __init__(self, upstream: str, bytes_per_second: float):
+        self.upstream, self.rate = upstream, bytes_per_second
+        self.address = ""
+        self._server: asyncio.base_events.Server | None = None
+        self._free_at = 0.0
+        """When the link has sent every byte given to it so far (the event loop's clock)."""
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> "Link":
+        self._server = await asyncio.start_server(self._connected, "127.0.0.1", 0)
+        self.address = f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        host, port = self.upstream.rsplit(":", 1)
+        try:
+            up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        except OSError:
+            writer.close()
+            return
+        task = asyncio.ensure_future(asyncio.gather(self._pump(reader, up_writer, throttled=True),
+                                                    self._pump(up_reader, writer, throttled=False)))
+        self._tasks.add(task)
+        try:
+            await asyncio.wait({task})  # cancelled by ``close``: not an error of the connection's
+        finally:
+            self._tasks.discard(task)
+            writer.close()
+            up_writer.close()
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, throttled: bool) -> None:
+        """One direction until its end (passed on as such: the other may still answer)."""
+        loop = asyncio.get_running_loop()
+        try:
+            while data := await reader.read(self.READ_BYTES):
+                if throttled:  # the bytes leave once the link carried every byte before them (a sleep that
+                    # overshot is made up for, up to BURST_SECONDS: the link's own time is what counts)
+                    self._free_at = max(self._free_at, loop.time() - self.BURST_SECONDS) + len(data) / self.rate
+                    await asyncio.sleep(self._free_at - loop.time())
+                writer.write(data)
+                await writer.drain()
+            if writer.can_write_eof():
+                writer.write_eof()
+        except (ConnectionError, OSError):
+            writer.close()

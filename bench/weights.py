@@ -3,6 +3,7 @@
 Each push as a ratio to its floor, the two measured side by side in one run.
 
     .venv/bin/python bench/weights.py [--rounds 5] [--hidden 1024] [--layers 10] [--settle-seconds 1.5]
+                                      [--link-mb-per-s 100]
                                       [--transport nccl]   (GPU hosts: floor vs nccl pushes; unverified)
 
 A tiny Qwen2 model of >= 500 MB float32 (``--hidden`` x ``--layers``, head_dim 64) is built once under
@@ -61,6 +62,9 @@ Ratios are taken per round from adjacent phases, then the median (IQR) over roun
   raw s / (grpc CPU seconds / cores): the best ratios those CPU seconds allow on this host's cores;
 - ``streamed_over_unstreamed_1`` = a relayed push to one replica elsewhere that loads it as it arrives (streamed
   apply) / the same push to one that loads it at the commit, ``unstreamed_seconds_1`` the latter, s;
+- ``link_streamed_over_unstreamed``: the same, each replica behind a link of ``link_mb_per_s`` MB/s (a proxy in
+  this process that carries the bytes to it no faster); ``link_streamed_over_wire`` and
+  ``link_unstreamed_over_wire``: each push's time / the model bytes' time on that link (1.0: the link's floor);
 - ``peak_rss_over_model`` = peak extra PSS / model bytes (target <= 1.1); PSS is summed over collector A,
   g0 and g0's descendants (vLLM engine core), sampled every ~15 ms; extra = max during the push -
   the sum just before it. Pages shared with this process (the trainer's shm segment) count only in
@@ -433,7 +437,11 @@ async def relay_phase(ns, gen_args: list[str], backends: dict, state: dict, work
     a warm-up, which also shows the collector that the new one refuses its segments). Per push: its time
     and the bytes the collector sent (``PushResult.sent_bytes``). With one replica listed, each push to C
     alternates with one to collector D, whose replica (also elsewhere) loads at the commit
-    (``--streamed-apply off``): C's replica loads each push as it arrives (``streamed_apply`` auto: idle)."""
+    (``--streamed-apply off``): C's replica loads each push as it arrives (``streamed_apply`` auto: idle).
+    Then the same comparison with each of those two replicas behind a link of ``--link-mb-per-s`` (``Link``:
+    a proxy that carries the bytes sent to the replica no faster), listed to C and D by the link's address:
+    where the network, not this host's CPU, bounds the transfer."""
+    from _common import Link
     from rlfleet.client import connect
     from rlfleet.services.launch import ServiceProcess
     from rlfleet.wire import shm
@@ -444,9 +452,9 @@ async def relay_phase(ns, gen_args: list[str], backends: dict, state: dict, work
                            env={"RLFLEET_SHM_DIR": d}).start(workdir / f"r{i}")
             for i, d in enumerate(directories)]
     unstreamed = gens.pop()
-    listed = workdir / "relay-replicas.json"
-    collectors, clients = [], []
-    rows: dict[str, list] = {"unstreamed1": [], "unstreamed_apply1": []}
+    listed, listed_d = workdir / "relay-replicas.json", workdir / "relay-replicas-d.json"
+    collectors, clients, links = [], [], []
+    rows: dict[str, list] = {"unstreamed1": [], "unstreamed_apply1": [], "link_streamed": [], "link_unstreamed": []}
 
     def start(name: str, addresses: list[str]):
         return ServiceProcess("collector", [
@@ -458,8 +466,9 @@ async def relay_phase(ns, gen_args: list[str], backends: dict, state: dict, work
         for g in [*gens, unstreamed]:
             await asyncio.to_thread(g.wait_ready, 900)
         listed.write_text(json.dumps([gens[0].address]))
+        listed_d.write_text(json.dumps([unstreamed.address]))
         collectors = [start("collector-c", ["--generation-addresses-file", str(listed)]),
-                      start("collector-d", ["--generation-addresses", json.dumps([unstreamed.address])])]
+                      start("collector-d", ["--generation-addresses-file", str(listed_d)])]
         for collector in collectors:
             await asyncio.to_thread(collector.wait_ready, 300)
         clients = [connect(collector.address) for collector in collectors]
@@ -493,8 +502,31 @@ async def relay_phase(ns, gen_args: list[str], backends: dict, state: dict, work
                         rows["unstreamed1"].append(loaded_late.seconds)
                         rows["unstreamed_apply1"].append(loaded_late.replicas[0].apply_seconds)
             rows[f"relay{count}"], rows[f"relay_sent{count}"], rows[f"relay_apply{count}"] = times, sent, applies
+        # Behind a link: C's replica (streamed) and D's (loaded at the commit), each listed by its link alone.
+        links = [await Link(g.address, ns.link_mb_per_s * 1e6).start() for g in (gens[0], unstreamed)]
+        listed.write_text(json.dumps([links[0].address]))
+        listed_d.write_text(json.dumps([links[1].address]))
+        for c in clients:
+            await asyncio.to_thread(wait_in_rotation, c, 1, 600)
+        for round_index in range(-1, ns.rounds):  # the warm-up: each learns its replica refuses its segments
+            for key, c in (("link_streamed", client), ("link_unstreamed", other)):
+                await asyncio.sleep(ns.settle_seconds)
+                if c is client:
+                    version += 1
+                else:
+                    other_version += 1
+                result = await asyncio.to_thread(push, c, state, version if c is client else other_version, "grpc", 1)
+                print(f"  grpc, 1 replica elsewhere behind a {ns.link_mb_per_s:g} MB/s link, "
+                      f"{'streamed' if c is client else 'loaded at the commit'}: push {result.seconds:.3f}s "
+                      f"(over {result.replicas[0].transport})", file=sys.stderr, flush=True)
+                if round_index >= 0:
+                    if result.replicas[0].transport != "relay":
+                        raise RuntimeError(f"push v{result.version} behind the link went by {result.replicas[0].transport}")
+                    rows[key].append(result.seconds)
         return rows
     finally:
+        for link in links:
+            await link.close()
         for c in clients:
             c.close()
         for collector in collectors:
@@ -579,6 +611,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=10)
     parser.add_argument("--settle-seconds", type=float, default=1.5,
                         help="pause before each phase: an idle vLLM worker busy-polls ~1 s after its last step")
+    parser.add_argument("--link-mb-per-s", type=float, default=100.0,
+                        help="the link the last relay comparison's replicas sit behind, MB/s")
     parser.add_argument("--transport", choices=["shm-grpc", "nccl"], default="shm-grpc",
                         help="nccl: GPU hosts only (CUDA + GPU vLLM), floor vs nccl pushes; unverified")
     ns = parser.parse_args()
@@ -681,6 +715,14 @@ def main() -> None:
     streamed = ratio(rows["relay1"], rows["unstreamed1"])
     row("1 replica elsewhere: streamed / not", f"loaded at the commit {streamed['den']:.3f}s",
         f"streamed {streamed['num']:.3f}s", streamed, "-", True)
+    link = ratio(rows["link_streamed"], rows["link_unstreamed"])
+    row(f"behind {ns.link_mb_per_s:g} MB/s: streamed / not", f"loaded at the commit {link['den']:.3f}s",
+        f"streamed {link['num']:.3f}s", link, "-", True)
+    wire = [model_bytes / (ns.link_mb_per_s * 1e6)] * ns.rounds
+    link_floor = {key: ratio(rows[f"link_{key}"], wire) for key in ("streamed", "unstreamed")}
+    for key, label in (("streamed", "streamed"), ("unstreamed", "loaded at the commit")):
+        row(f"behind the link: {key} / its bytes", f"the link's {wire[0]:.3f}s", f"{label} {link_floor[key]['num']:.3f}s",
+            link_floor[key], "-", True)
     checks = {key: ratio([a + b for a, b in zip(rows["check_staged"], rows["check_engine"])], rows[key])
               for key in ("shm", "floor")}
     print(f"checks of each shm push against its fingerprints (verify_weights), medians: the SDK's fingerprints "
@@ -722,6 +764,10 @@ def main() -> None:
     result["relay_apply_seconds_1"] = statistics.median(rows["relay_apply1"])
     result["unstreamed_seconds_1"] = statistics.median(rows["unstreamed1"])
     result["streamed_over_unstreamed_1"] = streamed["ratio"]
+    result["link_mb_per_s"] = ns.link_mb_per_s
+    result["link_streamed_over_unstreamed"] = link["ratio"]
+    result["link_streamed_over_wire"] = link_floor["streamed"]["ratio"]
+    result["link_unstreamed_over_wire"] = link_floor["unstreamed"]["ratio"]
     result["shm_cpu_seconds"] = cpu["cpu_shm"]
     result["grpc_cpu_seconds"] = cpu["cpu_grpc"]
     result["floor_cpu_seconds"] = cpu["cpu_floor"]

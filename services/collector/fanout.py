@@ -57,7 +57,7 @@ from rlfleet.services.collector.spool_writer import SpoolWriter
 from rlfleet.services.collector.transports import ReplicaOutcome, ReplicaPush
 from rlfleet.services.common import tracing
 from rlfleet.services.common.errors import FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted, Unavailable
-from rlfleet.services.common.relay import Relay
+from rlfleet.services.common.relay import Relay, name_downstream
 from rlfleet.services.common.watermark import Watermark
 from rlfleet.services.common.weight_stream import MAX_POLICY_VERSION, PushReceiver, WeightPush, open_offered_segment
 from rlfleet.v1 import generation_pb2, weights_pb2
@@ -241,8 +241,7 @@ class WeightFanout:
             # of a grpc push's chunks. Those on this host are offered the segment: as it is written, with
             # its watermark, to those that follow one (they load the bytes as they arrive); the others
             # once it holds every verified byte (shm: right away).
-            # (Not one whose TLS name is not its address: the relay calls it by its address.)
-            relayed = [r for r in replicas if r.shm_refused and r.relays and self.relay and not r.tls_name]
+            relayed = [r for r in replicas if r.shm_refused and r.relays and self.relay]
             remote = [r for r in replicas if source is None and r.shm_refused and r not in relayed]
             following = [r for r in replicas if source is None and r.follows_segments and r not in relayed
                          and r not in remote]
@@ -297,7 +296,8 @@ class WeightFanout:
             offered.CopyFrom(_offered(manifest, replica))
             offered.relay.push_id = push_id
             streams.append(ReplicaPush.start(replica, offered, self.pool.settings, None))
-        relay = Relay(push_id, push, segment.buffer, [r.address for r in replicas], self.pool.settings)
+        relay = Relay(push_id, push, segment.buffer, [r.address for r in replicas], self.pool.settings,
+                      tls_names={r.address: r.tls_name for r in replicas if r.tls_name})
         log.info("relaying version %d through %d replicas: %s", push.version, len(replicas),
                  " -> ".join(relay.downstream))
         task = asyncio.ensure_future(_relay_and_retry(relay))
@@ -527,7 +527,7 @@ class WeightFanout:
                 manifest.mode = weights_pb2.UPDATE_MODE_ABORT
                 manifest.resync = True
                 self.pool.run.label(manifest)
-                if self.join_from_peers and not manifest.HasField("lora") and not replica.tls_name:
+                if self.join_from_peers and not manifest.HasField("lora"):
                     outcome = await self._from_peer(replica, manifest)
                     if outcome is not None:
                         continue
@@ -566,9 +566,10 @@ class WeightFanout:
             offered.CopyFrom(manifest)
             offered.relay.push_id = push_id
             stream = ReplicaPush.start(replica, offered, self.pool.settings, None)
+            request = generation_pb2.ShareWeightsRequest(push_id=push_id, version=manifest.version)
+            name_downstream(request, [replica.address], {replica.address: replica.tls_name} if replica.tls_name else {})
             share = asyncio.ensure_future(peer.stub.ShareWeights(
-                generation_pb2.ShareWeightsRequest(push_id=push_id, version=manifest.version,
-                                                   downstream=[replica.address]),
+                request,
                 metadata=self.pool.settings.metadata(),
                 timeout=SHARE_SECONDS + manifest.total_bytes / SHARE_BYTES_PER_SECOND))
             stage = asyncio.ensure_future(stream.wait_staged())

@@ -61,7 +61,7 @@ class Replica:
     """It takes relayed pushes (``relay`` among its weight transports, from its last probe)."""
     tls_name: str = ""
     """The name its TLS certificate carries when that is not its address (a name resolved to one replica
-    per IP): a relay or a peer, which call it by its address, could not verify it."""
+    per IP): checked by whoever calls it, the relays and the peers that share weights with it too."""
     follows_segments: bool = False
     """It takes a segment still being written, with its watermark (``shm-watermark`` among its weight
     transports): a grpc push is offered to it as it arrives."""

@@ -20,12 +20,14 @@ staged, and re-syncs the rest from its spool.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import grpc
 
 from rlfleet.rpc.channel import STREAM_WRITE_ERRORS, ChannelSettings, StatusWatch, aio_channel, stream_error
 from rlfleet.rpc.errors import RlfleetClientError
+from rlfleet.services.common.errors import InvalidArgument
 from rlfleet.services.common.weight_stream import WeightPush
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc
 from rlfleet.wire.push_messages import DEFAULT_CHUNK_BYTES
@@ -61,15 +63,37 @@ class Arrivals:
         await waiter
 
 
+def tls_names_of(message) -> dict[str, str]:
+    """The TLS names a RelayHeader or ShareWeightsRequest gives the replicas of its ``downstream``, by
+    address (those it names); InvalidArgument where its two lists do not match one for one."""
+    names = list(message.downstream_tls_names)
+    if names and len(names) != len(message.downstream):
+        raise InvalidArgument(f"downstream_tls_names has {len(names)} names for the {len(message.downstream)} "
+                              f"replicas of downstream: give one per replica (empty: checked against its address) "
+                              f"or none")
+    return {address: name for address, name in zip(message.downstream, names) if name}
+
+
+def name_downstream(message, downstream: list[str], tls_names: dict[str, str]) -> None:
+    """``downstream`` into a RelayHeader or ShareWeightsRequest, with the TLS names of those that have one."""
+    message.downstream.extend(downstream)
+    if any(address in tls_names for address in downstream):
+        message.downstream_tls_names.extend(tls_names.get(address, "") for address in downstream)
+
+
 class Relay:
     """Sends one push's bytes, as they arrive in ``push`` (``data``: where they land), down ``downstream``
-    (host:port, in order). ``moved()`` is called (in the event loop) whenever ``push.received`` grew."""
+    (host:port, in order). ``moved()`` is called (in the event loop) whenever ``push.received`` grew.
+    ``tls_names``: the name a replica's certificate is checked against, by address, where it is not its
+    address (a name resolved to one address per replica); passed down the relay with the addresses."""
 
     def __init__(self, push_id: str, push: WeightPush, data: memoryview, downstream: list[str],
-                 settings: ChannelSettings, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+                 settings: ChannelSettings, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 tls_names: dict[str, str] | None = None):
         self.push_id, self.push, self.data = push_id, push, data
         self.downstream = list(downstream)
         self.settings, self.chunk_bytes = settings, chunk_bytes
+        self.tls_names = dict(tls_names or {})
         self.sent: dict[str, int] = {}
         """Bytes this relay sent, by replica."""
         self.cut: list[tuple[str, str]] = []
@@ -122,7 +146,8 @@ class Relay:
     async def _send(self, target: str, after: list[str]) -> None:
         """The bytes to ``target`` (from the offset it holds), until it answers ``done``; RelayBroken or
         the call's error (the replica's own status) otherwise."""
-        channel = aio_channel(target, self.settings)
+        name = self.tls_names.get(target)
+        channel = aio_channel(target, dataclasses.replace(self.settings, server_name=name) if name else self.settings)
         try:
             call = generation_pb2_grpc.GenerationServiceStub(channel).RelayWeights(metadata=self.settings.metadata())
             watch = StatusWatch(call)  # the replica's status, not grpc.aio's INTERNAL for a write that raced it
@@ -144,7 +169,7 @@ class Relay:
         header = generation_pb2.RelayWeightsRequest()
         header.header.push_id = self.push_id
         header.header.version = self.push.version
-        header.header.downstream.extend(after)
+        name_downstream(header.header, after, self.tls_names)
         await call.write(header)
         offset = (await self._reply(call)).received_bytes
         total = self.push.total_bytes
@@ -171,4 +196,4 @@ class Relay:
         return reply
 
 
-__all__ = ["FIND_SECONDS", "Arrivals", "Relay", "RelayBroken"]
+__all__ = ["FIND_SECONDS", "Arrivals", "Relay", "RelayBroken", "name_downstream", "tls_names_of"]

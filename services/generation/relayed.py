@@ -47,11 +47,12 @@ class RelayedPush:
             await self._arrivals.wait()
         push.finish()
 
-    def forward(self, downstream: list[str]) -> None:
+    def forward(self, downstream: list[str], tls_names: dict[str, str]) -> None:
         """Forward the bytes to ``downstream`` (the first call's header: a later one, after its sender was
-        cut out, names the same replicas after this one)."""
+        cut out, names the same replicas after this one), checking the TLS names ``tls_names`` gives."""
         if self._forwarding is None and downstream and not self.closed:
-            self.relay = Relay(self.push_id, self.staged.push, self.staged.segment.buffer, downstream, self.settings)
+            self.relay = Relay(self.push_id, self.staged.push, self.staged.segment.buffer, downstream, self.settings,
+                               tls_names=tls_names)
             self._forwarding = asyncio.ensure_future(self.relay.run())
 
     async def forwarded(self) -> None:

@@ -13,7 +13,7 @@ from rlfleet.rpc.channel import ChannelSettings
 from rlfleet.services.common.errors import Aborted, InvalidArgument
 from rlfleet.services.common.sampling_spec import sampling_from_proto, sampling_to_proto
 from rlfleet.services.common.server import Service
-from rlfleet.services.common.relay import Relay
+from rlfleet.services.common.relay import Relay, tls_names_of
 from rlfleet.services.common.weight_stream import PushReceiver, WeightPush, payloads
 from rlfleet.services.generation.relayed import RelayedPushes
 from rlfleet.services.generation.vllm_engine import GenerationEngine
@@ -139,12 +139,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if first.WhichOneof("payload") != "header":
             raise InvalidArgument("the first message of a relay must be the header")
         header = first.header
+        tls_names = tls_names_of(header)
         entry = self.relayed.find(header.push_id)
         push = entry.staged.push
         if header.version != push.version:
             raise InvalidArgument(f"header.version is {header.version}, the push {header.push_id!r} staged here "
                                   f"is version {push.version}")
-        entry.forward(list(header.downstream))
+        entry.forward(list(header.downstream), tls_names)
         yield generation_pb2.RelayWeightsResponse(received_bytes=push.received)
         async for request in requests:
             if request.WhichOneof("payload") != "chunk":
@@ -174,12 +175,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise InvalidArgument("push_id is empty: name the relayed push the replicas downstream stage")
         if not request.downstream:
             raise InvalidArgument("downstream is empty: name the replicas to send the weights to")
+        tls_names = tls_names_of(request)
         async with self.engine.weights.shared(request.version) as kept:
             manifest = weights_pb2.WeightManifest(mode=weights_pb2.UPDATE_MODE_KEEP)
             manifest.MergeFrom(kept.manifest)
             push = WeightPush.from_manifest(manifest, manifest.total_bytes)
             push.received = push.total_bytes
-            relay = Relay(request.push_id, push, kept.segment.buffer, list(request.downstream), self.relayed.settings)
+            relay = Relay(request.push_id, push, kept.segment.buffer, list(request.downstream), self.relayed.settings,
+                          tls_names=tls_names)
             await relay.run()
         log.info("shared version %d with %s (%d bytes sent%s)", request.version, ", ".join(request.downstream),
                  relay.sent_bytes, f"; cut out: {', '.join(relay.all_cut)}" if relay.all_cut else "")

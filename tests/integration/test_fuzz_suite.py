@@ -126,11 +126,19 @@ def _own_seeds(method) -> list:
         "EndRun": [gp.EndRunRequest(run_id="run-20261202-120000-abcdef"), gp.EndRunRequest()],
         # No push is staged under these ids: NOT_FOUND at once (never a wait), whatever follows the header.
         "RelayWeights": [gp.RelayWeightsRequest(header=gp.RelayHeader(push_id="fuzz", version=1,
-                                                                     downstream=["127.0.0.1:1"])),
+                                                                     downstream=["127.0.0.1:1"],
+                                                                     downstream_tls_names=["generation"])),
                          gp.RelayWeightsRequest(chunk=weights_pb2.WeightChunk(offset=0, data=b"fuzz"))],
         # Versions this replica may keep, sent to an address nobody listens on (cut out at once), or to none.
+        # A TLS name per replica, or one too many (INVALID_ARGUMENT).
         "ShareWeights": [gp.ShareWeightsRequest(push_id="fuzz", version=v, downstream=["127.0.0.1:1"])
-                         for v in (1, 2, 3)] + [gp.ShareWeightsRequest(push_id="fuzz", version=1)],
+                         for v in (1, 2, 3)] + [gp.ShareWeightsRequest(push_id="fuzz", version=1),
+                                                gp.ShareWeightsRequest(push_id="fuzz", version=1,
+                                                                       downstream=["127.0.0.1:1"],
+                                                                       downstream_tls_names=["generation"]),
+                                                gp.ShareWeightsRequest(push_id="fuzz", version=1,
+                                                                       downstream=["127.0.0.1:1"],
+                                                                       downstream_tls_names=["a", "b"])],
         "Check": [health_pb2.HealthCheckRequest(service=s) for s in ("", COLLECTOR.full_name, GENERATION.full_name)],
         "Watch": [health_pb2.HealthCheckRequest(service=s) for s in ("", TRAJECTORY.full_name, "nope")],
     }

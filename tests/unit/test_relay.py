@@ -10,7 +10,8 @@ import grpc
 import pytest
 import torch
 
-from rlfleet.services.common.relay import Relay
+from rlfleet.services.common.errors import InvalidArgument
+from rlfleet.services.common.relay import Relay, name_downstream, tls_names_of
 from rlfleet.services.common.weight_stream import WeightPush
 from rlfleet.rpc.channel import ChannelSettings
 from rlfleet.v1 import generation_pb2, generation_pb2_grpc
@@ -49,12 +50,16 @@ class FakeReplica(generation_pb2_grpc.GenerationServiceServicer):
         yield generation_pb2.RelayWeightsResponse(received_bytes=len(self.received), done=True, cut=self.cut_after)
 
 
-async def serve(replica: FakeReplica) -> tuple[grpc.aio.Server, str]:
+async def serve(replica: FakeReplica, tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.aio.Server, str]:
+    """``replica`` on a loopback port; ``tls`` (key, certificate): over TLS, on 127.0.0.2, an address its
+    certificate (``make_credentials``: its name, localhost, 127.0.0.1) does not hold."""
     server = grpc.aio.server()
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(replica, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    host = "127.0.0.1" if tls is None else "127.0.0.2"
+    port = server.add_insecure_port(f"{host}:0") if tls is None else \
+        server.add_secure_port(f"{host}:0", grpc.ssl_server_credentials([tls]))
     await server.start()
-    return server, f"127.0.0.1:{port}"
+    return server, f"{host}:{port}"
 
 
 def push_of(data: bytes) -> WeightPush:
@@ -63,13 +68,14 @@ def push_of(data: bytes) -> WeightPush:
 
 
 async def relay_through(replicas: list[FakeReplica], data: bytes, arriving: bool, run=Relay.run,
-                        servers: list | None = None) -> Relay:
+                        servers: list | None = None, settings: ChannelSettings = ChannelSettings(),
+                        tls_names: dict[str, str] | None = None) -> Relay:
     """``data`` relayed to ``replicas``: all there from the start, or (``arriving``) a chunk at a time."""
     servers = servers or [await serve(replica) for replica in replicas]
     try:
         push = push_of(data)
-        relay = Relay("p1", push, memoryview(data), [address for _, address in servers], ChannelSettings(),
-                      chunk_bytes=CHUNK)
+        relay = Relay("p1", push, memoryview(data), [address for _, address in servers], settings,
+                      chunk_bytes=CHUNK, tls_names=tls_names)
         task = asyncio.ensure_future(run(relay))
         if arriving:
             for end in range(CHUNK, len(data) + CHUNK, CHUNK):
@@ -174,3 +180,44 @@ async def _collect(relay, unreached: list) -> None:
     from rlfleet.services.collector.fanout import _relay_and_retry
 
     unreached.extend(await _relay_and_retry(relay))
+
+
+async def test_each_replica_is_checked_against_its_tls_name_and_the_names_go_down_the_relay(tmp_path):
+    """Replicas a name resolved to one address each (compose's service names, a headless Service): their
+    certificates hold the name, not the address they are called by. The relay checks each one against
+    its name and passes the names of the replicas after it down with their addresses; without the names
+    no replica can be verified, and every one is cut out."""
+    from rlfleet.services.credentials import make_credentials
+
+    credentials = make_credentials(tmp_path / "credentials", names=("generation-a", "generation-b", "collector"))
+    own = {name: ((credentials / f"{name}.key").read_bytes(), (credentials / f"{name}.pem").read_bytes())
+           for name in ("generation-a", "generation-b")}
+    settings = ChannelSettings(tls=True, root_certificates=(credentials / "ca.pem").read_bytes(),
+                               certificate_chain=(credentials / "collector.pem").read_bytes(),
+                               private_key=(credentials / "collector.key").read_bytes(), retries=0)
+    for named in (True, False):
+        first, second = FakeReplica(), FakeReplica()
+        servers = [await serve(first, own["generation-a"]), await serve(second, own["generation-b"])]
+        names = {servers[0][1]: "generation-a", servers[1][1]: "generation-b"} if named else None
+        relay = await relay_through([first, second], DATA, arriving=True, servers=servers, settings=settings,
+                                    tls_names=names)
+        if named:
+            assert relay.reached == servers[0][1] and bytes(first.received) == DATA and relay.cut == []
+            assert [tls_names_of(header) for header in first.headers] == [{servers[1][1]: "generation-b"}]
+        else:
+            assert relay.reached is None and first.headers == second.headers == []
+            assert [address for address, _ in relay.cut] == [address for _, address in servers]
+            assert all(why.startswith("UNAVAILABLE") for _, why in relay.cut), relay.cut
+
+
+def test_tls_names_match_the_downstream_one_for_one_or_are_absent():
+    header = generation_pb2.RelayHeader()
+    name_downstream(header, ["10.0.0.1:1", "10.0.0.2:1", "b:1"], {"10.0.0.2:1": "generation"})
+    assert list(header.downstream_tls_names) == ["", "generation", ""]
+    assert tls_names_of(header) == {"10.0.0.2:1": "generation"}
+    plain = generation_pb2.ShareWeightsRequest()
+    name_downstream(plain, ["10.0.0.1:1"], {})
+    assert list(plain.downstream_tls_names) == [] and tls_names_of(plain) == {}
+    header.downstream_tls_names.append("one-too-many")
+    with pytest.raises(InvalidArgument, match="downstream_tls_names has 4 names for the 3 replicas of downstream"):
+        tls_names_of(header)

@@ -180,24 +180,28 @@ class RelayWeightsRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[RelayHeader, _Mapping]] = ..., chunk: _Optional[_Union[_weights_pb2.WeightChunk, _Mapping]] = ...) -> None: ...
 
 class RelayHeader(_message.Message):
-    __slots__ = ("push_id", "version", "downstream")
+    __slots__ = ("push_id", "version", "downstream", "downstream_tls_names")
     PUSH_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DOWNSTREAM_FIELD_NUMBER: _ClassVar[int]
+    DOWNSTREAM_TLS_NAMES_FIELD_NUMBER: _ClassVar[int]
     push_id: str
     version: int
     downstream: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, push_id: _Optional[str] = ..., version: _Optional[int] = ..., downstream: _Optional[_Iterable[str]] = ...) -> None: ...
+    downstream_tls_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, push_id: _Optional[str] = ..., version: _Optional[int] = ..., downstream: _Optional[_Iterable[str]] = ..., downstream_tls_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ShareWeightsRequest(_message.Message):
-    __slots__ = ("push_id", "version", "downstream")
+    __slots__ = ("push_id", "version", "downstream", "downstream_tls_names")
     PUSH_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DOWNSTREAM_FIELD_NUMBER: _ClassVar[int]
+    DOWNSTREAM_TLS_NAMES_FIELD_NUMBER: _ClassVar[int]
     push_id: str
     version: int
     downstream: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, push_id: _Optional[str] = ..., version: _Optional[int] = ..., downstream: _Optional[_Iterable[str]] = ...) -> None: ...
+    downstream_tls_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, push_id: _Optional[str] = ..., version: _Optional[int] = ..., downstream: _Optional[_Iterable[str]] = ..., downstream_tls_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ShareWeightsResponse(_message.Message):
     __slots__ = ("sent_bytes", "cut")

@@ -130,7 +130,8 @@ class GenerationServiceServicer:
         staged here: not yet, as the collector's UpdateWeights call that stages
         it may come second; a sender asks again for a while), FAILED_PRECONDITION
         (this replica refused to stage that push), INVALID_ARGUMENT (no header
-        first, a chunk out of order or past the push's end, another version),
+        first, a chunk out of order or past the push's end, another version,
+        TLS names that do not match `downstream` one for one),
         ABORTED (the push was discarded here).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -145,9 +146,9 @@ class GenerationServiceServicer:
         restarts mid-run: that one takes the committed weights from a peer rather
         than from the collector's spool, and checks them against the manifest's
         fingerprints as any push. Answers once every replica of `downstream`
-        holds every byte, or was cut out. Errors: INVALID_ARGUMENT (no push_id or
-        no downstream), FAILED_PRECONDITION (this replica keeps no weights of
-        that version).
+        holds every byte, or was cut out. Errors: INVALID_ARGUMENT (no push_id,
+        no downstream, or TLS names that do not match it one for one),
+        FAILED_PRECONDITION (this replica keeps no weights of that version).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
