@@ -625,7 +625,8 @@ async def _relay_and_retry(relay: Relay) -> list[str]:
     if relay.cut_after:
         log.warning("relay of version %d: %s cut out by a peer; sending from the collector", relay.push.version,
                     ", ".join(relay.cut_after))
-        retry = Relay(relay.push_id, relay.push, relay.data, relay.cut_after, relay.settings, relay.chunk_bytes)
+        retry = Relay(relay.push_id, relay.push, relay.data, relay.cut_after, relay.settings, relay.chunk_bytes,
+                      tls_names=relay.tls_names)
         retry.sent = relay.sent  # one count of what the collector sent
         await retry.run()
         unreached += retry.all_cut

@@ -185,8 +185,10 @@ async def _collect(relay, unreached: list) -> None:
 async def test_each_replica_is_checked_against_its_tls_name_and_the_names_go_down_the_relay(tmp_path):
     """Replicas a name resolved to one address each (compose's service names, a headless Service): their
     certificates hold the name, not the address they are called by. The relay checks each one against
-    its name and passes the names of the replicas after it down with their addresses; without the names
-    no replica can be verified, and every one is cut out."""
+    its name and passes the names of the replicas after it down with their addresses (and the collector's
+    retry of a replica a peer cut out checks it against its name too); without the names no replica can be
+    verified, and every one is cut out."""
+    from rlfleet.services.collector.fanout import _relay_and_retry
     from rlfleet.services.credentials import make_credentials
 
     credentials = make_credentials(tmp_path / "credentials", names=("generation-a", "generation-b", "collector"))
@@ -199,11 +201,13 @@ async def test_each_replica_is_checked_against_its_tls_name_and_the_names_go_dow
         first, second = FakeReplica(), FakeReplica()
         servers = [await serve(first, own["generation-a"]), await serve(second, own["generation-b"])]
         names = {servers[0][1]: "generation-a", servers[1][1]: "generation-b"} if named else None
+        first.cut_after = [servers[1][1]]  # it could not reach the second: the collector sends it the bytes
         relay = await relay_through([first, second], DATA, arriving=True, servers=servers, settings=settings,
-                                    tls_names=names)
+                                    tls_names=names, run=_relay_and_retry)
         if named:
             assert relay.reached == servers[0][1] and bytes(first.received) == DATA and relay.cut == []
             assert [tls_names_of(header) for header in first.headers] == [{servers[1][1]: "generation-b"}]
+            assert bytes(second.received) == DATA and relay.sent == {address: TOTAL for _, address in servers}
         else:
             assert relay.reached is None and first.headers == second.headers == []
             assert [address for address, _ in relay.cut] == [address for _, address in servers]
