@@ -134,3 +134,85 @@ class _Handler(grpc.GenericRpcHandler):
                 lambda requests, context: interposer._stream(method, requests, context, True))
         return grpc.stream_unary_rpc_method_handler(
             lambda requests, context: next(interposer._stream(method, requests, context, False)))
+
+
+class StallingLink:
+    """A TCP proxy from ``127.0.0.1:port`` to ``upstream`` that holds the first connection to carry more than
+    ``stall_after`` bytes toward the upstream once it did (``stalled`` is set), until ``release``: a call in
+    the middle of its bytes, held there for a fault test (a peer killed mid-share). Every other connection,
+    before and after, passes as it is. A context manager; threads, for sync tests."""
+
+    def __init__(self, port: int, upstream: str, stall_after: int):
+        import socket
+
+        self.upstream, self.stall_after = upstream, stall_after
+        self.stalled, self._released = threading.Event(), threading.Event()
+        self._armed = True
+        self._lock = threading.Lock()
+        self._sockets: list = []
+        self._listener = socket.create_server(("127.0.0.1", port), reuse_port=False)
+        self.address = f"127.0.0.1:{port}"
+        threading.Thread(target=self._accept, daemon=True, name="stalling-link").start()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def close(self) -> None:
+        import socket
+
+        self.release()
+        self._listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+
+    def __enter__(self) -> "StallingLink":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            host, port = self.upstream.rsplit(":", 1)
+            try:
+                server = socket.create_connection((host, int(port)))
+            except OSError:
+                client.close()  # the upstream is not listening (yet): the caller sees a refused connection
+                continue
+            with self._lock:
+                self._sockets += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, source, target, toward_upstream: bool) -> None:
+        import socket
+
+        carried = 0
+        try:
+            while data := source.recv(1 << 16):
+                target.sendall(data)
+                carried += len(data)
+                if toward_upstream and carried > self.stall_after:
+                    with self._lock:
+                        stall, self._armed = self._armed, False
+                    if stall:
+                        self.stalled.set()
+                        self._released.wait()
+            target.shutdown(socket.SHUT_WR)
+        except OSError:
+            for sock in (source, target):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass

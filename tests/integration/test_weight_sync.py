@@ -25,12 +25,13 @@ import pytest
 import torch
 
 from rlfleet.client import FailedPreconditionError, RlfleetClientError, connect
-from rlfleet.services.launch import ServiceProcess
+from rlfleet.services.launch import ServiceProcess, free_port
 from rlfleet.services.suite import SuiteOptions, start_suite, stop_suite
 from rlfleet.v1 import (collector_pb2, collector_pb2_grpc, generation_pb2, generation_pb2_grpc, sampling_pb2,
                         tensor_pb2, weights_pb2)
 from rlfleet.wire import decode_tensor, encode_tensor, shm
 from tests.hf_reference import load_hf, response_log_probs
+from tests.interposer import StallingLink
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -62,6 +63,9 @@ replica switched answers from memory, in far less)."""
 DRAIN_TIMEOUT = PUSH_TIMEOUT + 60.0
 """Prompts submitted during an update all ended (each a group of 4 samples of 8 tokens: milliseconds), those
 generated on a replica that died or switched included (generated again)."""
+SHARE_HELD_AFTER = 256 << 10
+"""Bytes of a peer's share (a relay: the tiny model's ~1.8 MB in 1 MiB chunks) that reach a replica before the
+test's link holds the rest: far more than the collector's own calls to it carry (probes, a manifest)."""
 RELEASE_TIMEOUT = PUSH_TIMEOUT + 20 * REPLICA_CHECK_SECONDS
 """Shared-memory segments of a cut or killed push gone: dropped when the push that staged them ends (bounded
 by a push), or swept at the next monitor tick once the process holding them is dead."""
@@ -705,7 +709,8 @@ def test_replicas_on_other_hosts_get_one_relayed_copy_and_a_dead_relay_is_routed
     forwarding the bytes to the second as they arrive, so the collector sends one copy in all. The first
     one then stops answering in the middle of the next push's relay (SIGSTOP: the collector holds its
     relay call open, the second replica waits on it for every byte) and is SIGKILLed: the relay goes
-    around it, the second replica stages and commits, and the killed one, restarted, is re-synced."""
+    around it, the second replica stages and commits. The killed one, restarted, joins from its peer,
+    which is SIGKILLed in the middle of that share: the join falls back to the spool."""
     old, second = suite["generation-0"], suite["generation-1"]  # the second is elsewhere already (the test above)
     old.kill()
     directory = elsewhere()
@@ -758,8 +763,21 @@ def test_replicas_on_other_hosts_get_one_relayed_copy_and_a_dead_relay_is_routed
     assert f"replica {first.address} cut out" in open(suite["collector"].log_path).read()
     assert_serving(suite, client, committed, tiny_model_dir, procs=[second])
 
-    again = ServiceProcess("generation", [*first.args], env={"RLFLEET_SHM_DIR": directory})
-    suite["generation-0"] = again.start(first.log_path.parent / "relay-again").wait_ready(ENGINE_START_TIMEOUT)
-    wait_for(lambda: replica_version(again) == client.policy_version, RESYNC_TIMEOUT,
-             "the killed relay re-synced once restarted", interval=0.1)
-    assert_serving(suite, client, committed, tiny_model_dir)
+    # Restarted on a port of its own, behind a link on its address that holds the first connection to carry
+    # more than SHARE_HELD_AFTER bytes to it (its peer's share of the weights: nothing else sends it that
+    # many) right there; the peer dies with the share held in the middle of its bytes.
+    own_port = free_port()
+    again = ServiceProcess("generation", [*first.args, "--port", str(own_port)], env={"RLFLEET_SHM_DIR": directory})
+    with StallingLink(first.port, f"127.0.0.1:{own_port}", stall_after=SHARE_HELD_AFTER) as link:
+        suite["generation-0"] = again.start(first.log_path.parent / "relay-again").wait_ready(ENGINE_START_TIMEOUT)
+        assert link.stalled.wait(RESYNC_TIMEOUT), "no share of the weights reached the restarted replica"
+        second.kill()
+        link.release()
+        wait_for(lambda: replica_version(again) == client.policy_version, RESYNC_TIMEOUT,
+                 "the killed relay re-synced from the spool once its peer died mid-share", interval=0.1)
+        said = open(suite["collector"].log_path).read()
+        version = client.policy_version
+        assert f"replica {first.address} could not take version {version} from peer {second.address}" in said
+        assert f"replica {first.address} joined at version {version} from" not in said
+        assert f"replica {first.address} re-synced to version {version} over grpc" in said
+        assert_serving(suite, client, committed, tiny_model_dir, procs=[again])
