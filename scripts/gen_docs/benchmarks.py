@@ -275,6 +275,7 @@ LAYOUTS: dict[str, tuple[Group, ...]] = {
         _ratio("2 replicas ÷ 1", "two_vs_one_replica"),
         _ratio("shm push ÷ floor, the best its CPU seconds allow here", "shm_vs_reload_cpu_bound"),
         _ratio("streamed push ÷ loaded at the commit, 1 replica elsewhere", "streamed_over_unstreamed_1"),
+        _ratio("the same, behind a 100 MB/s link", "link_streamed_over_unstreamed"),
         Figure("delta of 1 % of the tensors, bytes ÷ full", "delta_1pct_bytes_ratio", "{:.4f}"),
         Figure("LoRA rank 8, time ÷ full", "lora_r8_over_full", "{:.3f}"),
         _ratio("collector egress ÷ model, 3 replicas elsewhere", "collector_egress_over_model_3"))),),
