@@ -154,10 +154,6 @@ def raw_stream_seconds(address: str, flat, chunk_bytes: int, options) -> float:
     return seconds
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["sink"]:
-    sink_server(int(sys.argv[2]))
-
-
 class Link:
     """A TCP proxy on loopback that carries the bytes sent to ``upstream`` at ``bytes_per_second`` at most
     (every connection through it together: one link), the answers at once: a replica behind a network
@@ -218,3 +214,7 @@ class Link:
                 writer.write_eof()
         except (ConnectionError, OSError):
             writer.close()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["sink"]:
+    sink_server(int(sys.argv[2]))

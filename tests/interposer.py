@@ -6,6 +6,7 @@ for the caller."""
 from __future__ import annotations
 
 import collections
+import socket
 import threading
 from concurrent import futures
 
@@ -143,14 +144,12 @@ class StallingLink:
     before and after, passes as it is. A context manager; threads, for sync tests."""
 
     def __init__(self, port: int, upstream: str, stall_after: int):
-        import socket
-
         self.upstream, self.stall_after = upstream, stall_after
         self.stalled, self._released = threading.Event(), threading.Event()
         self._armed = True
         self._lock = threading.Lock()
         self._sockets: list = []
-        self._listener = socket.create_server(("127.0.0.1", port), reuse_port=False)
+        self._listener = socket.create_server(("127.0.0.1", port))
         self.address = f"127.0.0.1:{port}"
         threading.Thread(target=self._accept, daemon=True, name="stalling-link").start()
 
@@ -158,8 +157,6 @@ class StallingLink:
         self._released.set()
 
     def close(self) -> None:
-        import socket
-
         self.release()
         self._listener.close()
         with self._lock:
@@ -177,8 +174,6 @@ class StallingLink:
         self.close()
 
     def _accept(self) -> None:
-        import socket
-
         while True:
             try:
                 client, _ = self._listener.accept()
@@ -196,8 +191,6 @@ class StallingLink:
             threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
 
     def _pump(self, source, target, toward_upstream: bool) -> None:
-        import socket
-
         carried = 0
         try:
             while data := source.recv(1 << 16):
