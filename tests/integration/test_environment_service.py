@@ -27,7 +27,9 @@ pytestmark = [pytest.mark.slow,
 
 ENVIRONMENTS = {"counter": "tests.environments:CounterEnv", "raising": "tests.environments:RaisingEnv",
                 "hanging": "tests.environments:HangingEnv"}
-STEP_TIMEOUT_SECONDS = 1.0
+STEP_TIMEOUT_SECONDS = 10.0
+"""The module's service's step_timeout_seconds: what cuts the hanging environment's step (its test waits this
+long), with room for a sandboxed python tool call on a loaded 2-core machine (1 s was seen to cut one)."""
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PYTHONPATH = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
 
