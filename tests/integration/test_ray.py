@@ -242,12 +242,15 @@ class Trainer:
         return self.client.push_weights(self.weights, progress=False).version
 
     def status(self):
+        """The collector's status once it serves (None while it restarts, or answers still starting: a push
+        would be refused then, UNAVAILABLE)."""
         try:
-            return self.client.status()
+            status = self.client.status()
         except RlfleetClientError as err:  # the collector restarting
             if err.retryable:
                 return None
             raise
+        return status if status.serving else None
 
     def finish(self) -> None:
         """Ack the last batch and check the ledger: each prompt one whole group, no trajectory twice."""
