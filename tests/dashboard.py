@@ -65,13 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     address = urllib.parse.urlsplit(ns.url)
     prometheus = Prometheus(Path("."), address.port or 9090)
     asked = queries(json.loads(DASHBOARD.read_text()))
+    events = [any(f"'{title}" in where for title in EVENT_PANELS) for where, _ in asked]
     results: dict[int, list] = {}
     deadline = time.monotonic() + ns.wait_seconds
     while True:
         for index, (_, expr) in enumerate(asked):
             if not results.get(index):
                 results[index] = prometheus.query(as_grafana_runs_it(expr, ns.rate_interval))
-        events = [any(f"'{title}" in where for title in EVENT_PANELS) for where, _ in asked]
         missing = sum(not results[i] and not event for i, event in enumerate(events))
         if not missing or time.monotonic() > deadline:
             break

@@ -297,7 +297,7 @@ class WeightFanout:
             offered.relay.push_id = push_id
             streams.append(ReplicaPush.start(replica, offered, self.pool.settings, None))
         relay = Relay(push_id, push, segment.buffer, [r.address for r in replicas], self.pool.settings,
-                      tls_names={r.address: r.tls_name for r in replicas if r.tls_name})
+                      tls_names={r.address: r.tls_name for r in replicas})
         log.info("relaying version %d through %d replicas: %s", push.version, len(replicas),
                  " -> ".join(relay.downstream))
         task = asyncio.ensure_future(_relay_and_retry(relay))
@@ -567,7 +567,7 @@ class WeightFanout:
             offered.relay.push_id = push_id
             stream = ReplicaPush.start(replica, offered, self.pool.settings, None)
             request = generation_pb2.ShareWeightsRequest(push_id=push_id, version=manifest.version)
-            name_downstream(request, [replica.address], {replica.address: replica.tls_name} if replica.tls_name else {})
+            name_downstream(request, [replica.address], {replica.address: replica.tls_name})
             share = asyncio.ensure_future(peer.stub.ShareWeights(
                 request,
                 metadata=self.pool.settings.metadata(),

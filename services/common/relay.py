@@ -75,9 +75,10 @@ def tls_names_of(message) -> dict[str, str]:
 
 
 def name_downstream(message, downstream: list[str], tls_names: dict[str, str]) -> None:
-    """``downstream`` into a RelayHeader or ShareWeightsRequest, with the TLS names of those that have one."""
+    """``downstream`` into a RelayHeader or ShareWeightsRequest, with the TLS names of those that have one
+    (an empty name: checked against its address)."""
     message.downstream.extend(downstream)
-    if any(address in tls_names for address in downstream):
+    if any(tls_names.get(address) for address in downstream):
         message.downstream_tls_names.extend(tls_names.get(address, "") for address in downstream)
 
 
