@@ -473,8 +473,8 @@ class WeightSwaps:
         bound = self.adapters.current is not None or self.replica.version_bound_requests
         mode = "resume" if staged.mode == "keep" and bound else staged.mode
         streamed.mode = mode
+        streamed.paused = True  # from the pause's first step (admission closed): a rollback resumes
         await self._pause(engine, mode)
-        streamed.paused = True
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         info = staged.update_info(self.config.verify_weights)
@@ -500,7 +500,8 @@ class WeightSwaps:
         streamed = staged.streamed
         staged.push.finish()
         streamed.watermark.advance(staged.push.received)
-        checks = [streamed.task]
+        # Shielded: the call's cancel must not cancel the load mid-way (the rollback waits for it to stop).
+        checks = [asyncio.shield(streamed.task)]
         if self.config.verify_weights:
             checks.append(asyncio.ensure_future(self._verify_staged(staged)))
         results = await asyncio.gather(*checks, return_exceptions=True)
@@ -509,18 +510,25 @@ class WeightSwaps:
                 raise result
 
     async def _commit_streamed(self, engine: AsyncLLM, staged: StagedPush) -> None:
-        """A streamed push's commit: vLLM holds its weights already; the version moves, generation resumes."""
-        streamed = staged.streamed
-        if not streamed.task.done() or streamed.task.exception() is not None:
+        """A streamed push's commit: vLLM holds its weights already; the version moves, generation resumes.
+        Once begun it runs to its end even if the call goes (as ``apply``'s swap does): no rollback then."""
+        streamed, task = staged.streamed, staged.streamed.task
+        if not task.done() or task.cancelled() or task.exception() is not None:
             raise FailedPrecondition(f"version {staged.version}: committed before its streamed load ended")
         streamed.committed = True
-        version = staged.version
+        segment, staged.segment = staged.segment, None  # kept once served (the call's close may come first)
+        await asyncio.shield(self._serve_streamed(engine, staged, segment))
+
+    async def _serve_streamed(self, engine: AsyncLLM, staged: StagedPush, segment: shm.Segment) -> None:
+        streamed, version = staged.streamed, staged.version
         try:
             async with self._swapping(engine, version):
                 await self._serve_loaded(engine, version)
+        except BaseException:
+            segment.close()
+            raise
         finally:
             streamed.end(self._lock)
-        segment, staged.segment = staged.segment, None
         self._kept.keep(version, staged.manifest, segment)
         logger.info("swapped to policy version %d (%s, %s, streamed: loaded as it arrived) in %.3fs",
                     version, streamed.mode, staged.transport, time.monotonic() - streamed.started)
@@ -542,8 +550,9 @@ class WeightSwaps:
         streamed.watermark.cut_off()
         try:
             await asyncio.wait({streamed.task})
-            if streamed.task.exception() is not None and not isinstance(streamed.task.exception(), Aborted):
-                logger.warning("streamed load of version %d failed: %s", staged.version, streamed.task.exception())
+            error = None if streamed.task.cancelled() else streamed.task.exception()
+            if error is not None and not isinstance(error, Aborted):
+                logger.warning("streamed load of version %d failed: %s", staged.version, error)
             if not streamed.paused:
                 return
             engine = self.replica.takes_pushes()

@@ -1,0 +1,158 @@
+"""A streamed push (``WeightSwaps.stream``) whose call goes at the worst instants, over a stand-in for vLLM's
+engine (the real one runs in ``test_generation_service``): cancelled while the load ends, the push rolls
+back and generation resumes on the kept weights; cancelled during its commit, the commit completes. Either
+way the replica serves again, its admission open and the swap lock free: nothing is left paused."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from rlfleet.services.generation.config import GenerationEngineConfig
+from rlfleet.services.generation.push_validation import TensorSpec
+from rlfleet.services.generation.status import EngineState, ReplicaState
+from rlfleet.services.generation.weight_swaps import WeightSwaps
+from rlfleet.v1 import weights_pb2
+from rlfleet.wire import shm
+from rlfleet.wire.push_messages import iter_push_messages
+
+PAIRS = [("a", torch.randn(64, 32)), ("b", torch.randn(128))]
+DEADLINE = 30.0
+
+
+class Engine:
+    """What ``WeightSwaps`` calls of vLLM's AsyncLLM, each call a round trip to the engine core (a cancel
+    can land in any of them). ``update_weights`` waits for ``load_ends`` (a worker loading a streamed push's
+    bytes), so a test can cut the call while the load is still running."""
+
+    errored = False
+
+    def __init__(self):
+        self.paused = False
+        self.weight_version = "1"
+        self.loading = asyncio.Event()
+        self.load_ends = asyncio.Event()
+
+    async def pause_generation(self, mode, clear_cache):
+        await asyncio.sleep(0.001)
+        self.paused = True
+
+    async def resume_generation(self):
+        await asyncio.sleep(0.001)
+        self.paused = False
+
+    async def start_weight_update(self):
+        await asyncio.sleep(0.001)
+
+    async def update_weights(self, request):
+        self.loading.set()
+        await self.load_ends.wait()
+
+    async def finish_weight_update(self, weight_version):
+        await asyncio.sleep(0.001)
+        self.weight_version = weight_version
+
+    async def reset_prefix_cache(self):
+        await asyncio.sleep(0.001)
+        return True
+
+    async def get_weight_version(self):
+        await asyncio.sleep(0.001)
+        return self.weight_version
+
+    async def collective_rpc(self, method, args=()):
+        await asyncio.sleep(0.001)
+        return []  # the workers' load check: nothing wrong
+
+
+async def until(condition, what: str) -> None:
+    async def poll():
+        while not condition():
+            await asyncio.sleep(0.001)
+    try:
+        await asyncio.wait_for(poll(), DEADLINE)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
+
+
+def replica_serving_version_1() -> tuple[WeightSwaps, ReplicaState, Engine]:
+    replica = ReplicaState(policy_version=1, max_model_len=64)
+    replica.vllm = engine = Engine()
+    replica.move_to(EngineState.STARTING)
+    replica.move_to(EngineState.SERVING)
+    replica.admission_open.set()
+    swaps = WeightSwaps(GenerationEngineConfig(model="stand-in"), replica)
+    swaps.checkpoint_specs = {name: TensorSpec(str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                              for name, t in PAIRS}
+    _, manifest = next(iter_push_messages(PAIRS, version=1, checksum_algo=None))
+    segment = shm.create_segment(manifest.total_bytes)
+    shm.write_tensors(segment, [tensor for _, tensor in PAIRS])
+    swaps._kept.keep(1, manifest, segment)  # what vLLM holds: a rollback loads it again
+    return swaps, replica, engine
+
+
+async def streamed_push_with_every_byte_in(swaps: WeightSwaps, engine: Engine):
+    """Version 2, abort mode, two-phase, over grpc: staged, its streamed load begun, every chunk in, the
+    call waiting in ``loaded`` while the workers still load."""
+    pairs = [(name, tensor + 1) for name, tensor in PAIRS]
+    messages = list(iter_push_messages(pairs, version=2, mode=weights_pb2.UPDATE_MODE_ABORT, chunk_bytes=4096))
+    manifest = messages[0][1]
+    manifest.two_phase = True
+    staged = swaps.stage(manifest)
+    assert await swaps.stream(staged) is not None, "the push is not streamed"
+    for _, chunk in messages[1:]:
+        staged.push.add_chunk(chunk)
+    await until(engine.loading.is_set, "the streamed load to begin")
+    call = asyncio.ensure_future(swaps.loaded(staged))
+    await asyncio.sleep(0.05)
+    assert not call.done() and engine.paused
+    return staged, call
+
+
+def serves(replica: ReplicaState, engine: Engine, swaps: WeightSwaps) -> bool:
+    return (replica.state == EngineState.SERVING and replica.admission_open.is_set() and not engine.paused
+            and not swaps._lock.locked())
+
+
+def test_a_call_cancelled_while_its_streamed_load_ends_rolls_back_and_resumes():
+    async def main():
+        swaps, replica, engine = replica_serving_version_1()
+        staged, call = await streamed_push_with_every_byte_in(swaps, engine)
+        call.cancel()  # the collector's call goes (its trainer gave up) while the workers load
+        try:
+            await call
+        except asyncio.CancelledError:
+            pass
+        swaps.end(staged)  # the servicer's ``finally``
+        staged.close()
+        engine.load_ends.set()  # the workers stop loading
+        await until(lambda: serves(replica, engine, swaps), "the rollback to resume generation")
+        assert replica.policy_version == 1 and engine.weight_version == "1"
+        assert swaps._kept.kept.manifest.version == 1
+        swaps.close()
+
+    asyncio.run(main())
+
+
+def test_a_call_cancelled_during_its_streamed_commit_commits():
+    async def main():
+        swaps, replica, engine = replica_serving_version_1()
+        staged, call = await streamed_push_with_every_byte_in(swaps, engine)
+        engine.load_ends.set()
+        await asyncio.wait_for(call, DEADLINE)  # loaded and checked: the engine paused until the decision
+        assert engine.paused and replica.policy_version == 1
+        commit = asyncio.ensure_future(swaps.apply(staged))
+        await asyncio.sleep(0.002)  # the commit begun: in its first call to the engine
+        commit.cancel()
+        try:
+            await commit
+        except asyncio.CancelledError:
+            pass
+        swaps.end(staged)
+        staged.close()
+        await until(lambda: replica.policy_version == 2 and serves(replica, engine, swaps), "the commit to end")
+        assert engine.weight_version == "2" and swaps._kept.kept.manifest.version == 2
+        swaps.close()
+
+    asyncio.run(main())
