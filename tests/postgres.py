@@ -99,12 +99,23 @@ class PostgresServer:
                             "AND pid <> pg_backend_pid()", (database,)))
 
     def kill(self) -> None:
-        """SIGKILL the server and every process of it, as a crash; ``start()`` brings it back (recovery)."""
+        """SIGKILL the server and every process of it at once, as a crash of its machine; ``start()`` brings it
+        back (recovery). Every child of the postmaster (each backend, the checkpointer, ...) is a process
+        group of its own (PostgreSQL's ``InitPostmasterChild`` calls setsid), so a kill of the postmaster's
+        group alone left them running: a backend that had not yet noticed its postmaster's death went on
+        answering its connection (a crash test saw a call succeed after the "crash")."""
         if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
+            postmaster = self.process.pid
+            os.kill(postmaster, signal.SIGSTOP)  # it forks no child while they are found
+            processes = [postmaster, *_children(postmaster)]
+            for pid in processes:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # it just exited
             self.process.wait(START_TIMEOUT)
-            # Its backends die with the postmaster; until they have, a new one refuses the data directory.
-            wait_for(lambda: not _group_alive(self.process.pid), START_TIMEOUT, "the killed server's processes")
+            # Until every one is gone, a new server refuses the data directory (its shared memory is in use).
+            wait_for(lambda: not any(_alive(pid) for pid in processes), START_TIMEOUT, "the killed server's processes")
         self.process = None
 
     def stop(self) -> None:
@@ -151,13 +162,20 @@ class PostgresServer:
         return True
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` still runs (zombies aside: they hold no shared memory)."""
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # it just exited
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            return True
-    return False
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command's name (state, ppid, pgrp, ...); None if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _children(pid: int) -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir()
+            if entry.name.isdigit() and (fields := _stat(int(entry.name))) is not None and int(fields[1]) == pid]
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie aside: it holds no shared memory)."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"

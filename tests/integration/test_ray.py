@@ -329,10 +329,15 @@ def test_node_removed_while_a_batch_is_held_loses_and_duplicates_nothing(fleet, 
     held = trainer.read()
     trainer.submit()
     before = fleet.status()[victim]
+    collector_pid = fleet.status()["collector"]["pid"]
     cluster.remove(before["node_id"], replace=True)
     wait_for(lambda: not alive(before["pid"]), RECOVERY_TIMEOUT, f"{victim}'s process gone with its node")
     wait_for(lambda: (now := fleet.status().get(victim)) and now["node_id"] != before["node_id"], RECOVERY_TIMEOUT,
              f"{victim} restarted on another node")
+    # The collector's process is a new one either way: the victim's, or restarted by its actor with the
+    # store's new address (until then the old one serves, and goes mid-call).
+    wait_for(lambda: (now := fleet.status().get("collector")) and now["pid"] != collector_pid, RECOVERY_TIMEOUT,
+             "the collector's process restarted")
     status = wait_for(trainer.status, RECOVERY_TIMEOUT, "the collector answering")
     assert status.policy_version == committed
     assert fleet.status()[victim]["starts"] == before["starts"] + 1
