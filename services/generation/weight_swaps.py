@@ -520,6 +520,8 @@ class WeightSwaps:
         await asyncio.shield(self._serve_streamed(engine, staged, segment))
 
     async def _serve_streamed(self, engine: AsyncLLM, staged: StagedPush, segment: shm.Segment) -> None:
+        """The commit's swap (shielded from the call): the version moves, generation resumes, ``segment``
+        becomes the kept weights (closed if the swap fails: the replica is then failed)."""
         streamed, version = staged.streamed, staged.version
         try:
             async with self._swapping(engine, version):
