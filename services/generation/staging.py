@@ -87,6 +87,9 @@ class StagedPush:
     """Loaded into the engine as its bytes arrive (``streamed_apply``)."""
     arriving: Watermark | None = None
     """An shm push offered while its sender still writes the segment: the sender's watermark (``follow``)."""
+    applying: asyncio.Future | None = None
+    """Its apply, once begun (``WeightSwaps.apply``): it runs to its end even if the call goes, and ``close``
+    waits for it (it reads the segment)."""
 
     @classmethod
     def begin(cls, manifest: weights_pb2.WeightManifest, checkpoint: dict[str, TensorSpec],
@@ -187,6 +190,9 @@ class StagedPush:
             await asyncio.sleep(POLL_SECONDS)
 
     def close(self) -> None:
+        if self.applying is not None and not self.applying.done():
+            self.applying.add_done_callback(lambda _: self.close())
+            return
         self.push.sink = None
         self.push.progress = None
         if self.arriving is not None:

@@ -225,11 +225,25 @@ class WeightSwaps:
         if staged.manifest.run_id:
             await self._apply_run_adapter(engine, staged, self.runs.take(staged.manifest.run_id, engine, staged.manifest.run_name))
             return
-        async with self._lock:
+        await self._lock.acquire()
+        try:
             if not staged.resync:
                 self.replica.check_version(staged.version)
+        except BaseException:
+            self._lock.release()
+            raise
+        # From here the push applies to its end even if the call goes: a half-done pause, load or resume
+        # would wedge the engine, and the kept weights must follow what the engine holds (a streamed push's
+        # rollback loads them). The call's ``close`` of the staged push waits for it (``applying``).
+        staged.applying = asyncio.ensure_future(self._apply_locked(engine, staged))
+        staged.applying.add_done_callback(lambda task: task.cancelled() or task.exception())  # failures are logged
+        await asyncio.shield(staged.applying)
+
+    async def _apply_locked(self, engine: AsyncLLM, staged: StagedPush) -> None:
+        """``apply``'s part under the swap lock, which it holds on entry and lets go of at the end."""
+        try:
             if staged.adapter is not None:
-                await asyncio.shield(self._apply_adapter(engine, staged))
+                await self._apply_adapter(engine, staged)
                 return
             if staged.delta is not None:
                 await self._patch_kept(staged)
@@ -237,11 +251,12 @@ class WeightSwaps:
             # requests bound to a version are never continued (resume ends them with "abort").
             bound = self.adapters.current is not None or self.replica.version_bound_requests
             mode = "resume" if staged.mode == "keep" and bound else staged.mode
-            await asyncio.shield(self._swap(engine, staged.version, mode, staged.transport,
-                                            lambda: self._load_weights(engine, staged)))
+            await self._swap(engine, staged.version, mode, staged.transport, lambda: self._load_weights(engine, staged))
             if staged.delta is None:
                 segment, staged.segment = staged.segment, None
                 self._kept.keep(staged.version, staged.manifest, segment)
+        finally:
+            self._lock.release()
 
     @staticmethod
     async def _verify_staged(staged: StagedPush) -> None:

@@ -1,11 +1,13 @@
-"""A streamed push (``WeightSwaps.stream``) whose call goes at the worst instants, over a stand-in for vLLM's
-engine (the real one runs in ``test_generation_service``): cancelled while the load ends, the push rolls
-back and generation resumes on the kept weights; cancelled during its commit, the commit completes. Either
-way the replica serves again, its admission open and the swap lock free: nothing is left paused."""
+"""A push whose call goes at the worst instants, over a stand-in for vLLM's engine (the real one runs in
+``test_generation_service``): a streamed push (``WeightSwaps.stream``) cancelled while its load ends rolls
+back and generation resumes on the kept weights; cancelled during its commit, the commit completes; a push
+loaded at its commit, cancelled mid-swap, swaps in and is kept. Each time the replica serves again, its
+admission open and the swap lock free: nothing is left paused."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import torch
 
@@ -48,6 +50,7 @@ class Engine:
     async def update_weights(self, request):
         self.loading.set()
         await self.load_ends.wait()
+        os.close(os.open(request.update_info["shm_path"], os.O_RDONLY))  # the workers read the segment
 
     async def finish_weight_update(self, weight_version):
         await asyncio.sleep(0.001)
@@ -76,13 +79,13 @@ async def until(condition, what: str) -> None:
         raise AssertionError(f"timed out waiting for {what}") from None
 
 
-def replica_serving_version_1() -> tuple[WeightSwaps, ReplicaState, Engine]:
+def replica_serving_version_1(**settings) -> tuple[WeightSwaps, ReplicaState, Engine]:
     replica = ReplicaState(policy_version=1, max_model_len=64)
     replica.vllm = engine = Engine()
     replica.move_to(EngineState.STARTING)
     replica.move_to(EngineState.SERVING)
     replica.admission_open.set()
-    swaps = WeightSwaps(GenerationEngineConfig(model="stand-in"), replica)
+    swaps = WeightSwaps(GenerationEngineConfig(model="stand-in", **settings), replica)
     swaps.checkpoint_specs = {name: TensorSpec(str(t.dtype).removeprefix("torch."), tuple(t.shape))
                               for name, t in PAIRS}
     _, manifest = next(iter_push_messages(PAIRS, version=1, checksum_algo=None))
@@ -92,16 +95,21 @@ def replica_serving_version_1() -> tuple[WeightSwaps, ReplicaState, Engine]:
     return swaps, replica, engine
 
 
-async def streamed_push_with_every_byte_in(swaps: WeightSwaps, engine: Engine):
-    """Version 2, abort mode, two-phase, over grpc: staged, its streamed load begun, every chunk in, the
-    call waiting in ``loaded`` while the workers still load."""
+def staged_version_2(swaps: WeightSwaps):
+    """Version 2, abort mode, two-phase, over grpc: staged, and the chunks its bytes come in."""
     pairs = [(name, tensor + 1) for name, tensor in PAIRS]
     messages = list(iter_push_messages(pairs, version=2, mode=weights_pb2.UPDATE_MODE_ABORT, chunk_bytes=4096))
     manifest = messages[0][1]
     manifest.two_phase = True
-    staged = swaps.stage(manifest)
+    return swaps.stage(manifest), [chunk for _, chunk in messages[1:]]
+
+
+async def streamed_push_with_every_byte_in(swaps: WeightSwaps, engine: Engine):
+    """``staged_version_2``, its streamed load begun, every chunk in: the call then waits in ``loaded`` while
+    the workers still load."""
+    staged, chunks = staged_version_2(swaps)
     assert await swaps.stream(staged) is not None, "the push is not streamed"
-    for _, chunk in messages[1:]:
+    for chunk in chunks:
         staged.push.add_chunk(chunk)
     await until(engine.loading.is_set, "the streamed load to begin")
     call = asyncio.ensure_future(swaps.loaded(staged))
@@ -152,6 +160,34 @@ def test_a_call_cancelled_during_its_streamed_commit_commits():
         swaps.end(staged)
         staged.close()
         await until(lambda: replica.policy_version == 2 and serves(replica, engine, swaps), "the commit to end")
+        assert engine.weight_version == "2" and swaps._kept.kept.manifest.version == 2
+        swaps.close()
+
+    asyncio.run(main())
+
+
+def test_a_call_cancelled_during_a_swap_at_the_commit_swaps_and_keeps_what_the_engine_holds():
+    """A push loaded at its commit (``streamed_apply: off``) whose call goes mid-swap: the swap ends, the
+    segment the workers read stays open until it has, and the kept weights are the new version's (a later
+    streamed push's rollback loads them: had they stayed at the old version, it would serve those weights
+    as the new one)."""
+    async def main():
+        swaps, replica, engine = replica_serving_version_1(streamed_apply="off")
+        staged, chunks = staged_version_2(swaps)
+        assert await swaps.stream(staged) is None
+        for chunk in chunks:
+            staged.push.add_chunk(chunk)
+        call = asyncio.ensure_future(swaps.apply(staged))
+        await until(engine.loading.is_set, "the swap's load to begin")
+        call.cancel()  # the collector went (SIGKILLed) after its commit
+        try:
+            await call
+        except asyncio.CancelledError:
+            pass
+        swaps.end(staged)
+        staged.close()
+        engine.load_ends.set()
+        await until(lambda: replica.policy_version == 2 and serves(replica, engine, swaps), "the swap to end")
         assert engine.weight_version == "2" and swaps._kept.kept.manifest.version == 2
         swaps.close()
 
