@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from rlfleet.services.launch import free_port
+from tests.leftovers import alive, process_tree
 from tests.waiting import wait_for
 
 START_TIMEOUT = 120.0
@@ -107,7 +108,7 @@ class PostgresServer:
         if self.process is not None and self.process.poll() is None:
             postmaster = self.process.pid
             os.kill(postmaster, signal.SIGSTOP)  # it forks no child while they are found
-            processes = [postmaster, *_children(postmaster)]
+            processes = process_tree(postmaster)
             for pid in processes:
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -115,7 +116,7 @@ class PostgresServer:
                     pass  # it just exited
             self.process.wait(START_TIMEOUT)
             # Until every one is gone, a new server refuses the data directory (its shared memory is in use).
-            wait_for(lambda: not any(_alive(pid) for pid in processes), START_TIMEOUT, "the killed server's processes")
+            wait_for(lambda: not any(alive(pid) for pid in processes), START_TIMEOUT, "the killed server's processes")
         self.process = None
 
     def stop(self) -> None:
@@ -160,22 +161,3 @@ class PostgresServer:
         except psycopg.OperationalError:
             return False
         return True
-
-
-def _stat(pid: int) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command's name (state, ppid, pgrp, ...); None if gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
-def _children(pid: int) -> list[int]:
-    return [int(entry.name) for entry in Path("/proc").iterdir()
-            if entry.name.isdigit() and (fields := _stat(int(entry.name))) is not None and int(fields[1]) == pid]
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` still runs (a zombie aside: it holds no shared memory)."""
-    fields = _stat(pid)
-    return fields is not None and fields[0] != "Z"

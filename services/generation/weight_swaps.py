@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING
 
 from rlfleet.choices import SWAP_MODES, SwapModeName
@@ -232,12 +232,7 @@ class WeightSwaps:
         except BaseException:
             self._lock.release()
             raise
-        # From here the push applies to its end even if the call goes: a half-done pause, load or resume
-        # would wedge the engine, and the kept weights must follow what the engine holds (a streamed push's
-        # rollback loads them). The call's ``close`` of the staged push waits for it (``applying``).
-        staged.applying = asyncio.ensure_future(self._apply_locked(engine, staged))
-        staged.applying.add_done_callback(lambda task: task.cancelled() or task.exception())  # failures are logged
-        await asyncio.shield(staged.applying)
+        await _to_its_end(staged, self._apply_locked(engine, staged))
 
     async def _apply_locked(self, engine: AsyncLLM, staged: StagedPush) -> None:
         """``apply``'s part under the swap lock, which it holds on entry and lets go of at the end."""
@@ -531,21 +526,17 @@ class WeightSwaps:
         if not task.done() or task.cancelled() or task.exception() is not None:
             raise FailedPrecondition(f"version {staged.version}: committed before its streamed load ended")
         streamed.committed = True
-        segment, staged.segment = staged.segment, None  # kept once served (the call's close may come first)
-        await asyncio.shield(self._serve_streamed(engine, staged, segment))
+        await _to_its_end(staged, self._serve_streamed(engine, staged))
 
-    async def _serve_streamed(self, engine: AsyncLLM, staged: StagedPush, segment: shm.Segment) -> None:
-        """The commit's swap (shielded from the call): the version moves, generation resumes, ``segment``
-        becomes the kept weights (closed if the swap fails: the replica is then failed)."""
+    async def _serve_streamed(self, engine: AsyncLLM, staged: StagedPush) -> None:
+        """The commit's swap: the version moves, generation resumes, the push's segment is kept."""
         streamed, version = staged.streamed, staged.version
         try:
             async with self._swapping(engine, version):
                 await self._serve_loaded(engine, version)
-        except BaseException:
-            segment.close()
-            raise
         finally:
             streamed.end(self._lock)
+        segment, staged.segment = staged.segment, None
         self._kept.keep(version, staged.manifest, segment)
         logger.info("swapped to policy version %d (%s, %s, streamed: loaded as it arrived) in %.3fs",
                     version, streamed.mode, staged.transport, time.monotonic() - streamed.started)
@@ -585,6 +576,16 @@ class WeightSwaps:
                         f"{loaded} loaded" if loaded else "none loaded", staged.push.total_bytes)
         finally:
             streamed.end(self._lock)
+
+
+async def _to_its_end(staged: StagedPush, work: Coroutine) -> None:
+    """``work``, a push's apply once begun, runs to its end even if the call goes: a half-done pause, load or
+    resume would wedge the engine, and the kept weights must follow what the engine holds (a streamed push's
+    rollback loads them). The call's ``close`` of ``staged`` waits for it (``StagedPush.applying``: the
+    apply reads the segment); its failures are logged where they happen."""
+    staged.applying = asyncio.ensure_future(work)
+    staged.applying.add_done_callback(lambda task: task.cancelled() or task.exception())
+    await asyncio.shield(staged.applying)
 
 
 async def _load_adapter(adapters: AdapterSet, engine: AsyncLLM, staged: StagedPush, whose: str) -> ServedAdapter:

@@ -118,6 +118,17 @@ async def streamed_push_with_every_byte_in(swaps: WeightSwaps, engine: Engine):
     return staged, call
 
 
+async def call_goes(swaps: WeightSwaps, staged, call: asyncio.Future) -> None:
+    """The push's call cancelled (its collector gave up, or went), then what the servicer's ``finally`` does."""
+    call.cancel()
+    try:
+        await call
+    except asyncio.CancelledError:
+        pass
+    swaps.end(staged)
+    staged.close()
+
+
 def serves(replica: ReplicaState, engine: Engine, swaps: WeightSwaps) -> bool:
     return (replica.state == EngineState.SERVING and replica.admission_open.is_set() and not engine.paused
             and not swaps._lock.locked())
@@ -127,13 +138,7 @@ def test_a_call_cancelled_while_its_streamed_load_ends_rolls_back_and_resumes():
     async def main():
         swaps, replica, engine = replica_serving_version_1()
         staged, call = await streamed_push_with_every_byte_in(swaps, engine)
-        call.cancel()  # the collector's call goes (its trainer gave up) while the workers load
-        try:
-            await call
-        except asyncio.CancelledError:
-            pass
-        swaps.end(staged)  # the servicer's ``finally``
-        staged.close()
+        await call_goes(swaps, staged, call)  # while the workers load
         engine.load_ends.set()  # the workers stop loading
         await until(lambda: serves(replica, engine, swaps), "the rollback to resume generation")
         assert replica.policy_version == 1 and engine.weight_version == "1"
@@ -152,13 +157,7 @@ def test_a_call_cancelled_during_its_streamed_commit_commits():
         assert engine.paused and replica.policy_version == 1
         commit = asyncio.ensure_future(swaps.apply(staged))
         await asyncio.sleep(0.002)  # the commit begun: in its first call to the engine
-        commit.cancel()
-        try:
-            await commit
-        except asyncio.CancelledError:
-            pass
-        swaps.end(staged)
-        staged.close()
+        await call_goes(swaps, staged, commit)
         await until(lambda: replica.policy_version == 2 and serves(replica, engine, swaps), "the commit to end")
         assert engine.weight_version == "2" and swaps._kept.kept.manifest.version == 2
         swaps.close()
@@ -179,13 +178,7 @@ def test_a_call_cancelled_during_a_swap_at_the_commit_swaps_and_keeps_what_the_e
             staged.push.add_chunk(chunk)
         call = asyncio.ensure_future(swaps.apply(staged))
         await until(engine.loading.is_set, "the swap's load to begin")
-        call.cancel()  # the collector went (SIGKILLed) after its commit
-        try:
-            await call
-        except asyncio.CancelledError:
-            pass
-        swaps.end(staged)
-        staged.close()
+        await call_goes(swaps, staged, call)  # the collector SIGKILLed after its commit, mid-swap
         engine.load_ends.set()
         await until(lambda: replica.policy_version == 2 and serves(replica, engine, swaps), "the swap to end")
         assert engine.weight_version == "2" and swaps._kept.kept.manifest.version == 2
